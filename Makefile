@@ -1,0 +1,134 @@
+# kvd - one flat Makefile.
+#
+#   make            build ./kvd (objects in build/)
+#   make deps       install the Debian packages the build and tests need
+#   make run        deps, build, make the default model, start the daemon
+#   make test       build and run every test program, print a summary
+#   make asan       the tests under AddressSanitizer + UBSan (build-asan/)
+#   make bench      build and run the benchmarks in tests/bench/
+#   make format     clang-format every source file
+#   make clean
+#
+# Overridable: CC, OPT, ARCH (e.g. ARCH=x86-64-v3 for a portable build),
+# BUILD (object directory), WERROR=1 (warnings are errors; CI sets it),
+# TESTS (run only these test programs, e.g. TESTS="attention cache").
+
+CC      ?= gcc
+ARCH    ?= native
+OPT     ?= -O3
+BUILD   ?= build
+WERROR  ?=
+SHARED  ?= ../shared
+
+LLHTTP_DIR     := /usr/share/llhttp
+LLHTTP_INCLUDE := /usr/share/include/llhttp
+
+WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes $(if $(WERROR),-Werror)
+CPPFLAGS += -D_GNU_SOURCE -I. -I$(LLHTTP_INCLUDE) -MMD -MP
+CFLAGS   += -std=c11 $(OPT) -march=$(ARCH) -g -fopenmp $(WARN) $(SANITIZE)
+LDFLAGS  += -fopenmp $(SANITIZE)
+LDLIBS   += -luv -ljansson -linih -lpcre2-8 -lm -lpthread
+TESTLIBS := -lcmocka
+
+# Debian packages the build, the tests and `make run` need.
+DEB_PACKAGES := gcc make pkg-config libuv1-dev libjansson-dev node-llhttp \
+                libcmocka-dev libinih-dev libpcre2-dev curl
+
+# --- sources, one list per room ---------------------------------------------
+ATTN_SRC   := $(wildcard attention/*.c)
+CACHE_SRC  := $(wildcard cache/*.c)
+MODEL_SRC  := $(wildcard model/*.c)
+CONFIG_SRC := $(wildcard config/*.c)
+SERVER_SRC := $(filter-out server/main.c,$(wildcard server/*.c))
+LLHTTP_SRC := api.c http.c llhttp.c
+
+obj = $(patsubst %.c,$(BUILD)/%.o,$(1))
+ATTN_OBJ   := $(call obj,$(ATTN_SRC))
+CACHE_OBJ  := $(call obj,$(CACHE_SRC))
+MODEL_OBJ  := $(call obj,$(MODEL_SRC))
+CONFIG_OBJ := $(call obj,$(CONFIG_SRC))
+SERVER_OBJ := $(call obj,$(SERVER_SRC))
+LLHTTP_OBJ := $(patsubst %.c,$(BUILD)/llhttp/%.o,$(LLHTTP_SRC))
+ALL_OBJ    := $(SERVER_OBJ) $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) $(CONFIG_OBJ) $(LLHTTP_OBJ)
+
+# What each test program links: its room and the rooms below it, so a room's
+# tests build even while another room is mid-change.
+LINK_attention := $(ATTN_OBJ)
+LINK_cache     := $(CACHE_OBJ) $(ATTN_OBJ)
+LINK_model     := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
+LINK_config    := $(CONFIG_OBJ)
+
+TEST_SRC   := $(wildcard tests/test_*.c)
+TEST_NAMES := $(patsubst tests/test_%.c,%,$(TEST_SRC))
+TESTS      ?= $(TEST_NAMES)
+TEST_BIN   := $(patsubst %,$(BUILD)/tests/test_%,$(TEST_NAMES))
+BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
+BENCH_BIN  := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
+
+.PHONY: all deps run test asan bench format clean tests benches
+all: kvd
+
+kvd: $(BUILD)/kvd
+	ln -sf $(BUILD)/kvd kvd
+
+$(BUILD)/kvd: $(BUILD)/server/main.o $(ALL_OBJ)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -c -o $@ $<
+
+# llhttp is compiled into the build from Debian's sources, as Debian's own
+# packages do; its generated code is not ours to warn about.
+$(BUILD)/llhttp/%.o: $(LLHTTP_DIR)/%.c
+	@mkdir -p $(dir $@)
+	$(CC) -I$(LLHTTP_INCLUDE) -std=c11 $(OPT) -march=$(ARCH) -g $(SANITIZE) -w -c -o $@ $<
+
+# --- tests ---------------------------------------------------------------------
+.SECONDEXPANSION:
+$(BUILD)/tests/test_%: tests/test_%.c $$(if $$(LINK_$$*),$$(LINK_$$*),$(ALL_OBJ))
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(filter %.o,$^) $(LDFLAGS) $(TESTLIBS) $(LDLIBS)
+
+tests: $(TEST_BIN) $(BUILD)/kvd
+
+test: tests
+	@KVD_BIN=$(BUILD)/kvd KVD_SHARED=$(SHARED) sh tests/run.sh $(patsubst %,$(BUILD)/tests/test_%,$(TESTS))
+
+asan:
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+	  $(MAKE) BUILD=build-asan OPT=-O1 \
+	  SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test
+
+# --- benchmarks ----------------------------------------------------------------
+$(BUILD)/bench/%: tests/bench/%.c $(ALL_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_OBJ) $(LDFLAGS) $(LDLIBS)
+
+benches: $(BENCH_BIN)
+
+bench: benches
+	@for b in $(BENCH_BIN); do echo "== $$b"; KVD_SHARED=$(SHARED) $$b || exit 1; done
+
+# --- setup and run -----------------------------------------------------------------
+deps:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then echo "deps: all Debian packages present"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "deps: installing$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	else echo "deps: missing$$missing; run: sudo apt-get install -y$$missing"; exit 1; fi
+
+# Until the daemon lands, `make run` runs the offline demo.
+run: deps kvd
+	./kvd buckets
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h')
+
+clean:
+	rm -rf build build-asan kvd
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

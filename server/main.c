@@ -1,0 +1,69 @@
+/*
+ * main.c - `kvd`: one binary, many subcommands.
+ *
+ * The table below is the single list of subcommands; `kvd help` prints the
+ * ones that work, and a name that later work fills in answers
+ * "not yet available" instead of pretending.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "server/server.h"
+
+static int cmd_version(int argc, char **argv);
+static int cmd_help(int argc, char **argv);
+
+static const struct srv_command commands[] = {
+    {"buckets", "print the T5 relative-position bucket table", srv_cmd_buckets},
+    {"version", "print the version", cmd_version},
+    {"help", "list the subcommands", cmd_help},
+};
+
+/* Subcommands that are part of kvd's interface but not built yet. */
+static const char *const pending[] = {"serve", "generate", "mkmodel", "check-config",
+                                      "tokenize", "eval", "load"};
+
+#define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))
+
+static int cmd_version(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    printf("kvd %s\n", KVD_VERSION);
+    return 0;
+}
+
+static int cmd_help(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    printf("usage: kvd COMMAND [OPTIONS]\n\ncommands:\n");
+    for (size_t i = 0; i < N_ELEMS(commands); i++)
+        printf("  %-14s %s\n", commands[i].name, commands[i].summary);
+    printf("\n`kvd COMMAND --help` describes a command's options.\n");
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        cmd_help(0, NULL);
+        return 2;
+    }
+    const char *name = argv[1];
+    if (!strcmp(name, "--help") || !strcmp(name, "-h"))
+        return cmd_help(0, NULL);
+    if (!strcmp(name, "--version"))
+        return cmd_version(0, NULL);
+    for (size_t i = 0; i < N_ELEMS(commands); i++)
+        if (!strcmp(name, commands[i].name))
+            return commands[i].run(argc - 1, argv + 1);
+    for (size_t i = 0; i < N_ELEMS(pending); i++) {
+        if (!strcmp(name, pending[i])) {
+            fprintf(stderr, "kvd: '%s' is not yet available in this version\n", name);
+            return 2;
+        }
+    }
+    fprintf(stderr, "kvd: unknown command '%s' (try 'kvd help')\n", name);
+    return 2;
+}
