@@ -1,0 +1,140 @@
+/*
+ * model.h - a decoder-only transformer loaded from GGUF, run over the paged
+ * KV cache.
+ *
+ * A model is immutable after model_load: weights are mmap'd, the tokenizer
+ * and position scheme are built once. All mutable state of a forward pass
+ * lives in a model_ctx (activation buffers sized for the largest batch,
+ * the attention kernel's workspace), owned by the one engine thread that
+ * also owns the kv_cache. Parallelism is OpenMP inside model_forward.
+ *
+ * One model_forward call processes a batch of tokens drawn from several
+ * sequences: prefill chunks and single decode tokens together. For each
+ * sequence it appends the new tokens to the sequence's pages (keys stored
+ * before rotation, so eviction and renumbering never rewrite them), runs the
+ * fused attention kernel over each sequence's cache, and produces logits
+ * only for the tokens that asked for them.
+ */
+#ifndef KVD_MODEL_H
+#define KVD_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attention/attention.h"
+#include "cache/kv_cache.h"
+
+typedef struct model model;
+typedef struct model_ctx model_ctx;
+
+struct model_params {
+    const char *path;        /* GGUF file */
+    /* Used only where the file lacks them (0 = no override). */
+    float alibi_max_bias;
+    int t5_num_buckets;
+    int t5_max_distance;
+};
+
+/* What a loaded model is, for logs, /v1/models and cache sizing. */
+struct model_info {
+    const char *arch;        /* "llama", "qwen2", "bloom", "mpt", ... (borrowed) */
+    const char *name;        /* general.name or the file's base name (borrowed) */
+    enum pos_kind pos;       /* position scheme of attention */
+    const char *weight_type; /* dominant tensor type, e.g. "q8_0" (borrowed) */
+    int n_vocab;
+    int n_ctx_train;         /* training context length from metadata (0 if absent) */
+    int n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff;
+};
+
+/* Load and validate a model. NULL with the reason (file, tensor, key) in err. */
+model *model_load(const struct model_params *params, char *err, size_t errlen);
+void model_free(model *m);
+void model_get_info(const model *m, struct model_info *info);
+
+/* Fill the shape fields of cache params (n_layer, n_kv_head, head_dim). */
+void model_kv_shape(const model *m, struct kv_cache_params *p);
+
+/* --- tokens -------------------------------------------------------------- */
+
+/*
+ * Encode text. Writes at most max ids; returns the full encoding's length
+ * (call again with a bigger buffer if it exceeds max), or < 0 on error.
+ */
+int model_tokenize(const model *m, const char *text, size_t len, bool add_bos, int32_t *out,
+                   int max);
+bool model_add_bos(const model *m);   /* whether prompts start with BOS */
+int32_t model_bos(const model *m);
+bool model_is_eog(const model *m, int32_t token); /* end of generation (EOS, EOT) */
+
+/*
+ * Streaming detokeniser: push token ids one at a time, get back only
+ * complete UTF-8 characters; partial bytes are held until completed.
+ */
+typedef struct model_detok model_detok;
+model_detok *model_detok_create(const model *m);
+void model_detok_destroy(model_detok *d);
+/* Append the text of `token` to out (cap bytes); returns bytes written or < 0. */
+int model_detok_push(model_detok *d, int32_t token, char *out, size_t cap);
+/* Emit what is held back (invalid leftovers become U+FFFD). */
+int model_detok_flush(model_detok *d, char *out, size_t cap);
+
+/* --- forward ------------------------------------------------------------- */
+
+/*
+ * Per-engine forward state. max_batch_tokens bounds the tokens of one
+ * model_forward call (all sequences together). n_threads: OpenMP threads
+ * (0 = runtime default). Returns NULL with the reason in err.
+ */
+model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads, char *err,
+                            size_t errlen);
+void model_ctx_destroy(model_ctx *ctx);
+
+/* One sequence's part of a batch. */
+struct model_batch_seq {
+    kv_seq *seq;            /* the sequence the tokens are appended to */
+    const int32_t *tokens;  /* [n_tokens] new tokens */
+    int n_tokens;
+    float *logits;          /* NULL, or [n_vocab]: logits after the last new token */
+};
+
+/*
+ * Run the model over a batch. For every sequence, appends its tokens to its
+ * cache (kv_seq_append: the sequence's policy evicts first when needed) and
+ * computes the logits requested. Returns 0, or:
+ *   -ENOSPC  a sequence's budget is full under policy none (context full);
+ *            *failed_seq (if non-NULL) is its index, and no sequence of
+ *            the batch was modified;
+ *   -ENOMEM  the pool has no pages left even after eviction;
+ *   -EINVAL  bad batch (token id outside the vocabulary, too many tokens).
+ */
+int model_forward(model_ctx *ctx, const struct model_batch_seq *seqs, int n_seqs,
+                  int *failed_seq);
+
+/* --- sampling ------------------------------------------------------------ */
+
+struct model_sampling {
+    float temperature;       /* 0 = greedy */
+    int top_k;               /* 0 = off */
+    float top_p;             /* 1 = off */
+    float min_p;             /* 0 = off */
+    float repeat_penalty;    /* 1 = off; llama.cpp style: divide positive logits */
+    float presence_penalty;  /* 0 = off; OpenAI style */
+    float frequency_penalty; /* 0 = off; OpenAI style */
+    int penalty_last_n;      /* tokens of history the penalties look at */
+    uint64_t seed;
+};
+
+void model_sampling_defaults(struct model_sampling *s);
+
+typedef struct model_sampler model_sampler;
+model_sampler *model_sampler_create(const struct model_sampling *s, int n_vocab);
+void model_sampler_destroy(model_sampler *smp);
+/*
+ * Pick the next token from logits (modified in place). history: the
+ * tokens generated so far (and the prompt), for penalties. Deterministic
+ * for a given seed and call sequence.
+ */
+int32_t model_sample(model_sampler *smp, float *logits, const int32_t *history, int n_history);
+
+#endif /* KVD_MODEL_H */
