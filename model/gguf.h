@@ -133,7 +133,8 @@ int gguf_get_str(const gguf_file *f, const char *key, const char **s, size_t *le
 /*
  * Array value: element type and count. For numeric arrays *data points at
  * the packed elements (possibly unaligned). For string arrays use
- * gguf_get_arr_str, which is O(1) per element.
+ * gguf_get_arr_str, which is O(1) per element (*data is NULL for them).
+ * Element getters return -ERANGE for an index past the end.
  */
 int gguf_get_arr(const gguf_file *f, const char *key, enum gguf_type *elem_type,
                  uint64_t *n, const void **data);
@@ -158,7 +159,11 @@ typedef struct gguf_writer gguf_writer;
 gguf_writer *gguf_writer_create(void);
 void gguf_writer_destroy(gguf_writer *w);
 
-/* Metadata setters copy their arguments. Return 0 or -ENOMEM. */
+/*
+ * Metadata setters copy their arguments. Return 0 or -ENOMEM (-EINVAL for
+ * an empty key, a key over 64 KiB or a NULL value). Setting a key again
+ * replaces its value and keeps its first position.
+ */
 int gguf_writer_set_u32(gguf_writer *w, const char *key, uint32_t v);
 int gguf_writer_set_i32(gguf_writer *w, const char *key, int32_t v);
 int gguf_writer_set_u64(gguf_writer *w, const char *key, uint64_t v);
@@ -168,10 +173,21 @@ int gguf_writer_set_str(gguf_writer *w, const char *key, const char *v);
 int gguf_writer_set_arr_str(gguf_writer *w, const char *key, const char *const *v, uint64_t n);
 int gguf_writer_set_arr_i32(gguf_writer *w, const char *key, const int32_t *v, uint64_t n);
 int gguf_writer_set_arr_f32(gguf_writer *w, const char *key, const float *v, uint64_t n);
+/*
+ * Any fixed-size type (integers, floats, bool): v points at one host value
+ * of that type (uint8_t .. double, C bool), or at n packed host values for
+ * an array. -EINVAL for string/array types. general.alignment is accepted
+ * only as a uint32 power of two and sets the layout's alignment.
+ */
+int gguf_writer_set_scalar(gguf_writer *w, const char *key, enum gguf_type type, const void *v);
+int gguf_writer_set_arr(gguf_writer *w, const char *key, enum gguf_type elem_type,
+                        const void *data, uint64_t n);
 
 /*
  * Add a tensor; data (size bytes, which must equal the size implied by type
- * and ne) is copied. ne[0] is the fastest-varying dimension.
+ * and ne) is copied. ne[0] is the fastest-varying dimension. Returns 0,
+ * -EINVAL (unknown type, n_dims outside 1..4, a dimension of 0, ne[0] not a
+ * multiple of the block size, size mismatch), -EEXIST (name taken) or -ENOMEM.
  */
 int gguf_writer_add_tensor(gguf_writer *w, const char *name, enum ggml_type type, int n_dims,
                            const uint64_t *ne, const void *data, size_t size);
