@@ -433,7 +433,7 @@ static bool rd_kv(struct parser *ps, int64_t i)
     char nm[80];
     snprintf(ps->ctx, sizeof(ps->ctx), "metadata kv %" PRId64 " '%s'", i,
              shown(nm, sizeof(nm), kv->key, kv->key_len));
-    struct name_slot *slot;
+    struct name_slot *slot = NULL;
     int64_t first = index_lookup(&f->key_index, kv->key, kv->key_len, &slot);
     if (first >= 0)
         return fail(ps, ps->pos - kv->key_len, "duplicate key (first defined by kv %" PRId64 ")",
@@ -523,7 +523,7 @@ static bool rd_tensor_info(struct parser *ps, int64_t i)
     char nm[80];
     snprintf(ps->ctx, sizeof(ps->ctx), "tensor '%s' (info %" PRId64 ")",
              shown(nm, sizeof(nm), name, name_len), i);
-    struct name_slot *slot;
+    struct name_slot *slot = NULL;
     int64_t first = index_lookup(&f->tensor_index, name, name_len, &slot);
     if (first >= 0)
         return fail(ps, ps->pos - name_len,
