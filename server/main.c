@@ -15,13 +15,20 @@ static int cmd_help(int argc, char **argv);
 
 static const struct srv_command commands[] = {
     {"buckets", "print the T5 relative-position bucket table", srv_cmd_buckets},
+    {"load", "load-test a running kvd across context lengths", srv_cmd_load},
     {"version", "print the version", cmd_version},
     {"help", "list the subcommands", cmd_help},
 };
 
 /* Subcommands that are part of kvd's interface but not built yet. */
-static const char *const pending[] = {"serve", "generate", "mkmodel", "check-config",
-                                      "tokenize", "eval", "load"};
+static const char *const pending[] = {
+    "serve",
+    "generate",
+    "mkmodel",
+    "check-config",
+    "tokenize",
+    "eval",
+};
 
 #define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))
 
