@@ -226,6 +226,7 @@ struct gguf_file {
     uint32_t version;
     size_t alignment;
     size_t data_start;   /* file offset of the data section */
+    size_t *offset_at;   /* [n_tensors] file offset of each info's data offset field */
 
     int64_t n_kv;
     struct kv *kvs;      /* [n_kv] in file order */
@@ -351,7 +352,9 @@ static bool skip_string(struct parser *ps, const char *what)
 {
     uint64_t len;
     size_t at = ps->pos;
-    if (!rd_u64(ps, what, &len))
+    char lenwhat[64];
+    snprintf(lenwhat, sizeof(lenwhat), "the %s length", what);
+    if (!rd_u64(ps, lenwhat, &len))
         return false;
     if (len > left(ps))
         return fail(ps, at,
@@ -392,8 +395,8 @@ static bool rd_array(struct parser *ps, struct kv *kv)
         size_t sz = value_type_bytes[elem];
         if (n > left(ps) / sz)
             return fail(ps, at,
-                        "array of %" PRIu64 " %s elements needs more than the %zu bytes that "
-                        "remain in the file",
+                        "array of %" PRIu64 " %s elements runs past the end of the file (it "
+                        "needs more than the %zu bytes that remain)",
                         n, value_type_names[elem], left(ps));
         if (elem == GGUF_TYPE_BOOL)
             for (uint64_t i = 0; i < n; i++)
@@ -406,8 +409,8 @@ static bool rd_array(struct parser *ps, struct kv *kv)
     /* Strings: each needs at least its 8-byte length; index them for O(1) access. */
     if (n > left(ps) / 8)
         return fail(ps, at,
-                    "array of %" PRIu64 " strings needs more than the %zu bytes that remain in "
-                    "the file",
+                    "array of %" PRIu64 " strings runs past the end of the file (it needs more "
+                    "than the %zu bytes that remain)",
                     n, left(ps));
     kv->str_at = malloc((n ? (size_t)n : 1) * sizeof(*kv->str_at));
     if (!kv->str_at)
@@ -415,7 +418,7 @@ static bool rd_array(struct parser *ps, struct kv *kv)
     for (uint64_t i = 0; i < n; i++) {
         kv->str_at[i] = ps->pos;
         char what[64];
-        snprintf(what, sizeof(what), "string %" PRIu64 " of the array", i);
+        snprintf(what, sizeof(what), "array string %" PRIu64, i);
         if (!skip_string(ps, what))
             return false;
     }
@@ -451,7 +454,7 @@ static bool rd_kv(struct parser *ps, int64_t i)
 
     switch (kv->type) {
     case GGUF_TYPE_STRING:
-        return skip_string(ps, "the string value");
+        return skip_string(ps, "string value");
     case GGUF_TYPE_ARRAY:
         return rd_array(ps, kv);
     default: {
@@ -576,6 +579,7 @@ static bool rd_tensor_info(struct parser *ps, int64_t i)
     t->size = (size_t)bytes;
 
     at = ps->pos;
+    f->offset_at[i] = at;
     if (!rd_u64(ps, "the data offset", &t->offset))
         return false;
     if (t->offset % f->alignment != 0)
@@ -615,9 +619,9 @@ static bool check_placement(struct parser *ps)
         if (t->offset > data_size || t->size > data_size - t->offset) {
             snprintf(ps->ctx, sizeof(ps->ctx), "tensor '%s' (info %" PRId64 ")",
                      shown(nm, sizeof(nm), t->name, strlen(t->name)), i);
-            return fail(ps, f->size,
-                        "data at offset %" PRIu64 " (+%zu bytes) runs past the end of the data "
-                        "section (%zu bytes from byte %zu); file truncated or offset wrong",
+            return fail(ps, f->offset_at[i],
+                        "data offset %" PRIu64 " + %zu bytes runs past the end of the data "
+                        "section (%zu bytes from byte %zu): file truncated or offset wrong",
                         t->offset, t->size, data_size, f->data_start);
         }
         t->data = f->base + f->data_start + t->offset;
@@ -704,7 +708,8 @@ static bool parse(struct parser *ps)
 
     f->kvs = calloc(n_kv ? (size_t)n_kv : 1, sizeof(*f->kvs));
     f->tensors = calloc(n_tensors ? (size_t)n_tensors : 1, sizeof(*f->tensors));
-    if (!f->kvs || !f->tensors || index_init(&f->key_index, f->n_kv) != 0 ||
+    f->offset_at = calloc(n_tensors ? (size_t)n_tensors : 1, sizeof(*f->offset_at));
+    if (!f->kvs || !f->tensors || !f->offset_at || index_init(&f->key_index, f->n_kv) != 0 ||
         index_init(&f->tensor_index, f->n_tensors) != 0)
         return fail(ps, 8, "out of memory for %" PRIu64 " kvs and %" PRIu64 " tensors", n_kv,
                     n_tensors);
@@ -746,6 +751,7 @@ void gguf_close(gguf_file *f)
             free((char *)f->tensors[i].name);
     free(f->kvs);
     free(f->tensors);
+    free(f->offset_at);
     free(f->key_index.slots);
     free(f->tensor_index.slots);
     if (f->map)
