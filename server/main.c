@@ -15,6 +15,7 @@ static int cmd_help(int argc, char **argv);
 
 static const struct srv_command commands[] = {
     {"buckets", "print the T5 relative-position bucket table", srv_cmd_buckets},
+    {"eval", "measure an eviction policy's cost in perplexity on a text", srv_cmd_eval},
     {"load", "load-test a running kvd across context lengths", srv_cmd_load},
     {"version", "print the version", cmd_version},
     {"help", "list the subcommands", cmd_help},
@@ -27,7 +28,6 @@ static const char *const pending[] = {
     "mkmodel",
     "check-config",
     "tokenize",
-    "eval",
 };
 
 #define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))

@@ -19,5 +19,6 @@ struct srv_command {
 
 int srv_cmd_buckets(int argc, char **argv);
 int srv_cmd_load(int argc, char **argv);
+int srv_cmd_eval(int argc, char **argv);
 
 #endif /* KVD_SERVER_H */

@@ -1,0 +1,698 @@
+/*
+ * cmd_eval.c - `kvd eval`: what an eviction policy costs in quality.
+ *
+ * The text is tokenized once (BOS only at the start) and streamed token by
+ * token through the real cache and the real fused kernel, exactly as one
+ * growing session in `kvd serve` is: model_forward appends each token to a
+ * sequence whose policy evicts from the middle when the budget is full.
+ * After each token the logits give the loss of the next one; perplexity is
+ * reported per segment of positions and overall.
+ *
+ * Baselines run in the same process, over the same tokens:
+ *   dense      no eviction at all (the model's own behaviour past its
+ *              training length);
+ *   chunked    independent chunks of the training length, each starting
+ *              from BOS, the classic way to score long text;
+ *   recompute  for every token, a fresh forward over exactly the tokens
+ *              the first policy retains, at positions 0..n-1: the gold
+ *              standard the cache approximates (expensive; length-limited).
+ *
+ * At start it prints which attention path runs; a shape the fused kernel
+ * cannot take fails model_ctx_create with the shape named, and eval stops:
+ * there is no silent fallback to a slower kernel.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <omp.h>
+
+#include "model/model.h"
+#include "server/server.h"
+#include "server/server_internal.h"
+
+#define MAX_POLICIES 8
+#define MAX_SEGMENTS 32
+#define MAX_BASELINES 3
+
+enum baseline { BL_DENSE, BL_CHUNKED, BL_RECOMPUTE };
+static const char *const baseline_names[] = {"dense", "chunked", "recompute"};
+
+struct eval_policy {
+    char label[64];
+    struct kv_policy p;
+};
+
+struct eval_opts {
+    const char *model_path, *file;
+    int max_tokens;     /* 0 = whole file */
+    int segments[MAX_SEGMENTS];
+    int n_segments;
+    struct eval_policy policies[MAX_POLICIES];
+    int n_policies;
+    bool baseline[MAX_BASELINES];
+    int train_len;      /* 0 = from metadata */
+    int recompute_max;  /* tokens the recompute baseline covers */
+    int page_tokens;
+    enum kv_type kv_type;
+    int threads;
+    bool json;
+    const char *losses, *plot;
+};
+
+/* One scored run: per-token losses (loss[t] predicts token t; loss[0] unused). */
+struct eval_run {
+    char label[96];
+    double *loss;
+    int n;              /* tokens scored: loss[1..n) valid */
+    double seconds;
+    int pages_used;
+    uint64_t evictions, evicted;
+};
+
+/* ------------------------------------------------------------------------
+ * Options
+ * ------------------------------------------------------------------------ */
+
+static void eval_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvd eval --model F --file TEXT [options]\n"
+            "  --policy SPEC        repeatable; SPEC is one of\n"
+            "                         sink-window:SINK:WINDOW[:preserve]\n"
+            "                         window:WINDOW[:preserve]   (no sinks)\n"
+            "                         h2o:SINK:WINDOW:HEAVY[:preserve]\n"
+            "                       (default sink-window:4:252)\n"
+            "  --baseline NAME      repeatable: dense, chunked, recompute\n"
+            "  --tokens N           score the first N tokens (default: all)\n"
+            "  --segments A,B,...   segment boundaries (default 512,2048,8192)\n"
+            "  --train-len N        training length (default: from the model)\n"
+            "  --recompute-tokens N limit of the recompute baseline (default 2048)\n"
+            "  --page-tokens N      cache page size (default 4)\n"
+            "  --kv-type T          f32 | f16 | bf16 (default f32)\n"
+            "  --threads N          OpenMP threads (default: all cores)\n"
+            "  --json               print results as JSON\n"
+            "  --losses OUT.npy|OUT.bin   per-token losses of the first policy\n"
+            "  --plot OUT.png       per-segment perplexity against position (gnuplot)\n");
+}
+
+static int bad_opt(const char *name, const char *v)
+{
+    fprintf(stderr, "kvd eval: invalid value for %s: '%s'\n", name, v ? v : "");
+    return -1;
+}
+
+/* Parse a policy SPEC (see usage) into a kv_policy with the smallest budget
+ * the policy accepts for the page size. */
+static int parse_policy(const char *spec, int page_tokens, struct eval_policy *out)
+{
+    char buf[64];
+    snprintf(buf, sizeof(buf), "%s", spec);
+    char *fields[6];
+    int nf = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ":", &save); t && nf < 6;
+         t = strtok_r(NULL, ":", &save))
+        fields[nf++] = t;
+    if (nf == 0)
+        return -1;
+    struct kv_policy *p = &out->p;
+    *p = (struct kv_policy){.renumber = true};
+    if (!strcmp(fields[nf - 1], "preserve") || !strcmp(fields[nf - 1], "renumber")) {
+        p->renumber = !strcmp(fields[nf - 1], "renumber");
+        nf--;
+    }
+    long a = 0, b = 0, c = 0;
+    const long lim = 1 << 24;
+    if (!strcmp(fields[0], "sink-window") && nf == 3 && !srv_parse_long(fields[1], 0, lim, &a) &&
+        !srv_parse_long(fields[2], 1, lim, &b)) {
+        p->kind = KV_EVICT_SINK_WINDOW;
+    } else if (!strcmp(fields[0], "window") && nf == 2 && !srv_parse_long(fields[1], 1, lim, &b)) {
+        p->kind = KV_EVICT_SINK_WINDOW;
+    } else if (!strcmp(fields[0], "h2o") && nf == 4 && !srv_parse_long(fields[1], 0, lim, &a) &&
+               !srv_parse_long(fields[2], 1, lim, &b) && !srv_parse_long(fields[3], 0, lim, &c)) {
+        p->kind = KV_EVICT_H2O;
+    } else {
+        return -1;
+    }
+    p->sink_tokens = (int)a;
+    p->window_tokens = (int)b;
+    p->heavy_tokens = (int)c;
+    int sink_pages = (p->sink_tokens + page_tokens - 1) / page_tokens;
+    p->max_cache_tokens = p->kind == KV_EVICT_H2O
+                              ? p->sink_tokens + p->window_tokens + p->heavy_tokens + page_tokens
+                              : sink_pages * page_tokens + p->window_tokens + page_tokens;
+    snprintf(out->label, sizeof(out->label), "%s", spec);
+    return 0;
+}
+
+static int parse_segments(const char *s, struct eval_opts *o)
+{
+    o->n_segments = 0;
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s", s);
+    long prev = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        long v;
+        if (o->n_segments == MAX_SEGMENTS || srv_parse_long(t, 2, 1 << 28, &v) || v <= prev)
+            return -1;
+        o->segments[o->n_segments++] = (int)v;
+        prev = v;
+    }
+    return o->n_segments ? 0 : -1;
+}
+
+static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
+{
+    *o = (struct eval_opts){.recompute_max = 2048, .page_tokens = 4, .kv_type = KV_F32};
+    parse_segments("512,2048,8192", o);
+    const char *specs[MAX_POLICIES];
+    int n_specs = 0;
+    bool bad = false;
+    for (int i = 1; i < argc && !bad;) {
+        const char *v = NULL;
+        long n;
+#define OPT(name) srv_opt_value(argc, argv, &i, "eval", name, &v, &bad)
+        if (OPT("--model")) {
+            o->model_path = v;
+        } else if (OPT("--file")) {
+            o->file = v;
+        } else if (OPT("--policy")) {
+            if (bad || n_specs == MAX_POLICIES)
+                return bad_opt("--policy (at most 8)", v);
+            specs[n_specs++] = v;
+        } else if (OPT("--baseline")) {
+            int k = 0;
+            while (!bad && k < MAX_BASELINES && strcmp(v, baseline_names[k]))
+                k++;
+            if (bad || k == MAX_BASELINES)
+                return bad_opt("--baseline (dense|chunked|recompute)", v);
+            o->baseline[k] = true;
+        } else if (OPT("--tokens")) {
+            if (bad || srv_parse_long(v, 2, 1 << 28, &n))
+                return bad_opt("--tokens", v);
+            o->max_tokens = (int)n;
+        } else if (OPT("--segments")) {
+            if (bad || parse_segments(v, o))
+                return bad_opt("--segments (increasing, e.g. 512,2048,8192)", v);
+        } else if (OPT("--train-len")) {
+            if (bad || srv_parse_long(v, 2, 1 << 24, &n))
+                return bad_opt("--train-len", v);
+            o->train_len = (int)n;
+        } else if (OPT("--recompute-tokens")) {
+            if (bad || srv_parse_long(v, 2, 1 << 24, &n))
+                return bad_opt("--recompute-tokens", v);
+            o->recompute_max = (int)n;
+        } else if (OPT("--page-tokens")) {
+            if (bad || srv_parse_long(v, 1, 4096, &n))
+                return bad_opt("--page-tokens", v);
+            o->page_tokens = (int)n;
+        } else if (OPT("--kv-type")) {
+            if (bad || kv_type_parse(v, &o->kv_type))
+                return bad_opt("--kv-type (f32|f16|bf16)", v);
+        } else if (OPT("--threads")) {
+            if (bad || srv_parse_long(v, 1, 1024, &n))
+                return bad_opt("--threads", v);
+            o->threads = (int)n;
+        } else if (OPT("--losses")) {
+            o->losses = v;
+        } else if (OPT("--plot")) {
+            o->plot = v;
+        } else if (!strcmp(argv[i], "--json")) {
+            o->json = true;
+            i++;
+        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            *help = true;
+            return 0;
+        } else {
+            fprintf(stderr, "kvd eval: unknown option '%s'\n", argv[i]);
+            return -1;
+        }
+#undef OPT
+    }
+    if (bad)
+        return -1;
+    if (!o->model_path || !o->file) {
+        fprintf(stderr, "kvd eval: --model and --file are required\n");
+        return -1;
+    }
+    if (n_specs == 0)
+        specs[n_specs++] = "sink-window:4:252";
+    for (int k = 0; k < n_specs; k++) {
+        if (parse_policy(specs[k], o->page_tokens, &o->policies[k]))
+            return bad_opt("--policy (see kvd eval --help)", specs[k]);
+        char err[256];
+        if (kv_policy_check(&o->policies[k].p, o->page_tokens, err, sizeof(err))) {
+            fprintf(stderr, "kvd eval: policy %s: %s\n", specs[k], err);
+            return -1;
+        }
+    }
+    o->n_policies = n_specs;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Scoring
+ * ------------------------------------------------------------------------ */
+
+/* -log softmax(logits)[target], in double for a stable sum. */
+static double token_loss(const float *logits, int n_vocab, int32_t target)
+{
+    float max = logits[0];
+    for (int i = 1; i < n_vocab; i++)
+        if (logits[i] > max)
+            max = logits[i];
+    double sum = 0;
+    for (int i = 0; i < n_vocab; i++)
+        sum += exp((double)logits[i] - max);
+    return log(sum) + max - logits[target];
+}
+
+/* Everything one scoring pass needs. */
+struct evaluator {
+    const model *m;
+    model_ctx *ctx;
+    int n_vocab;
+    float *logits;
+    const struct eval_opts *o;
+    size_t kv_token_bytes; /* K+V bytes of one token, all layers */
+};
+
+static double seconds_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A cache big enough for `tokens` tokens of one sequence (plus slack). */
+static kv_cache *make_cache(const struct evaluator *ev, int tokens, char *err, size_t errlen)
+{
+    struct kv_cache_params p = {.page_tokens = ev->o->page_tokens, .type = ev->o->kv_type};
+    model_kv_shape(ev->m, &p);
+    size_t pages = (size_t)(tokens + ev->o->page_tokens - 1) / (size_t)ev->o->page_tokens + 2;
+    p.memory_bytes = (pages + 1) * ev->kv_token_bytes * (size_t)ev->o->page_tokens + 4096;
+    return kv_cache_create(&p, err, errlen);
+}
+
+/* Feed one token to seq and return its logits' loss for `next` (or 0). */
+static int feed(struct evaluator *ev, kv_seq *seq, int32_t tok, int32_t next, bool score,
+                double *loss)
+{
+    struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1,
+                                .logits = score ? ev->logits : NULL};
+    int rc = model_forward(ev->ctx, &b, 1, NULL);
+    if (rc == 0 && score)
+        *loss = token_loss(ev->logits, ev->n_vocab, next);
+    return rc;
+}
+
+/*
+ * Stream tokens[0..n) through one sequence under `policy`. If recompute is
+ * non-NULL, also score each next token by a fresh forward over exactly the
+ * retained tokens (positions 0..k-1), up to o->recompute_max tokens.
+ */
+static int run_policy(struct evaluator *ev, const struct kv_policy *policy, const int32_t *tokens,
+                      int n, struct eval_run *run, struct eval_run *recompute)
+{
+    char err[256];
+    int budget = policy->kind == KV_EVICT_NONE ? n : policy->max_cache_tokens;
+    kv_cache *cache = make_cache(ev, budget + (recompute ? budget : 0), err, sizeof(err));
+    if (!cache) {
+        fprintf(stderr, "kvd eval: cache: %s\n", err);
+        return -1;
+    }
+    kv_seq *seq = kv_seq_create(cache, policy, true, err, sizeof(err));
+    int rc = seq ? 0 : -1;
+    double t0 = seconds_now(), t_recompute = 0;
+    for (int t = 0; rc == 0 && t < n - 1; t++) {
+        rc = feed(ev, seq, tokens[t], tokens[t + 1], true, &run->loss[t + 1]);
+        if (rc || !recompute || t + 1 >= ev->o->recompute_max)
+            continue;
+        /* gold standard: the retained tokens alone, fresh, at 0..k-1 */
+        double r0 = seconds_now();
+        struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = budget};
+        kv_seq *fresh = kv_seq_create(cache, &none, false, err, sizeof(err));
+        int k = kv_seq_n_tokens(seq);
+        struct model_batch_seq b = {.seq = fresh, .tokens = kv_seq_tokens(seq), .n_tokens = k,
+                                    .logits = ev->logits};
+        rc = fresh ? model_forward(ev->ctx, &b, 1, NULL) : -ENOMEM;
+        if (rc == 0)
+            recompute->loss[t + 1] = token_loss(ev->logits, ev->n_vocab, tokens[t + 1]);
+        kv_seq_destroy(fresh);
+        recompute->n = t + 2;
+        t_recompute += seconds_now() - r0;
+    }
+    run->seconds = seconds_now() - t0 - t_recompute;
+    if (recompute)
+        recompute->seconds = t_recompute;
+    run->n = n;
+    struct kv_stats st;
+    kv_cache_stats(cache, &st);
+    run->pages_used = st.pages_used;
+    run->evictions = st.evictions;
+    run->evicted = st.tokens_evicted;
+    if (rc)
+        fprintf(stderr, "kvd eval: forward failed (%d) under %s\n", rc, run->label);
+    kv_seq_destroy(seq);
+    kv_cache_destroy(cache);
+    return rc;
+}
+
+/* Independent chunks of train_len tokens, each fed after a fresh BOS. */
+static int run_chunked(struct evaluator *ev, const int32_t *tokens, int n, int train_len,
+                       struct eval_run *run)
+{
+    char err[256];
+    kv_cache *cache = make_cache(ev, train_len + 1, err, sizeof(err));
+    if (!cache) {
+        fprintf(stderr, "kvd eval: cache: %s\n", err);
+        return -1;
+    }
+    struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = train_len + 1};
+    double t0 = seconds_now();
+    int rc = 0;
+    for (int start = 1; rc == 0 && start < n; start += train_len) {
+        int end = start + train_len < n ? start + train_len : n;
+        kv_seq *seq = kv_seq_create(cache, &none, false, err, sizeof(err));
+        if (!seq) {
+            rc = -1;
+            break;
+        }
+        rc = feed(ev, seq, tokens[0], tokens[start], true, &run->loss[start]);
+        for (int t = start; rc == 0 && t < end - 1; t++)
+            rc = feed(ev, seq, tokens[t], tokens[t + 1], true, &run->loss[t + 1]);
+        kv_seq_destroy(seq);
+    }
+    run->seconds = seconds_now() - t0;
+    run->n = n;
+    kv_cache_destroy(cache);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------
+ * Reporting
+ * ------------------------------------------------------------------------ */
+
+/* Perplexity over tokens [a, b) of a run (NAN if none scored). */
+static double ppl(const struct eval_run *r, int a, int b)
+{
+    if (a < 1)
+        a = 1;
+    if (b > r->n)
+        b = r->n;
+    if (a >= b)
+        return NAN;
+    double s = 0;
+    for (int t = a; t < b; t++)
+        s += r->loss[t];
+    return exp(s / (b - a));
+}
+
+static void segment_bounds(const struct eval_opts *o, int n, int k, int *a, int *b)
+{
+    *a = k == 0 ? 1 : o->segments[k - 1];
+    *b = k < o->n_segments ? o->segments[k] : n;
+}
+
+static int n_segments_used(const struct eval_opts *o, int n)
+{
+    int k = 0;
+    while (k < o->n_segments && o->segments[k] < n)
+        k++;
+    return k + 1; /* the last one runs to n */
+}
+
+static void print_table(const struct eval_opts *o, const struct eval_run *runs, int n_runs,
+                        int n, int train_len, int ref)
+{
+    int ns = n_segments_used(o, n);
+    printf("\n%-30s", "policy / baseline");
+    for (int k = 0; k < ns; k++) {
+        int a, b;
+        segment_bounds(o, n, k, &a, &b);
+        char h[40];
+        snprintf(h, sizeof(h), "[%d,%d)%s", a, b,
+                 a >= 4 * train_len ? "4x" : a >= 2 * train_len ? "2x" : "");
+        printf(" %15s", h);
+    }
+    printf(" %10s %9s %8s %7s %10s\n", "overall", "tok/s", "vs ref", "pages", "evicted");
+    for (int r = 0; r < n_runs; r++) {
+        const struct eval_run *run = &runs[r];
+        printf("%-30s", run->label);
+        for (int k = 0; k < ns; k++) {
+            int a, b;
+            segment_bounds(o, n, k, &a, &b);
+            printf(" %15.3f", ppl(run, a, b));
+        }
+        double all = ppl(run, 1, run->n);
+        /* compare over the tokens both scored (recompute may stop early) */
+        int common = ref >= 0 && runs[ref].n < run->n ? runs[ref].n : run->n;
+        double ratio = ref >= 0 ? ppl(run, 1, common) / ppl(&runs[ref], 1, common) : NAN;
+        printf(" %10.3f %9.1f %8.3f %7d %10llu\n", all,
+               run->seconds > 0 ? (run->n - 1) / run->seconds : 0.0, ratio, run->pages_used,
+               (unsigned long long)run->evicted);
+    }
+    if (ref >= 0)
+        printf("vs ref: overall perplexity / that of '%s' over the same tokens\n",
+               runs[ref].label);
+}
+
+static void print_json(const struct eval_opts *o, const struct eval_run *runs, int n_runs, int n,
+                       int train_len)
+{
+    int ns = n_segments_used(o, n);
+    printf("{\"tokens\": %d, \"train_len\": %d, \"runs\": [", n, train_len);
+    for (int r = 0; r < n_runs; r++) {
+        const struct eval_run *run = &runs[r];
+        printf("%s\n  {\"label\": \"%s\", \"perplexity\": %.6f, \"seconds\": %.3f, "
+               "\"pages_used\": %d, \"evictions\": %llu, \"tokens_evicted\": %llu, "
+               "\"segments\": [",
+               r ? "," : "", run->label, ppl(run, 1, run->n), run->seconds, run->pages_used,
+               (unsigned long long)run->evictions, (unsigned long long)run->evicted);
+        for (int k = 0; k < ns; k++) {
+            int a, b;
+            segment_bounds(o, n, k, &a, &b);
+            double p = ppl(run, a, b);
+            printf("%s{\"from\": %d, \"to\": %d, \"perplexity\": ", k ? ", " : "", a, b);
+            printf(isnan(p) ? "null}" : "%.6f}", p);
+        }
+        printf("]}");
+    }
+    printf("\n]}\n");
+}
+
+/* Per-token losses: .npy (float32, shape (n,)) or raw little-endian float32. */
+static int write_losses(const char *path, const struct eval_run *run)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return -1;
+    size_t plen = strlen(path);
+    if (plen > 4 && !strcmp(path + plen - 4, ".npy")) {
+        char header[128];
+        int hl = snprintf(header, sizeof(header),
+                          "{'descr': '<f4', 'fortran_order': False, 'shape': (%d,), }", run->n);
+        int total = 10 + hl + 1;
+        int pad = (64 - total % 64) % 64;
+        fwrite("\x93NUMPY\x01\x00", 1, 8, f);
+        unsigned short len = (unsigned short)(hl + pad + 1);
+        fputc(len & 0xff, f);
+        fputc(len >> 8, f);
+        fwrite(header, 1, (size_t)hl, f);
+        for (int i = 0; i < pad; i++)
+            fputc(' ', f);
+        fputc('\n', f);
+    }
+    for (int t = 0; t < run->n; t++) {
+        float v = t == 0 ? NAN : (float)run->loss[t]; /* token 0 (BOS) has no loss */
+        fwrite(&v, sizeof(v), 1, f);
+    }
+    return fclose(f);
+}
+
+/* Perplexity of windows of `step` tokens against position, one line each. */
+static int write_plot(const char *path, const struct eval_run *runs, int n_runs, int n,
+                      int train_len)
+{
+    FILE *g = popen("gnuplot 2>/dev/null", "w");
+    if (!g)
+        return -1;
+    int step = n / 64 > 32 ? n / 64 : 32;
+    fprintf(g, "set terminal pngcairo size 1000,600 noenhanced\nset output '%s'\n"
+               "set title 'kvd eval: perplexity per %d-token window'\nset xlabel 'position'\n"
+               "set ylabel 'perplexity'\nset logscale y\nset grid\nset key left top\n",
+            path, step);
+    for (int m = 1; m <= 4; m *= 2)
+        fprintf(g, "set arrow from %d, graph 0 to %d, graph 1 nohead dt 2\n", m * train_len,
+                m * train_len);
+    fprintf(g, "plot ");
+    for (int r = 0; r < n_runs; r++)
+        fprintf(g, "%s'-' using 1:2 with lines title '%s'", r ? ", " : "", runs[r].label);
+    fprintf(g, "\n");
+    for (int r = 0; r < n_runs; r++) {
+        for (int a = 1; a + step <= runs[r].n; a += step)
+            fprintf(g, "%d %f\n", a + step / 2, ppl(&runs[r], a, a + step));
+        fprintf(g, "e\n");
+    }
+    return pclose(g) == 0 ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------------ */
+
+static int32_t *tokenize_file(const model *m, const char *path, int max_tokens, int *n_out)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "kvd eval: cannot open %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = malloc((size_t)size + 1);
+    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) {
+        fprintf(stderr, "kvd eval: cannot read %s\n", path);
+        free(text);
+        fclose(f);
+        return NULL;
+    }
+    fclose(f);
+    int n = model_tokenize(m, text, (size_t)size, true, NULL, 0);
+    int32_t *tokens = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
+    if (tokens)
+        n = model_tokenize(m, text, (size_t)size, true, tokens, n);
+    free(text);
+    if (!tokens || n < 2) {
+        fprintf(stderr, "kvd eval: %s holds too little text to score\n", path);
+        free(tokens);
+        return NULL;
+    }
+    *n_out = max_tokens > 0 && max_tokens < n ? max_tokens : n;
+    return tokens;
+}
+
+static void describe_path(const struct eval_opts *o, const struct model_info *info, int n,
+                          int train_len)
+{
+    fprintf(stderr,
+            "kvd eval: %s (%s, %d layers, %d heads / %d kv heads, head dim %d)\n"
+            "attention: fused paged kernel, %s, %d threads, kv %s, position %s, page %d tokens\n"
+            "tokens: %d; training length %d (2x = %d, 4x = %d)\n",
+            info->name, info->arch, info->n_layer, info->n_head, info->n_kv_head, info->head_dim,
+            attn_simd_name(), o->threads ? o->threads : omp_get_max_threads(),
+            kv_type_name(o->kv_type), pos_kind_name(info->pos), o->page_tokens, n, train_len,
+            2 * train_len, 4 * train_len);
+}
+
+int srv_cmd_eval(int argc, char **argv)
+{
+    struct eval_opts o;
+    bool help = false;
+    if (parse_opts(argc, argv, &o, &help))
+        return 2;
+    if (help) {
+        eval_usage(stdout);
+        return 0;
+    }
+    char err[512];
+    struct model_params mp = {.path = o.model_path};
+    model *m = model_load(&mp, err, sizeof(err));
+    if (!m) {
+        fprintf(stderr, "kvd eval: %s\n", err);
+        return 1;
+    }
+    struct model_info info;
+    model_get_info(m, &info);
+    int train_len = o.train_len ? o.train_len : info.n_ctx_train;
+    if (train_len <= 0) {
+        fprintf(stderr, "kvd eval: the model has no training length in its metadata; pass "
+                        "--train-len\n");
+        model_free(m);
+        return 2;
+    }
+    int n = 0;
+    int32_t *tokens = tokenize_file(m, o.file, o.max_tokens, &n);
+    int budget = train_len + 1;
+    for (int k = 0; k < o.n_policies; k++)
+        if (o.policies[k].p.max_cache_tokens > budget)
+            budget = o.policies[k].p.max_cache_tokens;
+    struct evaluator ev = {.m = m, .n_vocab = info.n_vocab, .o = &o};
+    ev.kv_token_bytes = 2 * (size_t)info.n_layer * (size_t)info.n_kv_head *
+                        (size_t)info.head_dim * kv_type_size(o.kv_type);
+    ev.ctx = tokens ? model_ctx_create(m, budget, o.threads, err, sizeof(err)) : NULL;
+    ev.logits = malloc(sizeof(float) * (size_t)info.n_vocab);
+    struct eval_run runs[MAX_POLICIES + MAX_BASELINES];
+    memset(runs, 0, sizeof(runs));
+    int n_runs = 0, rc = 0, ref = -1;
+    if (!tokens || !ev.ctx || !ev.logits) {
+        if (tokens && !ev.ctx)
+            fprintf(stderr, "kvd eval: %s\n", err);
+        rc = 1;
+        goto out;
+    }
+    describe_path(&o, &info, n, train_len);
+    for (int k = 0; k < o.n_policies + MAX_BASELINES; k++) {
+        runs[k].loss = calloc((size_t)n, sizeof(double));
+        if (!runs[k].loss) {
+            rc = 1;
+            goto out;
+        }
+    }
+    struct eval_run *rec = NULL;
+    for (int k = 0; k < o.n_policies && rc == 0; k++) {
+        snprintf(runs[n_runs].label, sizeof(runs[0].label), "%s", o.policies[k].label);
+        if (k == 0 && o.baseline[BL_RECOMPUTE]) {
+            rec = &runs[o.n_policies];
+            snprintf(rec->label, sizeof(rec->label), "recompute (%s)", o.policies[0].label);
+        }
+        fprintf(stderr, "running %s ...\n", runs[n_runs].label);
+        rc = run_policy(&ev, &o.policies[k].p, tokens, n, &runs[n_runs], k == 0 ? rec : NULL);
+        n_runs++;
+    }
+    if (rec) {
+        ref = n_runs;
+        n_runs++;
+    }
+    if (rc == 0 && o.baseline[BL_DENSE]) {
+        struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = n};
+        snprintf(runs[n_runs].label, sizeof(runs[0].label), "dense (no eviction)");
+        fprintf(stderr, "running dense ...\n");
+        rc = run_policy(&ev, &none, tokens, n, &runs[n_runs++], NULL);
+    }
+    if (rc == 0 && o.baseline[BL_CHUNKED]) {
+        snprintf(runs[n_runs].label, sizeof(runs[0].label), "chunked (%d)", train_len);
+        fprintf(stderr, "running chunked ...\n");
+        rc = run_chunked(&ev, tokens, n, train_len, &runs[n_runs++]);
+    }
+    if (rc) {
+        rc = 1;
+        goto out;
+    }
+    if (o.json)
+        print_json(&o, runs, n_runs, n, train_len);
+    else
+        print_table(&o, runs, n_runs, n, train_len, ref);
+    if (o.losses && write_losses(o.losses, &runs[0])) {
+        fprintf(stderr, "kvd eval: cannot write %s\n", o.losses);
+        rc = 1;
+    }
+    if (o.plot) {
+        if (write_plot(o.plot, runs, n_runs, n, train_len)) {
+            fprintf(stderr, "kvd eval: gnuplot failed (is gnuplot-nox installed?)\n");
+            rc = 1;
+        } else if (!o.json) {
+            printf("plot: %s\n", o.plot);
+        }
+    }
+out:
+    for (int k = 0; k < o.n_policies + MAX_BASELINES; k++)
+        free(runs[k].loss);
+    free(ev.logits);
+    model_ctx_destroy(ev.ctx);
+    free(tokens);
+    model_free(m);
+    return rc;
+}
