@@ -32,7 +32,9 @@ TESTLIBS := -lcmocka
 
 # Debian packages the build, the tests and `make run` need.
 DEB_PACKAGES := gcc make pkg-config libuv1-dev libjansson-dev node-llhttp \
-                libcmocka-dev libinih-dev libpcre2-dev curl
+                libcmocka-dev libinih-dev libpcre2-dev curl gnuplot-nox
+# What `make deploy-check` and the multi-replica test need on top.
+DEPLOY_PACKAGES := haproxy python3-yaml systemd
 
 # --- sources, one list per room ---------------------------------------------
 ATTN_SRC   := $(wildcard attention/*.c)
@@ -70,7 +72,7 @@ TEST_BIN   := $(patsubst %,$(BUILD)/tests/test_%,$(TEST_NAMES))
 BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
 BENCH_BIN  := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all deps run test asan bench format clean tests benches
+.PHONY: all deps run test asan bench format clean tests benches deploy-deps deploy-check
 all: kvd
 
 kvd: $(BUILD)/kvd
@@ -117,18 +119,30 @@ bench: benches
 
 # --- setup and run -----------------------------------------------------------------
 deps:
-	@missing=""; for p in $(DEB_PACKAGES); do \
+	@$(MAKE) --no-print-directory install-packages PACKAGES="$(DEB_PACKAGES)"
+
+deploy-deps:
+	@$(MAKE) --no-print-directory install-packages PACKAGES="$(DEPLOY_PACKAGES)"
+
+# Install the Debian packages in PACKAGES that are missing (as root), or
+# print the command to run.
+install-packages:
+	@missing=""; for p in $(PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
 	done; \
 	if [ -z "$$missing" ]; then echo "deps: all Debian packages present"; \
 	elif [ "$$(id -u)" = 0 ]; then \
 	  echo "deps: installing$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else echo "deps: missing$$missing; run: sudo apt-get install -y$$missing"; exit 1; fi
 
 # Until the daemon lands, `make run` runs the offline demo.
 run: deps kvd
 	./kvd buckets
+
+# Validate Dockerfile, systemd unit, Kubernetes manifests and HAProxy configs.
+deploy-check: deploy-deps kvd
+	sh deploy/check.sh $(BUILD)/kvd
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h')
