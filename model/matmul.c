@@ -1,0 +1,786 @@
+/*
+ * matmul.c - out[t][o] = sum_i W[o][i] * x[t][i] for weights in any
+ * supported format.
+ *
+ * The work is split like ggml's kernels: OpenMP threads take contiguous
+ * groups of MM_GROUP output rows; inside a group, a register tile of MR rows
+ * x NT tokens walks the row from start to end, so every weight block is
+ * loaded and decoded once per NT tokens, and NT activation blocks are
+ * loaded once per MR rows. With one token (decoding) the tile is MR x 1 and
+ * the loop streams weights at memory speed; with many (prefill) it is
+ * compute bound and the decoded block is reused NT times.
+ *
+ * Float weights (f32, f16, bf16) are widened to f32 in registers and meet
+ * f32 activations in multiply-adds. Quantised weights (q8_0, q4_0, q4_K,
+ * q6_K) meet activations quantised per block of 32 to int8 with an f32
+ * scale, in integer dot products:
+ *
+ *   AVX-512 VNNI  vpdpbusd (u8 x s8, four products summed into each i32
+ *                 lane). Signed weights w meet x + 128 (unsigned) and the
+ *                 accumulator starts at -128 * sum(w), computed once per
+ *                 weight block and shared by the NT tokens.
+ *   AVX2          vpmaddubsw on |w| and x carrying w's sign, then vpmaddwd.
+ *   scalar        the same integer sums in plain C (the portable build).
+ *
+ * Each block's i32 sums are scaled in f32 by (weight scale) x (activation
+ * scale) and accumulated in f32 lanes; q6_K's two scales per block of 32
+ * are two halves of the lane vector, and q4_K's mins are subtracted once
+ * per super-block as (dmin * m_j) . (d_x * sum q_x) over its 8 sub-blocks.
+ *
+ * Each output is summed in the same order however rows are split among
+ * threads, so results do not depend on the thread count.
+ */
+#include "model/quant.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                   \
+    defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
+#define MM_AVX512 1
+#define MM_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MM_AVX2 1
+#define MM_SIMD 1
+#endif
+
+#ifdef MM_SIMD
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Output rows per unit of OpenMP work (16 floats: one cache line of out). */
+#define MM_GROUP 16
+
+/* Register tiles: rows x tokens. MM_GROUP must be a multiple of the rows. */
+#if defined(MM_AVX512)
+#define F_MR 4 /* float weights: 16 zmm accumulators */
+#define F_NT 4
+#define Q_MR 4 /* quantised weights: 16 ymm accumulators of 32 */
+#define Q_NT 4
+#else
+#define F_MR 2
+#define F_NT 4
+#define Q_MR 2
+#define Q_NT 4
+#endif
+
+const char *mm_kernel_name(void)
+{
+#if defined(MM_AVX512)
+    return "avx512-vnni";
+#elif defined(MM_AVX2)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+/* ------------------------------------------------------------------------
+ * Weights
+ * ------------------------------------------------------------------------ */
+
+static bool is_float_type(enum ggml_type t)
+{
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+}
+
+int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out,
+                   const void *data, char *err, size_t errlen)
+{
+    const char *name = qt_type_name(type);
+    char idbuf[32];
+    if (!name) {
+        snprintf(idbuf, sizeof idbuf, "type id %d", (int)type);
+        name = idbuf;
+    }
+    if (!qt_type_supported(type)) {
+        snprintf(err, errlen,
+                 "weight type %s is not supported by the matrix product "
+                 "(supported: f32 f16 bf16 q8_0 q4_0 q4_K q6_K)",
+                 name);
+        return -EINVAL;
+    }
+    int block = qt_block_elems(type);
+    if (n_in <= 0 || n_in % block != 0) {
+        snprintf(err, errlen, "a %s weight row needs a positive multiple of %d elements, not %d",
+                 name, block, n_in);
+        return -EINVAL;
+    }
+    if (n_out <= 0) {
+        snprintf(err, errlen, "a %s weight matrix needs at least one row, not %d", name, n_out);
+        return -EINVAL;
+    }
+    if (!data) {
+        snprintf(err, errlen, "%s weight matrix %dx%d has no data", name, n_out, n_in);
+        return -EINVAL;
+    }
+    w->type = type;
+    w->n_in = n_in;
+    w->n_out = n_out;
+    w->data = data;
+    w->row_bytes = qt_row_bytes(type, n_in);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Quantised activations
+ *
+ * Layout in scratch, each array 64-byte aligned:
+ *   q   int8  [n_tok][ldq]   round(x / d), ldq = n_in rounded up to 64
+ *   d   float [n_tok][ldb]   block scale max|x| / 127 (0 for an all-zero block)
+ *   s   float [n_tok][ldb]   d * sum(q) over the block (for q4_K's mins)
+ * ------------------------------------------------------------------------ */
+
+struct xq {
+    int8_t *q;
+    float *d, *s;
+    size_t ldq, ldb;
+};
+
+static size_t round_up(size_t n, size_t a)
+{
+    return (n + a - 1) / a * a;
+}
+
+static void xq_layout(struct xq *xa, void *scratch, int n_in, int n_tok)
+{
+    size_t nb = (size_t)n_in / QT_QK;
+    xa->ldq = round_up((size_t)n_in, 64);
+    xa->ldb = round_up(nb, 16);
+    uint8_t *p = scratch;
+    xa->q = (int8_t *)p;
+    p += xa->ldq * (size_t)n_tok;
+    xa->d = (float *)p;
+    p += sizeof(float) * xa->ldb * (size_t)n_tok;
+    xa->s = (float *)p;
+}
+
+size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
+{
+    if (is_float_type(w->type) || n_tok <= 0)
+        return 0;
+    size_t nb = (size_t)w->n_in / QT_QK;
+    return (size_t)n_tok * (round_up((size_t)w->n_in, 64) + 2 * sizeof(float) * round_up(nb, 16));
+}
+
+/* Quantise one token's activations: n_in / 32 blocks. */
+static void quantize_x(const float *x, int n_in, int8_t *q, float *d, float *s)
+{
+    int nb = n_in / QT_QK;
+    for (int b = 0; b < nb; b++, x += QT_QK, q += QT_QK) {
+#ifdef MM_SIMD
+        const __m256 signbit = _mm256_set1_ps(-0.0f);
+        __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+        __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v0),
+                                               _mm256_andnot_ps(signbit, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(signbit, v2),
+                                               _mm256_andnot_ps(signbit, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float db = amax / 127.0f;
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        /* round to nearest even (MXCSR default), |q| <= 127 */
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        /* i32 -> i8: the packs interleave 128-bit lanes; one permute restores order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)q, p);
+        d[b] = db;
+        s[b] = db * (float)_mm_cvtsi128_si32(s4);
+#else
+        float amax = 0.0f;
+        for (int k = 0; k < QT_QK; k++)
+            amax = fmaxf(amax, fabsf(x[k]));
+        float db = amax / 127.0f;
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int k = 0; k < QT_QK; k++) {
+            float v = nearbyintf(x[k] * id);
+            /* clamp before converting: also turns NaN into a defined value */
+            v = v >= -127.0f ? v : -127.0f;
+            v = v <= 127.0f ? v : 127.0f;
+            q[k] = (int8_t)v;
+            sum += q[k];
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+#endif
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * The work of one call
+ * ------------------------------------------------------------------------ */
+
+struct job {
+    const struct mm_weight *w;
+    const float *x; /* [n_tok][n_in] */
+    float *out;     /* [n_tok][n_out] */
+    int n_tok;
+    struct xq xa; /* quantised activations (quantised types only) */
+};
+
+/* Row pointers of a tile; rows past the end repeat the last row (discarded). */
+INLINE void tile_rows(const struct job *jb, int r0, int mr, const uint8_t **rows)
+{
+    const uint8_t *base = jb->w->data;
+    for (int r = 0; r < mr; r++) {
+        int o = r0 + r < jb->w->n_out ? r0 + r : jb->w->n_out - 1;
+        rows[r] = base + (size_t)o * jb->w->row_bytes;
+    }
+}
+
+/* Token indices of a tile; tokens past the end repeat the last one. */
+INLINE void tile_toks(const struct job *jb, int t0, int nt, int *toks)
+{
+    for (int t = 0; t < nt; t++)
+        toks[t] = t0 + t < jb->n_tok ? t0 + t : jb->n_tok - 1;
+}
+
+#define NT_MAX (Q_NT > F_NT ? Q_NT : F_NT)
+
+/* Write the valid part of a tile's results. */
+INLINE void tile_store(const struct job *jb, int r0, int t0, int mr, int nt, float res[][NT_MAX])
+{
+    for (int t = 0; t < nt && t0 + t < jb->n_tok; t++)
+        for (int r = 0; r < mr && r0 + r < jb->w->n_out; r++)
+            jb->out[(size_t)(t0 + t) * (size_t)jb->w->n_out + (size_t)(r0 + r)] = res[r][t];
+}
+
+/* One float weight element, for tails and the scalar build. */
+INLINE float f_elem(enum ggml_type type, const uint8_t *row, int i)
+{
+    switch (type) {
+    case GGML_TYPE_F32: {
+        float v;
+        memcpy(&v, row + 4 * (size_t)i, 4);
+        return v;
+    }
+    case GGML_TYPE_F16: return qt_f16_to_f32(qt_rd16(row + 2 * (size_t)i));
+    default: return qt_bf16_to_f32(qt_rd16(row + 2 * (size_t)i));
+    }
+}
+
+#ifdef MM_SIMD
+
+/* ------------------------------------------------------------------------
+ * SIMD: float weights
+ * ------------------------------------------------------------------------ */
+
+#if defined(MM_AVX512)
+typedef __m512 vf;
+#define VF_N 16
+#define vf_zero() _mm512_setzero_ps()
+#define vf_loadu(p) _mm512_loadu_ps(p)
+#define vf_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_hsum(v) _mm512_reduce_add_ps(v)
+INLINE vf vf_weights(enum ggml_type type, const uint8_t *p)
+{
+    switch (type) {
+    case GGML_TYPE_F32: return _mm512_loadu_ps((const float *)p);
+    case GGML_TYPE_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    default:
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    }
+}
+#else
+typedef __m256 vf;
+#define VF_N 8
+#define vf_zero() _mm256_setzero_ps()
+#define vf_loadu(p) _mm256_loadu_ps(p)
+#define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+INLINE float vf_hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+INLINE vf vf_weights(enum ggml_type type, const uint8_t *p)
+{
+    switch (type) {
+    case GGML_TYPE_F32: return _mm256_loadu_ps((const float *)p);
+    case GGML_TYPE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    default:
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    }
+}
+#endif
+
+/* mr rows x nt tokens of float weights, over the whole row. */
+INLINE void f_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+{
+    const int n_in = jb->w->n_in;
+    const size_t esz = type == GGML_TYPE_F32 ? 4 : 2;
+    const uint8_t *rows[F_MR];
+    const float *xs[F_NT];
+    int toks[F_NT];
+    tile_rows(jb, r0, mr, rows);
+    tile_toks(jb, t0, nt, toks);
+    for (int t = 0; t < nt; t++)
+        xs[t] = jb->x + (size_t)toks[t] * (size_t)n_in;
+
+    vf acc[F_MR][F_NT];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++)
+            acc[r][t] = vf_zero();
+
+    int i = 0;
+    for (; i + VF_N <= n_in; i += VF_N) {
+        vf wv[F_MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+            wv[r] = vf_weights(type, rows[r] + esz * (size_t)i);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            vf xv = vf_loadu(xs[t] + i);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++)
+                acc[r][t] = vf_fmadd(wv[r], xv, acc[r][t]);
+        }
+    }
+
+    float res[F_MR][NT_MAX];
+    for (int r = 0; r < mr; r++)
+        for (int t = 0; t < nt; t++) {
+            float s = vf_hsum(acc[r][t]);
+            for (int k = i; k < n_in; k++)
+                s += f_elem(type, rows[r], k) * xs[t][k];
+            res[r][t] = s;
+        }
+    tile_store(jb, r0, t0, mr, nt, res);
+}
+
+/* ------------------------------------------------------------------------
+ * SIMD: quantised weights
+ * ------------------------------------------------------------------------ */
+
+/* Per-row state of the current super-block (K formats). */
+struct ksb {
+    float sc[16]; /* q4_K: d * scale_j (8); q6_K: d * scale_g (16) */
+    float mn[8];  /* q4_K: dmin * min_j */
+};
+
+INLINE float f16s(const uint8_t *p)
+{
+    return _cvtsh_ss(qt_rd16(p));
+}
+
+INLINE void ksb_load(enum ggml_type type, const uint8_t *sb, struct ksb *k)
+{
+    if (type == GGML_TYPE_Q4_K) {
+        float d = f16s(sb + QT_Q4K_D), dmin = f16s(sb + QT_Q4K_DMIN);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            qt_q4k_scale_min(sb + QT_Q4K_SCALES, j, &sc, &m);
+            k->sc[j] = d * (float)sc;
+            k->mn[j] = dmin * (float)m;
+        }
+    } else if (type == GGML_TYPE_Q6_K) {
+        float d = f16s(sb + QT_Q6K_D);
+        const int8_t *s = (const int8_t *)(sb + QT_Q6K_SCALES);
+        for (int g = 0; g < 16; g++)
+            k->sc[g] = d * (float)s[g];
+    }
+}
+
+/*
+ * Block j of a weight row's current unit (a block for q8_0/q4_0, a
+ * super-block for the K formats): its 32 weights as int8 (q4_K: unsigned
+ * nibbles 0..15, the others signed) and its per-lane f32 scale vector.
+ */
+INLINE __m256i q_unpack(enum ggml_type type, const uint8_t *u, int j, const struct ksb *k,
+                        __m256 *ws)
+{
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    switch (type) {
+    case GGML_TYPE_Q8_0:
+        *ws = _mm256_set1_ps(f16s(u));
+        return _mm256_loadu_si256((const __m256i *)(u + 2));
+    case GGML_TYPE_Q4_0: {
+        *ws = _mm256_set1_ps(f16s(u));
+        __m128i v = _mm_loadu_si128((const __m128i *)(u + 2));
+        __m256i n = _mm256_set_m128i(_mm_srli_epi16(v, 4), v); /* hi: elements 16..31 */
+        return _mm256_sub_epi8(_mm256_and_si256(n, lo4), _mm256_set1_epi8(8));
+    }
+    case GGML_TYPE_Q4_K: {
+        *ws = _mm256_set1_ps(k->sc[j]);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(u + QT_Q4K_QS + 32 * (j >> 1)));
+        if (j & 1)
+            v = _mm256_srli_epi16(v, 4);
+        return _mm256_and_si256(v, lo4);
+    }
+    default: { /* Q6_K */
+        int h = j >> 2, kk = j & 3;
+        *ws = _mm256_set_m128(_mm_set1_ps(k->sc[2 * j + 1]), _mm_set1_ps(k->sc[2 * j]));
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QL + 64 * h + 32 * (kk & 1)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
+        if (kk & 2)
+            ql = _mm256_srli_epi16(ql, 4);
+        ql = _mm256_and_si256(ql, lo4);
+        qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * kk), _mm256_set1_epi8(3));
+        __m256i q = _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+        return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+    }
+    }
+}
+
+INLINE float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* mr rows x nt tokens of quantised weights, over the whole row. */
+INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+{
+    const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+    const bool wsigned = type != GGML_TYPE_Q4_K;
+    const int per_unit = kq ? 8 : 1; /* blocks of 32 per unit */
+    const size_t unit_bytes = qt_block_bytes(type);
+    const int n_units = jb->w->n_in / (kq ? QT_QK_K : QT_QK);
+    const uint8_t *rows[Q_MR];
+    const int8_t *xq[Q_NT];
+    const float *xd[Q_NT], *xsum[Q_NT];
+    int toks[Q_NT];
+    tile_rows(jb, r0, mr, rows);
+    tile_toks(jb, t0, nt, toks);
+    for (int t = 0; t < nt; t++) {
+        xq[t] = jb->xa.q + (size_t)toks[t] * jb->xa.ldq;
+        xd[t] = jb->xa.d + (size_t)toks[t] * jb->xa.ldb;
+        xsum[t] = jb->xa.s + (size_t)toks[t] * jb->xa.ldb;
+    }
+
+    __m256 acc[Q_MR][Q_NT];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++)
+            acc[r][t] = _mm256_setzero_ps();
+#if defined(MM_AVX512)
+    const __m256i c80 = _mm256_set1_epi8((char)0x80);
+#else
+    const __m256i ones16 = _mm256_set1_epi16(1);
+#endif
+
+    for (int u = 0; u < n_units; u++) {
+        struct ksb ks[Q_MR];
+        const uint8_t *up[Q_MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            up[r] = rows[r] + (size_t)u * unit_bytes;
+            if (kq)
+                ksb_load(type, up[r], &ks[r]);
+        }
+        for (int j = 0; j < per_unit; j++) {
+            const int b = u * per_unit + j; /* block of 32 along the row */
+            __m256i w[Q_MR], wx[Q_MR];
+            __m256 ws[Q_MR];
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                w[r] = q_unpack(type, up[r], j, &ks[r], &ws[r]);
+#if defined(MM_AVX512)
+                /* signed: accumulator starts at -128 * sum(w) per lane */
+                if (wsigned)
+                    wx[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                             _mm256_dpbusd_epi32(_mm256_setzero_si256(), c80, w[r]));
+#else
+                /* signed: |w| as the unsigned operand */
+                if (wsigned)
+                    wx[r] = _mm256_sign_epi8(w[r], w[r]);
+#endif
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq[t] + QT_QK * b));
+                __m256 dx = _mm256_set1_ps(xd[t][b]);
+#if defined(MM_AVX512)
+                __m256i xu = _mm256_xor_si256(x, c80); /* x + 128 as u8 */
+#endif
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) {
+                    __m256i isum;
+#if defined(MM_AVX512)
+                    if (wsigned)
+                        isum = _mm256_dpbusd_epi32(wx[r], xu, w[r]);
+                    else
+                        isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[r], x);
+#else
+                    if (wsigned)
+                        isum = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(wx[r], _mm256_sign_epi8(x, w[r])), ones16);
+                    else
+                        isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], x), ones16);
+#endif
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                                _mm256_mul_ps(ws[r], dx), acc[r][t]);
+                }
+            }
+        }
+        if (type == GGML_TYPE_Q4_K) {
+            /* minus sum_j dmin*m_j * d_x*sum(q_x) over the 8 sub-blocks */
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                __m256 xs8 = _mm256_loadu_ps(xsum[t] + 8 * u);
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++)
+                    acc[r][t] = _mm256_fnmadd_ps(_mm256_loadu_ps(ks[r].mn), xs8, acc[r][t]);
+            }
+        }
+    }
+
+    float res[Q_MR][NT_MAX];
+    for (int r = 0; r < mr; r++)
+        for (int t = 0; t < nt; t++)
+            res[r][t] = hsum8(acc[r][t]);
+    tile_store(jb, r0, t0, mr, nt, res);
+}
+
+/* One group of rows: token tiles outside (x tile reused across the group's
+ * rows from cache), row tiles inside. A lone last token uses a 1-token tile. */
+INLINE void group_simd(const struct job *jb, enum ggml_type type, int g)
+{
+    const bool fl = is_float_type(type);
+    const int mr = fl ? F_MR : Q_MR, nt = fl ? F_NT : Q_NT;
+    const int g0 = g * MM_GROUP;
+    const int g1 = g0 + MM_GROUP < jb->w->n_out ? g0 + MM_GROUP : jb->w->n_out;
+    for (int t0 = 0; t0 < jb->n_tok; t0 += nt) {
+        bool one = jb->n_tok - t0 == 1;
+        for (int r0 = g0; r0 < g1; r0 += mr) {
+            if (fl) {
+                if (one)
+                    f_tile(jb, type, r0, t0, F_MR, 1);
+                else
+                    f_tile(jb, type, r0, t0, F_MR, F_NT);
+            } else {
+                if (one)
+                    q_tile(jb, type, r0, t0, Q_MR, 1);
+                else
+                    q_tile(jb, type, r0, t0, Q_MR, Q_NT);
+            }
+        }
+    }
+}
+
+static void run_group(const struct job *jb, int g)
+{
+    switch (jb->w->type) {
+    case GGML_TYPE_F32: group_simd(jb, GGML_TYPE_F32, g); break;
+    case GGML_TYPE_F16: group_simd(jb, GGML_TYPE_F16, g); break;
+    case GGML_TYPE_BF16: group_simd(jb, GGML_TYPE_BF16, g); break;
+    case GGML_TYPE_Q8_0: group_simd(jb, GGML_TYPE_Q8_0, g); break;
+    case GGML_TYPE_Q4_0: group_simd(jb, GGML_TYPE_Q4_0, g); break;
+    case GGML_TYPE_Q4_K: group_simd(jb, GGML_TYPE_Q4_K, g); break;
+    case GGML_TYPE_Q6_K: group_simd(jb, GGML_TYPE_Q6_K, g); break;
+    default: assert(!"unsupported type reached the kernel"); break;
+    }
+}
+
+#else /* !MM_SIMD */
+
+/* ------------------------------------------------------------------------
+ * Portable scalar kernels
+ * ------------------------------------------------------------------------ */
+
+/*
+ * Decode block b (32 weights) of a quantised row: integer weights, the
+ * scales of its two halves of 16 (equal except for q6_K) and, for q4_K,
+ * the min to subtract per unit of activation sum.
+ */
+static void q_block_scalar(enum ggml_type type, const uint8_t *row, int b, int8_t *w,
+                           float *s_lo, float *s_hi, float *min)
+{
+    *min = 0.0f;
+    switch (type) {
+    case GGML_TYPE_Q8_0: {
+        const uint8_t *u = row + 34 * (size_t)b;
+        *s_lo = *s_hi = qt_f16_to_f32(qt_rd16(u));
+        memcpy(w, u + 2, 32);
+        break;
+    }
+    case GGML_TYPE_Q4_0: {
+        const uint8_t *u = row + 18 * (size_t)b;
+        *s_lo = *s_hi = qt_f16_to_f32(qt_rd16(u));
+        for (int k = 0; k < 16; k++) {
+            w[k] = (int8_t)((u[2 + k] & 0x0f) - 8);
+            w[k + 16] = (int8_t)((u[2 + k] >> 4) - 8);
+        }
+        break;
+    }
+    case GGML_TYPE_Q4_K: {
+        const uint8_t *u = row + 144 * (size_t)(b / 8);
+        int j = b % 8, sc, m;
+        qt_q4k_scale_min(u + QT_Q4K_SCALES, j, &sc, &m);
+        *s_lo = *s_hi = qt_f16_to_f32(qt_rd16(u + QT_Q4K_D)) * (float)sc;
+        *min = qt_f16_to_f32(qt_rd16(u + QT_Q4K_DMIN)) * (float)m;
+        const uint8_t *q = u + QT_Q4K_QS + 32 * (j >> 1);
+        for (int k = 0; k < 32; k++)
+            w[k] = (int8_t)((q[k] >> (4 * (j & 1))) & 0x0f);
+        break;
+    }
+    default: { /* Q6_K */
+        const uint8_t *u = row + 210 * (size_t)(b / 8);
+        int j = b % 8, h = j >> 2, kk = j & 3;
+        float d = qt_f16_to_f32(qt_rd16(u + QT_Q6K_D));
+        const int8_t *sc = (const int8_t *)(u + QT_Q6K_SCALES);
+        *s_lo = d * (float)sc[2 * j];
+        *s_hi = d * (float)sc[2 * j + 1];
+        const uint8_t *ql = u + QT_Q6K_QL + 64 * h + 32 * (kk & 1);
+        const uint8_t *qh = u + QT_Q6K_QH + 32 * h;
+        for (int k = 0; k < 32; k++) {
+            int q = ((ql[k] >> (4 * (kk >> 1))) & 0x0f) | (((qh[k] >> (2 * kk)) & 3) << 4);
+            w[k] = (int8_t)(q - 32);
+        }
+        break;
+    }
+    }
+}
+
+/* One row against every token: decode each block once, use it n_tok times. */
+static void row_scalar(const struct job *jb, int o)
+{
+    const struct mm_weight *w = jb->w;
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
+    float *out = jb->out + o;
+    const size_t ldo = (size_t)w->n_out;
+    for (int t = 0; t < jb->n_tok; t++)
+        out[(size_t)t * ldo] = 0.0f;
+
+    if (is_float_type(w->type)) {
+        float wb[64];
+        for (int i0 = 0; i0 < w->n_in; i0 += 64) {
+            int n = w->n_in - i0 < 64 ? w->n_in - i0 : 64;
+            for (int k = 0; k < n; k++)
+                wb[k] = f_elem(w->type, row, i0 + k);
+            for (int t = 0; t < jb->n_tok; t++) {
+                const float *x = jb->x + (size_t)t * (size_t)w->n_in + i0;
+                float s = 0.0f;
+                for (int k = 0; k < n; k++)
+                    s += wb[k] * x[k];
+                out[(size_t)t * ldo] += s;
+            }
+        }
+        return;
+    }
+
+    int nb = w->n_in / QT_QK;
+    for (int b = 0; b < nb; b++) {
+        int8_t wq[32];
+        float s_lo, s_hi, min;
+        q_block_scalar(w->type, row, b, wq, &s_lo, &s_hi, &min);
+        for (int t = 0; t < jb->n_tok; t++) {
+            const int8_t *xq = jb->xa.q + (size_t)t * jb->xa.ldq + QT_QK * (size_t)b;
+            int lo = 0, hi = 0;
+            for (int k = 0; k < 16; k++) {
+                lo += wq[k] * xq[k];
+                hi += wq[k + 16] * xq[k + 16];
+            }
+            float dx = jb->xa.d[(size_t)t * jb->xa.ldb + b];
+            float xs = jb->xa.s[(size_t)t * jb->xa.ldb + b];
+            out[(size_t)t * ldo] += dx * (s_lo * (float)lo + s_hi * (float)hi) - min * xs;
+        }
+    }
+}
+
+static void run_group(const struct job *jb, int g)
+{
+    int g0 = g * MM_GROUP;
+    int g1 = g0 + MM_GROUP < jb->w->n_out ? g0 + MM_GROUP : jb->w->n_out;
+    for (int o = g0; o < g1; o++)
+        row_scalar(jb, o);
+}
+
+#endif /* MM_SIMD */
+
+/* ------------------------------------------------------------------------
+ * Entry points
+ * ------------------------------------------------------------------------ */
+
+void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, int n_tok,
+                       int n_threads, void *scratch)
+{
+    assert(w && w->data && qt_type_supported(w->type));
+    if (n_tok <= 0)
+        return;
+    struct job jb = {.w = w, .x = x, .out = out, .n_tok = n_tok};
+    const bool quantised = !is_float_type(w->type);
+    if (quantised) {
+        assert(scratch && ((uintptr_t)scratch & 63) == 0);
+        xq_layout(&jb.xa, scratch, w->n_in, n_tok);
+    }
+    const int n_groups = (w->n_out + MM_GROUP - 1) / MM_GROUP;
+    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
+    if (nth > n_groups)
+        nth = n_groups;
+
+    /* One parallel region: quantise the activations (split by token), then
+     * the output rows (split by group). The implicit barrier of the first
+     * loop publishes the quantised activations to every thread. */
+#pragma omp parallel num_threads(nth) if (nth > 1)
+    {
+        if (quantised) {
+#pragma omp for schedule(static)
+            for (int t = 0; t < n_tok; t++)
+                quantize_x(x + (size_t)t * (size_t)w->n_in, w->n_in,
+                           jb.xa.q + (size_t)t * jb.xa.ldq, jb.xa.d + (size_t)t * jb.xa.ldb,
+                           jb.xa.s + (size_t)t * jb.xa.ldb);
+        }
+#pragma omp for schedule(static)
+        for (int g = 0; g < n_groups; g++)
+            run_group(&jb, g);
+    }
+}
+
+/* The calling thread's scratch for mm_matmul: grown, never shrunk. */
+static _Thread_local struct {
+    void *p;
+    size_t cap;
+} tls_scratch;
+
+void mm_scratch_release(void)
+{
+    free(tls_scratch.p);
+    tls_scratch.p = NULL;
+    tls_scratch.cap = 0;
+}
+
+int mm_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads)
+{
+    size_t need = n_tok > 0 ? mm_scratch_bytes(w, n_tok) : 0;
+    if (need > tls_scratch.cap) {
+        /* grow by half again so a slowly rising batch size reallocates rarely */
+        size_t cap = round_up(need + need / 2, 64);
+        void *p = aligned_alloc(64, cap);
+        if (!p)
+            return -ENOMEM;
+        free(tls_scratch.p);
+        tls_scratch.p = p;
+        tls_scratch.cap = cap;
+    }
+    mm_matmul_scratch(out, w, x, n_tok, n_threads, tls_scratch.p);
+    return 0;
+}

@@ -1,0 +1,204 @@
+/*
+ * quant.h - weight element formats and the matrix products over them
+ * (internal to the model room; never included from outside model/).
+ *
+ * Two halves:
+ *
+ *   quant.c   the element formats GGUF files use (f32, f16, bf16, q8_0,
+ *             q4_0, q4_K, q6_K): half-precision conversions, dequantising a
+ *             row to f32 and quantising f32 rows into the formats kvd writes.
+ *
+ *   matmul.c  out[t][o] = sum_i W[o][i] * x[t][i] for a weight matrix W in
+ *             any supported format, SIMD inside a row and OpenMP over rows.
+ *
+ * The central idea of the products: a weight block is decoded in registers
+ * once and used against a tile of several tokens, so decoding (matrix times
+ * vector) reads each weight byte once at memory speed and prefill (matrix
+ * times matrix) spends its time in multiply-adds, not in decoding.
+ * Quantised weights meet activations quantised to 8 bits per block of 32
+ * (one f32 scale per block, value = round(x / d), d = max|x| / 127) in
+ * integer dot products; float weights meet f32 activations in f32
+ * multiply-adds. The activation rounding is the only difference from a f32
+ * product over the dequantised weights: for each output it is at most
+ * sum over blocks b of (d_b / 2) * sum_{i in b} |W[o][i]|.
+ *
+ * Block layouts (little-endian, f16 scales, no padding), as ggml defines them:
+ *   q8_0  32 elements, 34 bytes: d, int8 q[32];            w = d * q
+ *   q4_0  32 elements, 18 bytes: d, uint8 qs[16];          w = d * (nibble - 8),
+ *         low nibbles of qs[0..15] are elements 0..15, high nibbles 16..31
+ *   q4_K  256 elements, 144 bytes: d, dmin, scales[12], qs[128]; eight
+ *         sub-blocks of 32 with 6-bit scale s_j and min m_j packed in scales[]:
+ *         w = d * s_j * q - dmin * m_j, q a nibble (see quant.c)
+ *   q6_K  256 elements, 210 bytes: ql[128], qh[64], int8 scales[16], d;
+ *         sixteen groups of 16 with scale s_g: w = d * s_g * (q - 32), q six
+ *         bits (low four in ql, high two in qh; see quant.c)
+ *
+ * Row conversions take (src, dst, n) like qt_dequantize_row; every function
+ * here is thread-safe and allocates nothing, except mm_matmul's per-thread
+ * scratch described below.
+ */
+#ifndef KVD_QUANT_H
+#define KVD_QUANT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model/gguf.h"
+
+#define QT_QK 32   /* elements per block of q8_0 and q4_0 (and of activations) */
+#define QT_QK_K 256 /* elements per super-block of the K formats */
+
+/* ------------------------------------------------------------------------
+ * Element types
+ * ------------------------------------------------------------------------ */
+
+/* Name of any known type id ("f32", "q4_K", ...), or NULL for an unknown id. */
+const char *qt_type_name(enum ggml_type type);
+
+/* Whether this file can dequantise it and mm_matmul can multiply by it. */
+bool qt_type_supported(enum ggml_type type);
+
+/* Elements and bytes per block of a supported type; 0 if unsupported. */
+int qt_block_elems(enum ggml_type type);
+size_t qt_block_bytes(enum ggml_type type);
+
+/* Bytes of a row of n elements; 0 if unsupported or n is not a positive
+ * multiple of the block. */
+size_t qt_row_bytes(enum ggml_type type, int n);
+
+/* ------------------------------------------------------------------------
+ * Half precision
+ * ------------------------------------------------------------------------ */
+
+/*
+ * IEEE binary16 and bfloat16 bit patterns. f32 -> half rounds to nearest,
+ * ties to even; overflow gives infinity; NaN stays NaN (quiet, sign kept);
+ * f16 subnormals are produced and read exactly. Uses F16C where the build
+ * has it.
+ */
+float qt_f16_to_f32(uint16_t h);
+uint16_t qt_f32_to_f16(float f);
+float qt_bf16_to_f32(uint16_t h);
+uint16_t qt_f32_to_bf16(float f);
+
+/* The same over n elements (SIMD); src and dst must not overlap. */
+void qt_f16_to_f32_row(const uint16_t *src, float *dst, size_t n);
+void qt_f32_to_f16_row(const float *src, uint16_t *dst, size_t n);
+void qt_bf16_to_f32_row(const uint16_t *src, float *dst, size_t n);
+void qt_f32_to_bf16_row(const float *src, uint16_t *dst, size_t n);
+
+/* ------------------------------------------------------------------------
+ * Rows
+ * ------------------------------------------------------------------------ */
+
+/*
+ * Decode n elements of type from src (qt_row_bytes(type, n) bytes, any
+ * alignment) into dst. Returns 0, or -EINVAL (dst untouched) if the type is
+ * unsupported or n is not a positive multiple of its block.
+ */
+int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n);
+
+/*
+ * Encode n floats into qt_row_bytes(type, n) bytes at dst. Supports f32,
+ * f16, bf16, q8_0 and q4_0 (the formats kvd writes); q8_0 and q4_0 choose
+ * each block's scale from its largest magnitude and round every element to
+ * the nearest level of the stored (f16) scale.
+ * Returns 0; -EINVAL for another type, n not a positive multiple of the
+ * block, or a non-finite input to q8_0/q4_0; -ERANGE if a block's scale
+ * does not fit in f16. On error dst may be partly written.
+ */
+int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n);
+
+/* ------------------------------------------------------------------------
+ * Block access, shared by quant.c and matmul.c
+ * ------------------------------------------------------------------------ */
+
+/* Byte offsets inside a q4_K super-block (144 bytes). */
+#define QT_Q4K_D 0       /* f16 scale of the 6-bit scales */
+#define QT_Q4K_DMIN 2    /* f16 scale of the 6-bit mins */
+#define QT_Q4K_SCALES 4  /* 12 bytes: eight 6-bit scales and eight 6-bit mins */
+#define QT_Q4K_QS 16     /* 128 bytes of nibbles */
+/* Byte offsets inside a q6_K super-block (210 bytes). */
+#define QT_Q6K_QL 0      /* 128 bytes: low four bits */
+#define QT_Q6K_QH 128    /* 64 bytes: high two bits */
+#define QT_Q6K_SCALES 192 /* 16 int8 scales, one per 16 elements */
+#define QT_Q6K_D 208     /* f16 super-block scale */
+
+/* A little-endian u16 at any alignment (f16 scales sit at odd offsets). */
+static inline uint16_t qt_rd16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+/*
+ * Scale and min of q4_K sub-block j (0..7) from the 12 packed bytes:
+ * bytes 0..3 hold scales 0..3 in their low six bits, bytes 4..7 mins 0..3;
+ * sub-blocks 4..7 take their low four bits from the nibbles of bytes 8..11
+ * (scale low, min high) and their top two bits from the top two bits of
+ * bytes 0..3 (scales) and 4..7 (mins).
+ */
+static inline void qt_q4k_scale_min(const uint8_t *s, int j, int *scale, int *min)
+{
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Matrix products
+ * ------------------------------------------------------------------------ */
+
+/*
+ * A weight matrix as stored in GGUF: ne[0] = n_in elements per row
+ * (contiguous, quantised along the row), ne[1] = n_out rows of row_bytes
+ * each. A plain description; data is borrowed (usually from the mapping).
+ */
+struct mm_weight {
+    enum ggml_type type; /* element format */
+    int n_in;            /* columns: elements per row, a multiple of the block */
+    int n_out;           /* rows */
+    const void *data;    /* n_out * row_bytes bytes, any alignment */
+    size_t row_bytes;    /* qt_row_bytes(type, n_in) */
+};
+
+/*
+ * Describe a weight matrix. Returns 0, or -EINVAL with the reason in err
+ * (the type named, e.g. "q5_K", or the shape) if the type is unsupported,
+ * n_in is not a positive multiple of its block, n_out < 1 or data is NULL.
+ * w is fully written on success and untouched on error.
+ */
+int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out,
+                   const void *data, char *err, size_t errlen);
+
+/* Bytes of scratch mm_matmul_scratch needs for n_tok tokens (0 for float weights). */
+size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok);
+
+/*
+ * out[n_tok][n_out] = x[n_tok][n_in] . W^T, with n_threads OpenMP threads
+ * (0 = the OpenMP default; 1 = no parallel region). out must not overlap x.
+ * Results do not depend on the number of threads (each output is summed in
+ * the same order whatever the split).
+ *
+ * Quantised weights need x quantised first, into scratch. mm_matmul keeps
+ * one scratch buffer per calling thread (thread-local), grown when a call
+ * needs more and never shrunk, so steady-state calls allocate nothing;
+ * mm_scratch_release frees the calling thread's buffer (call it before an
+ * engine thread exits). Returns 0, or -ENOMEM if that buffer could not grow
+ * (out untouched). mm_matmul_scratch uses caller-provided scratch instead
+ * (at least mm_scratch_bytes(w, n_tok) bytes, 64-byte aligned) and cannot
+ * fail.
+ */
+int mm_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads);
+void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, int n_tok,
+                       int n_threads, void *scratch);
+void mm_scratch_release(void);
+
+/* Which kernels this build compiled in: "avx512-vnni", "avx2" or "scalar". */
+const char *mm_kernel_name(void);
+
+#endif /* KVD_QUANT_H */

@@ -1,0 +1,889 @@
+/*
+ * test_quant.c - weight formats and matrix products (model/quant.c,
+ * model/matmul.c).
+ *
+ * Every decoder is checked against a second, deliberately plain
+ * transcription of its format written here element by element; every
+ * product against a double-precision product over the dequantised weights,
+ * with a tolerance derived from what the kernel is allowed to change:
+ *
+ *   float weights      f32 summation only:
+ *                      |err| <= (n_in + 16) * 2^-23 * sum_i |W[o][i] x[i]|
+ *   quantised weights  activation rounding to 8 bits per block of 32 plus
+ *                      the same f32 summation term:
+ *                      |err| <= sum_b (0.5 * max_b|x| / 127) * sum_{i in b} |W[o][i]|
+ *                               + (n_in + 16) * 2^-22 * sum_i mag[o][i] |x[i]|
+ *                      where mag is |W| except for q4_K, whose two terms
+ *                      (d*s*q and dmin*m) may cancel: there it is their sum.
+ *
+ * Results must also be bit-identical for 1, 2 and 3 threads.
+ */
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "model/quant.h"
+
+/* ------------------------------------------------------------------------
+ * Helpers
+ * ------------------------------------------------------------------------ */
+
+static uint64_t rng_state;
+
+static void rng_seed(uint64_t s)
+{
+    rng_state = s;
+}
+
+static uint64_t rng_u64(void) /* splitmix64 */
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float rng_unit(void) /* [-1, 1) */
+{
+    return (float)((double)(rng_u64() >> 11) * 0x1p-52 - 1.0);
+}
+
+static uint32_t f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static float bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t rd16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static void wr16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+/* Reference binary16 value, from the definition. */
+static double ref_f16(uint16_t h)
+{
+    int sign = h >> 15, exp = (h >> 10) & 31, man = h & 1023;
+    double v;
+    if (exp == 31)
+        v = man ? NAN : INFINITY;
+    else if (exp == 0)
+        v = ldexp(man, -24);
+    else
+        v = ldexp(1024 + man, exp - 25);
+    return sign ? -v : v;
+}
+
+/* ------------------------------------------------------------------------
+ * Type table
+ * ------------------------------------------------------------------------ */
+
+static void test_type_table(void **state)
+{
+    (void)state;
+    assert_string_equal(qt_type_name(GGML_TYPE_Q4_K), "q4_K");
+    assert_string_equal(qt_type_name(GGML_TYPE_BF16), "bf16");
+    assert_string_equal(qt_type_name(GGML_TYPE_Q5_1), "q5_1");
+    assert_null(qt_type_name((enum ggml_type)4)); /* ids 4, 5 were removed from ggml */
+    assert_null(qt_type_name((enum ggml_type)77));
+
+    assert_true(qt_type_supported(GGML_TYPE_F32));
+    assert_true(qt_type_supported(GGML_TYPE_Q6_K));
+    assert_false(qt_type_supported(GGML_TYPE_Q5_K));
+    assert_false(qt_type_supported((enum ggml_type)-1));
+
+    assert_int_equal(qt_row_bytes(GGML_TYPE_F32, 7), 28);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_F16, 7), 14);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_BF16, 7), 14);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q8_0, 64), 68);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q4_0, 96), 54);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q4_K, 512), 288);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q6_K, 256), 210);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q4_0, 48), 0);  /* not a multiple of 32 */
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q6_K, 128), 0); /* not a multiple of 256 */
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q5_K, 256), 0); /* unsupported */
+    assert_int_equal(qt_row_bytes(GGML_TYPE_F32, 0), 0);
+    assert_int_equal(qt_block_elems(GGML_TYPE_Q4_K), 256);
+    assert_int_equal(qt_block_bytes(GGML_TYPE_Q8_0), 34);
+}
+
+/* ------------------------------------------------------------------------
+ * Half precision
+ * ------------------------------------------------------------------------ */
+
+static void test_f16_to_f32_exhaustive(void **state)
+{
+    (void)state;
+    for (uint32_t h = 0; h < 65536; h++) {
+        float got = qt_f16_to_f32((uint16_t)h);
+        double want = ref_f16((uint16_t)h);
+        if (isnan(want)) {
+            assert_true(isnan(got));
+            assert_int_equal(signbit(got) != 0, (h >> 15) != 0);
+        } else {
+            if ((double)got != want || !signbit(got) != !signbit(want))
+                fail_msg("f16 0x%04x: got %a, want %a", (unsigned)h, (double)got, want);
+        }
+    }
+}
+
+/* Round trip of every f16, and every midpoint between neighbours (ties to even). */
+static void test_f32_to_f16_rounding(void **state)
+{
+    (void)state;
+    for (uint32_t h = 0; h < 65536; h++) {
+        uint16_t hh = (uint16_t)h;
+        float f = qt_f16_to_f32(hh);
+        uint16_t back = qt_f32_to_f16(f);
+        if (isnan(f)) {
+            assert_true((back & 0x7c00) == 0x7c00 && (back & 0x3ff) != 0);
+            assert_int_equal(back >> 15, h >> 15);
+            continue;
+        }
+        if (back != hh)
+            fail_msg("round trip of f16 0x%04x gave 0x%04x", (unsigned)h, back);
+        /* neighbours of the same sign, both finite: 0x0000..0x7bfe -> next up */
+        if ((h & 0x7fff) >= 0x7bff)
+            continue;
+        uint16_t next = (uint16_t)(h + 1);
+        double a = ref_f16(hh), b = ref_f16(next);
+        float mid = (float)((a + b) / 2); /* 12 significant bits: exact in f32 */
+        assert_true((double)mid == (a + b) / 2);
+        uint16_t even = (hh & 1) ? next : hh;
+        if (qt_f32_to_f16(mid) != even)
+            fail_msg("midpoint %a of 0x%04x: got 0x%04x, want 0x%04x", (double)mid,
+                     (unsigned)h, qt_f32_to_f16(mid), even);
+        /* one f32 step away from zero rounds to next, one step toward zero to hh */
+        float above = nextafterf(mid, signbit(mid) ? -INFINITY : INFINITY);
+        float below = nextafterf(mid, 0.0f);
+        assert_int_equal(qt_f32_to_f16(above), next);
+        assert_int_equal(qt_f32_to_f16(below), hh);
+    }
+}
+
+static void test_f16_specials(void **state)
+{
+    (void)state;
+    assert_int_equal(qt_f32_to_f16(65504.0f), 0x7bff);
+    assert_int_equal(qt_f32_to_f16(65519.99f), 0x7bff);
+    assert_int_equal(qt_f32_to_f16(65520.0f), 0x7c00); /* tie: to even = infinity */
+    assert_int_equal(qt_f32_to_f16(-65520.0f), 0xfc00);
+    assert_int_equal(qt_f32_to_f16(FLT_MAX), 0x7c00);
+    assert_int_equal(qt_f32_to_f16(INFINITY), 0x7c00);
+    assert_int_equal(qt_f32_to_f16(-INFINITY), 0xfc00);
+    assert_int_equal(qt_f32_to_f16(-0.0f), 0x8000);
+    assert_int_equal(qt_f32_to_f16(0x1p-25f), 0x0000);  /* tie between 0 and 2^-24 */
+    assert_int_equal(qt_f32_to_f16(nextafterf(0x1p-25f, 1.0f)), 0x0001);
+    assert_int_equal(qt_f32_to_f16(0x1.8p-24f), 0x0002); /* tie between 1 and 2 */
+    assert_int_equal(qt_f32_to_f16(FLT_MIN), 0x0000);
+    assert_int_equal(qt_f32_to_f16(0x1p-14f), 0x0400); /* smallest normal */
+    assert_int_equal(qt_f32_to_f16(0x1.ff8p-15f), 0x03ff); /* largest subnormal */
+    assert_int_equal(qt_f32_to_f16(0x1.ffcp-15f), 0x0400); /* tie: up to the even normal */
+    /* NaNs stay NaN, even with a payload only in bits truncation would drop */
+    uint16_t n1 = qt_f32_to_f16(bits_f32(0x7f800001));
+    assert_true((n1 & 0x7c00) == 0x7c00 && (n1 & 0x3ff) != 0);
+    uint16_t n2 = qt_f32_to_f16(bits_f32(0xffc00000));
+    assert_true((n2 & 0x7c00) == 0x7c00 && (n2 & 0x3ff) != 0 && (n2 >> 15));
+    assert_true(isinf(qt_f16_to_f32(0x7c00)) && qt_f16_to_f32(0x7c00) > 0);
+    assert_true(isnan(qt_f16_to_f32(0x7c01)));
+}
+
+static void test_bf16(void **state)
+{
+    (void)state;
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = qt_bf16_to_f32((uint16_t)h);
+        assert_int_equal(f32_bits(f), h << 16);
+        uint16_t back = qt_f32_to_bf16(f);
+        if (isnan(f)) {
+            assert_true((back & 0x7f80) == 0x7f80 && (back & 0x7f) != 0);
+            assert_int_equal(back >> 15, h >> 15);
+            continue;
+        }
+        assert_int_equal(back, h);
+        /* midpoint to the next pattern (same sign; skip into NaN/Inf) */
+        if ((h & 0x7fff) >= 0x7f7f)
+            continue;
+        uint32_t mid = (h << 16) | 0x8000;
+        uint16_t even = (h & 1) ? (uint16_t)(h + 1) : (uint16_t)h;
+        assert_int_equal(qt_f32_to_bf16(bits_f32(mid)), even);
+        assert_int_equal(qt_f32_to_bf16(bits_f32(mid + 1)), h + 1);
+        assert_int_equal(qt_f32_to_bf16(bits_f32(mid - 1)), h);
+    }
+    assert_int_equal(qt_f32_to_bf16(FLT_MAX), 0x7f80); /* rounds to infinity */
+    assert_int_equal(qt_f32_to_bf16(INFINITY), 0x7f80);
+    assert_int_equal(qt_f32_to_bf16(-INFINITY), 0xff80);
+    uint16_t n = qt_f32_to_bf16(bits_f32(0x7f800001)); /* truncation alone gives inf */
+    assert_true((n & 0x7f80) == 0x7f80 && (n & 0x7f) != 0);
+    assert_true(isnan(qt_bf16_to_f32(qt_f32_to_bf16(NAN))));
+}
+
+/* Row conversions (SIMD) agree bit for bit with the scalar ones. */
+static void test_half_rows(void **state)
+{
+    (void)state;
+    enum { N = 65536 + 13 };
+    uint16_t *h = malloc(sizeof(uint16_t) * N), *h2 = malloc(sizeof(uint16_t) * N);
+    float *f = malloc(sizeof(float) * N);
+    assert_non_null(h);
+    assert_non_null(h2);
+    assert_non_null(f);
+
+    for (int i = 0; i < N; i++)
+        h[i] = (uint16_t)(i * 40503u); /* every pattern, shuffled, plus a tail */
+    qt_f16_to_f32_row(h, f, N);
+    for (int i = 0; i < N; i++)
+        assert_int_equal(f32_bits(f[i]), f32_bits(qt_f16_to_f32(h[i])));
+    qt_bf16_to_f32_row(h, f, N);
+    for (int i = 0; i < N; i++)
+        assert_int_equal(f32_bits(f[i]), f32_bits(qt_bf16_to_f32(h[i])));
+
+    rng_seed(11);
+    for (int i = 0; i < N; i++) {
+        uint32_t u = (uint32_t)rng_u64();
+        if (i % 7 == 0) /* near ties: low 13 / 16 bits at the halfway point */
+            u = (u & ~0xffffu) | (i % 14 ? 0x1000u : 0x8000u);
+        f[i] = bits_f32(u);
+    }
+    f[3] = NAN;
+    f[4] = INFINITY;
+    f[5] = bits_f32(0x7f800001);
+    f[6] = 65520.0f;
+    f[9] = -0.0f;
+    qt_f32_to_f16_row(f, h, N);
+    for (int i = 0; i < N; i++)
+        assert_int_equal(h[i], qt_f32_to_f16(f[i]));
+    qt_f32_to_bf16_row(f, h2, N);
+    for (int i = 0; i < N; i++)
+        assert_int_equal(h2[i], qt_f32_to_bf16(f[i]));
+    free(h);
+    free(h2);
+    free(f);
+}
+
+/* ------------------------------------------------------------------------
+ * Quantising and dequantising the formats kvd writes
+ * ------------------------------------------------------------------------ */
+
+/* Random values whose magnitude varies per block of 32 (1e-3 .. 1e3). */
+static void random_row(float *x, int n)
+{
+    for (int b = 0; b < n; b += 32) {
+        float scale = powf(10.0f, 3.0f * rng_unit());
+        for (int k = b; k < b + 32 && k < n; k++)
+            x[k] = scale * rng_unit();
+    }
+}
+
+static void test_known_blocks(void **state)
+{
+    (void)state;
+    float y[32];
+    /* q4_0: d = 0.5; qs[0] = 0x1f: element 0 is the low nibble (15), element 16 the high (1) */
+    uint8_t q4[18] = {0};
+    wr16(q4, 0x3800);
+    q4[2] = 0x1f;
+    q4[2 + 15] = 0x80;
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q4_0, q4, y, 32), 0);
+    assert_true(y[0] == 3.5f && y[16] == -3.5f);
+    assert_true(y[15] == -4.0f && y[31] == 0.0f);
+    assert_true(y[1] == -4.0f && y[17] == -4.0f);
+    /* q8_0: d = 0.25, q[3] = -100 */
+    uint8_t q8[34] = {0};
+    wr16(q8, 0x3400);
+    q8[2 + 3] = (uint8_t)(int8_t)-100;
+    q8[2 + 31] = 127;
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q8_0, q8, y, 32), 0);
+    assert_true(y[3] == -25.0f && y[31] == 31.75f && y[0] == 0.0f);
+}
+
+static void check_quant_round_trip(enum ggml_type type)
+{
+    enum { N = 32 * 41 };
+    float x[N], y[N];
+    uint8_t buf[N * 4 + 1];
+    rng_seed(1000 + (uint64_t)type);
+    random_row(x, N);
+    for (int k = 64; k < 96; k++) /* one all-zero block */
+        x[k] = 0.0f;
+    x[5] = 0.0f;
+    uint8_t *dst = buf + 1; /* rows need not be aligned */
+    assert_int_equal(qt_quantize_row(type, x, dst, N), 0);
+    assert_int_equal(qt_dequantize_row(type, dst, y, N), 0);
+
+    for (int b = 0; b < N; b += 32) {
+        float amax = 0.0f;
+        for (int k = b; k < b + 32; k++)
+            amax = fmaxf(amax, fabsf(x[k]));
+        for (int k = b; k < b + 32; k++) {
+            double err = fabs((double)y[k] - x[k]), bound;
+            switch (type) {
+            case GGML_TYPE_F32: bound = 0; break;
+            case GGML_TYPE_F16: bound = fabs(x[k]) * 0x1p-11 + 0x1p-25; break;
+            case GGML_TYPE_BF16: bound = fabs(x[k]) * 0x1p-8; break;
+            case GGML_TYPE_Q8_0:
+                /* half a step of d = amax/127, plus the f16 rounding of d over 127 steps */
+                bound = 0.5 * amax / 127 * (1 + 0x1p-10) + amax * 0x1p-11;
+                break;
+            default: /* Q4_0: half a step of amax/8; the far extreme may sit a full step off */
+                bound = (0.5 + 8 * 0x1p-11) * amax / 8;
+                if (fabsf(x[k]) > amax * 7.4f / 8)
+                    bound = (1 + 8 * 0x1p-11) * amax / 8;
+                break;
+            }
+            if (err > bound)
+                fail_msg("%s element %d: %g -> %g (err %g > %g)", qt_type_name(type), k,
+                         (double)x[k], (double)y[k], err, bound);
+        }
+        if (amax == 0.0f)
+            for (int k = b; k < b + 32; k++)
+                assert_true(y[k] == 0.0f);
+    }
+    assert_true(y[5] == 0.0f);
+}
+
+static void test_quant_f32(void **state)
+{
+    (void)state;
+    check_quant_round_trip(GGML_TYPE_F32);
+}
+
+static void test_quant_f16(void **state)
+{
+    (void)state;
+    check_quant_round_trip(GGML_TYPE_F16);
+}
+
+static void test_quant_bf16(void **state)
+{
+    (void)state;
+    check_quant_round_trip(GGML_TYPE_BF16);
+}
+
+static void test_quant_q8_0(void **state)
+{
+    (void)state;
+    check_quant_round_trip(GGML_TYPE_Q8_0);
+}
+
+static void test_quant_q4_0(void **state)
+{
+    (void)state;
+    check_quant_round_trip(GGML_TYPE_Q4_0);
+}
+
+/* q4_0 uses the full level range: the largest magnitude maps to level 0 (-8 d). */
+static void test_quant_q4_0_levels(void **state)
+{
+    (void)state;
+    float x[32], y[32];
+    uint8_t b[18];
+    for (int k = 0; k < 32; k++)
+        x[k] = (float)(k - 16) / 2; /* -8 .. 7.5 */
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_0, x, b, 32), 0);
+    assert_true(qt_f16_to_f32(rd16(b)) == 1.0f); /* d = -(-8) / 8 */
+    assert_int_equal(b[2] & 0x0f, 0);            /* x[0] = -8 -> level 0 */
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q4_0, b, y, 32), 0);
+    for (int k = 0; k < 32; k++)
+        assert_true(fabsf(y[k] - x[k]) <= 0.5f);
+    /* same largest magnitude but positive: the scale turns negative */
+    for (int k = 0; k < 32; k++)
+        x[k] = -x[k];
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_0, x, b, 32), 0);
+    assert_true(qt_f16_to_f32(rd16(b)) == -1.0f);
+}
+
+static void test_quant_errors(void **state)
+{
+    (void)state;
+    float x[64] = {0};
+    uint8_t b[256];
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_K, x, b, 256), -EINVAL);
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q5_0, x, b, 32), -EINVAL);
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 48), -EINVAL);
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 0), -EINVAL);
+    x[7] = NAN;
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 32), -EINVAL);
+    x[7] = INFINITY;
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_0, x, b, 32), -EINVAL);
+    x[7] = 1e10f; /* d = 1e10 / 127 does not fit in f16 */
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 32), -ERANGE);
+    x[7] = 1e6f;
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_0, x, b, 32), -ERANGE);
+    float y[32];
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q5_K, b, y, 256), -EINVAL);
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q8_0, b, y, 31), -EINVAL);
+}
+
+/* ------------------------------------------------------------------------
+ * q4_K and q6_K: hand-built blocks against a plain transcription
+ * ------------------------------------------------------------------------ */
+
+/* A finite f16 scale of moderate size, either sign. */
+static uint16_t random_scale(float lo, float hi)
+{
+    float v = lo + (hi - lo) * (rng_unit() + 1) / 2;
+    return qt_f32_to_f16((rng_u64() & 1) ? -v : v);
+}
+
+static void random_k_blocks(enum ggml_type type, uint8_t *p, int n_blocks)
+{
+    size_t bb = qt_block_bytes(type);
+    for (size_t i = 0; i < bb * (size_t)n_blocks; i++)
+        p[i] = (uint8_t)rng_u64();
+    for (int i = 0; i < n_blocks; i++, p += bb) {
+        if (type == GGML_TYPE_Q4_K) {
+            wr16(p + 0, random_scale(0.001f, 0.05f)); /* d */
+            wr16(p + 2, random_scale(0.001f, 0.05f)); /* dmin */
+        } else {
+            wr16(p + 208, random_scale(0.0005f, 0.02f));
+        }
+    }
+}
+
+/*
+ * q4_K from its description: 6-bit scales sc[0..7] and mins m[0..7];
+ * sc[i], m[i] for i < 4 are the low six bits of bytes i and 4+i; for
+ * i = 4..7 the low four bits come from byte 8+(i-4) (scale: low nibble,
+ * min: high nibble) and the top two from the top two bits of byte i-4
+ * (scale) and byte i (min). Element e is nibble (e/32 odd: high) of
+ * qs[32*(e/64) + e%32], value d*sc[e/32]*q - dmin*m[e/32]. *mag gets
+ * |d*sc*q| + |dmin*m|.
+ */
+static void plain_q4_K(const uint8_t *blk, float *y, float *mag)
+{
+    double d = ref_f16(rd16(blk)), dmin = ref_f16(rd16(blk + 2));
+    const uint8_t *s = blk + 4, *qs = blk + 16;
+    int sc[8], m[8];
+    for (int i = 0; i < 4; i++) {
+        sc[i] = s[i] & 0x3f;
+        m[i] = s[4 + i] & 0x3f;
+        sc[4 + i] = (s[8 + i] & 0x0f) + 16 * (s[i] >> 6);
+        m[4 + i] = (s[8 + i] >> 4) + 16 * (s[4 + i] >> 6);
+    }
+    for (int e = 0; e < 256; e++) {
+        int j = e / 32;
+        uint8_t byte = qs[32 * (e / 64) + e % 32];
+        int q = (j % 2) ? byte >> 4 : byte & 0x0f;
+        y[e] = (float)(d * sc[j] * q - dmin * m[j]);
+        mag[e] = (float)(fabs(d * sc[j] * q) + fabs(dmin * m[j]));
+    }
+}
+
+/*
+ * q6_K from its description: element e lies in half h = e/128; with
+ * r = e%128, k = r/32, l = r%32 its low four bits are nibble (k >= 2: high)
+ * of ql[64h + 32(k%2) + l] and its high two bits are bits 2k..2k+1 of
+ * qh[32h + l]; value d * scales[e/16] * (q - 32).
+ */
+static void plain_q6_K(const uint8_t *blk, float *y, float *mag)
+{
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    double d = ref_f16(rd16(blk + 208));
+    for (int e = 0; e < 256; e++) {
+        int h = e / 128, r = e % 128, k = r / 32, l = r % 32;
+        uint8_t lb = ql[64 * h + 32 * (k % 2) + l];
+        int low = k >= 2 ? lb >> 4 : lb & 0x0f;
+        int high = (qh[32 * h + l] >> (2 * k)) & 3;
+        int q = low + 16 * high;
+        y[e] = (float)(d * scales[e / 16] * (q - 32));
+        mag[e] = fabsf(y[e]);
+    }
+}
+
+static void check_k_dequant(enum ggml_type type)
+{
+    enum { NSB = 5 };
+    uint8_t raw[NSB * 210 + 1];
+    uint8_t *blk = raw + 1; /* unaligned on purpose */
+    float y[NSB * 256], want[256], mag[256];
+    rng_seed(500 + (uint64_t)type);
+    random_k_blocks(type, blk, NSB);
+    assert_int_equal(qt_dequantize_row(type, blk, y, NSB * 256), 0);
+    size_t bb = qt_block_bytes(type);
+    for (int i = 0; i < NSB; i++) {
+        if (type == GGML_TYPE_Q4_K)
+            plain_q4_K(blk + bb * (size_t)i, want, mag);
+        else
+            plain_q6_K(blk + bb * (size_t)i, want, mag);
+        for (int e = 0; e < 256; e++) {
+            float got = y[256 * i + e];
+            if (fabsf(got - want[e]) > 1e-6f * mag[e])
+                fail_msg("%s block %d element %d: got %g, want %g", qt_type_name(type), i, e,
+                         (double)got, (double)want[e]);
+        }
+    }
+}
+
+static void test_q4_K_dequant(void **state)
+{
+    (void)state;
+    check_k_dequant(GGML_TYPE_Q4_K);
+}
+
+static void test_q6_K_dequant(void **state)
+{
+    (void)state;
+    check_k_dequant(GGML_TYPE_Q6_K);
+}
+
+/* Known answers: scales and mins packed by hand, every nibble 3. */
+static void test_q4_K_known(void **state)
+{
+    (void)state;
+    uint8_t b[144] = {0};
+    int sc[8] = {1, 2, 63, 4, 17, 33, 48, 63}, m[8] = {0, 5, 6, 7, 31, 16, 1, 62};
+    wr16(b, 0x3c00);     /* d = 1 */
+    wr16(b + 2, 0x3800); /* dmin = 0.5 */
+    for (int i = 0; i < 4; i++) {
+        b[4 + i] = (uint8_t)(sc[i] | ((sc[4 + i] >> 4) << 6));
+        b[8 + i] = (uint8_t)(m[i] | ((m[4 + i] >> 4) << 6));
+        b[12 + i] = (uint8_t)((sc[4 + i] & 15) | ((m[4 + i] & 15) << 4));
+    }
+    memset(b + 16, 0x33, 128);
+    float y[256];
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q4_K, b, y, 256), 0);
+    for (int e = 0; e < 256; e++)
+        assert_true(y[e] == (float)(3 * sc[e / 32]) - 0.5f * (float)m[e / 32]);
+}
+
+/* Known answers: q6_K with q = element index % 64 laid out by hand. */
+static void test_q6_K_known(void **state)
+{
+    (void)state;
+    uint8_t b[210] = {0};
+    int qv[256];
+    for (int e = 0; e < 256; e++)
+        qv[e] = (e * 7 + 3) % 64;
+    for (int e = 0; e < 256; e++) {
+        int h = e / 128, r = e % 128, k = r / 32, l = r % 32;
+        b[64 * h + 32 * (k % 2) + l] |= (uint8_t)((qv[e] & 15) << (k >= 2 ? 4 : 0));
+        b[128 + 32 * h + l] |= (uint8_t)((qv[e] >> 4) << (2 * k));
+    }
+    for (int g = 0; g < 16; g++)
+        b[192 + g] = (uint8_t)(int8_t)(g % 2 ? -g : g + 1);
+    wr16(b + 208, 0x3800); /* d = 0.5 */
+    float y[256];
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q6_K, b, y, 256), 0);
+    for (int e = 0; e < 256; e++) {
+        int g = e / 16, s = g % 2 ? -g : g + 1;
+        assert_true(y[e] == 0.5f * (float)s * (float)(qv[e] - 32));
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Matrix products
+ * ------------------------------------------------------------------------ */
+
+static void fill_weights(enum ggml_type type, uint8_t *data, int n_in, int n_out)
+{
+    size_t rb = qt_row_bytes(type, n_in);
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+        random_k_blocks(type, data, (int)(rb / qt_block_bytes(type)) * n_out);
+        return;
+    }
+    float *row = malloc(sizeof(float) * (size_t)n_in);
+    assert_non_null(row);
+    for (int o = 0; o < n_out; o++) {
+        for (int i = 0; i < n_in; i++)
+            row[i] = rng_unit();
+        if (o == 1)
+            for (int i = 0; i < n_in && i < 32; i++)
+                row[i] = 0.0f; /* a zero block */
+        assert_int_equal(qt_quantize_row(type, row, data + rb * (size_t)o, n_in), 0);
+    }
+    free(row);
+}
+
+/* mag[o][i] for the tolerance: |W| except q4_K (sum of its two terms). */
+static void weight_magnitudes(enum ggml_type type, const uint8_t *data, const float *W,
+                              int n_in, int n_out, float *mag)
+{
+    size_t n = (size_t)n_in * (size_t)n_out;
+    if (type != GGML_TYPE_Q4_K) {
+        for (size_t i = 0; i < n; i++)
+            mag[i] = fabsf(W[i]);
+        return;
+    }
+    float y[256];
+    for (size_t s = 0; s < n / 256; s++)
+        plain_q4_K(data + 144 * s, y, mag + 256 * s);
+}
+
+static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
+{
+    const bool quantised =
+        !(type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16);
+    size_t rb = qt_row_bytes(type, n_in);
+    assert_true(rb > 0);
+    uint8_t *raw = malloc(rb * (size_t)n_out + 1);
+    float *W = malloc(sizeof(float) * (size_t)n_in * (size_t)n_out);
+    float *mag = malloc(sizeof(float) * (size_t)n_in * (size_t)n_out);
+    float *x = malloc(sizeof(float) * (size_t)n_in * (size_t)n_tok);
+    float *out[4];
+    for (int k = 0; k < 4; k++)
+        out[k] = malloc(sizeof(float) * (size_t)n_out * (size_t)n_tok);
+    assert_non_null(raw);
+    assert_non_null(W);
+    assert_non_null(mag);
+    assert_non_null(x);
+    /* odd byte offset for the quantised formats (rows are unaligned anyway) */
+    uint8_t *data = raw + (quantised ? 1 : 0);
+
+    rng_seed(((uint64_t)type << 32) ^ ((uint64_t)n_in << 16) ^ ((uint64_t)n_out << 8) ^
+             (uint64_t)n_tok);
+    fill_weights(type, data, n_in, n_out);
+    for (int o = 0; o < n_out; o++)
+        assert_int_equal(qt_dequantize_row(type, data + rb * (size_t)o, W + (size_t)o * n_in, n_in),
+                         0);
+    weight_magnitudes(type, data, W, n_in, n_out, mag);
+    for (int t = 0; t < n_tok; t++)
+        random_row(x + (size_t)t * n_in, n_in);
+    if (n_tok > 1 && n_in >= 64)
+        for (int i = 32; i < 64; i++)
+            x[(size_t)n_in + i] = 0.0f; /* an all-zero activation block */
+
+    struct mm_weight w;
+    char err[160];
+    assert_int_equal(mm_weight_init(&w, type, n_in, n_out, data, err, sizeof err), 0);
+    assert_int_equal(w.row_bytes, rb);
+
+    const int threads[3] = {1, 2, 3};
+    for (int k = 0; k < 3; k++) {
+        for (size_t i = 0; i < (size_t)n_out * n_tok; i++)
+            out[k][i] = NAN; /* every output must be written */
+        assert_int_equal(mm_matmul(out[k], &w, x, n_tok, threads[k]), 0);
+    }
+    /* caller-provided scratch gives the same result */
+    size_t sb = mm_scratch_bytes(&w, n_tok);
+    assert_true(quantised ? sb > 0 : sb == 0);
+    void *scratch = sb ? aligned_alloc(64, (sb + 63) / 64 * 64) : NULL;
+    mm_matmul_scratch(out[3], &w, x, n_tok, 2, scratch);
+    free(scratch);
+
+    for (int t = 0; t < n_tok; t++) {
+        const float *xt = x + (size_t)t * n_in;
+        for (int o = 0; o < n_out; o++) {
+            const float *wo = W + (size_t)o * n_in, *mo = mag + (size_t)o * n_in;
+            double ref = 0, absum = 0, qbound = 0;
+            for (int i = 0; i < n_in; i++) {
+                ref += (double)wo[i] * xt[i];
+                absum += (double)mo[i] * fabs(xt[i]);
+            }
+            double tol;
+            if (quantised) {
+                for (int b = 0; b < n_in; b += 32) {
+                    double amax = 0, wsum = 0;
+                    for (int i = b; i < b + 32; i++) {
+                        amax = fmax(amax, fabs(xt[i]));
+                        wsum += fabs(wo[i]);
+                    }
+                    qbound += 0.5 * amax / 127 * (1 + 1e-5) * wsum;
+                }
+                tol = qbound + (n_in + 16) * 0x1p-22 * absum;
+            } else {
+                tol = (n_in + 16) * 0x1p-23 * absum;
+            }
+            size_t at = (size_t)t * n_out + o;
+            double got = out[0][at];
+            if (!(fabs(got - ref) <= tol))
+                fail_msg("%s %dx%d tok %d/%d row %d: got %.9g, want %.9g (tol %.3g)",
+                         qt_type_name(type), n_out, n_in, t, n_tok, o, got, ref, tol);
+            for (int k = 1; k < 4; k++)
+                if (f32_bits(out[k][at]) != f32_bits(out[0][at]))
+                    fail_msg("%s: run %d differs from the 1-thread result at tok %d row %d",
+                             qt_type_name(type), k, t, o);
+        }
+    }
+    free(raw);
+    free(W);
+    free(mag);
+    free(x);
+    for (int k = 0; k < 4; k++)
+        free(out[k]);
+}
+
+/* n_out 1, 7, 37 (not multiples of the row tile or group); n_tok 1, 3, 5, 17. */
+static void check_matmul_shapes(enum ggml_type type, const int *n_ins, int n_n_in)
+{
+    const int n_outs[3] = {1, 7, 37}, n_toks[4] = {1, 3, 5, 17};
+    for (int a = 0; a < n_n_in; a++)
+        for (int b = 0; b < 3; b++)
+            for (int c = 0; c < 4; c++)
+                check_matmul(type, n_ins[a], n_outs[b], n_toks[c]);
+}
+
+static void test_matmul_f32(void **state)
+{
+    (void)state;
+    const int n_in[4] = {1, 37, 64, 200};
+    check_matmul_shapes(GGML_TYPE_F32, n_in, 4);
+}
+
+static void test_matmul_f16(void **state)
+{
+    (void)state;
+    const int n_in[3] = {5, 64, 263};
+    check_matmul_shapes(GGML_TYPE_F16, n_in, 3);
+}
+
+static void test_matmul_bf16(void **state)
+{
+    (void)state;
+    const int n_in[3] = {5, 64, 263};
+    check_matmul_shapes(GGML_TYPE_BF16, n_in, 3);
+}
+
+static void test_matmul_q8_0(void **state)
+{
+    (void)state;
+    const int n_in[3] = {32, 96, 320};
+    check_matmul_shapes(GGML_TYPE_Q8_0, n_in, 3);
+}
+
+static void test_matmul_q4_0(void **state)
+{
+    (void)state;
+    const int n_in[3] = {32, 96, 320};
+    check_matmul_shapes(GGML_TYPE_Q4_0, n_in, 3);
+}
+
+static void test_matmul_q4_K(void **state)
+{
+    (void)state;
+    const int n_in[2] = {256, 768};
+    check_matmul_shapes(GGML_TYPE_Q4_K, n_in, 2);
+}
+
+static void test_matmul_q6_K(void **state)
+{
+    (void)state;
+    const int n_in[2] = {256, 768};
+    check_matmul_shapes(GGML_TYPE_Q6_K, n_in, 2);
+}
+
+/* A larger product: several row groups per thread, long rows. */
+static void test_matmul_larger(void **state)
+{
+    (void)state;
+    const enum ggml_type types[7] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q8_0,
+                                     GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    for (int k = 0; k < 7; k++)
+        check_matmul(types[k], 1024, 83, 9);
+}
+
+static void test_weight_init_errors(void **state)
+{
+    (void)state;
+    struct mm_weight w;
+    memset(&w, 0xab, sizeof w);
+    struct mm_weight before = w;
+    char err[200] = "";
+    uint8_t data[1024] = {0};
+
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q5_K, 256, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "q5_K"));
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q4_1, 32, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "q4_1"));
+    assert_int_equal(mm_weight_init(&w, (enum ggml_type)77, 32, 4, data, err, sizeof err),
+                     -EINVAL);
+    assert_non_null(strstr(err, "77"));
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q4_0, 48, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "32"));
+    assert_non_null(strstr(err, "48"));
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q6_K, 128, 4, data, err, sizeof err), -EINVAL);
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_F32, 0, 4, data, err, sizeof err), -EINVAL);
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_F32, 8, 0, data, err, sizeof err), -EINVAL);
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_F32, 8, 4, NULL, err, sizeof err), -EINVAL);
+    assert_memory_equal(&w, &before, sizeof w);
+
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q4_K, 512, 3, data, err, sizeof err), 0);
+    assert_int_equal(w.row_bytes, 288);
+    assert_int_equal(w.n_in, 512);
+    assert_int_equal(w.n_out, 3);
+    assert_ptr_equal(w.data, data);
+}
+
+/* n_tok = 0 writes nothing; the thread-local scratch can be released and regrown. */
+static void test_matmul_edges(void **state)
+{
+    (void)state;
+    float x[64], out[2] = {42.0f, 42.0f};
+    uint8_t data[2 * 68];
+    struct mm_weight w;
+    char err[100];
+    rng_seed(3);
+    for (int i = 0; i < 64; i++)
+        x[i] = rng_unit();
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, data, 64), 0);
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, data + 68, 64), 0);
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q8_0, 64, 2, data, err, sizeof err), 0);
+    assert_int_equal(mm_matmul(out, &w, x, 0, 1), 0);
+    assert_true(out[0] == 42.0f && out[1] == 42.0f);
+    assert_int_equal(mm_matmul(out, &w, x, 1, 0), 0);
+    float first = out[0];
+    assert_true(first > 0.0f); /* x . x */
+    mm_scratch_release();
+    assert_int_equal(mm_matmul(out, &w, x, 1, 1), 0);
+    assert_true(out[0] == first && out[1] == first);
+    mm_scratch_release();
+    print_message("matmul kernels: %s\n", mm_kernel_name());
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_type_table),
+        cmocka_unit_test(test_f16_to_f32_exhaustive),
+        cmocka_unit_test(test_f32_to_f16_rounding),
+        cmocka_unit_test(test_f16_specials),
+        cmocka_unit_test(test_bf16),
+        cmocka_unit_test(test_half_rows),
+        cmocka_unit_test(test_known_blocks),
+        cmocka_unit_test(test_quant_f32),
+        cmocka_unit_test(test_quant_f16),
+        cmocka_unit_test(test_quant_bf16),
+        cmocka_unit_test(test_quant_q8_0),
+        cmocka_unit_test(test_quant_q4_0),
+        cmocka_unit_test(test_quant_q4_0_levels),
+        cmocka_unit_test(test_quant_errors),
+        cmocka_unit_test(test_q4_K_dequant),
+        cmocka_unit_test(test_q6_K_dequant),
+        cmocka_unit_test(test_q4_K_known),
+        cmocka_unit_test(test_q6_K_known),
+        cmocka_unit_test(test_weight_init_errors),
+        cmocka_unit_test(test_matmul_edges),
+        cmocka_unit_test(test_matmul_f32),
+        cmocka_unit_test(test_matmul_f16),
+        cmocka_unit_test(test_matmul_bf16),
+        cmocka_unit_test(test_matmul_q8_0),
+        cmocka_unit_test(test_matmul_q4_0),
+        cmocka_unit_test(test_matmul_q4_K),
+        cmocka_unit_test(test_matmul_q6_K),
+        cmocka_unit_test(test_matmul_larger),
+    };
+    return cmocka_run_group_tests_name("quant", tests, NULL, NULL);
+}
