@@ -952,8 +952,29 @@ static void test_stories260k(void **state)
     assert_int_equal(gguf_get_arr_str(f, "tokenizer.ggml.tokens", 0, &s, &len), 0);
     assert_int_equal(len, 5);
     assert_memory_equal(s, "<unk>", 5);
+    uint32_t ctx;
+    assert_int_equal(gguf_get_u32(f, "llama.context_length", &ctx), 0);
+    assert_int_equal(ctx, 2048);
     (void)walk(f);
     gguf_close(f);
+
+    /* The same weights from a second converter. */
+    snprintf(path, sizeof(path), "%s/models/stories260K-ctx128.gguf", shared_dir());
+    if (access(path, R_OK) == 0) {
+        f = gguf_open(path, err, sizeof(err));
+        if (!f)
+            fail_msg("%s", err);
+        assert_int_equal(gguf_get_u32(f, "llama.context_length", &ctx), 0);
+        assert_int_equal(ctx, 128);
+        t = gguf_find_tensor(f, "token_embd.weight");
+        assert_non_null(t);
+        assert_int_equal(t->ne[0], 64);
+        assert_int_equal(t->ne[1], 512);
+        assert_int_equal(gguf_get_arr(f, "tokenizer.ggml.tokens", NULL, &n, NULL), 0);
+        assert_int_equal(n, 512);
+        (void)walk(f);
+        gguf_close(f);
+    }
 }
 
 static void test_shared_vocabs(void **state)
