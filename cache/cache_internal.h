@@ -1,0 +1,116 @@
+/*
+ * cache_internal.h - the cache room's private structs and helpers, shared
+ * by pool.c (pages), seq.c (sequences, append, sessions) and evict.c
+ * (policies). Never included from outside cache/ (tests excepted: they are
+ * white-box).
+ *
+ * Token arrays with a front offset. A sequence's per-token arrays (pos, ids,
+ * hidx, mass) and its page table each live in a buffer with a start offset:
+ * logical token i is buf[off + i]. sink-window eviction removes a run right
+ * after the sinks; instead of moving the (long) window back over the gap it
+ * moves the (short) sinks forward and advances the offset, so the page table
+ * changes in O(sink pages + pages freed) and the token arrays in O(sink
+ * tokens). Appends compact a buffer to the front when its tail runs out,
+ * which costs O(n) once per O(n) appended tokens.
+ */
+#ifndef KVD_CACHE_INTERNAL_H
+#define KVD_CACHE_INTERNAL_H
+
+#include "kv_cache.h"
+
+#define KV_PAGE_ALIGN 64 /* page_bytes is a multiple of this */
+
+struct kv_cache {
+    struct kv_layout layout; /* base, sizes, shape */
+    size_t map_bytes;        /* bytes mapped at base */
+    int n_pages;
+    bool mlocked;
+
+    int32_t *free_stack; /* [n_pages] free page ids; top at free_stack[n_free - 1] */
+    int n_free;
+    int32_t *owner; /* [n_pages] uid of the sequence holding the page, or -1 */
+
+    struct kv_seq *seqs; /* doubly linked list of live sequences, newest first */
+    int n_seqs, n_sessions;
+    int32_t next_uid;
+
+    uint64_t evictions, tokens_evicted, sessions_dropped;
+};
+
+/* One scratch entry of h2o's selection. */
+struct kv_rank {
+    float mass;
+    int32_t idx;
+};
+
+struct kv_seq {
+    kv_cache *cache;
+    struct kv_seq *prev, *next; /* in cache->seqs */
+    int32_t uid;                /* owner tag in cache->owner; unique per cache */
+    struct kv_policy policy;
+    bool session, pinned, dropped;
+    bool drop_planned; /* LRU victim of the append being planned */
+    uint64_t last_use; /* ms, from kv_seq_touch */
+
+    /* Page table: page ids of logical pages 0..n_pages-1 at ptab[p_off..]. */
+    int32_t *ptab;
+    int p_off, n_pages, p_cap;
+
+    /* Per retained token, logical i at [t_off + i]; capacity t_cap. */
+    int32_t *pos;  /* position number */
+    int32_t *ids;  /* token id */
+    int32_t *hidx; /* history index */
+    float *mass;   /* accumulated attention mass (h2o) */
+    int t_off, n_tokens, t_cap;
+
+    /* h2o scratch, capacity t_cap. */
+    struct kv_rank *rank;
+    uint8_t *keep;
+
+    int32_t next_pos;   /* position of the next appended token */
+    int32_t n_appended; /* tokens appended since creation/drop/truncate: next history index */
+
+    /* Sessions: every appended id, [n_appended] (capacity h_cap). */
+    int32_t *hist;
+    int h_cap;
+};
+
+/* --- pool.c ------------------------------------------------------------ */
+
+/* Pop a free page and tag it with owner. The caller checked n_free > 0. */
+int32_t kv_pool_alloc(kv_cache *cache, int32_t owner);
+/* Push page back; asserts it was held by owner. */
+void kv_pool_release(kv_cache *cache, int32_t page, int32_t owner);
+/* Pages needed to hold n tokens. */
+static inline int kv_pages_for(const kv_cache *cache, int64_t n)
+{
+    int pt = cache->layout.page_tokens;
+    return (int)((n + pt - 1) / pt);
+}
+
+/* --- evict.c ----------------------------------------------------------- */
+
+/*
+ * Tokens the policy must keep of the sequence as it is now: the floor an
+ * eviction can reach. n_tokens for none.
+ */
+int kv_evict_floor(const kv_seq *seq);
+/*
+ * Plan: the smallest number of tokens the policy would leave (>= floor) so
+ * that `target` or fewer remain, or -1 if even the floor is above target.
+ * Pure; for sink-window the answer is n_tokens minus whole pages.
+ */
+int kv_evict_plan(const kv_seq *seq, int target);
+/*
+ * Execute: evict so that at most `keep` tokens remain, where keep came from
+ * kv_evict_plan (or is >= n_tokens: nothing happens). Frees pages, renumbers
+ * in renumber mode, counts. Cannot fail. Returns tokens evicted.
+ */
+int kv_evict_apply(kv_seq *seq, int keep);
+
+/* --- seq.c ------------------------------------------------------------- */
+
+/* Release every page and token of seq (drop, destroy); keeps capacity. */
+void kv_seq_release_all(kv_seq *seq);
+
+#endif /* KVD_CACHE_INTERNAL_H */

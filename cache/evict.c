@@ -1,0 +1,386 @@
+/*
+ * evict.c - eviction policies: which cached tokens a sequence gives up when
+ * it has to, and how, without touching the bytes of the ones it keeps.
+ *
+ * ---------------------------------------------------------------------------
+ * Why middle-token eviction, and why it is cheap here
+ * ---------------------------------------------------------------------------
+ *
+ * A model attends over everything in its cache. When a conversation outgrows
+ * the cache, something must go. Dropping the oldest tokens (a plain sliding
+ * window) breaks models badly: the first few tokens of a sequence collect a
+ * large share of every head's attention whatever they say ("attention
+ * sinks"), and once they are gone the softmax has nowhere to put that mass.
+ * StreamingLLM's observation is that keeping those first tokens plus a
+ * window of recent ones is enough for the model to go on fluently; H2O's is
+ * that among the middle tokens a few "heavy hitters" receive most of the
+ * attention, and keeping those preserves more of what the middle said.
+ * Both evict from the middle.
+ *
+ * The usual way to evict from the middle of a cache that holds *rotated*
+ * keys (llama.cpp's context shift) is to drop the cells and then rotate
+ * every retained key again by the position delta, so that the survivors
+ * look as if they had always been at their new positions: O(retained tokens
+ * x layers x heads x head_dim) arithmetic per shift, rewriting most of the
+ * cache. kvd stores keys before rotation and lets the kernel rotate (or bias,
+ * for ALiBi and T5) from a per-token position number. Moving a token to a
+ * new position is then a change to one int32; the K and V bytes of a token
+ * that stays are never rewritten. That is invariant 1, and every algorithm
+ * below keeps it.
+ *
+ * ---------------------------------------------------------------------------
+ * When eviction runs
+ * ---------------------------------------------------------------------------
+ *
+ * Eviction is driven by appends (seq.c, kv_seq_append). Before an append of
+ * n tokens the sequence must satisfy n_tokens + n <= max_cache_tokens, and
+ * the pool must have the pages. The append asks kv_evict_plan how far the
+ * policy would shrink the sequence to meet the budget, then, if the pool is
+ * still short, first drops idle sessions (LRU, seq.c) and only then asks the
+ * policy to shrink this sequence further, down to its floor: what the policy
+ * never gives up. Everything is planned before anything changes, so a
+ * refused append leaves the cache exactly as it was. kv_evict_apply then
+ * carries out the plan and cannot fail.
+ *
+ * ---------------------------------------------------------------------------
+ * sink-window (StreamingLLM), page-granular
+ * ---------------------------------------------------------------------------
+ *
+ * The sequence is [sinks | middle | window]. Sinks round up to whole pages:
+ * the first sp = ceil(sink_tokens / page_tokens) logical pages are never
+ * evicted. A page after the sinks may be evicted only if all of its tokens
+ * lie before the last window_tokens tokens, so at least window_tokens recent
+ * tokens always survive. Eviction frees such pages oldest first, as many as
+ * the budget (or the pool) needs, and nothing finer than a page: one step
+ * costs O(sink pages + pages freed) of page-table work and O(sink tokens) of
+ * token-array work (the short sinks slide forward over the gap instead of
+ * the long window sliding back; see cache_internal.h), plus O(retained) to
+ * renumber positions when the policy renumbers. Since every page but the
+ * last is full and only whole pages leave, logical token i stays at page
+ * i / page_tokens, slot i % page_tokens: no byte moves at all.
+ *
+ * When the sequence sits at its budget, each page-sized run of appended
+ * tokens costs one eviction step of one page, so the step's cost is spread
+ * over page_tokens tokens. kv_policy_check demands
+ * max_cache_tokens >= sp*page_tokens + window_tokens + page_tokens so that a
+ * full sequence always has at least one evictable page.
+ *
+ * ---------------------------------------------------------------------------
+ * h2o (heavy hitters), token-granular with compaction
+ * ---------------------------------------------------------------------------
+ *
+ * The sequence is [sinks | middle | window] with exactly sink_tokens sinks
+ * and window_tokens recent tokens. Each token carries the attention mass it
+ * has accumulated (kv_seq_add_mass, fed from the kernel's optional output).
+ * When the budget is exceeded, the step keeps the heavy_tokens middle tokens
+ * with the largest mass (ties go to the more recent token) and evicts every
+ * other middle token, in one step down to sinks + window + heavy, so that at
+ * least a page's worth of tokens (kv_policy_check requires the slack) is
+ * freed per step and its O(retained log retained) selection is amortised.
+ *
+ * Survivors are then compacted toward the front in order: a token that
+ * moves from logical slot i to slot d < i has its K and V rows copied whole
+ * (memcpy, every layer and KV head) and its position, id, history index and
+ * mass moved with it; the bytes are never changed, only their address. The
+ * pages past the new end go back to the pool.
+ *
+ * ---------------------------------------------------------------------------
+ * Positions
+ * ---------------------------------------------------------------------------
+ *
+ * renumber: after every eviction the survivors get positions 0..n-1 in
+ * order, and the next token continues at n; the model never sees an offset
+ * larger than its cache. With keys stored unrotated, attention over the
+ * evicted cache equals attention over a fresh cache holding only the
+ * survivors (invariant 3). preserve: a token keeps the position it was first
+ * given, gaps and all; the next token continues after the last position
+ * ever assigned.
+ */
+#include "cache_internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------
+ * Policy descriptions
+ * ------------------------------------------------------------------------ */
+
+static const char *const kind_names[] = {
+    [KV_EVICT_NONE] = "none",
+    [KV_EVICT_SINK_WINDOW] = "sink-window",
+    [KV_EVICT_H2O] = "h2o",
+};
+
+const char *kv_policy_kind_name(enum kv_policy_kind kind)
+{
+    if ((unsigned)kind < sizeof(kind_names) / sizeof(kind_names[0]))
+        return kind_names[kind];
+    return "unknown";
+}
+
+int kv_policy_parse_kind(const char *name, enum kv_policy_kind *out)
+{
+    if (!name)
+        return -EINVAL;
+    for (size_t k = 0; k < sizeof(kind_names) / sizeof(kind_names[0]); k++) {
+        if (strcmp(name, kind_names[k]) == 0) {
+            *out = (enum kv_policy_kind)k;
+            return 0;
+        }
+    }
+    return -EINVAL;
+}
+
+static int sink_pages(const struct kv_policy *p, int page_tokens)
+{
+    return (int)(((int64_t)p->sink_tokens + page_tokens - 1) / page_tokens);
+}
+
+int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_t errlen)
+{
+#define REJECT(...)                                                                      \
+    do {                                                                                 \
+        if (err)                                                                         \
+            snprintf(err, errlen, __VA_ARGS__);                                          \
+        return -EINVAL;                                                                  \
+    } while (0)
+    if (!p)
+        REJECT("eviction: no policy");
+    if (page_tokens < 1)
+        REJECT("eviction: page_tokens must be >= 1 (got %d)", page_tokens);
+    if ((unsigned)p->kind >= sizeof(kind_names) / sizeof(kind_names[0]))
+        REJECT("eviction: unknown policy kind %d", (int)p->kind);
+    const char *name = kv_policy_kind_name(p->kind);
+    if (p->max_cache_tokens < 1)
+        REJECT("eviction %s: max_cache_tokens must be >= 1 (got %d)", name,
+               p->max_cache_tokens);
+    if (p->sink_tokens < 0 || p->window_tokens < 0 || p->heavy_tokens < 0)
+        REJECT("eviction %s: sink_tokens, window_tokens and heavy_tokens must be >= 0 "
+               "(got %d, %d, %d)",
+               name, p->sink_tokens, p->window_tokens, p->heavy_tokens);
+
+    int64_t need = 1;
+    switch (p->kind) {
+    case KV_EVICT_NONE:
+        return 0;
+    case KV_EVICT_SINK_WINDOW: {
+        int64_t sinks = (int64_t)sink_pages(p, page_tokens) * page_tokens;
+        need = sinks + p->window_tokens + page_tokens;
+        if (p->max_cache_tokens < need)
+            REJECT("eviction sink-window: max_cache_tokens %d is smaller than the sinks "
+                   "(%d tokens round up to %lld, whole %d-token pages) + window_tokens %d + "
+                   "one page %d: eviction could never free a page; need at least %lld",
+                   p->max_cache_tokens, p->sink_tokens, (long long)sinks, page_tokens,
+                   p->window_tokens, page_tokens, (long long)need);
+        return 0;
+    }
+    case KV_EVICT_H2O:
+        need = (int64_t)p->sink_tokens + p->window_tokens + p->heavy_tokens + page_tokens;
+        if (p->max_cache_tokens < need)
+            REJECT("eviction h2o: max_cache_tokens %d is smaller than sink_tokens %d + "
+                   "window_tokens %d + heavy_tokens %d + one page %d: an eviction step "
+                   "would free less than a page; need at least %lld",
+                   p->max_cache_tokens, p->sink_tokens, p->window_tokens, p->heavy_tokens,
+                   page_tokens, (long long)need);
+        return 0;
+    }
+    return 0;
+#undef REJECT
+}
+
+/* ------------------------------------------------------------------------
+ * Planning
+ * ------------------------------------------------------------------------ */
+
+/* sink-window: pages after the sinks lying wholly before the window. */
+static int evictable_pages(const kv_seq *s)
+{
+    int pt = s->cache->layout.page_tokens;
+    int before_window = s->n_tokens - s->policy.window_tokens;
+    if (before_window <= 0)
+        return 0;
+    int k = before_window / pt - sink_pages(&s->policy, pt);
+    return k > 0 ? k : 0;
+}
+
+/* h2o: tokens kept when it evicts. */
+static int h2o_keep(const kv_seq *s)
+{
+    int64_t keep = (int64_t)s->policy.sink_tokens + s->policy.window_tokens +
+                   s->policy.heavy_tokens;
+    return keep < s->n_tokens ? (int)keep : s->n_tokens;
+}
+
+int kv_evict_floor(const kv_seq *s)
+{
+    switch (s->policy.kind) {
+    case KV_EVICT_SINK_WINDOW:
+        return s->n_tokens - evictable_pages(s) * s->cache->layout.page_tokens;
+    case KV_EVICT_H2O: return h2o_keep(s);
+    case KV_EVICT_NONE: break;
+    }
+    return s->n_tokens;
+}
+
+int kv_evict_plan(const kv_seq *s, int target)
+{
+    if (s->n_tokens <= target)
+        return s->n_tokens;
+    if (target < 0 || kv_evict_floor(s) > target)
+        return -1;
+    switch (s->policy.kind) {
+    case KV_EVICT_SINK_WINDOW: {
+        int pt = s->cache->layout.page_tokens;
+        int pages = (s->n_tokens - target + pt - 1) / pt; /* fewest whole pages */
+        return s->n_tokens - pages * pt;
+    }
+    case KV_EVICT_H2O: return h2o_keep(s); /* one step down to the floor */
+    case KV_EVICT_NONE: break;
+    }
+    return -1;
+}
+
+/* ------------------------------------------------------------------------
+ * Execution
+ * ------------------------------------------------------------------------ */
+
+static void renumber(kv_seq *s)
+{
+    int32_t *pos = s->pos + s->t_off;
+    for (int i = 0; i < s->n_tokens; i++)
+        pos[i] = i;
+    s->next_pos = s->n_tokens;
+}
+
+/* Move n entries of every per-token array from logical index src to dst. */
+static void move_token_meta(kv_seq *s, int dst, int src, int n)
+{
+    int d = s->t_off + dst, o = s->t_off + src;
+    memmove(s->pos + d, s->pos + o, sizeof(int32_t) * (size_t)n);
+    memmove(s->ids + d, s->ids + o, sizeof(int32_t) * (size_t)n);
+    memmove(s->hidx + d, s->hidx + o, sizeof(int32_t) * (size_t)n);
+    memmove(s->mass + d, s->mass + o, sizeof(float) * (size_t)n);
+}
+
+/*
+ * Free k whole pages right after the sinks. The sinks' page ids and token
+ * metadata slide forward over the gap; the offsets advance past it.
+ */
+static void evict_pages(kv_seq *s, int k)
+{
+    kv_cache *c = s->cache;
+    int pt = c->layout.page_tokens;
+    int sp = sink_pages(&s->policy, pt);
+    assert(k > 0 && k <= evictable_pages(s));
+
+    int32_t *ptab = s->ptab + s->p_off;
+    for (int j = sp; j < sp + k; j++)
+        kv_pool_release(c, ptab[j], s->uid);
+    memmove(ptab + k, ptab, sizeof(int32_t) * (size_t)sp);
+    s->p_off += k;
+    s->n_pages -= k;
+
+    int gap = k * pt;
+    move_token_meta(s, gap, 0, sp * pt);
+    s->t_off += gap;
+    s->n_tokens -= gap;
+}
+
+/* Rank order for h2o: larger mass first, NaN last, ties to the later token. */
+static int rank_cmp(const void *a, const void *b)
+{
+    const struct kv_rank *x = a, *y = b;
+    bool xn = isnan(x->mass), yn = isnan(y->mass);
+    if (xn != yn)
+        return xn ? 1 : -1;
+    if (!xn && x->mass != y->mass)
+        return x->mass > y->mass ? -1 : 1;
+    return x->idx > y->idx ? -1 : (x->idx < y->idx);
+}
+
+/* Copy token src's K and V rows (every layer, every KV head) to slot dst. */
+static void move_token_bytes(kv_seq *s, int dst, int src)
+{
+    const struct kv_layout *l = &s->cache->layout;
+    int pt = l->page_tokens;
+    const int32_t *ptab = s->ptab + s->p_off;
+    int dp = ptab[dst / pt], ds = dst % pt, sp = ptab[src / pt], ss = src % pt;
+    for (int layer = 0; layer < l->n_layer; layer++)
+        for (int h = 0; h < l->n_kv_head; h++) {
+            memcpy(kv_layout_elem(l, dp, ds, layer, h, false),
+                   kv_layout_elem(l, sp, ss, layer, h, false), l->row_bytes);
+            memcpy(kv_layout_elem(l, dp, ds, layer, h, true),
+                   kv_layout_elem(l, sp, ss, layer, h, true), l->row_bytes);
+        }
+}
+
+/* Keep sinks, window and the `keep - sinks - window` heaviest middle tokens;
+ * compact the survivors in order and free the pages past the end. */
+static void evict_h2o(kv_seq *s, int keep)
+{
+    kv_cache *c = s->cache;
+    int n = s->n_tokens;
+    int sinks = s->policy.sink_tokens < n ? s->policy.sink_tokens : n;
+    int window = s->policy.window_tokens < n - sinks ? s->policy.window_tokens : n - sinks;
+    int mid_lo = sinks, mid_hi = n - window, heavy = keep - sinks - window;
+    assert(heavy >= 0 && heavy <= mid_hi - mid_lo);
+
+    /* Select the heavy hitters of the middle. */
+    uint8_t *kp = s->keep;
+    memset(kp, 1, (size_t)n);
+    int m = 0;
+    const float *mass = s->mass + s->t_off;
+    for (int i = mid_lo; i < mid_hi; i++) {
+        s->rank[m++] = (struct kv_rank){.mass = mass[i], .idx = i};
+        kp[i] = 0;
+    }
+    qsort(s->rank, (size_t)m, sizeof(s->rank[0]), rank_cmp);
+    for (int r = 0; r < heavy; r++)
+        kp[s->rank[r].idx] = 1;
+
+    /* Compact survivors toward the front, in order. */
+    int d = 0;
+    for (int i = 0; i < n; i++) {
+        if (!kp[i])
+            continue;
+        if (i != d) {
+            move_token_bytes(s, d, i);
+            move_token_meta(s, d, i, 1);
+        }
+        d++;
+    }
+    assert(d == keep);
+    s->n_tokens = d;
+
+    /* Give back the pages past the new end. */
+    int pages = kv_pages_for(c, d);
+    for (int j = pages; j < s->n_pages; j++)
+        kv_pool_release(c, s->ptab[s->p_off + j], s->uid);
+    s->n_pages = pages;
+}
+
+int kv_evict_apply(kv_seq *s, int keep)
+{
+    int before = s->n_tokens;
+    if (keep >= before)
+        return 0;
+    switch (s->policy.kind) {
+    case KV_EVICT_SINK_WINDOW: {
+        int pt = s->cache->layout.page_tokens;
+        assert((before - keep) % pt == 0);
+        evict_pages(s, (before - keep) / pt);
+        break;
+    }
+    case KV_EVICT_H2O: evict_h2o(s, keep); break;
+    case KV_EVICT_NONE: assert(!"policy none never evicts"); return 0;
+    }
+    if (s->policy.renumber)
+        renumber(s);
+    s->cache->evictions++;
+    s->cache->tokens_evicted += (uint64_t)(before - s->n_tokens);
+    return before - s->n_tokens;
+}

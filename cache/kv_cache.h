@@ -1,0 +1,295 @@
+/*
+ * kv_cache.h - the paged KV cache: page pool, sequences, eviction policies.
+ *
+ * kvd keeps sessions alive past the model's window and past memory. The
+ * cache is where that happens: keys and values live in fixed-size pages of
+ * one pool allocated at start, a sequence is a page table plus, per cached
+ * token, a position number and a token id, and an eviction policy removes
+ * tokens from the middle of a sequence without ever rewriting the bytes of
+ * a token that stays. Keys are stored as the model produced them, before any
+ * rotation; the attention kernel rotates or biases them from the position
+ * numbers, so renumbering after an eviction touches only an int32 array.
+ *
+ * Page layout, stated once (the attention kernel reads it through
+ * struct attn_kv, field for field):
+ *
+ *   page p starts at base + p * page_bytes (page_bytes is a multiple of 64);
+ *   inside a page, layer l has a K block at k_offset(l) = 2*l*block_bytes
+ *   and a V block at v_offset(l) = (2*l + 1)*block_bytes, where
+ *   block_bytes = n_kv_head * page_tokens * head_dim * elt;
+ *   a block holds, per KV head h, page_tokens x head_dim elements
+ *   contiguous: head h at +h*page_tokens*head_dim*elt, token slot s of that
+ *   head at +s*head_dim*elt.
+ *
+ * Logical token i of a sequence lives in page page_table[i / page_tokens],
+ * slot i % page_tokens. Every page of a page table is full except the last.
+ *
+ * Sinks and pages. sink-window keeps sinks as whole pages: the first
+ * ceil(sink_tokens / page_tokens) pages of a sequence are never evicted (with
+ * sink_tokens = 4 and 16-token pages the first page stays whole, i.e. 16
+ * sink tokens are kept). It then frees whole pages after the sinks, oldest
+ * first, and only pages that lie entirely before the last window_tokens
+ * tokens, so at least window_tokens recent tokens survive every eviction.
+ * h2o is token-granular: it keeps exactly the first sink_tokens tokens, the
+ * last window_tokens tokens and the heavy_tokens middle tokens with the
+ * largest accumulated attention mass, compacting the survivors towards the
+ * front of the sequence (their bytes are copied whole, never changed).
+ *
+ * Threading: one engine thread owns a kv_cache and every sequence in it. No
+ * function here takes a lock, prints or exits; actions return 0 or a
+ * negative errno-style code and, where they can fail on input, fill a
+ * caller-owned err buffer with the reason.
+ */
+#ifndef KVD_KV_CACHE_H
+#define KVD_KV_CACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------------
+ * Element types
+ * ------------------------------------------------------------------------ */
+
+enum kv_type { KV_F32 = 0, KV_F16, KV_BF16 }; /* same numbering as attn_type */
+
+/* Bytes per element (4, 2, 2); 0 for a value outside the enum. */
+size_t kv_type_size(enum kv_type type);
+/* "f32", "f16", "bf16"; "unknown" for a value outside the enum. */
+const char *kv_type_name(enum kv_type type);
+/* Parse "f32" | "f16" | "bf16". Returns 0, or -EINVAL with *out unchanged. */
+int kv_type_parse(const char *name, enum kv_type *out);
+
+/* ------------------------------------------------------------------------
+ * The pool
+ * ------------------------------------------------------------------------ */
+
+struct kv_cache_params {
+    size_t memory_bytes; /* budget for pages; n_pages = memory_bytes / page_bytes */
+    int page_tokens;     /* tokens per page (default 16), 1..65536 */
+    int n_layer;         /* layers, >= 1 */
+    int n_kv_head;       /* key/value heads per layer, >= 1 */
+    int head_dim;        /* elements per head, >= 1 */
+    enum kv_type type;   /* element type of K and V */
+    bool mlock;          /* try to lock the pages in RAM (see kv_cache_create) */
+};
+
+typedef struct kv_cache kv_cache; /* the pool + all sequences; one owner thread */
+
+/*
+ * Create the pool: validates the params, maps n_pages * page_bytes bytes
+ * once (anonymous mmap; pages are touched, and so resident, only when a
+ * sequence first writes them unless mlock is set) and builds the free list.
+ * Returns the cache, or NULL with the reason in err (bad shape, a budget
+ * that holds no page, more than INT32_MAX pages, mmap failure).
+ *
+ * mlock failure is not fatal: the cache is created unlocked,
+ * kv_cache_mlocked() returns false and err holds a one-line warning (err is
+ * the empty string on a clean success), so the caller can log it.
+ */
+kv_cache *kv_cache_create(const struct kv_cache_params *params, char *err, size_t errlen);
+/* Unmap the pool. Sequences still alive are destroyed with it (their handles
+ * become invalid). NULL is a no-op. */
+void kv_cache_destroy(kv_cache *cache);
+
+bool kv_cache_mlocked(const kv_cache *cache);
+int kv_cache_n_pages(const kv_cache *cache);
+int kv_cache_page_tokens(const kv_cache *cache);
+uint8_t *kv_cache_base(kv_cache *cache);
+size_t kv_cache_page_bytes(const kv_cache *cache);
+size_t kv_cache_k_offset(const kv_cache *cache, int layer);
+size_t kv_cache_v_offset(const kv_cache *cache, int layer);
+
+/*
+ * The layout as a plain description, for the inline accessor below and for
+ * filling struct attn_kv (base, page_bytes, kv_layout_k_offset(l),
+ * kv_layout_v_offset(l), page_tokens, type).
+ */
+struct kv_layout {
+    uint8_t *base;      /* first byte of page 0 */
+    size_t page_bytes;  /* bytes from one page to the next */
+    size_t block_bytes; /* bytes of one layer's K (or V) block in a page */
+    size_t row_bytes;   /* bytes of one token of one head: head_dim * elt */
+    int page_tokens;    /* tokens per page */
+    int n_layer, n_kv_head, head_dim;
+    enum kv_type type;
+};
+
+void kv_cache_layout(kv_cache *cache, struct kv_layout *out);
+
+static inline size_t kv_layout_k_offset(const struct kv_layout *l, int layer)
+{
+    return (size_t)2 * (size_t)layer * l->block_bytes;
+}
+
+static inline size_t kv_layout_v_offset(const struct kv_layout *l, int layer)
+{
+    return ((size_t)2 * (size_t)layer + 1) * l->block_bytes;
+}
+
+/* First element of token slot `slot` of page `page`, layer `layer`, KV head
+ * `head`: K when v is false, V when true. head_dim elements follow. */
+static inline void *kv_layout_elem(const struct kv_layout *l, int page, int slot, int layer,
+                                   int head, bool v)
+{
+    size_t off = (size_t)page * l->page_bytes +
+                 (v ? kv_layout_v_offset(l, layer) : kv_layout_k_offset(l, layer)) +
+                 ((size_t)head * (size_t)l->page_tokens + (size_t)slot) * l->row_bytes;
+    return l->base + off;
+}
+
+struct kv_stats {
+    int pages_total, pages_used, pages_free;
+    uint64_t evictions;        /* eviction steps that removed at least one token */
+    uint64_t tokens_evicted;   /* tokens removed by eviction (not by free, drop or truncate) */
+    uint64_t sessions_dropped; /* sessions dropped whole by LRU */
+    int sequences;             /* live sequences, sessions included */
+    int sessions;              /* live sequences created as sessions */
+};
+
+void kv_cache_stats(const kv_cache *cache, struct kv_stats *out);
+
+/*
+ * Consistency check, O(pages + tokens): every page is either on the free
+ * list exactly once or in exactly one live sequence's page table exactly
+ * once; counts agree; every sequence holds ceil(n_tokens / page_tokens)
+ * pages; history indices and positions increase. Returns 0, or -EFAULT with
+ * the first broken invariant in err. For tests and debug builds.
+ */
+int kv_cache_check(const kv_cache *cache, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------------
+ * Eviction policies
+ * ------------------------------------------------------------------------ */
+
+enum kv_policy_kind { KV_EVICT_NONE = 0, KV_EVICT_SINK_WINDOW, KV_EVICT_H2O };
+
+struct kv_policy {
+    enum kv_policy_kind kind;
+    int max_cache_tokens; /* retained-token budget of one sequence, >= 1 */
+    int sink_tokens;      /* kept at the start (sink-window rounds up to pages) */
+    int window_tokens;    /* recent tokens kept */
+    int heavy_tokens;     /* h2o only: middle tokens kept by attention mass */
+    bool renumber;        /* true: positions = renumber; false: preserve */
+};
+
+/*
+ * Validate a policy for a given page size. Returns 0, or -EINVAL with the
+ * reason in err. Budgets must leave eviction something to free:
+ *   none:        max_cache_tokens >= 1 (sinks, window and heavy are unused);
+ *   sink-window: max_cache_tokens >= ceil(sink/page)*page + window + page;
+ *   h2o:         max_cache_tokens >= sink + window + heavy + page.
+ */
+int kv_policy_check(const struct kv_policy *policy, int page_tokens, char *err, size_t errlen);
+/* "none" | "sink-window" | "h2o". Returns 0, or -EINVAL with *out unchanged. */
+int kv_policy_parse_kind(const char *name, enum kv_policy_kind *out);
+const char *kv_policy_kind_name(enum kv_policy_kind kind);
+
+/* ------------------------------------------------------------------------
+ * Sequences and sessions
+ * ------------------------------------------------------------------------ */
+
+typedef struct kv_seq kv_seq;
+
+/*
+ * A new empty sequence in the cache (no pages yet). A session also records
+ * the id of every token ever appended (its history) so a later prompt can be
+ * matched against it. The policy is copied. Returns NULL with the reason in
+ * err when the policy fails kv_policy_check or memory runs out.
+ */
+kv_seq *kv_seq_create(kv_cache *cache, const struct kv_policy *policy, bool session, char *err,
+                      size_t errlen);
+/* Return the sequence's pages to the pool and free it. NULL is a no-op. */
+void kv_seq_destroy(kv_seq *seq);
+
+/*
+ * Replace the policy (config reload). It takes effect at the next eviction:
+ * positions already assigned stay until then. Returns 0, or -EINVAL with
+ * nothing changed if the policy fails kv_policy_check.
+ */
+int kv_seq_set_policy(kv_seq *seq, const struct kv_policy *policy);
+const struct kv_policy *kv_seq_policy(const kv_seq *seq);
+
+int kv_seq_n_tokens(const kv_seq *seq); /* retained tokens */
+const int32_t *kv_seq_page_table(const kv_seq *seq); /* [kv_seq_n_pages] page ids */
+int kv_seq_n_pages(const kv_seq *seq);
+const int32_t *kv_seq_positions(const kv_seq *seq); /* [n_tokens] */
+const int32_t *kv_seq_tokens(const kv_seq *seq);    /* [n_tokens] ids of retained tokens */
+/* [n_tokens] history index of each retained token (its place among all
+ * tokens ever appended since creation, drop or truncation). */
+const int32_t *kv_seq_hist_index(const kv_seq *seq);
+const float *kv_seq_mass(const kv_seq *seq); /* [n_tokens] accumulated attention mass */
+/* Position the next appended token gets: renumber mode, n_tokens after an
+ * eviction; preserve mode, one past the last position ever assigned. */
+int32_t kv_seq_next_pos(const kv_seq *seq);
+
+/*
+ * Make room for and append n tokens (ids in tokens[0..n)). In order:
+ *   1. if n_tokens + n > max_cache_tokens, the policy evicts (whole pages
+ *      for sink-window, down to sinks + window + heavy for h2o);
+ *   2. if the pool is still short of pages, idle sessions are dropped whole,
+ *      least recently touched first (never pinned ones, never non-session
+ *      sequences, never this one);
+ *   3. if it is still short, the policy evicts further from this sequence,
+ *      down to what it must keep.
+ * Every step is planned before anything changes. Then positions are
+ * assigned, pages allocated and ids (and history for sessions) recorded; on
+ * success *first (may be NULL) is the logical index of the first new token
+ * and the caller writes K and V of every new token through kv_seq_k /
+ * kv_seq_v for every layer and KV head.
+ *
+ * Returns 0; -EINVAL (n < 0, tokens NULL with n > 0); -ENOSPC "context
+ * full": the policy cannot make room for n tokens within max_cache_tokens
+ * (always so for policy none once the budget is full; for the others when n
+ * exceeds kv_seq_max_append); -ENOMEM: the pool cannot supply the pages even
+ * after eviction and LRU, or bookkeeping memory ran out; -EOVERFLOW:
+ * positions or history would pass INT32_MAX. On every error nothing changed.
+ * Appending to a sequence that LRU dropped works as on a new one.
+ */
+int kv_seq_append(kv_seq *seq, const int32_t *tokens, int n, int *first);
+
+/* head_dim elements of K (V) of retained token idx. idx < n_tokens. */
+void *kv_seq_k(kv_seq *seq, int layer, int kv_head, int idx);
+void *kv_seq_v(kv_seq *seq, int layer, int kv_head, int idx);
+
+/* Whether n more tokens fit without evicting: within max_cache_tokens and
+ * with enough free pages in the pool. */
+bool kv_seq_has_room(const kv_seq *seq, int n);
+/* The largest n kv_seq_append can accept under the policy now (evicting as
+ * the policy allows), the pool aside. The scheduler's prefill chunk bound. */
+int kv_seq_max_append(const kv_seq *seq);
+
+/*
+ * Explicit eviction step (the scheduler may call it ahead of an append):
+ * evict as the policy does so that n_needed more tokens fit within
+ * max_cache_tokens. Returns the number of tokens evicted (0 when they
+ * already fit), -EINVAL for n_needed < 0, or -ENOSPC with nothing changed
+ * when the policy cannot make that much room.
+ */
+int kv_seq_evict(kv_seq *seq, int n_needed);
+
+/* H2O: add the attention mass the kernel reported for each retained token
+ * (mass[0..n_tokens)) to the per-token accumulators. */
+void kv_seq_add_mass(kv_seq *seq, const float *mass);
+
+/* Sessions: the ids of every token appended (evicted ones included) since
+ * creation, a drop or a truncation; *ids may be NULL. Returns the length;
+ * 0 with *ids = NULL for a sequence that is not a session. */
+int kv_seq_history(const kv_seq *seq, const int32_t **ids);
+/*
+ * Truncate to the first n_hist history tokens: retained tokens whose history
+ * index is >= n_hist are removed (their pages go back to the pool) and the
+ * history is cut to n_hist. Used when a new prompt diverges from the
+ * history. The next position continues after the last kept position
+ * (renumber) or at the cut's own position (preserve). Returns 0, or -EINVAL
+ * with nothing changed for n_hist outside [0, tokens appended].
+ */
+int kv_seq_truncate(kv_seq *seq, int n_hist);
+bool kv_seq_is_session(const kv_seq *seq);
+void kv_seq_touch(kv_seq *seq, uint64_t now_ms); /* last use time, passed in */
+void kv_seq_pin(kv_seq *seq, bool busy);         /* pinned sessions are never dropped */
+/* True once LRU dropped this session: its pages, tokens and history are
+ * gone. The flag stays until kv_seq_destroy. */
+bool kv_seq_dropped(const kv_seq *seq);
+
+#endif /* KVD_KV_CACHE_H */

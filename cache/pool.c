@@ -1,0 +1,347 @@
+/*
+ * pool.c - the page pool: one mapping made at start, a free list of page
+ * ids, and the accounting every other part of the cache trusts.
+ *
+ * All KV memory is one anonymous mapping of n_pages * page_bytes bytes made
+ * by kv_cache_create; nothing is allocated per request. Free pages are an
+ * int32 stack, so allocation and release are O(1) pushes and pops, and the
+ * stack is LIFO on purpose: a page freed by an eviction is the next one
+ * handed out, so a sequence that streams forever keeps reusing the same,
+ * already resident memory. Each page also carries the uid of the sequence
+ * holding it (or -1), which makes a double release or a page owned twice
+ * an assertion failure instead of silent corruption, and lets
+ * kv_cache_check verify the whole pool in one pass.
+ */
+#include "cache_internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+/* ------------------------------------------------------------------------
+ * Element types
+ * ------------------------------------------------------------------------ */
+
+size_t kv_type_size(enum kv_type type)
+{
+    switch (type) {
+    case KV_F32: return 4;
+    case KV_F16: return 2;
+    case KV_BF16: return 2;
+    }
+    return 0;
+}
+
+const char *kv_type_name(enum kv_type type)
+{
+    switch (type) {
+    case KV_F32: return "f32";
+    case KV_F16: return "f16";
+    case KV_BF16: return "bf16";
+    }
+    return "unknown";
+}
+
+int kv_type_parse(const char *name, enum kv_type *out)
+{
+    static const enum kv_type all[] = {KV_F32, KV_F16, KV_BF16};
+    if (!name)
+        return -EINVAL;
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+        if (strcmp(name, kv_type_name(all[i])) == 0) {
+            *out = all[i];
+            return 0;
+        }
+    }
+    return -EINVAL;
+}
+
+/* ------------------------------------------------------------------------
+ * Lifecycle
+ * ------------------------------------------------------------------------ */
+
+/* a * b into *out; false on size_t overflow. */
+static bool mul_ok(size_t a, size_t b, size_t *out)
+{
+    if (a != 0 && b > SIZE_MAX / a)
+        return false;
+    *out = a * b;
+    return true;
+}
+
+static void set_err(char *err, size_t errlen, const char *msg)
+{
+    if (err && errlen)
+        snprintf(err, errlen, "%s", msg);
+}
+
+kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t errlen)
+{
+    if (err && errlen)
+        err[0] = '\0';
+    if (!p) {
+        set_err(err, errlen, "kv cache: no parameters");
+        return NULL;
+    }
+    if (p->page_tokens < 1 || p->page_tokens > 65536) {
+        if (err)
+            snprintf(err, errlen, "kv cache: page_tokens must be in 1..65536 (got %d)",
+                     p->page_tokens);
+        return NULL;
+    }
+    if (p->n_layer < 1 || p->n_kv_head < 1 || p->head_dim < 1) {
+        if (err)
+            snprintf(err, errlen,
+                     "kv cache: n_layer, n_kv_head and head_dim must be >= 1 (got %d, %d, %d)",
+                     p->n_layer, p->n_kv_head, p->head_dim);
+        return NULL;
+    }
+    size_t elt = kv_type_size(p->type);
+    if (elt == 0) {
+        if (err)
+            snprintf(err, errlen, "kv cache: unknown KV type %d", (int)p->type);
+        return NULL;
+    }
+
+    /* page_bytes = 2 * n_layer * n_kv_head * page_tokens * head_dim * elt,
+     * rounded up to a cache line, every product checked. */
+    size_t row, block, page;
+    if (!mul_ok((size_t)p->head_dim, elt, &row) ||
+        !mul_ok(row, (size_t)p->page_tokens, &block) ||
+        !mul_ok(block, (size_t)p->n_kv_head, &block) ||
+        !mul_ok(block, (size_t)p->n_layer * 2, &page) || page > SIZE_MAX - KV_PAGE_ALIGN) {
+        set_err(err, errlen, "kv cache: page size overflows");
+        return NULL;
+    }
+    page = (page + KV_PAGE_ALIGN - 1) / KV_PAGE_ALIGN * KV_PAGE_ALIGN;
+
+    size_t n_pages = p->memory_bytes / page;
+    if (n_pages < 1) {
+        if (err)
+            snprintf(err, errlen,
+                     "kv cache: memory budget of %zu bytes holds no page of %zu bytes "
+                     "(%d tokens x %d layers x %d KV heads x %d dims x K,V in %s)",
+                     p->memory_bytes, page, p->page_tokens, p->n_layer, p->n_kv_head,
+                     p->head_dim, kv_type_name(p->type));
+        return NULL;
+    }
+    if (n_pages > INT32_MAX) {
+        if (err)
+            snprintf(err, errlen,
+                     "kv cache: %zu pages exceed the page id range; raise page_tokens",
+                     n_pages);
+        return NULL;
+    }
+
+    kv_cache *c = calloc(1, sizeof(*c));
+    if (!c) {
+        set_err(err, errlen, "kv cache: out of memory for the pool header");
+        return NULL;
+    }
+    c->n_pages = (int)n_pages;
+    c->free_stack = malloc(sizeof(int32_t) * n_pages);
+    c->owner = malloc(sizeof(int32_t) * n_pages);
+    if (!c->free_stack || !c->owner) {
+        set_err(err, errlen, "kv cache: out of memory for the free list");
+        goto out_free;
+    }
+
+    c->map_bytes = n_pages * page;
+    void *base = mmap(NULL, c->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
+    if (base == MAP_FAILED) {
+        if (err)
+            snprintf(err, errlen, "kv cache: cannot map %zu bytes for %zu pages: %s",
+                     c->map_bytes, n_pages, strerror(errno));
+        goto out_free;
+    }
+    if (p->mlock) {
+        if (mlock(base, c->map_bytes) == 0) {
+            c->mlocked = true;
+        } else if (err) {
+            snprintf(err, errlen,
+                     "kv cache: mlock of %zu bytes failed (%s); continuing unlocked "
+                     "(raise RLIMIT_MEMLOCK to lock)",
+                     c->map_bytes, strerror(errno));
+        }
+    }
+
+    c->layout = (struct kv_layout){
+        .base = base,
+        .page_bytes = page,
+        .block_bytes = block,
+        .row_bytes = row,
+        .page_tokens = p->page_tokens,
+        .n_layer = p->n_layer,
+        .n_kv_head = p->n_kv_head,
+        .head_dim = p->head_dim,
+        .type = p->type,
+    };
+    /* Stack with page 0 on top: a fresh pool hands out pages 0, 1, 2, ... */
+    for (size_t i = 0; i < n_pages; i++) {
+        c->free_stack[i] = (int32_t)(n_pages - 1 - i);
+        c->owner[i] = -1;
+    }
+    c->n_free = (int)n_pages;
+    return c;
+
+out_free:
+    free(c->free_stack);
+    free(c->owner);
+    free(c);
+    return NULL;
+}
+
+void kv_cache_destroy(kv_cache *c)
+{
+    if (!c)
+        return;
+    while (c->seqs)
+        kv_seq_destroy(c->seqs);
+    if (c->mlocked)
+        munlock(c->layout.base, c->map_bytes);
+    munmap(c->layout.base, c->map_bytes);
+    free(c->free_stack);
+    free(c->owner);
+    free(c);
+}
+
+/* ------------------------------------------------------------------------
+ * Layout and stats
+ * ------------------------------------------------------------------------ */
+
+bool kv_cache_mlocked(const kv_cache *c) { return c->mlocked; }
+int kv_cache_n_pages(const kv_cache *c) { return c->n_pages; }
+int kv_cache_page_tokens(const kv_cache *c) { return c->layout.page_tokens; }
+uint8_t *kv_cache_base(kv_cache *c) { return c->layout.base; }
+size_t kv_cache_page_bytes(const kv_cache *c) { return c->layout.page_bytes; }
+
+size_t kv_cache_k_offset(const kv_cache *c, int layer)
+{
+    return kv_layout_k_offset(&c->layout, layer);
+}
+
+size_t kv_cache_v_offset(const kv_cache *c, int layer)
+{
+    return kv_layout_v_offset(&c->layout, layer);
+}
+
+void kv_cache_layout(kv_cache *c, struct kv_layout *out) { *out = c->layout; }
+
+void kv_cache_stats(const kv_cache *c, struct kv_stats *out)
+{
+    *out = (struct kv_stats){
+        .pages_total = c->n_pages,
+        .pages_used = c->n_pages - c->n_free,
+        .pages_free = c->n_free,
+        .evictions = c->evictions,
+        .tokens_evicted = c->tokens_evicted,
+        .sessions_dropped = c->sessions_dropped,
+        .sequences = c->n_seqs,
+        .sessions = c->n_sessions,
+    };
+}
+
+/* ------------------------------------------------------------------------
+ * Pages
+ * ------------------------------------------------------------------------ */
+
+int32_t kv_pool_alloc(kv_cache *c, int32_t owner)
+{
+    assert(c->n_free > 0);
+    int32_t page = c->free_stack[--c->n_free];
+    assert(c->owner[page] == -1);
+    c->owner[page] = owner;
+    return page;
+}
+
+void kv_pool_release(kv_cache *c, int32_t page, int32_t owner)
+{
+    assert(page >= 0 && page < c->n_pages);
+    assert(c->owner[page] == owner);
+    (void)owner;
+    c->owner[page] = -1;
+    c->free_stack[c->n_free++] = page;
+}
+
+/* ------------------------------------------------------------------------
+ * Consistency check
+ * ------------------------------------------------------------------------ */
+
+#define FAIL(...)                                                                        \
+    do {                                                                                 \
+        if (err)                                                                         \
+            snprintf(err, errlen, __VA_ARGS__);                                          \
+        rc = -EFAULT;                                                                    \
+        goto out;                                                                        \
+    } while (0)
+
+int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
+{
+    int rc = 0;
+    /* seen[p]: 0 unseen, 1 on the free list, 2 in a page table. */
+    uint8_t *seen = calloc((size_t)c->n_pages, 1);
+    if (!seen) {
+        if (err)
+            snprintf(err, errlen, "kv cache check: out of memory");
+        return -ENOMEM;
+    }
+    if (c->n_free < 0 || c->n_free > c->n_pages)
+        FAIL("free count %d outside 0..%d", c->n_free, c->n_pages);
+    for (int i = 0; i < c->n_free; i++) {
+        int32_t p = c->free_stack[i];
+        if (p < 0 || p >= c->n_pages)
+            FAIL("free list entry %d holds page id %d out of range", i, p);
+        if (seen[p])
+            FAIL("page %d is on the free list twice", p);
+        if (c->owner[p] != -1)
+            FAIL("free page %d is tagged with owner %d", p, c->owner[p]);
+        seen[p] = 1;
+    }
+    int used = 0, n_seqs = 0, n_sessions = 0;
+    for (const kv_seq *s = c->seqs; s; s = s->next) {
+        n_seqs++;
+        n_sessions += s->session;
+        if (s->n_pages != kv_pages_for(c, s->n_tokens))
+            FAIL("sequence %d holds %d pages for %d tokens", s->uid, s->n_pages, s->n_tokens);
+        if (s->p_off + s->n_pages > s->p_cap || s->t_off + s->n_tokens > s->t_cap)
+            FAIL("sequence %d arrays overrun their capacity", s->uid);
+        for (int j = 0; j < s->n_pages; j++) {
+            int32_t p = s->ptab[s->p_off + j];
+            if (p < 0 || p >= c->n_pages)
+                FAIL("sequence %d page %d has id %d out of range", s->uid, j, p);
+            if (seen[p] == 1)
+                FAIL("page %d is both free and held by sequence %d", p, s->uid);
+            if (seen[p] == 2)
+                FAIL("page %d is owned twice (second owner: sequence %d)", p, s->uid);
+            if (c->owner[p] != s->uid)
+                FAIL("page %d in sequence %d is tagged with owner %d", p, s->uid, c->owner[p]);
+            seen[p] = 2;
+            used++;
+        }
+        for (int i = 1; i < s->n_tokens; i++) {
+            const int32_t *pos = s->pos + s->t_off, *h = s->hidx + s->t_off;
+            if (pos[i] <= pos[i - 1] || h[i] <= h[i - 1])
+                FAIL("sequence %d: positions or history indices not increasing at %d",
+                     s->uid, i);
+        }
+        if (s->n_tokens > 0 && s->hidx[s->t_off + s->n_tokens - 1] >= s->n_appended)
+            FAIL("sequence %d: history index beyond the %d tokens appended", s->uid,
+                 s->n_appended);
+    }
+    if (used + c->n_free != c->n_pages) {
+        for (int p = 0; p < c->n_pages; p++)
+            if (!seen[p])
+                FAIL("page %d is neither free nor held (leaked)", p);
+        FAIL("%d used + %d free != %d pages", used, c->n_free, c->n_pages);
+    }
+    if (n_seqs != c->n_seqs || n_sessions != c->n_sessions)
+        FAIL("sequence counts %d/%d disagree with the list %d/%d", c->n_seqs, c->n_sessions,
+             n_seqs, n_sessions);
+out:
+    free(seen);
+    return rc;
+}

@@ -1,0 +1,463 @@
+/*
+ * seq.c - sequences and sessions: page tables, per-token positions and ids,
+ * appends that make room first, and the LRU that drops idle sessions.
+ *
+ * A sequence is a page table plus, for every retained token, its position
+ * number, token id, history index and accumulated attention mass. An append
+ * is the only operation that needs memory, so it is planned in full before
+ * it changes anything: how far the policy must evict to meet the budget,
+ * which idle sessions must go if the pool is short, how much further this
+ * sequence must shrink if that is still not enough, and whether the
+ * bookkeeping arrays have room. Only when every step is known to succeed is
+ * it carried out, so a refused append (-ENOSPC, -ENOMEM) leaves the cache as
+ * it was.
+ *
+ * Sessions are sequences that outlive a request. They keep the id of every
+ * token ever appended (the history, ids only) beside what is retained, so
+ * the scheduler can match a new prompt against it and truncate where the
+ * two diverge. An idle session (not pinned by a running request) is what
+ * the pool gives up first: when pages run short, the session touched
+ * longest ago is dropped whole before any running request loses a token.
+ */
+#include "cache_internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------
+ * Bookkeeping arrays
+ * ------------------------------------------------------------------------ */
+
+/* realloc that keeps *p on failure. */
+static bool grow(void **p, size_t bytes)
+{
+    void *q = realloc(*p, bytes ? bytes : 1);
+    if (!q)
+        return false;
+    *p = q;
+    return true;
+}
+
+/*
+ * Make room for `extra` more tokens after the retained ones: slide the
+ * arrays to the front when half the buffer would do, else grow to twice the
+ * need. Logical content is unchanged either way. 0 or -ENOMEM (nothing
+ * lost; the arrays may have grown).
+ */
+static int reserve_tokens(kv_seq *s, int64_t extra)
+{
+    int64_t need = (int64_t)s->n_tokens + extra;
+    if ((int64_t)s->t_off + need <= s->t_cap)
+        return 0;
+    if (s->t_off > 0) {
+        int n = s->n_tokens, o = s->t_off;
+        memmove(s->pos, s->pos + o, sizeof(int32_t) * (size_t)n);
+        memmove(s->ids, s->ids + o, sizeof(int32_t) * (size_t)n);
+        memmove(s->hidx, s->hidx + o, sizeof(int32_t) * (size_t)n);
+        memmove(s->mass, s->mass + o, sizeof(float) * (size_t)n);
+        s->t_off = 0;
+        if (need <= s->t_cap / 2)
+            return 0; /* enough room left for the slide to pay for itself */
+    }
+    int64_t cap = need * 2 < 64 ? 64 : need * 2;
+    if (cap > INT32_MAX)
+        cap = need;
+    if (cap > INT32_MAX)
+        return -ENOMEM;
+    size_t c = (size_t)cap;
+    if (!grow((void **)&s->pos, c * sizeof(int32_t)) ||
+        !grow((void **)&s->ids, c * sizeof(int32_t)) ||
+        !grow((void **)&s->hidx, c * sizeof(int32_t)) ||
+        !grow((void **)&s->mass, c * sizeof(float)) ||
+        !grow((void **)&s->rank, c * sizeof(struct kv_rank)) || !grow((void **)&s->keep, c))
+        return -ENOMEM;
+    s->t_cap = (int)cap;
+    return 0;
+}
+
+/* Same for the page table: room for `extra` more page ids. */
+static int reserve_pages(kv_seq *s, int64_t extra)
+{
+    int64_t need = (int64_t)s->n_pages + extra;
+    if ((int64_t)s->p_off + need <= s->p_cap)
+        return 0;
+    if (s->p_off > 0) {
+        memmove(s->ptab, s->ptab + s->p_off, sizeof(int32_t) * (size_t)s->n_pages);
+        s->p_off = 0;
+        if (need <= s->p_cap / 2)
+            return 0;
+    }
+    int64_t cap = need * 2 < 16 ? 16 : need * 2;
+    if (cap > INT32_MAX)
+        return -ENOMEM;
+    if (!grow((void **)&s->ptab, (size_t)cap * sizeof(int32_t)))
+        return -ENOMEM;
+    s->p_cap = (int)cap;
+    return 0;
+}
+
+/* Session history: room for `extra` more ids. */
+static int reserve_history(kv_seq *s, int64_t extra)
+{
+    if (!s->session)
+        return 0;
+    int64_t need = (int64_t)s->n_appended + extra;
+    if (need <= s->h_cap)
+        return 0;
+    int64_t cap = need * 2 < 256 ? 256 : need * 2;
+    if (cap > INT32_MAX)
+        cap = need;
+    if (!grow((void **)&s->hist, (size_t)cap * sizeof(int32_t)))
+        return -ENOMEM;
+    s->h_cap = (int)cap;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Lifecycle
+ * ------------------------------------------------------------------------ */
+
+kv_seq *kv_seq_create(kv_cache *c, const struct kv_policy *policy, bool session, char *err,
+                      size_t errlen)
+{
+    if (!c) {
+        if (err)
+            snprintf(err, errlen, "kv sequence: no cache");
+        return NULL;
+    }
+    if (kv_policy_check(policy, c->layout.page_tokens, err, errlen) < 0)
+        return NULL;
+    kv_seq *s = calloc(1, sizeof(*s));
+    if (!s) {
+        if (err)
+            snprintf(err, errlen, "kv sequence: out of memory");
+        return NULL;
+    }
+    s->cache = c;
+    s->policy = *policy;
+    s->session = session;
+    s->uid = c->next_uid;
+    c->next_uid = c->next_uid == INT32_MAX ? 0 : c->next_uid + 1;
+
+    s->next = c->seqs;
+    if (c->seqs)
+        c->seqs->prev = s;
+    c->seqs = s;
+    c->n_seqs++;
+    c->n_sessions += session;
+    return s;
+}
+
+void kv_seq_release_all(kv_seq *s)
+{
+    for (int j = 0; j < s->n_pages; j++)
+        kv_pool_release(s->cache, s->ptab[s->p_off + j], s->uid);
+    s->n_pages = s->p_off = 0;
+    s->n_tokens = s->t_off = 0;
+    s->n_appended = 0;
+    s->next_pos = 0;
+}
+
+void kv_seq_destroy(kv_seq *s)
+{
+    if (!s)
+        return;
+    kv_cache *c = s->cache;
+    kv_seq_release_all(s);
+    if (s->prev)
+        s->prev->next = s->next;
+    else
+        c->seqs = s->next;
+    if (s->next)
+        s->next->prev = s->prev;
+    c->n_seqs--;
+    c->n_sessions -= s->session;
+    free(s->ptab);
+    free(s->pos);
+    free(s->ids);
+    free(s->hidx);
+    free(s->mass);
+    free(s->rank);
+    free(s->keep);
+    free(s->hist);
+    free(s);
+}
+
+int kv_seq_set_policy(kv_seq *s, const struct kv_policy *policy)
+{
+    if (kv_policy_check(policy, s->cache->layout.page_tokens, NULL, 0) < 0)
+        return -EINVAL;
+    s->policy = *policy;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Accessors
+ * ------------------------------------------------------------------------ */
+
+const struct kv_policy *kv_seq_policy(const kv_seq *s) { return &s->policy; }
+int kv_seq_n_tokens(const kv_seq *s) { return s->n_tokens; }
+int kv_seq_n_pages(const kv_seq *s) { return s->n_pages; }
+const int32_t *kv_seq_page_table(const kv_seq *s) { return s->ptab ? s->ptab + s->p_off : NULL; }
+const int32_t *kv_seq_positions(const kv_seq *s) { return s->pos ? s->pos + s->t_off : NULL; }
+const int32_t *kv_seq_tokens(const kv_seq *s) { return s->ids ? s->ids + s->t_off : NULL; }
+const int32_t *kv_seq_hist_index(const kv_seq *s) { return s->hidx ? s->hidx + s->t_off : NULL; }
+const float *kv_seq_mass(const kv_seq *s) { return s->mass ? s->mass + s->t_off : NULL; }
+int32_t kv_seq_next_pos(const kv_seq *s) { return s->next_pos; }
+bool kv_seq_is_session(const kv_seq *s) { return s->session; }
+bool kv_seq_dropped(const kv_seq *s) { return s->dropped; }
+void kv_seq_touch(kv_seq *s, uint64_t now_ms) { s->last_use = now_ms; }
+void kv_seq_pin(kv_seq *s, bool busy) { s->pinned = busy; }
+
+static void *token_row(kv_seq *s, int layer, int kv_head, int idx, bool v)
+{
+    const struct kv_layout *l = &s->cache->layout;
+    assert(idx >= 0 && idx < s->n_tokens);
+    assert(layer >= 0 && layer < l->n_layer && kv_head >= 0 && kv_head < l->n_kv_head);
+    int pt = l->page_tokens;
+    return kv_layout_elem(l, s->ptab[s->p_off + idx / pt], idx % pt, layer, kv_head, v);
+}
+
+void *kv_seq_k(kv_seq *s, int layer, int kv_head, int idx)
+{
+    return token_row(s, layer, kv_head, idx, false);
+}
+
+void *kv_seq_v(kv_seq *s, int layer, int kv_head, int idx)
+{
+    return token_row(s, layer, kv_head, idx, true);
+}
+
+bool kv_seq_has_room(const kv_seq *s, int n)
+{
+    if (n < 0)
+        return false;
+    int64_t total = (int64_t)s->n_tokens + n;
+    if (total > s->policy.max_cache_tokens)
+        return false;
+    return kv_pages_for(s->cache, total) - s->n_pages <= s->cache->n_free;
+}
+
+int kv_seq_max_append(const kv_seq *s)
+{
+    int room = s->policy.max_cache_tokens - kv_evict_floor(s);
+    return room > 0 ? room : 0;
+}
+
+void kv_seq_add_mass(kv_seq *s, const float *mass)
+{
+    if (s->n_tokens == 0)
+        return;
+    float *acc = s->mass + s->t_off;
+    for (int i = 0; i < s->n_tokens; i++)
+        acc[i] += mass[i];
+}
+
+/* ------------------------------------------------------------------------
+ * Eviction entry points
+ * ------------------------------------------------------------------------ */
+
+int kv_seq_evict(kv_seq *s, int n_needed)
+{
+    if (n_needed < 0)
+        return -EINVAL;
+    int target = s->policy.max_cache_tokens - n_needed;
+    if (s->n_tokens <= target)
+        return 0;
+    int keep = kv_evict_plan(s, target);
+    if (keep < 0)
+        return -ENOSPC;
+    return kv_evict_apply(s, keep);
+}
+
+/*
+ * LRU: mark idle sessions for dropping, least recently touched first (ties:
+ * the older sequence), until `have` pages reach `need`. Only sessions that
+ * are not pinned, not `self` and hold pages are candidates. Returns the
+ * pages the marked ones hold; marks stay until drop_marked/unmark.
+ */
+static int64_t plan_drops(kv_cache *c, const kv_seq *self, int64_t have, int64_t need)
+{
+    int64_t got = 0;
+    while (have + got < need) {
+        kv_seq *best = NULL;
+        for (kv_seq *o = c->seqs; o; o = o->next) {
+            if (o == self || !o->session || o->pinned || o->drop_planned || o->n_pages == 0)
+                continue;
+            /* The list is newest first, so `<=` prefers the older on a tie. */
+            if (!best || o->last_use <= best->last_use)
+                best = o;
+        }
+        if (!best)
+            break;
+        best->drop_planned = true;
+        got += best->n_pages;
+    }
+    return got;
+}
+
+static void unmark_drops(kv_cache *c)
+{
+    for (kv_seq *o = c->seqs; o; o = o->next)
+        o->drop_planned = false;
+}
+
+static void drop_marked(kv_cache *c)
+{
+    for (kv_seq *o = c->seqs; o; o = o->next) {
+        if (!o->drop_planned)
+            continue;
+        o->drop_planned = false;
+        kv_seq_release_all(o);
+        free(o->hist);
+        o->hist = NULL;
+        o->h_cap = 0;
+        o->dropped = true;
+        c->sessions_dropped++;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Append
+ * ------------------------------------------------------------------------ */
+
+int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
+{
+    kv_cache *c = s->cache;
+    const int pt = c->layout.page_tokens;
+    const int max = s->policy.max_cache_tokens;
+
+    if (n < 0 || (n > 0 && !tokens))
+        return -EINVAL;
+    if (n == 0) {
+        if (first)
+            *first = s->n_tokens;
+        return 0;
+    }
+    if ((int64_t)s->next_pos + n > INT32_MAX || (int64_t)s->n_appended + n > INT32_MAX)
+        return -EOVERFLOW;
+    if (n > max)
+        return -ENOSPC;
+
+    /* 1. The budget: how far must the policy shrink us? */
+    int keep = s->n_tokens;
+    if ((int64_t)s->n_tokens + n > max) {
+        keep = kv_evict_plan(s, max - n);
+        if (keep < 0)
+            return -ENOSPC;
+    }
+
+    /* 2. The pool: pages we may use are the free ones plus our own. If that
+     * is short, idle sessions go first (LRU)... */
+    int64_t have = (int64_t)c->n_free + s->n_pages;
+    int64_t need = kv_pages_for(c, (int64_t)keep + n);
+    if (need > have)
+        have += plan_drops(c, s, have, need);
+
+    /* 3. ...and only then does this sequence shrink below its budget. */
+    if (need > have) {
+        int64_t target = have * pt - n;
+        int shrunk = target >= 0 && target < keep ? kv_evict_plan(s, (int)target) : -1;
+        if (shrunk < 0) {
+            unmark_drops(c);
+            return -ENOMEM;
+        }
+        keep = shrunk;
+        need = kv_pages_for(c, (int64_t)keep + n);
+        assert(need <= have);
+    }
+
+    /* 4. Bookkeeping room, sized for the state before eviction (eviction
+     * never moves the end of the arrays further out). */
+    if (reserve_tokens(s, n) < 0 || reserve_pages(s, kv_pages_for(c, n) + 1) < 0 ||
+        reserve_history(s, n) < 0) {
+        unmark_drops(c);
+        return -ENOMEM;
+    }
+
+    /* Nothing can fail from here on. */
+    drop_marked(c);
+    kv_evict_apply(s, keep);
+    assert(s->n_tokens == keep);
+
+    int new_pages = kv_pages_for(c, (int64_t)keep + n) - s->n_pages;
+    assert(new_pages <= c->n_free);
+    assert(s->p_off + s->n_pages + new_pages <= s->p_cap);
+    for (int j = 0; j < new_pages; j++)
+        s->ptab[s->p_off + s->n_pages++] = kv_pool_alloc(c, s->uid);
+
+    int at = s->t_off + s->n_tokens;
+    assert(at + n <= s->t_cap);
+    for (int i = 0; i < n; i++) {
+        s->pos[at + i] = s->next_pos++;
+        s->ids[at + i] = tokens[i];
+        s->hidx[at + i] = s->n_appended + i;
+        s->mass[at + i] = 0.0f;
+    }
+    if (s->session)
+        memcpy(s->hist + s->n_appended, tokens, sizeof(int32_t) * (size_t)n);
+    s->n_appended += n;
+    if (first)
+        *first = s->n_tokens;
+    s->n_tokens += n;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Sessions
+ * ------------------------------------------------------------------------ */
+
+int kv_seq_history(const kv_seq *s, const int32_t **ids)
+{
+    if (!s->session) {
+        if (ids)
+            *ids = NULL;
+        return 0;
+    }
+    if (ids)
+        *ids = s->hist;
+    return s->n_appended;
+}
+
+int kv_seq_truncate(kv_seq *s, int n_hist)
+{
+    if (n_hist < 0 || n_hist > s->n_appended)
+        return -EINVAL;
+    kv_cache *c = s->cache;
+    if (s->n_tokens == 0) { /* nothing retained: only the history moves */
+        s->next_pos = s->policy.renumber ? 0 : n_hist;
+        s->n_appended = n_hist;
+        return 0;
+    }
+    const int32_t *hidx = s->hidx + s->t_off, *pos = s->pos + s->t_off;
+
+    /* History indices increase: binary search for the first one >= n_hist. */
+    int lo = 0, hi = s->n_tokens;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (hidx[mid] < n_hist)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    int keep = lo;
+
+    /* Where the next token goes: right after the kept ones (renumber), or
+     * at the position the cut token would have had (preserve: the gap of
+     * evicted tokens between the last kept one and the cut stays). */
+    if (s->policy.renumber)
+        s->next_pos = keep > 0 ? pos[keep - 1] + 1 : 0;
+    else
+        s->next_pos = keep > 0 ? pos[keep - 1] + (n_hist - hidx[keep - 1]) : n_hist;
+
+    int pages = kv_pages_for(c, keep);
+    for (int j = pages; j < s->n_pages; j++)
+        kv_pool_release(c, s->ptab[s->p_off + j], s->uid);
+    s->n_pages = pages;
+    s->n_tokens = keep;
+    s->n_appended = n_hist;
+    return 0;
+}
