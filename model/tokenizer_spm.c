@@ -151,12 +151,19 @@ int tok_spm_encode(const tok_vocab *v, const char *text, size_t len, bool space_
         }
     }
 
-    /* One symbol per UTF-8 character. */
+    /* One symbol per UTF-8 character. A lead byte without its continuation
+     * bytes is a symbol of its own (llama.cpp would take the next bytes
+     * along, and could swallow part of a "▁" that way). */
     int32_t ns = 0;
     for (size_t i = 0; i < blen;) {
         size_t cl = tok_utf8_len((unsigned char)buf[i]);
         if (cl > blen - i)
             cl = blen - i;
+        for (size_t k = 1; k < cl; k++)
+            if (((unsigned char)buf[i + k] & 0xC0) != 0x80) {
+                cl = 1;
+                break;
+            }
         sy[ns] = (struct sym){ns - 1, ns + 1, (uint32_t)i, (uint32_t)cl};
         ns++;
         i += cl;

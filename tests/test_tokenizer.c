@@ -340,10 +340,52 @@ static void test_vocab_phi3(void **state)
     run_vocab(&(struct vocab_case){"phi-3", TOK_KIND_SPM, "spm"});
 }
 
+/* Phi-3's specials: "</s>" is user-defined there (matched whole in text),
+ * EOS is <|endoftext|>, and <|end|> ends a turn. */
+static void test_vocab_phi3_specials(void **state)
+{
+    (void)state;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-phi-3.gguf", shared_dir());
+    tok_vocab *v = load_path(path);
+    if (!v) {
+        print_message("%s absent: set KVD_SHARED to the shared data folder\n", path);
+        skip();
+    }
+    assert_int_equal(tok_token_type(v, 2), TOK_TYPE_USER_DEFINED);
+    int32_t ids[16];
+    int n = enc(v, "a</s>b", ids, 16);
+    assert_int_equal(n, 3);
+    assert_int_equal(ids[1], 2);
+    assert_int_equal(tok_eos(v), 32000);
+    assert_true(tok_is_eog(v, 32000));
+    assert_true(tok_is_eog(v, 32007));  /* <|end|> */
+    assert_false(tok_is_eog(v, 32010)); /* <|user|> */
+    assert_true(tok_add_bos(v));
+    /* Control tokens in text are text: "<|end|>" is never id 32007. */
+    n = enc(v, "<|end|><|user|>", ids, 16);
+    for (int i = 0; i < n; i++)
+        assert_true(ids[i] < 32000);
+    tok_free(v);
+}
+
 static void test_vocab_gpt2(void **state)
 {
     (void)state;
     run_vocab(&(struct vocab_case){"gpt-2", TOK_KIND_BPE, "gpt2"});
+    char path[1024];
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-gpt-2.gguf", shared_dir());
+    tok_vocab *v = load_path(path);
+    assert_non_null(v);
+    assert_false(tok_add_bos(v)); /* absent key: gpt2 default */
+    assert_int_equal(tok_bos(v), 50256);
+    assert_true(tok_is_eog(v, 50256));
+    int32_t ids[16];
+    int n = enc(v, "<|endoftext|>", ids, 16);
+    assert_true(n > 1);
+    for (int i = 0; i < n; i++)
+        assert_int_not_equal(ids[i], 50256);
+    tok_free(v);
 }
 
 static void test_vocab_starcoder(void **state)
@@ -647,6 +689,91 @@ static void test_stream_invalid(void **state)
 #undef B
 #undef FFFD
     tok_free(v);
+}
+
+/* ------------------------------------------------------------------------
+ * Arbitrary bytes
+ * ------------------------------------------------------------------------ */
+
+static uint64_t rng_next(uint64_t *x)
+{
+    *x ^= *x << 13; /* xorshift64 */
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+/*
+ * Seeded random byte strings (ASCII, spaces, newlines, valid multi-byte
+ * characters and stray high bytes; no literal "▁", which SPM cannot tell
+ * from a space): the ids are in range and never
+ * control tokens, the raw pieces give back exactly the input (after the
+ * SPM prefix space), and the stream always yields valid UTF-8.
+ */
+static void fuzz_vocab(const tok_vocab *v, uint64_t seed)
+{
+    static const char *const atoms[] = {
+        "a",    "b",    "c",        " ",   "  ",       "\n",           "\t",
+        "'s",   "1",    "22",       "!",   "\xc3\xa9", "\xe4\xb8\x96", "\xf0\x9f\x8e\x89",
+        "\xff", "\x80", "\xe2\x96", "<s>", "\x00"};
+    uint64_t x = seed;
+    char text[512];
+    int32_t ids[1024];
+    for (int iter = 0; iter < 300; iter++) {
+        size_t len = 0;
+        int n_atoms = (int)(rng_next(&x) % 40);
+        for (int k = 0; k < n_atoms; k++) {
+            const char *a = atoms[rng_next(&x) % (sizeof atoms / sizeof atoms[0])];
+            size_t al = strcmp(a, "") == 0 ? 1 : strlen(a); /* "\x00" is one NUL byte */
+            memcpy(text + len, a, al);
+            len += al;
+        }
+        int n = tok_encode(v, text, len, false, ids, 1024);
+        assert_true(n >= 0 && n <= 1024);
+        size_t total = 0;
+        char raw[2048];
+        for (int i = 0; i < n; i++) {
+            assert_true(ids[i] >= 0 && ids[i] < tok_n_vocab(v));
+            assert_int_not_equal(tok_token_type(v, ids[i]), TOK_TYPE_CONTROL);
+            int pl = tok_piece(v, ids[i], raw + total, sizeof raw - total);
+            assert_true(pl >= 0 && total + (size_t)pl <= sizeof raw);
+            total += (size_t)pl;
+        }
+        size_t skip_space = tok_add_space_prefix(v) && len > 0;
+        assert_int_equal(total, len + skip_space);
+        if (skip_space)
+            assert_int_equal(raw[0], ' ');
+        assert_memory_equal(raw + skip_space, text, len);
+        char *d = dec(v, ids, n, true);
+        assert_true(utf8_valid((unsigned char *)d, strlen(d)));
+        free(d);
+    }
+}
+
+static void test_random_bytes(void **state)
+{
+    (void)state;
+    const char *extra[] = {SP, "a", "b", SP "a", "ab", "<", "s", ">", "<s", "\n", "'"};
+    tok_vocab *v = must_load(spm_writer(extra, NULL, NULL, 11));
+    fuzz_vocab(v, 0x9E3779B97F4A7C15ULL);
+    tok_free(v);
+    const char *bextra[] = {"ab", "\xc4\xa0"
+                                  "a"};
+    const char *merges[] = {"a b", "\xc4\xa0 a"};
+    v = must_load(bpe_writer(bextra, 2, merges, 2, "llama-bpe"));
+    fuzz_vocab(v, 12345);
+    tok_free(v);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-gpt-2.gguf", shared_dir());
+    if ((v = load_path(path)) != NULL) {
+        fuzz_vocab(v, 777);
+        tok_free(v);
+    }
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-llama-spm.gguf", shared_dir());
+    if ((v = load_path(path)) != NULL) {
+        fuzz_vocab(v, 4242);
+        tok_free(v);
+    }
 }
 
 /* ------------------------------------------------------------------------
@@ -966,6 +1093,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vocab_llama_spm),
         cmocka_unit_test(test_vocab_phi3),
+        cmocka_unit_test(test_vocab_phi3_specials),
         cmocka_unit_test(test_vocab_gpt2),
         cmocka_unit_test(test_vocab_starcoder),
         cmocka_unit_test(test_vocab_falcon),
@@ -976,6 +1104,7 @@ int main(void)
         cmocka_unit_test(test_stream_bpe_gpt2),
         cmocka_unit_test(test_stream_bpe_bytes),
         cmocka_unit_test(test_stream_invalid),
+        cmocka_unit_test(test_random_bytes),
         cmocka_unit_test(test_spm_best_score_first),
         cmocka_unit_test(test_spm_space_prefix_and_bytes),
         cmocka_unit_test(test_special_tokens),
