@@ -199,6 +199,7 @@ int kv_seq_set_policy(kv_seq *s, const struct kv_policy *policy)
  * ------------------------------------------------------------------------ */
 
 const struct kv_policy *kv_seq_policy(const kv_seq *s) { return &s->policy; }
+kv_cache *kv_seq_cache(const kv_seq *s) { return s->cache; }
 int kv_seq_n_tokens(const kv_seq *s) { return s->n_tokens; }
 int kv_seq_n_pages(const kv_seq *s) { return s->n_pages; }
 const int32_t *kv_seq_page_table(const kv_seq *s) { return s->ptab ? s->ptab + s->p_off : NULL; }

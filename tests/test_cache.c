@@ -576,6 +576,7 @@ static void test_append_basic(void **state)
     struct kv_layout l;
     kv_cache_layout(c, &l);
     kv_seq *s = make_seq(c, none_policy(100), false);
+    assert_ptr_equal(kv_seq_cache(s), c);
     assert_int_equal(kv_seq_n_tokens(s), 0);
     assert_int_equal(kv_seq_next_pos(s), 0);
     int first = -1;
@@ -656,7 +657,9 @@ static void test_none_refuses(void **state)
     assert_int_equal(kv_seq_evict(s, 0), 0);
 
     kv_cache_stats(c, &after);
-    assert_memory_equal(&before, &after, sizeof(before));
+    assert_int_equal(after.pages_used, before.pages_used);
+    assert_int_equal(after.pages_free, before.pages_free);
+    assert_int_equal(after.tokens_evicted, before.tokens_evicted);
     assert_int_equal(kv_seq_n_tokens(s), 10);
     assert_int_equal(kv_seq_next_pos(s), 10);
     assert_memory_equal(table, kv_seq_page_table(s), sizeof(table));
@@ -1136,22 +1139,16 @@ static int w_used_pages(const struct world *w)
 
 static struct kv_policy random_policy(uint32_t *rng, int pt)
 {
-    struct kv_policy p = {.renumber = rng_next(rng) % 2};
-    switch (rng_next(rng) % 3) {
-    case 0: p = none_policy(1 + (int)(rng_next(rng) % 40)); break;
-    case 1: {
-        int s = (int)(rng_next(rng) % 7), win = (int)(rng_next(rng) % 10);
-        p = sink_window((s + pt - 1) / pt * pt + win + pt + (int)(rng_next(rng) % 20), s, win,
-                        rng_next(rng) % 2);
-        break;
+    /* One draw per statement: argument evaluation order is unspecified. */
+    int kind = (int)(rng_next(rng) % 3);
+    int s = (int)(rng_next(rng) % 7), win = (int)(rng_next(rng) % 10);
+    int hv = (int)(rng_next(rng) % 6), slack = (int)(rng_next(rng) % 20);
+    bool renumber = rng_next(rng) % 2;
+    switch (kind) {
+    case 0: return none_policy(1 + slack * 2);
+    case 1: return sink_window((s + pt - 1) / pt * pt + win + pt + slack, s, win, renumber);
+    default: s %= 4, win %= 6; return h2o(s + win + hv + pt + slack, s, win, hv, renumber);
     }
-    default: {
-        int s = (int)(rng_next(rng) % 4), win = (int)(rng_next(rng) % 6),
-            hv = (int)(rng_next(rng) % 6);
-        p = h2o(s + win + hv + pt + (int)(rng_next(rng) % 20), s, win, hv, rng_next(rng) % 2);
-    }
-    }
-    return p;
 }
 
 /* The model's append: predicts the return code and, on success, applies. */
@@ -1298,7 +1295,8 @@ static void stress_op(struct world *w)
         kv_seq_destroy(m->seq);
         mseq_free(m);
     } else if (r < 55) { /* append */
-        int n = 1 + (int)(rng_next(&w->rng) % (rng_next(&w->rng) % 8 == 0 ? 30 : 6));
+        int big = rng_next(&w->rng) % 8 == 0;
+        int n = 1 + (int)(rng_next(&w->rng) % (big ? 30 : 6));
         int32_t ids[32];
         for (int i = 0; i < n; i++)
             ids[i] = (int32_t)(rng_next(&w->rng) % 50000);
@@ -1776,9 +1774,16 @@ static void test_bounded_memory(void **state)
                   rss_end / 1024);
     assert_true(st.evictions > 5000);
     assert_int_equal(kv_seq_tokens(s)[kv_seq_n_tokens(s) - 1], 199999);
-    /* Growth allowance: 256 KiB, far under the 14 MiB of pool the stream
-     * would touch if pages were not recycled. */
-    assert_true(rss_end - rss_full <= 256 * 1024);
+    /* Growth allowance: 256 KiB (the bookkeeping arrays settle at twice the
+     * budget once after the first eviction), far under the 14 MiB of pool
+     * the stream would touch if pages were not recycled. AddressSanitizer's
+     * own bookkeeping creeps by a few KiB per thousand tokens: 2 MiB there. */
+#if defined(__SANITIZE_ADDRESS__)
+    const long allowance = 2L << 20;
+#else
+    const long allowance = 256L << 10;
+#endif
+    assert_true(rss_end - rss_full <= allowance);
     kv_cache_destroy(c);
 }
 
