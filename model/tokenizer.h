@@ -118,7 +118,8 @@ const char *tok_warning(const tok_vocab *v);
  * most max ids to out; returns the number of ids of the full encoding
  * (which may exceed max: call again with a bigger buffer), or
  * -EINVAL (NULL text with len > 0, negative max, NULL out with max > 0),
- * -E2BIG (text over 256 MiB), -EOVERFLOW (more than INT_MAX ids),
+ * -E2BIG (text over 256 MiB, or past PCRE2's match limits),
+ * -EOVERFLOW (more than INT_MAX ids),
  * -ENOMEM, or -EILSEQ (a character neither a token, a byte token nor
  * <unk> can represent). out's contents are unspecified on error.
  */
