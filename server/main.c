@@ -15,6 +15,7 @@ static int cmd_help(int argc, char **argv);
 
 static const struct srv_command commands[] = {
     {"buckets", "print the T5 relative-position bucket table", srv_cmd_buckets},
+    {"check-config", "check a config file, print the effective values", srv_cmd_check_config},
     {"eval", "measure an eviction policy's cost in perplexity on a text", srv_cmd_eval},
     {"load", "load-test a running kvd across context lengths", srv_cmd_load},
     {"version", "print the version", cmd_version},
@@ -26,7 +27,6 @@ static const char *const pending[] = {
     "serve",
     "generate",
     "mkmodel",
-    "check-config",
     "tokenize",
 };
 
