@@ -142,11 +142,11 @@ static int sink_pages(const struct kv_policy *p, int page_tokens)
 
 int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_t errlen)
 {
-#define REJECT(...)                                                                      \
-    do {                                                                                 \
-        if (err)                                                                         \
-            snprintf(err, errlen, __VA_ARGS__);                                          \
-        return -EINVAL;                                                                  \
+#define REJECT(...)                                                                                \
+    do {                                                                                           \
+        if (err)                                                                                   \
+            snprintf(err, errlen, __VA_ARGS__);                                                    \
+        return -EINVAL;                                                                            \
     } while (0)
     if (!p)
         REJECT("eviction: no policy");
@@ -156,8 +156,7 @@ int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_
         REJECT("eviction: unknown policy kind %d", (int)p->kind);
     const char *name = kv_policy_kind_name(p->kind);
     if (p->max_cache_tokens < 1)
-        REJECT("eviction %s: max_cache_tokens must be >= 1 (got %d)", name,
-               p->max_cache_tokens);
+        REJECT("eviction %s: max_cache_tokens must be >= 1 (got %d)", name, p->max_cache_tokens);
     if (p->sink_tokens < 0 || p->window_tokens < 0 || p->heavy_tokens < 0)
         REJECT("eviction %s: sink_tokens, window_tokens and heavy_tokens must be >= 0 "
                "(got %d, %d, %d)",
@@ -210,8 +209,8 @@ static int evictable_pages(const kv_seq *s)
 /* h2o: tokens kept when it evicts. */
 static int h2o_keep(const kv_seq *s)
 {
-    int64_t keep = (int64_t)s->policy.sink_tokens + s->policy.window_tokens +
-                   s->policy.heavy_tokens;
+    int64_t keep =
+        (int64_t)s->policy.sink_tokens + s->policy.window_tokens + s->policy.heavy_tokens;
     return keep < s->n_tokens ? (int)keep : s->n_tokens;
 }
 
@@ -220,8 +219,10 @@ int kv_evict_floor(const kv_seq *s)
     switch (s->policy.kind) {
     case KV_EVICT_SINK_WINDOW:
         return s->n_tokens - evictable_pages(s) * s->cache->layout.page_tokens;
-    case KV_EVICT_H2O: return h2o_keep(s);
-    case KV_EVICT_NONE: break;
+    case KV_EVICT_H2O:
+        return h2o_keep(s);
+    case KV_EVICT_NONE:
+        break;
     }
     return s->n_tokens;
 }
@@ -238,8 +239,10 @@ int kv_evict_plan(const kv_seq *s, int target)
         int pages = (s->n_tokens - target + pt - 1) / pt; /* fewest whole pages */
         return s->n_tokens - pages * pt;
     }
-    case KV_EVICT_H2O: return h2o_keep(s); /* one step down to the floor */
-    case KV_EVICT_NONE: break;
+    case KV_EVICT_H2O:
+        return h2o_keep(s); /* one step down to the floor */
+    case KV_EVICT_NONE:
+        break;
     }
     return -1;
 }
@@ -375,8 +378,12 @@ int kv_evict_apply(kv_seq *s, int keep)
         evict_pages(s, (before - keep) / pt);
         break;
     }
-    case KV_EVICT_H2O: evict_h2o(s, keep); break;
-    case KV_EVICT_NONE: assert(!"policy none never evicts"); return 0;
+    case KV_EVICT_H2O:
+        evict_h2o(s, keep);
+        break;
+    case KV_EVICT_NONE:
+        assert(!"policy none never evicts");
+        return 0;
     }
     if (s->policy.renumber)
         renumber(s);

@@ -212,7 +212,7 @@ const struct kv_policy *kv_seq_policy(const kv_seq *seq);
 /* The cache the sequence lives in (borrowed). */
 kv_cache *kv_seq_cache(const kv_seq *seq);
 
-int kv_seq_n_tokens(const kv_seq *seq); /* retained tokens */
+int kv_seq_n_tokens(const kv_seq *seq);              /* retained tokens */
 const int32_t *kv_seq_page_table(const kv_seq *seq); /* [kv_seq_n_pages] page ids */
 int kv_seq_n_pages(const kv_seq *seq);
 const int32_t *kv_seq_positions(const kv_seq *seq); /* [n_tokens] */

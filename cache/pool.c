@@ -28,9 +28,12 @@
 size_t kv_type_size(enum kv_type type)
 {
     switch (type) {
-    case KV_F32: return 4;
-    case KV_F16: return 2;
-    case KV_BF16: return 2;
+    case KV_F32:
+        return 4;
+    case KV_F16:
+        return 2;
+    case KV_BF16:
+        return 2;
     }
     return 0;
 }
@@ -38,9 +41,12 @@ size_t kv_type_size(enum kv_type type)
 const char *kv_type_name(enum kv_type type)
 {
     switch (type) {
-    case KV_F32: return "f32";
-    case KV_F16: return "f16";
-    case KV_BF16: return "bf16";
+    case KV_F32:
+        return "f32";
+    case KV_F16:
+        return "f16";
+    case KV_BF16:
+        return "bf16";
     }
     return "unknown";
 }
@@ -109,8 +115,7 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
     /* page_bytes = 2 * n_layer * n_kv_head * page_tokens * head_dim * elt,
      * rounded up to a cache line, every product checked. */
     size_t row, block, page;
-    if (!mul_ok((size_t)p->head_dim, elt, &row) ||
-        !mul_ok(row, (size_t)p->page_tokens, &block) ||
+    if (!mul_ok((size_t)p->head_dim, elt, &row) || !mul_ok(row, (size_t)p->page_tokens, &block) ||
         !mul_ok(block, (size_t)p->n_kv_head, &block) ||
         !mul_ok(block, (size_t)p->n_layer * 2, &page) || page > SIZE_MAX - KV_PAGE_ALIGN) {
         set_err(err, errlen, "kv cache: page size overflows");
@@ -124,14 +129,13 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
             snprintf(err, errlen,
                      "kv cache: memory budget of %zu bytes holds no page of %zu bytes "
                      "(%d tokens x %d layers x %d KV heads x %d dims x K,V in %s)",
-                     p->memory_bytes, page, p->page_tokens, p->n_layer, p->n_kv_head,
-                     p->head_dim, kv_type_name(p->type));
+                     p->memory_bytes, page, p->page_tokens, p->n_layer, p->n_kv_head, p->head_dim,
+                     kv_type_name(p->type));
         return NULL;
     }
     if (n_pages > INT32_MAX) {
         if (err)
-            snprintf(err, errlen,
-                     "kv cache: %zu pages exceed the page id range; raise page_tokens",
+            snprintf(err, errlen, "kv cache: %zu pages exceed the page id range; raise page_tokens",
                      n_pages);
         return NULL;
     }
@@ -150,12 +154,12 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
     }
 
     c->map_bytes = n_pages * page;
-    void *base = mmap(NULL, c->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                      -1, 0);
+    void *base =
+        mmap(NULL, c->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) {
         if (err)
-            snprintf(err, errlen, "kv cache: cannot map %zu bytes for %zu pages: %s",
-                     c->map_bytes, n_pages, strerror(errno));
+            snprintf(err, errlen, "kv cache: cannot map %zu bytes for %zu pages: %s", c->map_bytes,
+                     n_pages, strerror(errno));
         goto out_free;
     }
     if (p->mlock) {
@@ -213,11 +217,26 @@ void kv_cache_destroy(kv_cache *c)
  * Layout and stats
  * ------------------------------------------------------------------------ */
 
-bool kv_cache_mlocked(const kv_cache *c) { return c->mlocked; }
-int kv_cache_n_pages(const kv_cache *c) { return c->n_pages; }
-int kv_cache_page_tokens(const kv_cache *c) { return c->layout.page_tokens; }
-uint8_t *kv_cache_base(kv_cache *c) { return c->layout.base; }
-size_t kv_cache_page_bytes(const kv_cache *c) { return c->layout.page_bytes; }
+bool kv_cache_mlocked(const kv_cache *c)
+{
+    return c->mlocked;
+}
+int kv_cache_n_pages(const kv_cache *c)
+{
+    return c->n_pages;
+}
+int kv_cache_page_tokens(const kv_cache *c)
+{
+    return c->layout.page_tokens;
+}
+uint8_t *kv_cache_base(kv_cache *c)
+{
+    return c->layout.base;
+}
+size_t kv_cache_page_bytes(const kv_cache *c)
+{
+    return c->layout.page_bytes;
+}
 
 size_t kv_cache_k_offset(const kv_cache *c, int layer)
 {
@@ -229,7 +248,10 @@ size_t kv_cache_v_offset(const kv_cache *c, int layer)
     return kv_layout_v_offset(&c->layout, layer);
 }
 
-void kv_cache_layout(kv_cache *c, struct kv_layout *out) { *out = c->layout; }
+void kv_cache_layout(kv_cache *c, struct kv_layout *out)
+{
+    *out = c->layout;
+}
 
 void kv_cache_stats(const kv_cache *c, struct kv_stats *out)
 {
@@ -271,12 +293,12 @@ void kv_pool_release(kv_cache *c, int32_t page, int32_t owner)
  * Consistency check
  * ------------------------------------------------------------------------ */
 
-#define FAIL(...)                                                                        \
-    do {                                                                                 \
-        if (err)                                                                         \
-            snprintf(err, errlen, __VA_ARGS__);                                          \
-        rc = -EFAULT;                                                                    \
-        goto out;                                                                        \
+#define FAIL(...)                                                                                  \
+    do {                                                                                           \
+        if (err)                                                                                   \
+            snprintf(err, errlen, __VA_ARGS__);                                                    \
+        rc = -EFAULT;                                                                              \
+        goto out;                                                                                  \
     } while (0)
 
 int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
@@ -325,12 +347,10 @@ int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
         for (int i = 1; i < s->n_tokens; i++) {
             const int32_t *pos = s->pos + s->t_off, *h = s->hidx + s->t_off;
             if (pos[i] <= pos[i - 1] || h[i] <= h[i - 1])
-                FAIL("sequence %d: positions or history indices not increasing at %d",
-                     s->uid, i);
+                FAIL("sequence %d: positions or history indices not increasing at %d", s->uid, i);
         }
         if (s->n_tokens > 0 && s->hidx[s->t_off + s->n_tokens - 1] >= s->n_appended)
-            FAIL("sequence %d: history index beyond the %d tokens appended", s->uid,
-                 s->n_appended);
+            FAIL("sequence %d: history index beyond the %d tokens appended", s->uid, s->n_appended);
     }
     if (used + c->n_free != c->n_pages) {
         for (int p = 0; p < c->n_pages; p++)
@@ -339,8 +359,8 @@ int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
         FAIL("%d used + %d free != %d pages", used, c->n_free, c->n_pages);
     }
     if (n_seqs != c->n_seqs || n_sessions != c->n_sessions)
-        FAIL("sequence counts %d/%d disagree with the list %d/%d", c->n_seqs, c->n_sessions,
-             n_seqs, n_sessions);
+        FAIL("sequence counts %d/%d disagree with the list %d/%d", c->n_seqs, c->n_sessions, n_seqs,
+             n_sessions);
 out:
     free(seen);
     return rc;

@@ -198,20 +198,62 @@ int kv_seq_set_policy(kv_seq *s, const struct kv_policy *policy)
  * Accessors
  * ------------------------------------------------------------------------ */
 
-const struct kv_policy *kv_seq_policy(const kv_seq *s) { return &s->policy; }
-kv_cache *kv_seq_cache(const kv_seq *s) { return s->cache; }
-int kv_seq_n_tokens(const kv_seq *s) { return s->n_tokens; }
-int kv_seq_n_pages(const kv_seq *s) { return s->n_pages; }
-const int32_t *kv_seq_page_table(const kv_seq *s) { return s->ptab ? s->ptab + s->p_off : NULL; }
-const int32_t *kv_seq_positions(const kv_seq *s) { return s->pos ? s->pos + s->t_off : NULL; }
-const int32_t *kv_seq_tokens(const kv_seq *s) { return s->ids ? s->ids + s->t_off : NULL; }
-const int32_t *kv_seq_hist_index(const kv_seq *s) { return s->hidx ? s->hidx + s->t_off : NULL; }
-const float *kv_seq_mass(const kv_seq *s) { return s->mass ? s->mass + s->t_off : NULL; }
-int32_t kv_seq_next_pos(const kv_seq *s) { return s->next_pos; }
-bool kv_seq_is_session(const kv_seq *s) { return s->session; }
-bool kv_seq_dropped(const kv_seq *s) { return s->dropped; }
-void kv_seq_touch(kv_seq *s, uint64_t now_ms) { s->last_use = now_ms; }
-void kv_seq_pin(kv_seq *s, bool busy) { s->pinned = busy; }
+const struct kv_policy *kv_seq_policy(const kv_seq *s)
+{
+    return &s->policy;
+}
+kv_cache *kv_seq_cache(const kv_seq *s)
+{
+    return s->cache;
+}
+int kv_seq_n_tokens(const kv_seq *s)
+{
+    return s->n_tokens;
+}
+int kv_seq_n_pages(const kv_seq *s)
+{
+    return s->n_pages;
+}
+const int32_t *kv_seq_page_table(const kv_seq *s)
+{
+    return s->ptab ? s->ptab + s->p_off : NULL;
+}
+const int32_t *kv_seq_positions(const kv_seq *s)
+{
+    return s->pos ? s->pos + s->t_off : NULL;
+}
+const int32_t *kv_seq_tokens(const kv_seq *s)
+{
+    return s->ids ? s->ids + s->t_off : NULL;
+}
+const int32_t *kv_seq_hist_index(const kv_seq *s)
+{
+    return s->hidx ? s->hidx + s->t_off : NULL;
+}
+const float *kv_seq_mass(const kv_seq *s)
+{
+    return s->mass ? s->mass + s->t_off : NULL;
+}
+int32_t kv_seq_next_pos(const kv_seq *s)
+{
+    return s->next_pos;
+}
+bool kv_seq_is_session(const kv_seq *s)
+{
+    return s->session;
+}
+bool kv_seq_dropped(const kv_seq *s)
+{
+    return s->dropped;
+}
+void kv_seq_touch(kv_seq *s, uint64_t now_ms)
+{
+    s->last_use = now_ms;
+}
+void kv_seq_pin(kv_seq *s, bool busy)
+{
+    s->pinned = busy;
+}
 
 static void *token_row(kv_seq *s, int layer, int kv_head, int idx, bool v)
 {

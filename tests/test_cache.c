@@ -230,12 +230,14 @@ static int m_evictable_pages(const struct mseq *m, int pt)
 static int m_floor(const struct mseq *m, int pt)
 {
     switch (m->pol.kind) {
-    case KV_EVICT_SINK_WINDOW: return m->n - m_evictable_pages(m, pt) * pt;
+    case KV_EVICT_SINK_WINDOW:
+        return m->n - m_evictable_pages(m, pt) * pt;
     case KV_EVICT_H2O: {
         int k = m->pol.sink_tokens + m->pol.window_tokens + m->pol.heavy_tokens;
         return k < m->n ? k : m->n;
     }
-    default: return m->n;
+    default:
+        return m->n;
     }
 }
 
@@ -349,8 +351,12 @@ static void test_create_rejects(void **state)
 {
     (void)state;
     char err[256];
-    struct kv_cache_params p = {.memory_bytes = 1 << 20, .page_tokens = 16, .n_layer = 2,
-                                .n_kv_head = 2, .head_dim = 8, .type = KV_F16};
+    struct kv_cache_params p = {.memory_bytes = 1 << 20,
+                                .page_tokens = 16,
+                                .n_layer = 2,
+                                .n_kv_head = 2,
+                                .head_dim = 8,
+                                .type = KV_F16};
     assert_null(kv_cache_create(NULL, err, sizeof(err)));
     struct kv_cache_params q = p;
     q.page_tokens = 0;
@@ -418,14 +424,14 @@ static void test_layout(void **state)
             for (int s = 0; s < pt; s++)
                 for (int v = 0; v < 2; v++) {
                     for (int page = 0; page < 3; page++) {
-                        const uint8_t *want = akv.base + (size_t)page * akv.page_bytes +
-                                              (v ? akv.v_offset : akv.k_offset) +
-                                              ((size_t)h * (size_t)pt + (size_t)s) *
-                                                  (size_t)head_dim * 2;
+                        const uint8_t *want =
+                            akv.base + (size_t)page * akv.page_bytes +
+                            (v ? akv.v_offset : akv.k_offset) +
+                            ((size_t)h * (size_t)pt + (size_t)s) * (size_t)head_dim * 2;
                         assert_ptr_equal(kv_layout_elem(&l, page, s, layer, h, v), want);
                     }
-                    size_t off = (size_t)((uint8_t *)kv_layout_elem(&l, 0, s, layer, h, v) -
-                                          l.base);
+                    size_t off =
+                        (size_t)((uint8_t *)kv_layout_elem(&l, 0, s, layer, h, v) - l.base);
                     for (size_t b = 0; b < l.row_bytes; b++) {
                         assert_true(off + b < pb);
                         assert_int_equal(cover[off + b], 0);
@@ -485,8 +491,13 @@ static void test_pool_lifo_and_check(void **state)
 static void test_mlock_optional(void **state)
 {
     (void)state;
-    struct kv_cache_params p = {.memory_bytes = 64 * 1024, .page_tokens = 16, .n_layer = 1,
-                                .n_kv_head = 1, .head_dim = 16, .type = KV_F32, .mlock = true};
+    struct kv_cache_params p = {.memory_bytes = 64 * 1024,
+                                .page_tokens = 16,
+                                .n_layer = 1,
+                                .n_kv_head = 1,
+                                .head_dim = 16,
+                                .type = KV_F32,
+                                .mlock = true};
     char err[256];
     kv_cache *c = kv_cache_create(&p, err, sizeof(err));
     assert_non_null(c); /* a failed mlock is a warning, never fatal */
@@ -713,8 +724,8 @@ static void test_sink_window_pages(void **state)
         assert_true(n <= 64);
         for (int i = 0; i < 16; i++)
             assert_int_equal(ids[i], i);
-        assert_true(n - 16 >= 20);                 /* the window survives */
-        for (int i = 16; i < n; i++)               /* a contiguous tail */
+        assert_true(n - 16 >= 20);   /* the window survives */
+        for (int i = 16; i < n; i++) /* a contiguous tail */
             assert_int_equal(ids[i], id - (n - 1 - i));
         assert_int_equal((ids[16] - 16) % pt, 0); /* cut at a page boundary */
         assert_int_equal(kv_seq_positions(s)[n - 1], n - 1);
@@ -1063,8 +1074,8 @@ static void test_pool_pressure_order(void **state)
     int32_t ids[32] = {0};
     kv_seq *idle = make_seq(c, none_policy(40), true);
     kv_seq *s = make_seq(c, sink_window(32, 1, 4, true), false); /* 4+4+4 <= 32 */
-    assert_int_equal(kv_seq_append(idle, ids, 4, NULL), 0);        /* 1 page */
-    assert_int_equal(kv_seq_append(s, ids, 28, NULL), 0);          /* 7 pages */
+    assert_int_equal(kv_seq_append(idle, ids, 4, NULL), 0);      /* 1 page */
+    assert_int_equal(kv_seq_append(s, ids, 28, NULL), 0);        /* 7 pages */
     struct kv_stats st;
     kv_cache_stats(c, &st);
     assert_int_equal(st.pages_free, 0);
@@ -1145,9 +1156,13 @@ static struct kv_policy random_policy(uint32_t *rng, int pt)
     int hv = (int)(rng_next(rng) % 6), slack = (int)(rng_next(rng) % 20);
     bool renumber = rng_next(rng) % 2;
     switch (kind) {
-    case 0: return none_policy(1 + slack * 2);
-    case 1: return sink_window((s + pt - 1) / pt * pt + win + pt + slack, s, win, renumber);
-    default: s %= 4, win %= 6; return h2o(s + win + hv + pt + slack, s, win, hv, renumber);
+    case 0:
+        return none_policy(1 + slack * 2);
+    case 1:
+        return sink_window((s + pt - 1) / pt * pt + win + pt + slack, s, win, renumber);
+    default:
+        s %= 4, win %= 6;
+        return h2o(s + win + hv + pt + slack, s, win, hv, renumber);
     }
 }
 
@@ -1365,8 +1380,7 @@ static void stress_op(struct world *w)
     } else { /* predicates */
         int k = (int)(rng_next(&w->rng) % 10);
         bool fits = m->n + k <= m->pol.max_cache_tokens &&
-                    m_pages(m->n + k, w->pt) - m_pages(m->n, w->pt) <=
-                        w->n_pages - w_used_pages(w);
+                    m_pages(m->n + k, w->pt) - m_pages(m->n, w->pt) <= w->n_pages - w_used_pages(w);
         assert_int_equal(kv_seq_has_room(m->seq, k), fits);
         int room = m->pol.max_cache_tokens - m_floor(m, w->pt);
         assert_int_equal(kv_seq_max_append(m->seq), room > 0 ? room : 0);
@@ -1390,8 +1404,8 @@ static void test_stress_accounting(void **state)
     verify_world(w, true);
     print_message("stress: %d enospc, %d enomem, %d sessions dropped, %d shrinks, "
                   "%d sink-window and %d h2o evictions, %d truncations\n",
-                  w->n_enospc, w->n_enomem, w->n_drops, w->n_shrinks, w->n_evict_sw,
-                  w->n_evict_h2o, w->n_truncs);
+                  w->n_enospc, w->n_enomem, w->n_drops, w->n_shrinks, w->n_evict_sw, w->n_evict_h2o,
+                  w->n_truncs);
     /* The run must have gone through every path it is meant to check. */
     assert_true(w->n_enospc > 10 && w->n_enomem > 10 && w->n_drops > 10);
     assert_true(w->n_shrinks > 5 && w->n_evict_sw > 50 && w->n_evict_h2o > 50);
