@@ -185,6 +185,8 @@ struct attn_kv {
     size_t v_offset;     /* byte offset of this layer's V block in a page */
     int page_tokens;     /* tokens per page */
     enum attn_type type; /* element type of K and V */
+    int n_pages;         /* pages in the pool: page ids are checked against it;
+                            0 = not checked (the caller vouches for them) */
 };
 
 /*
@@ -192,6 +194,9 @@ struct attn_kv {
  * page page_table[i / page_tokens], slot i % page_tokens, and has position
  * pos[i]. Queries attend to every cached token with pos_k <= pos_q, so the
  * tokens of a prefill chunk are appended to the cache before the call.
+ * Positions are >= 0; they need not be consecutive (holes after eviction)
+ * nor sorted, but sorted positions let the kernel skip invisible keys
+ * without reading them.
  */
 struct attn_seq {
     const int32_t *page_table; /* [ceil(n_kv / page_tokens)] page ids */
@@ -201,17 +206,25 @@ struct attn_seq {
     const int32_t *q_pos;      /* [n_q] position number of each query */
     const float *q;            /* [n_q][n_head][head_dim], unrotated */
     float *out;                /* [n_q][n_head][head_dim] result */
-    float *mass;               /* optional [n_kv]: receives the attention probability
-                                  each key got, summed over heads and queries */
+    float *mass;               /* optional [n_kv], overwritten: the attention
+                                  probability each key got, summed over the heads
+                                  and queries of this call (so it sums to
+                                  n_head x the queries that see a key) */
 };
 
+/*
+ * Query head h reads KV head h / (n_head / n_kv_head): consecutive query
+ * heads share a KV head (GQA; MQA when n_kv_head = 1).
+ */
 struct attn_params {
     int n_head;       /* query heads */
     int n_kv_head;    /* key/value heads; n_head % n_kv_head == 0 */
-    int head_dim;     /* elements per head */
-    float scale;      /* logit scale, usually 1/sqrt(head_dim) */
+    int head_dim;     /* elements per head, 1..1024 */
+    float scale;      /* logit scale, usually 1/sqrt(head_dim); > 0 */
     struct pos_scheme pos;
     int n_threads;    /* OpenMP threads; 0 = the runtime's default */
+    bool force_scalar; /* run the portable scalar path even where a SIMD path
+                          was compiled (tests compare both) */
 };
 
 typedef struct attn_ctx attn_ctx;
@@ -219,8 +232,9 @@ typedef struct attn_ctx attn_ctx;
 /*
  * Create a kernel context: validates the shape and scheme and allocates
  * every workspace the kernel needs (per-thread scratch, RoPE tables, T5
- * lookup tables), so that attn_run allocates nothing. Returns NULL with
- * the reason in err.
+ * lookup tables), so that attn_run allocates nothing in its loops. Returns
+ * NULL with the reason in err. The scheme's slopes and T5 table are
+ * borrowed and read at every attn_run.
  */
 attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen);
 void attn_destroy(attn_ctx *ctx);
@@ -228,15 +242,29 @@ void attn_destroy(attn_ctx *ctx);
 /*
  * Fused kernel: for each sequence and each of its queries,
  * out = softmax(q . k^T * scale + bias(pos_q, pos_k)) . v over the visible
- * cached keys. Returns 0 or a negative errno-style code.
+ * cached keys. Returns 0, -EINVAL for a malformed batch (the reason is in
+ * attn_error), or -ENOMEM when the batch needs more workspace than the
+ * context has and growing it failed; on error no output is written.
  * A query that sees no key gets a zero output.
+ *
+ * Workspace grows (once, at the start of a call) with the batch: queries x
+ * heads x head_dim, never with the number of cached tokens. A context is
+ * used by one thread at a time.
  */
 int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seqs, int n_seqs);
 
+/* The reason for the last attn_run error ("" after a success). Borrowed. */
+const char *attn_error(const attn_ctx *ctx);
+
+/* Bytes the context holds (scratch, tables, workspace), for memory checks. */
+size_t attn_workspace_bytes(const attn_ctx *ctx);
+
 /*
  * Reference kernel: the same contract, computed the obvious way (scores
- * materialised per query, bias materialised from positions). Tests and
- * benchmarks only.
+ * materialised per query in double precision, bias materialised from
+ * positions, keys rotated with posenc's exact angles). Tests and benchmarks
+ * only; allocates f32 copies of a sequence's keys and values (O(n_kv x
+ * n_kv_head x head_dim)). Returns 0, -EINVAL or -ENOMEM.
  */
 int attn_reference(const struct attn_params *params, const struct attn_kv *kv,
                    const struct attn_seq *seqs, int n_seqs);

@@ -1,0 +1,174 @@
+/*
+ * attention_internal.h - what attn.c, attn_simd.c and attn_ref.c share.
+ *
+ * The fused kernel is split in two layers. attn.c plans the work (which
+ * sequence, query block, KV heads and key range each OpenMP work item
+ * covers), walks the key tiles, resolves page addresses and computes RoPE
+ * angles per tile. The arithmetic on one tile - scores, the online-softmax
+ * update, P.V, staging rotated keys - goes through a table of tile
+ * operations (struct attn_ops): a portable scalar table in attn.c and a
+ * SIMD table in attn_simd.c (AVX-512 or AVX2, whichever -march allowed).
+ * Both tables compute the same thing; tests run both.
+ *
+ * Not for use outside attention/.
+ */
+#ifndef KVD_ATTENTION_INTERNAL_H
+#define KVD_ATTENTION_INTERNAL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "attention.h"
+
+/* Keys per tile: a tile of K and V (64 x 128 x f16 = 16 KiB each) stays in L1/L2. */
+#define ATTN_TILE 64
+
+/* --- element conversions (exact) -------------------------------------------- */
+
+/* IEEE binary16 -> binary32, portable (normals, subnormals, inf, NaN). */
+static inline float attn_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf / NaN */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13); /* normal: rebias 15 -> 127 */
+    } else if (man == 0) {
+        bits = sign; /* signed zero */
+    } else {
+        /* subnormal: man * 2^-24, renormalised */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+/* binary32 -> binary16, round to nearest even (tests and benchmarks fill caches with it). */
+static inline uint16_t attn_f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof(x));
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf or NaN */
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u) /* rounds to >= 65520: overflow */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        if (ax < 0x33000000u)
+            return (uint16_t)sign;
+        uint32_t e = ax >> 23;
+        uint32_t man = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126u - e; /* 14..24 */
+        uint32_t half = man >> shift;
+        uint32_t rem = man & ((1u << shift) - 1u);
+        uint32_t mid = 1u << (shift - 1u);
+        if (rem > mid || (rem == mid && (half & 1u)))
+            half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u); /* round to nearest even on bit 13 */
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+static inline float attn_bf16_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+static inline uint16_t attn_f32_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof(x));
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+/* Element i of a K or V row of the given type, as f32. */
+static inline float attn_load(const void *row, int i, enum attn_type type)
+{
+    switch (type) {
+    case ATTN_F16: return attn_f16_to_f32(((const uint16_t *)row)[i]);
+    case ATTN_BF16: return attn_bf16_to_f32(((const uint16_t *)row)[i]);
+    case ATTN_F32: break;
+    }
+    return ((const float *)row)[i];
+}
+
+/* --- tile operations ------------------------------------------------------------ */
+
+/*
+ * The bias one score row receives, described per row (query head and
+ * position). kind is POS_ALIBI (slope * (pos_k - pos_q)), POS_T5
+ * (t5[min(pos_q - pos_k, t5_n)]: the head's table already composed with
+ * the bucket lookup, t5_n + 1 entries) or anything else for no bias.
+ */
+struct attn_bias {
+    enum pos_kind kind;
+    float slope;
+    const float *t5;
+    int t5_n;
+};
+
+/*
+ * Operations on one tile of at most ATTN_TILE keys. Key and value rows are
+ * given as pointers (kp[t], vp[t]); kp has ATTN_TILE valid entries (padding
+ * repeats a real key) so blocked loops may read past nt. Score rows have
+ * ATTN_TILE columns. Queries are f32, already scaled, rotated and laid out
+ * like staged keys.
+ */
+struct attn_ops {
+    const char *name;
+
+    /* S[r][t] = q[r] . k_t for r < nrows, t < nt (columns up to ATTN_TILE may be written). */
+    void (*qk)(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+               enum attn_type type, int head_dim);
+
+    /*
+     * Online-softmax update of one score row s (nt valid scores): add the
+     * bias, mask keys with pos_k > pos_q and t >= nt, raise the running max
+     * *m (rescaling *l and acc[head_dim] when it grows), and overwrite s with
+     * the unnormalised probabilities exp(s - m) (0 where masked, also for
+     * t in [nt, ATTN_TILE)). *l gains their sum.
+     */
+    void (*softmax)(float *s, int nt, const int32_t *kpos, int32_t pos_q,
+                    const struct attn_bias *b, float *m, float *l, float *acc, int head_dim);
+
+    /* Final probabilities: s[t] = exp(s + bias - m) * inv_l (0 where masked, t < ATTN_TILE). */
+    void (*probs)(float *s, int nt, const int32_t *kpos, int32_t pos_q, const struct attn_bias *b,
+                  float m, float inv_l);
+
+    /* acc[r][:] += sum_{t < nt} P[r][t] * v_t, acc rows head_dim apart, P rows ATTN_TILE apart. */
+    void (*pv)(float *acc, int nrows, const float *P, const void *const *vp, int nt,
+               enum attn_type type, int head_dim);
+
+    /*
+     * out[t][:] = k_t converted to f32 and, when rot > 0, rotated: the first
+     * rot elements become rot/2 "low" then rot/2 "high" halves (adjacent
+     * pairs are de-interleaved so both pairings look like NeoX), low' =
+     * low*c - high*s, high' = low*s + high*c with c = cs[t*ld_cs + i],
+     * s = sn[t*ld_cs + i]. Elements past rot are copied.
+     */
+    void (*stage_k)(float *out, const void *const *kp, int nt, enum attn_type type, int head_dim,
+                    int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                    int ld_cs);
+};
+
+/* The SIMD table, or NULL when the build has no SIMD path (attn_simd.c). */
+const struct attn_ops *attn_simd_ops(void);
+
+#endif /* KVD_ATTENTION_INTERNAL_H */

@@ -1,0 +1,1208 @@
+/*
+ * attn.c - the fused paged attention kernel: planning, tile loop, scalar ops.
+ *
+ * For every query, out = softmax(q.k^T * scale + bias(pos_q, pos_k)) . v over
+ * the sequence's cached keys, causal by position number. The keys stream
+ * through in tiles of ATTN_TILE, with an online softmax (running max m and
+ * sum l per query row, f32): nothing of size L x L exists, and no per-pair
+ * bias either - ALiBi's slope * (pos_k - pos_q), T5's table[bucket] and RoPE's
+ * rotation of each key by its own position are computed per tile.
+ *
+ * Work is cut into items, run by one OpenMP team with dynamic scheduling:
+ *
+ *   - A unit is (sequence, query block, KV heads). A decode-like sequence
+ *     (n_q * n_head rows fit in one thread's scratch) is one unit with ALL
+ *     its KV heads, so a tile's page addresses and RoPE angles are computed
+ *     once and serve every head; otherwise a unit is one KV head and up to
+ *     64 query rows. All query heads that share a KV head are rows of the
+ *     same unit, so each K/V tile is read once per GQA group.
+ *   - A unit whose cost (rows x visible keys) exceeds a share of the batch
+ *     is split along its keys (split-K, flash-decoding): each part keeps
+ *     (m, l, acc) per row and a merge step combines them. So one long
+ *     sequence among short ones still occupies every thread.
+ *
+ * RoPE: the query is rotated once, exactly (posenc, double angles). Keys are
+ * rotated in the tile, staged to f32: the angle pos * theta_i is built by
+ * angle addition from a base at the start of the position's 4096-block
+ * (cos/sin in double, cached per thread) times a table for 64 * hi and one
+ * for lo (pos = block + 64 hi + lo): three float roundings, any position,
+ * holes or not. Adjacent pairs are de-interleaved in the staged key and the
+ * prepared query alike, so the rotation is always the NeoX halves form.
+ *
+ * Memory: attn_create allocates the per-thread scratch (O(rows x (tile +
+ * head_dim))) and the tables; attn_run grows the batch workspace (prepared
+ * queries, per-row statistics, split partials, work list) once at its start,
+ * sized by queries and threads, never by the number of cached tokens.
+ */
+#include "attention_internal.h"
+
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define CACHE_LINE 64
+#define QROWS 64            /* query rows per unit when a sequence is split by KV head */
+#define SPLIT_PER_THREAD 4  /* items per thread the split-K aims for */
+#define MIN_SPLIT_KEYS 256  /* keys per split part, at least */
+#define ROPE_BLOCK_SHIFT 12 /* base angle every 4096 positions ... */
+#define ROPE_LO 64          /* ... times hi (64 steps of 64) and lo (64 steps of 1) */
+
+/* ------------------------------------------------------------------------
+ * Types
+ * ------------------------------------------------------------------------ */
+
+/* One thread's scratch; every array starts on its own cache line. */
+struct tscratch {
+    float *S;              /* [rows_max][ATTN_TILE] scores, then probabilities */
+    float *acc;            /* [rows_max][head_dim] output accumulators */
+    float *m, *l;          /* [rows_max] running max and sum */
+    const float **qrow;    /* [rows_max] prepared query of each row */
+    int32_t *rpos;         /* [rows_max] position of each row's query */
+    struct attn_bias *bias; /* [rows_max] bias of each row's head */
+    int32_t *kpos;         /* [ATTN_TILE] positions of the tile's keys, padded */
+    size_t *tok;           /* [ATTN_TILE] byte offset of each key's page slot */
+    const void **kp, **vp; /* [ATTN_TILE] key and value rows of one head */
+    float *kst;            /* [ATTN_TILE][head_dim] staged (converted, rotated) keys */
+    float *cs, *sn;        /* [ATTN_TILE][half] cos and sin of each key's angles */
+    float *base_c, *base_s; /* [half] angles at the cached 4096-block start */
+    float *cur_c, *cur_s;   /* [half] ... plus 64 * hi */
+    float *qbuf;           /* [head_dim + rot] query being rotated, its cos/sin */
+    int64_t base_block;    /* block of base_c/base_s, -1 = none */
+    int cur_hi;            /* hi of cur_c/cur_s, -1 = none */
+};
+
+/* (sequence, query block, KV heads): rows share one scratch in one item. */
+struct unit {
+    int seq, q0, nq, g0, ng;
+    int rows;      /* nq * ng * group */
+    int k_end;     /* keys [0, k_end) may be visible */
+    int nsplit;    /* parts along the keys; 1 = not split */
+    size_t part0;  /* first partial row (rows of part i at part0 + i * rows) */
+    int32_t qmax;  /* largest query position */
+};
+
+enum item_kind { ITEM_ATTN, ITEM_MASS };
+
+struct item {
+    enum item_kind kind;
+    int unit;      /* ITEM_ATTN: the unit; ITEM_MASS: the sequence */
+    int part;      /* ITEM_ATTN: part index, -1 when the unit is not split */
+    int k0, k1;    /* key range */
+    double cost;
+};
+
+/* Per-sequence facts found while validating. */
+struct seqinfo {
+    int qoff;      /* first query of the sequence in the batch */
+    bool sorted;   /* positions non-decreasing */
+};
+
+struct attn_ctx {
+    struct attn_params p;
+    const struct attn_ops *ops;
+    int n_threads;
+    int group;     /* query heads per KV head */
+    int rows_max;  /* rows one item may hold */
+    int rot, half; /* RoPE rotated dims and pairs; 0 without RoPE */
+
+    double *inv_freq;     /* [half] posenc's frequencies (queries) */
+    double *theta;        /* [half] freq_scale * inv_freq (keys) */
+    float *lo_c, *lo_s;   /* [ROPE_LO][half] cos/sin of lo * theta */
+    float *hi_c, *hi_s;   /* [ROPE_LO][half] cos/sin of 64 * hi * theta */
+    struct pos_t5_lut lut;
+    bool has_lut;
+    float *t5bias;        /* [n_head][lut.n + 1] table[h][bucket(-d)], refreshed per run */
+
+    struct tscratch *ts;  /* [n_threads] */
+    void *ts_mem;
+
+    /* batch workspace, grown by attn_run */
+    float *qprep;         /* [total_q][n_head][head_dim] scaled, rotated queries */
+    float *stats;         /* [total_q][n_head][2] final (m, l) */
+    float *parts;         /* [..][head_dim + 2] split partials: m, l, acc */
+    struct unit *units;
+    struct item *items;
+    struct seqinfo *si;
+    size_t cap_qprep, cap_stats, cap_parts, cap_units, cap_items, cap_si;
+
+    size_t bytes;         /* everything allocated */
+    char err[192];
+};
+
+/* ------------------------------------------------------------------------
+ * Scalar tile operations (the portable path)
+ * ------------------------------------------------------------------------ */
+
+static void row_to_f32(float *dst, const void *row, int off, int n, enum attn_type type)
+{
+    switch (type) {
+    case ATTN_F32: memcpy(dst, (const float *)row + off, sizeof(float) * (size_t)n); return;
+    case ATTN_F16:
+        for (int i = 0; i < n; i++)
+            dst[i] = attn_f16_to_f32(((const uint16_t *)row)[off + i]);
+        return;
+    case ATTN_BF16:
+        for (int i = 0; i < n; i++)
+            dst[i] = attn_bf16_to_f32(((const uint16_t *)row)[off + i]);
+        return;
+    }
+}
+
+/* Dot product with 8 interleaved partial sums (a compiler may map them to vector lanes). */
+static float dot_f32(const float *a, const float *b, int n)
+{
+    float part[8] = {0};
+    int d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int j = 0; j < 8; j++)
+            part[j] += a[d + j] * b[d + j];
+    for (; d < n; d++)
+        part[0] += a[d] * b[d];
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+
+static void qk_scalar(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                      enum attn_type type, int D)
+{
+    float k[1024];
+    for (int t = 0; t < nt; t++) {
+        row_to_f32(k, kp[t], 0, D, type);
+        for (int r = 0; r < nrows; r++)
+            S[(size_t)r * ATTN_TILE + t] = dot_f32(q[r], k, D);
+    }
+}
+
+/* The score plus bias, or -inf when the key is hidden from the query. */
+static float biased(float s, int t, int nt, const int32_t *kpos, int32_t pos_q,
+                    const struct attn_bias *b)
+{
+    if (t >= nt || kpos[t] > pos_q)
+        return -INFINITY;
+    if (b->kind == POS_ALIBI)
+        return s + b->slope * (float)(kpos[t] - pos_q);
+    if (b->kind == POS_T5) {
+        int32_t d = pos_q - kpos[t];
+        return s + b->t5[d < b->t5_n ? d : b->t5_n];
+    }
+    return s;
+}
+
+static void softmax_scalar(float *s, int nt, const int32_t *kpos, int32_t pos_q,
+                           const struct attn_bias *b, float *m, float *l, float *acc, int D)
+{
+    float mx = -INFINITY;
+    for (int t = 0; t < ATTN_TILE; t++) {
+        s[t] = biased(s[t], t, nt, kpos, pos_q, b);
+        mx = fmaxf(mx, s[t]);
+    }
+    float m_new = fmaxf(*m, mx);
+    if (m_new == -INFINITY) {
+        memset(s, 0, sizeof(float) * ATTN_TILE);
+        return;
+    }
+    if (m_new > *m) {
+        float alpha = expf(*m - m_new);
+        *l *= alpha;
+        for (int d = 0; d < D; d++)
+            acc[d] *= alpha;
+        *m = m_new;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < ATTN_TILE; t++) {
+        s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - m_new);
+        sum += s[t];
+    }
+    *l += sum;
+}
+
+static void probs_scalar(float *s, int nt, const int32_t *kpos, int32_t pos_q,
+                         const struct attn_bias *b, float m, float inv_l)
+{
+    for (int t = 0; t < ATTN_TILE; t++) {
+        float x = biased(s[t], t, nt, kpos, pos_q, b);
+        s[t] = x == -INFINITY ? 0.0f : expf(x - m) * inv_l;
+    }
+}
+
+static void pv_scalar(float *acc, int nrows, const float *P, const void *const *vp, int nt,
+                      enum attn_type type, int D)
+{
+    float v[1024];
+    for (int t = 0; t < nt; t++) {
+        row_to_f32(v, vp[t], 0, D, type);
+        for (int r = 0; r < nrows; r++) {
+            float p = P[(size_t)r * ATTN_TILE + t];
+            float *a = acc + (size_t)r * D;
+            for (int d = 0; d < D; d++)
+                a[d] += p * v[d];
+        }
+    }
+}
+
+static void stage_k_scalar(float *out, const void *const *kp, int nt, enum attn_type type, int D,
+                           int rot, enum pos_rope_pairing pairing, const float *cs,
+                           const float *sn, int ld_cs)
+{
+    int half = rot / 2;
+    float k[1024];
+    for (int t = 0; t < nt; t++) {
+        float *o = out + (size_t)t * D;
+        const float *c = cs + (size_t)t * ld_cs, *s = sn + (size_t)t * ld_cs;
+        row_to_f32(k, kp[t], 0, D, type);
+        for (int i = 0; i < half; i++) {
+            float lo = pairing == POS_ROPE_NEOX ? k[i] : k[2 * i];
+            float hi = pairing == POS_ROPE_NEOX ? k[half + i] : k[2 * i + 1];
+            o[i] = lo * c[i] - hi * s[i];
+            o[half + i] = lo * s[i] + hi * c[i];
+        }
+        memcpy(o + rot, k + rot, sizeof(float) * (size_t)(D - rot));
+    }
+}
+
+static const struct attn_ops scalar_ops = {
+    .name = "scalar",
+    .qk = qk_scalar,
+    .softmax = softmax_scalar,
+    .probs = probs_scalar,
+    .pv = pv_scalar,
+    .stage_k = stage_k_scalar,
+};
+
+/* ------------------------------------------------------------------------
+ * Small helpers
+ * ------------------------------------------------------------------------ */
+
+size_t attn_type_size(enum attn_type type)
+{
+    switch (type) {
+    case ATTN_F32: return 4;
+    case ATTN_F16: return 2;
+    case ATTN_BF16: return 2;
+    }
+    return 0;
+}
+
+const char *attn_type_name(enum attn_type type)
+{
+    switch (type) {
+    case ATTN_F32: return "f32";
+    case ATTN_F16: return "f16";
+    case ATTN_BF16: return "bf16";
+    }
+    return "unknown";
+}
+
+static size_t align_up(size_t n, size_t a)
+{
+    return (n + a - 1) / a * a;
+}
+
+/* Bookkeeping allocation tracked in ctx->bytes; NULL on failure. */
+static void *ctx_alloc(attn_ctx *ctx, size_t bytes)
+{
+    void *p = aligned_alloc(CACHE_LINE, align_up(bytes ? bytes : 1, CACHE_LINE));
+    if (p)
+        ctx->bytes += align_up(bytes ? bytes : 1, CACHE_LINE);
+    return p;
+}
+
+static void fail(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void fail(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (!err || !errlen)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* ------------------------------------------------------------------------
+ * Lifecycle
+ * ------------------------------------------------------------------------ */
+
+static int check_params(const struct attn_params *p, char *err, size_t errlen)
+{
+    if (p->n_head < 1 || p->n_kv_head < 1 || p->n_head % p->n_kv_head) {
+        fail(err, errlen, "n_head %d must be a positive multiple of n_kv_head %d", p->n_head,
+             p->n_kv_head);
+        return -EINVAL;
+    }
+    if (p->head_dim < 1 || p->head_dim > 1024) {
+        fail(err, errlen, "head_dim %d is outside 1..1024", p->head_dim);
+        return -EINVAL;
+    }
+    if (!(p->scale > 0.0f) || !isfinite(p->scale)) {
+        fail(err, errlen, "scale %g must be positive and finite", (double)p->scale);
+        return -EINVAL;
+    }
+    if (p->n_threads < 0 || p->n_threads > 1024) {
+        fail(err, errlen, "n_threads %d is outside 0..1024", p->n_threads);
+        return -EINVAL;
+    }
+    const struct pos_scheme *ps = &p->pos;
+    switch (ps->kind) {
+    case POS_NONE: return 0;
+    case POS_ROPE:
+        if (ps->rope_dims < 2 || ps->rope_dims % 2 || ps->rope_dims > p->head_dim) {
+            fail(err, errlen, "rope_dims %d must be even, >= 2 and <= head_dim %d",
+                 ps->rope_dims, p->head_dim);
+            return -EINVAL;
+        }
+        if (!(ps->rope_theta > 0.0f) || !isfinite(ps->rope_theta)) {
+            fail(err, errlen, "rope_theta %g must be positive", (double)ps->rope_theta);
+            return -EINVAL;
+        }
+        if (!(ps->rope_freq_scale > 0.0f) || !isfinite(ps->rope_freq_scale)) {
+            fail(err, errlen, "rope_freq_scale %g must be positive (1 = no scaling)",
+                 (double)ps->rope_freq_scale);
+            return -EINVAL;
+        }
+        if (ps->rope_pairing != POS_ROPE_ADJACENT && ps->rope_pairing != POS_ROPE_NEOX) {
+            fail(err, errlen, "unknown rope pairing %d", (int)ps->rope_pairing);
+            return -EINVAL;
+        }
+        return 0;
+    case POS_ALIBI:
+        if (!ps->alibi_slopes) {
+            fail(err, errlen, "alibi needs alibi_slopes[n_head]");
+            return -EINVAL;
+        }
+        return 0;
+    case POS_T5:
+        if (!ps->t5_table) {
+            fail(err, errlen, "t5 needs t5_table[n_head][t5_num_buckets]");
+            return -EINVAL;
+        }
+        return pos_t5_check(ps->t5_num_buckets, ps->t5_max_distance, ps->t5_bidirectional, err,
+                            errlen);
+    }
+    fail(err, errlen, "unknown position scheme %d", (int)ps->kind);
+    return -EINVAL;
+}
+
+/* Carve one thread's scratch out of mem (or only measure it when mem is NULL). */
+static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int D, int half)
+{
+    size_t off = 0;
+#define CARVE(field, count)                                                        \
+    do {                                                                           \
+        size_t bytes_ = align_up(sizeof(*w->field) * (size_t)(count), CACHE_LINE); \
+        if (mem)                                                                   \
+            w->field = (void *)(mem + off);                                        \
+        off += bytes_;                                                             \
+    } while (0)
+    CARVE(S, (size_t)rows_max * ATTN_TILE);
+    CARVE(acc, (size_t)rows_max * D);
+    CARVE(m, rows_max);
+    CARVE(l, rows_max);
+    CARVE(qrow, rows_max);
+    CARVE(rpos, rows_max);
+    CARVE(bias, rows_max);
+    CARVE(kpos, ATTN_TILE);
+    CARVE(tok, ATTN_TILE);
+    CARVE(kp, ATTN_TILE);
+    CARVE(vp, ATTN_TILE);
+    CARVE(kst, (size_t)ATTN_TILE * D);
+    CARVE(cs, (size_t)ATTN_TILE * (half ? half : 1));
+    CARVE(sn, (size_t)ATTN_TILE * (half ? half : 1));
+    CARVE(base_c, half ? half : 1);
+    CARVE(base_s, half ? half : 1);
+    CARVE(cur_c, half ? half : 1);
+    CARVE(cur_s, half ? half : 1);
+    CARVE(qbuf, 2 * D + 2);
+#undef CARVE
+    if (mem) {
+        w->base_block = -1;
+        w->cur_hi = -1;
+    }
+    return off;
+}
+
+attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen)
+{
+    if (!params) {
+        fail(err, errlen, "no parameters");
+        return NULL;
+    }
+    if (check_params(params, err, errlen))
+        return NULL;
+    attn_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (!ctx) {
+        fail(err, errlen, "out of memory (%zu bytes for the context)", sizeof(*ctx));
+        return NULL;
+    }
+    ctx->bytes = sizeof(*ctx);
+    ctx->p = *params;
+    const struct attn_ops *simd = attn_simd_ops();
+    ctx->ops = params->force_scalar || !simd ? &scalar_ops : simd;
+    ctx->n_threads = params->n_threads > 0 ? params->n_threads : omp_get_max_threads();
+    if (ctx->n_threads < 1)
+        ctx->n_threads = 1;
+    ctx->group = params->n_head / params->n_kv_head;
+    ctx->rows_max = params->n_head > QROWS ? params->n_head : QROWS;
+    const struct pos_scheme *ps = &params->pos;
+    int D = params->head_dim;
+
+    if (ps->kind == POS_ROPE) {
+        ctx->rot = ps->rope_dims;
+        ctx->half = ps->rope_dims / 2;
+        int half = ctx->half;
+        ctx->inv_freq = ctx_alloc(ctx, sizeof(double) * (size_t)half);
+        ctx->theta = ctx_alloc(ctx, sizeof(double) * (size_t)half);
+        size_t tab = sizeof(float) * ROPE_LO * (size_t)half;
+        ctx->lo_c = ctx_alloc(ctx, tab);
+        ctx->lo_s = ctx_alloc(ctx, tab);
+        ctx->hi_c = ctx_alloc(ctx, tab);
+        ctx->hi_s = ctx_alloc(ctx, tab);
+        if (!ctx->inv_freq || !ctx->theta || !ctx->lo_c || !ctx->lo_s || !ctx->hi_c ||
+            !ctx->hi_s)
+            goto out_nomem;
+        pos_rope_inv_freq(ctx->inv_freq, ctx->rot, (double)ps->rope_theta);
+        for (int i = 0; i < half; i++)
+            ctx->theta[i] = (double)ps->rope_freq_scale * ctx->inv_freq[i];
+        for (int j = 0; j < ROPE_LO; j++) {
+            for (int i = 0; i < half; i++) {
+                double a = (double)j * ctx->theta[i];
+                double b = (double)(j * ROPE_LO) * ctx->theta[i];
+                ctx->lo_c[j * half + i] = (float)cos(a);
+                ctx->lo_s[j * half + i] = (float)sin(a);
+                ctx->hi_c[j * half + i] = (float)cos(b);
+                ctx->hi_s[j * half + i] = (float)sin(b);
+            }
+        }
+    }
+    if (ps->kind == POS_T5) {
+        if (pos_t5_lut_init(&ctx->lut, ps->t5_bidirectional, ps->t5_num_buckets,
+                            ps->t5_max_distance))
+            goto out_nomem;
+        ctx->has_lut = true;
+        ctx->bytes += sizeof(int32_t) * 2 * (size_t)ctx->lut.n;
+        ctx->t5bias = ctx_alloc(ctx, sizeof(float) * (size_t)params->n_head * (ctx->lut.n + 1));
+        if (!ctx->t5bias)
+            goto out_nomem;
+    }
+
+    /* per-thread scratch, each thread's block starting on its own cache line */
+    ctx->ts = ctx_alloc(ctx, sizeof(struct tscratch) * (size_t)ctx->n_threads);
+    if (!ctx->ts)
+        goto out_nomem;
+    size_t per = carve_scratch(&ctx->ts[0], NULL, ctx->rows_max, D, ctx->half);
+    ctx->ts_mem = ctx_alloc(ctx, per * (size_t)ctx->n_threads);
+    if (!ctx->ts_mem)
+        goto out_nomem;
+    for (int i = 0; i < ctx->n_threads; i++)
+        carve_scratch(&ctx->ts[i], (uint8_t *)ctx->ts_mem + per * (size_t)i, ctx->rows_max, D,
+                      ctx->half);
+    return ctx;
+
+out_nomem:
+    fail(err, errlen, "out of memory creating the attention context");
+    attn_destroy(ctx);
+    return NULL;
+}
+
+void attn_destroy(attn_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    free(ctx->inv_freq);
+    free(ctx->theta);
+    free(ctx->lo_c);
+    free(ctx->lo_s);
+    free(ctx->hi_c);
+    free(ctx->hi_s);
+    if (ctx->has_lut)
+        pos_t5_lut_deinit(&ctx->lut);
+    free(ctx->t5bias);
+    free(ctx->ts);
+    free(ctx->ts_mem);
+    free(ctx->qprep);
+    free(ctx->stats);
+    free(ctx->parts);
+    free(ctx->units);
+    free(ctx->items);
+    free(ctx->si);
+    free(ctx);
+}
+
+const char *attn_error(const attn_ctx *ctx)
+{
+    return ctx ? ctx->err : "no context";
+}
+
+size_t attn_workspace_bytes(const attn_ctx *ctx)
+{
+    return ctx ? ctx->bytes : 0;
+}
+
+/*
+ * Make *buf hold at least n elements of size elt, replacing (not copying)
+ * it when it is too small. 0 or -ENOMEM (the old buffer is kept).
+ */
+static int grow(attn_ctx *ctx, void **buf, size_t *cap, size_t n, size_t elt)
+{
+    if (n <= *cap)
+        return 0;
+    void *p = aligned_alloc(CACHE_LINE, align_up(n * elt, CACHE_LINE));
+    if (!p)
+        return -ENOMEM;
+    free(*buf);
+    ctx->bytes -= align_up(*cap * elt, CACHE_LINE) * (*cap > 0);
+    ctx->bytes += align_up(n * elt, CACHE_LINE);
+    *buf = p;
+    *cap = n;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Validation and planning
+ * ------------------------------------------------------------------------ */
+
+static int run_fail(attn_ctx *ctx, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int run_fail(attn_ctx *ctx, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->err, sizeof(ctx->err), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static int validate(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seqs,
+                    int n_seqs, int *total_q)
+{
+    const struct attn_params *p = &ctx->p;
+    if (!kv || (n_seqs > 0 && !seqs) || n_seqs < 0)
+        return run_fail(ctx, -EINVAL, "no kv description or sequences");
+    if (kv->page_tokens < 1)
+        return run_fail(ctx, -EINVAL, "page_tokens %d must be >= 1", kv->page_tokens);
+    size_t esz = attn_type_size(kv->type);
+    if (!esz)
+        return run_fail(ctx, -EINVAL, "unknown kv type %d", (int)kv->type);
+    size_t block = (size_t)p->n_kv_head * (size_t)kv->page_tokens * (size_t)p->head_dim * esz;
+    long tq = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct attn_seq *sq = &seqs[s];
+        if (sq->n_kv < 0 || sq->n_q < 0)
+            return run_fail(ctx, -EINVAL, "sequence %d: negative n_kv %d or n_q %d", s,
+                            sq->n_kv, sq->n_q);
+        if (sq->n_q > 0 && (!sq->q || !sq->out || !sq->q_pos))
+            return run_fail(ctx, -EINVAL, "sequence %d: %d queries but no q, out or q_pos", s,
+                            sq->n_q);
+        if (sq->n_kv > 0 && (!sq->pos || !sq->page_table))
+            return run_fail(ctx, -EINVAL, "sequence %d: %d cached tokens but no pos or page_table",
+                            s, sq->n_kv);
+        for (int i = 0; i < sq->n_q; i++)
+            if (sq->q_pos[i] < 0)
+                return run_fail(ctx, -EINVAL, "sequence %d: query %d has position %d < 0", s, i,
+                                sq->q_pos[i]);
+        tq += sq->n_q;
+        if (tq > INT32_MAX / 2)
+            return run_fail(ctx, -EINVAL, "too many queries in one call");
+        ctx->si[s].sorted = true;
+        if (sq->n_kv == 0)
+            continue;
+        if (!kv->base)
+            return run_fail(ctx, -EINVAL, "kv base is NULL");
+        if (kv->k_offset + block > kv->page_bytes || kv->v_offset + block > kv->page_bytes)
+            return run_fail(ctx, -EINVAL,
+                            "a layer's K or V block (%zu bytes at %zu / %zu) does not fit in a "
+                            "%zu-byte page",
+                            block, kv->k_offset, kv->v_offset, kv->page_bytes);
+        int n_pages = (sq->n_kv + kv->page_tokens - 1) / kv->page_tokens;
+        for (int i = 0; i < n_pages; i++) {
+            int32_t id = sq->page_table[i];
+            if (id < 0 || (kv->n_pages > 0 && id >= kv->n_pages))
+                return run_fail(ctx, -EINVAL, "sequence %d: page_table[%d] = %d is outside 0..%d",
+                                s, i, id, kv->n_pages > 0 ? kv->n_pages - 1 : INT32_MAX);
+        }
+        bool sorted = true;
+        for (int i = 0; i < sq->n_kv; i++) {
+            if (sq->pos[i] < 0)
+                return run_fail(ctx, -EINVAL, "sequence %d: key %d has position %d < 0", s, i,
+                                sq->pos[i]);
+            if (i && sq->pos[i] < sq->pos[i - 1])
+                sorted = false;
+        }
+        ctx->si[s].sorted = sorted;
+    }
+    *total_q = (int)tq;
+    return 0;
+}
+
+/* Number of keys [0, n) with pos <= qmax, when pos is sorted. */
+static int visible_end(const int32_t *pos, int n, int32_t qmax)
+{
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (pos[mid] <= qmax)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Item order: larger cost first, ties by unit then key range (deterministic). */
+static bool item_before(const struct item *x, const struct item *y)
+{
+    if (x->cost != y->cost)
+        return x->cost > y->cost;
+    if (x->unit != y->unit)
+        return x->unit < y->unit;
+    return x->k0 < y->k0;
+}
+
+/* In-place heapsort (qsort may allocate; attn_run does not). */
+static void sort_items(struct item *a, int n)
+{
+    for (int end = n, start = n / 2 - 1;;) {
+        int root;
+        if (start >= 0) {
+            root = start--;
+        } else {
+            if (--end <= 0)
+                return;
+            struct item tmp = a[0];
+            a[0] = a[end];
+            a[end] = tmp;
+            root = 0;
+        }
+        for (int child; (child = 2 * root + 1) < end; root = child) {
+            /* max-heap in final order: the item that goes last rises */
+            if (child + 1 < end && item_before(&a[child], &a[child + 1]))
+                child++;
+            if (!item_before(&a[root], &a[child]))
+                break;
+            struct item tmp = a[root];
+            a[root] = a[child];
+            a[child] = tmp;
+        }
+    }
+}
+
+/* Queries per unit when a sequence is cut by KV head. */
+static int unit_qblock(const attn_ctx *ctx)
+{
+    int qb = QROWS / ctx->group;
+    return qb > 0 ? qb : 1;
+}
+
+static bool whole_sequence_unit(const attn_ctx *ctx, const struct attn_seq *sq)
+{
+    return (long)sq->n_q * ctx->p.n_head <= ctx->rows_max;
+}
+
+/* Number of parts a range of n keys with the given cost splits into, and its chunk size. */
+static int split_range(int n, double cost, double target, int *chunk)
+{
+    int nsplit = 1;
+    if (target > 0 && cost > target) {
+        double want = ceil(cost / target);
+        int most = n / MIN_SPLIT_KEYS;
+        nsplit = want < most ? (int)want : most;
+        if (nsplit < 1)
+            nsplit = 1;
+    }
+    int c = (n + nsplit - 1) / nsplit;
+    c = (c + ATTN_TILE - 1) / ATTN_TILE * ATTN_TILE;
+    if (c < 1)
+        c = ATTN_TILE;
+    *chunk = c;
+    return n > 0 ? (n + c - 1) / c : 1;
+}
+
+/*
+ * Build units and items for the batch. The workspace was sized by bounds
+ * that depend on queries and threads only; see attn_run.
+ */
+static void plan(attn_ctx *ctx, const struct attn_seq *seqs, int n_seqs, int *n_units_out,
+                 int *n_items_out, int *n_attn_items_out)
+{
+    const int H = ctx->p.n_head, G = ctx->p.n_kv_head, group = ctx->group;
+    int nu = 0;
+    double total = 0, total_mass = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct attn_seq *sq = &seqs[s];
+        if (sq->n_q == 0)
+            continue;
+        if (sq->mass)
+            total_mass += (double)sq->n_q * H * (sq->n_kv + 1);
+        int qb = whole_sequence_unit(ctx, sq) ? sq->n_q : unit_qblock(ctx);
+        int ng = whole_sequence_unit(ctx, sq) ? G : 1;
+        for (int g0 = 0; g0 < G; g0 += ng) {
+            for (int q0 = 0; q0 < sq->n_q; q0 += qb) {
+                struct unit *u = &ctx->units[nu++];
+                u->seq = s;
+                u->q0 = q0;
+                u->nq = sq->n_q - q0 < qb ? sq->n_q - q0 : qb;
+                u->g0 = g0;
+                u->ng = ng;
+                u->rows = u->nq * ng * group;
+                int32_t qmax = 0;
+                for (int i = 0; i < u->nq; i++)
+                    qmax = sq->q_pos[q0 + i] > qmax ? sq->q_pos[q0 + i] : qmax;
+                u->qmax = qmax;
+                u->k_end = ctx->si[s].sorted ? visible_end(sq->pos, sq->n_kv, qmax) : sq->n_kv;
+                total += (double)u->rows * (u->k_end + 1);
+            }
+        }
+    }
+    double target = ctx->n_threads > 1 ? total / (ctx->n_threads * SPLIT_PER_THREAD) : 0;
+    int ni = 0;
+    size_t part = 0;
+    for (int ui = 0; ui < nu; ui++) {
+        struct unit *u = &ctx->units[ui];
+        double cost = (double)u->rows * (u->k_end + 1);
+        int chunk;
+        u->nsplit = split_range(u->k_end, cost, target, &chunk);
+        u->part0 = part;
+        if (u->nsplit > 1)
+            part += (size_t)u->nsplit * u->rows;
+        for (int i = 0; i < u->nsplit; i++) {
+            struct item *it = &ctx->items[ni++];
+            it->kind = ITEM_ATTN;
+            it->unit = ui;
+            it->part = u->nsplit > 1 ? i : -1;
+            it->k0 = i * chunk;
+            it->k1 = (i + 1) * chunk < u->k_end ? (i + 1) * chunk : u->k_end;
+            it->cost = (double)u->rows * (it->k1 - it->k0 + 1);
+        }
+    }
+    int n_attn = ni;
+    double target_m = ctx->n_threads > 1 ? total_mass / (ctx->n_threads * SPLIT_PER_THREAD) : 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct attn_seq *sq = &seqs[s];
+        if (!sq->mass || sq->n_kv == 0 || sq->n_q == 0)
+            continue; /* no queries: zeroed after the parallel region */
+        double cost = (double)sq->n_q * H * (sq->n_kv + 1);
+        int chunk;
+        int n = split_range(sq->n_kv, cost, target_m, &chunk);
+        for (int i = 0; i < n; i++) {
+            struct item *it = &ctx->items[ni++];
+            it->kind = ITEM_MASS;
+            it->unit = s;
+            it->part = -1;
+            it->k0 = i * chunk;
+            it->k1 = (i + 1) * chunk < sq->n_kv ? (i + 1) * chunk : sq->n_kv;
+            it->cost = (double)sq->n_q * H * (it->k1 - it->k0 + 1);
+        }
+    }
+    /* largest first, so the dynamic schedule ends balanced */
+    sort_items(ctx->items, n_attn);
+    sort_items(ctx->items + n_attn, ni - n_attn);
+    *n_units_out = nu;
+    *n_items_out = ni;
+    *n_attn_items_out = n_attn;
+}
+
+/* ------------------------------------------------------------------------
+ * The tile loop
+ * ------------------------------------------------------------------------ */
+
+/* cos/sin of every pair's angle for the tile's key positions (angle addition). */
+static void rope_tile(const attn_ctx *ctx, struct tscratch *w, int nt)
+{
+    const int half = ctx->half;
+    for (int t = 0; t < nt; t++) {
+        int32_t p = w->kpos[t];
+        int64_t blk = (int64_t)p >> ROPE_BLOCK_SHIFT;
+        if (blk != w->base_block) {
+            double p0 = (double)(blk << ROPE_BLOCK_SHIFT);
+            for (int i = 0; i < half; i++) {
+                double a = p0 * ctx->theta[i];
+                w->base_c[i] = (float)cos(a);
+                w->base_s[i] = (float)sin(a);
+            }
+            w->base_block = blk;
+            w->cur_hi = -1;
+        }
+        int d = p & ((1 << ROPE_BLOCK_SHIFT) - 1);
+        int hi = d / ROPE_LO, lo = d % ROPE_LO;
+        if (hi != w->cur_hi) {
+            const float *hc = ctx->hi_c + (size_t)hi * half, *hs = ctx->hi_s + (size_t)hi * half;
+            for (int i = 0; i < half; i++) {
+                w->cur_c[i] = w->base_c[i] * hc[i] - w->base_s[i] * hs[i];
+                w->cur_s[i] = w->base_s[i] * hc[i] + w->base_c[i] * hs[i];
+            }
+            w->cur_hi = hi;
+        }
+        const float *lc = ctx->lo_c + (size_t)lo * half, *ls = ctx->lo_s + (size_t)lo * half;
+        float *c = w->cs + (size_t)t * half, *s = w->sn + (size_t)t * half;
+        for (int i = 0; i < half; i++) {
+            c[i] = w->cur_c[i] * lc[i] - w->cur_s[i] * ls[i];
+            s[i] = w->cur_s[i] * lc[i] + w->cur_c[i] * ls[i];
+        }
+    }
+}
+
+/*
+ * Load the positions and page-slot offsets of keys [k0, k0 + nt) into the
+ * scratch, padded to ATTN_TILE. Returns the smallest position.
+ */
+static int32_t load_tile(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+                         const struct attn_seq *sq, int k0, int nt)
+{
+    const size_t slot = (size_t)ctx->p.head_dim * attn_type_size(kv->type);
+    const int pt = kv->page_tokens;
+    int32_t pmin = INT32_MAX;
+    for (int t = 0; t < nt; t++) {
+        int k = k0 + t;
+        w->kpos[t] = sq->pos[k];
+        pmin = sq->pos[k] < pmin ? sq->pos[k] : pmin;
+        w->tok[t] = (size_t)sq->page_table[k / pt] * kv->page_bytes + (size_t)(k % pt) * slot;
+    }
+    for (int t = nt; t < ATTN_TILE; t++) {
+        w->kpos[t] = INT32_MAX;
+        w->tok[t] = w->tok[nt - 1];
+    }
+    return pmin;
+}
+
+/*
+ * Point kp/vp at KV head g's rows of the tile; stage (convert and rotate)
+ * the keys when RoPE is on or when many rows will reuse them. Returns the
+ * type the key pointers now have.
+ */
+static enum attn_type head_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+                                int g, int nt, int rows_h)
+{
+    const int D = ctx->p.head_dim;
+    const size_t head = (size_t)g * kv->page_tokens * D * attn_type_size(kv->type);
+    const uint8_t *kb = kv->base + kv->k_offset + head, *vb = kv->base + kv->v_offset + head;
+    for (int t = 0; t < ATTN_TILE; t++) {
+        w->kp[t] = kb + w->tok[t];
+        w->vp[t] = vb + w->tok[t];
+    }
+    bool stage = ctx->rot > 0 || (kv->type != ATTN_F32 && rows_h > 4);
+    if (!stage)
+        return kv->type;
+    ctx->ops->stage_k(w->kst, w->kp, nt, kv->type, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs,
+                      w->sn, ctx->half);
+    for (int t = 0; t < ATTN_TILE; t++)
+        w->kp[t] = w->kst + (size_t)(t < nt ? t : nt - 1) * D;
+    return ATTN_F32;
+}
+
+/* The bias of query head h. */
+static struct attn_bias head_bias(const attn_ctx *ctx, int h)
+{
+    struct attn_bias b = {.kind = POS_NONE};
+    if (ctx->p.pos.kind == POS_ALIBI) {
+        b.kind = POS_ALIBI;
+        b.slope = ctx->p.pos.alibi_slopes[h];
+    } else if (ctx->p.pos.kind == POS_T5) {
+        b.kind = POS_T5;
+        b.t5 = ctx->t5bias + (size_t)h * (ctx->lut.n + 1);
+        b.t5_n = ctx->lut.n;
+    }
+    return b;
+}
+
+/*
+ * Set up rows [0, rows) of a unit-shaped block: for each of ng KV heads from
+ * g0, each of nq queries from q0, each query head of the group. Row order is
+ * (head of block, query, group member), so one KV head's rows are contiguous.
+ */
+static void setup_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq,
+                       int qoff, int q0, int nq, int g0, int ng)
+{
+    const int H = ctx->p.n_head, D = ctx->p.head_dim, group = ctx->group;
+    int r = 0;
+    for (int hh = 0; hh < ng; hh++)
+        for (int qi = 0; qi < nq; qi++)
+            for (int j = 0; j < group; j++, r++) {
+                int h = (g0 + hh) * group + j;
+                w->qrow[r] = ctx->qprep + ((size_t)(qoff + q0 + qi) * H + h) * D;
+                w->rpos[r] = sq->q_pos[q0 + qi];
+                w->bias[r] = head_bias(ctx, h);
+            }
+}
+
+/* Row r of a unit -> (query, head). */
+static void row_coords(const attn_ctx *ctx, const struct unit *u, int r, int *query, int *head)
+{
+    int per_head = u->nq * ctx->group;
+    int hh = r / per_head, rem = r % per_head;
+    *query = u->q0 + rem / ctx->group;
+    *head = (u->g0 + hh) * ctx->group + rem % ctx->group;
+}
+
+static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+                          const struct attn_seq *seqs, const struct item *it)
+{
+    const struct unit *u = &ctx->units[it->unit];
+    const struct attn_seq *sq = &seqs[u->seq];
+    const int D = ctx->p.head_dim, H = ctx->p.n_head;
+    const int rows_h = u->nq * ctx->group;
+    const int qoff = ctx->si[u->seq].qoff;
+    const struct attn_ops *ops = ctx->ops;
+
+    setup_rows(ctx, w, sq, qoff, u->q0, u->nq, u->g0, u->ng);
+    for (int r = 0; r < u->rows; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)u->rows * D);
+
+    for (int k0 = it->k0; k0 < it->k1; k0 += ATTN_TILE) {
+        int nt = it->k1 - k0 < ATTN_TILE ? it->k1 - k0 : ATTN_TILE;
+        if (load_tile(ctx, w, kv, sq, k0, nt) > u->qmax)
+            continue; /* every key of the tile is in every query's future */
+        if (ctx->rot)
+            rope_tile(ctx, w, nt);
+        for (int hh = 0; hh < u->ng; hh++) {
+            int r0 = hh * rows_h;
+            enum attn_type kt = head_rows(ctx, w, kv, u->g0 + hh, nt, rows_h);
+            ops->qk(w->S, w->qrow + r0, rows_h, w->kp, nt, kt, D);
+            for (int r = 0; r < rows_h; r++)
+                ops->softmax(w->S + (size_t)r * ATTN_TILE, nt, w->kpos, w->rpos[r0 + r],
+                             &w->bias[r0 + r], &w->m[r0 + r], &w->l[r0 + r],
+                             w->acc + (size_t)(r0 + r) * D, D);
+            ops->pv(w->acc + (size_t)r0 * D, rows_h, w->S, w->vp, nt, kv->type, D);
+        }
+    }
+
+    for (int r = 0; r < u->rows; r++) {
+        const float *a = w->acc + (size_t)r * D;
+        if (it->part >= 0) { /* a part of a split unit: keep (m, l, acc) for the merge */
+            float *pr = ctx->parts + (u->part0 + (size_t)it->part * u->rows + r) * (D + 2);
+            pr[0] = w->m[r];
+            pr[1] = w->l[r];
+            memcpy(pr + 2, a, sizeof(float) * (size_t)D);
+            continue;
+        }
+        int qi, h;
+        row_coords(ctx, u, r, &qi, &h);
+        float *o = sq->out + ((size_t)qi * H + h) * D;
+        float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
+        for (int d = 0; d < D; d++)
+            o[d] = a[d] * inv;
+        float *st = ctx->stats + ((size_t)(qoff + qi) * H + h) * 2;
+        st[0] = w->m[r];
+        st[1] = w->l[r];
+    }
+}
+
+/* Combine the parts of a split unit: rescale each to the common max. */
+static void merge_unit(attn_ctx *ctx, const struct attn_seq *seqs, const struct unit *u)
+{
+    const int D = ctx->p.head_dim, H = ctx->p.n_head;
+    const struct attn_seq *sq = &seqs[u->seq];
+    const int qoff = ctx->si[u->seq].qoff;
+    for (int r = 0; r < u->rows; r++) {
+        float m = -INFINITY;
+        for (int i = 0; i < u->nsplit; i++)
+            m = fmaxf(m, ctx->parts[(u->part0 + (size_t)i * u->rows + r) * (D + 2)]);
+        int qi, h;
+        row_coords(ctx, u, r, &qi, &h);
+        float *o = sq->out + ((size_t)qi * H + h) * D;
+        memset(o, 0, sizeof(float) * (size_t)D);
+        float l = 0.0f;
+        if (m != -INFINITY) {
+            for (int i = 0; i < u->nsplit; i++) {
+                const float *pr = ctx->parts + (u->part0 + (size_t)i * u->rows + r) * (D + 2);
+                if (pr[0] == -INFINITY)
+                    continue;
+                float f = expf(pr[0] - m);
+                l += pr[1] * f;
+                for (int d = 0; d < D; d++)
+                    o[d] += pr[2 + d] * f;
+            }
+            float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            for (int d = 0; d < D; d++)
+                o[d] *= inv;
+        }
+        float *st = ctx->stats + ((size_t)(qoff + qi) * H + h) * 2;
+        st[0] = m;
+        st[1] = l;
+    }
+}
+
+/*
+ * mass[k] for keys [k0, k1) of one sequence: recompute each score, turn it
+ * into its final probability with the row's (m, l), sum over rows.
+ */
+static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+                          const struct attn_seq *seqs, const struct item *it)
+{
+    const struct attn_seq *sq = &seqs[it->unit];
+    const int D = ctx->p.head_dim, H = ctx->p.n_head, G = ctx->p.n_kv_head;
+    const int qoff = ctx->si[it->unit].qoff;
+    const int qb = unit_qblock(ctx);
+    const struct attn_ops *ops = ctx->ops;
+    memset(sq->mass + it->k0, 0, sizeof(float) * (size_t)(it->k1 - it->k0));
+
+    for (int g = 0; g < G; g++) {
+        for (int q0 = 0; q0 < sq->n_q; q0 += qb) {
+            int nq = sq->n_q - q0 < qb ? sq->n_q - q0 : qb;
+            int rows = nq * ctx->group;
+            setup_rows(ctx, w, sq, qoff, q0, nq, g, 1);
+            int32_t qmax = 0;
+            for (int r = 0; r < rows; r++) {
+                int h = g * ctx->group + r % ctx->group, qi = q0 + r / ctx->group;
+                const float *st = ctx->stats + ((size_t)(qoff + qi) * H + h) * 2;
+                bool live = st[1] > 0.0f;
+                w->m[r] = live ? st[0] : 0.0f;
+                w->l[r] = live ? 1.0f / st[1] : 0.0f; /* here: the inverse sum */
+                qmax = w->rpos[r] > qmax ? w->rpos[r] : qmax;
+            }
+            for (int k0 = it->k0; k0 < it->k1; k0 += ATTN_TILE) {
+                int nt = it->k1 - k0 < ATTN_TILE ? it->k1 - k0 : ATTN_TILE;
+                if (load_tile(ctx, w, kv, sq, k0, nt) > qmax)
+                    continue;
+                if (ctx->rot)
+                    rope_tile(ctx, w, nt);
+                enum attn_type kt = head_rows(ctx, w, kv, g, nt, rows);
+                ops->qk(w->S, w->qrow, rows, w->kp, nt, kt, D);
+                float *mass = sq->mass + k0;
+                for (int r = 0; r < rows; r++) {
+                    float *s = w->S + (size_t)r * ATTN_TILE;
+                    ops->probs(s, nt, w->kpos, w->rpos[r], &w->bias[r], w->m[r], w->l[r]);
+                    for (int t = 0; t < nt; t++)
+                        mass[t] += s[t];
+                }
+            }
+        }
+    }
+}
+
+/* Scale, rotate (exact angles) and lay out query i of the batch for every head. */
+static void prep_query(attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq, int qi,
+                       int qoff)
+{
+    const int D = ctx->p.head_dim, H = ctx->p.n_head, rot = ctx->rot, half = ctx->half;
+    const float scale = ctx->p.scale;
+    float *x = w->qbuf, *cs = w->qbuf + D;
+    if (rot)
+        pos_rope_cos_sin(cs, ctx->inv_freq, rot, (double)ctx->p.pos.rope_freq_scale,
+                         sq->q_pos[qi]);
+    for (int h = 0; h < H; h++) {
+        const float *src = sq->q + ((size_t)qi * H + h) * D;
+        float *dst = ctx->qprep + ((size_t)(qoff + qi) * H + h) * D;
+        if (!rot) {
+            for (int d = 0; d < D; d++)
+                dst[d] = src[d] * scale;
+            continue;
+        }
+        memcpy(x, src, sizeof(float) * (size_t)D);
+        pos_rope_apply(x, cs, rot, ctx->p.pos.rope_pairing);
+        if (ctx->p.pos.rope_pairing == POS_ROPE_ADJACENT) {
+            for (int i = 0; i < half; i++) {
+                dst[i] = x[2 * i] * scale;
+                dst[half + i] = x[2 * i + 1] * scale;
+            }
+        } else {
+            for (int d = 0; d < rot; d++)
+                dst[d] = x[d] * scale;
+        }
+        for (int d = rot; d < D; d++)
+            dst[d] = x[d] * scale;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Entry point
+ * ------------------------------------------------------------------------ */
+
+int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seqs, int n_seqs)
+{
+    if (!ctx)
+        return -EINVAL;
+    ctx->err[0] = '\0';
+    const int H = ctx->p.n_head, D = ctx->p.head_dim;
+    if (n_seqs < 0)
+        return run_fail(ctx, -EINVAL, "n_seqs %d < 0", n_seqs);
+
+    /* Workspace bounds: queries, sequences and threads only (see plan()). */
+    if (grow(ctx, (void **)&ctx->si, &ctx->cap_si, (size_t)n_seqs + 1, sizeof(struct seqinfo)))
+        return run_fail(ctx, -ENOMEM, "out of memory for %d sequences", n_seqs);
+    int total_q = 0;
+    int rc = validate(ctx, kv, seqs, n_seqs, &total_q);
+    if (rc)
+        return rc;
+    size_t n_units = 0, units_rows = 0;
+    int qoff = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct attn_seq *sq = &seqs[s];
+        ctx->si[s].qoff = qoff;
+        qoff += sq->n_q;
+        if (sq->n_q == 0)
+            continue;
+        if (whole_sequence_unit(ctx, sq))
+            n_units += 1;
+        else
+            n_units += (size_t)ctx->p.n_kv_head *
+                       (size_t)((sq->n_q + unit_qblock(ctx) - 1) / unit_qblock(ctx));
+        units_rows += (size_t)sq->n_q * H;
+    }
+    size_t spread = (size_t)ctx->n_threads * SPLIT_PER_THREAD;
+    size_t n_items = 2 * n_units + spread + (size_t)n_seqs + spread + 2;
+    size_t n_parts = units_rows + (size_t)ctx->rows_max * (spread + 1);
+    if (grow(ctx, (void **)&ctx->units, &ctx->cap_units, n_units + 1, sizeof(struct unit)) ||
+        grow(ctx, (void **)&ctx->items, &ctx->cap_items, n_items, sizeof(struct item)) ||
+        grow(ctx, (void **)&ctx->qprep, &ctx->cap_qprep, (size_t)total_q * H * D + 1,
+             sizeof(float)) ||
+        grow(ctx, (void **)&ctx->stats, &ctx->cap_stats, (size_t)total_q * H * 2 + 1,
+             sizeof(float)) ||
+        grow(ctx, (void **)&ctx->parts, &ctx->cap_parts, n_parts * (size_t)(D + 2),
+             sizeof(float)))
+        return run_fail(ctx, -ENOMEM, "out of memory for the workspace of %d queries", total_q);
+
+    if (ctx->p.pos.kind == POS_T5) { /* compose the table with the bucket lookup */
+        const int nb = ctx->p.pos.t5_num_buckets, n = ctx->lut.n;
+        for (int h = 0; h < H; h++)
+            for (int d = 0; d <= n; d++)
+                ctx->t5bias[(size_t)h * (n + 1) + d] =
+                    ctx->p.pos.t5_table[(size_t)h * nb + pos_t5_lut_bucket(&ctx->lut, -d)];
+    }
+
+    int nu, ni, na;
+    plan(ctx, seqs, n_seqs, &nu, &ni, &na);
+
+#pragma omp parallel num_threads(ctx->n_threads)
+    {
+        struct tscratch *w = &ctx->ts[omp_get_thread_num()];
+
+#pragma omp for schedule(static)
+        for (int i = 0; i < total_q; i++) {
+            int lo = 0, hi = n_seqs - 1; /* the sequence holding batch query i */
+            while (lo < hi) {
+                int mid = (lo + hi + 1) / 2;
+                if (ctx->si[mid].qoff <= i)
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            while (seqs[lo].n_q == 0 || ctx->si[lo].qoff + seqs[lo].n_q <= i)
+                lo++;
+            prep_query(ctx, w, &seqs[lo], i - ctx->si[lo].qoff, ctx->si[lo].qoff);
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < na; i++)
+            run_attn_item(ctx, w, kv, seqs, &ctx->items[i]);
+
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < nu; i++)
+            if (ctx->units[i].nsplit > 1)
+                merge_unit(ctx, seqs, &ctx->units[i]);
+
+#pragma omp for schedule(dynamic, 1)
+        for (int i = na; i < ni; i++)
+            run_mass_item(ctx, w, kv, seqs, &ctx->items[i]);
+    }
+
+    /* a sequence with queries but no keys, and masses of sequences without queries */
+    for (int s = 0; s < n_seqs; s++)
+        if (seqs[s].mass && seqs[s].n_q == 0 && seqs[s].n_kv > 0)
+            memset(seqs[s].mass, 0, sizeof(float) * (size_t)seqs[s].n_kv);
+    return 0;
+}

@@ -1,0 +1,559 @@
+/*
+ * attn_simd.c - the SIMD tile operations of the fused attention kernel.
+ *
+ * One implementation written against a thin vector layer (vf, VL lanes)
+ * that is either AVX-512 (16 lanes; F, BW, VL, DQ) or AVX2 + FMA + F16C
+ * (8 lanes), chosen at build time by -march. Without either, this file
+ * compiles to nothing and the kernel uses the scalar table in attn.c.
+ *
+ * The central trick is in qk: a block of RB query rows x KB keys with
+ * RB * KB = VL is accumulated in VL vector registers over head_dim, then
+ * reduced with one transposing add tree into a single vector holding the
+ * VL dot products - no horizontal sum per dot. P.V keeps a block of 4 rows
+ * x NV vectors of the output in registers while it streams the tile's
+ * values. f16 and bf16 become f32 in registers (vcvtph2ps; a 16-bit shift).
+ */
+#include "attention_internal.h"
+
+#include <math.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define SIMD_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SIMD_AVX2 1
+#endif
+
+#if defined(SIMD_AVX512) || defined(SIMD_AVX2)
+
+#include <immintrin.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------
+ * Vector layer
+ * ------------------------------------------------------------------------ */
+
+#ifdef SIMD_AVX512
+
+#define VL 16
+#define PV_NV 4 /* output vectors per row kept in registers by pv */
+typedef __m512 vf;
+
+INLINE __mmask16 lanes(int n)
+{
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1u);
+}
+INLINE vf vzero(void) { return _mm512_setzero_ps(); }
+INLINE vf vset1(float x) { return _mm512_set1_ps(x); }
+INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a*b */
+INLINE float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
+INLINE float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+
+INLINE vf vload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf vload_n(const float *p, int n)
+{
+    return n >= VL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes(n), p);
+}
+INLINE void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
+INLINE void vstore_n(float *p, vf x, int n)
+{
+    if (n >= VL)
+        _mm512_storeu_ps(p, x);
+    else
+        _mm512_mask_storeu_ps(p, lanes(n), x);
+}
+INLINE vf vload_h_n(const uint16_t *p, int n)
+{
+    __m256i h = n >= VL ? _mm256_loadu_si256((const __m256i *)p)
+                        : _mm256_maskz_loadu_epi16(lanes(n), p);
+    return _mm512_cvtph_ps(h);
+}
+INLINE vf vload_b_n(const uint16_t *p, int n)
+{
+    __m256i h = n >= VL ? _mm256_loadu_si256((const __m256i *)p)
+                        : _mm256_maskz_loadu_epi16(lanes(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* even and odd elements of the 2*VL elements a:b */
+INLINE void vdeinterleave(vf a, vf b, vf *even, vf *odd)
+{
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    *even = _mm512_permutex2var_ps(a, ie, b);
+    *odd = _mm512_permutex2var_ps(a, io, b);
+}
+
+/*
+ * Lane o of the result = the sum of all lanes of a[o]. A transposing add
+ * tree (45 instructions for 16 dots). The tree leaves sums in lane order
+ * 4j + c for input 4c + j, so the inputs are taken in that order.
+ */
+INLINE vf vreduce(const vf *a)
+{
+    vf b[16], t[8], u[4];
+    for (int i = 0; i < 16; i++)
+        b[i] = a[(i % 4) * 4 + i / 4];
+    for (int p = 0; p < 8; p++)
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0xEE));
+    for (int q = 0; q < 4; q++)
+        u[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0xDD));
+    vf w0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    vf w1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+    return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
+}
+
+/* exp(x) for x <= 0 (softmax arguments): Cephes' expf polynomial, 2^n by scalef. */
+INLINE vf vexp(vf x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    vf p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    vf r2 = _mm512_mul_ps(r, r);
+    vf y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/*
+ * Score bias and visibility for lanes t0.. of a tile: returns x + bias,
+ * with -inf where the key is masked (pos_k > pos_q or t >= nt).
+ */
+INLINE vf vbias_mask(vf x, const int32_t *kpos, int t0, int nt, int32_t pos_q,
+                     const struct attn_bias *b)
+{
+    __m512i kp = _mm512_loadu_si512((const void *)(kpos + t0));
+    __m512i pq = _mm512_set1_epi32(pos_q);
+    __mmask16 vis = _mm512_cmple_epi32_mask(kp, pq) & lanes(nt - t0);
+    if (b->kind == POS_ALIBI) {
+        vf dist = _mm512_cvtepi32_ps(_mm512_sub_epi32(kp, pq));
+        x = _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(b->slope), dist));
+    } else if (b->kind == POS_T5) {
+        __m512i d = _mm512_max_epi32(_mm512_sub_epi32(pq, kp), _mm512_setzero_si512());
+        d = _mm512_min_epi32(d, _mm512_set1_epi32(b->t5_n));
+        x = _mm512_add_ps(x, _mm512_i32gather_ps(d, b->t5, 4));
+    }
+    return _mm512_mask_blend_ps(vis, _mm512_set1_ps(-INFINITY), x);
+}
+
+/* p where x > -inf, else 0 */
+INLINE vf vkeep_finite(vf x, vf p)
+{
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    return _mm512_maskz_mov_ps(live, p);
+}
+
+static const char simd_name[] = "avx512";
+
+#else /* SIMD_AVX2 */
+
+#define VL 8
+#define PV_NV 2
+typedef __m256 vf;
+
+INLINE __m256i lanes_i(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+INLINE vf vzero(void) { return _mm256_setzero_ps(); }
+INLINE vf vset1(float x) { return _mm256_set1_ps(x); }
+INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+INLINE float vhsum(vf a)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+INLINE float vhmax(vf a)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE vf vload(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vf vload_n(const float *p, int n)
+{
+    return n >= VL ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_i(n));
+}
+INLINE void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
+INLINE void vstore_n(float *p, vf x, int n)
+{
+    if (n >= VL)
+        _mm256_storeu_ps(p, x);
+    else
+        _mm256_maskstore_ps(p, lanes_i(n), x);
+}
+/* 16-bit tails go through a zeroed buffer: they occur only for odd head sizes. */
+INLINE __m128i load_u16_n(const uint16_t *p, int n)
+{
+    if (n >= VL)
+        return _mm_loadu_si128((const __m128i *)p);
+    uint16_t buf[8] = {0};
+    if (n > 0)
+        memcpy(buf, p, sizeof(uint16_t) * (size_t)n);
+    return _mm_loadu_si128((const __m128i *)buf);
+}
+INLINE vf vload_h_n(const uint16_t *p, int n) { return _mm256_cvtph_ps(load_u16_n(p, n)); }
+INLINE vf vload_b_n(const uint16_t *p, int n)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_u16_n(p, n)), 16));
+}
+
+INLINE void vdeinterleave(vf a, vf b, vf *even, vf *odd)
+{
+    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+
+/* Lane o = sum of a[o]; the tree leaves input 2c + j in lane 4j + c. */
+INLINE vf vreduce(const vf *a)
+{
+    vf b[8], t[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = a[(i % 2) * 4 + i / 2];
+    for (int p = 0; p < 4; p++)
+        t[p] = _mm256_add_ps(_mm256_permute2f128_ps(b[2 * p], b[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(b[2 * p], b[2 * p + 1], 0x31));
+    vf w0 = _mm256_add_ps(_mm256_unpacklo_ps(t[0], t[1]), _mm256_unpackhi_ps(t[0], t[1]));
+    vf w1 = _mm256_add_ps(_mm256_unpacklo_ps(t[2], t[3]), _mm256_unpackhi_ps(t[2], t[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(w0, w1, 0x44), _mm256_shuffle_ps(w0, w1, 0xEE));
+}
+
+INLINE vf vexp(vf x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    vf p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    vf r2 = _mm256_mul_ps(r, r);
+    vf y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+    /* x >= -87.3 keeps n >= -126: 2^n is a normal number built in the exponent field */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+INLINE vf vbias_mask(vf x, const int32_t *kpos, int t0, int nt, int32_t pos_q,
+                     const struct attn_bias *b)
+{
+    __m256i kp = _mm256_loadu_si256((const __m256i *)(kpos + t0));
+    __m256i pq = _mm256_set1_epi32(pos_q);
+    __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(kp, pq),
+                                     _mm256_xor_si256(lanes_i(nt - t0), _mm256_set1_epi32(-1)));
+    if (b->kind == POS_ALIBI) {
+        vf dist = _mm256_cvtepi32_ps(_mm256_sub_epi32(kp, pq));
+        x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(b->slope), dist));
+    } else if (b->kind == POS_T5) {
+        __m256i d = _mm256_max_epi32(_mm256_sub_epi32(pq, kp), _mm256_setzero_si256());
+        d = _mm256_min_epi32(d, _mm256_set1_epi32(b->t5_n));
+        x = _mm256_add_ps(x, _mm256_i32gather_ps(b->t5, d, 4));
+    }
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(hidden));
+}
+
+INLINE vf vkeep_finite(vf x, vf p)
+{
+    vf live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    return _mm256_and_ps(live, p);
+}
+
+static const char simd_name[] = "avx2";
+
+#endif
+
+/* n elements (n <= VL) of a K/V row of type T from element offset off, as f32 */
+INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
+{
+    switch (T) {
+    case ATTN_F16: return vload_h_n((const uint16_t *)row + off, n);
+    case ATTN_BF16: return vload_b_n((const uint16_t *)row + off, n);
+    case ATTN_F32: break;
+    }
+    return vload_n((const float *)row + off, n);
+}
+
+/* ------------------------------------------------------------------------
+ * Scores: S = Q K^T for a tile
+ * ------------------------------------------------------------------------ */
+
+/* Rows r0.. (RB of them) x keys t0..t0+KB-1, RB * KB == VL. */
+INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int t0,
+                     enum attn_type T, int D, const int RB, const int KB)
+{
+    vf acc[VL];
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; i++)
+        acc[i] = vzero();
+    int d = 0;
+    for (; d + VL <= D; d += VL) {
+#pragma GCC unroll 16
+        for (int kb = 0; kb < KB; kb++) {
+            vf k = vload_t(kp[t0 + kb], d, T, VL);
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++)
+                acc[r * KB + kb] = vfma(vload(q[r] + d), k, acc[r * KB + kb]);
+        }
+    }
+    if (d < D) {
+        int n = D - d;
+#pragma GCC unroll 16
+        for (int kb = 0; kb < KB; kb++) {
+            vf k = vload_t(kp[t0 + kb], d, T, n);
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++)
+                acc[r * KB + kb] = vfma(vload_n(q[r] + d, n), k, acc[r * KB + kb]);
+        }
+    }
+    float dots[VL];
+    vstore(dots, vreduce(acc));
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; r++)
+        memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
+}
+
+INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                     enum attn_type T, int D)
+{
+    int r = 0;
+    for (; r + 4 <= nrows; r += 4)
+        for (int t0 = 0; t0 < nt; t0 += VL / 4)
+            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 4, VL / 4);
+    for (; r + 2 <= nrows; r += 2)
+        for (int t0 = 0; t0 < nt; t0 += VL / 2)
+            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 2, VL / 2);
+    for (; r < nrows; r++)
+        for (int t0 = 0; t0 < nt; t0 += VL)
+            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 1, VL);
+}
+
+static void qk_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                    enum attn_type type, int D)
+{
+    switch (type) {
+    case ATTN_F32: qk_typed(S, q, nrows, kp, nt, ATTN_F32, D); break;
+    case ATTN_F16: qk_typed(S, q, nrows, kp, nt, ATTN_F16, D); break;
+    case ATTN_BF16: qk_typed(S, q, nrows, kp, nt, ATTN_BF16, D); break;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Online softmax on one score row
+ * ------------------------------------------------------------------------ */
+
+static void softmax_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
+                         const struct attn_bias *b, float *m, float *l, float *acc, int D)
+{
+    vf mx = vset1(-INFINITY);
+    for (int t0 = 0; t0 < ATTN_TILE; t0 += VL) {
+        vf x = vbias_mask(vload(s + t0), kpos, t0, nt, pos_q, b);
+        vstore(s + t0, x);
+        mx = vmax(mx, x);
+    }
+    float m_old = *m;
+    float m_new = fmaxf(m_old, vhmax(mx));
+    if (m_new == -INFINITY) { /* nothing visible yet */
+        for (int t0 = 0; t0 < ATTN_TILE; t0 += VL)
+            vstore(s + t0, vzero());
+        return;
+    }
+    if (m_new > m_old) {
+        float alpha = expf(m_old - m_new); /* 0 when m_old = -inf */
+        *l *= alpha;
+        vf va = vset1(alpha);
+        for (int d = 0; d < D; d += VL) {
+            int n = D - d < VL ? D - d : VL;
+            vstore_n(acc + d, vmul(va, vload_n(acc + d, n)), n);
+        }
+        *m = m_new;
+    }
+    vf vm = vset1(m_new), sum = vzero();
+    for (int t0 = 0; t0 < ATTN_TILE; t0 += VL) {
+        vf x = vload(s + t0);
+        vf p = vkeep_finite(x, vexp(vsub(x, vm)));
+        vstore(s + t0, p);
+        sum = vadd(sum, p);
+    }
+    *l += vhsum(sum);
+}
+
+static void probs_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
+                       const struct attn_bias *b, float m, float inv_l)
+{
+    vf vm = vset1(m), vi = vset1(inv_l);
+    for (int t0 = 0; t0 < ATTN_TILE; t0 += VL) {
+        vf x = vbias_mask(vload(s + t0), kpos, t0, nt, pos_q, b);
+        vstore(s + t0, vkeep_finite(x, vmul(vexp(vsub(x, vm)), vi)));
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Output: acc += P V
+ * ------------------------------------------------------------------------ */
+
+/* RB rows x NV vectors of output starting at element d0; n = lanes of the last vector. */
+INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, int nt,
+                     enum attn_type T, int d0, int n, const int RB, const int NV)
+{
+    vf a[4][PV_NV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            a[r][j] = vload_n(acc + (size_t)r * D + d0 + j * VL, j == NV - 1 ? n : VL);
+    for (int t = 0; t < nt; t++) {
+        vf v[PV_NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            v[j] = vload_t(vp[t], d0 + j * VL, T, j == NV - 1 ? n : VL);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; r++) {
+            vf p = vset1(P[(size_t)r * ATTN_TILE + t]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++)
+                a[r][j] = vfma(p, v[j], a[r][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            vstore_n(acc + (size_t)r * D + d0 + j * VL, a[r][j], j == NV - 1 ? n : VL);
+}
+
+INLINE void pv_rows(float *acc, int D, const float *P, const void *const *vp, int nt,
+                    enum attn_type T, const int RB)
+{
+    int d0 = 0;
+    for (; d0 + PV_NV * VL <= D; d0 += PV_NV * VL)
+        pv_block(acc, D, P, vp, nt, T, d0, VL, RB, PV_NV);
+    for (; d0 < D; d0 += VL)
+        pv_block(acc, D, P, vp, nt, T, d0, D - d0 < VL ? D - d0 : VL, RB, 1);
+}
+
+INLINE void pv_typed(float *acc, int nrows, const float *P, const void *const *vp, int nt,
+                     enum attn_type T, int D)
+{
+    int r = 0;
+    for (; r + 4 <= nrows; r += 4)
+        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 4);
+    for (; r < nrows; r++)
+        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 1);
+}
+
+static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp, int nt,
+                    enum attn_type type, int D)
+{
+    switch (type) {
+    case ATTN_F32: pv_typed(acc, nrows, P, vp, nt, ATTN_F32, D); break;
+    case ATTN_F16: pv_typed(acc, nrows, P, vp, nt, ATTN_F16, D); break;
+    case ATTN_BF16: pv_typed(acc, nrows, P, vp, nt, ATTN_BF16, D); break;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Staging keys: convert, de-interleave and rotate a tile once
+ * ------------------------------------------------------------------------ */
+
+INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_type T, int D,
+                        int rot, enum pos_rope_pairing pairing, const float *cs,
+                        const float *sn, int ld_cs)
+{
+    int half = rot / 2;
+    for (int t = 0; t < nt; t++) {
+        const void *k = kp[t];
+        float *o = out + (size_t)t * D;
+        const float *c = cs + (size_t)t * ld_cs, *s = sn + (size_t)t * ld_cs;
+        for (int i = 0; i < half; i += VL) {
+            int n = half - i < VL ? half - i : VL;
+            vf lo, hi;
+            if (pairing == POS_ROPE_NEOX) {
+                lo = vload_t(k, i, T, n);
+                hi = vload_t(k, half + i, T, n);
+            } else {
+                vf a = vload_t(k, 2 * i, T, 2 * n < VL ? 2 * n : VL);
+                vf bb = vload_t(k, 2 * i + VL, T, 2 * n - VL);
+                vdeinterleave(a, bb, &lo, &hi);
+            }
+            vf vc = vload_n(c + i, n), vs = vload_n(s + i, n);
+            vstore_n(o + i, vfnma(hi, vs, vmul(lo, vc)), n);
+            vstore_n(o + half + i, vfma(lo, vs, vmul(hi, vc)), n);
+        }
+        for (int d = rot; d < D; d += VL) {
+            int n = D - d < VL ? D - d : VL;
+            vstore_n(o + d, vload_t(k, d, T, n), n);
+        }
+    }
+}
+
+static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_type type, int D,
+                         int rot, enum pos_rope_pairing pairing, const float *cs,
+                         const float *sn, int ld_cs)
+{
+    switch (type) {
+    case ATTN_F32: stage_typed(out, kp, nt, ATTN_F32, D, rot, pairing, cs, sn, ld_cs); break;
+    case ATTN_F16: stage_typed(out, kp, nt, ATTN_F16, D, rot, pairing, cs, sn, ld_cs); break;
+    case ATTN_BF16: stage_typed(out, kp, nt, ATTN_BF16, D, rot, pairing, cs, sn, ld_cs); break;
+    }
+}
+
+static const struct attn_ops simd_ops = {
+    .name = simd_name,
+    .qk = qk_simd,
+    .softmax = softmax_simd,
+    .probs = probs_simd,
+    .pv = pv_simd,
+    .stage_k = stage_k_simd,
+};
+
+const struct attn_ops *attn_simd_ops(void)
+{
+    return &simd_ops;
+}
+
+const char *attn_simd_name(void)
+{
+    return simd_name;
+}
+
+#else /* no SIMD path in this build */
+
+const struct attn_ops *attn_simd_ops(void)
+{
+    return NULL;
+}
+
+const char *attn_simd_name(void)
+{
+    return "scalar";
+}
+
+#endif
