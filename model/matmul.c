@@ -375,74 +375,114 @@ INLINE void f_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
 
 /* ------------------------------------------------------------------------
  * SIMD: quantised weights
+ *
+ * Weights are decoded to unsigned bytes u = w + c (q4_0: the nibble, c = 8;
+ * q6_K: the six bits, c = 32; q8_0: w + 128 by flipping the top bit; q4_K:
+ * the nibble, whose offset is its separate min) and meet signed activations
+ * x: sum(w x) = sum(u x) - c sum(x). The correction -c sum(x) depends only
+ * on the activation block, so it is computed once per token and block (as
+ * the dot product of c with -x, lane by lane) and shared by the tile's rows
+ * as the starting value of each integer accumulator. AVX2's vpmaddubsw
+ * would saturate on q8_0's u up to 255, so there q8_0 uses |w| and x with
+ * w's sign instead.
  * ------------------------------------------------------------------------ */
 
 /* Per-row state of the current super-block (K formats). */
 struct ksb {
-    float sc[16]; /* q4_K: d * scale_j (8); q6_K: d * scale_g (16) */
-    float mn[8];  /* q4_K: dmin * min_j */
+    __m256 sc[2]; /* q4_K: d * scale_j (sc[0]); q6_K: d * scale_g, groups 0..7 and 8..15 */
+    __m256 mn;    /* q4_K: dmin * min_j */
 };
 
-INLINE float f16s(const uint8_t *p)
+/* An f16 scale at any alignment, broadcast to 8 lanes. */
+INLINE __m256 f16_bcast(const uint8_t *p)
 {
-    return _cvtsh_ss(qt_rd16(p));
+    short h;
+    memcpy(&h, p, 2);
+    return _mm256_cvtph_ps(_mm_set1_epi16(h));
 }
 
 INLINE void ksb_load(enum ggml_type type, const uint8_t *sb, struct ksb *k)
 {
     if (type == GGML_TYPE_Q4_K) {
-        float d = f16s(sb + QT_Q4K_D), dmin = f16s(sb + QT_Q4K_DMIN);
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            qt_q4k_scale_min(sb + QT_Q4K_SCALES, j, &sc, &m);
-            k->sc[j] = d * (float)sc;
-            k->mn[j] = dmin * (float)m;
-        }
+        /* The packing of quant.h's qt_q4k_scale_min, four sub-blocks at a time:
+         * a, b, c are bytes 0..3, 4..7, 8..11 of the packed scales. */
+        uint32_t a, b, c;
+        memcpy(&a, sb + QT_Q4K_SCALES, 4);
+        memcpy(&b, sb + QT_Q4K_SCALES + 4, 4);
+        memcpy(&c, sb + QT_Q4K_SCALES + 8, 4);
+        uint64_t sc = (uint64_t)(a & 0x3f3f3f3f) |
+                      (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
+        uint64_t mn = (uint64_t)(b & 0x3f3f3f3f) |
+                      (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
+        k->sc[0] = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_D),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+        k->mn = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_DMIN),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
     } else if (type == GGML_TYPE_Q6_K) {
-        float d = f16s(sb + QT_Q6K_D);
-        const int8_t *s = (const int8_t *)(sb + QT_Q6K_SCALES);
-        for (int g = 0; g < 16; g++)
-            k->sc[g] = d * (float)s[g];
+        __m256 d = f16_bcast(sb + QT_Q6K_D);
+        __m128i s = _mm_loadu_si128((const __m128i *)(sb + QT_Q6K_SCALES));
+        k->sc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+        k->sc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))));
+    }
+}
+
+/* Offset c of the unsigned weight bytes (see above); 0: no correction. */
+INLINE int q_offset(enum ggml_type type)
+{
+    switch (type) {
+    case GGML_TYPE_Q4_0: return 8;
+    case GGML_TYPE_Q6_K: return 32;
+#if defined(MM_AVX512)
+    case GGML_TYPE_Q8_0: return 128;
+#endif
+    default: return 0;
     }
 }
 
 /*
  * Block j of a weight row's current unit (a block for q8_0/q4_0, a
- * super-block for the K formats): its 32 weights as int8 (q4_K: unsigned
- * nibbles 0..15, the others signed) and its per-lane f32 scale vector.
+ * super-block for the K formats): its 32 weights as unsigned bytes w + c
+ * (AVX2 q8_0: signed w) and its per-lane f32 scale vector.
  */
 INLINE __m256i q_unpack(enum ggml_type type, const uint8_t *u, int j, const struct ksb *k,
                         __m256 *ws)
 {
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
     switch (type) {
-    case GGML_TYPE_Q8_0:
-        *ws = _mm256_set1_ps(f16s(u));
-        return _mm256_loadu_si256((const __m256i *)(u + 2));
+    case GGML_TYPE_Q8_0: {
+        *ws = f16_bcast(u);
+        __m256i w = _mm256_loadu_si256((const __m256i *)(u + 2));
+#if defined(MM_AVX512)
+        w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+#endif
+        return w;
+    }
     case GGML_TYPE_Q4_0: {
-        *ws = _mm256_set1_ps(f16s(u));
+        *ws = f16_bcast(u);
         __m128i v = _mm_loadu_si128((const __m128i *)(u + 2));
         __m256i n = _mm256_set_m128i(_mm_srli_epi16(v, 4), v); /* hi: elements 16..31 */
-        return _mm256_sub_epi8(_mm256_and_si256(n, lo4), _mm256_set1_epi8(8));
+        return _mm256_and_si256(n, lo4);
     }
     case GGML_TYPE_Q4_K: {
-        *ws = _mm256_set1_ps(k->sc[j]);
+        *ws = _mm256_permutevar8x32_ps(k->sc[0], _mm256_set1_epi32(j));
         __m256i v = _mm256_loadu_si256((const __m256i *)(u + QT_Q4K_QS + 32 * (j >> 1)));
         if (j & 1)
             v = _mm256_srli_epi16(v, 4);
         return _mm256_and_si256(v, lo4);
     }
-    default: { /* Q6_K */
+    default: { /* Q6_K: groups 2j and 2j+1 of 16 */
         int h = j >> 2, kk = j & 3;
-        *ws = _mm256_set_m128(_mm_set1_ps(k->sc[2 * j + 1]), _mm_set1_ps(k->sc[2 * j]));
+        *ws = _mm256_permutevar8x32_ps(
+            k->sc[h], _mm256_setr_epi32(2 * kk, 2 * kk, 2 * kk, 2 * kk, 2 * kk + 1, 2 * kk + 1,
+                                        2 * kk + 1, 2 * kk + 1));
         __m256i ql = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QL + 64 * h + 32 * (kk & 1)));
         __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
         if (kk & 2)
             ql = _mm256_srli_epi16(ql, 4);
         ql = _mm256_and_si256(ql, lo4);
-        qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * kk), _mm256_set1_epi8(3));
-        __m256i q = _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
-        return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+        qh = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * kk), 4),
+                              _mm256_set1_epi8(0x30));
+        return _mm256_or_si256(ql, qh);
     }
     }
 }
@@ -459,9 +499,10 @@ INLINE float hsum8(__m256 v)
 INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
 {
     const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
-    const bool wsigned = type != GGML_TYPE_Q4_K;
+    const int c = q_offset(type);
     const int per_unit = kq ? 8 : 1; /* blocks of 32 per unit */
-    const size_t unit_bytes = qt_block_bytes(type);
+    const size_t unit_bytes = kq ? (type == GGML_TYPE_Q4_K ? 144 : 210)
+                                 : (type == GGML_TYPE_Q8_0 ? 34 : 18);
     const int n_units = jb->w->n_in / (kq ? QT_QK_K : QT_QK);
     const uint8_t *rows[Q_MR];
     const int8_t *xq[Q_NT];
@@ -481,60 +522,62 @@ INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++)
             acc[r][t] = _mm256_setzero_ps();
-#if defined(MM_AVX512)
-    const __m256i c80 = _mm256_set1_epi8((char)0x80);
-#else
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i cvec = _mm256_set1_epi8((char)c);
+#if !defined(MM_AVX512)
     const __m256i ones16 = _mm256_set1_epi16(1);
 #endif
 
-    for (int u = 0; u < n_units; u++) {
+    for (int un = 0; un < n_units; un++) {
         struct ksb ks[Q_MR];
         const uint8_t *up[Q_MR];
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) {
-            up[r] = rows[r] + (size_t)u * unit_bytes;
+            up[r] = rows[r] + (size_t)un * unit_bytes;
             if (kq)
                 ksb_load(type, up[r], &ks[r]);
         }
         for (int j = 0; j < per_unit; j++) {
-            const int b = u * per_unit + j; /* block of 32 along the row */
-            __m256i w[Q_MR], wx[Q_MR];
+            const int b = un * per_unit + j; /* block of 32 along the row */
+            __m256i w[Q_MR];
             __m256 ws[Q_MR];
+#if !defined(MM_AVX512)
+            __m256i wabs[Q_MR];
+#endif
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 w[r] = q_unpack(type, up[r], j, &ks[r], &ws[r]);
-#if defined(MM_AVX512)
-                /* signed: accumulator starts at -128 * sum(w) per lane */
-                if (wsigned)
-                    wx[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                             _mm256_dpbusd_epi32(_mm256_setzero_si256(), c80, w[r]));
-#else
-                /* signed: |w| as the unsigned operand */
-                if (wsigned)
-                    wx[r] = _mm256_sign_epi8(w[r], w[r]);
+#if !defined(MM_AVX512)
+                if (type == GGML_TYPE_Q8_0)
+                    wabs[r] = _mm256_sign_epi8(w[r], w[r]);
 #endif
             }
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(xq[t] + QT_QK * b));
                 __m256 dx = _mm256_set1_ps(xd[t][b]);
+                /* -c * (sums of four consecutive x), the accumulators' start */
+                __m256i xb = zero;
+                if (c) {
+                    __m256i nx = _mm256_sub_epi8(zero, x);
 #if defined(MM_AVX512)
-                __m256i xu = _mm256_xor_si256(x, c80); /* x + 128 as u8 */
+                    xb = _mm256_dpbusd_epi32(zero, cvec, nx);
+#else
+                    xb = _mm256_madd_epi16(_mm256_maddubs_epi16(cvec, nx), ones16);
 #endif
+                }
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++) {
                     __m256i isum;
 #if defined(MM_AVX512)
-                    if (wsigned)
-                        isum = _mm256_dpbusd_epi32(wx[r], xu, w[r]);
-                    else
-                        isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[r], x);
+                    isum = _mm256_dpbusd_epi32(xb, w[r], x);
 #else
-                    if (wsigned)
+                    if (type == GGML_TYPE_Q8_0)
                         isum = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(wx[r], _mm256_sign_epi8(x, w[r])), ones16);
+                            _mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(x, w[r])), ones16);
                     else
-                        isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], x), ones16);
+                        isum = _mm256_add_epi32(
+                            xb, _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], x), ones16));
 #endif
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
                                                 _mm256_mul_ps(ws[r], dx), acc[r][t]);
@@ -545,10 +588,10 @@ INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
             /* minus sum_j dmin*m_j * d_x*sum(q_x) over the 8 sub-blocks */
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
-                __m256 xs8 = _mm256_loadu_ps(xsum[t] + 8 * u);
+                __m256 xs8 = _mm256_loadu_ps(xsum[t] + 8 * un);
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++)
-                    acc[r][t] = _mm256_fnmadd_ps(_mm256_loadu_ps(ks[r].mn), xs8, acc[r][t]);
+                    acc[r][t] = _mm256_fnmadd_ps(ks[r].mn, xs8, acc[r][t]);
             }
         }
     }

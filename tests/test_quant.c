@@ -14,7 +14,9 @@
  *                      |err| <= sum_b (0.5 * max_b|x| / 127) * sum_{i in b} |W[o][i]|
  *                               + (n_in + 16) * 2^-22 * sum_i mag[o][i] |x[i]|
  *                      where mag is |W| except for q4_K, whose two terms
- *                      (d*s*q and dmin*m) may cancel: there it is their sum.
+ *                      (d*s*q and dmin*m) may cancel: there it is their sum;
+ *                      and, against a product with the activations quantised
+ *                      here exactly as the kernel does, the f32 term alone.
  *
  * Results must also be bit-identical for 1, 2 and 3 threads.
  */
@@ -666,6 +668,19 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
         for (int i = 32; i < 64; i++)
             x[(size_t)n_in + i] = 0.0f; /* an all-zero activation block */
 
+    /* the activations as the kernel quantises them (quant.h): per block of 32,
+     * d = max|x| / 127 and q = round-to-even(x * (127 / max|x|)) in f32 */
+    float *xhat = malloc(sizeof(float) * (size_t)n_in * (size_t)n_tok);
+    assert_non_null(xhat);
+    for (size_t b = 0; quantised && b < (size_t)n_in * n_tok; b += 32) {
+        float amax = 0.0f;
+        for (size_t i = b; i < b + 32; i++)
+            amax = fmaxf(amax, fabsf(x[i]));
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+        for (size_t i = b; i < b + 32; i++)
+            xhat[i] = d * nearbyintf(x[i] * id);
+    }
+
     struct mm_weight w;
     char err[160];
     assert_int_equal(mm_weight_init(&w, type, n_in, n_out, data, err, sizeof err), 0);
@@ -712,6 +727,20 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
             if (!(fabs(got - ref) <= tol))
                 fail_msg("%s %dx%d tok %d/%d row %d: got %.9g, want %.9g (tol %.3g)",
                          qt_type_name(type), n_out, n_in, t, n_tok, o, got, ref, tol);
+            if (quantised) {
+                /* against the same quantised activations: only f32 rounding remains */
+                const float *xh = xhat + (size_t)t * n_in;
+                double ref2 = 0, absum2 = 0;
+                for (int i = 0; i < n_in; i++) {
+                    ref2 += (double)wo[i] * xh[i];
+                    absum2 += (double)mo[i] * fabs(xh[i]);
+                }
+                double tol2 = (n_in + 16) * 0x1p-22 * absum2;
+                if (!(fabs(got - ref2) <= tol2))
+                    fail_msg("%s %dx%d tok %d/%d row %d: got %.9g, want %.9g with the "
+                             "activations quantised (tol %.3g)",
+                             qt_type_name(type), n_out, n_in, t, n_tok, o, got, ref2, tol2);
+            }
             for (int k = 1; k < 4; k++)
                 if (f32_bits(out[k][at]) != f32_bits(out[0][at]))
                     fail_msg("%s: run %d differs from the 1-thread result at tok %d row %d",
@@ -722,6 +751,7 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
     free(W);
     free(mag);
     free(x);
+    free(xhat);
     for (int k = 0; k < 4; k++)
         free(out[k]);
 }
