@@ -41,7 +41,7 @@
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                   \
-    defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
 #define MM_AVX512 1
 #define MM_SIMD 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -391,7 +391,17 @@ INLINE void f_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
 struct ksb {
     __m256 sc[2]; /* q4_K: d * scale_j (sc[0]); q6_K: d * scale_g, groups 0..7 and 8..15 */
     __m256 mn;    /* q4_K: dmin * min_j */
+#if defined(MM_AVX512)
+    __m512 z;   /* the scales in one vector: q4_K lanes 0..7, q6_K all 16 */
+    __m512 mnz; /* q4_K: the mins in lanes 0..7, zeros above */
+#endif
 };
+
+/* An f16 scale at any alignment. */
+INLINE float f16s(const uint8_t *p)
+{
+    return _cvtsh_ss(qt_rd16(p));
+}
 
 /* An f16 scale at any alignment, broadcast to 8 lanes. */
 INLINE __m256 f16_bcast(const uint8_t *p)
@@ -418,11 +428,18 @@ INLINE void ksb_load(enum ggml_type type, const uint8_t *sb, struct ksb *k)
                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
         k->mn = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_DMIN),
                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+#if defined(MM_AVX512)
+        k->z = _mm512_zextps256_ps512(k->sc[0]);
+        k->mnz = _mm512_zextps256_ps512(k->mn);
+#endif
     } else if (type == GGML_TYPE_Q6_K) {
         __m256 d = f16_bcast(sb + QT_Q6K_D);
         __m128i s = _mm_loadu_si128((const __m128i *)(sb + QT_Q6K_SCALES));
         k->sc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
         k->sc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))));
+#if defined(MM_AVX512)
+        k->z = _mm512_insertf32x8(_mm512_castps256_ps512(k->sc[0]), k->sc[1], 1);
+#endif
     }
 }
 
@@ -495,92 +512,214 @@ INLINE float hsum8(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* mr rows x nt tokens of quantised weights, over the whole row. */
-INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+/* One block of 32 (block j of the rows' current units, block b along the
+ * row) for every row and token of a tile, in 256-bit vectors. */
+INLINE void q_block256(enum ggml_type type, int mr, int nt, const uint8_t *const *up, int j,
+                       const struct ksb *ks, const int8_t *const *xq, const float *const *xd,
+                       int b, __m256 acc[][Q_NT])
 {
-    const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
     const int c = q_offset(type);
-    const int per_unit = kq ? 8 : 1; /* blocks of 32 per unit */
-    const size_t unit_bytes = kq ? (type == GGML_TYPE_Q4_K ? 144 : 210)
-                                 : (type == GGML_TYPE_Q8_0 ? 34 : 18);
-    const int n_units = jb->w->n_in / (kq ? QT_QK_K : QT_QK);
-    const uint8_t *rows[Q_MR];
-    const int8_t *xq[Q_NT];
-    const float *xd[Q_NT], *xsum[Q_NT];
-    int toks[Q_NT];
-    tile_rows(jb, r0, mr, rows);
-    tile_toks(jb, t0, nt, toks);
-    for (int t = 0; t < nt; t++) {
-        xq[t] = jb->xa.q + (size_t)toks[t] * jb->xa.ldq;
-        xd[t] = jb->xa.d + (size_t)toks[t] * jb->xa.ldb;
-        xsum[t] = jb->xa.s + (size_t)toks[t] * jb->xa.ldb;
-    }
-
-    __m256 acc[Q_MR][Q_NT];
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++)
-            acc[r][t] = _mm256_setzero_ps();
     const __m256i zero = _mm256_setzero_si256();
     const __m256i cvec = _mm256_set1_epi8((char)c);
 #if !defined(MM_AVX512)
     const __m256i ones16 = _mm256_set1_epi16(1);
 #endif
+    __m256i w[Q_MR];
+    __m256 ws[Q_MR];
+#if !defined(MM_AVX512)
+    __m256i wabs[Q_MR];
+#endif
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+        w[r] = q_unpack(type, up[r], j, &ks[r], &ws[r]);
+#if !defined(MM_AVX512)
+        if (type == GGML_TYPE_Q8_0)
+            wabs[r] = _mm256_sign_epi8(w[r], w[r]);
+#endif
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(xq[t] + QT_QK * b));
+        __m256 dx = _mm256_set1_ps(xd[t][b]);
+        /* -c * (sums of four consecutive x), the accumulators' start */
+        __m256i xb = zero;
+        if (c) {
+            __m256i nx = _mm256_sub_epi8(zero, x);
+#if defined(MM_AVX512)
+            xb = _mm256_dpbusd_epi32(zero, cvec, nx);
+#else
+            xb = _mm256_madd_epi16(_mm256_maddubs_epi16(cvec, nx), ones16);
+#endif
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            __m256i isum;
+#if defined(MM_AVX512)
+            isum = _mm256_dpbusd_epi32(xb, w[r], x);
+#else
+            if (type == GGML_TYPE_Q8_0)
+                isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(x, w[r])),
+                                         ones16);
+            else
+                isum = _mm256_add_epi32(xb,
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], x), ones16));
+#endif
+            acc[r][t] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws[r], dx), acc[r][t]);
+        }
+    }
+}
 
+/* Tile setup shared by both widths: row and activation pointers. */
+struct qtile {
+    const uint8_t *rows[Q_MR];
+    const int8_t *xq[Q_NT];
+    const float *xd[Q_NT], *xs[Q_NT];
+};
+
+INLINE void qtile_init(const struct job *jb, int r0, int t0, int mr, int nt, struct qtile *q)
+{
+    int toks[Q_NT];
+    tile_rows(jb, r0, mr, q->rows);
+    tile_toks(jb, t0, nt, toks);
+    for (int t = 0; t < nt; t++) {
+        q->xq[t] = jb->xa.q + (size_t)toks[t] * jb->xa.ldq;
+        q->xd[t] = jb->xa.d + (size_t)toks[t] * jb->xa.ldb;
+        q->xs[t] = jb->xa.s + (size_t)toks[t] * jb->xa.ldb;
+    }
+}
+
+INLINE size_t unit_bytes(enum ggml_type type)
+{
+    switch (type) {
+    case GGML_TYPE_Q8_0: return 34;
+    case GGML_TYPE_Q4_0: return 18;
+    case GGML_TYPE_Q4_K: return 144;
+    default: return 210;
+    }
+}
+
+#if defined(MM_AVX512)
+
+/* Lane selectors for the scales of two blocks: (0 x8, 1 x8), or (0, 1, 0, 1) x4 for q4_0. */
+INLINE __m512i pair_sel(int interleaved)
+{
+    return interleaved ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                       : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+/* Two f16 block scales spread over the lanes of their blocks. */
+INLINE __m512 scale_pair(const uint8_t *p0, const uint8_t *p1, int interleaved)
+{
+    __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(qt_rd16(p0) | ((uint32_t)qt_rd16(p1) << 16))));
+    return _mm512_permutexvar_ps(pair_sel(interleaved), _mm512_castps128_ps512(d));
+}
+
+/*
+ * Blocks 2p and 2p+1 of the rows' current units (q4_K, q6_K) or the two
+ * blocks at u (q8_0, q4_0) as 64 unsigned bytes w + c, and their 16 lane
+ * scales. Lanes follow the activation bytes, except q4_0, whose 16-byte
+ * lanes hold (block 0 elements 0..15, block 1 0..15, block 0 16..31,
+ * block 1 16..31); its activations are permuted to match.
+ */
+INLINE __m512i q_unpack2(enum ggml_type type, const uint8_t *u, int p, const struct ksb *k,
+                         __m512 *ws)
+{
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    switch (type) {
+    case GGML_TYPE_Q8_0: {
+        *ws = scale_pair(u, u + 34, 0);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(u + 2));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(u + 36));
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1),
+                                _mm512_set1_epi8((char)0x80));
+    }
+    case GGML_TYPE_Q4_0: {
+        *ws = scale_pair(u, u + 18, 1);
+        __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(u + 20)),
+                                     _mm_loadu_si128((const __m128i *)(u + 2)));
+        __m512i n = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+        return _mm512_and_si512(n, lo4);
+    }
+    case GGML_TYPE_Q4_K: {
+        /* sub-blocks 2p, 2p+1: low and high nibbles of the same 32 bytes */
+        *ws = _mm512_permutexvar_ps(
+            _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1), k->z);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(u + QT_Q4K_QS + 32 * p));
+        __m512i n = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+        return _mm512_and_si512(n, lo4);
+    }
+    default: { /* Q6_K: blocks 2p, 2p+1 = (half h, kk) and (h, kk + 1); groups 4p..4p+3 */
+        int h = p >> 1, kk = 2 * (p & 1);
+        const __m512i g = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        *ws = _mm512_permutexvar_ps(_mm512_add_epi32(g, _mm512_set1_epi32(4 * p)), k->z);
+        __m512i ql = _mm512_loadu_si512((const void *)(u + QT_Q6K_QL + 64 * h));
+        if (kk)
+            ql = _mm512_srli_epi16(ql, 4);
+        ql = _mm512_and_si512(ql, lo4);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
+        __m512i q2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * kk)),
+                                        _mm256_srli_epi16(qh, 2 * kk + 2), 1);
+        q2 = _mm512_and_si512(_mm512_slli_epi16(q2, 4), _mm512_set1_epi8(0x30));
+        return _mm512_or_si512(ql, q2);
+    }
+    }
+}
+
+INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+{
+    const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+    const int c = q_offset(type);
+    const size_t ub = unit_bytes(type);
+    const int nb = jb->w->n_in / QT_QK; /* blocks of 32 */
+    struct qtile q;
+    qtile_init(jb, r0, t0, mr, nt, &q);
+
+    __m512 acc[Q_MR][Q_NT];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i cvec = _mm512_set1_epi8((char)c);
+    /* activation scales of blocks (b, b+1) spread over the lanes */
+    const __m512i dsel = pair_sel(type == GGML_TYPE_Q4_0);
+
+    /* b: first block of the pair along the row; u: unit; p: pair in the unit */
+    const int per_unit = kq ? 4 : 1;
+    const int n_units = kq ? nb / 8 : nb / 2;
     for (int un = 0; un < n_units; un++) {
         struct ksb ks[Q_MR];
         const uint8_t *up[Q_MR];
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) {
-            up[r] = rows[r] + (size_t)un * unit_bytes;
+            up[r] = q.rows[r] + (size_t)un * (kq ? ub : 2 * ub);
             if (kq)
                 ksb_load(type, up[r], &ks[r]);
         }
-        for (int j = 0; j < per_unit; j++) {
-            const int b = un * per_unit + j; /* block of 32 along the row */
-            __m256i w[Q_MR];
-            __m256 ws[Q_MR];
-#if !defined(MM_AVX512)
-            __m256i wabs[Q_MR];
-#endif
+        for (int p = 0; p < per_unit; p++) {
+            const int b = kq ? 8 * un + 2 * p : 2 * un;
+            __m512i w[Q_MR];
+            __m512 ws[Q_MR];
 #pragma GCC unroll 4
-            for (int r = 0; r < mr; r++) {
-                w[r] = q_unpack(type, up[r], j, &ks[r], &ws[r]);
-#if !defined(MM_AVX512)
-                if (type == GGML_TYPE_Q8_0)
-                    wabs[r] = _mm256_sign_epi8(w[r], w[r]);
-#endif
-            }
+            for (int r = 0; r < mr; r++)
+                w[r] = q_unpack2(type, up[r], p, &ks[r], &ws[r]);
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(xq[t] + QT_QK * b));
-                __m256 dx = _mm256_set1_ps(xd[t][b]);
-                /* -c * (sums of four consecutive x), the accumulators' start */
-                __m256i xb = zero;
-                if (c) {
-                    __m256i nx = _mm256_sub_epi8(zero, x);
-#if defined(MM_AVX512)
-                    xb = _mm256_dpbusd_epi32(zero, cvec, nx);
-#else
-                    xb = _mm256_madd_epi16(_mm256_maddubs_epi16(cvec, nx), ones16);
-#endif
-                }
+                __m512i x = _mm512_loadu_si512((const void *)(q.xq[t] + QT_QK * b));
+                if (type == GGML_TYPE_Q4_0)
+                    x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));
+                __m128 d2 = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(q.xd[t] + b)));
+                __m512 dx = _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(d2));
+                __m512i xb = zero;
+                if (c)
+                    xb = _mm512_dpbusd_epi32(zero, cvec, _mm512_sub_epi8(zero, x));
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++) {
-                    __m256i isum;
-#if defined(MM_AVX512)
-                    isum = _mm256_dpbusd_epi32(xb, w[r], x);
-#else
-                    if (type == GGML_TYPE_Q8_0)
-                        isum = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(x, w[r])), ones16);
-                    else
-                        isum = _mm256_add_epi32(
-                            xb, _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], x), ones16));
-#endif
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                                                _mm256_mul_ps(ws[r], dx), acc[r][t]);
+                    __m512i isum = _mm512_dpbusd_epi32(xb, w[r], x);
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                                _mm512_mul_ps(ws[r], dx), acc[r][t]);
                 }
             }
         }
@@ -588,7 +727,70 @@ INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
             /* minus sum_j dmin*m_j * d_x*sum(q_x) over the 8 sub-blocks */
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
-                __m256 xs8 = _mm256_loadu_ps(xsum[t] + 8 * un);
+                __m512 xs8 = _mm512_zextps256_ps512(_mm256_loadu_ps(q.xs[t] + 8 * un));
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++)
+                    acc[r][t] = _mm512_fnmadd_ps(ks[r].mnz, xs8, acc[r][t]);
+            }
+        }
+    }
+
+    float res[Q_MR][NT_MAX];
+    if (!kq && (nb & 1)) {
+        /* an odd last block of q8_0 / q4_0 */
+        __m256 tail[Q_MR][Q_NT];
+        const uint8_t *up[Q_MR];
+        for (int r = 0; r < mr; r++) {
+            up[r] = q.rows[r] + (size_t)(nb - 1) * ub;
+            for (int t = 0; t < nt; t++)
+                tail[r][t] = _mm256_setzero_ps();
+        }
+        q_block256(type, mr, nt, up, 0, NULL, q.xq, q.xd, nb - 1, tail);
+        for (int r = 0; r < mr; r++)
+            for (int t = 0; t < nt; t++)
+                res[r][t] = _mm512_reduce_add_ps(acc[r][t]) + hsum8(tail[r][t]);
+    } else {
+        for (int r = 0; r < mr; r++)
+            for (int t = 0; t < nt; t++)
+                res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+    }
+    tile_store(jb, r0, t0, mr, nt, res);
+}
+
+#else /* AVX2 */
+
+INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+{
+    const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+    const int per_unit = kq ? 8 : 1; /* blocks of 32 per unit */
+    const size_t ub = unit_bytes(type);
+    const int n_units = jb->w->n_in / (kq ? QT_QK_K : QT_QK);
+    struct qtile q;
+    qtile_init(jb, r0, t0, mr, nt, &q);
+
+    __m256 acc[Q_MR][Q_NT];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++)
+            acc[r][t] = _mm256_setzero_ps();
+
+    for (int un = 0; un < n_units; un++) {
+        struct ksb ks[Q_MR];
+        const uint8_t *up[Q_MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            up[r] = q.rows[r] + (size_t)un * ub;
+            if (kq)
+                ksb_load(type, up[r], &ks[r]);
+        }
+        for (int j = 0; j < per_unit; j++)
+            q_block256(type, mr, nt, up, j, ks, q.xq, q.xd, un * per_unit + j, acc);
+        if (type == GGML_TYPE_Q4_K) {
+            /* minus sum_j dmin*m_j * d_x*sum(q_x) over the 8 sub-blocks */
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                __m256 xs8 = _mm256_loadu_ps(q.xs[t] + 8 * un);
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++)
                     acc[r][t] = _mm256_fnmadd_ps(ks[r].mn, xs8, acc[r][t]);
@@ -603,17 +805,22 @@ INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
     tile_store(jb, r0, t0, mr, nt, res);
 }
 
-/* One group of rows: token tiles outside (x tile reused across the group's
- * rows from cache), row tiles inside. A lone last token uses a 1-token tile. */
+#endif /* AVX2 */
+
+/*
+ * One group of rows: token tiles outside (an activation tile is reused
+ * across the group's rows from cache), row tiles inside, each tile over
+ * whole rows. A lone last token uses a 1-token tile, which sums in the same
+ * order: a token's result does not depend on the batch it came in.
+ */
 INLINE void group_simd(const struct job *jb, enum ggml_type type, int g)
 {
     const bool fl = is_float_type(type);
-    const int mr = fl ? F_MR : Q_MR, nt = fl ? F_NT : Q_NT;
     const int g0 = g * MM_GROUP;
     const int g1 = g0 + MM_GROUP < jb->w->n_out ? g0 + MM_GROUP : jb->w->n_out;
-    for (int t0 = 0; t0 < jb->n_tok; t0 += nt) {
+    for (int t0 = 0; t0 < jb->n_tok; t0 += fl ? F_NT : Q_NT) {
         bool one = jb->n_tok - t0 == 1;
-        for (int r0 = g0; r0 < g1; r0 += mr) {
+        for (int r0 = g0; r0 < g1; r0 += fl ? F_MR : Q_MR) {
             if (fl) {
                 if (one)
                     f_tile(jb, type, r0, t0, F_MR, 1);

@@ -181,8 +181,8 @@ size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok);
 /*
  * out[n_tok][n_out] = x[n_tok][n_in] . W^T, with n_threads OpenMP threads
  * (0 = the OpenMP default; 1 = no parallel region). out must not overlap x.
- * Results do not depend on the number of threads (each output is summed in
- * the same order whatever the split).
+ * Results do not depend on the number of threads nor on the other tokens of
+ * the batch: each output is summed in the same order whatever the split.
  *
  * Quantised weights need x quantised first, into scratch. mm_matmul keeps
  * one scratch buffer per calling thread (thread-local), grown when a call
