@@ -49,6 +49,7 @@ struct eval_policy {
 struct eval_opts {
     const char *model_path, *file;
     int max_tokens;     /* 0 = whole file */
+    int start;          /* first text token scored (after BOS); 1 = the beginning */
     int segments[MAX_SEGMENTS];
     int n_segments;
     struct eval_policy policies[MAX_POLICIES];
@@ -88,6 +89,7 @@ static void eval_usage(FILE *f)
             "                       (default sink-window:4:252)\n"
             "  --baseline NAME      repeatable: dense, chunked, recompute\n"
             "  --tokens N           score the first N tokens (default: all)\n"
+            "  --start T            begin at the text's token T (a fresh BOS first)\n"
             "  --segments A,B,...   segment boundaries (default 512,2048,8192)\n"
             "  --train-len N        training length (default: from the model)\n"
             "  --recompute-tokens N limit of the recompute baseline (default 2048)\n"
@@ -166,7 +168,8 @@ static int parse_segments(const char *s, struct eval_opts *o)
 
 static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
 {
-    *o = (struct eval_opts){.recompute_max = 2048, .page_tokens = 4, .kv_type = KV_F32};
+    *o = (struct eval_opts){.recompute_max = 2048, .page_tokens = 4, .kv_type = KV_F32,
+                            .start = 1};
     parse_segments("512,2048,8192", o);
     const char *specs[MAX_POLICIES];
     int n_specs = 0;
@@ -194,6 +197,10 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
             if (bad || srv_parse_long(v, 2, 1 << 28, &n))
                 return bad_opt("--tokens", v);
             o->max_tokens = (int)n;
+        } else if (OPT("--start")) {
+            if (bad || srv_parse_long(v, 1, 1 << 28, &n))
+                return bad_opt("--start", v);
+            o->start = (int)n;
         } else if (OPT("--segments")) {
             if (bad || parse_segments(v, o))
                 return bad_opt("--segments (increasing, e.g. 512,2048,8192)", v);
@@ -542,7 +549,12 @@ static int write_plot(const char *path, const struct eval_run *runs, int n_runs,
 
 /* ------------------------------------------------------------------------ */
 
-static int32_t *tokenize_file(const model *m, const char *path, int max_tokens, int *n_out)
+/*
+ * The scored stream: BOS, then the text's tokens from `start` on (token 0
+ * of the encoding is the BOS itself), at most max_tokens in all.
+ */
+static int32_t *tokenize_file(const model *m, const char *path, int start, int max_tokens,
+                              int *n_out)
 {
     FILE *f = fopen(path, "rb");
     if (!f) {
@@ -565,6 +577,12 @@ static int32_t *tokenize_file(const model *m, const char *path, int max_tokens, 
     if (tokens)
         n = model_tokenize(m, text, (size_t)size, true, tokens, n);
     free(text);
+    if (tokens && start > 1 && start < n) { /* drop text tokens [1, start), keep BOS */
+        memmove(tokens + 1, tokens + start, sizeof(int32_t) * (size_t)(n - start));
+        n -= start - 1;
+    } else if (start >= n) {
+        n = 1;
+    }
     if (!tokens || n < 2) {
         fprintf(stderr, "kvd eval: %s holds too little text to score\n", path);
         free(tokens);
@@ -614,7 +632,7 @@ int srv_cmd_eval(int argc, char **argv)
         return 2;
     }
     int n = 0;
-    int32_t *tokens = tokenize_file(m, o.file, o.max_tokens, &n);
+    int32_t *tokens = tokenize_file(m, o.file, o.start, o.max_tokens, &n);
     int budget = train_len + 1;
     for (int k = 0; k < o.n_policies; k++)
         if (o.policies[k].p.max_cache_tokens > budget)
