@@ -4,31 +4,33 @@
  *
  * The work is split like ggml's kernels: OpenMP threads take contiguous
  * groups of MM_GROUP output rows; inside a group, a register tile of MR rows
- * x NT tokens walks the row from start to end, so every weight block is
+ * x NT tokens walks the rows from start to end, so every weight block is
  * loaded and decoded once per NT tokens, and NT activation blocks are
  * loaded once per MR rows. With one token (decoding) the tile is MR x 1 and
  * the loop streams weights at memory speed; with many (prefill) it is
- * compute bound and the decoded block is reused NT times.
+ * compute bound and each decoded block is reused NT times.
  *
  * Float weights (f32, f16, bf16) are widened to f32 in registers and meet
  * f32 activations in multiply-adds. Quantised weights (q8_0, q4_0, q4_K,
  * q6_K) meet activations quantised per block of 32 to int8 with an f32
- * scale, in integer dot products:
+ * scale (done by the calling thread, into scratch, before the team starts)
+ * in integer dot products:
  *
- *   AVX-512 VNNI  vpdpbusd (u8 x s8, four products summed into each i32
- *                 lane). Signed weights w meet x + 128 (unsigned) and the
- *                 accumulator starts at -128 * sum(w), computed once per
- *                 weight block and shared by the NT tokens.
- *   AVX2          vpmaddubsw on |w| and x carrying w's sign, then vpmaddwd.
+ *   AVX-512 VNNI  vpdpbusd on 512 bits: two blocks of 32 per step, u8
+ *                 weights x s8 activations, four products per i32 lane.
+ *   AVX2          vpmaddubsw + vpmaddwd on 256 bits, one block per step.
  *   scalar        the same integer sums in plain C (the portable build).
  *
- * Each block's i32 sums are scaled in f32 by (weight scale) x (activation
- * scale) and accumulated in f32 lanes; q6_K's two scales per block of 32
- * are two halves of the lane vector, and q4_K's mins are subtracted once
- * per super-block as (dmin * m_j) . (d_x * sum q_x) over its 8 sub-blocks.
+ * The weights enter as unsigned bytes w + c, and the offset's contribution
+ * -c * sum(x) is the starting value of each integer sum (see "SIMD:
+ * quantised weights"). Each block's i32 sums are scaled in f32 by (weight
+ * scale) x (activation scale) and accumulated in f32 lanes; q6_K's scales
+ * per 16 elements are lane groups of the scale vector, and q4_K's mins are
+ * subtracted once per super-block as (dmin * m_j) . (d_x * sum q_x) over its
+ * 8 sub-blocks.
  *
- * Each output is summed in the same order however rows are split among
- * threads, so results do not depend on the thread count.
+ * Each output is summed in the same order whatever the split among threads
+ * and whatever the other tokens of the batch, so results depend on neither.
  */
 #include "model/quant.h"
 
@@ -62,10 +64,10 @@
 #if defined(MM_AVX512)
 #define F_MR 4 /* float weights: 16 zmm accumulators */
 #define F_NT 4
-#define Q_MR 4 /* quantised weights: 16 ymm accumulators of 32 */
+#define Q_MR 4 /* quantised weights: 16 zmm accumulators */
 #define Q_NT 4
 #else
-#define F_MR 2
+#define F_MR 2 /* 16 ymm registers: 8 accumulators */
 #define F_NT 4
 #define Q_MR 2
 #define Q_NT 4
@@ -396,12 +398,6 @@ struct ksb {
     __m512 mnz; /* q4_K: the mins in lanes 0..7, zeros above */
 #endif
 };
-
-/* An f16 scale at any alignment. */
-INLINE float f16s(const uint8_t *p)
-{
-    return _cvtsh_ss(qt_rd16(p));
-}
 
 /* An f16 scale at any alignment, broadcast to 8 lanes. */
 INLINE __m256 f16_bcast(const uint8_t *p)
@@ -987,22 +983,17 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
     if (nth > n_groups)
         nth = n_groups;
 
-    /* One parallel region: quantise the activations (split by token), then
-     * the output rows (split by group). The implicit barrier of the first
-     * loop publishes the quantised activations to every thread. */
-#pragma omp parallel num_threads(nth) if (nth > 1)
-    {
-        if (quantised) {
-#pragma omp for schedule(static)
-            for (int t = 0; t < n_tok; t++)
-                quantize_x(x + (size_t)t * (size_t)w->n_in, w->n_in,
-                           jb.xa.q + (size_t)t * jb.xa.ldq, jb.xa.d + (size_t)t * jb.xa.ldb,
-                           jb.xa.s + (size_t)t * jb.xa.ldb);
-        }
-#pragma omp for schedule(static)
-        for (int g = 0; g < n_groups; g++)
-            run_group(&jb, g);
-    }
+    /* The activations are quantised by the calling thread before the team
+     * starts (a few microseconds per token, under 1% of a prefill's
+     * products), so the parallel region has no barrier but its end. */
+    if (quantised)
+        for (int t = 0; t < n_tok; t++)
+            quantize_x(x + (size_t)t * (size_t)w->n_in, w->n_in, jb.xa.q + (size_t)t * jb.xa.ldq,
+                       jb.xa.d + (size_t)t * jb.xa.ldb, jb.xa.s + (size_t)t * jb.xa.ldb);
+
+#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+    for (int g = 0; g < n_groups; g++)
+        run_group(&jb, g);
 }
 
 /* The calling thread's scratch for mm_matmul: grown, never shrunk. */

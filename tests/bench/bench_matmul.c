@@ -1,0 +1,200 @@
+/*
+ * bench_matmul.c - speed of the matrix products per weight type.
+ *
+ * For a 4096 x 4096 weight matrix of each type, with 2 OpenMP threads:
+ *
+ *   matvec cold  one token (decoding), cycling through copies of the matrix
+ *                that together exceed 512 MiB, so weights come from DRAM as
+ *                in a real model: GB/s of weight bytes read.
+ *   matvec hot   one token, the same matrix again and again (cache resident
+ *                where it fits): shows how far the kernel is from compute bound.
+ *   matmul       64 tokens (prefill), one matrix: GFLOP/s (2 flops per
+ *                multiply-add).
+ *
+ * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads) measured
+ * in the same run gives the machine's bandwidth; "cold/triad" is the
+ * fraction of it a decoding step reaches. Every figure is the best of
+ * several trials, so a busy machine shows less noise.
+ */
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model/quant.h"
+
+#define N 4096
+#define THREADS 2
+#define COLD_BYTES ((size_t)512 << 20)
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t rng = 0x1234567;
+
+static float rnd(void) /* [-1, 1) */
+{
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(rng >> 11) * 0x1p-52 - 1.0);
+}
+
+static void *xalloc(size_t n)
+{
+    void *p = aligned_alloc(64, (n + 63) / 64 * 64);
+    if (!p) {
+        fprintf(stderr, "bench_matmul: out of memory allocating %zu bytes\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+/* Fill one matrix: quantised from random floats, or random K blocks with sane scales. */
+static void make_matrix(enum ggml_type type, uint8_t *data, size_t rb)
+{
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+        size_t bb = qt_block_bytes(type), nblk = rb / bb * N;
+        for (size_t i = 0; i < nblk * bb; i++)
+            data[i] = (uint8_t)(rnd() * 128 + 128);
+        for (size_t i = 0; i < nblk; i++) {
+            uint8_t *b = data + i * bb;
+            uint16_t d = qt_f32_to_f16(0.01f * (rnd() + 1.5f));
+            if (type == GGML_TYPE_Q4_K) {
+                memcpy(b, &d, 2);
+                memcpy(b + 2, &d, 2);
+            } else {
+                memcpy(b + 208, &d, 2);
+            }
+        }
+        return;
+    }
+    float *row = xalloc(sizeof(float) * N);
+    for (int o = 0; o < N; o++) {
+        for (int i = 0; i < N; i++)
+            row[i] = rnd();
+        if (qt_quantize_row(type, row, data + (size_t)o * rb, N) != 0) {
+            fprintf(stderr, "bench_matmul: quantising %s failed\n", qt_type_name(type));
+            exit(1);
+        }
+    }
+    free(row);
+}
+
+static double triad_gbs(void)
+{
+    const size_t n = (size_t)48 << 20; /* 48 Mi floats = 192 MiB per array */
+    float *a = xalloc(n * 4), *b = xalloc(n * 4), *c = xalloc(n * 4);
+#pragma omp parallel for num_threads(THREADS) schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        a[i] = 0.0f;
+        b[i] = 1.0f;
+        c[i] = 2.0f;
+    }
+    double best = 1e30;
+    for (int rep = 0; rep < 5; rep++) {
+        const float s = 3.0f + (float)rep;
+        double t0 = now();
+#pragma omp parallel for num_threads(THREADS) schedule(static)
+        for (size_t i = 0; i < n; i++)
+            a[i] = b[i] + s * c[i];
+        double dt = now() - t0;
+        if (dt < best)
+            best = dt;
+    }
+    volatile float sink = a[n / 2];
+    (void)sink;
+    free(a);
+    free(b);
+    free(c);
+    return 3.0 * 4.0 * (double)n / best / 1e9;
+}
+
+int main(void)
+{
+    const enum ggml_type types[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q8_0,
+                                    GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    const int n_types = (int)(sizeof types / sizeof types[0]);
+    const int n_tok = 64;
+
+    double triad = triad_gbs();
+    printf("matrix %dx%d, %d threads, kernels: %s\n", N, N, THREADS, mm_kernel_name());
+    printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s\n\n", triad);
+    printf("%-6s %9s %12s %11s %11s %16s\n", "type", "MiB", "cold GB/s", "cold/triad",
+           "hot GB/s", "GFLOP/s @64 tok");
+
+    float *x = xalloc(sizeof(float) * N * n_tok);
+    float *out = xalloc(sizeof(float) * N * n_tok);
+    for (int i = 0; i < N * n_tok; i++)
+        x[i] = rnd();
+
+    for (int k = 0; k < n_types; k++) {
+        enum ggml_type type = types[k];
+        size_t rb = qt_row_bytes(type, N), bytes = rb * N;
+        int copies = (int)((COLD_BYTES + bytes - 1) / bytes);
+        uint8_t *data = xalloc(bytes * (size_t)copies);
+        make_matrix(type, data, rb);
+        for (int c = 1; c < copies; c++)
+            memcpy(data + bytes * (size_t)c, data, bytes);
+
+        struct mm_weight w[2];
+        char err[200];
+        if (mm_weight_init(&w[0], type, N, N, data, err, sizeof err) != 0) {
+            fprintf(stderr, "bench_matmul: %s\n", err);
+            return 1;
+        }
+
+        /* cold: a different copy each call; best of 3 sweeps over all copies */
+        mm_matmul(out, &w[0], x, 1, THREADS); /* warm-up: threads, scratch */
+        double best = 1e30;
+        for (int sweep = 0; sweep < 3; sweep++) {
+            double t0 = now();
+            for (int i = 0; i < copies; i++) {
+                w[1] = w[0];
+                w[1].data = data + bytes * (size_t)i;
+                mm_matmul(out, &w[1], x, 1, THREADS);
+            }
+            double dt = (now() - t0) / copies;
+            if (dt < best)
+                best = dt;
+        }
+        double cold = (double)bytes / best / 1e9;
+
+        /* hot: the same matrix; best single call of many */
+        best = 1e30;
+        for (int i = 0; i < 40; i++) {
+            double t0 = now();
+            mm_matmul(out, &w[0], x, 1, THREADS);
+            double dt = now() - t0;
+            if (dt < best)
+                best = dt;
+        }
+        double hot = (double)bytes / best / 1e9;
+
+        /* matrix-matrix, best of 5 */
+        best = 1e30;
+        for (int rep = 0; rep < 5; rep++) {
+            double t0 = now();
+            mm_matmul(out, &w[0], x, n_tok, THREADS);
+            double dt = now() - t0;
+            if (dt < best)
+                best = dt;
+        }
+        double gflops = 2.0 * N * (double)N * n_tok / best / 1e9;
+
+        printf("%-6s %9.1f %12.1f %11.2f %11.1f %16.1f\n", qt_type_name(type),
+               (double)bytes / (1 << 20), cold, cold / triad, hot, gflops);
+        fflush(stdout);
+        free(data);
+    }
+    mm_scratch_release();
+    free(x);
+    free(out);
+    return 0;
+}
