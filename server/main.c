@@ -17,7 +17,10 @@ static const struct srv_command commands[] = {
     {"buckets", "print the T5 relative-position bucket table", srv_cmd_buckets},
     {"check-config", "check a config file, print the effective values", srv_cmd_check_config},
     {"eval", "measure an eviction policy's cost in perplexity on a text", srv_cmd_eval},
+    {"generate", "generate text from a prompt, offline", srv_cmd_generate},
     {"load", "load-test a running kvd across context lengths", srv_cmd_load},
+    {"mkmodel", "write a small seeded GGUF model", srv_cmd_mkmodel},
+    {"tokenize", "print the token ids of a text", srv_cmd_tokenize},
     {"version", "print the version", cmd_version},
     {"help", "list the subcommands", cmd_help},
 };
@@ -25,9 +28,6 @@ static const struct srv_command commands[] = {
 /* Subcommands that are part of kvd's interface but not built yet. */
 static const char *const pending[] = {
     "serve",
-    "generate",
-    "mkmodel",
-    "tokenize",
 };
 
 #define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))

@@ -21,5 +21,8 @@ int srv_cmd_buckets(int argc, char **argv);
 int srv_cmd_check_config(int argc, char **argv);
 int srv_cmd_load(int argc, char **argv);
 int srv_cmd_eval(int argc, char **argv);
+int srv_cmd_generate(int argc, char **argv);
+int srv_cmd_mkmodel(int argc, char **argv);
+int srv_cmd_tokenize(int argc, char **argv);
 
 #endif /* KVD_SERVER_H */

@@ -1,0 +1,524 @@
+/*
+ * forward.c - the batched forward pass of a Llama-family model over the
+ * paged KV cache.
+ *
+ * One call takes tokens from several sequences at once (prefill chunks and
+ * single decode tokens together) and runs every matrix product over all of
+ * them as one matrix-times-matrix: the weights, which dominate memory
+ * traffic, are read once per call instead of once per token. Per layer:
+ *
+ *   xb = RMSNorm(x) * attn_norm                        [T][n_embd]
+ *   q, k, v = xb Wq^T (+bq), xb Wk^T (+bk), xb Wv^T (+bv)
+ *   K and V of every new token -> its sequence's pages (k unrotated)
+ *   att = attention over each sequence's cache        [T][n_head*head_dim]
+ *         (the fused kernel rotates q and cached k by their positions)
+ *   x += att Wo^T
+ *   xb = RMSNorm(x) * ffn_norm
+ *   x += (silu(xb Wgate^T) * (xb Wup^T)) Wdown^T
+ *
+ * then the final norm and the output matrix for only the tokens whose
+ * logits were asked for.
+ *
+ * Keys go into the cache before rotation (ARCHITECTURE.md Invariant 2), so
+ * evicting and renumbering positions never touches them: the kernel rotates
+ * by whatever position a key has now. Queries are rotated by the positions
+ * the cache assigned to the new tokens.
+ *
+ * Memory: every activation buffer is sized for max_batch_tokens in
+ * model_ctx_create; model_forward allocates nothing, except that an H2O
+ * sequence longer than any seen before grows the attention-mass scratch.
+ * Threading: a model_ctx belongs to the engine thread; parallelism is the
+ * OpenMP team inside the matrix products and the attention kernel.
+ */
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_internal.h"
+
+
+/* Rows of logits computed per output-matrix pass. */
+#define LOGIT_ROWS 32
+
+struct model_ctx {
+    const model *m;
+    int max_tokens; /* tokens per call, all sequences together */
+    int n_threads;  /* OpenMP threads of matmuls and attention (0 = default) */
+    attn_ctx *attn;
+
+    /* Activations; T = tokens of the current call. */
+    float *x;    /* [T][n_embd] residual stream */
+    float *xb;   /* [T][n_embd] normalised input of a sub-layer / its output */
+    float *q;    /* [T][q_dim] queries, unrotated */
+    float *k;    /* [T][kv_dim] new keys, unrotated */
+    float *v;    /* [T][kv_dim] new values */
+    float *att;  /* [T][q_dim] attention output */
+    float *hb;   /* [T][n_ff] gate, then silu(gate) * up */
+    float *hb2;  /* [T][n_ff] up */
+    float *xo;   /* [LOGIT_ROWS][n_embd] final-normed rows that need logits */
+    float *lg;   /* [LOGIT_ROWS][n_vocab] logits of those rows */
+    void *scratch; /* activation quantisation for mm_matmul_scratch */
+
+    /* Batch bookkeeping, indexed by token (T) or sequence (<= T). */
+    int32_t *tok;          /* [T] token ids in batch order */
+    int32_t *qpos;         /* [T] position of each new token */
+    int *first;            /* [S] cache index of the sequence's first new token */
+    int *hist0;            /* [S] tokens appended to the sequence before this call */
+    bool *appended;        /* [S] whether kv_seq_append succeeded this call */
+    int *mass_off;         /* [S] offset of the sequence's mass scratch, or -1 */
+    struct attn_seq *aseq; /* [S] */
+
+    float *mass;     /* H2O: attention mass per key, per H2O sequence */
+    size_t mass_cap; /* floats */
+};
+
+/* ------------------------------------------------------------------------
+ * Lifecycle
+ * ------------------------------------------------------------------------ */
+
+static void *alloc_floats(size_t n, bool *ok)
+{
+    void *p = malloc(n * sizeof(float) + 64);
+    if (!p)
+        *ok = false;
+    return p;
+}
+
+model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads, char *err,
+                            size_t errlen)
+{
+    if (max_batch_tokens < 1 || max_batch_tokens > (1 << 20)) {
+        snprintf(err, errlen, "max batch tokens must be in [1, 1048576] (got %d)",
+                 max_batch_tokens);
+        return NULL;
+    }
+    if (n_threads < 0) {
+        snprintf(err, errlen, "threads must be >= 0 (got %d)", n_threads);
+        return NULL;
+    }
+    model_ctx *c = calloc(1, sizeof(*c));
+    if (!c) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->m = m;
+    c->max_tokens = max_batch_tokens;
+    c->n_threads = n_threads;
+
+    struct attn_params ap = {
+        .n_head = m->n_head,
+        .n_kv_head = m->n_kv_head,
+        .head_dim = m->head_dim,
+        .scale = 1.0f / sqrtf((float)m->head_dim),
+        .pos = m->pos,
+        .n_threads = n_threads,
+    };
+    char why[256];
+    c->attn = attn_create(&ap, why, sizeof(why));
+    if (!c->attn) {
+        snprintf(err, errlen, "attention: %s", why);
+        goto fail;
+    }
+
+    size_t T = (size_t)max_batch_tokens;
+    size_t rows = T < LOGIT_ROWS ? T : LOGIT_ROWS;
+    bool ok = true;
+    c->x = alloc_floats(T * m->n_embd, &ok);
+    c->xb = alloc_floats(T * m->n_embd, &ok);
+    c->q = alloc_floats(T * m->q_dim, &ok);
+    c->k = alloc_floats(T * m->kv_dim, &ok);
+    c->v = alloc_floats(T * m->kv_dim, &ok);
+    c->att = alloc_floats(T * m->q_dim, &ok);
+    c->hb = alloc_floats(T * m->n_ff, &ok);
+    c->hb2 = alloc_floats(T * m->n_ff, &ok);
+    c->xo = alloc_floats(rows * m->n_embd, &ok);
+    c->lg = alloc_floats(rows * m->n_vocab, &ok);
+    c->tok = malloc(T * sizeof(*c->tok));
+    c->qpos = malloc(T * sizeof(*c->qpos));
+    c->first = malloc(T * sizeof(*c->first));
+    c->hist0 = malloc(T * sizeof(*c->hist0));
+    c->appended = malloc(T * sizeof(*c->appended));
+    c->mass_off = malloc(T * sizeof(*c->mass_off));
+    c->aseq = malloc(T * sizeof(*c->aseq));
+    if (!ok || !c->tok || !c->qpos || !c->first || !c->hist0 || !c->appended || !c->mass_off ||
+        !c->aseq) {
+        snprintf(err, errlen, "out of memory for a %d-token batch", max_batch_tokens);
+        goto fail;
+    }
+
+    /* Scratch for quantising activations: the largest any product needs. */
+    size_t sb = mm_scratch_bytes(&m->output, (int)rows);
+    for (int l = 0; l < m->n_layer; l++) {
+        const struct model_layer *L = &m->layers[l];
+        const struct mm_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo,
+                                        &L->gate, &L->up, &L->down};
+        for (int i = 0; i < 7; i++) {
+            size_t b = mm_scratch_bytes(ws[i], max_batch_tokens);
+            if (b > sb)
+                sb = b;
+        }
+    }
+    sb = (sb + 63) / 64 * 64;
+    c->scratch = aligned_alloc(64, sb ? sb : 64);
+    if (!c->scratch) {
+        snprintf(err, errlen, "out of memory for %zu bytes of matmul scratch", sb);
+        goto fail;
+    }
+    /* Start the OpenMP team now, so the first forward is not the one that
+     * pays for creating threads. */
+    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
+#pragma omp parallel num_threads(nt)
+    {
+        (void)0;
+    }
+    return c;
+
+fail:
+    model_ctx_destroy(c);
+    return NULL;
+}
+
+void model_ctx_destroy(model_ctx *c)
+{
+    if (!c)
+        return;
+    attn_destroy(c->attn);
+    free(c->x);
+    free(c->xb);
+    free(c->q);
+    free(c->k);
+    free(c->v);
+    free(c->att);
+    free(c->hb);
+    free(c->hb2);
+    free(c->xo);
+    free(c->lg);
+    free(c->scratch);
+    free(c->tok);
+    free(c->qpos);
+    free(c->first);
+    free(c->hist0);
+    free(c->appended);
+    free(c->mass_off);
+    free(c->aseq);
+    free(c->mass);
+    free(c);
+}
+
+/* ------------------------------------------------------------------------
+ * Kernels of the forward (the matrix products are in matmul.c)
+ * ------------------------------------------------------------------------ */
+
+/* out[i] = x[i] / rms(x) * w[i]; out may equal x. */
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
+{
+    double ss = 0.0;
+    for (int i = 0; i < n; i++)
+        ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++)
+        out[i] = x[i] * r * w[i];
+}
+
+static void rmsnorm_rows(float *out, const float *x, const float *w, int n_rows, int n,
+                         float eps)
+{
+    for (int t = 0; t < n_rows; t++)
+        rmsnorm(out + (size_t)t * n, x + (size_t)t * n, w, n, eps);
+}
+
+static void add_bias(float *x, const float *b, int n_rows, int n)
+{
+    if (!b)
+        return;
+    for (int t = 0; t < n_rows; t++)
+        for (int i = 0; i < n; i++)
+            x[(size_t)t * n + i] += b[i];
+}
+
+static void add_rows(float *restrict x, const float *restrict y, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] += y[i];
+}
+
+/* hb = silu(hb) * hb2, elementwise over n values. */
+static void swiglu(float *restrict hb, const float *restrict hb2, size_t n, int n_threads)
+{
+    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float g = hb[i];
+        hb[i] = g / (1.0f + expf(-g)) * hb2[i];
+    }
+}
+
+/* Store head_dim floats into a cache slot of the cache's element type. */
+static void store_kv(void *dst, const float *src, int n, enum kv_type type)
+{
+    switch (type) {
+    case KV_F32: memcpy(dst, src, (size_t)n * sizeof(float)); break;
+    case KV_F16: qt_f32_to_f16_row(src, dst, (size_t)n); break;
+    case KV_BF16: qt_f32_to_bf16_row(src, dst, (size_t)n); break;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * The forward
+ * ------------------------------------------------------------------------ */
+
+/* Tokens appended to seq so far (its history length), for rolling back. */
+static int seq_hist_len(const kv_seq *seq)
+{
+    int n = kv_seq_n_tokens(seq);
+    return n > 0 ? kv_seq_hist_index(seq)[n - 1] + 1 : 0;
+}
+
+/* Undo this call's appends: cut each sequence back to its history before. */
+static void rollback(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
+{
+    for (int s = 0; s < n_seqs; s++)
+        if (c->appended[s])
+            kv_seq_truncate(seqs[s].seq, c->hist0[s]);
+}
+
+/* Validate the batch without touching anything. 0 or -EINVAL. */
+static int check_batch(const model_ctx *c, const struct model_batch_seq *seqs, int n_seqs,
+                       kv_cache **cache_out)
+{
+    const model *m = c->m;
+    if (!seqs || n_seqs < 1)
+        return -EINVAL;
+    long total = 0;
+    kv_cache *cache = NULL;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct model_batch_seq *b = &seqs[s];
+        if (!b->seq || !b->tokens || b->n_tokens < 1)
+            return -EINVAL;
+        total += b->n_tokens;
+        if (total > c->max_tokens)
+            return -EINVAL;
+        for (int i = 0; i < b->n_tokens; i++)
+            if (b->tokens[i] < 0 || b->tokens[i] >= m->n_vocab)
+                return -EINVAL;
+        kv_cache *sc = kv_seq_cache(b->seq);
+        if (cache && sc != cache)
+            return -EINVAL; /* one batch, one cache */
+        cache = sc;
+        for (int r = 0; r < s; r++)
+            if (seqs[r].seq == b->seq)
+                return -EINVAL; /* a sequence appears once per batch */
+    }
+    struct kv_layout L;
+    kv_cache_layout(cache, &L);
+    if (L.n_layer != m->n_layer || L.n_kv_head != m->n_kv_head || L.head_dim != m->head_dim)
+        return -EINVAL; /* the cache was shaped for another model */
+    *cache_out = cache;
+    return 0;
+}
+
+/* Make sure the H2O mass scratch holds every H2O sequence's keys. */
+static int prepare_mass(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
+{
+    size_t need = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        c->mass_off[s] = -1;
+        if (kv_seq_policy(seqs[s].seq)->kind == KV_EVICT_H2O) {
+            c->mass_off[s] = (int)need;
+            need += (size_t)kv_seq_n_tokens(seqs[s].seq);
+        }
+    }
+    if (need > c->mass_cap) {
+        float *nm = realloc(c->mass, need * sizeof(float));
+        if (!nm)
+            return -ENOMEM;
+        c->mass = nm;
+        c->mass_cap = need;
+    }
+    return 0;
+}
+
+/* One layer over all T tokens of the batch. 0, or attn_run's error. */
+static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs, int n_seqs,
+                         int T, kv_cache *cache, const struct kv_layout *kl)
+{
+    const model *m = c->m;
+    const struct model_layer *L = &m->layers[l];
+    int d = m->n_embd, hd = m->head_dim, nt = c->n_threads;
+
+    /* Attention: norm, q/k/v for all tokens at once. */
+    rmsnorm_rows(c->xb, c->x, L->attn_norm, T, d, m->rms_eps);
+    mm_matmul_scratch(c->q, &L->wq, c->xb, T, nt, c->scratch);
+    mm_matmul_scratch(c->k, &L->wk, c->xb, T, nt, c->scratch);
+    mm_matmul_scratch(c->v, &L->wv, c->xb, T, nt, c->scratch);
+    add_bias(c->q, L->bq, T, m->q_dim);
+    add_bias(c->k, L->bk, T, m->kv_dim);
+    add_bias(c->v, L->bv, T, m->kv_dim);
+
+    /* New tokens' K (unrotated) and V into their sequences' pages. */
+    int t = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        kv_seq *seq = seqs[s].seq;
+        for (int i = 0; i < seqs[s].n_tokens; i++, t++) {
+            for (int h = 0; h < m->n_kv_head; h++) {
+                store_kv(kv_seq_k(seq, l, h, c->first[s] + i),
+                         c->k + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->type);
+                store_kv(kv_seq_v(seq, l, h, c->first[s] + i),
+                         c->v + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->type);
+            }
+        }
+    }
+
+    /* The fused kernel over each sequence's cache. */
+    struct attn_kv kv = {
+        .base = kl->base,
+        .page_bytes = kl->page_bytes,
+        .k_offset = kv_layout_k_offset(kl, l),
+        .v_offset = kv_layout_v_offset(kl, l),
+        .page_tokens = kl->page_tokens,
+        .type = (enum attn_type)kl->type,
+        .n_pages = kv_cache_n_pages(cache),
+    };
+    t = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        kv_seq *seq = seqs[s].seq;
+        c->aseq[s] = (struct attn_seq){
+            .page_table = kv_seq_page_table(seq),
+            .pos = kv_seq_positions(seq),
+            .n_kv = kv_seq_n_tokens(seq),
+            .n_q = seqs[s].n_tokens,
+            .q_pos = c->qpos + t,
+            .q = c->q + (size_t)t * m->q_dim,
+            .out = c->att + (size_t)t * m->q_dim,
+            .mass = c->mass_off[s] >= 0 ? c->mass + c->mass_off[s] : NULL,
+        };
+        t += seqs[s].n_tokens;
+    }
+    int rc = attn_run(c->attn, &kv, c->aseq, n_seqs);
+    if (rc)
+        return rc;
+    for (int s = 0; s < n_seqs; s++)
+        if (c->mass_off[s] >= 0)
+            kv_seq_add_mass(seqs[s].seq, c->mass + c->mass_off[s]);
+
+    /* Output projection and residual. */
+    mm_matmul_scratch(c->xb, &L->wo, c->att, T, nt, c->scratch);
+    add_rows(c->x, c->xb, (size_t)T * d);
+
+    /* Feed-forward: SwiGLU. */
+    rmsnorm_rows(c->xb, c->x, L->ffn_norm, T, d, m->rms_eps);
+    mm_matmul_scratch(c->hb, &L->gate, c->xb, T, nt, c->scratch);
+    mm_matmul_scratch(c->hb2, &L->up, c->xb, T, nt, c->scratch);
+    swiglu(c->hb, c->hb2, (size_t)T * m->n_ff, nt);
+    mm_matmul_scratch(c->xb, &L->down, c->hb, T, nt, c->scratch);
+    add_rows(c->x, c->xb, (size_t)T * d);
+    return 0;
+}
+
+/* Final norm and output matrix for the last token of each sequence that
+ * asked for logits, LOGIT_ROWS rows per pass over the output matrix. */
+static void output_logits(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
+{
+    const model *m = c->m;
+    int d = m->n_embd;
+    int rows_max = c->max_tokens < LOGIT_ROWS ? c->max_tokens : LOGIT_ROWS;
+    int s = 0, t_end = 0;
+    int sel[LOGIT_ROWS];
+    while (s < n_seqs) {
+        int r = 0;
+        for (; s < n_seqs && r < rows_max; s++) {
+            t_end += seqs[s].n_tokens;
+            if (!seqs[s].logits)
+                continue;
+            rmsnorm(c->xo + (size_t)r * d, c->x + (size_t)(t_end - 1) * d, m->output_norm, d,
+                    m->rms_eps);
+            sel[r++] = s;
+        }
+        if (r == 0)
+            break;
+        mm_matmul_scratch(c->lg, &m->output, c->xo, r, c->n_threads, c->scratch);
+        for (int i = 0; i < r; i++)
+            memcpy(seqs[sel[i]].logits, c->lg + (size_t)i * m->n_vocab,
+                   sizeof(float) * (size_t)m->n_vocab);
+    }
+}
+
+int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, int *failed_seq)
+{
+    const model *m = c->m;
+    kv_cache *cache = NULL;
+    int rc = check_batch(c, seqs, n_seqs, &cache);
+    if (rc)
+        return rc;
+
+    /* Context full under the policy: refuse before changing anything. */
+    for (int s = 0; s < n_seqs; s++) {
+        if (seqs[s].n_tokens > kv_seq_max_append(seqs[s].seq)) {
+            if (failed_seq)
+                *failed_seq = s;
+            return -ENOSPC;
+        }
+    }
+
+    /* Append every sequence's tokens (evicting per policy); all layers'
+     * K/V slots of the new tokens exist after this. */
+    for (int s = 0; s < n_seqs; s++) {
+        c->appended[s] = false;
+        c->hist0[s] = seq_hist_len(seqs[s].seq);
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        rc = kv_seq_append(seqs[s].seq, seqs[s].tokens, seqs[s].n_tokens, &c->first[s]);
+        if (rc) {
+            rollback(c, seqs, n_seqs);
+            if (failed_seq)
+                *failed_seq = s;
+            return rc;
+        }
+        c->appended[s] = true;
+    }
+    /* An append may drop idle sessions to free pages; one of this batch
+     * (unpinned by the caller) would have lost what it just appended. */
+    for (int s = 0; s < n_seqs; s++) {
+        if (kv_seq_dropped(seqs[s].seq) ||
+            kv_seq_n_tokens(seqs[s].seq) < c->first[s] + seqs[s].n_tokens) {
+            rollback(c, seqs, n_seqs);
+            if (failed_seq)
+                *failed_seq = s;
+            return -ENOMEM;
+        }
+    }
+    rc = prepare_mass(c, seqs, n_seqs);
+    if (rc) {
+        rollback(c, seqs, n_seqs);
+        return rc;
+    }
+
+    /* Token ids, positions and embeddings in batch order. */
+    int T = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const int32_t *pos = kv_seq_positions(seqs[s].seq);
+        for (int i = 0; i < seqs[s].n_tokens; i++, T++) {
+            c->tok[T] = seqs[s].tokens[i];
+            c->qpos[T] = pos[c->first[s] + i];
+        }
+    }
+    const uint8_t *emb = m->tok_embd.data;
+    for (int t = 0; t < T; t++)
+        qt_dequantize_row(m->tok_embd.type, emb + (size_t)c->tok[t] * m->tok_embd.row_bytes,
+                          c->x + (size_t)t * m->n_embd, m->n_embd);
+
+    struct kv_layout kl;
+    kv_cache_layout(cache, &kl);
+    for (int l = 0; l < m->n_layer; l++) {
+        rc = layer_forward(c, l, seqs, n_seqs, T, cache, &kl);
+        if (rc) {
+            rollback(c, seqs, n_seqs);
+            return rc;
+        }
+    }
+    output_logits(c, seqs, n_seqs);
+    return 0;
+}

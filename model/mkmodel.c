@@ -1,0 +1,519 @@
+/*
+ * mkmodel.c - small seeded Llama-family GGUF models: the default model and
+ * the test fixtures.
+ *
+ * Two parts. The vocabulary is SentencePiece-shaped like Llama's: <unk>,
+ * <s>, </s>, the 256 byte-fallback tokens <0x00>..<0xFF> (so any UTF-8 text
+ * tokenizes and decodes back), then normal pieces: "▁", letters, digits and
+ * punctuation, common English words with every prefix of each word (SPM
+ * merges pairs whose concatenation is a piece, so a word is reachable only
+ * through a chain of pieces), and systematic letter n-grams to fill larger
+ * vocabularies. Scores fall with the rank, so earlier pieces merge first.
+ *
+ * The weights are uniform random numbers from a generator seeded by the
+ * seed and the tensor's name (a tensor does not depend on the order it is
+ * written in), scaled so every activation stays near unit size: Q, K, V,
+ * gate and up project normalised inputs with std 1/sqrt(fan_in) (attention
+ * scores and gates of order 1), the output and down projections use
+ * 2/sqrt(fan_in) so each layer adds about unit size to the residual stream,
+ * and the embedding's std of 2.5/sqrt(n_embd) gives logits of std ~2.5.
+ * The residual stream must outgrow the embedding: with a tied output a
+ * token's own row would otherwise dominate its logits (x . e = |e|^2 /
+ * rms(x) after the norm), and the model would only repeat its input.
+ * Norm weights are 1 +- 0.2 so a forward that forgot them would differ
+ * measurably.
+ */
+#include "model/mkmodel.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/quant.h"
+
+void model_mk_defaults(struct model_mk_params *p)
+{
+    *p = (struct model_mk_params){
+        .arch = "llama",
+        .n_embd = 256,
+        .n_layer = 4,
+        .n_head = 8,
+        .n_kv_head = 4,
+        .n_ff = 768,
+        .n_vocab = 1024,
+        .rope_dims = 0,
+        .rope_theta = 10000.0f,
+        .rms_eps = 1e-5f,
+        .n_ctx_train = 4096,
+        .tied = false,
+        .type = GGML_TYPE_F32,
+        .seed = 1,
+    };
+}
+
+int model_mk_parse_type(const char *name, enum ggml_type *out)
+{
+    static const struct {
+        const char *name;
+        enum ggml_type type;
+    } names[] = {{"f32", GGML_TYPE_F32},   {"f16", GGML_TYPE_F16}, {"bf16", GGML_TYPE_BF16},
+                 {"q8_0", GGML_TYPE_Q8_0}, {"q4_0", GGML_TYPE_Q4_0}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (!strcmp(name, names[i].name)) {
+            *out = names[i].type;
+            return 0;
+        }
+    }
+    return -EINVAL;
+}
+
+static bool is_qwen2(const struct model_mk_params *p)
+{
+    return !strcmp(p->arch, "qwen2");
+}
+
+int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
+{
+#define BAD(...)                                                                                   \
+    do {                                                                                           \
+        snprintf(err, errlen, __VA_ARGS__);                                                        \
+        return -EINVAL;                                                                            \
+    } while (0)
+    if (!p->arch || (strcmp(p->arch, "llama") && strcmp(p->arch, "qwen2")))
+        BAD("arch must be llama or qwen2 (got '%s')", p->arch ? p->arch : "(null)");
+    if (p->n_embd < 2 || p->n_embd > 65536)
+        BAD("dim must be in [2, 65536] (got %d)", p->n_embd);
+    if (p->n_layer < 1 || p->n_layer > 1024)
+        BAD("layers must be in [1, 1024] (got %d)", p->n_layer);
+    if (p->n_head < 1 || p->n_embd % p->n_head)
+        BAD("heads (%d) must be >= 1 and divide dim (%d)", p->n_head, p->n_embd);
+    if (p->n_kv_head < 1 || p->n_head % p->n_kv_head)
+        BAD("kv-heads (%d) must be >= 1 and divide heads (%d)", p->n_kv_head, p->n_head);
+    int head_dim = p->n_embd / p->n_head;
+    if (head_dim % 2)
+        BAD("head dim dim/heads = %d must be even for RoPE", head_dim);
+    int rope_dims = p->rope_dims ? p->rope_dims : head_dim;
+    if (rope_dims < 2 || rope_dims > head_dim || rope_dims % 2)
+        BAD("rope dims must be even and in [2, head dim %d] (got %d)", head_dim, rope_dims);
+    if (p->n_ff < 1 || p->n_ff > (1 << 20))
+        BAD("ff must be in [1, 1048576] (got %d)", p->n_ff);
+    if (p->n_vocab < 259 + 1 || p->n_vocab > (1 << 20))
+        BAD("vocab must be in [260, 1048576] (3 specials + 256 byte tokens + pieces; got %d)",
+            p->n_vocab);
+    if (!(p->rope_theta > 0.0f) || !(p->rms_eps > 0.0f))
+        BAD("rope theta and rms eps must be positive");
+    if (p->n_ctx_train < 1)
+        BAD("context length must be positive (got %d)", p->n_ctx_train);
+    if (p->type != GGML_TYPE_F32 && p->type != GGML_TYPE_F16 && p->type != GGML_TYPE_BF16 &&
+        p->type != GGML_TYPE_Q8_0 && p->type != GGML_TYPE_Q4_0)
+        BAD("type must be f32, f16, bf16, q8_0 or q4_0");
+    int blk = qt_block_elems(p->type);
+    if (blk > 1 && (p->n_embd % blk || p->n_ff % blk || (p->n_head * head_dim) % blk))
+        BAD("type %s needs dim (%d) and ff (%d) to be multiples of %d", qt_type_name(p->type),
+            p->n_embd, p->n_ff, blk);
+    return 0;
+#undef BAD
+}
+
+/* ------------------------------------------------------------------------
+ * Vocabulary
+ * ------------------------------------------------------------------------ */
+
+/* Common English words, story words first; each is added with "▁" and with
+ * every prefix, so SPM can merge its way up to the whole word. */
+static const char *const words[] = {
+    "the", "a", "and", "to", "was", "he", "she", "it", "of", "in", "they", "her", "his", "you",
+    "said", "with", "on", "that", "for", "day", "I", "is", "one", "big", "had", "time", "Once",
+    "upon", "The", "He", "She", "They", "It", "One", "little", "girl", "boy", "named", "Lily",
+    "Tom", "Tim", "Sue", "Ben", "Mia", "Max", "mom", "dad", "friend", "friends", "play",
+    "played", "happy", "sad", "very", "so", "but", "not", "saw", "went", "go", "wanted", "want",
+    "were", "are", "be", "have", "has", "can", "could", "would", "will", "do", "did", "all",
+    "what", "when", "where", "who", "how", "why", "up", "down", "out", "over", "into", "new",
+    "good", "great", "make", "made", "see", "look", "looked", "get", "got", "come", "came",
+    "know", "think", "long", "old", "there", "then", "than", "this", "them", "their", "we",
+    "me", "my", "your", "at", "by", "from", "as", "an", "or", "if", "no", "yes", "like",
+    "liked", "love", "loved", "dog", "cat", "bird", "ball", "tree", "sun", "park", "house",
+    "home", "toy", "toys", "car", "box", "red", "blue", "green", "small", "fun", "nice", "help",
+    "helped", "found", "find", "run", "ran", "jump", "smiled", "laughed", "felt", "feel",
+    "thought", "asked", "took", "gave", "back", "away", "again", "too", "some", "many", "every",
+    "after", "before", "because", "about", "just", "now", "each", "other", "more", "most",
+    "man", "woman", "people", "world", "water", "food", "tree", "sky", "night", "morning",
+    "sleep", "eat", "ate", "walk", "walked", "talk", "talked", "tell", "told", "began", "start",
+    "started", "end", "learned", "best", "always", "never", "together", "careful", "scared",
+    "brave", "kind", "hug", "outside", "inside", "school", "garden", "flower", "flowers",
+    "ing", "ed", "er", "ly", "tion", "es", "est", "ful", "ness", "ment", "able", "less",
+};
+
+/* Single characters that are pieces of their own. */
+static const char *const chars =
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()";
+
+#define SPM_SPACE "\xe2\x96\x81" /* U+2581, SentencePiece's word boundary */
+
+struct vocab {
+    char **tok;     /* [n] piece strings */
+    float *score;   /* [n] */
+    int32_t *type;  /* [n] llama token types: 1 normal, 2 unknown, 3 control, 6 byte */
+    int n, cap;
+};
+
+static bool vocab_has(const struct vocab *v, const char *s)
+{
+    /* Linear search is fine for the explicit pieces (a few hundred); the
+     * n-gram fill below cannot collide with them except where checked. */
+    for (int i = 0; i < v->n; i++)
+        if (!strcmp(v->tok[i], s))
+            return true;
+    return false;
+}
+
+/* Add a piece if there is room and it is new. Returns -ENOMEM or 0. */
+static int vocab_add(struct vocab *v, const char *s, int type, bool check_dup)
+{
+    if (v->n >= v->cap || (check_dup && vocab_has(v, s)))
+        return 0;
+    char *c = strdup(s);
+    if (!c)
+        return -ENOMEM;
+    v->tok[v->n] = c;
+    v->type[v->n] = type;
+    v->score[v->n] = 0.0f;
+    v->n++;
+    return 0;
+}
+
+static void vocab_free(struct vocab *v)
+{
+    for (int i = 0; i < v->n; i++)
+        free(v->tok[i]);
+    free(v->tok);
+    free(v->score);
+    free(v->type);
+}
+
+/* Add "▁"+word's prefixes (2 chars up) and the word's own prefixes. */
+static int add_word(struct vocab *v, const char *w)
+{
+    char buf[64];
+    size_t n = strlen(w);
+    for (size_t k = 1; k <= n && k + 4 < sizeof(buf); k++) {
+        snprintf(buf, sizeof(buf), SPM_SPACE "%.*s", (int)k, w);
+        if (vocab_add(v, buf, 1, true))
+            return -ENOMEM;
+    }
+    for (size_t k = 2; k <= n && k < sizeof(buf); k++) {
+        snprintf(buf, sizeof(buf), "%.*s", (int)k, w);
+        if (vocab_add(v, buf, 1, true))
+            return -ENOMEM;
+    }
+    return 0;
+}
+
+/*
+ * Fill with lowercase n-grams of growing length, each with and without the
+ * boundary mark, until the vocabulary is full. An n-gram of length >= 2 can
+ * equal an explicit piece; vocabularies big enough to reach the n-grams
+ * are checked against a small set of explicit pieces only, so the check
+ * costs O(explicit) per candidate.
+ */
+static int fill_ngrams(struct vocab *v)
+{
+    int n_explicit = v->n;
+    char gram[16], buf[24];
+    for (int len = 2; len <= 6 && v->n < v->cap; len++) {
+        long total = 1;
+        for (int i = 0; i < len; i++)
+            total *= 26;
+        for (long k = 0; k < total && v->n < v->cap; k++) {
+            long r = k;
+            for (int i = len - 1; i >= 0; i--) {
+                gram[i] = (char)('a' + r % 26);
+                r /= 26;
+            }
+            gram[len] = '\0';
+            for (int sp = 1; sp >= 0 && v->n < v->cap; sp--) {
+                snprintf(buf, sizeof(buf), "%s%s", sp ? SPM_SPACE : "", gram);
+                bool dup = false;
+                for (int i = 0; i < n_explicit && !dup; i++)
+                    dup = !strcmp(v->tok[i], buf);
+                if (!dup && vocab_add(v, buf, 1, false))
+                    return -ENOMEM;
+            }
+        }
+    }
+    return 0;
+}
+
+static int vocab_build(struct vocab *v, int n_vocab)
+{
+    memset(v, 0, sizeof(*v));
+    v->cap = n_vocab;
+    v->tok = calloc((size_t)n_vocab, sizeof(*v->tok));
+    v->score = calloc((size_t)n_vocab, sizeof(*v->score));
+    v->type = calloc((size_t)n_vocab, sizeof(*v->type));
+    if (!v->tok || !v->score || !v->type)
+        return -ENOMEM;
+    int rc = 0;
+    rc |= vocab_add(v, "<unk>", 2, false);
+    rc |= vocab_add(v, "<s>", 3, false);
+    rc |= vocab_add(v, "</s>", 3, false);
+    for (int b = 0; b < 256 && !rc; b++) {
+        char buf[8];
+        snprintf(buf, sizeof(buf), "<0x%02X>", b);
+        rc = vocab_add(v, buf, 6, false);
+    }
+    int first_normal = v->n;
+    rc |= vocab_add(v, SPM_SPACE, 1, false);
+    for (const char *c = chars; *c && !rc; c++) {
+        char buf[2] = {*c, 0};
+        rc = vocab_add(v, buf, 1, false);
+    }
+    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]) && !rc; i++)
+        rc = add_word(v, words[i]);
+    if (!rc)
+        rc = fill_ngrams(v);
+    if (rc)
+        return rc;
+    /* Whatever the n-grams could not fill (vocabularies beyond ~10^8). */
+    for (int i = v->n; i < v->cap; i++) {
+        char buf[32];
+        snprintf(buf, sizeof(buf), "<extra_%d>", i);
+        if (vocab_add(v, buf, 4, false))
+            return -ENOMEM;
+    }
+    for (int i = first_normal; i < v->n; i++)
+        v->score[i] = -(float)(i - first_normal);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Weights
+ * ------------------------------------------------------------------------ */
+
+/* splitmix64: tiny, seedable, and good enough for weights. */
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-1, 1). */
+static float rng_unit(uint64_t *s)
+{
+    return (float)((double)(rng_next(s) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+static uint64_t name_seed(uint64_t seed, const char *name)
+{
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (const char *c = name; *c; c++)
+        h = (h ^ (uint8_t)*c) * 1099511628211ULL;
+    uint64_t s = seed ^ h;
+    rng_next(&s);
+    return s;
+}
+
+struct writer_ctx {
+    gguf_writer *w;
+    const struct model_mk_params *p;
+    const struct vocab *v;
+    float *buf;     /* scratch for the largest tensor in f32 */
+    uint8_t *enc;   /* scratch for the largest tensor encoded */
+    char *err;
+    size_t errlen;
+};
+
+/*
+ * Add one tensor of ne0 x ne1 elements: centre + U(-1,1) * std * sqrt(3)
+ * (uniform with the given standard deviation), encoded as type.
+ */
+static int add_tensor(struct writer_ctx *c, const char *name, enum ggml_type type, int ne0,
+                      int ne1, float centre, float std, bool vocab_rows)
+{
+    uint64_t s = name_seed(c->p->seed, name);
+    size_t n = (size_t)ne0 * (size_t)ne1;
+    float a = std * 1.7320508f;
+    for (size_t i = 0; i < n; i++)
+        c->buf[i] = centre + a * rng_unit(&s);
+    /* Rows of tokens that are not word pieces (byte fallback, controls)
+     * get a quarter of the scale: their logits stay low, so sampling from
+     * the untrained model gives word pieces rather than stray bytes that
+     * decode to U+FFFD, and EOS rarely cuts a demo short. */
+    for (int r = 0; vocab_rows && r < ne1; r++)
+        if (c->v->type[r] != 1)
+            for (int i = 0; i < ne0; i++)
+                c->buf[(size_t)r * ne0 + i] *= 0.25f;
+    size_t row = qt_row_bytes(type, ne0);
+    for (int r = 0; r < ne1; r++) {
+        int rc = qt_quantize_row(type, c->buf + (size_t)r * ne0, c->enc + (size_t)r * row, ne0);
+        if (rc) {
+            snprintf(c->err, c->errlen, "encoding %s as %s failed (%d)", name,
+                     qt_type_name(type), rc);
+            return rc;
+        }
+    }
+    uint64_t ne[2] = {(uint64_t)ne0, (uint64_t)ne1};
+    int rc = gguf_writer_add_tensor(c->w, name, type, ne1 > 1 ? 2 : 1, ne, c->enc,
+                                    row * (size_t)ne1);
+    if (rc)
+        snprintf(c->err, c->errlen, "adding tensor %s failed (%d)", name, rc);
+    return rc;
+}
+
+static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const struct vocab *v)
+{
+    char key[96];
+    int head_dim = p->n_embd / p->n_head;
+    int rope_dims = p->rope_dims ? p->rope_dims : head_dim;
+    const char *a = p->arch;
+    int rc = 0;
+    char name[96];
+    snprintf(name, sizeof(name), "kvd-mkmodel-%s-%dx%d-seed%llu", a, p->n_embd, p->n_layer,
+             (unsigned long long)p->seed);
+    rc |= gguf_writer_set_str(w, "general.architecture", a);
+    rc |= gguf_writer_set_str(w, "general.name", name);
+    /* llama.cpp's llama_ftype: all f32, mostly f16, q4_0, q8_0, bf16. */
+    uint32_t ftype = p->type == GGML_TYPE_F16    ? 1
+                     : p->type == GGML_TYPE_Q4_0 ? 2
+                     : p->type == GGML_TYPE_Q8_0 ? 7
+                     : p->type == GGML_TYPE_BF16 ? 32
+                                                 : 0;
+    rc |= gguf_writer_set_u32(w, "general.file_type", ftype);
+#define KEY(suffix) (snprintf(key, sizeof(key), "%s.%s", a, suffix), key)
+    rc |= gguf_writer_set_u32(w, KEY("context_length"), (uint32_t)p->n_ctx_train);
+    rc |= gguf_writer_set_u32(w, KEY("embedding_length"), (uint32_t)p->n_embd);
+    rc |= gguf_writer_set_u32(w, KEY("block_count"), (uint32_t)p->n_layer);
+    rc |= gguf_writer_set_u32(w, KEY("feed_forward_length"), (uint32_t)p->n_ff);
+    rc |= gguf_writer_set_u32(w, KEY("attention.head_count"), (uint32_t)p->n_head);
+    rc |= gguf_writer_set_u32(w, KEY("attention.head_count_kv"), (uint32_t)p->n_kv_head);
+    rc |= gguf_writer_set_u32(w, KEY("rope.dimension_count"), (uint32_t)rope_dims);
+    rc |= gguf_writer_set_f32(w, KEY("rope.freq_base"), p->rope_theta);
+    rc |= gguf_writer_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), p->rms_eps);
+    rc |= gguf_writer_set_u32(w, KEY("vocab_size"), (uint32_t)p->n_vocab);
+#undef KEY
+    rc |= gguf_writer_set_str(w, "tokenizer.ggml.model", "llama");
+    rc |= gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", (const char *const *)v->tok,
+                                  (uint64_t)v->n);
+    rc |= gguf_writer_set_arr_f32(w, "tokenizer.ggml.scores", v->score, (uint64_t)v->n);
+    rc |= gguf_writer_set_arr_i32(w, "tokenizer.ggml.token_type", v->type, (uint64_t)v->n);
+    rc |= gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
+    rc |= gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
+    rc |= gguf_writer_set_u32(w, "tokenizer.ggml.unknown_token_id", 0);
+    rc |= gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", true);
+    rc |= gguf_writer_set_bool(w, "tokenizer.ggml.add_eos_token", false);
+    return rc ? -ENOMEM : 0;
+}
+
+static int write_tensors(struct writer_ctx *c)
+{
+    const struct model_mk_params *p = c->p;
+    int d = p->n_embd, hd = d / p->n_head;
+    int q_dim = p->n_head * hd, kv_dim = p->n_kv_head * hd;
+    float s_in = 1.0f / sqrtf((float)d);
+    float s_emb = 2.5f / sqrtf((float)d);
+    enum ggml_type t = p->type;
+    char name[64];
+    int rc;
+
+#define ADD(type, ne0, ne1, centre, std)                                                           \
+    do {                                                                                           \
+        if ((rc = add_tensor(c, name, type, ne0, ne1, centre, std, false)))                        \
+            return rc;                                                                             \
+    } while (0)
+#define NAME(...) snprintf(name, sizeof(name), __VA_ARGS__)
+
+    NAME("token_embd.weight");
+    if ((rc = add_tensor(c, name, t, d, p->n_vocab, 0.0f, s_emb, true)))
+        return rc;
+    for (int l = 0; l < p->n_layer; l++) {
+        NAME("blk.%d.attn_norm.weight", l);
+        ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
+        NAME("blk.%d.attn_q.weight", l);
+        ADD(t, d, q_dim, 0.0f, 1.2f * s_in);
+        NAME("blk.%d.attn_k.weight", l);
+        ADD(t, d, kv_dim, 0.0f, 1.2f * s_in);
+        NAME("blk.%d.attn_v.weight", l);
+        ADD(t, d, kv_dim, 0.0f, s_in);
+        if (is_qwen2(p)) {
+            NAME("blk.%d.attn_q.bias", l);
+            ADD(GGML_TYPE_F32, q_dim, 1, 0.0f, 0.2f);
+            NAME("blk.%d.attn_k.bias", l);
+            ADD(GGML_TYPE_F32, kv_dim, 1, 0.0f, 0.2f);
+            NAME("blk.%d.attn_v.bias", l);
+            ADD(GGML_TYPE_F32, kv_dim, 1, 0.0f, 0.2f);
+        }
+        NAME("blk.%d.attn_output.weight", l);
+        ADD(t, q_dim, d, 0.0f, 2.0f / sqrtf((float)q_dim));
+        NAME("blk.%d.ffn_norm.weight", l);
+        ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
+        NAME("blk.%d.ffn_gate.weight", l);
+        ADD(t, d, p->n_ff, 0.0f, s_in);
+        NAME("blk.%d.ffn_up.weight", l);
+        ADD(t, d, p->n_ff, 0.0f, s_in);
+        NAME("blk.%d.ffn_down.weight", l);
+        ADD(t, p->n_ff, d, 0.0f, 2.0f / sqrtf((float)p->n_ff));
+    }
+    NAME("output_norm.weight");
+    ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
+    if (!p->tied) {
+        NAME("output.weight");
+        if ((rc = add_tensor(c, name, t, d, p->n_vocab, 0.0f, s_emb, true)))
+            return rc;
+    }
+#undef ADD
+#undef NAME
+    return 0;
+}
+
+int model_mk_write(const struct model_mk_params *p, const char *path, char *err, size_t errlen)
+{
+    int rc = model_mk_check(p, err, errlen);
+    if (rc)
+        return rc;
+    struct vocab v;
+    struct writer_ctx c = {.p = p, .v = &v, .err = err, .errlen = errlen};
+    rc = vocab_build(&v, p->n_vocab);
+    if (rc) {
+        snprintf(err, errlen, "out of memory building the vocabulary");
+        goto out_vocab;
+    }
+
+    /* Scratch for the largest tensor: the embedding/output or an FFN matrix. */
+    int hd = p->n_embd / p->n_head;
+    size_t big = (size_t)p->n_embd * (size_t)p->n_vocab;
+    size_t ffn = (size_t)p->n_embd * (size_t)p->n_ff;
+    size_t attn = (size_t)p->n_embd * (size_t)(p->n_head * hd);
+    if (ffn > big)
+        big = ffn;
+    if (attn > big)
+        big = attn;
+    c.buf = malloc(big * sizeof(float));
+    c.enc = malloc(big * sizeof(float)); /* every written type is at most 4 bytes/element */
+    c.w = gguf_writer_create();
+    if (!c.buf || !c.enc || !c.w) {
+        snprintf(err, errlen, "out of memory (%zu-element scratch)", big);
+        rc = -ENOMEM;
+        goto out_buf;
+    }
+    rc = write_metadata(c.w, p, &v);
+    if (rc) {
+        snprintf(err, errlen, "out of memory writing metadata");
+        goto out_buf;
+    }
+    rc = write_tensors(&c);
+    if (rc)
+        goto out_buf;
+    rc = gguf_writer_write(c.w, path, err, errlen);
+
+out_buf:
+    gguf_writer_destroy(c.w);
+    free(c.buf);
+    free(c.enc);
+out_vocab:
+    vocab_free(&v);
+    return rc;
+}

@@ -1,0 +1,530 @@
+/*
+ * model.c - loading a Llama-family model from GGUF, and its tokens.
+ *
+ * Loading is validation: the architecture is one kvd runs (llama, qwen2),
+ * every hyper-parameter comes from the `<arch>.*` metadata keys llama.cpp
+ * writes (with llama.cpp's defaults where a key is optional), and every
+ * tensor the forward reads is looked up by its llama.cpp name and checked
+ * against the shape those parameters imply before anything uses it. A file
+ * that fails any check is rejected with the key or tensor named; after
+ * model_load succeeds the forward indexes weights without further checks.
+ *
+ * Weight matrices stay in the file mapping in their own formats; norm
+ * weights and biases are converted to f32 once. The tokenizer is built from
+ * the same file (tokenizer.ggml.*).
+ *
+ * RoPE pairing: llama.cpp's converter permutes Q and K of Llama checkpoints
+ * so that rotation pairs are adjacent elements (ggml's "normal" rope), and
+ * llama2.c-derived files use that layout natively; qwen2 keeps the Hugging
+ * Face layout, pairs (i, i + n_rot/2) ("neox").
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_internal.h"
+
+/* ------------------------------------------------------------------------
+ * Metadata
+ * ------------------------------------------------------------------------ */
+
+/* Required unsigned integer <arch>.<suffix> in [lo, hi]. */
+static int meta_int(const gguf_file *f, const char *arch, const char *suffix, bool required,
+                    long def, long lo, long hi, int *out, char *err, size_t errlen)
+{
+    char key[128];
+    snprintf(key, sizeof(key), "%s.%s", arch, suffix);
+    int64_t v;
+    int rc = gguf_get_i64(f, key, &v);
+    if (rc == -ENOENT && !required) {
+        *out = (int)def;
+        return 0;
+    }
+    if (rc == -ENOENT) {
+        snprintf(err, errlen, "missing metadata key %s", key);
+        return -EINVAL;
+    }
+    if (rc) {
+        snprintf(err, errlen, "metadata key %s is not an integer", key);
+        return -EINVAL;
+    }
+    if (v < lo || v > hi) {
+        snprintf(err, errlen, "metadata key %s = %lld is outside [%ld, %ld]", key, (long long)v,
+                 lo, hi);
+        return -EINVAL;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int meta_float(const gguf_file *f, const char *arch, const char *suffix, float def,
+                      float *out, char *err, size_t errlen)
+{
+    char key[128];
+    snprintf(key, sizeof(key), "%s.%s", arch, suffix);
+    float v;
+    int rc = gguf_get_f32(f, key, &v);
+    if (rc == -ENOENT) {
+        *out = def;
+        return 0;
+    }
+    if (rc || !isfinite(v)) {
+        snprintf(err, errlen, "metadata key %s is not a finite number", key);
+        return -EINVAL;
+    }
+    *out = v;
+    return 0;
+}
+
+static int read_hparams(model *m, char *err, size_t errlen)
+{
+    const gguf_file *f = m->file;
+    const char *a = m->arch_name;
+    const long big = 1L << 20;
+    int rc = 0;
+    rc = rc ? rc : meta_int(f, a, "embedding_length", true, 0, 1, big, &m->n_embd, err, errlen);
+    rc = rc ? rc : meta_int(f, a, "block_count", true, 0, 1, 4096, &m->n_layer, err, errlen);
+    rc = rc ? rc : meta_int(f, a, "attention.head_count", true, 0, 1, 4096, &m->n_head, err,
+                            errlen);
+    rc = rc ? rc : meta_int(f, a, "feed_forward_length", true, 0, 1, big, &m->n_ff, err, errlen);
+    if (rc)
+        return rc;
+    rc = meta_int(f, a, "attention.head_count_kv", false, m->n_head, 1, m->n_head,
+                  &m->n_kv_head, err, errlen);
+    if (rc)
+        return rc;
+    if (m->n_head % m->n_kv_head) {
+        snprintf(err, errlen, "%s.attention.head_count_kv = %d does not divide head_count = %d",
+                 a, m->n_kv_head, m->n_head);
+        return -EINVAL;
+    }
+    int def_hd = m->n_embd % m->n_head ? 0 : m->n_embd / m->n_head;
+    rc = meta_int(f, a, "attention.key_length", false, def_hd, 1, 1024, &m->head_dim, err,
+                  errlen);
+    if (rc)
+        return rc;
+    if (m->head_dim == 0) {
+        snprintf(err, errlen, "%s.embedding_length %d is not a multiple of head_count %d", a,
+                 m->n_embd, m->n_head);
+        return -EINVAL;
+    }
+    int v_len;
+    rc = meta_int(f, a, "attention.value_length", false, m->head_dim, 1, 1024, &v_len, err,
+                  errlen);
+    if (rc)
+        return rc;
+    if (v_len != m->head_dim) {
+        snprintf(err, errlen, "%s.attention.value_length %d differs from key_length %d", a, v_len,
+                 m->head_dim);
+        return -EINVAL;
+    }
+    m->q_dim = m->n_head * m->head_dim;
+    m->kv_dim = m->n_kv_head * m->head_dim;
+    rc = meta_int(f, a, "context_length", false, 0, 0, INT32_MAX, &m->n_ctx_train, err, errlen);
+    if (rc)
+        return rc;
+
+    /* Position scheme: RoPE over the first n_rot dims of each head. */
+    int n_rot;
+    rc = meta_int(f, a, "rope.dimension_count", false, m->head_dim, 2, m->head_dim, &n_rot, err,
+                  errlen);
+    if (rc)
+        return rc;
+    if (n_rot % 2) {
+        snprintf(err, errlen, "%s.rope.dimension_count %d is odd", a, n_rot);
+        return -EINVAL;
+    }
+    float theta, eps, scale = 1.0f;
+    rc = meta_float(f, a, "rope.freq_base", 10000.0f, &theta, err, errlen);
+    rc = rc ? rc : meta_float(f, a, "attention.layer_norm_rms_epsilon", 1e-5f, &eps, err, errlen);
+    if (rc)
+        return rc;
+    if (!(theta > 0.0f) || !(eps > 0.0f)) {
+        snprintf(err, errlen, "%s: rope.freq_base (%g) and layer_norm_rms_epsilon (%g) must be "
+                 "positive", a, theta, eps);
+        return -EINVAL;
+    }
+
+    /* Frequency scaling: linear only (newer files name it rope.scaling.*,
+     * older ones rope.scale_linear). */
+    char key[128];
+    snprintf(key, sizeof(key), "%s.rope.scaling.type", a);
+    const char *st;
+    size_t stn;
+    if (!gguf_get_str(f, key, &st, &stn) && !(stn == 4 && !memcmp(st, "none", 4))) {
+        if (!(stn == 6 && !memcmp(st, "linear", 6))) {
+            snprintf(err, errlen, "%s = '%.*s' is not supported (kvd runs none and linear)", key,
+                     (int)(stn > 32 ? 32 : stn), st);
+            return -EINVAL;
+        }
+        float factor;
+        rc = meta_float(f, a, "rope.scaling.factor", 1.0f, &factor, err, errlen);
+        if (rc)
+            return rc;
+        if (!(factor > 0.0f)) {
+            snprintf(err, errlen, "%s.rope.scaling.factor %g must be positive", a, factor);
+            return -EINVAL;
+        }
+        scale = 1.0f / factor;
+    } else {
+        float factor;
+        rc = meta_float(f, a, "rope.scale_linear", 1.0f, &factor, err, errlen);
+        if (rc)
+            return rc;
+        if (!(factor > 0.0f)) {
+            snprintf(err, errlen, "%s.rope.scale_linear %g must be positive", a, factor);
+            return -EINVAL;
+        }
+        scale = 1.0f / factor;
+    }
+    if (gguf_find_tensor(f, "rope_freqs.weight")) {
+        snprintf(err, errlen, "tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 "
+                 "style) is not supported");
+        return -EINVAL;
+    }
+    m->rms_eps = eps;
+    m->pos = (struct pos_scheme){
+        .kind = POS_ROPE,
+        .rope_theta = theta,
+        .rope_dims = n_rot,
+        .rope_pairing = m->arch == MODEL_ARCH_QWEN2 ? POS_ROPE_NEOX : POS_ROPE_ADJACENT,
+        .rope_freq_scale = scale,
+    };
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Tensors
+ * ------------------------------------------------------------------------ */
+
+/*
+ * Find a tensor and check its shape is [ne0, ne1] (ne1 = 1 for vectors).
+ * NULL when absent (err filled only if required) or on a wrong shape
+ * (err filled, *bad set).
+ */
+static const struct gguf_tensor *find_checked(const gguf_file *f, const char *name, int ne0,
+                                              int ne1, bool required, bool *bad, char *err,
+                                              size_t errlen)
+{
+    const struct gguf_tensor *t = gguf_find_tensor(f, name);
+    if (!t) {
+        if (required) {
+            snprintf(err, errlen, "missing tensor %s", name);
+            *bad = true;
+        }
+        return NULL;
+    }
+    if (t->ne[0] != (uint64_t)ne0 || t->ne[1] != (uint64_t)ne1 || t->ne[2] != 1 ||
+        t->ne[3] != 1) {
+        snprintf(err, errlen,
+                 "tensor %s has shape [%llu, %llu, %llu, %llu], expected [%d, %d]", name,
+                 (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+                 (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], ne0, ne1);
+        *bad = true;
+        return NULL;
+    }
+    return t;
+}
+
+static int load_matrix(const gguf_file *f, const char *name, int n_in, int n_out, bool required,
+                       struct mm_weight *w, bool *found, char *err, size_t errlen)
+{
+    bool bad = false;
+    const struct gguf_tensor *t = find_checked(f, name, n_in, n_out, required, &bad, err, errlen);
+    if (found)
+        *found = t != NULL;
+    if (bad)
+        return -EINVAL;
+    if (!t)
+        return 0;
+    char why[160];
+    if (mm_weight_init(w, t->type, n_in, n_out, t->data, why, sizeof(why))) {
+        snprintf(err, errlen, "tensor %s: %s", name, why);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* A vector of n elements converted to f32 at dst; absent and optional:
+ * *out = NULL. */
+static int load_vector(const gguf_file *f, const char *name, int n, bool required, float *dst,
+                       const float **out, char *err, size_t errlen)
+{
+    bool bad = false;
+    const struct gguf_tensor *t = find_checked(f, name, n, 1, required, &bad, err, errlen);
+    *out = NULL;
+    if (bad)
+        return -EINVAL;
+    if (!t)
+        return 0;
+    if (qt_dequantize_row(t->type, t->data, dst, n)) {
+        snprintf(err, errlen, "tensor %s: type %s is not supported for a vector of %d", name,
+                 gguf_ggml_type_name(t->type) ? gguf_ggml_type_name(t->type) : "unknown", n);
+        return -EINVAL;
+    }
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(dst[i])) {
+            snprintf(err, errlen, "tensor %s: element %d is not finite", name, i);
+            return -EINVAL;
+        }
+    }
+    *out = dst;
+    return 0;
+}
+
+/* The matrix type holding most bytes: what "a q8_0 model" means. */
+static const char *dominant_type(const model *m)
+{
+    size_t bytes[GGML_TYPE_COUNT] = {0};
+    const struct mm_weight *ws[] = {&m->tok_embd, &m->output};
+    for (int i = 0; i < (m->tied ? 1 : 2); i++)
+        bytes[ws[i]->type] += ws[i]->row_bytes * (size_t)ws[i]->n_out;
+    for (int l = 0; l < m->n_layer; l++) {
+        const struct model_layer *L = &m->layers[l];
+        const struct mm_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo,
+                                        &L->gate, &L->up, &L->down};
+        for (int i = 0; i < 7; i++)
+            bytes[lw[i]->type] += lw[i]->row_bytes * (size_t)lw[i]->n_out;
+    }
+    int best = 0;
+    for (int t = 1; t < GGML_TYPE_COUNT; t++)
+        if (bytes[t] > bytes[best])
+            best = t;
+    const char *n = qt_type_name((enum ggml_type)best);
+    return n ? n : "unknown";
+}
+
+static int load_tensors(model *m, char *err, size_t errlen)
+{
+    const gguf_file *f = m->file;
+    int d = m->n_embd;
+    /* Vectors per layer: 2 norms + 3 biases; plus output_norm. */
+    size_t per_layer = (size_t)2 * d + (size_t)m->q_dim + 2 * (size_t)m->kv_dim;
+    m->vecs = malloc(sizeof(float) * (per_layer * (size_t)m->n_layer + (size_t)d));
+    m->layers = calloc((size_t)m->n_layer, sizeof(*m->layers));
+    if (!m->vecs || !m->layers) {
+        snprintf(err, errlen, "out of memory for %d layers", m->n_layer);
+        return -ENOMEM;
+    }
+    int rc = load_matrix(f, "token_embd.weight", d, m->n_vocab, true, &m->tok_embd, NULL, err,
+                         errlen);
+    if (rc)
+        return rc;
+    bool has_output;
+    rc = load_matrix(f, "output.weight", d, m->n_vocab, false, &m->output, &has_output, err,
+                     errlen);
+    if (rc)
+        return rc;
+    m->tied = !has_output;
+    if (m->tied)
+        m->output = m->tok_embd;
+    float *v = m->vecs;
+    rc = load_vector(f, "output_norm.weight", d, true, v, &m->output_norm, err, errlen);
+    v += d;
+    for (int l = 0; l < m->n_layer && !rc; l++) {
+        struct model_layer *L = &m->layers[l];
+        char name[96];
+#define T(suffix) (snprintf(name, sizeof(name), "blk.%d.%s", l, suffix), name)
+        rc = rc ? rc : load_vector(f, T("attn_norm.weight"), d, true, v, &L->attn_norm, err, errlen);
+        v += d;
+        rc = rc ? rc : load_vector(f, T("ffn_norm.weight"), d, true, v, &L->ffn_norm, err, errlen);
+        v += d;
+        /* Biases: qwen2 has them; llama.cpp accepts them on llama too. */
+        bool need_bias = m->arch == MODEL_ARCH_QWEN2;
+        rc = rc ? rc : load_vector(f, T("attn_q.bias"), m->q_dim, need_bias, v, &L->bq, err, errlen);
+        v += m->q_dim;
+        rc = rc ? rc : load_vector(f, T("attn_k.bias"), m->kv_dim, need_bias, v, &L->bk, err, errlen);
+        v += m->kv_dim;
+        rc = rc ? rc : load_vector(f, T("attn_v.bias"), m->kv_dim, need_bias, v, &L->bv, err, errlen);
+        v += m->kv_dim;
+        rc = rc ? rc : load_matrix(f, T("attn_q.weight"), d, m->q_dim, true, &L->wq, NULL, err, errlen);
+        rc = rc ? rc : load_matrix(f, T("attn_k.weight"), d, m->kv_dim, true, &L->wk, NULL, err, errlen);
+        rc = rc ? rc : load_matrix(f, T("attn_v.weight"), d, m->kv_dim, true, &L->wv, NULL, err, errlen);
+        rc = rc ? rc : load_matrix(f, T("attn_output.weight"), m->q_dim, d, true, &L->wo, NULL, err, errlen);
+        rc = rc ? rc : load_matrix(f, T("ffn_gate.weight"), d, m->n_ff, true, &L->gate, NULL, err, errlen);
+        rc = rc ? rc : load_matrix(f, T("ffn_up.weight"), d, m->n_ff, true, &L->up, NULL, err, errlen);
+        rc = rc ? rc : load_matrix(f, T("ffn_down.weight"), m->n_ff, d, true, &L->down, NULL, err, errlen);
+#undef T
+    }
+    if (rc)
+        return rc;
+    m->weight_type = dominant_type(m);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Lifecycle
+ * ------------------------------------------------------------------------ */
+
+model *model_load(const struct model_params *params, char *err, size_t errlen)
+{
+    if (!params || !params->path) {
+        snprintf(err, errlen, "no model path given");
+        return NULL;
+    }
+    model *m = calloc(1, sizeof(*m));
+    if (!m) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    char why[512];
+    m->file = gguf_open(params->path, why, sizeof(why));
+    if (!m->file) {
+        /* The reader's message names the file already. */
+        snprintf(err, errlen, "%s", why);
+        goto fail;
+    }
+
+    /* Architecture. */
+    const char *arch;
+    size_t alen;
+    if (gguf_get_str(m->file, "general.architecture", &arch, &alen)) {
+        snprintf(err, errlen, "%s: missing metadata key general.architecture", params->path);
+        goto fail;
+    }
+    if (alen == 5 && !memcmp(arch, "llama", 5)) {
+        m->arch = MODEL_ARCH_LLAMA;
+    } else if (alen == 5 && !memcmp(arch, "qwen2", 5)) {
+        m->arch = MODEL_ARCH_QWEN2;
+    } else {
+        snprintf(err, errlen, "%s: architecture '%.*s' is not supported (kvd runs llama, qwen2)",
+                 params->path, (int)(alen > 64 ? 64 : alen), arch);
+        goto fail;
+    }
+    memcpy(m->arch_name, arch, alen);
+    m->arch_name[alen] = '\0';
+
+    if (read_hparams(m, why, sizeof(why))) {
+        snprintf(err, errlen, "%s: %s", params->path, why);
+        goto fail;
+    }
+
+    /* Tokenizer: its size is the vocabulary the output layer must cover. */
+    m->tok = tok_load(m->file, why, sizeof(why));
+    if (!m->tok) {
+        snprintf(err, errlen, "%s: tokenizer: %s", params->path, why);
+        goto fail;
+    }
+    m->n_vocab = tok_n_vocab(m->tok);
+    if (load_tensors(m, why, sizeof(why))) {
+        snprintf(err, errlen, "%s: %s", params->path, why);
+        goto fail;
+    }
+
+    /* Name: general.name, or the file's base name. */
+    const char *nm;
+    size_t nlen;
+    if (gguf_get_str(m->file, "general.name", &nm, &nlen) || nlen == 0) {
+        const char *slash = strrchr(params->path, '/');
+        nm = slash ? slash + 1 : params->path;
+        nlen = strlen(nm);
+    }
+    m->name = strndup(nm, nlen);
+    if (!m->name) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
+    return m;
+
+fail:
+    model_free(m);
+    return NULL;
+}
+
+void model_free(model *m)
+{
+    if (!m)
+        return;
+    tok_free(m->tok);
+    gguf_close(m->file);
+    free(m->layers);
+    free(m->vecs);
+    free(m->name);
+    free(m);
+}
+
+void model_get_info(const model *m, struct model_info *info)
+{
+    *info = (struct model_info){
+        .arch = m->arch_name,
+        .name = m->name,
+        .pos = m->pos.kind,
+        .weight_type = m->weight_type,
+        .n_vocab = m->n_vocab,
+        .n_ctx_train = m->n_ctx_train,
+        .n_embd = m->n_embd,
+        .n_layer = m->n_layer,
+        .n_head = m->n_head,
+        .n_kv_head = m->n_kv_head,
+        .head_dim = m->head_dim,
+        .n_ff = m->n_ff,
+    };
+}
+
+void model_kv_shape(const model *m, struct kv_cache_params *p)
+{
+    p->n_layer = m->n_layer;
+    p->n_kv_head = m->n_kv_head;
+    p->head_dim = m->head_dim;
+}
+
+/* ------------------------------------------------------------------------
+ * Tokens
+ * ------------------------------------------------------------------------ */
+
+int model_tokenize(const model *m, const char *text, size_t len, bool add_bos, int32_t *out,
+                   int max)
+{
+    return tok_encode(m->tok, text, len, add_bos, out, max);
+}
+
+bool model_add_bos(const model *m)
+{
+    return tok_add_bos(m->tok);
+}
+
+int32_t model_bos(const model *m)
+{
+    return tok_bos(m->tok);
+}
+
+bool model_is_eog(const model *m, int32_t token)
+{
+    return tok_is_eog(m->tok, token);
+}
+
+/*
+ * The detokeniser continues a text: it is meant for generated tokens that
+ * follow a prompt, so a word-initial "▁" always shows as a space.
+ */
+struct model_detok {
+    const model *m;
+    struct tok_stream s;
+};
+
+model_detok *model_detok_create(const model *m)
+{
+    model_detok *d = malloc(sizeof(*d));
+    if (!d)
+        return NULL;
+    d->m = m;
+    tok_stream_init(&d->s, m->tok, false);
+    return d;
+}
+
+void model_detok_destroy(model_detok *d)
+{
+    free(d);
+}
+
+int model_detok_push(model_detok *d, int32_t token, char *out, size_t cap)
+{
+    return tok_stream_push(&d->s, d->m->tok, token, out, cap);
+}
+
+int model_detok_flush(model_detok *d, char *out, size_t cap)
+{
+    return tok_stream_flush(&d->s, out, cap);
+}

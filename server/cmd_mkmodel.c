@@ -1,0 +1,147 @@
+/*
+ * cmd_mkmodel.c - `kvd mkmodel`: write a small seeded GGUF model.
+ *
+ * The model is a pure function of the options and the seed (see
+ * model/mkmodel.h); it is what `make run` serves when no model is given and
+ * what tests and benchmarks build their fixtures from. Any GGUF reader can
+ * open it: llama.cpp's metadata keys and tensor names.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/mkmodel.h"
+#include "server/server.h"
+#include "server/server_internal.h"
+
+static void mkmodel_usage(FILE *f)
+{
+    struct model_mk_params d;
+    model_mk_defaults(&d);
+    fprintf(f,
+            "usage: kvd mkmodel --out FILE [options]\n"
+            "  --out FILE        where to write the GGUF file (required)\n"
+            "  --arch A          llama or qwen2 (default %s)\n"
+            "  --dim N           model width (default %d)\n"
+            "  --layers N        transformer blocks (default %d)\n"
+            "  --heads N         query heads (default %d)\n"
+            "  --kv-heads N      key/value heads, dividing heads (default %d)\n"
+            "  --ff N            feed-forward width (default %d)\n"
+            "  --vocab N         vocabulary size, >= 260 (default %d)\n"
+            "  --rope-dims N     rotated dims per head (default: the head dim)\n"
+            "  --rope-theta F    RoPE base (default %g)\n"
+            "  --ctx N           context_length written to the metadata (default %d)\n"
+            "  --tied            no output.weight: logits from the token embedding\n"
+            "  --type T          f32, f16, bf16, q8_0 or q4_0 (default f32)\n"
+            "  --seed S          seed of every weight (default %llu)\n",
+            d.arch, d.n_embd, d.n_layer, d.n_head, d.n_kv_head, d.n_ff, d.n_vocab, d.rope_theta,
+            d.n_ctx_train, (unsigned long long)d.seed);
+}
+
+int srv_cmd_mkmodel(int argc, char **argv)
+{
+    struct model_mk_params p;
+    model_mk_defaults(&p);
+    const char *out = NULL;
+    bool bad = false;
+    for (int i = 1; i < argc && !bad;) {
+        const char *v = NULL;
+        long n;
+        double x;
+        struct {
+            const char *name;
+            int *dst;
+            long min, max;
+        } ints[] = {
+            {"--dim", &p.n_embd, 2, 65536},      {"--layers", &p.n_layer, 1, 1024},
+            {"--heads", &p.n_head, 1, 4096},     {"--kv-heads", &p.n_kv_head, 1, 4096},
+            {"--ff", &p.n_ff, 1, 1 << 20},       {"--vocab", &p.n_vocab, 260, 1 << 20},
+            {"--rope-dims", &p.rope_dims, 2, 1024}, {"--ctx", &p.n_ctx_train, 1, INT32_MAX},
+        };
+        bool matched = false;
+        for (size_t k = 0; k < sizeof(ints) / sizeof(ints[0]) && !matched; k++) {
+            if (srv_opt_value(argc, argv, &i, "mkmodel", ints[k].name, &v, &bad)) {
+                matched = true;
+                if (bad)
+                    break;
+                if (srv_parse_long(v, ints[k].min, ints[k].max, &n)) {
+                    fprintf(stderr, "kvd mkmodel: %s wants an integer in [%ld, %ld], got '%s'\n",
+                            ints[k].name, ints[k].min, ints[k].max, v);
+                    return 2;
+                }
+                *ints[k].dst = (int)n;
+            }
+        }
+        if (matched)
+            continue;
+        if (srv_opt_value(argc, argv, &i, "mkmodel", "--out", &v, &bad)) {
+            out = v;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--arch", &v, &bad)) {
+            p.arch = v;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--type", &v, &bad)) {
+            if (!bad && model_mk_parse_type(v, &p.type)) {
+                fprintf(stderr, "kvd mkmodel: --type wants f32, f16, bf16, q8_0 or q4_0, got '%s'\n",
+                        v);
+                return 2;
+            }
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--rope-theta", &v, &bad)) {
+            if (!bad && srv_parse_double(v, 1e-3, 1e12, &x)) {
+                fprintf(stderr, "kvd mkmodel: --rope-theta wants a positive number, got '%s'\n", v);
+                return 2;
+            }
+            p.rope_theta = (float)x;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--seed", &v, &bad)) {
+            char *end;
+            if (!bad) {
+                p.seed = strtoull(v, &end, 10);
+                if (!*v || *end || *v == '-') {
+                    fprintf(stderr, "kvd mkmodel: --seed wants a non-negative integer, got '%s'\n",
+                            v);
+                    return 2;
+                }
+            }
+        } else if (!strcmp(argv[i], "--tied")) {
+            p.tied = true;
+            i++;
+        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            mkmodel_usage(stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "kvd mkmodel: unknown option '%s'\n", argv[i]);
+            mkmodel_usage(stderr);
+            return 2;
+        }
+    }
+    if (bad)
+        return 2;
+    if (!out) {
+        fprintf(stderr, "kvd mkmodel: --out FILE is required\n");
+        mkmodel_usage(stderr);
+        return 2;
+    }
+    char err[512];
+    if (model_mk_check(&p, err, sizeof(err))) {
+        fprintf(stderr, "kvd mkmodel: %s\n", err);
+        return 2;
+    }
+    if (model_mk_write(&p, out, err, sizeof(err))) {
+        fprintf(stderr, "kvd mkmodel: %s\n", err);
+        return 1;
+    }
+    int hd = p.n_embd / p.n_head;
+    long long params = (long long)p.n_embd * p.n_vocab * (p.tied ? 1 : 2) +
+                       (long long)p.n_layer *
+                           ((long long)p.n_embd * (p.n_head + 2 * p.n_kv_head) * hd +
+                            (long long)p.n_head * hd * p.n_embd + 3LL * p.n_embd * p.n_ff);
+    const char *tn = p.type == GGML_TYPE_F32    ? "f32"
+                     : p.type == GGML_TYPE_F16  ? "f16"
+                     : p.type == GGML_TYPE_BF16 ? "bf16"
+                     : p.type == GGML_TYPE_Q8_0 ? "q8_0"
+                                                : "q4_0";
+    printf("wrote %s: %s, dim %d, %d layers, %d heads, %d kv heads, ff %d, vocab %d, %s%s, "
+           "%.2fM parameters, seed %llu\n",
+           out, p.arch, p.n_embd, p.n_layer, p.n_head, p.n_kv_head, p.n_ff, p.n_vocab, tn,
+           p.tied ? ", tied output" : "", (double)params / 1e6, (unsigned long long)p.seed);
+    return 0;
+}
