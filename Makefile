@@ -136,9 +136,10 @@ install-packages:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else echo "deps: missing$$missing; run: sudo apt-get install -y$$missing"; exit 1; fi
 
-# Until the daemon lands, `make run` runs the offline demo.
+# The daemon on 127.0.0.1:8080, serving the default model (made once).
 run: deps kvd
-	./kvd buckets
+	@test -f models/default.gguf || { mkdir -p models && ./kvd mkmodel --out models/default.gguf; }
+	./kvd serve --config config/kvd.conf
 
 # Validate Dockerfile, systemd unit, Kubernetes manifests and HAProxy configs.
 deploy-check: deploy-deps kvd

@@ -20,6 +20,7 @@ static const struct srv_command commands[] = {
     {"generate", "generate text from a prompt, offline", srv_cmd_generate},
     {"load", "load-test a running kvd across context lengths", srv_cmd_load},
     {"mkmodel", "write a small seeded GGUF model", srv_cmd_mkmodel},
+    {"serve", "run the HTTP daemon (OpenAI and llama.cpp completions)", srv_cmd_serve},
     {"tokenize", "print the token ids of a text", srv_cmd_tokenize},
     {"version", "print the version", cmd_version},
     {"help", "list the subcommands", cmd_help},
@@ -27,7 +28,7 @@ static const struct srv_command commands[] = {
 
 /* Subcommands that are part of kvd's interface but not built yet. */
 static const char *const pending[] = {
-    "serve",
+    NULL, /* (none at present) */
 };
 
 #define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))
@@ -65,7 +66,7 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < N_ELEMS(commands); i++)
         if (!strcmp(name, commands[i].name))
             return commands[i].run(argc - 1, argv + 1);
-    for (size_t i = 0; i < N_ELEMS(pending); i++) {
+    for (size_t i = 0; i < N_ELEMS(pending) && pending[i]; i++) {
         if (!strcmp(name, pending[i])) {
             fprintf(stderr, "kvd: '%s' is not yet available in this version\n", name);
             return 2;

@@ -24,5 +24,6 @@ int srv_cmd_eval(int argc, char **argv);
 int srv_cmd_generate(int argc, char **argv);
 int srv_cmd_mkmodel(int argc, char **argv);
 int srv_cmd_tokenize(int argc, char **argv);
+int srv_cmd_serve(int argc, char **argv);
 
 #endif /* KVD_SERVER_H */

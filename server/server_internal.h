@@ -23,4 +23,351 @@ int srv_parse_double(const char *s, double min, double max, double *out);
 bool srv_opt_value(int argc, char **argv, int *i, const char *cmd, const char *name,
                    const char **value, bool *bad);
 
+/* ======================================================================
+ * The daemon (kvd serve). Threads: the loop thread (libuv: http.c, api.c,
+ * daemon.c) and the engine thread (scheduler.c). Only the structs below
+ * marked "crosses threads" are seen by both; metrics.c and log.c lock.
+ * ====================================================================== */
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cache/kv_cache.h"
+#include "model/model.h"
+
+/* --- log.c: one line per event on stderr, text or JSON ------------------ */
+
+enum srv_log_level { SRV_LOG_DEBUG = 0, SRV_LOG_INFO, SRV_LOG_WARN, SRV_LOG_ERROR };
+
+/* Set the threshold and the format (json: one JSON object per line). */
+void srv_log_setup(enum srv_log_level level, bool json);
+/* "debug" | "info" | "warn" | "error". Returns 0, or -1 with *out unchanged. */
+int srv_log_parse_level(const char *s, enum srv_log_level *out);
+/* Thread-safe: each call writes one whole line. */
+void srv_log(enum srv_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* --- metrics.c: counters, gauges, histograms; Prometheus text ----------- */
+
+typedef struct srv_metrics srv_metrics;
+
+enum srv_hist {
+    SRV_HIST_TTFT,         /* seconds from submission to the first token */
+    SRV_HIST_ITL,          /* seconds between consecutive tokens of a request */
+    SRV_HIST_BATCH_SEQS,   /* sequences in one engine step */
+    SRV_HIST_BATCH_TOKENS, /* tokens in one engine step */
+    SRV_HIST_COUNT
+};
+
+/* What the engine publishes after every step (crosses threads by copy). */
+struct srv_engine_gauges {
+    int queue_depth; /* requests waiting for admission */
+    int running;     /* sequences being prefilled or decoded */
+    int sessions;    /* live sessions */
+    int kv_pages_total, kv_pages_used, kv_pages_free;
+    uint64_t evictions, tokens_evicted, sessions_dropped;
+};
+
+/* Every function is thread-safe (one mutex, never held with another). */
+srv_metrics *srv_metrics_create(void);
+void srv_metrics_destroy(srv_metrics *m);
+void srv_metrics_status(srv_metrics *m, int status);
+void srv_metrics_tokens(srv_metrics *m, uint64_t prompt, uint64_t cached, uint64_t generated);
+void srv_metrics_observe(srv_metrics *m, enum srv_hist h, double value);
+void srv_metrics_engine(srv_metrics *m, const struct srv_engine_gauges *g);
+void srv_metrics_cancelled(srv_metrics *m);
+void srv_metrics_config(srv_metrics *m, uint64_t generation, bool last_ok, int64_t when_unix_s);
+/* The exposition text (new, caller frees); NULL when out of memory. */
+char *srv_metrics_render(srv_metrics *m, size_t *len);
+
+/* --- scheduler.c: the engine thread ---------------------------------------- */
+
+typedef struct srv_sched srv_sched;
+
+enum srv_req_kind {
+    SRV_REQ_COMPLETION,     /* generate */
+    SRV_REQ_SESSION_INFO,   /* describe req->session */
+    SRV_REQ_SESSION_DELETE, /* free req->session */
+};
+
+/* Why a completion ended. */
+enum srv_finish {
+    SRV_FINISH_EOG = 0, /* the model ended it (EOS/EOT) */
+    SRV_FINISH_STOP,    /* a stop string matched (never emitted) */
+    SRV_FINISH_LENGTH,  /* max_tokens reached */
+    SRV_FINISH_CONTEXT, /* the sequence's cache is full under policy none */
+    SRV_FINISH_CANCEL,  /* the client left */
+    SRV_FINISH_ABORT,   /* the server cut it short (drain deadline) */
+};
+
+/* cancel values */
+#define SRV_CANCEL_CLIENT 1 /* the client disconnected */
+#define SRV_CANCEL_ABORT 2  /* shutdown deadline */
+
+/*
+ * A request, crossing from the loop thread to the engine thread. The loop
+ * thread fills it completely before srv_sched_submit and does not change it
+ * afterwards (except `cancel`); the engine reads it until it posts the
+ * request's final event (SRV_EV_DONE or SRV_EV_ERROR) and never after. The
+ * loop thread frees it after that final event (srv_req_free).
+ */
+struct srv_req {
+    enum srv_req_kind kind;
+    uint64_t id;     /* for logs */
+    int32_t *prompt; /* [n_prompt] token ids, validated < n_vocab */
+    int n_prompt;
+    int max_tokens;                 /* tokens to generate at most (>= 0) */
+    struct model_sampling sampling; /* seed included */
+    char **stop;                    /* [n_stop] non-empty stop strings */
+    int n_stop;
+    char *session;        /* session id, or NULL */
+    bool want_tokens;     /* report generated ids in text events */
+    bool ignore_eos;      /* never sample an end-of-generation token */
+    int n_keep;           /* llama.cpp n_keep: 0 = the configured sinks;
+                             > 0 sink tokens; -1 the whole prompt */
+    uint64_t t_submit_ns; /* monotonic, set by srv_sched_submit */
+    atomic_int cancel;    /* 0, SRV_CANCEL_CLIENT or SRV_CANCEL_ABORT */
+    void *owner;          /* loop thread's (api.c) */
+    struct srv_req *next; /* queue link (owned by whoever queues it) */
+};
+
+struct srv_req *srv_req_new(enum srv_req_kind kind); /* zeroed; aborts on OOM */
+void srv_req_free(struct srv_req *r);                /* frees its arrays too */
+
+enum srv_event_kind {
+    SRV_EV_TEXT,  /* generated text (and ids) of a running request */
+    SRV_EV_DONE,  /* final: finish reason, usage (or session info) */
+    SRV_EV_ERROR, /* final: status + message, nothing (more) generated */
+    SRV_EV_READY, /* the model is loaded; req NULL */
+    SRV_EV_FATAL, /* loading failed; message says why; req NULL */
+};
+
+struct srv_usage {
+    int prompt_tokens;     /* tokens in the prompt */
+    int completion_tokens; /* tokens generated */
+    int cached_tokens;     /* prompt tokens found in the session's history, not prefilled */
+    int evicted_tokens;    /* tokens of this sequence's history no longer in the cache */
+    int retained_tokens;   /* tokens in the cache at the end */
+    double prompt_ms;      /* admission to first token (prefill) */
+    double gen_ms;         /* first token to the end */
+};
+
+struct srv_session_info {
+    bool found;
+    bool busy;            /* a request is running on it */
+    bool dropped;         /* LRU dropped its cache (history gone) */
+    int history_tokens;   /* tokens in its history */
+    int retained_tokens;  /* tokens in its cache */
+    bool renumber;        /* positions mode */
+    int64_t last_used_ms; /* unix time in ms */
+};
+
+/* An event, crossing from the engine thread to the loop thread (owned by
+ * the receiver once taken: srv_event_free). */
+struct srv_event {
+    enum srv_event_kind kind;
+    struct srv_req *req; /* borrowed; NULL for READY and FATAL */
+    char *text;          /* TEXT: new text (may be ""), NUL-terminated */
+    size_t len;
+    int32_t *tokens; /* TEXT with want_tokens: ids sampled */
+    int n_tokens;
+    enum srv_finish finish;          /* DONE */
+    int stop_index;                  /* DONE with SRV_FINISH_STOP: which stop string */
+    struct srv_usage usage;          /* DONE */
+    struct srv_session_info session; /* DONE for session requests */
+    int status;                      /* ERROR: HTTP status */
+    char message[600];               /* ERROR, FATAL */
+    struct srv_event *next;
+};
+
+void srv_event_free(struct srv_event *ev);
+
+/* Engine settings that a reload may change between steps. */
+struct srv_sched_limits {
+    struct kv_policy policy;  /* for new sequences and every session */
+    int max_running;          /* sequences in flight */
+    int step_tokens;          /* tokens per forward (decode + prefill chunks) */
+    int queue_length;         /* waiting requests before 429 */
+    uint64_t session_idle_ms; /* free sessions idle this long (0 = never) */
+    int max_sessions;         /* sessions kept; the least recently used idle one goes */
+};
+
+struct srv_sched_params {
+    struct model_params model;
+    size_t cache_memory; /* bytes of KV pages */
+    int page_tokens;
+    enum kv_type kv_type;
+    bool mlock;
+    int n_threads;       /* OpenMP threads of a step (0 = default) */
+    int max_step_tokens; /* forward capacity (>= limits.step_tokens) */
+    struct srv_sched_limits limits;
+    /* Called (from the engine thread) when the event queue goes from
+     * empty to non-empty: wakes the loop (uv_async_send). */
+    void (*notify)(void *ud);
+    void *notify_ud;
+};
+
+/*
+ * Create the engine (validating the params; NULL with the reason in err).
+ * Once started, its thread loads the model and creates the cache, then
+ * posts SRV_EV_READY (or SRV_EV_FATAL).
+ */
+srv_sched *srv_sched_create(const struct srv_sched_params *p, char *err, size_t errlen);
+/* Start the engine thread; it records into metrics (may be NULL).
+ * Returns 0, or a negative errno with the reason in err. */
+int srv_sched_start(srv_sched *s, srv_metrics *metrics, char *err, size_t errlen);
+/* Stop the engine (requests still inside end with ABORT) and free it,
+ * with any events not yet taken. */
+void srv_sched_destroy(srv_sched *s);
+/* Queue a request (ownership stays with the caller; see struct srv_req).
+ * Returns 0, -EAGAIN when the queue is full, -ESHUTDOWN when stopping.
+ * Session requests are never refused for a full queue. */
+int srv_sched_submit(srv_sched *s, struct srv_req *r);
+/* Move out every pending event, oldest first (caller frees each). */
+struct srv_event *srv_sched_take_events(srv_sched *s);
+/* The loaded model (after SRV_EV_READY; immutable, safe to read from the
+ * loop thread for tokenizing), else NULL. */
+const model *srv_sched_model(srv_sched *s);
+/* Swap the limits for the next step. Returns 0, or -EINVAL with the reason
+ * in err (nothing changed). */
+int srv_sched_set_limits(srv_sched *s, const struct srv_sched_limits *l, char *err, size_t errlen);
+/* Requests waiting for admission (for Retry-After and tests). */
+int srv_sched_queue_depth(srv_sched *s);
+
+/*
+ * Stop strings (scheduler.c, exposed for tests). Given the text held back
+ * so far, find the earliest stop string occurring in it: returns its index
+ * and sets *at to its offset. Otherwise returns -1 and sets *safe to the
+ * number of leading bytes that no stop string can still start in (the rest
+ * is a proper prefix of some stop string and must be held).
+ */
+int srv_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, size_t *at,
+                  size_t *safe);
+
+/* --- http.c: connections, parsing, limits, responses ------------------------ */
+
+typedef struct srv_http srv_http;
+typedef struct srv_conn srv_conn;
+struct uv_loop_s;
+
+struct srv_http_params {
+    size_t max_header_bytes;    /* request line + headers (431) */
+    int max_headers;            /* header count (431) */
+    size_t max_body_bytes;      /* body (413) */
+    uint64_t header_timeout_ms; /* from a request's first byte to its headers' end (408) */
+    uint64_t idle_timeout_ms;   /* keep-alive idle, and between body reads (408) */
+    int max_connections;        /* open connections; more get 503 and are closed */
+    size_t max_write_queue;     /* bytes queued to a slow reader before closing it */
+};
+
+struct srv_http_header {
+    const char *name;  /* as sent (compare case-insensitively) */
+    const char *value; /* surrounding whitespace trimmed */
+};
+
+/* A parsed request, borrowed for the duration of the handler call. */
+struct srv_http_req {
+    const char *method; /* "GET", "POST", ... */
+    const char *path;   /* URL path, percent-decoding not applied */
+    const char *query;  /* after '?', or "" */
+    const struct srv_http_header *headers;
+    int n_headers;
+    const char *body; /* NUL-terminated copy of the body */
+    size_t body_len;
+};
+
+/* The request handler: must answer with srv_http_respond or
+ * srv_http_stream_begin, now or later (on the loop thread). */
+typedef void (*srv_http_handler)(void *ud, srv_conn *conn, const struct srv_http_req *req);
+
+srv_http *srv_http_create(struct uv_loop_s *loop, const struct srv_http_params *p,
+                          srv_metrics *metrics, srv_http_handler handler, void *ud);
+/* Bind and listen. *bound_port gets the port (useful with port 0).
+ * Returns 0, or a negative uv error with the reason in err. */
+int srv_http_listen(srv_http *h, const char *host, int port, int *bound_port, char *err,
+                    size_t errlen);
+void srv_http_set_params(srv_http *h, const struct srv_http_params *p);
+/* Stop accepting; idle connections close; busy ones close after their
+ * response. */
+void srv_http_drain(srv_http *h);
+/* Close every handle; `done` runs once all are closed. */
+void srv_http_close(srv_http *h, void (*done)(void *ud), void *ud);
+void srv_http_destroy(srv_http *h); /* after done */
+int srv_http_n_connections(const srv_http *h);
+
+/* Case-insensitive header lookup; NULL when absent. */
+const char *srv_http_header(const struct srv_http_req *req, const char *name);
+
+/*
+ * Answer the current request in one go. extra_headers: "" or lines each
+ * ending in "\r\n". Returns 0, or -EPIPE when the connection is gone.
+ */
+int srv_http_respond(srv_conn *c, int status, const char *content_type, const char *extra_headers,
+                     const char *body, size_t len);
+/* A streamed answer: chunked (HTTP/1.1) or close-delimited (1.0). */
+int srv_http_stream_begin(srv_conn *c, int status, const char *content_type,
+                          const char *extra_headers);
+int srv_http_stream_write(srv_conn *c, const char *data, size_t len);
+int srv_http_stream_end(srv_conn *c);
+/*
+ * Attach the handler's state to the connection's current request: if the
+ * connection closes before the answer ends, on_gone(owner) runs once (on
+ * the loop thread) and the connection must not be used again.
+ */
+void srv_conn_set_owner(srv_conn *c, void *owner, void (*on_gone)(void *owner));
+
+/* --- api.c: routes, JSON, the OpenAI and llama.cpp shapes -------------------- */
+
+typedef struct srv_api srv_api;
+
+struct srv_api_params {
+    int max_prompt_tokens;   /* 400 above this */
+    int max_tokens;          /* the largest max_tokens / n_predict accepted */
+    int default_max_tokens;  /* when the request says none */
+    const char *api_key;     /* NULL or "" = no auth (copied) */
+    struct kv_policy policy; /* to reject prompts that can never fit (policy none) */
+    int max_session_id;      /* longest session id accepted */
+};
+
+srv_api *srv_api_create(srv_sched *sched, srv_metrics *metrics, const struct srv_api_params *p);
+void srv_api_destroy(srv_api *a);
+void srv_api_set_params(srv_api *a, const struct srv_api_params *p);
+/* The srv_http_handler. */
+void srv_api_handle(void *ud, srv_conn *conn, const struct srv_http_req *req);
+/* Take the engine's events and answer the requests they belong to.
+ * Returns false if a SRV_EV_FATAL arrived (message in err). */
+bool srv_api_pump(srv_api *a, char *err, size_t errlen);
+/* Draining: new completions get 503, /health says so. */
+void srv_api_set_draining(srv_api *a, bool draining);
+/* Completions accepted and not yet finished (the client may have left). */
+int srv_api_in_flight(const srv_api *a);
+/* Cut every in-flight completion short (drain deadline). */
+void srv_api_abort_all(srv_api *a);
+/* An OpenAI-shaped error body (new, caller frees): {"error":{"message",
+ * "type","param","code"}}; type and code follow from the status. */
+char *srv_api_error_json(int status, const char *message, const char *param, size_t *len);
+
+/* --- daemon.c: the serve loop ------------------------------------------------- */
+
+struct srv_serve_config {
+    char host[256];
+    int port;
+    struct srv_http_params http;
+    struct srv_api_params api;
+    struct srv_sched_params sched;
+    uint64_t drain_timeout_ms;
+    char config_path[4096]; /* "" when none: SIGHUP then only logs */
+    /* Optional: re-read the config for SIGHUP into *out (which holds the
+     * current config on entry). Returns 0, or -1 having logged every error.
+     * reload_commit then says whether the server switched to it (the
+     * engine may still refuse what the file allows). */
+    int (*reload)(const char *path, struct srv_serve_config *out, void *ud);
+    void (*reload_commit)(void *ud, bool applied);
+    void *reload_ud;
+};
+
+/* Run the daemon until SIGTERM/SIGINT. Returns the exit status. */
+int srv_serve_run(struct srv_serve_config *cfg);
+
 #endif /* KVD_SERVER_INTERNAL_H */

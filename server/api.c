@@ -1,0 +1,1345 @@
+/*
+ * api.c - kvd's HTTP API: routes, JSON in and out, validation, the OpenAI
+ * and llama.cpp shapes, OpenAI-shaped errors.
+ *
+ * Everything here runs on the loop thread, which owns every json_t. A
+ * completion request is parsed and validated here, its prompt is
+ * tokenized here (the model is immutable once loaded, and doing it on the
+ * loop thread answers "prompt too long" and "token id outside the
+ * vocabulary" before anything is queued, and keeps the engine's steps for
+ * the model), and it leaves as a plain struct srv_req. The engine answers
+ * with events; srv_api_pump turns them into a JSON body, or into Server-Sent
+ * Events as they come for streams.
+ *
+ * Two request shapes share the engine:
+ *   POST /v1/completions  OpenAI: prompt, max_tokens, temperature, top_p,
+ *                         stop, stream, seed, ... ; choices[].text, usage
+ *                         (plus usage.kvd: cached, evicted, retained tokens)
+ *   POST /completion      llama.cpp: prompt, n_predict, ... ; content,
+ *                         stop, tokens_predicted, tokens_evaluated, timings
+ * Both accept kvd's own "session": a string id whose cache persists.
+ *
+ * Errors are {"error":{"message","type","param","code"}} with the status
+ * chosen in one place (api_error), whatever the route.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "server/server_internal.h"
+
+/* Compact output; 15 significant digits print 0.95f's double as 0.95. */
+#define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
+
+#define MAX_STOP 16
+#define MAX_STOP_BYTES 512
+
+enum call_kind { CALL_OPENAI, CALL_LLAMA, CALL_SESSION_GET, CALL_SESSION_DELETE };
+
+/* One accepted request waiting for the engine (loop thread only). */
+struct call {
+    srv_api *a;
+    srv_conn *conn;      /* NULL once the client left */
+    struct srv_req *req; /* owned; freed at the final event */
+    enum call_kind kind;
+    bool stream;
+    bool include_usage; /* OpenAI stream_options.include_usage */
+    bool return_tokens; /* llama.cpp return_tokens */
+    bool started;       /* stream headers sent */
+    char id[48];
+    int64_t created;
+    char *text; /* non-streamed: the text so far */
+    size_t len, cap;
+    int32_t *toks; /* llama.cpp return_tokens */
+    int n_toks, cap_toks;
+    json_t *settings; /* llama.cpp generation_settings (owned) */
+    struct call *prev, *next;
+};
+
+struct srv_api {
+    srv_sched *sched;
+    srv_metrics *metrics;
+    struct srv_api_params p;
+    char api_key[512];
+    const model *m;
+    struct model_info info;
+    char model_name[256];
+    int64_t ready_time;
+    bool draining;
+    int in_flight;
+    uint64_t next_id;
+    uint64_t seed_state;
+    struct call *calls;
+};
+
+/* ------------------------------------------------------------------------
+ * Errors and responses
+ * ------------------------------------------------------------------------ */
+
+static const char *error_type(int status)
+{
+    switch (status) {
+    case 401:
+        return "authentication_error";
+    case 403:
+        return "permission_error";
+    case 404:
+        return "not_found_error";
+    case 408:
+        return "timeout_error";
+    case 409:
+        return "conflict_error";
+    case 429:
+        return "rate_limit_error";
+    case 500:
+        return "server_error";
+    case 503:
+        return "unavailable_error";
+    default:
+        return status >= 500 ? "server_error" : "invalid_request_error";
+    }
+}
+
+static const char *error_code(int status)
+{
+    switch (status) {
+    case 400:
+        return "invalid_request";
+    case 401:
+        return "invalid_api_key";
+    case 404:
+        return "not_found";
+    case 405:
+        return "method_not_allowed";
+    case 408:
+        return "request_timeout";
+    case 409:
+        return "session_busy";
+    case 413:
+        return "body_too_large";
+    case 414:
+        return "url_too_long";
+    case 429:
+        return "queue_full";
+    case 431:
+        return "headers_too_large";
+    case 503:
+        return "unavailable";
+    default:
+        return status >= 500 ? "server_error" : "invalid_request";
+    }
+}
+
+static char *error_json_code(int status, const char *message, const char *param, const char *code,
+                             size_t *len)
+{
+    json_t *e =
+        json_pack("{s:{s:s, s:s, s:o, s:s}}", "error", "message", message ? message : "", "type",
+                  error_type(status), "param", param ? json_string(param) : json_null(), "code",
+                  code ? code : error_code(status));
+    char *s = e ? json_dumps(e, JSON_COMPACT) : NULL;
+    json_decref(e);
+    if (!s) {
+        /* The message was not valid UTF-8 (or memory ran out). */
+        static const char fallback[] =
+            "{\"error\":{\"message\":\"error\",\"type\":\"server_error\",\"param\":null,"
+            "\"code\":\"server_error\"}}";
+        s = strdup(fallback);
+    }
+    *len = s ? strlen(s) : 0;
+    return s;
+}
+
+char *srv_api_error_json(int status, const char *message, const char *param, size_t *len)
+{
+    return error_json_code(status, message, param, NULL, len);
+}
+
+/* Answer an error (logged at debug; the client made it). */
+static void api_error_code(srv_conn *c, int status, const char *param, const char *code,
+                           const char *extra, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+static void api_error_code(srv_conn *c, int status, const char *param, const char *code,
+                           const char *extra, const char *fmt, ...)
+{
+    char msg[600];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    size_t len = 0;
+    char *body = error_json_code(status, msg, param, code, &len);
+    srv_log(SRV_LOG_DEBUG, "api: %d %s", status, msg);
+    srv_http_respond(c, status, "application/json", extra ? extra : "", body ? body : "",
+                     body ? len : 0);
+    free(body);
+}
+
+#define api_error(c, status, param, ...) api_error_code(c, status, param, NULL, NULL, __VA_ARGS__)
+
+/* Answer a JSON value (stolen). */
+static void respond_json(srv_conn *c, int status, json_t *v)
+{
+    char *s = v ? json_dumps(v, JSON_FLAGS) : NULL;
+    json_decref(v);
+    if (!s) {
+        api_error(c, 500, NULL, "out of memory building the response");
+        return;
+    }
+    srv_http_respond(c, status, "application/json", "", s, strlen(s));
+    free(s);
+}
+
+/* A JSON string from bytes that should be UTF-8; invalid bytes become
+ * U+FFFD so a model that emits garbage never breaks a response. */
+static json_t *json_text(const char *s, size_t n)
+{
+    json_t *v = json_stringn(s, n);
+    if (v)
+        return v;
+    char *fixed = malloc(n * 3 + 1);
+    if (!fixed)
+        return json_string("");
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        bool ok = len > 0 && i + (size_t)len <= n;
+        for (int k = 1; ok && k < len; k++)
+            ok = ((unsigned char)s[i + (size_t)k] >> 6) == 2;
+        if (ok && len > 1) {
+            json_t *t = json_stringn(s + i, (size_t)len); /* overlong / surrogate check */
+            ok = t != NULL;
+            json_decref(t);
+        }
+        if (ok && c != 0) {
+            memcpy(fixed + o, s + i, (size_t)len);
+            o += (size_t)len;
+            i += (size_t)len;
+        } else {
+            memcpy(fixed + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    v = json_stringn(fixed, o);
+    free(fixed);
+    return v ? v : json_string("");
+}
+
+/* ------------------------------------------------------------------------
+ * Field validation
+ * ------------------------------------------------------------------------ */
+
+/* A validation failure: the first one is reported. */
+struct verr {
+    int status;
+    char param[64];
+    const char *code;
+    char msg[512];
+};
+
+__attribute__((format(printf, 4, 5))) static int fail(struct verr *e, const char *param,
+                                                      const char *code, const char *fmt, ...)
+{
+    if (e->status)
+        return -1;
+    e->status = 400;
+    snprintf(e->param, sizeof(e->param), "%s", param ? param : "");
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static const char *json_type_name(const json_t *v)
+{
+    switch (json_typeof(v)) {
+    case JSON_OBJECT:
+        return "an object";
+    case JSON_ARRAY:
+        return "an array";
+    case JSON_STRING:
+        return "a string";
+    case JSON_INTEGER:
+        return "an integer";
+    case JSON_REAL:
+        return "a number";
+    case JSON_TRUE:
+    case JSON_FALSE:
+        return "a boolean";
+    case JSON_NULL:
+        return "null";
+    }
+    return "?";
+}
+
+/* The field, or NULL when absent or null. */
+static json_t *field(json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    return v && !json_is_null(v) ? v : NULL;
+}
+
+/* Integer field in [min, max]; returns 1 if present, 0 if absent, -1 bad. */
+static int get_int(json_t *o, const char *key, long long min, long long max, long long *out,
+                   struct verr *e)
+{
+    json_t *v = field(o, key);
+    if (!v)
+        return 0;
+    long long x;
+    if (json_is_integer(v)) {
+        x = json_integer_value(v);
+    } else if (json_is_real(v) && floor(json_real_value(v)) == json_real_value(v) &&
+               fabs(json_real_value(v)) < 9e15) {
+        x = (long long)json_real_value(v);
+    } else {
+        return fail(e, key, "invalid_type", "'%s' must be an integer, not %s", key,
+                    json_type_name(v));
+    }
+    if (x < min || x > max)
+        return fail(e, key, "invalid_value", "'%s' must be between %lld and %lld (got %lld)", key,
+                    min, max, x);
+    *out = x;
+    return 1;
+}
+
+static int get_num(json_t *o, const char *key, double min, double max, double *out, struct verr *e)
+{
+    json_t *v = field(o, key);
+    if (!v)
+        return 0;
+    if (!json_is_number(v))
+        return fail(e, key, "invalid_type", "'%s' must be a number, not %s", key,
+                    json_type_name(v));
+    double x = json_number_value(v);
+    if (!(x >= min && x <= max))
+        return fail(e, key, "invalid_value", "'%s' must be between %g and %g (got %g)", key, min,
+                    max, x);
+    *out = x;
+    return 1;
+}
+
+static int get_bool(json_t *o, const char *key, bool *out, struct verr *e)
+{
+    json_t *v = field(o, key);
+    if (!v)
+        return 0;
+    if (!json_is_boolean(v))
+        return fail(e, key, "invalid_type", "'%s' must be a boolean, not %s", key,
+                    json_type_name(v));
+    *out = json_is_true(v);
+    return 1;
+}
+
+static int get_str(json_t *o, const char *key, const char **out, struct verr *e)
+{
+    json_t *v = field(o, key);
+    if (!v)
+        return 0;
+    if (!json_is_string(v))
+        return fail(e, key, "invalid_type", "'%s' must be a string, not %s", key,
+                    json_type_name(v));
+    *out = json_string_value(v);
+    return 1;
+}
+
+/* ------------------------------------------------------------------------
+ * Prompts
+ * ------------------------------------------------------------------------ */
+
+struct toks {
+    int32_t *v;
+    int n, cap;
+};
+
+static void toks_push(struct toks *t, const int32_t *ids, int n)
+{
+    if (t->n + n > t->cap) {
+        int cap = t->cap ? t->cap : 64;
+        while (cap < t->n + n)
+            cap *= 2;
+        int32_t *p = realloc(t->v, sizeof(int32_t) * (size_t)cap);
+        if (!p)
+            abort();
+        t->v = p;
+        t->cap = cap;
+    }
+    memcpy(t->v + t->n, ids, sizeof(int32_t) * (size_t)n);
+    t->n += n;
+}
+
+static int tokenize_into(srv_api *a, const char *text, size_t len, bool bos, struct toks *t,
+                         struct verr *e)
+{
+    int cap = (int)(len < 64 ? 64 : len + 8);
+    int32_t *buf = malloc(sizeof(int32_t) * (size_t)cap);
+    if (!buf)
+        return fail(e, "prompt", NULL, "out of memory tokenizing the prompt");
+    int n = model_tokenize(a->m, text, len, bos, buf, cap);
+    if (n > cap) {
+        int32_t *b2 = realloc(buf, sizeof(int32_t) * (size_t)n);
+        if (!b2) {
+            free(buf);
+            return fail(e, "prompt", NULL, "out of memory tokenizing the prompt");
+        }
+        buf = b2;
+        n = model_tokenize(a->m, text, len, bos, buf, n);
+    }
+    if (n < 0) {
+        free(buf);
+        return fail(e, "prompt", "invalid_value", "the prompt cannot be tokenized (error %d)", n);
+    }
+    toks_push(t, buf, n);
+    free(buf);
+    return 0;
+}
+
+static int push_token(srv_api *a, json_t *v, const char *param, struct toks *t, struct verr *e)
+{
+    if (!json_is_integer(v))
+        return fail(e, param, "invalid_type",
+                    "'%s' must be a string or an array of token ids; found %s", param,
+                    json_type_name(v));
+    long long id = json_integer_value(v);
+    if (id < 0 || id >= a->info.n_vocab)
+        return fail(e, param, "invalid_token", "token id %lld is outside the vocabulary (0..%d)",
+                    id, a->info.n_vocab - 1);
+    int32_t x = (int32_t)id;
+    toks_push(t, &x, 1);
+    return 0;
+}
+
+/*
+ * The prompt: a string, an array of token ids, or a one-element array of
+ * either (a batch of prompts is refused: n > 1 is not supported). llama.cpp
+ * style also allows a mixed array of strings and ids. Strings get the
+ * model's BOS when it wants one; token arrays are taken as they are.
+ */
+static int parse_prompt(srv_api *a, json_t *body, bool mixed, struct toks *t, struct verr *e)
+{
+    json_t *p = field(body, "prompt");
+    if (!p)
+        return fail(e, "prompt", "missing_field", "'prompt' is required");
+    if (json_is_array(p) && json_array_size(p) == 1 &&
+        (json_is_string(json_array_get(p, 0)) || json_is_array(json_array_get(p, 0))))
+        p = json_array_get(p, 0);
+    if (json_is_string(p))
+        return tokenize_into(a, json_string_value(p), json_string_length(p), model_add_bos(a->m), t,
+                             e);
+    if (!json_is_array(p))
+        return fail(e, "prompt", "invalid_type",
+                    "'prompt' must be a string or an array of token ids, not %s",
+                    json_type_name(p));
+    size_t i;
+    json_t *v;
+    json_array_foreach(p, i, v)
+    {
+        if (json_is_string(v)) {
+            if (!mixed)
+                return fail(e, "prompt", "unsupported",
+                            "several prompts in one request are not supported (n > 1): send "
+                            "one request per prompt");
+            if (tokenize_into(a, json_string_value(v), json_string_length(v),
+                              i == 0 && model_add_bos(a->m), t, e))
+                return -1;
+        } else if (json_is_array(v)) {
+            return fail(e, "prompt", "unsupported",
+                        "several prompts in one request are not supported (n > 1): send one "
+                        "request per prompt");
+        } else if (push_token(a, v, "prompt", t, e)) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* stop: a string or an array of strings. */
+static int parse_stop(json_t *body, struct srv_req *r, struct verr *e)
+{
+    json_t *s = field(body, "stop");
+    if (!s)
+        return 0;
+    json_t *one = json_is_string(s) ? s : NULL;
+    if (!one && !json_is_array(s))
+        return fail(e, "stop", "invalid_type", "'stop' must be a string or an array of strings");
+    size_t n = one ? 1 : json_array_size(s);
+    if (n > MAX_STOP)
+        return fail(e, "stop", "invalid_value", "'stop' has %zu strings; at most %d are allowed", n,
+                    MAX_STOP);
+    r->stop = calloc(n ? n : 1, sizeof(char *));
+    if (!r->stop)
+        abort();
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = one ? one : json_array_get(s, i);
+        if (!json_is_string(v))
+            return fail(e, "stop", "invalid_type", "'stop' must contain only strings");
+        size_t len = json_string_length(v);
+        if (len == 0)
+            continue; /* an empty stop string can never match: ignore it */
+        if (len > MAX_STOP_BYTES || strlen(json_string_value(v)) != len)
+            return fail(e, "stop", "invalid_value",
+                        "stop strings must be 1..%d bytes without NUL characters", MAX_STOP_BYTES);
+        r->stop[r->n_stop] = strdup(json_string_value(v));
+        if (!r->stop[r->n_stop])
+            abort();
+        r->n_stop++;
+    }
+    return 0;
+}
+
+static bool session_id_ok(const char *s, size_t max)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > max)
+        return false;
+    for (const char *p = s; *p; p++) {
+        char c = *p;
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '-' || c == '_' || c == '.' || c == ':'))
+            return false;
+    }
+    return true;
+}
+
+static uint64_t next_seed(srv_api *a)
+{
+    /* splitmix64 over a state seeded from the clock at start */
+    uint64_t z = (a->seed_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (z ^ (z >> 31)) >> 1; /* 63 bits: prints as a positive JSON integer */
+}
+
+/* ------------------------------------------------------------------------
+ * Building a completion request
+ * ------------------------------------------------------------------------ */
+
+/* Fields both shapes read the same way. */
+static void parse_common(srv_api *a, json_t *body, struct srv_req *r, struct verr *e)
+{
+    double d;
+    long long i;
+    if (get_num(body, "temperature", 0, 100, &d, e) > 0)
+        r->sampling.temperature = (float)d;
+    if (get_num(body, "top_p", 0, 1, &d, e) > 0)
+        r->sampling.top_p = (float)d;
+    if (get_int(body, "top_k", 0, 1 << 30, &i, e) > 0)
+        r->sampling.top_k = (int)i;
+    if (get_num(body, "min_p", 0, 1, &d, e) > 0)
+        r->sampling.min_p = (float)d;
+    if (get_num(body, "presence_penalty", -2, 2, &d, e) > 0)
+        r->sampling.presence_penalty = (float)d;
+    if (get_num(body, "frequency_penalty", -2, 2, &d, e) > 0)
+        r->sampling.frequency_penalty = (float)d;
+    const char *sess = NULL;
+    if (get_str(body, "session", &sess, e) > 0) {
+        if (!session_id_ok(sess, (size_t)a->p.max_session_id))
+            fail(e, "session", "invalid_value",
+                 "'session' must be 1..%d characters of A-Z a-z 0-9 . _ : -", a->p.max_session_id);
+        else if ((r->session = strdup(sess)) == NULL)
+            abort();
+    }
+    parse_stop(body, r, e);
+    get_bool(body, "ignore_eos", &r->ignore_eos, e);
+}
+
+/* Check the prompt's size against the limits. */
+static void check_prompt(srv_api *a, struct srv_req *r, struct verr *e)
+{
+    if (r->n_prompt == 0) {
+        fail(e, "prompt", "invalid_value", "the prompt is empty");
+        return;
+    }
+    if (r->n_prompt > a->p.max_prompt_tokens) {
+        fail(e, "prompt", "context_length_exceeded",
+             "the prompt has %d tokens; the limit (max_prompt_tokens) is %d", r->n_prompt,
+             a->p.max_prompt_tokens);
+        return;
+    }
+    if (a->p.policy.kind == KV_EVICT_NONE && r->n_prompt > a->p.policy.max_cache_tokens)
+        fail(e, "prompt", "context_length_exceeded",
+             "the prompt has %d tokens; a sequence holds at most %d (max_cache_tokens) under "
+             "eviction policy none",
+             r->n_prompt, a->p.policy.max_cache_tokens);
+}
+
+static struct srv_req *parse_openai(srv_api *a, json_t *body, struct call *call, struct verr *e)
+{
+    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    /* OpenAI's defaults: plain sampling at temperature 1. */
+    model_sampling_defaults(&r->sampling);
+    r->sampling.temperature = 1.0f;
+    r->sampling.top_k = 0;
+    r->sampling.top_p = 1.0f;
+    r->sampling.min_p = 0.0f;
+    r->sampling.repeat_penalty = 1.0f;
+    r->sampling.seed = next_seed(a);
+
+    const char *s;
+    if (get_str(body, "model", &s, e) < 0)
+        goto out;
+    long long i;
+    r->max_tokens = a->p.default_max_tokens;
+    json_t *mt = field(body, "max_tokens");
+    if (mt && json_is_integer(mt) && json_integer_value(mt) > a->p.max_tokens &&
+        json_integer_value(mt) <= (1ll << 40)) {
+        fail(e, "max_tokens", "invalid_value", "max_tokens (%lld) exceeds the limit of %d",
+             (long long)json_integer_value(mt), a->p.max_tokens);
+        goto out;
+    }
+    if (get_int(body, "max_tokens", 0, a->p.max_tokens, &i, e) > 0)
+        r->max_tokens = (int)i;
+    if (get_int(body, "n", 1, 1 << 30, &i, e) > 0 && i != 1)
+        fail(e, "n", "unsupported",
+             "n = %lld is not supported: kvd returns one choice per request; send %lld requests "
+             "(with different seeds)",
+             i, i);
+    if (get_int(body, "best_of", 1, 1 << 30, &i, e) > 0 && i != 1)
+        fail(e, "best_of", "unsupported", "best_of > 1 is not supported");
+    bool b = false;
+    if (get_bool(body, "echo", &b, e) > 0 && b)
+        fail(e, "echo", "unsupported", "echo is not supported");
+    if (get_int(body, "logprobs", 0, 5, &i, e) > 0)
+        fail(e, "logprobs", "unsupported", "logprobs are not supported");
+    if (get_str(body, "suffix", &s, e) > 0 && s[0])
+        fail(e, "suffix", "unsupported", "suffix is not supported");
+    json_t *lb = field(body, "logit_bias");
+    if (lb && (!json_is_object(lb) || json_object_size(lb) > 0))
+        fail(e, "logit_bias", "unsupported", "logit_bias is not supported");
+    if (get_int(body, "seed", INT64_MIN, INT64_MAX, &i, e) > 0)
+        r->sampling.seed = (uint64_t)i;
+    get_bool(body, "stream", &call->stream, e);
+    json_t *so = field(body, "stream_options");
+    if (so) {
+        if (!json_is_object(so))
+            fail(e, "stream_options", "invalid_type", "'stream_options' must be an object");
+        else
+            get_bool(so, "include_usage", &call->include_usage, e);
+    }
+    if (get_str(body, "user", &s, e) > 0 && strlen(s) > 256)
+        fail(e, "user", "invalid_value", "'user' is longer than 256 bytes");
+    parse_common(a, body, r, e);
+    if (e->status)
+        goto out;
+
+    struct toks t = {0};
+    if (parse_prompt(a, body, false, &t, e)) {
+        free(t.v);
+        goto out;
+    }
+    r->prompt = t.v;
+    r->n_prompt = t.n;
+    check_prompt(a, r, e);
+out:
+    if (e->status) {
+        srv_req_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+static struct srv_req *parse_llama(srv_api *a, json_t *body, struct call *call, struct verr *e)
+{
+    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    model_sampling_defaults(&r->sampling); /* llama.cpp's defaults */
+    r->sampling.seed = next_seed(a);
+    long long i;
+    double d;
+    bool b;
+    r->max_tokens = a->p.max_tokens;
+    json_t *np = field(body, "n_predict");
+    if (np && json_is_integer(np) && json_integer_value(np) > a->p.max_tokens &&
+        json_integer_value(np) <= (1ll << 40)) {
+        fail(e, "n_predict", "invalid_value", "n_predict (%lld) exceeds the limit of %d",
+             (long long)json_integer_value(np), a->p.max_tokens);
+        goto out;
+    }
+    if (get_int(body, "n_predict", -1, a->p.max_tokens, &i, e) > 0 && i >= 0)
+        r->max_tokens = (int)i;
+    if (get_num(body, "repeat_penalty", 0, 10, &d, e) > 0)
+        r->sampling.repeat_penalty = (float)d;
+    if (get_int(body, "repeat_last_n", -1, 1 << 20, &i, e) > 0)
+        r->sampling.penalty_last_n = i < 0 ? 1 << 20 : (int)i;
+    if (get_int(body, "seed", -1, INT64_MAX, &i, e) > 0 && i >= 0)
+        r->sampling.seed = (uint64_t)i;
+    json_t *sv = field(body, "seed");
+    if (sv && json_is_integer(sv) && json_integer_value(sv) < -1)
+        fail(e, "seed", "invalid_value", "'seed' must be -1 (random) or a non-negative integer");
+    get_bool(body, "stream", &call->stream, e);
+    get_bool(body, "cache_prompt", &b, e);
+    get_bool(body, "return_tokens", &call->return_tokens, e);
+    if (get_int(body, "n_keep", -1, 1 << 30, &i, e) > 0)
+        r->n_keep = (int)i;
+    if (get_int(body, "n_probs", 0, 1 << 20, &i, e) > 0 && i > 0)
+        fail(e, "n_probs", "unsupported", "n_probs is not supported");
+    parse_common(a, body, r, e);
+    if (e->status)
+        goto out;
+
+    struct toks t = {0};
+    if (parse_prompt(a, body, true, &t, e)) {
+        free(t.v);
+        goto out;
+    }
+    r->prompt = t.v;
+    r->n_prompt = t.n;
+    check_prompt(a, r, e);
+out:
+    if (e->status) {
+        srv_req_free(r);
+        return NULL;
+    }
+    r->want_tokens = call->return_tokens;
+    json_t *stops = json_array();
+#define R6(x) (round((double)(x)*1e6) / 1e6)
+    for (int k = 0; k < r->n_stop; k++)
+        json_array_append_new(stops, json_string(r->stop[k]));
+    call->settings = json_pack(
+        "{s:i, s:f, s:i, s:f, s:f, s:f, s:i, s:f, s:f, s:I, s:o, s:b, s:b}", "n_predict",
+        r->max_tokens, "temperature", R6(r->sampling.temperature), "top_k", r->sampling.top_k,
+        "top_p", R6(r->sampling.top_p), "min_p", R6(r->sampling.min_p), "repeat_penalty",
+        R6(r->sampling.repeat_penalty), "repeat_last_n", r->sampling.penalty_last_n,
+        "presence_penalty", R6(r->sampling.presence_penalty), "frequency_penalty",
+        R6(r->sampling.frequency_penalty), "seed", (json_int_t)r->sampling.seed, "stop", stops,
+        "stream", call->stream, "ignore_eos", r->ignore_eos);
+    return r;
+}
+
+/* ------------------------------------------------------------------------
+ * Calls (accepted requests)
+ * ------------------------------------------------------------------------ */
+
+static void call_gone(void *owner)
+{
+    struct call *call = owner;
+    call->conn = NULL;
+    if (call->req)
+        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+}
+
+static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
+{
+    struct call *call = calloc(1, sizeof(*call));
+    if (!call)
+        abort();
+    call->a = a;
+    call->conn = c;
+    call->kind = kind;
+    call->created = (int64_t)time(NULL);
+    uint64_t x = next_seed(a);
+    snprintf(call->id, sizeof(call->id), "cmpl-%016" PRIx64 "%08" PRIx64, x, ++a->next_id);
+    return call;
+}
+
+static void call_free(struct call *call)
+{
+    srv_req_free(call->req);
+    free(call->text);
+    free(call->toks);
+    json_decref(call->settings);
+    free(call);
+}
+
+/* Queue the call's request; answers the error itself on refusal. */
+static void call_submit(srv_api *a, struct call *call)
+{
+    call->req->owner = call;
+    call->req->id = a->next_id;
+    int rc = srv_sched_submit(a->sched, call->req);
+    if (rc == -EAGAIN) {
+        api_error_code(call->conn, 429, NULL, "queue_full", "Retry-After: 1\r\n",
+                       "the request queue is full (%d waiting); retry later",
+                       srv_sched_queue_depth(a->sched));
+        call_free(call);
+        return;
+    }
+    if (rc < 0) {
+        api_error(call->conn, 503, NULL, "the server is shutting down");
+        call_free(call);
+        return;
+    }
+    srv_conn_set_owner(call->conn, call, call_gone);
+    call->next = a->calls;
+    if (a->calls)
+        a->calls->prev = call;
+    a->calls = call;
+    a->in_flight++;
+}
+
+static void call_end(srv_api *a, struct call *call)
+{
+    if (call->conn)
+        srv_conn_set_owner(call->conn, NULL, NULL);
+    if (call->prev)
+        call->prev->next = call->next;
+    else
+        a->calls = call->next;
+    if (call->next)
+        call->next->prev = call->prev;
+    a->in_flight--;
+    call_free(call);
+}
+
+/* ------------------------------------------------------------------------
+ * Answers
+ * ------------------------------------------------------------------------ */
+
+static const char *openai_finish(enum srv_finish f)
+{
+    switch (f) {
+    case SRV_FINISH_EOG:
+    case SRV_FINISH_STOP:
+        return "stop";
+    default:
+        return "length";
+    }
+}
+
+static const char *llama_stop_type(enum srv_finish f)
+{
+    switch (f) {
+    case SRV_FINISH_EOG:
+        return "eos";
+    case SRV_FINISH_STOP:
+        return "word";
+    case SRV_FINISH_LENGTH:
+    case SRV_FINISH_CONTEXT:
+        return "limit";
+    default:
+        return "none";
+    }
+}
+
+static json_t *usage_json(const struct srv_usage *u)
+{
+    return json_pack("{s:i, s:i, s:i, s:{s:i}, s:{s:i, s:i, s:i}}", "prompt_tokens",
+                     u->prompt_tokens, "completion_tokens", u->completion_tokens, "total_tokens",
+                     u->prompt_tokens + u->completion_tokens, "prompt_tokens_details",
+                     "cached_tokens", u->cached_tokens, "kvd", "cached_tokens", u->cached_tokens,
+                     "evicted_tokens", u->evicted_tokens, "retained_tokens", u->retained_tokens);
+}
+
+static json_t *timings_json(const struct srv_usage *u)
+{
+    int pn = u->prompt_tokens - u->cached_tokens;
+    int gn = u->completion_tokens;
+    return json_pack("{s:i, s:f, s:f, s:f, s:i, s:f, s:f, s:f}", "prompt_n", pn, "prompt_ms",
+                     u->prompt_ms, "prompt_per_token_ms", pn ? u->prompt_ms / pn : 0.0,
+                     "prompt_per_second", u->prompt_ms > 0 ? pn * 1000.0 / u->prompt_ms : 0.0,
+                     "predicted_n", gn, "predicted_ms", u->gen_ms, "predicted_per_token_ms",
+                     gn ? u->gen_ms / gn : 0.0, "predicted_per_second",
+                     u->gen_ms > 0 ? gn * 1000.0 / u->gen_ms : 0.0);
+}
+
+/* Write to the stream if the client is still there (a failed write
+ * closes the connection, which clears call->conn). */
+static void stream_raw(struct call *call, const char *data, size_t n)
+{
+    if (call->conn)
+        srv_http_stream_write(call->conn, data, n);
+}
+
+/* One SSE event "data: <text>\n\n". */
+static void sse_text(struct call *call, const char *s, size_t n)
+{
+    char *buf = malloc(n + 8);
+    if (!buf)
+        return;
+    memcpy(buf, "data: ", 6);
+    memcpy(buf + 6, s, n);
+    memcpy(buf + 6 + n, "\n\n", 2);
+    stream_raw(call, buf, n + 8);
+    free(buf);
+}
+
+/* One SSE event "data: <json>\n\n" (v stolen). */
+static void sse_send(struct call *call, json_t *v)
+{
+    char *s = v ? json_dumps(v, JSON_FLAGS) : NULL;
+    json_decref(v);
+    if (!s)
+        return;
+    sse_text(call, s, strlen(s));
+    free(s);
+}
+
+static void stream_start(struct call *call)
+{
+    if (call->started || !call->conn)
+        return;
+    call->started = true;
+    srv_http_stream_begin(call->conn, 200, "text/event-stream", "X-Accel-Buffering: no\r\n");
+}
+
+static json_t *openai_chunk(struct call *call, json_t *text, const char *finish)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:[{s:o, s:i, s:n, s:o}]}", "id", call->id, "object",
+                     "text_completion", "created", (json_int_t)call->created, "model",
+                     call->a->model_name, "choices", "text", text, "index", 0, "logprobs",
+                     "finish_reason", finish ? json_string(finish) : json_null());
+}
+
+static void on_text(struct call *call, const struct srv_event *ev)
+{
+    if (call->return_tokens && ev->n_tokens > 0) {
+        if (call->n_toks + ev->n_tokens > call->cap_toks) {
+            call->cap_toks = call->cap_toks ? call->cap_toks * 2 : 64;
+            while (call->cap_toks < call->n_toks + ev->n_tokens)
+                call->cap_toks *= 2;
+            call->toks = realloc(call->toks, sizeof(int32_t) * (size_t)call->cap_toks);
+            if (!call->toks)
+                abort();
+        }
+        memcpy(call->toks + call->n_toks, ev->tokens, sizeof(int32_t) * (size_t)ev->n_tokens);
+        call->n_toks += ev->n_tokens;
+    }
+    if (!call->conn)
+        return;
+    if (!call->stream) {
+        if (call->len + ev->len + 1 > call->cap) {
+            size_t cap = call->cap ? call->cap * 2 : 256;
+            while (cap < call->len + ev->len + 1)
+                cap *= 2;
+            call->text = realloc(call->text, cap);
+            if (!call->text)
+                abort();
+            call->cap = cap;
+        }
+        memcpy(call->text + call->len, ev->text, ev->len);
+        call->len += ev->len;
+        return;
+    }
+    if (ev->len == 0 && !(call->return_tokens && ev->n_tokens))
+        return;
+    stream_start(call);
+    if (call->kind == CALL_OPENAI) {
+        sse_send(call, openai_chunk(call, json_text(ev->text, ev->len), NULL));
+    } else {
+        json_t *v = json_pack("{s:o, s:b, s:i, s:i}", "content", json_text(ev->text, ev->len),
+                              "stop", 0, "id_slot", 0, "index", 0);
+        if (call->return_tokens) {
+            json_t *arr = json_array();
+            for (int k = 0; k < ev->n_tokens; k++)
+                json_array_append_new(arr, json_integer(ev->tokens[k]));
+            json_object_set_new(v, "tokens", arr);
+        }
+        sse_send(call, v);
+    }
+}
+
+static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t *content)
+{
+    const struct srv_usage *u = &ev->usage;
+    const char *word =
+        ev->finish == SRV_FINISH_STOP && ev->stop_index >= 0 ? call->req->stop[ev->stop_index] : "";
+    json_t *v = json_pack(
+        "{s:o, s:i, s:i, s:b, s:s, s:i, s:i, s:i, s:b, s:s, s:b, s:b, s:b, s:s, s:o, s:o, "
+        "s:{s:i, s:i, s:i}}",
+        "content", content, "id_slot", 0, "index", 0, "stop", 1, "model", call->a->model_name,
+        "tokens_predicted", u->completion_tokens, "tokens_evaluated", u->prompt_tokens,
+        "tokens_cached", u->cached_tokens, "truncated", 0, "stop_type", llama_stop_type(ev->finish),
+        "stopped_eos", ev->finish == SRV_FINISH_EOG, "stopped_word", ev->finish == SRV_FINISH_STOP,
+        "stopped_limit", ev->finish == SRV_FINISH_LENGTH || ev->finish == SRV_FINISH_CONTEXT,
+        "stopping_word", word, "timings", timings_json(u), "generation_settings",
+        call->settings ? json_incref(call->settings) : json_object(), "kvd", "cached_tokens",
+        u->cached_tokens, "evicted_tokens", u->evicted_tokens, "retained_tokens",
+        u->retained_tokens);
+    if (v && call->return_tokens) {
+        json_t *arr = json_array();
+        for (int k = 0; k < call->n_toks; k++)
+            json_array_append_new(arr, json_integer(call->toks[k]));
+        json_object_set_new(v, "tokens", arr);
+    }
+    return v;
+}
+
+static void on_done(struct call *call, const struct srv_event *ev)
+{
+    if (!call->conn)
+        return;
+    if (call->kind == CALL_SESSION_GET || call->kind == CALL_SESSION_DELETE) {
+        const struct srv_session_info *si = &ev->session;
+        if (!si->found) {
+            api_error(call->conn, 404, "session", "no session '%s'", call->req->session);
+            return;
+        }
+        if (call->kind == CALL_SESSION_DELETE) {
+            respond_json(call->conn, 200,
+                         json_pack("{s:s, s:s, s:b}", "id", call->req->session, "object",
+                                   "session.deleted", "deleted", 1));
+            return;
+        }
+        respond_json(
+            call->conn, 200,
+            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b}", "id", call->req->session,
+                      "object", "session", "tokens", si->history_tokens, "retained_tokens",
+                      si->retained_tokens, "evicted_tokens",
+                      si->history_tokens > si->retained_tokens
+                          ? si->history_tokens - si->retained_tokens
+                          : 0,
+                      "positions", si->renumber ? "renumber" : "preserve", "last_used",
+                      (double)si->last_used_ms / 1000.0, "busy", si->busy, "dropped", si->dropped));
+        return;
+    }
+    if (ev->finish == SRV_FINISH_CANCEL)
+        return;
+    const struct srv_usage *u = &ev->usage;
+    if (call->stream) {
+        stream_start(call);
+        if (call->kind == CALL_OPENAI) {
+            sse_send(call, openai_chunk(call, json_string(""), openai_finish(ev->finish)));
+            if (call->include_usage) {
+                sse_send(call,
+                         json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", call->id, "object",
+                                   "text_completion", "created", (json_int_t)call->created, "model",
+                                   call->a->model_name, "choices", "usage", usage_json(u)));
+            }
+            static const char done[] = "data: [DONE]\n\n";
+            stream_raw(call, done, sizeof(done) - 1);
+        } else {
+            sse_send(call, llama_final(call, ev, json_string("")));
+        }
+        if (call->conn)
+            srv_http_stream_end(call->conn);
+        return;
+    }
+    json_t *text = json_text(call->text ? call->text : "", call->len);
+    if (call->kind == CALL_OPENAI) {
+        json_t *v = openai_chunk(call, text, openai_finish(ev->finish));
+        json_object_set_new(v, "usage", usage_json(u));
+        respond_json(call->conn, 200, v);
+    } else {
+        respond_json(call->conn, 200, llama_final(call, ev, text));
+    }
+}
+
+static void on_error(struct call *call, const struct srv_event *ev)
+{
+    if (!call->conn)
+        return;
+    if (!call->started) {
+        api_error_code(call->conn, ev->status, ev->status == 400 ? "prompt" : NULL,
+                       ev->status == 400 ? "context_length_exceeded" : NULL, NULL, "%s",
+                       ev->message);
+        return;
+    }
+    /* The stream has begun: the error is its last event. */
+    size_t len = 0;
+    char *body = srv_api_error_json(ev->status, ev->message, NULL, &len);
+    if (body)
+        sse_text(call, body, len);
+    free(body);
+    if (call->kind == CALL_OPENAI)
+        stream_raw(call, "data: [DONE]\n\n", 14);
+    if (call->conn)
+        srv_http_stream_end(call->conn);
+}
+
+bool srv_api_pump(srv_api *a, char *err, size_t errlen)
+{
+    bool ok = true;
+    for (struct srv_event *ev = srv_sched_take_events(a->sched), *next; ev; ev = next) {
+        next = ev->next;
+        switch (ev->kind) {
+        case SRV_EV_READY:
+            a->m = srv_sched_model(a->sched);
+            model_get_info(a->m, &a->info);
+            snprintf(a->model_name, sizeof(a->model_name), "%s", a->info.name);
+            a->ready_time = (int64_t)time(NULL);
+            srv_log(SRV_LOG_INFO, "ready: serving model '%s'", a->model_name);
+            break;
+        case SRV_EV_FATAL:
+            snprintf(err, errlen, "%s", ev->message);
+            ok = false;
+            break;
+        case SRV_EV_TEXT:
+            on_text(ev->req->owner, ev);
+            break;
+        case SRV_EV_DONE:
+            on_done(ev->req->owner, ev);
+            call_end(a, ev->req->owner);
+            break;
+        case SRV_EV_ERROR:
+            on_error(ev->req->owner, ev);
+            call_end(a, ev->req->owner);
+            break;
+        }
+        srv_event_free(ev);
+    }
+    return ok;
+}
+
+/* ------------------------------------------------------------------------
+ * Routes
+ * ------------------------------------------------------------------------ */
+
+static json_t *parse_body(srv_conn *c, const struct srv_http_req *req)
+{
+    json_error_t je;
+    json_t *body = json_loadb(req->body, req->body_len, JSON_REJECT_DUPLICATES, &je);
+    if (!body) {
+        if (req->body_len == 0)
+            api_error_code(c, 400, NULL, "invalid_json", NULL,
+                           "the request body is empty; send a JSON object");
+        else if (json_error_code(&je) == json_error_invalid_utf8)
+            api_error_code(c, 400, NULL, "invalid_utf8", NULL,
+                           "the request body is not valid UTF-8 (byte %d)", je.position);
+        else
+            api_error_code(c, 400, NULL, "invalid_json", NULL,
+                           "the request body is not valid JSON: %s (line %d, column %d)", je.text,
+                           je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(body)) {
+        api_error_code(c, 400, NULL, "invalid_json", NULL,
+                       "the request body must be a JSON object, not %s", json_type_name(body));
+        json_decref(body);
+        return NULL;
+    }
+    return body;
+}
+
+static bool not_ready(srv_api *a, srv_conn *c)
+{
+    if (a->draining) {
+        api_error(c, 503, NULL, "the server is shutting down");
+        return true;
+    }
+    if (!a->m) {
+        api_error_code(c, 503, NULL, "loading", "Retry-After: 1\r\n", "the model is loading");
+        return true;
+    }
+    return false;
+}
+
+static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req *req, bool llama)
+{
+    if (not_ready(a, c))
+        return;
+    json_t *body = parse_body(c, req);
+    if (!body)
+        return;
+    struct call *call = call_new(a, c, llama ? CALL_LLAMA : CALL_OPENAI);
+    struct verr e = {0};
+    call->req = llama ? parse_llama(a, body, call, &e) : parse_openai(a, body, call, &e);
+    json_decref(body);
+    if (!call->req) {
+        api_error_code(c, e.status, e.param[0] ? e.param : NULL, e.code, NULL, "%s", e.msg);
+        call_free(call);
+        return;
+    }
+    call_submit(a, call);
+}
+
+static void route_session(srv_api *a, srv_conn *c, const char *id, bool del)
+{
+    if (!session_id_ok(id, (size_t)a->p.max_session_id)) {
+        api_error(c, 400, "session", "bad session id: 1..%d characters of A-Z a-z 0-9 . _ : -",
+                  a->p.max_session_id);
+        return;
+    }
+    if (!a->m) {
+        api_error(c, 503, NULL, "the model is loading");
+        return;
+    }
+    struct call *call = call_new(a, c, del ? CALL_SESSION_DELETE : CALL_SESSION_GET);
+    call->req = srv_req_new(del ? SRV_REQ_SESSION_DELETE : SRV_REQ_SESSION_INFO);
+    call->req->session = strdup(id);
+    if (!call->req->session)
+        abort();
+    call_submit(a, call);
+}
+
+static void route_models(srv_api *a, srv_conn *c)
+{
+    json_t *data = json_array();
+    if (a->m)
+        json_array_append_new(
+            data, json_pack("{s:s, s:s, s:I, s:s, s:{s:s, s:i, s:i, s:i, s:s}}", "id",
+                            a->model_name, "object", "model", "created", (json_int_t)a->ready_time,
+                            "owned_by", "kvd", "meta", "arch", a->info.arch, "n_vocab",
+                            a->info.n_vocab, "n_ctx_train", a->info.n_ctx_train, "n_layer",
+                            a->info.n_layer, "positions", pos_kind_name(a->info.pos)));
+    respond_json(c, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
+}
+
+static void route_health(srv_api *a, srv_conn *c)
+{
+    if (a->draining)
+        api_error_code(c, 503, NULL, "draining", NULL, "the server is shutting down");
+    else if (!a->m)
+        api_error_code(c, 503, NULL, "loading", NULL, "the model is loading");
+    else
+        respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
+}
+
+static void route_metrics(srv_api *a, srv_conn *c)
+{
+    size_t len = 0;
+    char *text = srv_metrics_render(a->metrics, &len);
+    if (!text) {
+        api_error(c, 500, NULL, "out of memory rendering metrics");
+        return;
+    }
+    srv_http_respond(c, 200, "text/plain; version=0.0.4; charset=utf-8", "", text, len);
+    free(text);
+}
+
+/* Constant-time comparison of the bearer token. */
+static bool auth_ok(srv_api *a, const struct srv_http_req *req)
+{
+    if (!a->api_key[0])
+        return true;
+    const char *h = srv_http_header(req, "authorization");
+    if (!h || strncasecmp(h, "Bearer ", 7) != 0)
+        return false;
+    const char *tok = h + 7;
+    while (*tok == ' ')
+        tok++;
+    size_t n = strlen(tok), m = strlen(a->api_key);
+    unsigned diff = (unsigned)(n ^ m);
+    for (size_t i = 0; i < m; i++)
+        diff |=
+            (unsigned)(unsigned char)a->api_key[i] ^ (unsigned)(unsigned char)(i < n ? tok[i] : 0);
+    return diff == 0;
+}
+
+void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
+{
+    srv_api *a = ud;
+    const char *path = req->path;
+    const char *m = req->method;
+    bool get = !strcmp(m, "GET"), post = !strcmp(m, "POST"), del = !strcmp(m, "DELETE");
+
+    enum { R_NONE, R_HEALTH, R_METRICS, R_OPENAI, R_LLAMA, R_MODELS, R_SESSION } r = R_NONE;
+    const char *allow = NULL;
+    const char *sess = NULL;
+    if (!strcmp(path, "/health")) {
+        r = R_HEALTH;
+        allow = "GET";
+    } else if (!strcmp(path, "/metrics")) {
+        r = R_METRICS;
+        allow = "GET";
+    } else if (!strcmp(path, "/v1/completions") || !strcmp(path, "/completions")) {
+        r = R_OPENAI;
+        allow = "POST";
+    } else if (!strcmp(path, "/completion")) {
+        r = R_LLAMA;
+        allow = "POST";
+    } else if (!strcmp(path, "/v1/models") || !strcmp(path, "/models")) {
+        r = R_MODELS;
+        allow = "GET";
+    } else if (!strncmp(path, "/v1/sessions/", 13) && path[13]) {
+        r = R_SESSION;
+        allow = "GET, DELETE";
+        sess = path + 13;
+    }
+    if (r == R_NONE) {
+        api_error(c, 404, NULL, "no route for %s %s", m, path);
+        return;
+    }
+    bool allowed = r == R_OPENAI || r == R_LLAMA ? post : r == R_SESSION ? get || del : get;
+    if (!allowed) {
+        char hdr[64];
+        snprintf(hdr, sizeof(hdr), "Allow: %s\r\n", allow);
+        api_error_code(c, 405, NULL, NULL, hdr, "%s is not allowed on %s; use %s", m, path, allow);
+        return;
+    }
+    /* /health and /metrics stay open for probes and scrapers. */
+    if (r != R_HEALTH && r != R_METRICS && !auth_ok(a, req)) {
+        api_error_code(c, 401, NULL, NULL, "WWW-Authenticate: Bearer\r\n",
+                       "a valid API key is required: send 'Authorization: Bearer KEY'");
+        return;
+    }
+    switch (r) {
+    case R_HEALTH:
+        route_health(a, c);
+        break;
+    case R_METRICS:
+        route_metrics(a, c);
+        break;
+    case R_OPENAI:
+        route_completion(a, c, req, false);
+        break;
+    case R_LLAMA:
+        route_completion(a, c, req, true);
+        break;
+    case R_MODELS:
+        route_models(a, c);
+        break;
+    case R_SESSION:
+        route_session(a, c, sess, del);
+        break;
+    case R_NONE:
+        break;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Lifecycle
+ * ------------------------------------------------------------------------ */
+
+srv_api *srv_api_create(srv_sched *sched, srv_metrics *metrics, const struct srv_api_params *p)
+{
+    srv_api *a = calloc(1, sizeof(*a));
+    if (!a)
+        return NULL;
+    a->sched = sched;
+    a->metrics = metrics;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    a->seed_state = (uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec;
+    srv_api_set_params(a, p);
+    return a;
+}
+
+void srv_api_set_params(srv_api *a, const struct srv_api_params *p)
+{
+    a->p = *p;
+    snprintf(a->api_key, sizeof(a->api_key), "%s", p->api_key ? p->api_key : "");
+    a->p.api_key = NULL;
+    if (a->p.max_session_id <= 0)
+        a->p.max_session_id = 128;
+}
+
+void srv_api_destroy(srv_api *a)
+{
+    if (!a)
+        return;
+    while (a->calls) {
+        struct call *call = a->calls;
+        a->calls = call->next;
+        call_free(call);
+    }
+    free(a);
+}
+
+void srv_api_set_draining(srv_api *a, bool draining)
+{
+    a->draining = draining;
+}
+
+int srv_api_in_flight(const srv_api *a)
+{
+    return a->in_flight;
+}
+
+void srv_api_abort_all(srv_api *a)
+{
+    for (struct call *call = a->calls; call; call = call->next)
+        if (call->req) {
+            int expected = 0;
+            atomic_compare_exchange_strong(&call->req->cancel, &expected, SRV_CANCEL_ABORT);
+        }
+}

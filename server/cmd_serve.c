@@ -1,0 +1,363 @@
+/*
+ * cmd_serve.c - `kvd serve`: the daemon's command line and configuration.
+ *
+ * The configuration is built as config/ builds it everywhere: defaults <
+ * the file (--config) < command-line overrides (--set section.key=value,
+ * --model FILE, --listen ADDR:PORT), every error reported at once. This
+ * file then maps the operator's struct cfg onto the params of each server
+ * module and hands them to srv_serve_run. On SIGHUP the same sequence runs
+ * again on the same file and overrides; cfg_reload decides which changes
+ * apply live and which wait for a restart.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config/config.h"
+#include "server/server.h"
+#include "server/server_internal.h"
+
+#define MAX_SETS 256
+
+/* What SIGHUP needs to rebuild the config (loop thread only). */
+struct serve_state {
+    struct cfg running; /* the config being served */
+    struct cfg pending; /* a reload that passed, not yet committed */
+    const char *sets[MAX_SETS + 2];
+    int n_sets;
+    char api_key[CFG_KEY_MAX + CFG_PATH_MAX];
+};
+
+static void serve_usage(FILE *f)
+{
+    fprintf(f, "usage: kvd serve [--config FILE] [--model FILE] [--listen ADDR:PORT]\n"
+               "                 [--set SECTION.KEY=VALUE ...]\n"
+               "  --config FILE      the config file (see config/kvd.conf; reloaded on SIGHUP)\n"
+               "  --model FILE       GGUF model to serve (model.path)\n"
+               "  --listen ADDR:PORT address to accept HTTP on (server.listen; port 0 = any free\n"
+               "                     port, printed at start)\n"
+               "  --set S.K=V        override one config key, e.g. --set limits.max_running=16\n"
+               "Precedence: defaults < config file < command line. SIGTERM/SIGINT drain and\n"
+               "exit; SIGHUP reloads the config file.\n");
+}
+
+static void report_errors(const struct cfg_errors *errs)
+{
+    for (int i = 0; i < errs->count; i++) {
+        char line[1024];
+        cfg_error_format(&errs->list[i], line, sizeof(line));
+        srv_log(SRV_LOG_ERROR, "config: %s", line);
+    }
+    if (errs->dropped)
+        srv_log(SRV_LOG_ERROR, "config: ... and %d more errors", errs->dropped);
+}
+
+static void print_errors(const struct cfg_errors *errs)
+{
+    for (int i = 0; i < errs->count; i++) {
+        char line[1024];
+        cfg_error_format(&errs->list[i], line, sizeof(line));
+        fprintf(stderr, "kvd serve: %s\n", line);
+    }
+    if (errs->dropped)
+        fprintf(stderr, "kvd serve: ... and %d more errors\n", errs->dropped);
+}
+
+/* "HOST:PORT" or "[V6]:PORT". Returns 0 or -1. */
+static int split_listen(const char *s, char *host, size_t hostlen, int *port)
+{
+    const char *colon;
+    const char *h = s;
+    size_t hl;
+    if (s[0] == '[') {
+        const char *end = strchr(s, ']');
+        if (!end || end[1] != ':')
+            return -1;
+        h = s + 1;
+        hl = (size_t)(end - h);
+        colon = end + 1;
+    } else {
+        colon = strrchr(s, ':');
+        if (!colon)
+            return -1;
+        hl = (size_t)(colon - s);
+    }
+    if (hl == 0 || hl >= hostlen)
+        return -1;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    long p;
+    if (srv_parse_long(colon + 1, 0, 65535, &p))
+        return -1;
+    *port = (int)p;
+    return 0;
+}
+
+static enum kv_type map_kv_type(enum cfg_kv_type t)
+{
+    switch (t) {
+    case CFG_KV_F32:
+        return KV_F32;
+    case CFG_KV_BF16:
+        return KV_BF16;
+    default:
+        return KV_F16;
+    }
+}
+
+static enum kv_policy_kind map_policy(enum cfg_policy p)
+{
+    switch (p) {
+    case CFG_EVICT_NONE:
+        return KV_EVICT_NONE;
+    case CFG_EVICT_H2O:
+        return KV_EVICT_H2O;
+    default:
+        return KV_EVICT_SINK_WINDOW;
+    }
+}
+
+/* The API key: inline, or the first line of api_key_file. Returns 0, or
+ * -1 with the reason in err. */
+static int read_api_key(const struct cfg *c, char *out, size_t outlen, char *err, size_t errlen)
+{
+    out[0] = '\0';
+    if (c->auth.api_key[0]) {
+        snprintf(out, outlen, "%s", c->auth.api_key);
+        return 0;
+    }
+    if (!c->auth.api_key_file[0])
+        return 0;
+    FILE *f = fopen(c->auth.api_key_file, "r");
+    if (!f) {
+        snprintf(err, errlen, "[auth] api_key_file %s: %s", c->auth.api_key_file, strerror(errno));
+        return -1;
+    }
+    char line[CFG_KEY_MAX + 2] = "";
+    if (!fgets(line, sizeof(line), f))
+        line[0] = '\0';
+    fclose(f);
+    line[strcspn(line, "\r\n")] = '\0';
+    if (!line[0]) {
+        snprintf(err, errlen, "[auth] api_key_file %s: the first line is empty",
+                 c->auth.api_key_file);
+        return -1;
+    }
+    snprintf(out, outlen, "%s", line);
+    return 0;
+}
+
+/* Map the operator config onto the server's params. Returns 0, or -1 with
+ * the reason in err. */
+static int map_config(const struct cfg *c, struct serve_state *st, struct srv_serve_config *o,
+                      char *err, size_t errlen)
+{
+    if (split_listen(c->server.listen, o->host, sizeof(o->host), &o->port)) {
+        snprintf(err, errlen, "[server] listen = %s: expected HOST:PORT or [IPV6]:PORT",
+                 c->server.listen);
+        return -1;
+    }
+    o->drain_timeout_ms = c->server.drain_timeout_ms;
+    o->http = (struct srv_http_params){
+        .max_header_bytes = c->limits.max_header_bytes,
+        .max_headers = (int)c->limits.max_headers,
+        .max_body_bytes = c->limits.max_body_bytes,
+        .header_timeout_ms = c->limits.header_timeout_ms,
+        .idle_timeout_ms = c->limits.idle_timeout_ms,
+        .max_connections = (int)c->server.max_connections,
+        .max_write_queue = 64u << 20,
+    };
+    struct kv_policy pol = {
+        .kind = map_policy(c->eviction.policy),
+        .max_cache_tokens = (int)c->eviction.max_cache_tokens,
+        .sink_tokens = (int)c->eviction.sink_tokens,
+        .window_tokens = (int)cfg_window_tokens(c),
+        .heavy_tokens = c->eviction.policy == CFG_EVICT_H2O ? (int)c->eviction.heavy_tokens : 0,
+        .renumber = c->eviction.positions == CFG_POS_RENUMBER,
+    };
+    if (c->eviction.window_tokens == 0 && pol.kind != KV_EVICT_NONE) {
+        /* "Fill the budget", as the cache counts it: sink-window keeps
+         * whole sink pages, and eviction needs one page it can free. */
+        int page = (int)c->cache.page_tokens;
+        int sinks = pol.kind == KV_EVICT_SINK_WINDOW ? (pol.sink_tokens + page - 1) / page * page
+                                                     : pol.sink_tokens + pol.heavy_tokens;
+        pol.window_tokens = pol.max_cache_tokens - sinks - page;
+        if (pol.window_tokens < 1)
+            pol.window_tokens = 1;
+    }
+    if (read_api_key(c, st->api_key, sizeof(st->api_key), err, errlen))
+        return -1;
+    o->api = (struct srv_api_params){
+        .max_prompt_tokens = (int)c->limits.max_prompt_tokens,
+        .max_tokens = (int)c->limits.max_tokens,
+        .default_max_tokens = (int)c->limits.max_tokens,
+        .api_key = st->api_key,
+        .policy = pol,
+        .max_session_id = 128,
+    };
+    o->sched.model = (struct model_params){
+        .path = c->model.path,
+        .alibi_max_bias = (float)c->model.alibi_max_bias,
+        .t5_num_buckets = (int)c->model.t5_num_buckets,
+        .t5_max_distance = (int)c->model.t5_max_distance,
+    };
+    o->sched.cache_memory = c->cache.memory;
+    o->sched.page_tokens = (int)c->cache.page_tokens;
+    o->sched.kv_type = map_kv_type(c->cache.kv_type);
+    o->sched.mlock = c->cache.mlock;
+    o->sched.n_threads = (int)c->server.threads;
+    o->sched.limits = (struct srv_sched_limits){
+        .policy = pol,
+        .max_running = (int)c->limits.max_running,
+        .step_tokens = (int)c->limits.step_tokens,
+        .queue_length = (int)c->limits.queue_length,
+        .session_idle_ms = c->eviction.session_idle_timeout_ms,
+        .max_sessions = (int)c->eviction.max_sessions,
+    };
+    return 0;
+}
+
+static void apply_log(const struct cfg *c)
+{
+    static const enum srv_log_level lv[] = {SRV_LOG_DEBUG, SRV_LOG_INFO, SRV_LOG_WARN,
+                                            SRV_LOG_ERROR};
+    srv_log_setup(lv[c->log.level], c->log.format == CFG_LOG_JSON);
+}
+
+/* SIGHUP: the file again, the same overrides, then cfg_reload's merge. */
+static int serve_reload(const char *path, struct srv_serve_config *out, void *ud)
+{
+    struct serve_state *st = ud;
+    struct cfg_errors *errs = malloc(sizeof(*errs));
+    struct cfg *loaded = malloc(sizeof(*loaded));
+    int rc = -1;
+    if (!errs || !loaded) {
+        srv_log(SRV_LOG_ERROR, "config: out of memory");
+        goto out;
+    }
+    cfg_errors_init(errs);
+    if (cfg_load(loaded, path, st->sets, st->n_sets, errs) != 0) {
+        report_errors(errs);
+        goto out;
+    }
+    struct cfg_diff diff;
+    if (cfg_reload(&st->running, loaded, &st->pending, &diff, errs) != 0) {
+        report_errors(errs);
+        goto out;
+    }
+    for (int i = 0; i < diff.n_restart; i++)
+        srv_log(SRV_LOG_WARN, "config: %s.%s changed: ignored until restart",
+                cfg_key_section(diff.restart[i]), cfg_key_name(diff.restart[i]));
+    for (int i = 0; i < diff.n_live; i++) {
+        char v[256];
+        cfg_format_value(&st->pending, diff.live[i], v, sizeof(v));
+        srv_log(SRV_LOG_INFO, "config: %s.%s = %s", cfg_key_section(diff.live[i]),
+                cfg_key_name(diff.live[i]), diff.live[i] == CFG_AUTH_API_KEY ? "(set)" : v);
+    }
+    char err[2048];
+    /* the new key, if any, goes to a staging buffer until committed */
+    static char staged_key[sizeof(st->api_key)];
+    struct serve_state tmp;
+    if (map_config(&st->pending, &tmp, out, err, sizeof(err)) != 0) {
+        srv_log(SRV_LOG_ERROR, "config: %s", err);
+        goto out;
+    }
+    snprintf(staged_key, sizeof(staged_key), "%s", tmp.api_key);
+    out->api.api_key = staged_key; /* copied by srv_api_set_params */
+    /* Restart-only values stay as running (cfg_reload kept them). */
+    rc = 0;
+out:
+    free(errs);
+    free(loaded);
+    return rc;
+}
+
+static void serve_commit(void *ud, bool applied)
+{
+    struct serve_state *st = ud;
+    if (applied) {
+        st->running = st->pending;
+        apply_log(&st->running);
+    }
+}
+
+int srv_cmd_serve(int argc, char **argv)
+{
+    const char *config = NULL;
+    struct serve_state *st = calloc(1, sizeof(*st));
+    struct cfg_errors *errs = malloc(sizeof(*errs));
+    struct srv_serve_config *sc = calloc(1, sizeof(*sc));
+    static char model_set[CFG_PATH_MAX + 16], listen_set[CFG_ADDR_MAX + 16];
+    int status = 2;
+    if (!st || !errs || !sc) {
+        fprintf(stderr, "kvd serve: out of memory\n");
+        goto out;
+    }
+    bool bad = false;
+    const char *model_path = NULL, *listen = NULL;
+    for (int i = 1; i < argc && !bad;) {
+        const char *v = NULL;
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            serve_usage(stdout);
+            status = 0;
+            goto out;
+        } else if (srv_opt_value(argc, argv, &i, "serve", "--config", &config, &bad) ||
+                   srv_opt_value(argc, argv, &i, "serve", "--model", &model_path, &bad) ||
+                   srv_opt_value(argc, argv, &i, "serve", "--listen", &listen, &bad)) {
+            continue;
+        } else if (srv_opt_value(argc, argv, &i, "serve", "--set", &v, &bad)) {
+            if (v && st->n_sets >= MAX_SETS) {
+                fprintf(stderr, "kvd serve: too many --set options (at most %d)\n", MAX_SETS);
+                bad = true;
+            } else if (v) {
+                st->sets[st->n_sets++] = v;
+            }
+        } else {
+            fprintf(stderr, "kvd serve: unknown option '%s'\n", argv[i]);
+            bad = true;
+        }
+    }
+    if (bad) {
+        serve_usage(stderr);
+        goto out;
+    }
+    if (model_path) {
+        snprintf(model_set, sizeof(model_set), "model.path=%s", model_path);
+        st->sets[st->n_sets++] = model_set;
+    }
+    if (listen) {
+        snprintf(listen_set, sizeof(listen_set), "server.listen=%s", listen);
+        st->sets[st->n_sets++] = listen_set;
+    }
+
+    cfg_errors_init(errs);
+    if (cfg_load(&st->running, config, st->sets, st->n_sets, errs) != 0) {
+        print_errors(errs);
+        goto out;
+    }
+    apply_log(&st->running);
+    char err[2048];
+    if (map_config(&st->running, st, sc, err, sizeof(err)) != 0) {
+        fprintf(stderr, "kvd serve: %s\n", err);
+        goto out;
+    }
+    if (access(st->running.model.path, R_OK) != 0) {
+        fprintf(stderr, "kvd serve: model %s: %s%s\n", st->running.model.path, strerror(errno),
+                errno == ENOENT ? " (make one with `kvd mkmodel`, or pass --model FILE)" : "");
+        goto out;
+    }
+    sc->sched.max_step_tokens = sc->sched.limits.step_tokens;
+    if (config)
+        snprintf(sc->config_path, sizeof(sc->config_path), "%s", config);
+    sc->reload = serve_reload;
+    sc->reload_commit = serve_commit;
+    sc->reload_ud = st;
+    status = srv_serve_run(sc);
+out:
+    free(st);
+    free(errs);
+    free(sc);
+    return status;
+}

@@ -1,0 +1,258 @@
+/*
+ * metrics.c - the daemon's counters, gauges and histograms, rendered as
+ * Prometheus text for GET /metrics.
+ *
+ * Both threads record here: the loop thread counts responses by status,
+ * the engine thread observes latencies, batch sizes and its gauges after
+ * every step. One mutex guards everything; it is never held while taking
+ * another lock and never across I/O. Histograms have fixed buckets
+ * (cumulative counts are computed when rendering), so an observation is a
+ * few comparisons and additions.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server_internal.h"
+
+#define MAX_BUCKETS 16
+#define MAX_STATUS 600
+
+struct hist_def {
+    const char *name;
+    const char *help;
+    int n;                  /* finite buckets */
+    double le[MAX_BUCKETS]; /* upper bounds, increasing */
+};
+
+static const struct hist_def hist_defs[SRV_HIST_COUNT] = {
+    [SRV_HIST_TTFT] = {"kvd_time_to_first_token_seconds",
+                       "Seconds from a request's arrival to its first generated token.",
+                       14,
+                       {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                        30}},
+    [SRV_HIST_ITL] = {"kvd_inter_token_latency_seconds",
+                      "Seconds between consecutive generated tokens of a request.",
+                      13,
+                      {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}},
+    [SRV_HIST_BATCH_SEQS] = {"kvd_batch_sequences",
+                             "Sequences in one engine step (one forward pass).",
+                             9,
+                             {1, 2, 4, 8, 16, 32, 64, 128, 256}},
+    [SRV_HIST_BATCH_TOKENS] = {"kvd_batch_tokens",
+                               "Tokens in one engine step (decode tokens plus prefill chunks).",
+                               13,
+                               {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}},
+};
+
+struct hist {
+    uint64_t counts[MAX_BUCKETS + 1]; /* per bucket, last = +Inf */
+    uint64_t count;
+    double sum;
+    double max;
+};
+
+struct srv_metrics {
+    pthread_mutex_t mu;
+    uint64_t status[MAX_STATUS];
+    uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled;
+    struct hist hist[SRV_HIST_COUNT];
+    struct srv_engine_gauges g;
+    uint64_t config_generation;
+    bool config_last_ok;
+    int64_t config_last_time;
+};
+
+srv_metrics *srv_metrics_create(void)
+{
+    srv_metrics *m = calloc(1, sizeof(*m));
+    if (!m) {
+        fprintf(stderr, "kvd: out of memory (%zu bytes)\n", sizeof(*m));
+        abort();
+    }
+    pthread_mutex_init(&m->mu, NULL);
+    m->config_generation = 1;
+    m->config_last_ok = true;
+    return m;
+}
+
+void srv_metrics_destroy(srv_metrics *m)
+{
+    if (!m)
+        return;
+    pthread_mutex_destroy(&m->mu);
+    free(m);
+}
+
+void srv_metrics_status(srv_metrics *m, int status)
+{
+    if (status < 100 || status >= MAX_STATUS)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->status[status]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_tokens(srv_metrics *m, uint64_t prompt, uint64_t cached, uint64_t generated)
+{
+    pthread_mutex_lock(&m->mu);
+    m->prompt_tokens += prompt;
+    m->cached_tokens += cached;
+    m->generated_tokens += generated;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_cancelled(srv_metrics *m)
+{
+    pthread_mutex_lock(&m->mu);
+    m->cancelled++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_observe(srv_metrics *m, enum srv_hist h, double value)
+{
+    const struct hist_def *d = &hist_defs[h];
+    int b = 0;
+    while (b < d->n && value > d->le[b])
+        b++;
+    pthread_mutex_lock(&m->mu);
+    struct hist *x = &m->hist[h];
+    x->counts[b]++;
+    x->count++;
+    x->sum += value;
+    if (value > x->max)
+        x->max = value;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_engine(srv_metrics *m, const struct srv_engine_gauges *g)
+{
+    pthread_mutex_lock(&m->mu);
+    m->g = *g;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_config(srv_metrics *m, uint64_t generation, bool last_ok, int64_t when_unix_s)
+{
+    pthread_mutex_lock(&m->mu);
+    m->config_generation = generation;
+    m->config_last_ok = last_ok;
+    m->config_last_time = when_unix_s;
+    pthread_mutex_unlock(&m->mu);
+}
+
+/* A growing text buffer; on allocation failure it stops growing and
+ * remembers the failure. */
+struct tbuf {
+    char *p;
+    size_t len, cap;
+    bool failed;
+};
+
+__attribute__((format(printf, 2, 3))) static void tb_printf(struct tbuf *b, const char *fmt, ...)
+{
+    if (b->failed)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->failed = true;
+            return;
+        }
+        if (b->p && b->len + (size_t)n < b->cap) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t cap = b->cap ? b->cap * 2 : 8192;
+        while (cap < b->len + (size_t)n + 1)
+            cap *= 2;
+        char *q = realloc(b->p, cap);
+        if (!q) {
+            b->failed = true;
+            return;
+        }
+        b->p = q;
+        b->cap = cap;
+    }
+}
+
+static void render_counter(struct tbuf *b, const char *name, const char *help, uint64_t v)
+{
+    tb_printf(b, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
+              (unsigned long long)v);
+}
+
+static void render_gauge(struct tbuf *b, const char *name, const char *help, double v)
+{
+    tb_printf(b, "# HELP %s %s\n# TYPE %s gauge\n%s %.17g\n", name, help, name, name, v);
+}
+
+char *srv_metrics_render(srv_metrics *m, size_t *len)
+{
+    /* Copy under the lock, format outside it. */
+    srv_metrics c;
+    pthread_mutex_lock(&m->mu);
+    memcpy(&c, m, sizeof(c));
+    pthread_mutex_unlock(&m->mu);
+
+    struct tbuf b = {0};
+    tb_printf(&b, "# HELP kvd_http_requests_total HTTP responses sent, by status code.\n"
+                  "# TYPE kvd_http_requests_total counter\n");
+    for (int s = 100; s < MAX_STATUS; s++)
+        if (c.status[s])
+            tb_printf(&b, "kvd_http_requests_total{code=\"%d\"} %llu\n", s,
+                      (unsigned long long)c.status[s]);
+    render_counter(&b, "kvd_prompt_tokens_total",
+                   "Prompt tokens prefilled (run through the model).", c.prompt_tokens);
+    render_counter(&b, "kvd_prompt_tokens_cached_total",
+                   "Prompt tokens found in a session's cache (not prefilled).", c.cached_tokens);
+    render_counter(&b, "kvd_generated_tokens_total", "Tokens generated.", c.generated_tokens);
+    render_counter(&b, "kvd_requests_cancelled_total",
+                   "Requests whose client disconnected before the end.", c.cancelled);
+    for (int h = 0; h < SRV_HIST_COUNT; h++) {
+        const struct hist_def *d = &hist_defs[h];
+        const struct hist *x = &c.hist[h];
+        tb_printf(&b, "# HELP %s %s\n# TYPE %s histogram\n", d->name, d->help, d->name);
+        uint64_t cum = 0;
+        for (int i = 0; i < d->n; i++) {
+            cum += x->counts[i];
+            tb_printf(&b, "%s_bucket{le=\"%g\"} %llu\n", d->name, d->le[i],
+                      (unsigned long long)cum);
+        }
+        cum += x->counts[d->n];
+        tb_printf(&b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.9g\n%s_count %llu\n", d->name,
+                  (unsigned long long)cum, d->name, x->sum, d->name, (unsigned long long)x->count);
+    }
+    render_gauge(&b, "kvd_batch_sequences_max", "Most sequences seen in one engine step.",
+                 c.hist[SRV_HIST_BATCH_SEQS].max);
+    render_gauge(&b, "kvd_queue_depth", "Requests waiting for admission.", c.g.queue_depth);
+    render_gauge(&b, "kvd_running_sequences", "Sequences being prefilled or decoded.", c.g.running);
+    render_gauge(&b, "kvd_sessions", "Live sessions.", c.g.sessions);
+    render_gauge(&b, "kvd_kv_pages_total", "KV cache pages in the pool.", c.g.kv_pages_total);
+    render_gauge(&b, "kvd_kv_pages_used", "KV cache pages holding tokens.", c.g.kv_pages_used);
+    render_gauge(&b, "kvd_kv_pages_free", "KV cache pages free.", c.g.kv_pages_free);
+    render_counter(&b, "kvd_kv_evictions_total", "Eviction steps that removed tokens.",
+                   c.g.evictions);
+    render_counter(&b, "kvd_kv_evicted_tokens_total", "Tokens removed from caches by eviction.",
+                   c.g.tokens_evicted);
+    render_counter(&b, "kvd_sessions_dropped_total",
+                   "Idle sessions dropped whole because the pool was short.", c.g.sessions_dropped);
+    render_gauge(&b, "kvd_config_generation",
+                 "Config generation: 1 at start, +1 for each successful reload.",
+                 (double)c.config_generation);
+    render_gauge(&b, "kvd_config_last_reload_success",
+                 "1 if the last reload succeeded (or none happened), else 0.",
+                 c.config_last_ok ? 1 : 0);
+    render_gauge(&b, "kvd_config_last_reload_timestamp_seconds",
+                 "Unix time of the last reload attempt (0 = none).", (double)c.config_last_time);
+    if (b.failed) {
+        free(b.p);
+        return NULL;
+    }
+    *len = b.len;
+    return b.p;
+}

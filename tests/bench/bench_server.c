@@ -1,0 +1,382 @@
+/*
+ * bench_server.c - the daemon under load: requests per second for 16-token
+ * completions at concurrency 1, 4 and 16, time to first token and
+ * inter-token latency (p50, p99), through /v1/completions and llama.cpp's
+ * /completion.
+ *
+ * The server is the real `kvd serve` code (srv_cmd_serve, linked in) run in
+ * a forked child on a free loopback port, serving mkmodel's default model
+ * (the one `make run` serves) from a temporary directory. Clients are
+ * threads with one keep-alive connection each, sending streamed requests
+ * with ignore_eos so every request yields exactly 16 tokens; latencies are
+ * measured at the client from the SSE events as they arrive. Ratios printed
+ * at the end compare rows of this same run.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "model/mkmodel.h"
+#include "server/server.h"
+
+#define TOKENS 16
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* --- a minimal keep-alive client for chunked SSE answers ------------------ */
+
+struct conn {
+    int fd;
+    char buf[1 << 16];
+    size_t len, off;
+    double t_recv; /* when the last bytes arrived */
+};
+
+static int conn_open(struct conn *c, int port)
+{
+    c->len = c->off = 0;
+    c->fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct timeval tv = {60, 0};
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    int one = 1;
+    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    return connect(c->fd, (struct sockaddr *)&a, sizeof(a));
+}
+
+static int conn_line(struct conn *c, char *out, size_t cap)
+{
+    for (;;) {
+        char *nl = memmem(c->buf + c->off, c->len - c->off, "\r\n", 2);
+        if (nl) {
+            size_t n = (size_t)(nl - (c->buf + c->off));
+            if (n >= cap)
+                n = cap - 1;
+            memcpy(out, c->buf + c->off, n);
+            out[n] = '\0';
+            c->off = (size_t)(nl - c->buf) + 2;
+            return 0;
+        }
+        if (c->off > 0) {
+            memmove(c->buf, c->buf + c->off, c->len - c->off);
+            c->len -= c->off;
+            c->off = 0;
+        }
+        ssize_t r = recv(c->fd, c->buf + c->len, sizeof(c->buf) - c->len, 0);
+        if (r <= 0)
+            return -1;
+        c->t_recv = now_s();
+        c->len += (size_t)r;
+    }
+}
+
+static int conn_skip(struct conn *c, size_t n)
+{
+    while (c->len - c->off < n) {
+        n -= c->len - c->off;
+        c->off = c->len = 0;
+        ssize_t r = recv(c->fd, c->buf, sizeof(c->buf), 0);
+        if (r <= 0)
+            return -1;
+        c->t_recv = now_s();
+        c->len = (size_t)r;
+    }
+    c->off += n;
+    return 0;
+}
+
+/* One streamed request; fills the arrival time of each event. Returns the
+ * number of content events, or -1. */
+static int stream_request(struct conn *c, const char *path, const char *body, double *t_send,
+                          double *t_ev, int max_ev)
+{
+    char head[512];
+    int n = snprintf(head, sizeof(head),
+                     "POST %s HTTP/1.1\r\nHost: bench\r\nContent-Length: %zu\r\n\r\n", path,
+                     strlen(body));
+    *t_send = now_s();
+    if (send(c->fd, head, (size_t)n, MSG_NOSIGNAL) != n ||
+        send(c->fd, body, strlen(body), MSG_NOSIGNAL) != (ssize_t)strlen(body))
+        return -1;
+    char line[1024];
+    if (conn_line(c, line, sizeof(line)) || !strstr(line, " 200 "))
+        return -1;
+    while (line[0])
+        if (conn_line(c, line, sizeof(line)))
+            return -1;
+    int k = 0;
+    for (;;) {
+        if (conn_line(c, line, sizeof(line)))
+            return -1;
+        size_t sz = strtoul(line, NULL, 16);
+        if (sz == 0) {
+            conn_line(c, line, sizeof(line));
+            return k;
+        }
+        /* one chunk = one SSE event; the final ones carry no text */
+        bool text = false;
+        size_t avail = c->len - c->off;
+        const char *p = c->buf + c->off;
+        if (avail >= sz)
+            text = (memmem(p, sz, "\"text\":\"", 8) && !memmem(p, sz, "\"text\":\"\"", 9)) ||
+                   (memmem(p, sz, "\"content\":\"", 11) && !memmem(p, sz, "\"content\":\"\"", 12));
+        if (conn_skip(c, sz + 2))
+            return -1;
+        double t = c->t_recv; /* the event's last byte came with this read */
+        if (text && k < max_ev)
+            t_ev[k++] = t;
+    }
+}
+
+/* --- load ------------------------------------------------------------------ */
+
+struct worker {
+    int port;
+    const char *path;
+    bool llama;
+    int id, n_req;
+    double *ttft, *itl; /* [n_req], [n_req * TOKENS] */
+    int n_ttft, n_itl;
+    int failed;
+};
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    struct conn *c = malloc(sizeof(*c));
+    if (conn_open(c, w->port) != 0) {
+        w->failed = w->n_req;
+        free(c);
+        return NULL;
+    }
+    for (int i = 0; i < w->n_req; i++) {
+        char body[512];
+        if (w->llama)
+            snprintf(body, sizeof(body),
+                     "{\"prompt\":\"Client %d request %d: once upon a time there was\","
+                     "\"n_predict\":%d,\"temperature\":0,\"ignore_eos\":true,\"stream\":true}",
+                     w->id, i, TOKENS);
+        else
+            snprintf(body, sizeof(body),
+                     "{\"prompt\":\"Client %d request %d: once upon a time there was\","
+                     "\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true,\"stream\":true}",
+                     w->id, i, TOKENS);
+        double t0, t[TOKENS + 8];
+        int k = stream_request(c, w->path, body, &t0, t, TOKENS + 8);
+        if (k <= 0) {
+            w->failed++;
+            continue;
+        }
+        w->ttft[w->n_ttft++] = t[0] - t0;
+        for (int j = 1; j < k; j++)
+            w->itl[w->n_itl++] = t[j] - t[j - 1];
+    }
+    close(c->fd);
+    free(c);
+    return NULL;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(double *v, int n, double p)
+{
+    if (n == 0)
+        return 0;
+    qsort(v, (size_t)n, sizeof(double), cmp_d);
+    int i = (int)(p * (n - 1) + 0.5);
+    return v[i];
+}
+
+struct row {
+    double rps, tps, ttft50, ttft99, itl50, itl99;
+    int failed;
+};
+
+static struct row run_level(int port, const char *path, bool llama, int conc, int per_client)
+{
+    struct worker w[16];
+    pthread_t th[16];
+    double t0 = now_s();
+    for (int i = 0; i < conc; i++) {
+        w[i] = (struct worker){
+            .port = port, .path = path, .llama = llama, .id = i, .n_req = per_client};
+        w[i].ttft = calloc((size_t)per_client, sizeof(double));
+        w[i].itl = calloc((size_t)per_client * (TOKENS + 8), sizeof(double));
+        pthread_create(&th[i], NULL, worker_main, &w[i]);
+    }
+    for (int i = 0; i < conc; i++)
+        pthread_join(th[i], NULL);
+    double wall = now_s() - t0;
+    int total = conc * per_client, failed = 0, nt = 0, ni = 0;
+    double *ttft = calloc((size_t)total, sizeof(double));
+    double *itl = calloc((size_t)total * (TOKENS + 8), sizeof(double));
+    for (int i = 0; i < conc; i++) {
+        failed += w[i].failed;
+        memcpy(ttft + nt, w[i].ttft, sizeof(double) * (size_t)w[i].n_ttft);
+        nt += w[i].n_ttft;
+        memcpy(itl + ni, w[i].itl, sizeof(double) * (size_t)w[i].n_itl);
+        ni += w[i].n_itl;
+        free(w[i].ttft);
+        free(w[i].itl);
+    }
+    struct row r = {
+        .rps = (total - failed) / wall,
+        .tps = (double)(total - failed) * TOKENS / wall,
+        .ttft50 = pct(ttft, nt, 0.50) * 1e3,
+        .ttft99 = pct(ttft, nt, 0.99) * 1e3,
+        .itl50 = pct(itl, ni, 0.50) * 1e3,
+        .itl99 = pct(itl, ni, 0.99) * 1e3,
+        .failed = failed,
+    };
+    free(ttft);
+    free(itl);
+    return r;
+}
+
+/* --- the server ---------------------------------------------------------------- */
+
+static pid_t start_server(const char *model_path, int *port)
+{
+    int out[2];
+    if (pipe(out) != 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(out[1], 1);
+        close(out[0]);
+        char *argv[] = {"serve",
+                        "--model",
+                        (char *)model_path,
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--set",
+                        "limits.max_running=16",
+                        "--set",
+                        "limits.step_tokens=512",
+                        "--set",
+                        "cache.memory=256MiB",
+                        "--set",
+                        "log.level=warn",
+                        NULL};
+        _exit(srv_cmd_serve(13, argv));
+    }
+    close(out[1]);
+    char line[256];
+    size_t n = 0;
+    while (n < sizeof(line) - 1) {
+        struct pollfd pfd = {out[0], POLLIN, 0};
+        if (poll(&pfd, 1, 30000) <= 0 || read(out[0], line + n, 1) != 1)
+            break;
+        if (line[n] == '\n')
+            break;
+        n++;
+    }
+    line[n] = '\0';
+    close(out[0]);
+    const char *p = strstr(line, "127.0.0.1:");
+    if (!p) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return -1;
+    }
+    *port = atoi(p + 10);
+    /* wait for the model */
+    for (int i = 0; i < 3000; i++) {
+        struct conn c;
+        if (conn_open(&c, *port) == 0) {
+            const char *req = "GET /health HTTP/1.1\r\nHost: b\r\n\r\n";
+            char l[256] = "";
+            if (send(c.fd, req, strlen(req), MSG_NOSIGNAL) > 0 &&
+                conn_line(&c, l, sizeof(l)) == 0 && strstr(l, " 200 ")) {
+                close(c.fd);
+                return pid;
+            }
+            close(c.fd);
+        }
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    return -1;
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    char dir[] = "/tmp/kvd-bench-server-XXXXXX";
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    char model_path[256], err[512];
+    snprintf(model_path, sizeof(model_path), "%s/default.gguf", dir);
+    struct model_mk_params mp;
+    model_mk_defaults(&mp);
+    if (model_mk_write(&mp, model_path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "bench_server: %s\n", err);
+        return 1;
+    }
+    int port = 0;
+    pid_t pid = start_server(model_path, &port);
+    if (pid < 0) {
+        fprintf(stderr, "bench_server: the server did not start\n");
+        return 1;
+    }
+    printf("kvd serve, mkmodel default model (llama, dim %d, %d layers, vocab %d), "
+           "%d-token streamed completions, ignore_eos, greedy; client-side latencies\n\n",
+           mp.n_embd, mp.n_layer, mp.n_vocab, TOKENS);
+    printf("%-16s %5s %8s %9s %10s %10s %10s %10s %6s\n", "endpoint", "conc", "req/s", "tok/s",
+           "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "failed");
+    printf("%-16s %5s %8s %9s %10s %10s %10s %10s %6s\n", "", "", "", "", "(ms)", "(ms)", "(ms)",
+           "(ms)", "");
+    static const int levels[] = {1, 4, 16};
+    static const int per_client[] = {16, 8, 4};
+    struct row rows[2][3];
+    const char *paths[] = {"/v1/completions", "/completion"};
+    run_level(port, paths[0], false, 2, 2); /* warm-up */
+    for (int e = 0; e < 2; e++) {
+        for (int l = 0; l < 3; l++) {
+            struct row r = run_level(port, paths[e], e == 1, levels[l], per_client[l]);
+            rows[e][l] = r;
+            printf("%-16s %5d %8.1f %9.1f %10.2f %10.2f %10.2f %10.2f %6d\n", paths[e], levels[l],
+                   r.rps, r.tps, r.ttft50, r.ttft99, r.itl50, r.itl99, r.failed);
+        }
+    }
+    printf("\nratios (same run):\n");
+    printf("  /v1/completions req/s, concurrency 4 / 1:   %.2f\n", rows[0][1].rps / rows[0][0].rps);
+    printf("  /v1/completions req/s, concurrency 16 / 1:  %.2f\n", rows[0][2].rps / rows[0][0].rps);
+    printf("  ITL p50, concurrency 16 / 1:               %.2f\n",
+           rows[0][2].itl50 / rows[0][0].itl50);
+    printf("  /completion / /v1/completions req/s at 16: %.2f\n", rows[1][2].rps / rows[0][2].rps);
+
+    kill(pid, SIGTERM);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        fprintf(stderr, "bench_server: the server exited with status %d\n", st);
+    unlink(model_path);
+    rmdir(dir);
+    return 0;
+}

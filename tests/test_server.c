@@ -1,0 +1,1902 @@
+/*
+ * test_server.c - `kvd serve` end to end: the real binary ($KVD_BIN) on a
+ * free loopback port, serving a small model written by model_mk_write into
+ * a temporary directory, driven over plain sockets by the tiny HTTP client
+ * below (keep-alive, pipelining, chunked bodies, SSE).
+ *
+ * Each server is started with `--listen 127.0.0.1:0` and prints the port
+ * it got; every socket has a timeout, and every server is stopped with
+ * SIGTERM and must exit 0 (under ASan that also means leak-clean). Tests
+ * never assert on wall-clock time: they wait for states (a metric, a
+ * refused connection) with generous deadlines.
+ *
+ * The bad-request cases are data: tests/cases/http/NAME.http.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "model/mkmodel.h"
+#include "model/model.h"
+#include "server/server_internal.h"
+
+/* ------------------------------------------------------------------------
+ * Fixture: temp dir, model, servers
+ * ------------------------------------------------------------------------ */
+
+static const char *kvd_bin;
+static char tmpdir[256];
+static char model_path[512];
+static model *lib_model; /* the same file, loaded in-process for tokens */
+
+struct server {
+    pid_t pid;
+    int port;
+    char log[600];
+};
+
+static struct server srv_main; /* shared by most tests, started on first use */
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+#define SKIP_WITHOUT_KVD()                                                                         \
+    do {                                                                                           \
+        if (!kvd_bin) {                                                                            \
+            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
+            skip();                                                                                \
+        }                                                                                          \
+    } while (0)
+
+static void dump_log(const struct server *s)
+{
+    FILE *f = fopen(s->log, "r");
+    if (!f)
+        return;
+    char line[1024];
+    int n = 0;
+    print_message("---- server log %s ----\n", s->log);
+    while (fgets(line, sizeof(line), f) && n++ < 200)
+        print_message("%s", line);
+    fclose(f);
+}
+
+static int http_status_simple(int port, const char *path);
+
+/*
+ * Start `kvd serve --model M --listen 127.0.0.1:0 ARGS...`; read the port
+ * from its first stdout line; wait until /health says 200. Returns 0 or -1.
+ */
+static int server_start(struct server *s, const char *const *args, int n_args)
+{
+    static int seq;
+    snprintf(s->log, sizeof(s->log), "%s/server-%d.log", tmpdir, ++seq);
+    int out[2];
+    if (pipe(out) != 0)
+        return -1;
+    const char *argv[64];
+    int argc = 0;
+    argv[argc++] = kvd_bin;
+    argv[argc++] = "serve";
+    bool has_config = false;
+    for (int i = 0; i < n_args; i++)
+        if (!strcmp(args[i], "--config"))
+            has_config = true;
+    if (!has_config) {
+        argv[argc++] = "--model";
+        argv[argc++] = model_path;
+        argv[argc++] = "--listen";
+        argv[argc++] = "127.0.0.1:0";
+    }
+    for (int i = 0; i < n_args && argc < 62; i++)
+        argv[argc++] = args[i];
+    argv[argc] = NULL;
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        int logfd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(out[1], 1);
+        if (logfd >= 0)
+            dup2(logfd, 2);
+        close(out[0]);
+        /* Keep ASan's quarantine small so RSS measures the server. */
+        char asan[512];
+        const char *old = getenv("ASAN_OPTIONS");
+        snprintf(asan, sizeof(asan), "%s%squarantine_size_mb=8", old ? old : "",
+                 old && *old ? ":" : "");
+        setenv("ASAN_OPTIONS", asan, 1);
+        setenv("OMP_NUM_THREADS", "2", 1);
+        execv(kvd_bin, (char *const *)argv);
+        _exit(127);
+    }
+    close(out[1]);
+    s->pid = pid;
+    s->port = 0;
+    /* The first stdout line names the port. */
+    char line[256];
+    size_t n = 0;
+    double deadline = mono_s() + 30;
+    while (mono_s() < deadline && n < sizeof(line) - 1) {
+        struct pollfd pfd = {out[0], POLLIN, 0};
+        if (poll(&pfd, 1, 200) <= 0)
+            continue;
+        ssize_t r = read(out[0], line + n, 1);
+        if (r <= 0)
+            break;
+        if (line[n] == '\n')
+            break;
+        n++;
+    }
+    line[n] = '\0';
+    close(out[0]);
+    const char *p = strstr(line, "127.0.0.1:");
+    if (!p) {
+        print_message("server did not print its port (got '%s')\n", line);
+        dump_log(s);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        s->pid = 0;
+        return -1;
+    }
+    s->port = atoi(p + 10);
+    while (mono_s() < deadline) {
+        if (http_status_simple(s->port, "/health") == 200)
+            return 0;
+        sleep_ms(20);
+    }
+    print_message("server never became healthy\n");
+    dump_log(s);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    s->pid = 0;
+    return -1;
+}
+
+/* Wait for the process to exit (up to 30 s; then SIGKILL). Returns its
+ * exit status, or -1 if it had to be killed or died of a signal. */
+static int server_wait(struct server *s)
+{
+    double deadline = mono_s() + 30;
+    int st = 0;
+    for (;;) {
+        pid_t r = waitpid(s->pid, &st, WNOHANG);
+        if (r == s->pid)
+            break;
+        if (mono_s() > deadline) {
+            kill(s->pid, SIGKILL);
+            waitpid(s->pid, &st, 0);
+            s->pid = 0;
+            return -1;
+        }
+        sleep_ms(10);
+    }
+    s->pid = 0;
+    if (!WIFEXITED(st))
+        return -1;
+    return WEXITSTATUS(st);
+}
+
+/* SIGTERM; the server must exit 0. */
+static void server_stop(struct server *s)
+{
+    if (!s->pid)
+        return;
+    kill(s->pid, SIGTERM);
+    int rc = server_wait(s);
+    if (rc != 0)
+        dump_log(s);
+    assert_int_equal(rc, 0);
+}
+
+static long server_rss_kb(const struct server *s)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)s->pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    long kb = -1;
+    while (fgets(line, sizeof(line), f))
+        if (!strncmp(line, "VmRSS:", 6))
+            kb = atol(line + 6);
+    fclose(f);
+    return kb;
+}
+
+/* ------------------------------------------------------------------------
+ * A tiny HTTP/1.1 client
+ * ------------------------------------------------------------------------ */
+
+struct hc {
+    int fd;
+    char *buf;
+    size_t len, off, cap;
+};
+
+struct resp {
+    int status;
+    char head[8192];
+    char *body;
+    size_t body_len;
+};
+
+static int hc_open(struct hc *c, int port)
+{
+    memset(c, 0, sizeof(*c));
+    c->fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (c->fd < 0)
+        return -1;
+    struct timeval tv = {60, 0};
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    int one = 1;
+    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(c->fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(c->fd);
+        c->fd = -1;
+        return -1;
+    }
+    return 0;
+}
+
+static void hc_close(struct hc *c)
+{
+    if (c->fd >= 0)
+        close(c->fd);
+    c->fd = -1;
+    free(c->buf);
+    c->buf = NULL;
+}
+
+static int hc_send(struct hc *c, const void *data, size_t n)
+{
+    const char *p = data;
+    while (n > 0) {
+        ssize_t w = send(c->fd, p, n, MSG_NOSIGNAL);
+        if (w <= 0)
+            return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Read more bytes; returns the count, 0 at EOF, -1 on error/timeout. */
+static int hc_fill(struct hc *c)
+{
+    if (c->off > 0 && c->off == c->len)
+        c->off = c->len = 0;
+    if (c->len + 65536 > c->cap) {
+        c->cap = (c->len + 65536) * 2;
+        c->buf = realloc(c->buf, c->cap);
+    }
+    ssize_t r = recv(c->fd, c->buf + c->len, c->cap - c->len - 1, 0);
+    if (r < 0)
+        return -1;
+    c->len += (size_t)r;
+    c->buf[c->len] = '\0';
+    return (int)r;
+}
+
+/* A line ending in CRLF (returned without it, in out). */
+static int hc_line(struct hc *c, char *out, size_t cap)
+{
+    for (;;) {
+        char *nl = c->buf ? memmem(c->buf + c->off, c->len - c->off, "\r\n", 2) : NULL;
+        if (nl) {
+            size_t n = (size_t)(nl - (c->buf + c->off));
+            if (n >= cap)
+                n = cap - 1;
+            memcpy(out, c->buf + c->off, n);
+            out[n] = '\0';
+            c->off = (size_t)(nl - c->buf) + 2;
+            return 0;
+        }
+        if (hc_fill(c) <= 0)
+            return -1;
+    }
+}
+
+static int hc_bytes(struct hc *c, char *out, size_t n)
+{
+    while (c->len - c->off < n)
+        if (hc_fill(c) <= 0)
+            return -1;
+    memcpy(out, c->buf + c->off, n);
+    c->off += n;
+    return 0;
+}
+
+static const char *resp_header(const struct resp *r, const char *name, char *out, size_t cap)
+{
+    size_t nl = strlen(name);
+    for (const char *p = strstr(r->head, "\r\n"); p && p[2]; p = strstr(p + 2, "\r\n")) {
+        const char *line = p + 2;
+        if (!strncasecmp(line, name, nl) && line[nl] == ':') {
+            const char *v = line + nl + 1;
+            while (*v == ' ')
+                v++;
+            const char *e = strstr(v, "\r\n");
+            size_t n = e ? (size_t)(e - v) : strlen(v);
+            if (n >= cap)
+                n = cap - 1;
+            memcpy(out, v, n);
+            out[n] = '\0';
+            return out;
+        }
+    }
+    return NULL;
+}
+
+/* Status line and headers (skipping 1xx answers). */
+static int hc_read_head(struct hc *c, struct resp *r)
+{
+    for (;;) {
+        memset(r, 0, sizeof(*r));
+        char line[8192];
+        if (hc_line(c, line, sizeof(line)))
+            return -1;
+        if (sscanf(line, "HTTP/1.%*d %d", &r->status) != 1)
+            return -1;
+        size_t hl = (size_t)snprintf(r->head, sizeof(r->head), "%s", line);
+        for (;;) {
+            if (hc_line(c, line, sizeof(line)))
+                return -1;
+            if (!line[0])
+                break;
+            hl += (size_t)snprintf(r->head + hl, sizeof(r->head) - hl, "\r\n%s", line);
+            if (hl >= sizeof(r->head))
+                hl = sizeof(r->head) - 1;
+        }
+        snprintf(r->head + hl, sizeof(r->head) - hl, "\r\n");
+        if (r->status >= 200)
+            return 0;
+    }
+}
+
+static bool resp_chunked(const struct resp *r)
+{
+    char v[64];
+    return resp_header(r, "transfer-encoding", v, sizeof(v)) && !strcasecmp(v, "chunked");
+}
+
+/* One chunk of a chunked body: 1 with data, 0 at the last chunk, -1 error. */
+static int hc_read_chunk(struct hc *c, char **data, size_t *n)
+{
+    char line[64];
+    if (hc_line(c, line, sizeof(line)))
+        return -1;
+    size_t sz = strtoul(line, NULL, 16);
+    if (sz == 0) {
+        hc_line(c, line, sizeof(line)); /* the empty line after the last chunk */
+        return 0;
+    }
+    *data = malloc(sz + 1);
+    if (hc_bytes(c, *data, sz) || hc_line(c, line, sizeof(line))) {
+        free(*data);
+        return -1;
+    }
+    (*data)[sz] = '\0';
+    *n = sz;
+    return 1;
+}
+
+static void body_append(struct resp *r, const char *d, size_t n)
+{
+    r->body = realloc(r->body, r->body_len + n + 1);
+    memcpy(r->body + r->body_len, d, n);
+    r->body_len += n;
+    r->body[r->body_len] = '\0';
+}
+
+static int hc_read_body(struct hc *c, struct resp *r)
+{
+    char v[64];
+    body_append(r, "", 0);
+    if (resp_chunked(r)) {
+        for (;;) {
+            char *d;
+            size_t n;
+            int k = hc_read_chunk(c, &d, &n);
+            if (k < 0)
+                return -1;
+            if (k == 0)
+                return 0;
+            body_append(r, d, n);
+            free(d);
+        }
+    }
+    if (resp_header(r, "content-length", v, sizeof(v))) {
+        size_t n = strtoul(v, NULL, 10);
+        char *d = malloc(n + 1);
+        if (hc_bytes(c, d, n)) {
+            free(d);
+            return -1;
+        }
+        body_append(r, d, n);
+        free(d);
+        return 0;
+    }
+    /* close-delimited */
+    for (;;) {
+        int k = hc_fill(c);
+        if (k < 0)
+            return -1;
+        if (k == 0)
+            break;
+    }
+    body_append(r, c->buf + c->off, c->len - c->off);
+    c->off = c->len;
+    return 0;
+}
+
+static int hc_read(struct hc *c, struct resp *r)
+{
+    if (hc_read_head(c, r))
+        return -1;
+    return hc_read_body(c, r);
+}
+
+static void resp_free(struct resp *r)
+{
+    free(r->body);
+    r->body = NULL;
+}
+
+static int hc_request(struct hc *c, const char *method, const char *path, const char *headers,
+                      const char *body)
+{
+    char head[4096];
+    size_t bl = body ? strlen(body) : 0;
+    int n = snprintf(head, sizeof(head), "%s %s HTTP/1.1\r\nHost: kvd\r\n%s", method, path,
+                     headers ? headers : "");
+    if (body)
+        n += snprintf(head + n, sizeof(head) - (size_t)n,
+                      "Content-Type: application/json\r\nContent-Length: %zu\r\n", bl);
+    n += snprintf(head + n, sizeof(head) - (size_t)n, "\r\n");
+    if (hc_send(c, head, (size_t)n))
+        return -1;
+    return body ? hc_send(c, body, bl) : 0;
+}
+
+/* One request on a fresh connection. Returns the status (or -1). */
+static int http(int port, const char *method, const char *path, const char *headers,
+                const char *body, struct resp *r)
+{
+    struct hc c;
+    memset(r, 0, sizeof(*r));
+    if (hc_open(&c, port))
+        return -1;
+    int rc = hc_request(&c, method, path, headers, body);
+    if (rc == 0)
+        rc = hc_read(&c, r);
+    hc_close(&c);
+    return rc ? -1 : r->status;
+}
+
+static int http_status_simple(int port, const char *path)
+{
+    struct resp r;
+    int st = http(port, "GET", path, NULL, NULL, &r);
+    resp_free(&r);
+    return st;
+}
+
+/* POST a JSON body (stolen); returns the parsed answer (NULL if not JSON)
+ * and the status in *status. */
+static json_t *post(int port, const char *path, json_t *body, const char *headers, int *status)
+{
+    char *s = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    struct resp r;
+    *status = http(port, "POST", path, headers, s, &r);
+    free(s);
+    json_t *v = r.body ? json_loads(r.body, 0, NULL) : NULL;
+    if (*status != 200 && *status != -1 && !v)
+        print_message("non-JSON answer %d: %s\n", *status, r.body ? r.body : "");
+    resp_free(&r);
+    return v;
+}
+
+/* SSE body -> array of parsed events; *done set if it ended with [DONE]. */
+static json_t *sse_events(const char *body, bool *done)
+{
+    json_t *arr = json_array();
+    *done = false;
+    const char *p = body;
+    while (p && *p) {
+        const char *end = strstr(p, "\n\n");
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n > 6 && !strncmp(p, "data: ", 6)) {
+            if (n == 12 && !strncmp(p + 6, "[DONE]", 6)) {
+                *done = true;
+            } else {
+                json_t *ev = json_loadb(p + 6, n - 6, JSON_ALLOW_NUL, NULL);
+                if (!ev)
+                    print_message("bad SSE event: '%.*s'\n", (int)n, p);
+                assert_non_null(ev);
+                json_array_append_new(arr, ev);
+                *done = false; /* [DONE] must be last */
+            }
+        }
+        p = end ? end + 2 : NULL;
+    }
+    return arr;
+}
+
+/* The /metrics text (new), or NULL. */
+static char *metrics_text(int port)
+{
+    struct resp r;
+    int st = http(port, "GET", "/metrics", NULL, NULL, &r);
+    if (st != 200) {
+        resp_free(&r);
+        return NULL;
+    }
+    return r.body;
+}
+
+/* The value of a metric line "NAME VALUE" (first match), or -1. */
+static double metric(int port, const char *name)
+{
+    char *text = metrics_text(port);
+    if (!text)
+        return -1;
+    double v = -1;
+    size_t nl = strlen(name);
+    for (char *p = text; p && *p;) {
+        if (!strncmp(p, name, nl) && p[nl] == ' ') {
+            v = strtod(p + nl + 1, NULL);
+            break;
+        }
+        p = strchr(p, '\n');
+        if (p)
+            p++;
+    }
+    free(text);
+    return v;
+}
+
+/* Wait until metric(name) == want (up to 20 s). */
+static bool wait_metric(int port, const char *name, double want)
+{
+    double deadline = mono_s() + 20;
+    while (mono_s() < deadline) {
+        if (metric(port, name) == want)
+            return true;
+        sleep_ms(20);
+    }
+    print_message("metric %s never reached %g (last %g)\n", name, want, metric(port, name));
+    return false;
+}
+
+/* ------------------------------------------------------------------------
+ * Helpers on the model and the main server
+ * ------------------------------------------------------------------------ */
+
+static struct server *main_server(void)
+{
+    if (srv_main.pid)
+        return &srv_main;
+    static const char *const args[] = {
+        "--set", "cache.memory=4MiB",
+        "--set", "eviction.max_cache_tokens=256",
+        "--set", "eviction.sink_tokens=4",
+        "--set", "limits.max_running=16",
+        "--set", "limits.step_tokens=64",
+        "--set", "limits.queue_length=64",
+        "--set", "limits.max_prompt_tokens=8192",
+        "--set", "limits.max_tokens=512",
+        "--set", "server.threads=1",
+        "--set", "log.level=debug",
+    };
+    assert_int_equal(server_start(&srv_main, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    return &srv_main;
+}
+
+static json_t *tokens_json(const char *text, bool bos)
+{
+    int32_t ids[4096];
+    int n = model_tokenize(lib_model, text, strlen(text), bos, ids, 4096);
+    assert_true(n > 0 && n <= 4096);
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++)
+        json_array_append_new(a, json_integer(ids[i]));
+    return a;
+}
+
+static const char *choice_text(json_t *v)
+{
+    json_t *t = json_object_get(json_array_get(json_object_get(v, "choices"), 0), "text");
+    assert_true(json_is_string(t));
+    return json_string_value(t);
+}
+
+static const char *choice_finish(json_t *v)
+{
+    json_t *t = json_object_get(json_array_get(json_object_get(v, "choices"), 0), "finish_reason");
+    return json_is_string(t) ? json_string_value(t) : NULL;
+}
+
+static int usage_int(json_t *v, const char *a, const char *b)
+{
+    json_t *u = json_object_get(v, "usage");
+    json_t *x = b ? json_object_get(json_object_get(u, a), b) : json_object_get(u, a);
+    assert_true(json_is_integer(x));
+    return (int)json_integer_value(x);
+}
+
+/* A greedy OpenAI completion; returns the text (new string). */
+static char *greedy(int port, const char *prompt, int max_tokens)
+{
+    int st;
+    json_t *v = post(port, "/v1/completions",
+                     json_pack("{s:s, s:i, s:f}", "prompt", prompt, "max_tokens", max_tokens,
+                               "temperature", 0.0),
+                     NULL, &st);
+    assert_int_equal(st, 200);
+    char *t = strdup(choice_text(v));
+    json_decref(v);
+    return t;
+}
+
+/* ------------------------------------------------------------------------
+ * Tests: completions
+ * ------------------------------------------------------------------------ */
+
+static void test_completion(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    int st;
+    json_t *v =
+        post(s->port, "/v1/completions",
+             json_pack("{s:s, s:s, s:i, s:f, s:s}", "model", "anything", "prompt",
+                       "Once upon a time", "max_tokens", 12, "temperature", 0.0, "user", "tester"),
+             NULL, &st);
+    assert_int_equal(st, 200);
+    assert_string_equal(json_string_value(json_object_get(v, "object")), "text_completion");
+    assert_true(!strncmp(json_string_value(json_object_get(v, "id")), "cmpl-", 5));
+    assert_true(json_is_integer(json_object_get(v, "created")));
+    assert_true(json_is_string(json_object_get(v, "model")));
+    json_t *c0 = json_array_get(json_object_get(v, "choices"), 0);
+    assert_int_equal(json_integer_value(json_object_get(c0, "index")), 0);
+    assert_true(json_is_null(json_object_get(c0, "logprobs")));
+    int pt = usage_int(v, "prompt_tokens", NULL), ct = usage_int(v, "completion_tokens", NULL);
+    assert_int_equal(usage_int(v, "total_tokens", NULL), pt + ct);
+    assert_true(pt > 0 && ct > 0 && ct <= 12);
+    if (ct < 12)
+        assert_string_equal(choice_finish(v), "stop");
+    else
+        assert_string_equal(choice_finish(v), "length");
+    assert_int_equal(usage_int(v, "kvd", "cached_tokens"), 0);
+    assert_int_equal(usage_int(v, "kvd", "evicted_tokens"), 0);
+    assert_true(usage_int(v, "kvd", "retained_tokens") >= pt);
+    /* ignore_eos: exactly max_tokens tokens, whatever the model says. */
+    json_t *w = post(s->port, "/v1/completions",
+                     json_pack("{s:s, s:i, s:f, s:b}", "prompt", "The end.", "max_tokens", 40,
+                               "temperature", 0.0, "ignore_eos", 1),
+                     NULL, &st);
+    assert_int_equal(st, 200);
+    assert_int_equal(usage_int(w, "completion_tokens", NULL), 40);
+    assert_string_equal(choice_finish(w), "length");
+    json_decref(w);
+    /* Greedy is deterministic. */
+    char *again = greedy(s->port, "Once upon a time", 12);
+    assert_string_equal(again, choice_text(v));
+    free(again);
+    json_decref(v);
+}
+
+static void test_completion_stream(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    char *want = greedy(s->port, "The sea was calm and", 16);
+    struct resp r;
+    int st = http(s->port, "POST", "/v1/completions", NULL,
+                  "{\"prompt\":\"The sea was calm and\",\"max_tokens\":16,\"temperature\":0,"
+                  "\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+                  &r);
+    assert_int_equal(st, 200);
+    char ct[128];
+    assert_non_null(resp_header(&r, "content-type", ct, sizeof(ct)));
+    assert_string_equal(ct, "text/event-stream");
+    bool done;
+    json_t *evs = sse_events(r.body, &done);
+    assert_true(done);
+    assert_true(json_array_size(evs) >= 3);
+    char text[4096] = "";
+    size_t i;
+    json_t *ev;
+    int n_finish = 0;
+    json_t *usage = NULL;
+    json_array_foreach(evs, i, ev)
+    {
+        assert_string_equal(json_string_value(json_object_get(ev, "object")), "text_completion");
+        json_t *ch = json_object_get(ev, "choices");
+        if (json_array_size(ch) == 0) {
+            usage = json_object_get(ev, "usage");
+            continue;
+        }
+        assert_null(usage); /* the usage chunk comes last */
+        strncat(text, json_string_value(json_object_get(json_array_get(ch, 0), "text")),
+                sizeof(text) - strlen(text) - 1);
+        if (json_is_string(json_object_get(json_array_get(ch, 0), "finish_reason")))
+            n_finish++;
+    }
+    assert_int_equal(n_finish, 1);
+    assert_non_null(usage);
+    assert_true(json_integer_value(json_object_get(usage, "completion_tokens")) > 0);
+    assert_string_equal(text, want);
+    free(want);
+    json_decref(evs);
+    resp_free(&r);
+}
+
+static void test_llama_completion(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    char *want = greedy(s->port, "A tiny dragon", 10);
+    int st;
+    json_t *v = post(s->port, "/completion",
+                     json_pack("{s:s, s:i, s:f, s:b}", "prompt", "A tiny dragon", "n_predict", 10,
+                               "temperature", 0.0, "cache_prompt", 1),
+                     NULL, &st);
+    assert_int_equal(st, 200);
+    assert_string_equal(json_string_value(json_object_get(v, "content")), want);
+    assert_true(json_is_true(json_object_get(v, "stop")));
+    int tp = (int)json_integer_value(json_object_get(v, "tokens_predicted"));
+    assert_true(tp > 0 && tp <= 10);
+    assert_true(json_integer_value(json_object_get(v, "tokens_evaluated")) > 0);
+    json_t *tm = json_object_get(v, "timings");
+    assert_true(json_is_object(tm));
+    assert_int_equal(json_integer_value(json_object_get(tm, "predicted_n")), tp);
+    assert_true(json_is_number(json_object_get(tm, "prompt_ms")));
+    assert_true(json_is_string(json_object_get(v, "stop_type")));
+    json_decref(v);
+
+    /* Streamed, llama.cpp style: {"content", "stop": false} ... final stop: true. */
+    struct resp r;
+    st = http(s->port, "POST", "/completion", NULL,
+              "{\"prompt\":\"A tiny dragon\",\"n_predict\":10,\"temperature\":0,\"stream\":true}",
+              &r);
+    assert_int_equal(st, 200);
+    bool done;
+    json_t *evs = sse_events(r.body, &done);
+    assert_false(done); /* llama.cpp sends no [DONE] */
+    char text[4096] = "";
+    size_t i;
+    json_t *ev;
+    json_array_foreach(evs, i, ev)
+    {
+        bool last = i + 1 == json_array_size(evs);
+        assert_int_equal(json_is_true(json_object_get(ev, "stop")), last);
+        strncat(text, json_string_value(json_object_get(ev, "content")),
+                sizeof(text) - strlen(text) - 1);
+        if (last)
+            assert_int_equal(json_integer_value(json_object_get(ev, "tokens_predicted")), tp);
+    }
+    assert_string_equal(text, want);
+    json_decref(evs);
+    resp_free(&r);
+    free(want);
+
+    /* n_keep sets the sinks of the request's sequence: too many leave
+     * eviction no room (400); a few let a prompt longer than the cache
+     * through, evicting from the middle. */
+    v = post(s->port, "/completion",
+             json_pack("{s:s, s:i, s:i}", "prompt", "hello", "n_predict", 2, "n_keep", 250), NULL,
+             &st);
+    assert_int_equal(st, 400);
+    json_decref(v);
+    json_t *ids = json_array();
+    for (int k = 0; k < 400; k++)
+        json_array_append_new(ids, json_integer(3 + (k * 37) % 500));
+    v = post(s->port, "/completion",
+             json_pack("{s:o, s:i, s:i, s:f}", "prompt", ids, "n_predict", 4, "n_keep", 20,
+                       "temperature", 0.0),
+             NULL, &st);
+    assert_int_equal(st, 200);
+    json_t *kvd = json_object_get(v, "kvd");
+    assert_true(json_integer_value(json_object_get(kvd, "evicted_tokens")) > 0);
+    assert_true(json_integer_value(json_object_get(kvd, "retained_tokens")) <= 256);
+    json_decref(v);
+}
+
+static void test_token_array_prompt(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    const char *prompt = "Once upon a time there was a little robot";
+    char *want = greedy(s->port, prompt, 12);
+    json_t *ids = tokens_json(prompt, model_add_bos(lib_model));
+    int n_ids = (int)json_array_size(ids);
+    int st;
+    json_t *v =
+        post(s->port, "/v1/completions",
+             json_pack("{s:o, s:i, s:f}", "prompt", ids, "max_tokens", 12, "temperature", 0.0),
+             NULL, &st);
+    assert_int_equal(st, 200);
+    assert_string_equal(choice_text(v), want);
+    assert_int_equal(usage_int(v, "prompt_tokens", NULL), n_ids);
+    json_decref(v);
+    /* An array holding one token array is the same prompt. */
+    v = post(s->port, "/v1/completions",
+             json_pack("{s:[o], s:i, s:f}", "prompt", tokens_json(prompt, model_add_bos(lib_model)),
+                       "max_tokens", 12, "temperature", 0.0),
+             NULL, &st);
+    assert_int_equal(st, 200);
+    assert_string_equal(choice_text(v), want);
+    json_decref(v);
+    free(want);
+}
+
+/* Cases for the stop-string matcher itself. */
+static void test_stop_scan(void **state)
+{
+    (void)state;
+    char *stops[] = {"END", "\n\n", "abc"};
+    size_t at = 99, safe = 99;
+    /* no stop: everything safe */
+    assert_int_equal(srv_stop_scan("hello", 5, stops, 3, &at, &safe), -1);
+    assert_int_equal(safe, 5);
+    /* a tail that could start a stop string is held */
+    assert_int_equal(srv_stop_scan("helloEN", 7, stops, 3, &at, &safe), -1);
+    assert_int_equal(safe, 5);
+    assert_int_equal(srv_stop_scan("hello\n", 6, stops, 3, &at, &safe), -1);
+    assert_int_equal(safe, 5);
+    assert_int_equal(srv_stop_scan("xab", 3, stops, 3, &at, &safe), -1);
+    assert_int_equal(safe, 1);
+    /* complete: the earliest one wins */
+    assert_int_equal(srv_stop_scan("x\n\nyEND", 7, stops, 3, &at, &safe), 1);
+    assert_int_equal(at, 1);
+    assert_int_equal(srv_stop_scan("ENDabc", 6, stops, 3, &at, &safe), 0);
+    assert_int_equal(at, 0);
+    /* no stop strings at all */
+    assert_int_equal(srv_stop_scan("abc", 3, NULL, 0, &at, &safe), -1);
+    assert_int_equal(safe, 3);
+}
+
+static void test_stop_across_tokens(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    const char *prompts[] = {"Once upon a time", "The little robot said", "Hello there, friend",
+                             "In the garden"};
+    for (size_t pi = 0; pi < sizeof(prompts) / sizeof(prompts[0]); pi++) {
+        int st;
+        json_t *v = post(s->port, "/completion",
+                         json_pack("{s:s, s:i, s:f, s:b}", "prompt", prompts[pi], "n_predict", 32,
+                                   "temperature", 0.0, "return_tokens", 1),
+                         NULL, &st);
+        assert_int_equal(st, 200);
+        const char *content = json_string_value(json_object_get(v, "content"));
+        json_t *toks = json_object_get(v, "tokens");
+        assert_true(json_is_array(toks));
+        /* Each token's text, in-process. */
+        model_detok *d = model_detok_create(lib_model);
+        char pieces[64][64];
+        size_t n = json_array_size(toks) < 64 ? json_array_size(toks) : 64;
+        char joined[4096] = "";
+        for (size_t i = 0; i < n; i++) {
+            int k = model_detok_push(d, (int32_t)json_integer_value(json_array_get(toks, i)),
+                                     pieces[i], sizeof(pieces[i]) - 1);
+            pieces[i][k > 0 ? k : 0] = '\0';
+            strcat(joined, pieces[i]);
+        }
+        model_detok_destroy(d);
+        if (strncmp(joined, content, strlen(joined)) != 0) {
+            json_decref(v);
+            continue;
+        }
+        /* A stop string made of the last byte of one piece and the first
+         * of the next, printable, first occurring at that boundary. */
+        char stop[3] = "";
+        size_t pos = 0, off = 0;
+        for (size_t i = 0; i + 1 < n; i++) {
+            off += strlen(pieces[i]);
+            size_t li = strlen(pieces[i]);
+            if (li == 0 || !pieces[i + 1][0])
+                continue;
+            char a = pieces[i][li - 1], b = pieces[i + 1][0];
+            if (a < 0x21 || a > 0x7e || b < 0x21 || b > 0x7e)
+                continue;
+            char cand[3] = {a, b, 0};
+            const char *first = strstr(content, cand);
+            if (first && (size_t)(first - content) == off - 1) {
+                memcpy(stop, cand, 3);
+                pos = off - 1;
+                break;
+            }
+        }
+        if (!stop[0]) {
+            json_decref(v);
+            continue;
+        }
+        char want[4096];
+        memcpy(want, content, pos);
+        want[pos] = '\0';
+        json_decref(v);
+
+        /* Non-streamed: cut before the stop string, finish_reason stop. */
+        v = post(s->port, "/v1/completions",
+                 json_pack("{s:s, s:i, s:f, s:[s, s]}", "prompt", prompts[pi], "max_tokens", 32,
+                           "temperature", 0.0, "stop", "zzqqzz", stop),
+                 NULL, &st);
+        assert_int_equal(st, 200);
+        assert_string_equal(choice_text(v), want);
+        assert_string_equal(choice_finish(v), "stop");
+        json_decref(v);
+
+        /* Streamed: the same text, and no chunk ever carries the stop. */
+        json_t *bj = json_pack("{s:s, s:i, s:f, s:b, s:s}", "prompt", prompts[pi], "max_tokens", 32,
+                               "temperature", 0.0, "stream", 1, "stop", stop);
+        char *body = json_dumps(bj, JSON_COMPACT);
+        json_decref(bj);
+        struct resp r;
+        st = http(s->port, "POST", "/v1/completions", NULL, body, &r);
+        free(body);
+        assert_int_equal(st, 200);
+        bool done;
+        json_t *evs = sse_events(r.body, &done);
+        assert_true(done);
+        char text[4096] = "";
+        size_t i;
+        json_t *ev;
+        json_array_foreach(evs, i, ev)
+        {
+            const char *t = json_string_value(
+                json_object_get(json_array_get(json_object_get(ev, "choices"), 0), "text"));
+            assert_null(strstr(t, stop));
+            strcat(text, t);
+        }
+        assert_string_equal(text, want);
+        json_decref(evs);
+        resp_free(&r);
+
+        /* llama.cpp reports the word. */
+        v = post(s->port, "/completion",
+                 json_pack("{s:s, s:i, s:f, s:[s]}", "prompt", prompts[pi], "n_predict", 32,
+                           "temperature", 0.0, "stop", stop),
+                 NULL, &st);
+        assert_int_equal(st, 200);
+        assert_string_equal(json_string_value(json_object_get(v, "content")), want);
+        assert_string_equal(json_string_value(json_object_get(v, "stopping_word")), stop);
+        assert_string_equal(json_string_value(json_object_get(v, "stop_type")), "word");
+        json_decref(v);
+        return;
+    }
+    fail_msg("no generated text offered a stop string across a token boundary");
+}
+
+static void test_utf8_stream(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    /* Sampled text from a random model contains byte tokens; every event
+     * must still be valid JSON (whole UTF-8 characters only). */
+    struct resp r;
+    int st = http(s->port, "POST", "/v1/completions", NULL,
+                  "{\"prompt\":\"caf\\u00e9 \\u2603 na\\u00efve\",\"max_tokens\":48,"
+                  "\"temperature\":1.5,\"seed\":7,\"stream\":true}",
+                  &r);
+    assert_int_equal(st, 200);
+    bool done;
+    json_t *evs = sse_events(r.body, &done); /* asserts every event parses */
+    assert_true(done);
+    json_decref(evs);
+    resp_free(&r);
+}
+
+/* ------------------------------------------------------------------------
+ * Tests: batching
+ * ------------------------------------------------------------------------ */
+
+#define N_CLIENTS 16
+
+struct client_job {
+    int port;
+    char prompt[1024];
+    bool sampled; /* temperature + seed instead of greedy */
+    int seed;
+    char *text;
+    int status;
+};
+
+static void *client_thread(void *arg)
+{
+    struct client_job *j = arg;
+    json_t *body = j->sampled ? json_pack("{s:s, s:i, s:f, s:i}", "prompt", j->prompt, "max_tokens",
+                                          16, "temperature", 0.9, "seed", j->seed)
+                              : json_pack("{s:s, s:i, s:f}", "prompt", j->prompt, "max_tokens", 16,
+                                          "temperature", 0.0);
+    char *s = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    struct resp r;
+    j->status = http(j->port, "POST", "/v1/completions", NULL, s, &r);
+    free(s);
+    json_t *v = r.body ? json_loads(r.body, 0, NULL) : NULL;
+    json_t *t = json_object_get(json_array_get(json_object_get(v, "choices"), 0), "text");
+    j->text = json_is_string(t) ? strdup(json_string_value(t)) : NULL;
+    json_decref(v);
+    resp_free(&r);
+    return NULL;
+}
+
+static void test_concurrent_clients(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    static struct client_job jobs[N_CLIENTS], solo[N_CLIENTS];
+    for (int i = 0; i < N_CLIENTS; i++) {
+        struct client_job *j = &jobs[i];
+        j->port = s->port;
+        /* Prompts of ~100 tokens: prefill takes several 64-token steps, so
+         * requests sent together overlap in the engine. */
+        int n = snprintf(j->prompt, sizeof(j->prompt), "Story %d.", i);
+        for (int k = 0; k < 12; k++)
+            n += snprintf(j->prompt + n, sizeof(j->prompt) - (size_t)n,
+                          " The robot number %d walked to the %s.", i * 7 + k,
+                          k % 2 ? "garden" : "river");
+        j->sampled = i % 2 == 1;
+        j->seed = 1000 + i;
+        solo[i] = *j;
+    }
+    /* Each alone first. */
+    for (int i = 0; i < N_CLIENTS; i++) {
+        client_thread(&solo[i]);
+        assert_int_equal(solo[i].status, 200);
+    }
+    /* Then all at once. */
+    pthread_t th[N_CLIENTS];
+    for (int i = 0; i < N_CLIENTS; i++)
+        assert_int_equal(pthread_create(&th[i], NULL, client_thread, &jobs[i]), 0);
+    for (int i = 0; i < N_CLIENTS; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N_CLIENTS; i++) {
+        assert_int_equal(jobs[i].status, 200);
+        assert_non_null(jobs[i].text);
+        if (strcmp(jobs[i].text, solo[i].text) != 0)
+            print_message("client %d (%s): batched '%s' != alone '%s'\n", i,
+                          jobs[i].sampled ? "seeded" : "greedy", jobs[i].text, solo[i].text);
+        assert_string_equal(jobs[i].text, solo[i].text);
+        free(jobs[i].text);
+        free(solo[i].text);
+    }
+    assert_true(metric(s->port, "kvd_batch_sequences_max") > 1);
+    assert_true(metric(s->port, "kvd_batch_sequences_count") > 0);
+}
+
+/* ------------------------------------------------------------------------
+ * Tests: sessions
+ * ------------------------------------------------------------------------ */
+
+/* A /completion call on a session with a token-array prompt; appends the
+ * generated tokens to *hist; returns the answer. */
+static json_t *session_turn(int port, const char *session, json_t *prompt_ids, int n_predict)
+{
+    int st;
+    json_t *v =
+        post(port, "/completion",
+             json_pack("{s:O, s:i, s:f, s:s, s:b}", "prompt", prompt_ids, "n_predict", n_predict,
+                       "temperature", 0.0, "session", session, "return_tokens", 1),
+             NULL, &st);
+    if (st != 200)
+        print_message("session turn: status %d\n", st);
+    assert_int_equal(st, 200);
+    return v;
+}
+
+/* Expected cached tokens for a prompt extending the last turn: the last
+ * turn's prompt, plus its generated tokens except the last one unless the
+ * model ended the text (then every sampled token was fed). */
+static int expected_cached(json_t *last, int n_prompt_before)
+{
+    int n_gen = (int)json_array_size(json_object_get(last, "tokens"));
+    bool eos = !strcmp(json_string_value(json_object_get(last, "stop_type")), "eos");
+    return n_prompt_before + n_gen - (eos ? 0 : 1);
+}
+
+static void test_session_prefix(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    json_t *hist = tokens_json("The little robot walked into the garden and", true);
+    int p1 = (int)json_array_size(hist);
+    json_t *v = session_turn(s->port, "sess-a", hist, 8);
+    json_t *kvd = json_object_get(v, "kvd");
+    assert_int_equal(json_integer_value(json_object_get(kvd, "cached_tokens")), 0);
+    int want_cached = expected_cached(v, p1);
+    json_array_extend(hist, json_object_get(v, "tokens"));
+    json_t *more = tokens_json(" Then it saw a cat.", false);
+    int n_more = (int)json_array_size(more);
+    json_array_extend(hist, more);
+    json_decref(more);
+    json_decref(v);
+
+    v = session_turn(s->port, "sess-a", hist, 8);
+    kvd = json_object_get(v, "kvd");
+    int cached = (int)json_integer_value(json_object_get(kvd, "cached_tokens"));
+    assert_true(cached > 0);
+    assert_int_equal(cached, want_cached);
+    /* Only the unmatched suffix was prefilled. */
+    int prefilled =
+        (int)json_integer_value(json_object_get(json_object_get(v, "timings"), "prompt_n"));
+    assert_int_equal(prefilled, (int)json_array_size(hist) - cached);
+    assert_true(prefilled <= n_more + 1);
+    json_decref(v);
+
+    /* The same through the OpenAI route reports usage.kvd.cached_tokens. */
+    int st;
+    v = post(s->port, "/v1/completions",
+             json_pack("{s:O, s:i, s:f, s:s}", "prompt", hist, "max_tokens", 4, "temperature", 0.0,
+                       "session", "sess-a"),
+             NULL, &st);
+    assert_int_equal(st, 200);
+    assert_true(usage_int(v, "kvd", "cached_tokens") >= (int)json_array_size(hist) - 1);
+    assert_int_equal(usage_int(v, "prompt_tokens_details", "cached_tokens"),
+                     usage_int(v, "kvd", "cached_tokens"));
+    json_decref(v);
+
+    /* GET, DELETE, GET again. */
+    struct resp r;
+    assert_int_equal(http(s->port, "GET", "/v1/sessions/sess-a", NULL, NULL, &r), 200);
+    v = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    assert_string_equal(json_string_value(json_object_get(v, "id")), "sess-a");
+    assert_true(json_integer_value(json_object_get(v, "tokens")) >=
+                (json_int_t)json_array_size(hist));
+    assert_true(json_integer_value(json_object_get(v, "retained_tokens")) > 0);
+    assert_string_equal(json_string_value(json_object_get(v, "positions")), "renumber");
+    assert_true(json_is_number(json_object_get(v, "last_used")));
+    json_decref(v);
+    assert_int_equal(http(s->port, "DELETE", "/v1/sessions/sess-a", NULL, NULL, &r), 200);
+    resp_free(&r);
+    assert_int_equal(http(s->port, "GET", "/v1/sessions/sess-a", NULL, NULL, &r), 404);
+    resp_free(&r);
+    assert_int_equal(http(s->port, "DELETE", "/v1/sessions/sess-a", NULL, NULL, &r), 404);
+    resp_free(&r);
+    json_decref(hist);
+}
+
+static void test_session_long(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    /* max_cache_tokens is 256; feed about 2000 tokens. */
+    json_t *hist = tokens_json("Chapter one.", true);
+    long rss_early = 0, rss_late = 0;
+    int rounds = 40;
+    for (int k = 0; k < rounds; k++) {
+        char text[256];
+        snprintf(text, sizeof(text),
+                 " Then on day %d the robot counted %d stones by the river and sang.", k, k * 13);
+        json_t *more = tokens_json(text, false);
+        int before = (int)json_array_size(hist);
+        json_array_extend(hist, more);
+        json_decref(more);
+        json_t *v = session_turn(s->port, "long", hist, 8);
+        json_t *kvd = json_object_get(v, "kvd");
+        int retained = (int)json_integer_value(json_object_get(kvd, "retained_tokens"));
+        int evicted = (int)json_integer_value(json_object_get(kvd, "evicted_tokens"));
+        assert_true(retained <= 256);
+        if ((int)json_array_size(hist) > 300)
+            assert_true(evicted > 0);
+        if (k > 0) {
+            /* still continuing from the cache, not starting over */
+            int cached = (int)json_integer_value(json_object_get(kvd, "cached_tokens"));
+            assert_true(cached >= before - 1);
+        }
+        json_array_extend(hist, json_object_get(v, "tokens"));
+        json_decref(v);
+        if (k == 10)
+            rss_early = server_rss_kb(s);
+    }
+    rss_late = server_rss_kb(s);
+    print_message("session of %zu tokens: RSS %ld KiB after 10 turns, %ld KiB after %d\n",
+                  json_array_size(hist), rss_early, rss_late, rounds);
+    assert_true(rss_early > 0 && rss_late > 0);
+    assert_true(rss_late - rss_early < 16 * 1024);
+    struct resp r;
+    assert_int_equal(http(s->port, "GET", "/v1/sessions/long", NULL, NULL, &r), 200);
+    json_t *v = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    assert_true(json_integer_value(json_object_get(v, "tokens")) > 1000);
+    assert_true(json_integer_value(json_object_get(v, "retained_tokens")) <= 256);
+    assert_true(json_integer_value(json_object_get(v, "evicted_tokens")) > 0);
+    json_decref(v);
+    assert_true(metric(s->port, "kvd_kv_evicted_tokens_total") > 0);
+    assert_true(metric(s->port, "kvd_sessions") >= 1);
+    json_decref(hist);
+}
+
+static void test_metrics(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = main_server();
+    free(greedy(s->port, "metrics please", 4));
+    char *text = metrics_text(s->port);
+    assert_non_null(text);
+    static const char *const names[] = {
+        "kvd_http_requests_total{code=\"200\"}",
+        "kvd_prompt_tokens_total",
+        "kvd_generated_tokens_total",
+        "kvd_time_to_first_token_seconds_bucket{le=\"+Inf\"}",
+        "kvd_inter_token_latency_seconds_count",
+        "kvd_batch_sequences_bucket",
+        "kvd_batch_tokens_sum",
+        "kvd_queue_depth",
+        "kvd_running_sequences",
+        "kvd_kv_pages_used",
+        "kvd_kv_pages_free",
+        "kvd_kv_evictions_total",
+        "kvd_kv_evicted_tokens_total",
+        "kvd_sessions",
+        "kvd_config_generation",
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (!strstr(text, names[i]))
+            print_message("missing metric %s\n", names[i]);
+        assert_non_null(strstr(text, names[i]));
+    }
+    free(text);
+    assert_true(metric(s->port, "kvd_generated_tokens_total") >= 4);
+    assert_true(metric(s->port, "kvd_kv_pages_total") > 0);
+}
+
+/* ------------------------------------------------------------------------
+ * Tests: HTTP behaviour and errors
+ * ------------------------------------------------------------------------ */
+
+static struct server srv_err;
+
+static struct server *err_server(void)
+{
+    if (srv_err.pid)
+        return &srv_err;
+    static const char *const args[] = {
+        "--set", "limits.max_header_bytes=1KiB",  "--set", "limits.max_headers=16",
+        "--set", "limits.max_body_bytes=2KiB",    "--set", "limits.max_prompt_tokens=64",
+        "--set", "limits.max_tokens=256",         "--set", "cache.memory=2MiB",
+        "--set", "eviction.max_cache_tokens=128", "--set", "server.threads=1",
+    };
+    assert_int_equal(server_start(&srv_err, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    return &srv_err;
+}
+
+/* Expand a case file's request part (see tests/cases/http/README). */
+static char *expand_case(const char *src, size_t *out_len)
+{
+    size_t cap = strlen(src) * 2 + 8192, n = 0;
+    char *out = malloc(cap);
+    for (const char *p = src; *p;) {
+        if (n + 4096 > cap) {
+            cap *= 2;
+            out = realloc(out, cap);
+        }
+        if (*p == '\n') {
+            out[n++] = '\r';
+            out[n++] = '\n';
+            p++;
+        } else if (p[0] == '\\' && p[1] == 'x') {
+            char hex[3] = {p[2], p[3], 0};
+            out[n++] = (char)strtol(hex, NULL, 16);
+            p += 4;
+        } else if (p[0] == '\\' && p[1] == '\\') {
+            out[n++] = '\\';
+            p += 2;
+        } else if (!strncmp(p, "{{REPEAT:", 9)) {
+            int count = atoi(p + 9);
+            const char *c = strchr(p + 9, ':');
+            while (n + (size_t)count + 16 > cap) {
+                cap *= 2;
+                out = realloc(out, cap);
+            }
+            memset(out + n, c[1], (size_t)count);
+            n += (size_t)count;
+            p = strstr(p, "}}") + 2;
+        } else {
+            out[n++] = *p++;
+        }
+    }
+    out[n] = '\0';
+    /* {{LEN}}: the body's length */
+    char *len = strstr(out, "{{LEN}}");
+    if (len) {
+        char *body = strstr(out, "\r\n\r\n");
+        size_t bl = body ? n - (size_t)(body + 4 - out) : 0;
+        char num[32];
+        int k = snprintf(num, sizeof(num), "%zu", bl);
+        memmove(len + k, len + 7, n - (size_t)(len + 7 - out) + 1);
+        memcpy(len, num, (size_t)k);
+        n = n - 7 + (size_t)k;
+    }
+    *out_len = n;
+    return out;
+}
+
+static void check_error_json(const struct resp *r)
+{
+    json_t *v = json_loads(r->body ? r->body : "", 0, NULL);
+    if (!v)
+        print_message("not JSON: %s\n", r->body ? r->body : "(none)");
+    assert_non_null(v);
+    json_t *e = json_object_get(v, "error");
+    assert_true(json_is_object(e));
+    assert_true(json_is_string(json_object_get(e, "message")));
+    assert_true(strlen(json_string_value(json_object_get(e, "message"))) > 0);
+    assert_true(json_is_string(json_object_get(e, "type")));
+    assert_non_null(json_object_get(e, "param"));
+    assert_non_null(json_object_get(e, "code"));
+    json_decref(v);
+}
+
+static void test_bad_requests(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = err_server();
+    const char *dir = "tests/cases/http";
+    DIR *d = opendir(dir);
+    if (!d) {
+        print_message("%s not found (run from the repository root)\n", dir);
+        skip();
+    }
+    int n_cases = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        size_t nl = strlen(de->d_name);
+        if (nl < 6 || strcmp(de->d_name + nl - 5, ".http"))
+            continue;
+        char path[1024];
+        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+        FILE *f = fopen(path, "rb");
+        assert_non_null(f);
+        static char text[65536];
+        size_t tl = fread(text, 1, sizeof(text) - 1, f);
+        fclose(f);
+        text[tl] = '\0';
+        char *sep = strstr(text, "----\n");
+        assert_non_null(sep);
+        *sep = '\0';
+        int expect = 0;
+        char want_header[256] = "";
+        for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+            if (!strncmp(line, "expect ", 7))
+                expect = atoi(line + 7);
+            else if (!strncmp(line, "header ", 7))
+                snprintf(want_header, sizeof(want_header), "%s", line + 7);
+        }
+        assert_true(expect >= 200);
+        size_t rl;
+        char *req = expand_case(sep + 5, &rl);
+        struct hc c;
+        assert_int_equal(hc_open(&c, s->port), 0);
+        assert_int_equal(hc_send(&c, req, rl), 0);
+        struct resp r;
+        int rc = hc_read(&c, &r);
+        if (rc != 0 || r.status != expect)
+            print_message("case %s: got %d, want %d: %s\n", de->d_name, rc ? -1 : r.status, expect,
+                          r.body ? r.body : "");
+        assert_int_equal(rc, 0);
+        assert_int_equal(r.status, expect);
+        if (expect >= 400)
+            check_error_json(&r);
+        if (want_header[0]) {
+            char name[128], v[256];
+            char *colon = strchr(want_header, ':');
+            assert_non_null(colon);
+            snprintf(name, sizeof(name), "%.*s", (int)(colon - want_header), want_header);
+            assert_non_null(resp_header(&r, name, v, sizeof(v)));
+            assert_string_equal(v, colon + 2);
+        }
+        resp_free(&r);
+        hc_close(&c);
+        free(req);
+        n_cases++;
+        /* The server keeps serving. */
+        assert_int_equal(http_status_simple(s->port, "/health"), 200);
+    }
+    closedir(d);
+    print_message("%d HTTP cases\n", n_cases);
+    assert_true(n_cases >= 30);
+}
+
+static void test_keepalive_pipelining(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server *s = err_server();
+    struct hc c;
+    assert_int_equal(hc_open(&c, s->port), 0);
+    /* keep-alive: several requests, one connection */
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(hc_request(&c, "GET", "/health", NULL, NULL), 0);
+        struct resp r;
+        assert_int_equal(hc_read(&c, &r), 0);
+        assert_int_equal(r.status, 200);
+        resp_free(&r);
+    }
+    /* pipelining: three requests in one write, answered in order */
+    const char *body = "{\"prompt\":\"pipelined\",\"max_tokens\":2}";
+    char buf[1024];
+    int n = snprintf(buf, sizeof(buf),
+                     "GET /health HTTP/1.1\r\nHost: kvd\r\n\r\n"
+                     "POST /v1/completions HTTP/1.1\r\nHost: kvd\r\nContent-Length: %zu\r\n\r\n%s"
+                     "GET /v1/models HTTP/1.1\r\nHost: kvd\r\n\r\n",
+                     strlen(body), body);
+    assert_int_equal(hc_send(&c, buf, (size_t)n), 0);
+    struct resp r;
+    assert_int_equal(hc_read(&c, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "\"status\""));
+    resp_free(&r);
+    assert_int_equal(hc_read(&c, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "text_completion"));
+    resp_free(&r);
+    assert_int_equal(hc_read(&c, &r), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "\"list\""));
+    resp_free(&r);
+    /* Expect: 100-continue gets its interim answer before the body */
+    n = snprintf(buf, sizeof(buf),
+                 "POST /v1/completions HTTP/1.1\r\nHost: kvd\r\nExpect: 100-continue\r\n"
+                 "Content-Length: %zu\r\n\r\n",
+                 strlen(body));
+    assert_int_equal(hc_send(&c, buf, (size_t)n), 0);
+    char line[256];
+    assert_int_equal(hc_line(&c, line, sizeof(line)), 0);
+    assert_non_null(strstr(line, "100"));
+    assert_int_equal(hc_line(&c, line, sizeof(line)), 0);
+    assert_int_equal(hc_send(&c, body, strlen(body)), 0);
+    assert_int_equal(hc_read(&c, &r), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    /* models lists the one model */
+    assert_int_equal(hc_request(&c, "GET", "/v1/models", NULL, NULL), 0);
+    assert_int_equal(hc_read(&c, &r), 0);
+    json_t *v = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    assert_int_equal(json_array_size(json_object_get(v, "data")), 1);
+    assert_string_equal(
+        json_string_value(json_object_get(json_array_get(json_object_get(v, "data"), 0), "object")),
+        "model");
+    json_decref(v);
+    hc_close(&c);
+}
+
+/* ------------------------------------------------------------------------
+ * Tests: queue, cancellation, auth, reload, timeouts, shutdown
+ * ------------------------------------------------------------------------ */
+
+/* Start a stream and read its head and first chunk. */
+static int start_stream(struct hc *c, int port, const char *body)
+{
+    if (hc_open(c, port))
+        return -1;
+    if (hc_request(c, "POST", "/v1/completions", NULL, body))
+        return -1;
+    struct resp r;
+    if (hc_read_head(c, &r) || r.status != 200)
+        return -1;
+    char *d;
+    size_t n;
+    if (hc_read_chunk(c, &d, &n) != 1)
+        return -1;
+    free(d);
+    return 0;
+}
+
+static void test_queue_full_and_cancel(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server s;
+    static const char *const args[] = {
+        "--set", "limits.max_running=1",  "--set", "limits.step_tokens=16",
+        "--set", "limits.queue_length=1", "--set", "limits.max_tokens=1000000",
+        "--set", "cache.memory=2MiB",     "--set", "eviction.max_cache_tokens=128",
+        "--set", "server.threads=1",
+    };
+    assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    /* 1: a stream that will not end by itself */
+    struct hc c1, c2;
+    assert_int_equal(
+        start_stream(&c1, s.port,
+                     "{\"prompt\":\"forever\",\"max_tokens\":1000000,\"ignore_eos\":true,"
+                     "\"stream\":true}"),
+        0);
+    assert_true(metric(s.port, "kvd_kv_pages_used") > 0);
+    /* 2: waits in the queue */
+    assert_int_equal(hc_open(&c2, s.port), 0);
+    assert_int_equal(hc_request(&c2, "POST", "/v1/completions", NULL,
+                                "{\"prompt\":\"queued\",\"max_tokens\":4}"),
+                     0);
+    assert_true(wait_metric(s.port, "kvd_queue_depth", 1));
+    /* 3: the queue is full */
+    struct resp r;
+    assert_int_equal(http(s.port, "POST", "/v1/completions", NULL,
+                          "{\"prompt\":\"one too many\",\"max_tokens\":4}", &r),
+                     429);
+    char ra[32];
+    assert_non_null(resp_header(&r, "retry-after", ra, sizeof(ra)));
+    assert_true(atoi(ra) >= 1);
+    check_error_json(&r);
+    resp_free(&r);
+    /* Clients leave: the queued one, then the stream mid-way. Their
+     * sequences are dropped and every page returns to the pool. */
+    hc_close(&c2);
+    hc_close(&c1);
+    assert_true(wait_metric(s.port, "kvd_running_sequences", 0));
+    assert_true(wait_metric(s.port, "kvd_queue_depth", 0));
+    assert_true(wait_metric(s.port, "kvd_kv_pages_used", 0));
+    assert_true(metric(s.port, "kvd_requests_cancelled_total") >= 1);
+    /* and the server goes on */
+    assert_int_equal(http(s.port, "POST", "/v1/completions", NULL,
+                          "{\"prompt\":\"after\",\"max_tokens\":3}", &r),
+                     200);
+    resp_free(&r);
+    server_stop(&s);
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static void test_auth_and_reload(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    char conf[600], text[4096];
+    snprintf(conf, sizeof(conf), "%s/kvd.conf", tmpdir);
+    const char *fmt = "[server]\nlisten = 127.0.0.1:0\n[model]\npath = %s\n[cache]\nmemory = %s\n"
+                      "[eviction]\nmax_cache_tokens = 128\n[limits]\nmax_tokens = %s\n"
+                      "[auth]\napi_key = %s\n";
+    snprintf(text, sizeof(text), fmt, model_path, "2MiB", "100", "sekret");
+    write_file(conf, text);
+    struct server s;
+    const char *args[] = {"--config", conf, "--set", "server.threads=1"};
+    assert_int_equal(server_start(&s, args, 4), 0);
+    const char *good = "Authorization: Bearer sekret\r\n";
+    struct resp r;
+    /* open routes */
+    assert_int_equal(http_status_simple(s.port, "/metrics"), 200);
+    /* closed ones */
+    assert_int_equal(
+        http(s.port, "POST", "/v1/completions", NULL, "{\"prompt\":\"hi\",\"max_tokens\":2}", &r),
+        401);
+    check_error_json(&r);
+    resp_free(&r);
+    assert_int_equal(http(s.port, "POST", "/v1/completions", "Authorization: Bearer nope\r\n",
+                          "{\"prompt\":\"hi\",\"max_tokens\":2}", &r),
+                     401);
+    resp_free(&r);
+    assert_int_equal(http(s.port, "GET", "/v1/models", NULL, NULL, &r), 401);
+    resp_free(&r);
+    assert_int_equal(
+        http(s.port, "POST", "/v1/completions", good, "{\"prompt\":\"hi\",\"max_tokens\":80}", &r),
+        200);
+    resp_free(&r);
+    assert_int_equal(metric(s.port, "kvd_config_generation"), 1);
+
+    /* A good reload: the new limit and key apply, the restart-only cache
+     * size is ignored. */
+    snprintf(text, sizeof(text), fmt, model_path, "4MiB", "50", "sekret2");
+    write_file(conf, text);
+    kill(s.pid, SIGHUP);
+    assert_true(wait_metric(s.port, "kvd_config_generation", 2));
+    assert_int_equal(metric(s.port, "kvd_config_last_reload_success"), 1);
+    const char *good2 = "Authorization: Bearer sekret2\r\n";
+    assert_int_equal(
+        http(s.port, "POST", "/v1/completions", good2, "{\"prompt\":\"hi\",\"max_tokens\":80}", &r),
+        400);
+    assert_non_null(strstr(r.body, "50"));
+    resp_free(&r);
+    assert_int_equal(
+        http(s.port, "POST", "/v1/completions", good, "{\"prompt\":\"hi\",\"max_tokens\":2}", &r),
+        401);
+    resp_free(&r);
+
+    /* A bad file changes nothing. */
+    snprintf(text, sizeof(text), fmt, model_path, "4MiB", "lots", "sekret3");
+    write_file(conf, text);
+    kill(s.pid, SIGHUP);
+    assert_true(wait_metric(s.port, "kvd_config_last_reload_success", 0));
+    assert_int_equal(metric(s.port, "kvd_config_generation"), 2);
+    assert_int_equal(
+        http(s.port, "POST", "/v1/completions", good2, "{\"prompt\":\"hi\",\"max_tokens\":40}", &r),
+        200);
+    resp_free(&r);
+    server_stop(&s);
+}
+
+static void test_timeouts_and_connections(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server s;
+    static const char *const args[] = {
+        "--set", "limits.header_timeout=300ms",   "--set", "limits.idle_timeout=2s",
+        "--set", "server.max_connections=3",      "--set", "cache.memory=2MiB",
+        "--set", "eviction.max_cache_tokens=128", "--set", "server.threads=1",
+    };
+    assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    /* Headers that never end: 408, then the connection closes. */
+    struct hc c;
+    assert_int_equal(hc_open(&c, s.port), 0);
+    assert_int_equal(hc_send(&c, "GET /health HTTP/1.1\r\nHost: kvd\r\n", 33), 0);
+    struct resp r;
+    assert_int_equal(hc_read(&c, &r), 0);
+    assert_int_equal(r.status, 408);
+    check_error_json(&r);
+    resp_free(&r);
+    hc_close(&c);
+    /* More connections than allowed: the extra one gets 503. */
+    struct hc k[3];
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(hc_open(&k[i], s.port), 0);
+    assert_int_equal(hc_open(&c, s.port), 0);
+    assert_int_equal(hc_read(&c, &r), 0);
+    assert_int_equal(r.status, 503);
+    check_error_json(&r);
+    resp_free(&r);
+    hc_close(&c);
+    /* An idle keep-alive connection is closed quietly. */
+    char b;
+    assert_int_equal(recv(k[0].fd, &b, 1, 0), 0);
+    for (int i = 0; i < 3; i++)
+        hc_close(&k[i]);
+    /* Once the server has seen those closes, it serves again. */
+    double deadline = mono_s() + 20;
+    while (http_status_simple(s.port, "/health") != 200 && mono_s() < deadline)
+        sleep_ms(20);
+    assert_int_equal(http_status_simple(s.port, "/health"), 200);
+    server_stop(&s);
+}
+
+static void test_sigterm_finishes_stream(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server s;
+    static const char *const args[] = {
+        "--set", "server.drain_timeout=60s",      "--set", "cache.memory=2MiB",
+        "--set", "eviction.max_cache_tokens=128", "--set", "server.threads=1",
+    };
+    assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    struct hc c;
+    assert_int_equal(start_stream(&c, s.port,
+                                  "{\"prompt\":\"keep going\",\"max_tokens\":300,\"temperature\":"
+                                  "1,\"seed\":3,\"stream\":true,\"stream_options\":{\"include_"
+                                  "usage\":true}}"),
+                     0);
+    kill(s.pid, SIGTERM);
+    /* New connections are refused once the listener closes. */
+    double deadline = mono_s() + 20;
+    bool refused = false;
+    while (!refused && mono_s() < deadline) {
+        struct hc x;
+        if (hc_open(&x, s.port) != 0)
+            refused = true;
+        else
+            hc_close(&x);
+        if (!refused)
+            sleep_ms(10);
+    }
+    assert_true(refused);
+    /* The stream runs to its end. */
+    struct resp r = {0};
+    body_append(&r, "", 0);
+    for (;;) {
+        char *d;
+        size_t n;
+        int k = hc_read_chunk(&c, &d, &n);
+        assert_true(k >= 0);
+        if (k == 0)
+            break;
+        body_append(&r, d, n);
+        free(d);
+    }
+    bool done;
+    json_t *evs = sse_events(r.body, &done);
+    assert_true(done);
+    json_t *usage = json_object_get(json_array_get(evs, json_array_size(evs) - 1), "usage");
+    assert_true(json_is_object(usage));
+    json_t *fin = json_array_get(evs, json_array_size(evs) - 2);
+    const char *fr = json_string_value(
+        json_object_get(json_array_get(json_object_get(fin, "choices"), 0), "finish_reason"));
+    assert_non_null(fr);
+    if (!strcmp(fr, "length"))
+        assert_int_equal(json_integer_value(json_object_get(usage, "completion_tokens")), 300);
+    json_decref(evs);
+    resp_free(&r);
+    hc_close(&c);
+    assert_int_equal(server_wait(&s), 0);
+}
+
+static void test_drain_deadline(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct server s;
+    static const char *const args[] = {
+        "--set", "server.drain_timeout=200ms", "--set", "limits.max_tokens=1000000",
+        "--set", "cache.memory=2MiB",          "--set", "eviction.max_cache_tokens=128",
+        "--set", "server.threads=1",
+    };
+    assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    struct hc c;
+    assert_int_equal(
+        start_stream(&c, s.port,
+                     "{\"prompt\":\"endless\",\"max_tokens\":1000000,\"ignore_eos\":true,"
+                     "\"stream\":true}"),
+        0);
+    kill(s.pid, SIGTERM);
+    struct resp r = {0};
+    body_append(&r, "", 0);
+    for (;;) {
+        char *d;
+        size_t n;
+        int k = hc_read_chunk(&c, &d, &n);
+        assert_true(k >= 0);
+        if (k == 0)
+            break;
+        body_append(&r, d, n);
+        free(d);
+    }
+    bool done;
+    json_t *evs = sse_events(r.body, &done);
+    assert_true(done); /* cut short, yet complete */
+    json_t *fin = json_array_get(evs, json_array_size(evs) - 1);
+    assert_string_equal(json_string_value(json_object_get(
+                            json_array_get(json_object_get(fin, "choices"), 0), "finish_reason")),
+                        "length");
+    json_decref(evs);
+    resp_free(&r);
+    hc_close(&c);
+    assert_int_equal(server_wait(&s), 0);
+}
+
+/* ------------------------------------------------------------------------
+ * Fixture
+ * ------------------------------------------------------------------------ */
+
+static int group_setup(void **state)
+{
+    (void)state;
+    signal(SIGPIPE, SIG_IGN);
+    kvd_bin = getenv("KVD_BIN");
+    if (kvd_bin && !*kvd_bin)
+        kvd_bin = NULL;
+    snprintf(tmpdir, sizeof(tmpdir), "/tmp/kvd-test-server-XXXXXX");
+    if (!mkdtemp(tmpdir))
+        return -1;
+    snprintf(model_path, sizeof(model_path), "%s/tiny.gguf", tmpdir);
+    struct model_mk_params p;
+    model_mk_defaults(&p);
+    p.n_embd = 64;
+    p.n_layer = 2;
+    p.n_head = 4;
+    p.n_kv_head = 2;
+    p.n_ff = 128;
+    p.n_vocab = 512;
+    p.seed = 7;
+    char err[512];
+    if (model_mk_write(&p, model_path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "model_mk_write: %s\n", err);
+        return -1;
+    }
+    struct model_params mp = {.path = model_path};
+    lib_model = model_load(&mp, err, sizeof(err));
+    if (!lib_model) {
+        fprintf(stderr, "model_load: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    int bad = 0;
+    struct server *all[] = {&srv_main, &srv_err};
+    for (int i = 0; i < 2; i++) {
+        if (!all[i]->pid)
+            continue;
+        kill(all[i]->pid, SIGTERM);
+        int rc = server_wait(all[i]);
+        if (rc != 0) {
+            dump_log(all[i]);
+            fprintf(stderr, "server exited with %d\n", rc);
+            bad = 1;
+        }
+    }
+    model_free(lib_model);
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
+    if (system(cmd) != 0)
+        bad = 1;
+    return bad ? -1 : 0;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stop_scan),
+        cmocka_unit_test(test_completion),
+        cmocka_unit_test(test_completion_stream),
+        cmocka_unit_test(test_llama_completion),
+        cmocka_unit_test(test_token_array_prompt),
+        cmocka_unit_test(test_stop_across_tokens),
+        cmocka_unit_test(test_utf8_stream),
+        cmocka_unit_test(test_concurrent_clients),
+        cmocka_unit_test(test_session_prefix),
+        cmocka_unit_test(test_session_long),
+        cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_bad_requests),
+        cmocka_unit_test(test_keepalive_pipelining),
+        cmocka_unit_test(test_queue_full_and_cancel),
+        cmocka_unit_test(test_auth_and_reload),
+        cmocka_unit_test(test_timeouts_and_connections),
+        cmocka_unit_test(test_sigterm_finishes_stream),
+        cmocka_unit_test(test_drain_deadline),
+    };
+    /* KVD_TEST_FILTER=test_name (wildcards allowed) runs a subset. */
+    if (getenv("KVD_TEST_FILTER"))
+        cmocka_set_test_filter(getenv("KVD_TEST_FILTER"));
+    return cmocka_run_group_tests_name("server", tests, group_setup, group_teardown);
+}
