@@ -103,7 +103,9 @@ static void on_wake(uv_async_t *a)
 static void notify(void *ud)
 {
     struct daemon *d = ud;
-    uv_async_send(&d->wake);
+    int rc = uv_async_send(&d->wake);
+    if (rc < 0)
+        srv_log(SRV_LOG_ERROR, "uv_async_send: %s", uv_strerror(rc));
 }
 
 static void on_drain_deadline(uv_timer_t *t)

@@ -641,7 +641,9 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
      * the next write). */
     size_t cap = c->h->p.max_header_bytes + c->h->p.max_body_bytes + READ_CHUNK;
     if (c->state != CONN_READING && c->pending_len > cap && c->reading) {
-        uv_read_stop((uv_stream_t *)&c->tcp);
+        int rc = uv_read_stop((uv_stream_t *)&c->tcp);
+        if (rc < 0)
+            srv_log(SRV_LOG_WARN, "http: uv_read_stop: %s", uv_strerror(rc));
         c->reading = false;
     }
     if (c->state == CONN_READING)
@@ -719,7 +721,9 @@ static void on_connection(uv_stream_t *server, int status)
         conn_close(c);
         return;
     }
-    uv_tcp_nodelay(&c->tcp, 1);
+    rc = uv_tcp_nodelay(&c->tcp, 1); /* tokens go out as they come */
+    if (rc < 0)
+        srv_log(SRV_LOG_DEBUG, "http: uv_tcp_nodelay: %s", uv_strerror(rc));
     llhttp_init(&c->parser, HTTP_REQUEST, &h->settings);
     c->parser.data = c;
     c->state = CONN_READING;
@@ -817,15 +821,10 @@ static void close_listener(srv_http *h)
 
 void srv_http_drain(srv_http *h)
 {
+    /* Open connections stay: a request on one gets its answer (503 from
+     * the API while draining) with Connection: close. */
     h->draining = true;
     close_listener(h);
-    for (srv_conn *c = h->conns, *next; c; c = next) {
-        next = c->next;
-        if (c->state == CONN_READING && !c->in_message && c->pending_len == 0)
-            conn_close(c);
-        else
-            c->close_after = true;
-    }
 }
 
 void srv_http_close(srv_http *h, void (*done)(void *ud), void *ud)

@@ -13,15 +13,16 @@
 
 #include "server/server_internal.h"
 
-static enum srv_log_level log_level = SRV_LOG_INFO;
-static bool log_json;
+/* Set by the loop thread (start, reload), read by both threads. */
+static atomic_int log_level = SRV_LOG_INFO;
+static atomic_bool log_json;
 
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
 
 void srv_log_setup(enum srv_log_level level, bool json)
 {
-    log_level = level;
-    log_json = json;
+    atomic_store(&log_level, (int)level);
+    atomic_store(&log_json, json);
 }
 
 int srv_log_parse_level(const char *s, enum srv_log_level *out)
@@ -56,7 +57,7 @@ static size_t json_escape(char *out, size_t cap, const char *s)
 
 void srv_log(enum srv_log_level level, const char *fmt, ...)
 {
-    if (level < log_level)
+    if ((int)level < atomic_load(&log_level))
         return;
     char msg[1024];
     va_list ap;
@@ -74,7 +75,7 @@ void srv_log(enum srv_log_level level, const char *fmt, ...)
 
     char line[2400];
     int n;
-    if (log_json) {
+    if (atomic_load(&log_json)) {
         char esc[2200];
         json_escape(esc, sizeof(esc), msg);
         n = snprintf(line, sizeof(line), "{\"ts\":\"%s\",\"level\":\"%s\",\"msg\":\"%s\"}\n", ts,

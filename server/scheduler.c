@@ -61,6 +61,7 @@ struct session {
     kv_seq *seq;
     struct run *busy;      /* the run using it, or NULL */
     uint64_t last_used_ms; /* monotonic, for the idle timeout */
+    uint64_t last_use;     /* order of last use, for max_sessions (LRU) */
     int64_t last_used_unix_ms;
     struct session *next; /* hash chain */
 };
@@ -132,6 +133,7 @@ struct srv_sched {
     struct run **batch_runs;
     int batch_cap;
     uint64_t last_sweep_ms;
+    uint64_t use_counter; /* session uses, for LRU order */
     srv_metrics *metrics;
 };
 
@@ -338,7 +340,7 @@ static struct session *session_create(srv_sched *s, const char *id, char *err, s
         struct session *lru = NULL;
         for (int i = 0; i < s->n_buckets; i++)
             for (struct session *x = s->buckets[i]; x; x = x->next)
-                if (!x->busy && (!lru || x->last_used_ms < lru->last_used_ms))
+                if (!x->busy && (!lru || x->last_use < lru->last_use))
                     lru = x;
         if (!lru) {
             snprintf(err, errlen, "all %d sessions (max_sessions) are busy", s->n_sessions);
@@ -482,6 +484,7 @@ static void run_free(srv_sched *s, struct run *r)
         r->sess->busy = NULL;
         r->sess->last_used_ms = now;
         r->sess->last_used_unix_ms = unix_ms();
+        r->sess->last_use = ++s->use_counter;
         kv_seq_touch(r->seq, now);
         kv_seq_pin(r->seq, false);
     } else {

@@ -288,8 +288,8 @@ srv_http *srv_http_create(struct uv_loop_s *loop, const struct srv_http_params *
 int srv_http_listen(srv_http *h, const char *host, int port, int *bound_port, char *err,
                     size_t errlen);
 void srv_http_set_params(srv_http *h, const struct srv_http_params *p);
-/* Stop accepting; idle connections close; busy ones close after their
- * response. */
+/* Stop accepting; every later answer closes its connection (idle ones
+ * close at their idle timeout or when the server closes). */
 void srv_http_drain(srv_http *h);
 /* Close every handle; `done` runs once all are closed. */
 void srv_http_close(srv_http *h, void (*done)(void *ud), void *ud);

@@ -1664,22 +1664,36 @@ static void test_auth_and_reload(void **state)
     server_stop(&s);
 }
 
-static void test_timeouts_and_connections(void **state)
+static void test_timeouts_connections_sessions(void **state)
 {
     (void)state;
     SKIP_WITHOUT_KVD();
     struct server s;
     static const char *const args[] = {
-        "--set", "limits.header_timeout=300ms",   "--set", "limits.idle_timeout=2s",
-        "--set", "server.max_connections=3",      "--set", "cache.memory=2MiB",
-        "--set", "eviction.max_cache_tokens=128", "--set", "server.threads=1",
+        "--set", "limits.header_timeout=300ms",      "--set", "limits.idle_timeout=2s",
+        "--set", "server.max_connections=3",         "--set", "cache.memory=2MiB",
+        "--set", "eviction.max_cache_tokens=128",    "--set", "server.threads=1",
+        "--set", "eviction.session_idle_timeout=1s", "--set", "eviction.max_sessions=2",
     };
     assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    /* Sessions: at most two are kept (the least recently used goes). */
+    struct resp r;
+    const char *names[] = {"one", "two", "three"};
+    for (int i = 0; i < 3; i++) {
+        char body[128];
+        snprintf(body, sizeof(body), "{\"prompt\":\"hi\",\"max_tokens\":2,\"session\":\"%s\"}",
+                 names[i]);
+        assert_int_equal(http(s.port, "POST", "/v1/completions", NULL, body, &r), 200);
+        resp_free(&r);
+    }
+    assert_int_equal(http_status_simple(s.port, "/v1/sessions/one"), 404);
+    assert_int_equal(http_status_simple(s.port, "/v1/sessions/three"), 200);
+    double t_sessions = mono_s();
+
     /* Headers that never end: 408, then the connection closes. */
     struct hc c;
     assert_int_equal(hc_open(&c, s.port), 0);
     assert_int_equal(hc_send(&c, "GET /health HTTP/1.1\r\nHost: kvd\r\n", 33), 0);
-    struct resp r;
     assert_int_equal(hc_read(&c, &r), 0);
     assert_int_equal(r.status, 408);
     check_error_json(&r);
@@ -1705,6 +1719,14 @@ static void test_timeouts_and_connections(void **state)
     while (http_status_simple(s.port, "/health") != 200 && mono_s() < deadline)
         sleep_ms(20);
     assert_int_equal(http_status_simple(s.port, "/health"), 200);
+    /* Sessions idle past session_idle_timeout (1 s) are freed. */
+    while (mono_s() < t_sessions + 1.0)
+        sleep_ms(50);
+    deadline = mono_s() + 20;
+    while (http_status_simple(s.port, "/v1/sessions/three") != 404 && mono_s() < deadline)
+        sleep_ms(50);
+    assert_int_equal(http_status_simple(s.port, "/v1/sessions/three"), 404);
+    assert_true(wait_metric(s.port, "kvd_sessions", 0));
     server_stop(&s);
 }
 
@@ -1718,13 +1740,40 @@ static void test_sigterm_finishes_stream(void **state)
         "--set", "eviction.max_cache_tokens=128", "--set", "server.threads=1",
     };
     assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    /* a keep-alive connection opened before the signal */
+    struct hc k;
+    assert_int_equal(hc_open(&k, s.port), 0);
+    struct resp r;
+    assert_int_equal(hc_request(&k, "GET", "/health", NULL, NULL), 0);
+    assert_int_equal(hc_read(&k, &r), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
     struct hc c;
     assert_int_equal(start_stream(&c, s.port,
-                                  "{\"prompt\":\"keep going\",\"max_tokens\":300,\"temperature\":"
-                                  "1,\"seed\":3,\"stream\":true,\"stream_options\":{\"include_"
+                                  "{\"prompt\":\"keep going\",\"max_tokens\":2000,\"ignore_eos\":"
+                                  "true,\"stream\":true,\"stream_options\":{\"include_"
                                   "usage\":true}}"),
                      0);
     kill(s.pid, SIGTERM);
+    /* Draining: a request on the open connection gets 503 and the
+     * connection closes after it. */
+    for (;;) {
+        assert_int_equal(hc_request(&k, "GET", "/health", NULL, NULL), 0);
+        assert_int_equal(hc_read(&k, &r), 0);
+        int status = r.status;
+        char conn_hdr[32] = "";
+        resp_header(&r, "connection", conn_hdr, sizeof(conn_hdr));
+        if (status == 503)
+            check_error_json(&r);
+        resp_free(&r);
+        if (status == 503) {
+            assert_string_equal(conn_hdr, "close");
+            break;
+        }
+        assert_int_equal(status, 200);
+        sleep_ms(5);
+    }
+    hc_close(&k);
     /* New connections are refused once the listener closes. */
     double deadline = mono_s() + 20;
     bool refused = false;
@@ -1739,14 +1788,14 @@ static void test_sigterm_finishes_stream(void **state)
     }
     assert_true(refused);
     /* The stream runs to its end. */
-    struct resp r = {0};
+    memset(&r, 0, sizeof(r));
     body_append(&r, "", 0);
     for (;;) {
         char *d;
         size_t n;
-        int k = hc_read_chunk(&c, &d, &n);
-        assert_true(k >= 0);
-        if (k == 0)
+        int got = hc_read_chunk(&c, &d, &n);
+        assert_true(got >= 0);
+        if (got == 0)
             break;
         body_append(&r, d, n);
         free(d);
@@ -1760,8 +1809,8 @@ static void test_sigterm_finishes_stream(void **state)
     const char *fr = json_string_value(
         json_object_get(json_array_get(json_object_get(fin, "choices"), 0), "finish_reason"));
     assert_non_null(fr);
-    if (!strcmp(fr, "length"))
-        assert_int_equal(json_integer_value(json_object_get(usage, "completion_tokens")), 300);
+    assert_string_equal(fr, "length");
+    assert_int_equal(json_integer_value(json_object_get(usage, "completion_tokens")), 2000);
     json_decref(evs);
     resp_free(&r);
     hc_close(&c);
@@ -1891,7 +1940,7 @@ int main(void)
         cmocka_unit_test(test_keepalive_pipelining),
         cmocka_unit_test(test_queue_full_and_cancel),
         cmocka_unit_test(test_auth_and_reload),
-        cmocka_unit_test(test_timeouts_and_connections),
+        cmocka_unit_test(test_timeouts_connections_sessions),
         cmocka_unit_test(test_sigterm_finishes_stream),
         cmocka_unit_test(test_drain_deadline),
     };
