@@ -430,6 +430,7 @@ static void handle_session_request(srv_sched *s, struct srv_req *r)
  * Runs
  * ------------------------------------------------------------------------ */
 
+/* Lock rule: takes in_mu, releases it, then the metrics lock (never both). */
 static void publish_gauges(srv_sched *s)
 {
     if (!s->metrics)
@@ -467,7 +468,8 @@ static void run_usage(const struct run *r, struct srv_usage *u, uint64_t t_end)
 }
 
 /* Remove r from the running list and free it: its sequence goes back to
- * the pool unless it belongs to a session. */
+ * the pool unless it belongs to a session. Lock rule: takes in_mu only
+ * (for the count submit reads). */
 static void run_free(srv_sched *s, struct run *r)
 {
     struct run **pp = &s->runs;
@@ -603,6 +605,7 @@ static int request_policy(const srv_sched *s, const struct srv_req *req, struct 
 /*
  * Admit the request at the head of the line into a new run. Returns the
  * run, or NULL after posting the request's error (it is then done).
+ * Lock rule: takes in_mu, then (separately) out_mu to post.
  */
 static struct run *run_admit(srv_sched *s, struct srv_req *req, uint64_t t)
 {
@@ -827,6 +830,7 @@ static bool pull_inbox(srv_sched *s, bool block, uint64_t wait_ms)
     return !stop;
 }
 
+/* Unlink r from the waiting FIFO. Lock rule: takes in_mu only. */
 static void waiting_remove(srv_sched *s, struct srv_req *prev, struct srv_req *r)
 {
     if (prev)
