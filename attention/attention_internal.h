@@ -125,6 +125,17 @@ struct attn_bias {
 };
 
 /*
+ * Rows to prefetch while a tile is scored: n key rows (k[t]) and value rows
+ * (v[t]) of the next head or tile, bytes each. The SIMD qk spreads the
+ * requests over its key loop; n = 0 (or a NULL pointer) asks for nothing.
+ */
+struct attn_prefetch {
+    const void *k[ATTN_TILE], *v[ATTN_TILE];
+    int n;
+    int bytes;
+};
+
+/*
  * Operations on one tile of at most ATTN_TILE keys. Key and value rows are
  * given as pointers (kp[t], vp[t]); kp has ATTN_TILE valid entries (padding
  * repeats a real key) so blocked loops may read past nt. Score rows have
@@ -136,7 +147,15 @@ struct attn_ops {
 
     /* S[r][t] = q[r] . k_t for r < nrows, t < nt (columns up to ATTN_TILE may be written). */
     void (*qk)(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-               enum attn_type type, int head_dim);
+               enum attn_type type, int head_dim, const struct attn_prefetch *pf);
+
+    /*
+     * qk with every key rotated on the fly, as stage_k would rotate it (for
+     * few rows, where staging would cost more than it saves).
+     */
+    void (*qk_rope)(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                    enum attn_type type, int head_dim, int rot, enum pos_rope_pairing pairing,
+                    const float *cs, const float *sn, int ld_cs, const struct attn_prefetch *pf);
 
     /*
      * Online-softmax update of one score row s (nt valid scores): add the

@@ -39,6 +39,7 @@
 #include <errno.h>
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,17 +60,21 @@ struct tscratch {
     float *S;              /* [rows_max][ATTN_TILE] scores, then probabilities */
     float *acc;            /* [rows_max][head_dim] output accumulators */
     float *m, *l;          /* [rows_max] running max and sum */
+    float *qr;             /* [rows_max][head_dim] prepared (scaled, rotated) queries */
     const float **qrow;    /* [rows_max] prepared query of each row */
     int32_t *rpos;         /* [rows_max] position of each row's query */
     struct attn_bias *bias; /* [rows_max] bias of each row's head */
     int32_t *kpos;         /* [ATTN_TILE] positions of the tile's keys, padded */
     size_t *tok;           /* [ATTN_TILE] byte offset of each key's page slot */
+    size_t *tok_next;      /* [ATTN_TILE] the same for the next tile (prefetching) */
     const void **kp, **vp; /* [ATTN_TILE] key and value rows of one head */
     float *kst;            /* [ATTN_TILE][head_dim] staged (converted, rotated) keys */
+    float *vst;            /* [ATTN_TILE][head_dim] staged (converted) values */
+    struct attn_prefetch *pf; /* [1] rows of the next head or tile */
     float *cs, *sn;        /* [ATTN_TILE][half] cos and sin of each key's angles */
     float *base_c, *base_s; /* [half] angles at the cached 4096-block start */
     float *cur_c, *cur_s;   /* [half] ... plus 64 * hi */
-    float *qbuf;           /* [head_dim + rot] query being rotated, its cos/sin */
+    float *qbuf;           /* [head_dim + rot] a query being rotated, its cos/sin */
     int64_t base_block;    /* block of base_c/base_s, -1 = none */
     int cur_hi;            /* hi of cur_c/cur_s, -1 = none */
 };
@@ -82,6 +87,7 @@ struct unit {
     int nsplit;    /* parts along the keys; 1 = not split */
     size_t part0;  /* first partial row (rows of part i at part0 + i * rows) */
     int32_t qmax;  /* largest query position */
+    atomic_int done; /* parts finished; the part that finishes last merges */
 };
 
 enum item_kind { ITEM_ATTN, ITEM_MASS };
@@ -120,13 +126,12 @@ struct attn_ctx {
     void *ts_mem;
 
     /* batch workspace, grown by attn_run */
-    float *qprep;         /* [total_q][n_head][head_dim] scaled, rotated queries */
     float *stats;         /* [total_q][n_head][2] final (m, l) */
     float *parts;         /* [..][head_dim + 2] split partials: m, l, acc */
     struct unit *units;
     struct item *items;
     struct seqinfo *si;
-    size_t cap_qprep, cap_stats, cap_parts, cap_units, cap_items, cap_si;
+    size_t cap_stats, cap_parts, cap_units, cap_items, cap_si;
 
     size_t bytes;         /* everything allocated */
     char err[192];
@@ -165,8 +170,9 @@ static float dot_f32(const float *a, const float *b, int n)
 }
 
 static void qk_scalar(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                      enum attn_type type, int D)
+                      enum attn_type type, int D, const struct attn_prefetch *pf)
 {
+    (void)pf; /* the portable path leaves prefetching to the hardware */
     float k[1024];
     for (int t = 0; t < nt; t++) {
         row_to_f32(k, kp[t], 0, D, type);
@@ -262,9 +268,26 @@ static void stage_k_scalar(float *out, const void *const *kp, int nt, enum attn_
     }
 }
 
+static void qk_rope_scalar(float *S, const float *const *q, int nrows, const void *const *kp,
+                           int nt, enum attn_type type, int D, int rot,
+                           enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                           int ld_cs, const struct attn_prefetch *pf)
+{
+    (void)pf;
+    float k[1024];
+    for (int t = 0; t < nt; t++) {
+        const void *one[1] = {kp[t]};
+        stage_k_scalar(k, one, 1, type, D, rot, pairing, cs + (size_t)t * ld_cs,
+                       sn + (size_t)t * ld_cs, ld_cs);
+        for (int r = 0; r < nrows; r++)
+            S[(size_t)r * ATTN_TILE + t] = dot_f32(q[r], k, D);
+    }
+}
+
 static const struct attn_ops scalar_ops = {
     .name = "scalar",
     .qk = qk_scalar,
+    .qk_rope = qk_rope_scalar,
     .softmax = softmax_scalar,
     .probs = probs_scalar,
     .pv = pv_scalar,
@@ -400,14 +423,18 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(acc, (size_t)rows_max * D);
     CARVE(m, rows_max);
     CARVE(l, rows_max);
+    CARVE(qr, (size_t)rows_max * D);
     CARVE(qrow, rows_max);
     CARVE(rpos, rows_max);
     CARVE(bias, rows_max);
     CARVE(kpos, ATTN_TILE);
     CARVE(tok, ATTN_TILE);
+    CARVE(tok_next, ATTN_TILE);
     CARVE(kp, ATTN_TILE);
     CARVE(vp, ATTN_TILE);
     CARVE(kst, (size_t)ATTN_TILE * D);
+    CARVE(vst, (size_t)ATTN_TILE * D);
+    CARVE(pf, 1);
     CARVE(cs, (size_t)ATTN_TILE * (half ? half : 1));
     CARVE(sn, (size_t)ATTN_TILE * (half ? half : 1));
     CARVE(base_c, half ? half : 1);
@@ -495,6 +522,7 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
     ctx->ts_mem = ctx_alloc(ctx, per * (size_t)ctx->n_threads);
     if (!ctx->ts_mem)
         goto out_nomem;
+    memset(ctx->ts_mem, 0, per * (size_t)ctx->n_threads); /* padding lanes read defined data */
     for (int i = 0; i < ctx->n_threads; i++)
         carve_scratch(&ctx->ts[i], (uint8_t *)ctx->ts_mem + per * (size_t)i, ctx->rows_max, D,
                       ctx->half);
@@ -521,7 +549,6 @@ void attn_destroy(attn_ctx *ctx)
     free(ctx->t5bias);
     free(ctx->ts);
     free(ctx->ts_mem);
-    free(ctx->qprep);
     free(ctx->stats);
     free(ctx->parts);
     free(ctx->units);
@@ -751,6 +778,7 @@ static void plan(attn_ctx *ctx, const struct attn_seq *seqs, int n_seqs, int *n_
                     qmax = sq->q_pos[q0 + i] > qmax ? sq->q_pos[q0 + i] : qmax;
                 u->qmax = qmax;
                 u->k_end = ctx->si[s].sorted ? visible_end(sq->pos, sq->n_kv, qmax) : sq->n_kv;
+                atomic_init(&u->done, 0);
                 total += (double)u->rows * (u->k_end + 1);
             }
         }
@@ -847,18 +875,26 @@ static void rope_tile(const attn_ctx *ctx, struct tscratch *w, int nt)
  * Load the positions and page-slot offsets of keys [k0, k0 + nt) into the
  * scratch, padded to ATTN_TILE. Returns the smallest position.
  */
-static int32_t load_tile(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+static void tile_offsets(const attn_ctx *ctx, size_t *tok, const struct attn_kv *kv,
                          const struct attn_seq *sq, int k0, int nt)
 {
     const size_t slot = (size_t)ctx->p.head_dim * attn_type_size(kv->type);
     const int pt = kv->page_tokens;
-    int32_t pmin = INT32_MAX;
     for (int t = 0; t < nt; t++) {
         int k = k0 + t;
-        w->kpos[t] = sq->pos[k];
-        pmin = sq->pos[k] < pmin ? sq->pos[k] : pmin;
-        w->tok[t] = (size_t)sq->page_table[k / pt] * kv->page_bytes + (size_t)(k % pt) * slot;
+        tok[t] = (size_t)sq->page_table[k / pt] * kv->page_bytes + (size_t)(k % pt) * slot;
     }
+}
+
+static int32_t load_tile(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+                         const struct attn_seq *sq, int k0, int nt)
+{
+    int32_t pmin = INT32_MAX;
+    for (int t = 0; t < nt; t++) {
+        w->kpos[t] = sq->pos[k0 + t];
+        pmin = sq->pos[k0 + t] < pmin ? sq->pos[k0 + t] : pmin;
+    }
+    tile_offsets(ctx, w->tok, kv, sq, k0, nt);
     for (int t = nt; t < ATTN_TILE; t++) {
         w->kpos[t] = INT32_MAX;
         w->tok[t] = w->tok[nt - 1];
@@ -867,12 +903,13 @@ static int32_t load_tile(const attn_ctx *ctx, struct tscratch *w, const struct a
 }
 
 /*
- * Point kp/vp at KV head g's rows of the tile; stage (convert and rotate)
- * the keys when RoPE is on or when many rows will reuse them. Returns the
- * type the key pointers now have.
+ * Scores of rows_h rows (prepared queries q) against KV head g's keys of
+ * the tile, into w->S; also points w->vp at the head's value rows. Keys are
+ * staged once (converted, rotated) when many rows reuse them, and rotated
+ * in registers when few do.
  */
-static enum attn_type head_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
-                                int g, int nt, int rows_h)
+static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
+                        int nt, const float *const *q, int rows_h, const struct attn_prefetch *pf)
 {
     const int D = ctx->p.head_dim;
     const size_t head = (size_t)g * kv->page_tokens * D * attn_type_size(kv->type);
@@ -881,14 +918,42 @@ static enum attn_type head_rows(const attn_ctx *ctx, struct tscratch *w, const s
         w->kp[t] = kb + w->tok[t];
         w->vp[t] = vb + w->tok[t];
     }
-    bool stage = ctx->rot > 0 || (kv->type != ATTN_F32 && rows_h > 4);
-    if (!stage)
-        return kv->type;
+    const bool many = rows_h > 4;
+    if (!many && ctx->rot) {
+        ctx->ops->qk_rope(w->S, q, rows_h, w->kp, nt, kv->type, D, ctx->rot,
+                          ctx->p.pos.rope_pairing, w->cs, w->sn, ctx->half, pf);
+        return;
+    }
+    if (!many || (kv->type == ATTN_F32 && !ctx->rot)) {
+        ctx->ops->qk(w->S, q, rows_h, w->kp, nt, kv->type, D, pf);
+        return;
+    }
     ctx->ops->stage_k(w->kst, w->kp, nt, kv->type, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs,
                       w->sn, ctx->half);
     for (int t = 0; t < ATTN_TILE; t++)
         w->kp[t] = w->kst + (size_t)(t < nt ? t : nt - 1) * D;
-    return ATTN_F32;
+    ctx->ops->qk(w->S, q, rows_h, w->kp, nt, ATTN_F32, D, pf);
+}
+
+/*
+ * Describe KV head g's rows of a tile (slot offsets tok, n keys) for the
+ * next scoring call to prefetch: a head's rows are page_tokens-row runs
+ * scattered over pages, which the hardware prefetcher follows poorly.
+ */
+static const struct attn_prefetch *prefetch_head(const attn_ctx *ctx, struct attn_prefetch *pf,
+                                                 const size_t *tok, const struct attn_kv *kv,
+                                                 int g, int n)
+{
+    const size_t row = (size_t)ctx->p.head_dim * attn_type_size(kv->type);
+    const size_t head = (size_t)g * kv->page_tokens * row;
+    const uint8_t *kb = kv->base + kv->k_offset + head, *vb = kv->base + kv->v_offset + head;
+    for (int t = 0; t < n; t++) {
+        pf->k[t] = kb + tok[t];
+        pf->v[t] = vb + tok[t];
+    }
+    pf->n = n;
+    pf->bytes = (int)row;
+    return pf;
 }
 
 /* The bias of query head h. */
@@ -906,24 +971,57 @@ static struct attn_bias head_bias(const attn_ctx *ctx, int h)
     return b;
 }
 
+/* dst = q * scale, rotated by pos_q's exact angles cs, laid out like staged keys. */
+static void prep_row(const attn_ctx *ctx, float *x, const float *cs, const float *src,
+                     float *dst)
+{
+    const int D = ctx->p.head_dim, rot = ctx->rot, half = ctx->half;
+    const float scale = ctx->p.scale;
+    if (!rot) {
+        for (int d = 0; d < D; d++)
+            dst[d] = src[d] * scale;
+        return;
+    }
+    memcpy(x, src, sizeof(float) * (size_t)D);
+    pos_rope_apply(x, cs, rot, ctx->p.pos.rope_pairing);
+    if (ctx->p.pos.rope_pairing == POS_ROPE_ADJACENT) {
+        for (int i = 0; i < half; i++) {
+            dst[i] = x[2 * i] * scale;
+            dst[half + i] = x[2 * i + 1] * scale;
+        }
+    } else {
+        for (int d = 0; d < rot; d++)
+            dst[d] = x[d] * scale;
+    }
+    for (int d = rot; d < D; d++)
+        dst[d] = x[d] * scale;
+}
+
 /*
  * Set up rows [0, rows) of a unit-shaped block: for each of ng KV heads from
  * g0, each of nq queries from q0, each query head of the group. Row order is
  * (head of block, query, group member), so one KV head's rows are contiguous.
+ * Each row's query is prepared into the thread's scratch.
  */
 static void setup_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq,
-                       int qoff, int q0, int nq, int g0, int ng)
+                       int q0, int nq, int g0, int ng)
 {
     const int H = ctx->p.n_head, D = ctx->p.head_dim, group = ctx->group;
-    int r = 0;
-    for (int hh = 0; hh < ng; hh++)
-        for (int qi = 0; qi < nq; qi++)
-            for (int j = 0; j < group; j++, r++) {
-                int h = (g0 + hh) * group + j;
-                w->qrow[r] = ctx->qprep + ((size_t)(qoff + q0 + qi) * H + h) * D;
+    float *x = w->qbuf, *cs = w->qbuf + D;
+    for (int qi = 0; qi < nq; qi++) {
+        if (ctx->rot)
+            pos_rope_cos_sin(cs, ctx->inv_freq, ctx->rot, (double)ctx->p.pos.rope_freq_scale,
+                             sq->q_pos[q0 + qi]);
+        for (int hh = 0; hh < ng; hh++)
+            for (int j = 0; j < group; j++) {
+                int r = (hh * nq + qi) * group + j, h = (g0 + hh) * group + j;
+                float *dst = w->qr + (size_t)r * D;
+                prep_row(ctx, x, cs, sq->q + ((size_t)(q0 + qi) * H + h) * D, dst);
+                w->qrow[r] = dst;
                 w->rpos[r] = sq->q_pos[q0 + qi];
                 w->bias[r] = head_bias(ctx, h);
             }
+    }
 }
 
 /* Row r of a unit -> (query, head). */
@@ -945,7 +1043,7 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     const int qoff = ctx->si[u->seq].qoff;
     const struct attn_ops *ops = ctx->ops;
 
-    setup_rows(ctx, w, sq, qoff, u->q0, u->nq, u->g0, u->ng);
+    setup_rows(ctx, w, sq, u->q0, u->nq, u->g0, u->ng);
     for (int r = 0; r < u->rows; r++) {
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
@@ -958,15 +1056,30 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
             continue; /* every key of the tile is in every query's future */
         if (ctx->rot)
             rope_tile(ctx, w, nt);
+        int nt_next = it->k1 - (k0 + ATTN_TILE);
+        nt_next = nt_next < ATTN_TILE ? nt_next : ATTN_TILE;
+        if (nt_next > 0)
+            tile_offsets(ctx, w->tok_next, kv, sq, k0 + ATTN_TILE, nt_next);
         for (int hh = 0; hh < u->ng; hh++) {
             int r0 = hh * rows_h;
-            enum attn_type kt = head_rows(ctx, w, kv, u->g0 + hh, nt, rows_h);
-            ops->qk(w->S, w->qrow + r0, rows_h, w->kp, nt, kt, D);
+            const struct attn_prefetch *pf = NULL; /* the next head, or head 0 of the next tile */
+            if (hh + 1 < u->ng)
+                pf = prefetch_head(ctx, w->pf, w->tok, kv, u->g0 + hh + 1, nt);
+            else if (nt_next > 0)
+                pf = prefetch_head(ctx, w->pf, w->tok_next, kv, u->g0, nt_next);
+            head_scores(ctx, w, kv, u->g0 + hh, nt, w->qrow + r0, rows_h, pf);
             for (int r = 0; r < rows_h; r++)
                 ops->softmax(w->S + (size_t)r * ATTN_TILE, nt, w->kpos, w->rpos[r0 + r],
                              &w->bias[r0 + r], &w->m[r0 + r], &w->l[r0 + r],
                              w->acc + (size_t)(r0 + r) * D, D);
-            ops->pv(w->acc + (size_t)r0 * D, rows_h, w->S, w->vp, nt, kv->type, D);
+            enum attn_type vt = kv->type;
+            if (rows_h > 4 && vt != ATTN_F32) { /* convert once, not once per row block */
+                ops->stage_k(w->vst, w->vp, nt, vt, D, 0, POS_ROPE_NEOX, NULL, NULL, 0);
+                for (int t = 0; t < nt; t++)
+                    w->vp[t] = w->vst + (size_t)t * D;
+                vt = ATTN_F32;
+            }
+            ops->pv(w->acc + (size_t)r0 * D, rows_h, w->S, w->vp, nt, vt, D);
         }
     }
 
@@ -1034,7 +1147,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
                           const struct attn_seq *seqs, const struct item *it)
 {
     const struct attn_seq *sq = &seqs[it->unit];
-    const int D = ctx->p.head_dim, H = ctx->p.n_head, G = ctx->p.n_kv_head;
+    const int H = ctx->p.n_head, G = ctx->p.n_kv_head;
     const int qoff = ctx->si[it->unit].qoff;
     const int qb = unit_qblock(ctx);
     const struct attn_ops *ops = ctx->ops;
@@ -1044,7 +1157,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
         for (int q0 = 0; q0 < sq->n_q; q0 += qb) {
             int nq = sq->n_q - q0 < qb ? sq->n_q - q0 : qb;
             int rows = nq * ctx->group;
-            setup_rows(ctx, w, sq, qoff, q0, nq, g, 1);
+            setup_rows(ctx, w, sq, q0, nq, g, 1);
             int32_t qmax = 0;
             for (int r = 0; r < rows; r++) {
                 int h = g * ctx->group + r % ctx->group, qi = q0 + r / ctx->group;
@@ -1060,8 +1173,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
                     continue;
                 if (ctx->rot)
                     rope_tile(ctx, w, nt);
-                enum attn_type kt = head_rows(ctx, w, kv, g, nt, rows);
-                ops->qk(w->S, w->qrow, rows, w->kp, nt, kt, D);
+                head_scores(ctx, w, kv, g, nt, w->qrow, rows, NULL);
                 float *mass = sq->mass + k0;
                 for (int r = 0; r < rows; r++) {
                     float *s = w->S + (size_t)r * ATTN_TILE;
@@ -1071,40 +1183,6 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
                 }
             }
         }
-    }
-}
-
-/* Scale, rotate (exact angles) and lay out query i of the batch for every head. */
-static void prep_query(attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq, int qi,
-                       int qoff)
-{
-    const int D = ctx->p.head_dim, H = ctx->p.n_head, rot = ctx->rot, half = ctx->half;
-    const float scale = ctx->p.scale;
-    float *x = w->qbuf, *cs = w->qbuf + D;
-    if (rot)
-        pos_rope_cos_sin(cs, ctx->inv_freq, rot, (double)ctx->p.pos.rope_freq_scale,
-                         sq->q_pos[qi]);
-    for (int h = 0; h < H; h++) {
-        const float *src = sq->q + ((size_t)qi * H + h) * D;
-        float *dst = ctx->qprep + ((size_t)(qoff + qi) * H + h) * D;
-        if (!rot) {
-            for (int d = 0; d < D; d++)
-                dst[d] = src[d] * scale;
-            continue;
-        }
-        memcpy(x, src, sizeof(float) * (size_t)D);
-        pos_rope_apply(x, cs, rot, ctx->p.pos.rope_pairing);
-        if (ctx->p.pos.rope_pairing == POS_ROPE_ADJACENT) {
-            for (int i = 0; i < half; i++) {
-                dst[i] = x[2 * i] * scale;
-                dst[half + i] = x[2 * i + 1] * scale;
-            }
-        } else {
-            for (int d = 0; d < rot; d++)
-                dst[d] = x[d] * scale;
-        }
-        for (int d = rot; d < D; d++)
-            dst[d] = x[d] * scale;
     }
 }
 
@@ -1148,8 +1226,6 @@ int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seq
     size_t n_parts = units_rows + (size_t)ctx->rows_max * (spread + 1);
     if (grow(ctx, (void **)&ctx->units, &ctx->cap_units, n_units + 1, sizeof(struct unit)) ||
         grow(ctx, (void **)&ctx->items, &ctx->cap_items, n_items, sizeof(struct item)) ||
-        grow(ctx, (void **)&ctx->qprep, &ctx->cap_qprep, (size_t)total_q * H * D + 1,
-             sizeof(float)) ||
         grow(ctx, (void **)&ctx->stats, &ctx->cap_stats, (size_t)total_q * H * 2 + 1,
              sizeof(float)) ||
         grow(ctx, (void **)&ctx->parts, &ctx->cap_parts, n_parts * (size_t)(D + 2),
@@ -1167,37 +1243,29 @@ int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seq
     int nu, ni, na;
     plan(ctx, seqs, n_seqs, &nu, &ni, &na);
 
+    const bool has_mass = ni > na;
 #pragma omp parallel num_threads(ctx->n_threads)
     {
         struct tscratch *w = &ctx->ts[omp_get_thread_num()];
 
-#pragma omp for schedule(static)
-        for (int i = 0; i < total_q; i++) {
-            int lo = 0, hi = n_seqs - 1; /* the sequence holding batch query i */
-            while (lo < hi) {
-                int mid = (lo + hi + 1) / 2;
-                if (ctx->si[mid].qoff <= i)
-                    lo = mid;
-                else
-                    hi = mid - 1;
-            }
-            while (seqs[lo].n_q == 0 || ctx->si[lo].qoff + seqs[lo].n_q <= i)
-                lo++;
-            prep_query(ctx, w, &seqs[lo], i - ctx->si[lo].qoff, ctx->si[lo].qoff);
+        /* attention items; the last part of a split unit to finish merges it */
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int i = 0; i < na; i++) {
+            const struct item *it = &ctx->items[i];
+            run_attn_item(ctx, w, kv, seqs, it);
+            struct unit *u = &ctx->units[it->unit];
+            if (it->part >= 0 &&
+                atomic_fetch_add_explicit(&u->done, 1, memory_order_acq_rel) == u->nsplit - 1)
+                merge_unit(ctx, seqs, u);
         }
 
+        /* attention mass: needs every row's final (m, l) */
+        if (has_mass) {
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < na; i++)
-            run_attn_item(ctx, w, kv, seqs, &ctx->items[i]);
-
-#pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < nu; i++)
-            if (ctx->units[i].nsplit > 1)
-                merge_unit(ctx, seqs, &ctx->units[i]);
-
-#pragma omp for schedule(dynamic, 1)
-        for (int i = na; i < ni; i++)
-            run_mass_item(ctx, w, kv, seqs, &ctx->items[i]);
+            for (int i = na; i < ni; i++)
+                run_mass_item(ctx, w, kv, seqs, &ctx->items[i]);
+        }
     }
 
     /* a sequence with queries but no keys, and masses of sequences without queries */

@@ -340,28 +340,143 @@ INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int
         memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
 }
 
-INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                     enum attn_type T, int D)
+/* Prefetch requests for keys [t0, t0 + VL) of the next head or tile. */
+INLINE void prefetch_rows(const struct attn_prefetch *pf, int t0)
 {
-    int r = 0;
-    for (; r + 4 <= nrows; r += 4)
-        for (int t0 = 0; t0 < nt; t0 += VL / 4)
-            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 4, VL / 4);
-    for (; r + 2 <= nrows; r += 2)
-        for (int t0 = 0; t0 < nt; t0 += VL / 2)
-            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 2, VL / 2);
-    for (; r < nrows; r++)
-        for (int t0 = 0; t0 < nt; t0 += VL)
-            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 1, VL);
+    if (!pf)
+        return;
+    int end = t0 + VL < pf->n ? t0 + VL : pf->n;
+    for (int t = t0; t < end; t++)
+        for (int b = 0; b < pf->bytes; b += 64) {
+            _mm_prefetch((const char *)pf->k[t] + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)pf->v[t] + b, _MM_HINT_T0);
+        }
+}
+
+/* Key chunks of VL outer (with their prefetches), row blocks inner. */
+INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                     enum attn_type T, int D, const struct attn_prefetch *pf)
+{
+    for (int c0 = 0; c0 < nt; c0 += VL) {
+        prefetch_rows(pf, c0);
+        int r = 0;
+        for (; r + 4 <= nrows; r += 4)
+            for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4)
+                qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 4, VL / 4);
+        for (; r + 2 <= nrows; r += 2)
+            for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 2)
+                qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 2, VL / 2);
+        for (; r < nrows; r++)
+            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, 1, VL);
+    }
 }
 
 static void qk_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                    enum attn_type type, int D)
+                    enum attn_type type, int D, const struct attn_prefetch *pf)
 {
     switch (type) {
-    case ATTN_F32: qk_typed(S, q, nrows, kp, nt, ATTN_F32, D); break;
-    case ATTN_F16: qk_typed(S, q, nrows, kp, nt, ATTN_F16, D); break;
-    case ATTN_BF16: qk_typed(S, q, nrows, kp, nt, ATTN_BF16, D); break;
+    case ATTN_F32: qk_typed(S, q, nrows, kp, nt, ATTN_F32, D, pf); break;
+    case ATTN_F16: qk_typed(S, q, nrows, kp, nt, ATTN_F16, D, pf); break;
+    case ATTN_BF16: qk_typed(S, q, nrows, kp, nt, ATTN_BF16, D, pf); break;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Scores with keys rotated in registers (RoPE, few rows)
+ * ------------------------------------------------------------------------ */
+
+/* The low and high halves of pairs i..i+n-1 of a key, de-interleaved for adjacent pairs. */
+INLINE void load_pairs(const void *k, int i, int half, int n, bool neox, enum attn_type T, vf *lo,
+                       vf *hi)
+{
+    if (neox) {
+        *lo = vload_t(k, i, T, n);
+        *hi = vload_t(k, half + i, T, n);
+    } else {
+        vf a = vload_t(k, 2 * i, T, 2 * n < VL ? 2 * n : VL);
+        vf b = vload_t(k, 2 * i + VL, T, 2 * n - VL);
+        vdeinterleave(a, b, lo, hi);
+    }
+}
+
+INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp, int t0,
+                          enum attn_type T, int D, int rot, bool neox, const float *cs,
+                          const float *sn, int ld, const int RB, const int KB)
+{
+    const int half = rot / 2;
+    vf acc[VL];
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; i++)
+        acc[i] = vzero();
+    for (int i = 0; i < half; i += VL) {
+        int n = half - i < VL ? half - i : VL;
+#pragma GCC unroll 16
+        for (int kb = 0; kb < KB; kb++) {
+            vf lo, hi;
+            load_pairs(kp[t0 + kb], i, half, n, neox, T, &lo, &hi);
+            const size_t row = (size_t)(t0 + kb) * ld + i;
+            vf c = vload_n(cs + row, n), s = vload_n(sn + row, n);
+            vf rlo = vfnma(hi, s, vmul(lo, c)), rhi = vfma(lo, s, vmul(hi, c));
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++) {
+                acc[r * KB + kb] = vfma(vload_n(q[r] + i, n), rlo, acc[r * KB + kb]);
+                acc[r * KB + kb] = vfma(vload_n(q[r] + half + i, n), rhi, acc[r * KB + kb]);
+            }
+        }
+    }
+    for (int d = rot; d < D; d += VL) {
+        int n = D - d < VL ? D - d : VL;
+#pragma GCC unroll 16
+        for (int kb = 0; kb < KB; kb++) {
+            vf k = vload_t(kp[t0 + kb], d, T, n);
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++)
+                acc[r * KB + kb] = vfma(vload_n(q[r] + d, n), k, acc[r * KB + kb]);
+        }
+    }
+    float dots[VL];
+    vstore(dots, vreduce(acc));
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; r++)
+        memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
+}
+
+INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void *const *kp,
+                          int nt, enum attn_type T, int D, int rot, bool neox, const float *cs,
+                          const float *sn, int ld, const struct attn_prefetch *pf)
+{
+    for (int c0 = 0; c0 < nt; c0 += VL) {
+        prefetch_rows(pf, c0);
+        int r = 0;
+        for (; r + 4 <= nrows; r += 4)
+            for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4)
+                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn,
+                              ld, 4, VL / 4);
+        for (; r + 2 <= nrows; r += 2)
+            for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 2)
+                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn,
+                              ld, 2, VL / 2);
+        for (; r < nrows; r++)
+            qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, rot, neox, cs, sn, ld,
+                          1, VL);
+    }
+}
+
+static void qk_rope_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                         enum attn_type type, int D, int rot, enum pos_rope_pairing pairing,
+                         const float *cs, const float *sn, int ld, const struct attn_prefetch *pf)
+{
+    bool neox = pairing == POS_ROPE_NEOX;
+    switch (type) {
+    case ATTN_F32:
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_F32, D, rot, neox, cs, sn, ld, pf);
+        break;
+    case ATTN_F16:
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_F16, D, rot, neox, cs, sn, ld, pf);
+        break;
+    case ATTN_BF16:
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_BF16, D, rot, neox, cs, sn, ld, pf);
+        break;
     }
 }
 
@@ -495,14 +610,7 @@ INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_typ
         for (int i = 0; i < half; i += VL) {
             int n = half - i < VL ? half - i : VL;
             vf lo, hi;
-            if (pairing == POS_ROPE_NEOX) {
-                lo = vload_t(k, i, T, n);
-                hi = vload_t(k, half + i, T, n);
-            } else {
-                vf a = vload_t(k, 2 * i, T, 2 * n < VL ? 2 * n : VL);
-                vf bb = vload_t(k, 2 * i + VL, T, 2 * n - VL);
-                vdeinterleave(a, bb, &lo, &hi);
-            }
+            load_pairs(k, i, half, n, pairing == POS_ROPE_NEOX, T, &lo, &hi);
             vf vc = vload_n(c + i, n), vs = vload_n(s + i, n);
             vstore_n(o + i, vfnma(hi, vs, vmul(lo, vc)), n);
             vstore_n(o + half + i, vfma(lo, vs, vmul(hi, vc)), n);
@@ -528,6 +636,7 @@ static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_ty
 static const struct attn_ops simd_ops = {
     .name = simd_name,
     .qk = qk_simd,
+    .qk_rope = qk_rope_simd,
     .softmax = softmax_simd,
     .probs = probs_simd,
     .pv = pv_simd,
