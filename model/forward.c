@@ -68,6 +68,7 @@ struct model_ctx {
     int *first;            /* [S] cache index of the sequence's first new token */
     int *hist0;            /* [S] tokens appended to the sequence before this call */
     bool *appended;        /* [S] whether kv_seq_append succeeded this call */
+    bool *was_dropped;     /* [S] kv_seq_dropped before this call */
     int *mass_off;         /* [S] offset of the sequence's mass scratch, or -1 */
     struct attn_seq *aseq; /* [S] */
 
@@ -141,10 +142,11 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
     c->first = malloc(T * sizeof(*c->first));
     c->hist0 = malloc(T * sizeof(*c->hist0));
     c->appended = malloc(T * sizeof(*c->appended));
+    c->was_dropped = malloc(T * sizeof(*c->was_dropped));
     c->mass_off = malloc(T * sizeof(*c->mass_off));
     c->aseq = malloc(T * sizeof(*c->aseq));
-    if (!ok || !c->tok || !c->qpos || !c->first || !c->hist0 || !c->appended || !c->mass_off ||
-        !c->aseq) {
+    if (!ok || !c->tok || !c->qpos || !c->first || !c->hist0 || !c->appended ||
+        !c->was_dropped || !c->mass_off || !c->aseq) {
         snprintf(err, errlen, "out of memory for a %d-token batch", max_batch_tokens);
         goto fail;
     }
@@ -202,6 +204,7 @@ void model_ctx_destroy(model_ctx *c)
     free(c->first);
     free(c->hist0);
     free(c->appended);
+    free(c->was_dropped);
     free(c->mass_off);
     free(c->aseq);
     free(c->mass);
@@ -446,6 +449,13 @@ static void output_logits(model_ctx *c, const struct model_batch_seq *seqs, int 
     }
 }
 
+/*
+ * Failure contract (model.h has the codes): -EINVAL and -ENOSPC are found
+ * before anything changes. An error after appending began (-ENOMEM from the
+ * pool, a session of the batch dropped by another's append, a kernel
+ * error) removes this call's tokens again with kv_seq_truncate; what the
+ * policy evicted to make room for them stays evicted.
+ */
 int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, int *failed_seq)
 {
     const model *m = c->m;
@@ -467,6 +477,7 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, 
      * K/V slots of the new tokens exist after this. */
     for (int s = 0; s < n_seqs; s++) {
         c->appended[s] = false;
+        c->was_dropped[s] = kv_seq_dropped(seqs[s].seq);
         c->hist0[s] = seq_hist_len(seqs[s].seq);
     }
     for (int s = 0; s < n_seqs; s++) {
@@ -480,9 +491,11 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, 
         c->appended[s] = true;
     }
     /* An append may drop idle sessions to free pages; one of this batch
-     * (unpinned by the caller) would have lost what it just appended. */
+     * (unpinned by the caller) would have lost what it just appended. A
+     * sequence dropped before this call is a fresh one again, its flag
+     * notwithstanding. */
     for (int s = 0; s < n_seqs; s++) {
-        if (kv_seq_dropped(seqs[s].seq) ||
+        if ((kv_seq_dropped(seqs[s].seq) && !c->was_dropped[s]) ||
             kv_seq_n_tokens(seqs[s].seq) < c->first[s] + seqs[s].n_tokens) {
             rollback(c, seqs, n_seqs);
             if (failed_seq)
