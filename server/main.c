@@ -1,12 +1,12 @@
 /*
  * main.c - `kvd`: one binary, many subcommands.
  *
- * The table below is the single list of subcommands; `kvd help` prints the
- * ones that work, and a name that later work fills in answers
- * "not yet available" instead of pretending.
+ * The table below is the single list of subcommands; `kvd help` prints it.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "server/server.h"
 
@@ -24,11 +24,6 @@ static const struct srv_command commands[] = {
     {"tokenize", "print the token ids of a text", srv_cmd_tokenize},
     {"version", "print the version", cmd_version},
     {"help", "list the subcommands", cmd_help},
-};
-
-/* Subcommands that are part of kvd's interface but not built yet. */
-static const char *const pending[] = {
-    NULL, /* (none at present) */
 };
 
 #define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))
@@ -52,6 +47,23 @@ static int cmd_help(int argc, char **argv)
     return 0;
 }
 
+/*
+ * The daemon's OpenMP workers share the cores with the loop thread. With
+ * libgomp's default wait policy, idle workers spin between engine steps and
+ * take the CPU the loop thread needs to parse requests and flush tokens, so
+ * streams stutter on small machines. The policy is read from the
+ * environment when the runtime starts, before main, hence the re-exec.
+ * An operator's explicit OMP_WAIT_POLICY is respected.
+ */
+static void passive_openmp(char **argv)
+{
+    if (getenv("OMP_WAIT_POLICY"))
+        return;
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv);
+    /* exec failed (no /proc): run on with the default policy */
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -63,15 +75,11 @@ int main(int argc, char **argv)
         return cmd_help(0, NULL);
     if (!strcmp(name, "--version"))
         return cmd_version(0, NULL);
+    if (!strcmp(name, "serve"))
+        passive_openmp(argv);
     for (size_t i = 0; i < N_ELEMS(commands); i++)
         if (!strcmp(name, commands[i].name))
             return commands[i].run(argc - 1, argv + 1);
-    for (size_t i = 0; i < N_ELEMS(pending) && pending[i]; i++) {
-        if (!strcmp(name, pending[i])) {
-            fprintf(stderr, "kvd: '%s' is not yet available in this version\n", name);
-            return 2;
-        }
-    }
     fprintf(stderr, "kvd: unknown command '%s' (try 'kvd help')\n", name);
     return 2;
 }
