@@ -982,14 +982,19 @@ static void on_done(struct call *call, const struct srv_event *ev)
         }
         respond_json(
             call->conn, 200,
-            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b}", "id", call->req->session,
+            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b, s:{s:s, s:i, s:i, s:i, s:i}}",
+                      "id", call->req->session,
                       "object", "session", "tokens", si->history_tokens, "retained_tokens",
                       si->retained_tokens, "evicted_tokens",
                       si->history_tokens > si->retained_tokens
                           ? si->history_tokens - si->retained_tokens
                           : 0,
                       "positions", si->renumber ? "renumber" : "preserve", "last_used",
-                      (double)si->last_used_ms / 1000.0, "busy", si->busy, "dropped", si->dropped));
+                      (double)si->last_used_ms / 1000.0, "busy", si->busy, "dropped", si->dropped,
+                      "eviction", "policy", kv_policy_kind_name(si->policy.kind),
+                      "max_cache_tokens", si->policy.max_cache_tokens, "sink_tokens",
+                      si->policy.sink_tokens, "window_tokens", si->policy.window_tokens,
+                      "heavy_tokens", si->policy.heavy_tokens));
         return;
     }
     if (ev->finish == SRV_FINISH_CANCEL)

@@ -406,6 +406,7 @@ static void session_describe(const struct session *x, struct srv_session_info *o
     out->retained_tokens = kv_seq_n_tokens(x->seq);
     out->renumber = kv_seq_policy(x->seq)->renumber;
     out->last_used_ms = x->last_used_unix_ms;
+    out->policy = *kv_seq_policy(x->seq);
 }
 
 static void handle_session_request(srv_sched *s, struct srv_req *r)

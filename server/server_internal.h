@@ -161,6 +161,7 @@ struct srv_session_info {
     int retained_tokens;  /* tokens in its cache */
     bool renumber;        /* positions mode */
     int64_t last_used_ms; /* unix time in ms */
+    struct kv_policy policy; /* its eviction policy and budget (kv_seq_policy) */
 };
 
 /* An event, crossing from the engine thread to the loop thread (owned by
