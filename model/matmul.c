@@ -42,7 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                   \
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                      \
     defined(__AVX512DQ__) && defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
 #define MM_AVX512 1
 #define MM_SIMD 1
@@ -93,8 +93,8 @@ static bool is_float_type(enum ggml_type t)
     return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
 }
 
-int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out,
-                   const void *data, char *err, size_t errlen)
+int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out, const void *data,
+                   char *err, size_t errlen)
 {
     const char *name = qt_type_name(type);
     char idbuf[32];
@@ -181,10 +181,9 @@ static void quantize_x(const float *x, int n_in, int8_t *q, float *d, float *s)
         const __m256 signbit = _mm256_set1_ps(-0.0f);
         __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
         __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v0),
-                                               _mm256_andnot_ps(signbit, v1)),
-                                 _mm256_max_ps(_mm256_andnot_ps(signbit, v2),
-                                               _mm256_andnot_ps(signbit, v3)));
+        __m256 m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(signbit, v0), _mm256_andnot_ps(signbit, v1)),
+            _mm256_max_ps(_mm256_andnot_ps(signbit, v2), _mm256_andnot_ps(signbit, v3)));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -276,8 +275,10 @@ INLINE float f_elem(enum ggml_type type, const uint8_t *row, int i)
         memcpy(&v, row + 4 * (size_t)i, 4);
         return v;
     }
-    case GGML_TYPE_F16: return qt_f16_to_f32(qt_rd16(row + 2 * (size_t)i));
-    default: return qt_bf16_to_f32(qt_rd16(row + 2 * (size_t)i));
+    case GGML_TYPE_F16:
+        return qt_f16_to_f32(qt_rd16(row + 2 * (size_t)i));
+    default:
+        return qt_bf16_to_f32(qt_rd16(row + 2 * (size_t)i));
     }
 }
 
@@ -297,8 +298,10 @@ typedef __m512 vf;
 INLINE vf vf_weights(enum ggml_type type, const uint8_t *p)
 {
     switch (type) {
-    case GGML_TYPE_F32: return _mm512_loadu_ps((const float *)p);
-    case GGML_TYPE_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    case GGML_TYPE_F32:
+        return _mm512_loadu_ps((const float *)p);
+    case GGML_TYPE_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     default:
         return _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -320,8 +323,10 @@ INLINE float vf_hsum(__m256 v)
 INLINE vf vf_weights(enum ggml_type type, const uint8_t *p)
 {
     switch (type) {
-    case GGML_TYPE_F32: return _mm256_loadu_ps((const float *)p);
-    case GGML_TYPE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    case GGML_TYPE_F32:
+        return _mm256_loadu_ps((const float *)p);
+    case GGML_TYPE_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     default:
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -420,10 +425,10 @@ INLINE void ksb_load(enum ggml_type type, const uint8_t *sb, struct ksb *k)
                       (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
         uint64_t mn = (uint64_t)(b & 0x3f3f3f3f) |
                       (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
-        k->sc[0] = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_D),
-                                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
-        k->mn = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_DMIN),
-                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+        k->sc[0] = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_D), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                               _mm_cvtsi64_si128((long long)sc))));
+        k->mn = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_DMIN), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                               _mm_cvtsi64_si128((long long)mn))));
 #if defined(MM_AVX512)
         k->z = _mm512_zextps256_ps512(k->sc[0]);
         k->mnz = _mm512_zextps256_ps512(k->mn);
@@ -443,12 +448,16 @@ INLINE void ksb_load(enum ggml_type type, const uint8_t *sb, struct ksb *k)
 INLINE int q_offset(enum ggml_type type)
 {
     switch (type) {
-    case GGML_TYPE_Q4_0: return 8;
-    case GGML_TYPE_Q6_K: return 32;
+    case GGML_TYPE_Q4_0:
+        return 8;
+    case GGML_TYPE_Q6_K:
+        return 32;
 #if defined(MM_AVX512)
-    case GGML_TYPE_Q8_0: return 128;
+    case GGML_TYPE_Q8_0:
+        return 128;
 #endif
-    default: return 0;
+    default:
+        return 0;
     }
 }
 
@@ -485,9 +494,9 @@ INLINE __m256i q_unpack(enum ggml_type type, const uint8_t *u, int j, const stru
     }
     default: { /* Q6_K: groups 2j and 2j+1 of 16 */
         int h = j >> 2, kk = j & 3;
-        *ws = _mm256_permutevar8x32_ps(
-            k->sc[h], _mm256_setr_epi32(2 * kk, 2 * kk, 2 * kk, 2 * kk, 2 * kk + 1, 2 * kk + 1,
-                                        2 * kk + 1, 2 * kk + 1));
+        *ws = _mm256_permutevar8x32_ps(k->sc[h],
+                                       _mm256_setr_epi32(2 * kk, 2 * kk, 2 * kk, 2 * kk, 2 * kk + 1,
+                                                         2 * kk + 1, 2 * kk + 1, 2 * kk + 1));
         __m256i ql = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QL + 64 * h + 32 * (kk & 1)));
         __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
         if (kk & 2)
@@ -511,8 +520,8 @@ INLINE float hsum8(__m256 v)
 /* One block of 32 (block j of the rows' current units, block b along the
  * row) for every row and token of a tile, in 256-bit vectors. */
 INLINE void q_block256(enum ggml_type type, int mr, int nt, const uint8_t *const *up, int j,
-                       const struct ksb *ks, const int8_t *const *xq, const float *const *xd,
-                       int b, __m256 acc[][Q_NT])
+                       const struct ksb *ks, const int8_t *const *xq, const float *const *xd, int b,
+                       __m256 acc[][Q_NT])
 {
     const int c = q_offset(type);
     const __m256i zero = _mm256_setzero_si256();
@@ -557,8 +566,8 @@ INLINE void q_block256(enum ggml_type type, int mr, int nt, const uint8_t *const
                 isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(x, w[r])),
                                          ones16);
             else
-                isum = _mm256_add_epi32(xb,
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], x), ones16));
+                isum =
+                    _mm256_add_epi32(xb, _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], x), ones16));
 #endif
             acc[r][t] =
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws[r], dx), acc[r][t]);
@@ -588,10 +597,14 @@ INLINE void qtile_init(const struct job *jb, int r0, int t0, int mr, int nt, str
 INLINE size_t unit_bytes(enum ggml_type type)
 {
     switch (type) {
-    case GGML_TYPE_Q8_0: return 34;
-    case GGML_TYPE_Q4_0: return 18;
-    case GGML_TYPE_Q4_K: return 144;
-    default: return 210;
+    case GGML_TYPE_Q8_0:
+        return 34;
+    case GGML_TYPE_Q4_0:
+        return 18;
+    case GGML_TYPE_Q4_K:
+        return 144;
+    default:
+        return 210;
     }
 }
 
@@ -714,8 +727,8 @@ INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++) {
                     __m512i isum = _mm512_dpbusd_epi32(xb, w[r], x);
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                                _mm512_mul_ps(ws[r], dx), acc[r][t]);
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[r], dx),
+                                                acc[r][t]);
                 }
             }
         }
@@ -835,14 +848,30 @@ INLINE void group_simd(const struct job *jb, enum ggml_type type, int g)
 static void run_group(const struct job *jb, int g)
 {
     switch (jb->w->type) {
-    case GGML_TYPE_F32: group_simd(jb, GGML_TYPE_F32, g); break;
-    case GGML_TYPE_F16: group_simd(jb, GGML_TYPE_F16, g); break;
-    case GGML_TYPE_BF16: group_simd(jb, GGML_TYPE_BF16, g); break;
-    case GGML_TYPE_Q8_0: group_simd(jb, GGML_TYPE_Q8_0, g); break;
-    case GGML_TYPE_Q4_0: group_simd(jb, GGML_TYPE_Q4_0, g); break;
-    case GGML_TYPE_Q4_K: group_simd(jb, GGML_TYPE_Q4_K, g); break;
-    case GGML_TYPE_Q6_K: group_simd(jb, GGML_TYPE_Q6_K, g); break;
-    default: assert(!"unsupported type reached the kernel"); break;
+    case GGML_TYPE_F32:
+        group_simd(jb, GGML_TYPE_F32, g);
+        break;
+    case GGML_TYPE_F16:
+        group_simd(jb, GGML_TYPE_F16, g);
+        break;
+    case GGML_TYPE_BF16:
+        group_simd(jb, GGML_TYPE_BF16, g);
+        break;
+    case GGML_TYPE_Q8_0:
+        group_simd(jb, GGML_TYPE_Q8_0, g);
+        break;
+    case GGML_TYPE_Q4_0:
+        group_simd(jb, GGML_TYPE_Q4_0, g);
+        break;
+    case GGML_TYPE_Q4_K:
+        group_simd(jb, GGML_TYPE_Q4_K, g);
+        break;
+    case GGML_TYPE_Q6_K:
+        group_simd(jb, GGML_TYPE_Q6_K, g);
+        break;
+    default:
+        assert(!"unsupported type reached the kernel");
+        break;
     }
 }
 
@@ -857,8 +886,8 @@ static void run_group(const struct job *jb, int g)
  * scales of its two halves of 16 (equal except for q6_K) and, for q4_K,
  * the min to subtract per unit of activation sum.
  */
-static void q_block_scalar(enum ggml_type type, const uint8_t *row, int b, int8_t *w,
-                           float *s_lo, float *s_hi, float *min)
+static void q_block_scalar(enum ggml_type type, const uint8_t *row, int b, int8_t *w, float *s_lo,
+                           float *s_hi, float *min)
 {
     *min = 0.0f;
     switch (type) {

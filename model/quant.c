@@ -30,6 +30,7 @@ struct qt_traits {
     bool supported;     /* decoded here and multiplied by matmul.c */
 };
 
+/* clang-format off */
 static const struct qt_traits traits[GGML_TYPE_COUNT] = {
     [GGML_TYPE_F32] = {"f32", 1, 4, true},
     [GGML_TYPE_F16] = {"f16", 1, 2, true},
@@ -47,6 +48,7 @@ static const struct qt_traits traits[GGML_TYPE_COUNT] = {
     [GGML_TYPE_Q8_K] = {"q8_K", 256, 292, false},
     [GGML_TYPE_BF16] = {"bf16", 1, 2, true},
 };
+/* clang-format on */
 
 static const struct qt_traits *trait(enum ggml_type type)
 {
@@ -241,8 +243,8 @@ void qt_f32_to_bf16_row(const float *src, uint16_t *dst, size_t n)
         __m512 f = _mm512_loadu_ps(src + i);
         __m512i u = _mm512_castps_si512(f);
         /* round to nearest even: add 0x7fff plus the bit that will become the lsb */
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(
-                                            bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        __m512i r = _mm512_add_epi32(
+            u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
         r = _mm512_srli_epi32(r, 16);
         /* NaN lanes: truncate and set the quiet bit instead */
         __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
@@ -255,8 +257,8 @@ void qt_f32_to_bf16_row(const float *src, uint16_t *dst, size_t n)
     for (; i + 8 <= n; i += 8) {
         __m256 f = _mm256_loadu_ps(src + i);
         __m256i u = _mm256_castps_si256(f);
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(
-                                            bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        __m256i r = _mm256_add_epi32(
+            u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
         r = _mm256_srli_epi32(r, 16);
         __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
         __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
@@ -347,7 +349,9 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n)
         return -EINVAL;
     const uint8_t *b = src;
     switch (type) {
-    case GGML_TYPE_F32: memcpy(dst, src, sizeof(float) * (size_t)n); return 0;
+    case GGML_TYPE_F32:
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return 0;
     case GGML_TYPE_F16: {
         /* src may be unaligned for uint16_t: convert through an aligned copy if so */
         if (((uintptr_t)src & 1) == 0) {
@@ -367,11 +371,20 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n)
         }
         return 0;
     }
-    case GGML_TYPE_Q8_0: dequant_q8_0(b, dst, n / 32); return 0;
-    case GGML_TYPE_Q4_0: dequant_q4_0(b, dst, n / 32); return 0;
-    case GGML_TYPE_Q4_K: dequant_q4_K(b, dst, n / 256); return 0;
-    case GGML_TYPE_Q6_K: dequant_q6_K(b, dst, n / 256); return 0;
-    default: return -EINVAL;
+    case GGML_TYPE_Q8_0:
+        dequant_q8_0(b, dst, n / 32);
+        return 0;
+    case GGML_TYPE_Q4_0:
+        dequant_q4_0(b, dst, n / 32);
+        return 0;
+    case GGML_TYPE_Q4_K:
+        dequant_q4_K(b, dst, n / 256);
+        return 0;
+    case GGML_TYPE_Q6_K:
+        dequant_q6_K(b, dst, n / 256);
+        return 0;
+    default:
+        return -EINVAL;
     }
 }
 
@@ -458,7 +471,9 @@ int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n)
     if (qt_row_bytes(type, n) == 0)
         return -EINVAL;
     switch (type) {
-    case GGML_TYPE_F32: memcpy(dst, src, sizeof(float) * (size_t)n); return 0;
+    case GGML_TYPE_F32:
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return 0;
     case GGML_TYPE_F16:
     case GGML_TYPE_BF16: {
         uint8_t *b = dst;
@@ -469,8 +484,11 @@ int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n)
         }
         return 0;
     }
-    case GGML_TYPE_Q8_0: return quant_q8_0(src, dst, n / 32);
-    case GGML_TYPE_Q4_0: return quant_q4_0(src, dst, n / 32);
-    default: return -EINVAL;
+    case GGML_TYPE_Q8_0:
+        return quant_q8_0(src, dst, n / 32);
+    case GGML_TYPE_Q4_0:
+        return quant_q4_0(src, dst, n / 32);
+    default:
+        return -EINVAL;
     }
 }

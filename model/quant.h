@@ -46,7 +46,7 @@
 
 #include "model/gguf.h"
 
-#define QT_QK 32   /* elements per block of q8_0 and q4_0 (and of activations) */
+#define QT_QK 32    /* elements per block of q8_0 and q4_0 (and of activations) */
 #define QT_QK_K 256 /* elements per super-block of the K formats */
 
 /* ------------------------------------------------------------------------
@@ -115,15 +115,15 @@ int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n);
  * ------------------------------------------------------------------------ */
 
 /* Byte offsets inside a q4_K super-block (144 bytes). */
-#define QT_Q4K_D 0       /* f16 scale of the 6-bit scales */
-#define QT_Q4K_DMIN 2    /* f16 scale of the 6-bit mins */
-#define QT_Q4K_SCALES 4  /* 12 bytes: eight 6-bit scales and eight 6-bit mins */
-#define QT_Q4K_QS 16     /* 128 bytes of nibbles */
+#define QT_Q4K_D 0      /* f16 scale of the 6-bit scales */
+#define QT_Q4K_DMIN 2   /* f16 scale of the 6-bit mins */
+#define QT_Q4K_SCALES 4 /* 12 bytes: eight 6-bit scales and eight 6-bit mins */
+#define QT_Q4K_QS 16    /* 128 bytes of nibbles */
 /* Byte offsets inside a q6_K super-block (210 bytes). */
-#define QT_Q6K_QL 0      /* 128 bytes: low four bits */
-#define QT_Q6K_QH 128    /* 64 bytes: high two bits */
+#define QT_Q6K_QL 0       /* 128 bytes: low four bits */
+#define QT_Q6K_QH 128     /* 64 bytes: high two bits */
 #define QT_Q6K_SCALES 192 /* 16 int8 scales, one per 16 elements */
-#define QT_Q6K_D 208     /* f16 super-block scale */
+#define QT_Q6K_D 208      /* f16 super-block scale */
 
 /* A little-endian u16 at any alignment (f16 scales sit at odd offsets). */
 static inline uint16_t qt_rd16(const uint8_t *p)
@@ -172,8 +172,8 @@ struct mm_weight {
  * n_in is not a positive multiple of its block, n_out < 1 or data is NULL.
  * w is fully written on success and untouched on error.
  */
-int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out,
-                   const void *data, char *err, size_t errlen);
+int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out, const void *data,
+                   char *err, size_t errlen);
 
 /* Bytes of scratch mm_matmul_scratch needs for n_tok tokens (0 for float weights). */
 size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok);

@@ -115,7 +115,7 @@ static void test_type_table(void **state)
     assert_true(qt_type_supported(GGML_TYPE_F32));
     assert_true(qt_type_supported(GGML_TYPE_Q6_K));
     assert_false(qt_type_supported(GGML_TYPE_Q5_K));
-    assert_false(qt_type_supported((enum ggml_type)-1));
+    assert_false(qt_type_supported((enum ggml_type) - 1));
 
     assert_int_equal(qt_row_bytes(GGML_TYPE_F32, 7), 28);
     assert_int_equal(qt_row_bytes(GGML_TYPE_F16, 7), 14);
@@ -176,8 +176,8 @@ static void test_f32_to_f16_rounding(void **state)
         assert_true((double)mid == (a + b) / 2);
         uint16_t even = (hh & 1) ? next : hh;
         if (qt_f32_to_f16(mid) != even)
-            fail_msg("midpoint %a of 0x%04x: got 0x%04x, want 0x%04x", (double)mid,
-                     (unsigned)h, qt_f32_to_f16(mid), even);
+            fail_msg("midpoint %a of 0x%04x: got 0x%04x, want 0x%04x", (double)mid, (unsigned)h,
+                     qt_f32_to_f16(mid), even);
         /* one f32 step away from zero rounds to next, one step toward zero to hh */
         float above = nextafterf(mid, signbit(mid) ? -INFINITY : INFINITY);
         float below = nextafterf(mid, 0.0f);
@@ -197,11 +197,11 @@ static void test_f16_specials(void **state)
     assert_int_equal(qt_f32_to_f16(INFINITY), 0x7c00);
     assert_int_equal(qt_f32_to_f16(-INFINITY), 0xfc00);
     assert_int_equal(qt_f32_to_f16(-0.0f), 0x8000);
-    assert_int_equal(qt_f32_to_f16(0x1p-25f), 0x0000);  /* tie between 0 and 2^-24 */
+    assert_int_equal(qt_f32_to_f16(0x1p-25f), 0x0000); /* tie between 0 and 2^-24 */
     assert_int_equal(qt_f32_to_f16(nextafterf(0x1p-25f, 1.0f)), 0x0001);
     assert_int_equal(qt_f32_to_f16(0x1.8p-24f), 0x0002); /* tie between 1 and 2 */
     assert_int_equal(qt_f32_to_f16(FLT_MIN), 0x0000);
-    assert_int_equal(qt_f32_to_f16(0x1p-14f), 0x0400); /* smallest normal */
+    assert_int_equal(qt_f32_to_f16(0x1p-14f), 0x0400);     /* smallest normal */
     assert_int_equal(qt_f32_to_f16(0x1.ff8p-15f), 0x03ff); /* largest subnormal */
     assert_int_equal(qt_f32_to_f16(0x1.ffcp-15f), 0x0400); /* tie: up to the even normal */
     /* NaNs stay NaN, even with a payload only in bits truncation would drop */
@@ -343,9 +343,15 @@ static void check_quant_round_trip(enum ggml_type type)
         for (int k = b; k < b + 32; k++) {
             double err = fabs((double)y[k] - x[k]), bound;
             switch (type) {
-            case GGML_TYPE_F32: bound = 0; break;
-            case GGML_TYPE_F16: bound = fabs(x[k]) * 0x1p-11 + 0x1p-25; break;
-            case GGML_TYPE_BF16: bound = fabs(x[k]) * 0x1p-8; break;
+            case GGML_TYPE_F32:
+                bound = 0;
+                break;
+            case GGML_TYPE_F16:
+                bound = fabs(x[k]) * 0x1p-11 + 0x1p-25;
+                break;
+            case GGML_TYPE_BF16:
+                bound = fabs(x[k]) * 0x1p-8;
+                break;
             case GGML_TYPE_Q8_0:
                 /* half a step of d = amax/127, plus the f16 rounding of d over 127 steps */
                 bound = 0.5 * amax / 127 * (1 + 0x1p-10) + amax * 0x1p-11;
@@ -622,8 +628,8 @@ static void fill_weights(enum ggml_type type, uint8_t *data, int n_in, int n_out
 }
 
 /* mag[o][i] for the tolerance: |W| except q4_K (sum of its two terms). */
-static void weight_magnitudes(enum ggml_type type, const uint8_t *data, const float *W,
-                              int n_in, int n_out, float *mag)
+static void weight_magnitudes(enum ggml_type type, const uint8_t *data, const float *W, int n_in,
+                              int n_out, float *mag)
 {
     size_t n = (size_t)n_in * (size_t)n_out;
     if (type != GGML_TYPE_Q4_K) {
@@ -848,8 +854,7 @@ static void test_weight_init_errors(void **state)
     assert_non_null(strstr(err, "q5_K"));
     assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q4_1, 32, 4, data, err, sizeof err), -EINVAL);
     assert_non_null(strstr(err, "q4_1"));
-    assert_int_equal(mm_weight_init(&w, (enum ggml_type)77, 32, 4, data, err, sizeof err),
-                     -EINVAL);
+    assert_int_equal(mm_weight_init(&w, (enum ggml_type)77, 32, 4, data, err, sizeof err), -EINVAL);
     assert_non_null(strstr(err, "77"));
     assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q4_0, 48, 4, data, err, sizeof err), -EINVAL);
     assert_non_null(strstr(err, "32"));

@@ -14,7 +14,8 @@
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads) measured
  * in the same run gives the machine's bandwidth; "cold/triad" is the
  * fraction of it a decoding step reaches. Every figure is the best of
- * several trials, so a busy machine shows less noise.
+ * several trials (single calls for the matrix-vector products), so that
+ * other processes on a shared machine distort it less.
  */
 #include <errno.h>
 #include <math.h>
@@ -98,7 +99,7 @@ static double triad_gbs(void)
         c[i] = 2.0f;
     }
     double best = 1e30;
-    for (int rep = 0; rep < 5; rep++) {
+    for (int rep = 0; rep < 10; rep++) {
         const float s = 3.0f + (float)rep;
         double t0 = now();
 #pragma omp parallel for num_threads(THREADS) schedule(static)
@@ -126,8 +127,8 @@ int main(void)
     double triad = triad_gbs();
     printf("matrix %dx%d, %d threads, kernels: %s\n", N, N, THREADS, mm_kernel_name());
     printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s\n\n", triad);
-    printf("%-6s %9s %12s %11s %11s %16s\n", "type", "MiB", "cold GB/s", "cold/triad",
-           "hot GB/s", "GFLOP/s @64 tok");
+    printf("%-6s %9s %12s %11s %11s %16s\n", "type", "MiB", "cold GB/s", "cold/triad", "hot GB/s",
+           "GFLOP/s @64 tok");
 
     float *x = xalloc(sizeof(float) * N * n_tok);
     float *out = xalloc(sizeof(float) * N * n_tok);
@@ -150,17 +151,16 @@ int main(void)
             return 1;
         }
 
-        /* cold: a different copy each call; best of 3 sweeps over all copies */
+        /* cold: a different copy each call, 3 sweeps over all copies; the
+         * fastest call (a call whose threads were not preempted) */
         mm_matmul(out, &w[0], x, 1, THREADS); /* warm-up: threads, scratch */
         double best = 1e30;
-        for (int sweep = 0; sweep < 3; sweep++) {
+        for (int i = 0; i < 3 * copies; i++) {
+            w[1] = w[0];
+            w[1].data = data + bytes * (size_t)(i % copies);
             double t0 = now();
-            for (int i = 0; i < copies; i++) {
-                w[1] = w[0];
-                w[1].data = data + bytes * (size_t)i;
-                mm_matmul(out, &w[1], x, 1, THREADS);
-            }
-            double dt = (now() - t0) / copies;
+            mm_matmul(out, &w[1], x, 1, THREADS);
+            double dt = now() - t0;
             if (dt < best)
                 best = dt;
         }
@@ -177,9 +177,9 @@ int main(void)
         }
         double hot = (double)bytes / best / 1e9;
 
-        /* matrix-matrix, best of 5 */
+        /* matrix-matrix, best of 8 */
         best = 1e30;
-        for (int rep = 0; rep < 5; rep++) {
+        for (int rep = 0; rep < 8; rep++) {
             double t0 = now();
             mm_matmul(out, &w[0], x, n_tok, THREADS);
             double dt = now() - t0;
