@@ -180,7 +180,8 @@ struct attn_ops {
      * rot elements become rot/2 "low" then rot/2 "high" halves (adjacent
      * pairs are de-interleaved so both pairings look like NeoX), low' =
      * low*c - high*s, high' = low*s + high*c with c = cs[t*ld_cs + i],
-     * s = sn[t*ld_cs + i]. Elements past rot are copied.
+     * s = sn[t*ld_cs + i]. Elements past rot are copied. With rot = 0 it
+     * only converts (values are staged this way; cs and sn are unused).
      */
     void (*stage_k)(float *out, const void *const *kp, int nt, enum attn_type type, int head_dim,
                     int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,

@@ -18,21 +18,36 @@
  *     same unit, so each K/V tile is read once per GQA group.
  *   - A unit whose cost (rows x visible keys) exceeds a share of the batch
  *     is split along its keys (split-K, flash-decoding): each part keeps
- *     (m, l, acc) per row and a merge step combines them. So one long
- *     sequence among short ones still occupies every thread.
+ *     (m, l, acc) per row, and the part that finishes last merges them. So
+ *     one long sequence among short ones still occupies every thread.
+ *   - With sorted positions (the usual case) a unit stops at the last key
+ *     its queries can see; otherwise tiles entirely in the future are skipped.
  *
- * RoPE: the query is rotated once, exactly (posenc, double angles). Keys are
- * rotated in the tile, staged to f32: the angle pos * theta_i is built by
- * angle addition from a base at the start of the position's 4096-block
- * (cos/sin in double, cached per thread) times a table for 64 * hi and one
- * for lo (pos = block + 64 hi + lo): three float roundings, any position,
- * holes or not. Adjacent pairs are de-interleaved in the staged key and the
- * prepared query alike, so the rotation is always the NeoX halves form.
+ * A tile, for each KV head of the unit: scores of the head's rows (qk), the
+ * online-softmax update per row with the bias and causal mask (softmax),
+ * then acc += P V (pv). With many rows the tile's keys (and values) are
+ * first staged to f32, rotated, once; with few rows (decode) the keys are
+ * rotated in registers inside qk. While one head is computed the next
+ * head's rows are prefetched: they sit in page-sized runs the hardware
+ * prefetcher follows poorly.
+ *
+ * RoPE: the query is rotated once per item, exactly (posenc, double
+ * angles). A key's angle pos * theta_i is built by angle addition from a
+ * base at the start of the position's 4096-block (cos/sin in double, cached
+ * per thread) times a table for 64 * hi and one for lo (pos = block + 64 hi
+ * + lo): three float roundings, any position, holes or not. Adjacent pairs
+ * are de-interleaved in rotated keys and prepared queries alike, so the
+ * rotation always has the NeoX halves form.
  *
  * Memory: attn_create allocates the per-thread scratch (O(rows x (tile +
- * head_dim))) and the tables; attn_run grows the batch workspace (prepared
- * queries, per-row statistics, split partials, work list) once at its start,
- * sized by queries and threads, never by the number of cached tokens.
+ * head_dim))) and the tables; attn_run grows the batch workspace (per-row
+ * statistics, split partials, work list) once at its start, sized by queries,
+ * sequences and threads, never by the number of cached tokens. The attention
+ * mass, when asked for, is a second pass over the keys once every row's
+ * final (m, l) is known: exact probabilities, no O(L) buffer.
+ *
+ * Threads: one parallel region per call; a context serves one caller at a
+ * time (its scratch is per OpenMP thread, not per caller).
  */
 #include "attention_internal.h"
 
