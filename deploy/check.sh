@@ -57,9 +57,12 @@ for conf in "$tmp/kvd.conf" deploy/docker/kvd.conf; do
 done
 
 # --- Dockerfile -------------------------------------------------------------------
+# Instructions continued over several lines (a backslash at the end) are joined
+# first, so a HEALTHCHECK whose CMD sits on the next line is one line here.
+sed -e ':a' -e '/\\$/N; s/\\\n//; ta' Dockerfile > "$tmp/Dockerfile.joined"
 for want in '^FROM debian:12 AS build' '^FROM debian:12-slim' '^ARG ARCH=' '^USER kvd' \
             '^HEALTHCHECK .*/health' '^STOPSIGNAL SIGTERM' '^VOLUME'; do
-    grep -q "$want" Dockerfile || bad "Dockerfile lacks $want"
+    grep -q "$want" "$tmp/Dockerfile.joined" || bad "Dockerfile lacks $want"
 done
 [ $fail -eq 0 ] && ok "Dockerfile instructions"
 exit $fail

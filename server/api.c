@@ -17,7 +17,15 @@
  *                         (plus usage.kvd: cached, evicted, retained tokens)
  *   POST /completion      llama.cpp: prompt, n_predict, ... ; content,
  *                         stop, tokens_predicted, tokens_evaluated, timings
- * Both accept kvd's own "session": a string id whose cache persists.
+ * Both accept kvd's own "session": a string id whose cache persists. The
+ * same id may come in the X-Session-Id header instead, so a load balancer
+ * can keep a session on one replica without parsing bodies; when both are
+ * given they must agree (400 otherwise).
+ *
+ * Beside them, llama.cpp's token routes, which let a client build prompts
+ * of an exact length (kvd load does):
+ *   POST /tokenize    {"content", "add_special", "with_pieces"} -> {"tokens"}
+ *   POST /detokenize  {"tokens"} -> {"content"}
  *
  * Errors are {"error":{"message","type","param","code"}} with the status
  * chosen in one place (api_error), whatever the route.
@@ -31,6 +39,7 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "server/server_internal.h"
 
@@ -421,6 +430,49 @@ static int push_token(srv_api *a, json_t *v, const char *param, struct toks *t, 
 }
 
 /*
+ * One step of a streaming decode: the text of token *id (or, with id NULL,
+ * what the stream still holds) appended at (*buf)[len], growing *buf (caller
+ * frees; *cap its size). Returns the bytes appended, or -1 when memory runs
+ * out (ids are checked against the vocabulary before they get here).
+ */
+static int detok_step(model_detok *d, const int32_t *id, char **buf, size_t *cap, size_t len)
+{
+    for (;;) {
+        char *out = *buf ? *buf + len : NULL;
+        size_t room = *buf ? *cap - len : 0;
+        int w = id ? model_detok_push(d, *id, out, room) : model_detok_flush(d, out, room);
+        if (w != -ENOSPC)
+            return w < 0 ? -1 : w;
+        size_t ncap = *cap ? *cap * 2 : 256;
+        char *nb = realloc(*buf, ncap);
+        if (!nb)
+            return -1;
+        *buf = nb;
+        *cap = ncap;
+    }
+}
+
+/*
+ * The text of ids[0..n) as a completion streams it, into *buf as in
+ * detok_step. Returns the byte count, or -1 when memory runs out.
+ */
+static int decode(srv_api *a, const int32_t *ids, int n, char **buf, size_t *cap)
+{
+    model_detok *d = model_detok_create(a->m);
+    if (!d)
+        return -1;
+    size_t len = 0;
+    int w = 0;
+    for (int i = 0; i <= n && w >= 0; i++) {
+        w = detok_step(d, i < n ? &ids[i] : NULL, buf, cap, len);
+        if (w >= 0)
+            len += (size_t)w;
+    }
+    model_detok_destroy(d);
+    return w < 0 || len > INT32_MAX ? -1 : (int)len;
+}
+
+/*
  * The prompt: a string, an array of token ids, or a one-element array of
  * either (a batch of prompts is refused: n > 1 is not supported). llama.cpp
  * style also allows a mixed array of strings and ids. Strings get the
@@ -525,8 +577,45 @@ static uint64_t next_seed(srv_api *a)
  * Building a completion request
  * ------------------------------------------------------------------------ */
 
-/* Fields both shapes read the same way. */
-static void parse_common(srv_api *a, json_t *body, struct srv_req *r, struct verr *e)
+/*
+ * The session id: the "session" field, or the X-Session-Id header (hdr,
+ * NULL when absent), or both when they agree. Sets r->session (new) or
+ * records the first problem in e.
+ */
+static void parse_session(srv_api *a, json_t *body, const char *hdr, struct srv_req *r,
+                          struct verr *e)
+{
+    const char *sess = NULL;
+    if (get_str(body, "session", &sess, e) > 0 &&
+        !session_id_ok(sess, (size_t)a->p.max_session_id)) {
+        fail(e, "session", "invalid_value",
+             "'session' must be 1..%d characters of A-Z a-z 0-9 . _ : -", a->p.max_session_id);
+        return;
+    }
+    if (hdr) {
+        if (!session_id_ok(hdr, (size_t)a->p.max_session_id)) {
+            fail(e, "X-Session-Id", "invalid_value",
+                 "the X-Session-Id header must be 1..%d characters of A-Z a-z 0-9 . _ : -",
+                 a->p.max_session_id);
+            return;
+        }
+        if (sess && strcmp(sess, hdr) != 0) {
+            fail(e, "session", "session_mismatch",
+                 "the X-Session-Id header ('%s') and the 'session' field ('%s') name different "
+                 "sessions; send one id, or the same in both",
+                 hdr, sess);
+            return;
+        }
+        sess = hdr;
+    }
+    if (sess && !e->status && (r->session = strdup(sess)) == NULL)
+        abort();
+}
+
+/* Fields both shapes read the same way (hdr_session: the X-Session-Id
+ * header or NULL). */
+static void parse_common(srv_api *a, json_t *body, const char *hdr_session, struct srv_req *r,
+                         struct verr *e)
 {
     double d;
     long long i;
@@ -542,14 +631,7 @@ static void parse_common(srv_api *a, json_t *body, struct srv_req *r, struct ver
         r->sampling.presence_penalty = (float)d;
     if (get_num(body, "frequency_penalty", -2, 2, &d, e) > 0)
         r->sampling.frequency_penalty = (float)d;
-    const char *sess = NULL;
-    if (get_str(body, "session", &sess, e) > 0) {
-        if (!session_id_ok(sess, (size_t)a->p.max_session_id))
-            fail(e, "session", "invalid_value",
-                 "'session' must be 1..%d characters of A-Z a-z 0-9 . _ : -", a->p.max_session_id);
-        else if ((r->session = strdup(sess)) == NULL)
-            abort();
-    }
+    parse_session(a, body, hdr_session, r, e);
     parse_stop(body, r, e);
     get_bool(body, "ignore_eos", &r->ignore_eos, e);
 }
@@ -574,7 +656,8 @@ static void check_prompt(srv_api *a, struct srv_req *r, struct verr *e)
              r->n_prompt, a->p.policy.max_cache_tokens);
 }
 
-static struct srv_req *parse_openai(srv_api *a, json_t *body, struct call *call, struct verr *e)
+static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_session,
+                                    struct call *call, struct verr *e)
 {
     struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
     /* OpenAI's defaults: plain sampling at temperature 1. */
@@ -629,7 +712,7 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, struct call *call,
     }
     if (get_str(body, "user", &s, e) > 0 && strlen(s) > 256)
         fail(e, "user", "invalid_value", "'user' is longer than 256 bytes");
-    parse_common(a, body, r, e);
+    parse_common(a, body, hdr_session, r, e);
     if (e->status)
         goto out;
 
@@ -649,7 +732,8 @@ out:
     return r;
 }
 
-static struct srv_req *parse_llama(srv_api *a, json_t *body, struct call *call, struct verr *e)
+static struct srv_req *parse_llama(srv_api *a, json_t *body, const char *hdr_session,
+                                   struct call *call, struct verr *e)
 {
     struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
     model_sampling_defaults(&r->sampling); /* llama.cpp's defaults */
@@ -683,7 +767,7 @@ static struct srv_req *parse_llama(srv_api *a, json_t *body, struct call *call, 
         r->n_keep = (int)i;
     if (get_int(body, "n_probs", 0, 1 << 20, &i, e) > 0 && i > 0)
         fail(e, "n_probs", "unsupported", "n_probs is not supported");
-    parse_common(a, body, r, e);
+    parse_common(a, body, hdr_session, r, e);
     if (e->status)
         goto out;
 
@@ -1137,7 +1221,8 @@ static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req 
         return;
     struct call *call = call_new(a, c, llama ? CALL_LLAMA : CALL_OPENAI);
     struct verr e = {0};
-    call->req = llama ? parse_llama(a, body, call, &e) : parse_openai(a, body, call, &e);
+    const char *hdr = srv_http_header(req, "X-Session-Id");
+    call->req = llama ? parse_llama(a, body, hdr, call, &e) : parse_openai(a, body, hdr, call, &e);
     json_decref(body);
     if (!call->req) {
         api_error_code(c, e.status, e.param[0] ? e.param : NULL, e.code, NULL, "%s", e.msg);
@@ -1147,11 +1232,18 @@ static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req 
     call_submit(a, call);
 }
 
-static void route_session(srv_api *a, srv_conn *c, const char *id, bool del)
+static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *req,
+                          const char *id, bool del)
 {
     if (!session_id_ok(id, (size_t)a->p.max_session_id)) {
         api_error(c, 400, "session", "bad session id: 1..%d characters of A-Z a-z 0-9 . _ : -",
                   a->p.max_session_id);
+        return;
+    }
+    const char *hdr = srv_http_header(req, "X-Session-Id");
+    if (hdr && strcmp(hdr, id) != 0) {
+        api_error_code(c, 400, "session", "session_mismatch", NULL,
+                       "the X-Session-Id header names another session than the path");
         return;
     }
     if (!a->m) {
@@ -1164,6 +1256,128 @@ static void route_session(srv_api *a, srv_conn *c, const char *id, bool del)
     if (!call->req->session)
         abort();
     call_submit(a, call);
+}
+
+/*
+ * POST /tokenize: {"content": text, "add_special": bool (BOS when the
+ * model wants one; default false), "with_pieces": bool} -> {"tokens":
+ * [id, ...]} or, with pieces, [{"id", "piece"}, ...]. A piece is the text
+ * its token adds when the tokens are decoded in order, so the pieces
+ * concatenated are exactly what /detokenize returns; a byte token that
+ * starts a character has "" and the token completing it the character.
+ */
+static void route_tokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req)
+{
+    if (!a->m) {
+        api_error_code(c, 503, NULL, "loading", "Retry-After: 1\r\n", "the model is loading");
+        return;
+    }
+    json_t *body = parse_body(c, req);
+    if (!body)
+        return;
+    struct verr e = {0};
+    const char *text = NULL;
+    bool add_special = false, with_pieces = false;
+    if (get_str(body, "content", &text, &e) == 0)
+        fail(&e, "content", "missing_field", "'content' (the text to tokenize) is required");
+    get_bool(body, "add_special", &add_special, &e);
+    get_bool(body, "with_pieces", &with_pieces, &e);
+    struct toks t = {0};
+    if (!e.status)
+        tokenize_into(a, text, json_string_length(json_object_get(body, "content")),
+                      add_special && model_add_bos(a->m), &t, &e);
+    json_decref(body);
+    if (e.status) {
+        if (!strcmp(e.param, "prompt")) /* tokenize_into's name for the text */
+            snprintf(e.param, sizeof(e.param), "content");
+        api_error_code(c, e.status, e.param[0] ? e.param : NULL, e.code, NULL, "%s", e.msg);
+        free(t.v);
+        return;
+    }
+    json_t *arr = json_array();
+    model_detok *d = with_pieces ? model_detok_create(a->m) : NULL;
+    if (with_pieces && !d) {
+        json_decref(arr);
+        arr = NULL;
+    }
+    char *piece = NULL;
+    size_t cap = 0;
+    for (int i = 0; i < t.n && arr; i++) {
+        if (!with_pieces) {
+            json_array_append_new(arr, json_integer(t.v[i]));
+            continue;
+        }
+        /* the last piece also takes what the stream still holds */
+        int n = detok_step(d, &t.v[i], &piece, &cap, 0);
+        int m = n >= 0 && i == t.n - 1 ? detok_step(d, NULL, &piece, &cap, (size_t)n) : 0;
+        if (n < 0 || m < 0) {
+            json_decref(arr);
+            arr = NULL;
+            break;
+        }
+        json_array_append_new(arr, json_pack("{s:i, s:o}", "id", t.v[i], "piece",
+                                             json_text(piece, (size_t)(n + m))));
+    }
+    model_detok_destroy(d);
+    free(piece);
+    free(t.v);
+    if (!arr) {
+        api_error(c, 500, NULL, "out of memory decoding the pieces");
+        return;
+    }
+    respond_json(c, 200, json_pack("{s:o}", "tokens", arr));
+}
+
+/* POST /detokenize: {"tokens": [id, ...]} -> {"content": text}. */
+static void route_detokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req)
+{
+    if (!a->m) {
+        api_error_code(c, 503, NULL, "loading", "Retry-After: 1\r\n", "the model is loading");
+        return;
+    }
+    json_t *body = parse_body(c, req);
+    if (!body)
+        return;
+    struct verr e = {0};
+    struct toks t = {0};
+    json_t *arr = field(body, "tokens");
+    if (!arr) {
+        fail(&e, "tokens", "missing_field", "'tokens' (an array of token ids) is required");
+    } else if (!json_is_array(arr)) {
+        fail(&e, "tokens", "invalid_type", "'tokens' must be an array of token ids, not %s",
+             json_type_name(arr));
+    } else {
+        size_t i;
+        json_t *v;
+        json_array_foreach(arr, i, v)
+        {
+            if (!json_is_integer(v)) {
+                fail(&e, "tokens", "invalid_type",
+                     "'tokens' must contain only token ids (integers); element %zu is %s", i,
+                     json_type_name(v));
+                break;
+            }
+            if (push_token(a, v, "tokens", &t, &e))
+                break;
+        }
+    }
+    json_decref(body);
+    if (e.status) {
+        api_error_code(c, e.status, e.param, e.code, NULL, "%s", e.msg);
+        free(t.v);
+        return;
+    }
+    char *text = NULL;
+    size_t cap = 0;
+    int n = decode(a, t.v, t.n, &text, &cap);
+    free(t.v);
+    if (n < 0) {
+        free(text);
+        api_error(c, 500, NULL, "out of memory decoding the tokens");
+        return;
+    }
+    respond_json(c, 200, json_pack("{s:o}", "content", json_text(text ? text : "", (size_t)n)));
+    free(text);
 }
 
 static void route_models(srv_api *a, srv_conn *c)
@@ -1189,16 +1403,44 @@ static void route_health(srv_api *a, srv_conn *c)
         respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
 }
 
+/* The process's resident set in bytes (/proc/self/statm), or -1. */
+static long long process_rss_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (!f)
+        return -1;
+    long long size = 0, resident = -1;
+    if (fscanf(f, "%lld %lld", &size, &resident) != 2)
+        resident = -1;
+    fclose(f);
+    long page = sysconf(_SC_PAGESIZE);
+    return resident < 0 || page <= 0 ? -1 : resident * page;
+}
+
+/* The metrics, plus the standard process_resident_memory_bytes gauge
+ * (what load tests read beside the KV pages used). */
 static void route_metrics(srv_api *a, srv_conn *c)
 {
     size_t len = 0;
     char *text = srv_metrics_render(a->metrics, &len);
-    if (!text) {
+    long long rss = process_rss_bytes();
+    char extra[256] = "";
+    int n = rss < 0 ? 0
+                    : snprintf(extra, sizeof(extra),
+                               "# HELP process_resident_memory_bytes Resident memory size in "
+                               "bytes.\n# TYPE process_resident_memory_bytes gauge\n"
+                               "process_resident_memory_bytes %lld\n",
+                               rss);
+    char *all = text ? realloc(text, len + (size_t)n + 1) : NULL;
+    if (!all) {
+        free(text);
         api_error(c, 500, NULL, "out of memory rendering metrics");
         return;
     }
-    srv_http_respond(c, 200, "text/plain; version=0.0.4; charset=utf-8", "", text, len);
-    free(text);
+    memcpy(all + len, extra, (size_t)n + 1);
+    srv_http_respond(c, 200, "text/plain; version=0.0.4; charset=utf-8", "", all,
+                     len + (size_t)n);
+    free(all);
 }
 
 /* Constant-time comparison of the bearer token. */
@@ -1227,7 +1469,17 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
     const char *m = req->method;
     bool get = !strcmp(m, "GET"), post = !strcmp(m, "POST"), del = !strcmp(m, "DELETE");
 
-    enum { R_NONE, R_HEALTH, R_METRICS, R_OPENAI, R_LLAMA, R_MODELS, R_SESSION } r = R_NONE;
+    enum {
+        R_NONE,
+        R_HEALTH,
+        R_METRICS,
+        R_OPENAI,
+        R_LLAMA,
+        R_MODELS,
+        R_SESSION,
+        R_TOKENIZE,
+        R_DETOKENIZE
+    } r = R_NONE;
     const char *allow = NULL;
     const char *sess = NULL;
     if (!strcmp(path, "/health")) {
@@ -1245,6 +1497,12 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
     } else if (!strcmp(path, "/v1/models") || !strcmp(path, "/models")) {
         r = R_MODELS;
         allow = "GET";
+    } else if (!strcmp(path, "/tokenize")) {
+        r = R_TOKENIZE;
+        allow = "POST";
+    } else if (!strcmp(path, "/detokenize")) {
+        r = R_DETOKENIZE;
+        allow = "POST";
     } else if (!strncmp(path, "/v1/sessions/", 13) && path[13]) {
         r = R_SESSION;
         allow = "GET, DELETE";
@@ -1254,7 +1512,9 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         api_error(c, 404, NULL, "no route for %s %s", m, path);
         return;
     }
-    bool allowed = r == R_OPENAI || r == R_LLAMA ? post : r == R_SESSION ? get || del : get;
+    bool allowed = r == R_OPENAI || r == R_LLAMA || r == R_TOKENIZE || r == R_DETOKENIZE ? post
+                   : r == R_SESSION                                                   ? get || del
+                                                                                      : get;
     if (!allowed) {
         char hdr[64];
         snprintf(hdr, sizeof(hdr), "Allow: %s\r\n", allow);
@@ -1284,7 +1544,13 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         route_models(a, c);
         break;
     case R_SESSION:
-        route_session(a, c, sess, del);
+        route_session(a, c, req, sess, del);
+        break;
+    case R_TOKENIZE:
+        route_tokenize(a, c, req);
+        break;
+    case R_DETOKENIZE:
+        route_detokenize(a, c, req);
         break;
     case R_NONE:
         break;
