@@ -69,6 +69,8 @@ struct model_ctx {
     int *hist0;            /* [S] tokens appended to the sequence before this call */
     bool *appended;        /* [S] whether kv_seq_append succeeded this call */
     bool *was_dropped;     /* [S] kv_seq_dropped before this call */
+    int *sel_seq;          /* [S] sequences that want logits, in batch order */
+    int *sel_tok;          /* [S] the token index of each one's last token */
     int *mass_off;         /* [S] offset of the sequence's mass scratch, or -1 */
     struct attn_seq *aseq; /* [S] */
 
@@ -143,10 +145,12 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
     c->hist0 = malloc(T * sizeof(*c->hist0));
     c->appended = malloc(T * sizeof(*c->appended));
     c->was_dropped = malloc(T * sizeof(*c->was_dropped));
+    c->sel_seq = malloc(T * sizeof(*c->sel_seq));
+    c->sel_tok = malloc(T * sizeof(*c->sel_tok));
     c->mass_off = malloc(T * sizeof(*c->mass_off));
     c->aseq = malloc(T * sizeof(*c->aseq));
     if (!ok || !c->tok || !c->qpos || !c->first || !c->hist0 || !c->appended ||
-        !c->was_dropped || !c->mass_off || !c->aseq) {
+        !c->was_dropped || !c->sel_seq || !c->sel_tok || !c->mass_off || !c->aseq) {
         snprintf(err, errlen, "out of memory for a %d-token batch", max_batch_tokens);
         goto fail;
     }
@@ -205,6 +209,8 @@ void model_ctx_destroy(model_ctx *c)
     free(c->hist0);
     free(c->appended);
     free(c->was_dropped);
+    free(c->sel_seq);
+    free(c->sel_tok);
     free(c->mass_off);
     free(c->aseq);
     free(c->mass);
@@ -344,20 +350,51 @@ static int prepare_mass(model_ctx *c, const struct model_batch_seq *seqs, int n_
     return 0;
 }
 
-/* One layer over all T tokens of the batch. 0, or attn_run's error. */
+/*
+ * The rows that matter after the last layer's K/V: the last token of each
+ * sequence that asked for logits. Fills sel_seq[r] (its sequence) and
+ * sel_tok[r] (its token index, increasing); returns how many.
+ */
+static int select_rows(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
+{
+    int r = 0, t_end = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        t_end += seqs[s].n_tokens;
+        if (seqs[s].logits) {
+            c->sel_seq[r] = s;
+            c->sel_tok[r] = t_end - 1;
+            r++;
+        }
+    }
+    return r;
+}
+
+/* Move rows sel_tok[0..R) of a [T][n] buffer to rows 0..R-1, in place
+ * (sel_tok[r] >= r and increasing, so no source is overwritten first). */
+static void compact_rows(float *buf, const int *sel_tok, int R, int n)
+{
+    for (int r = 0; r < R; r++)
+        if (sel_tok[r] != r)
+            memcpy(buf + (size_t)r * n, buf + (size_t)sel_tok[r] * n, sizeof(float) * (size_t)n);
+}
+
+/*
+ * One layer over the T tokens of the batch. With R >= 0 (the last layer,
+ * when no sequence needs H2O mass) only K and V are computed for every
+ * token; then the rows of x are compacted to the R rows that need logits
+ * and the rest of the layer runs over those alone. 0, or attn_run's error.
+ */
 static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs, int n_seqs,
-                         int T, kv_cache *cache, const struct kv_layout *kl)
+                         int T, int R, kv_cache *cache, const struct kv_layout *kl)
 {
     const model *m = c->m;
     const struct model_layer *L = &m->layers[l];
     int d = m->n_embd, hd = m->head_dim, nt = c->n_threads;
 
-    /* Attention: norm, q/k/v for all tokens at once. */
+    /* Attention: norm, k/v (and q) for all tokens at once. */
     rmsnorm_rows(c->xb, c->x, L->attn_norm, T, d, m->rms_eps);
-    mm_matmul_scratch(c->q, &L->wq, c->xb, T, nt, c->scratch);
     mm_matmul_scratch(c->k, &L->wk, c->xb, T, nt, c->scratch);
     mm_matmul_scratch(c->v, &L->wv, c->xb, T, nt, c->scratch);
-    add_bias(c->q, L->bq, T, m->q_dim);
     add_bias(c->k, L->bk, T, m->kv_dim);
     add_bias(c->v, L->bv, T, m->kv_dim);
 
@@ -375,6 +412,18 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         }
     }
 
+    /* Queries: of every token, or (last layer) of the R rows kept. */
+    int rows = T;
+    if (R >= 0) {
+        if (R == 0)
+            return 0; /* nobody wants logits: the K/V were the point */
+        compact_rows(c->xb, c->sel_tok, R, d);
+        compact_rows(c->x, c->sel_tok, R, d);
+        rows = R;
+    }
+    mm_matmul_scratch(c->q, &L->wq, c->xb, rows, nt, c->scratch);
+    add_bias(c->q, L->bq, rows, m->q_dim);
+
     /* The fused kernel over each sequence's cache. */
     struct attn_kv kv = {
         .base = kl->base,
@@ -385,10 +434,11 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         .type = (enum attn_type)kl->type,
         .n_pages = kv_cache_n_pages(cache),
     };
+    int n_aseq = 0;
     t = 0;
-    for (int s = 0; s < n_seqs; s++) {
+    for (int s = 0; s < n_seqs && R < 0; s++) {
         kv_seq *seq = seqs[s].seq;
-        c->aseq[s] = (struct attn_seq){
+        c->aseq[n_aseq++] = (struct attn_seq){
             .page_table = kv_seq_page_table(seq),
             .pos = kv_seq_positions(seq),
             .n_kv = kv_seq_n_tokens(seq),
@@ -400,51 +450,58 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         };
         t += seqs[s].n_tokens;
     }
-    int rc = attn_run(c->attn, &kv, c->aseq, n_seqs);
+    for (int r = 0; r < R; r++) {
+        kv_seq *seq = seqs[c->sel_seq[r]].seq;
+        c->aseq[n_aseq++] = (struct attn_seq){
+            .page_table = kv_seq_page_table(seq),
+            .pos = kv_seq_positions(seq),
+            .n_kv = kv_seq_n_tokens(seq),
+            .n_q = 1,
+            .q_pos = c->qpos + c->sel_tok[r],
+            .q = c->q + (size_t)r * m->q_dim,
+            .out = c->att + (size_t)r * m->q_dim,
+        };
+    }
+    int rc = attn_run(c->attn, &kv, c->aseq, n_aseq);
     if (rc)
         return rc;
-    for (int s = 0; s < n_seqs; s++)
+    for (int s = 0; s < n_seqs && R < 0; s++)
         if (c->mass_off[s] >= 0)
             kv_seq_add_mass(seqs[s].seq, c->mass + c->mass_off[s]);
 
     /* Output projection and residual. */
-    mm_matmul_scratch(c->xb, &L->wo, c->att, T, nt, c->scratch);
-    add_rows(c->x, c->xb, (size_t)T * d);
+    mm_matmul_scratch(c->xb, &L->wo, c->att, rows, nt, c->scratch);
+    add_rows(c->x, c->xb, (size_t)rows * d);
 
     /* Feed-forward: SwiGLU. */
-    rmsnorm_rows(c->xb, c->x, L->ffn_norm, T, d, m->rms_eps);
-    mm_matmul_scratch(c->hb, &L->gate, c->xb, T, nt, c->scratch);
-    mm_matmul_scratch(c->hb2, &L->up, c->xb, T, nt, c->scratch);
-    swiglu(c->hb, c->hb2, (size_t)T * m->n_ff, nt);
-    mm_matmul_scratch(c->xb, &L->down, c->hb, T, nt, c->scratch);
-    add_rows(c->x, c->xb, (size_t)T * d);
+    rmsnorm_rows(c->xb, c->x, L->ffn_norm, rows, d, m->rms_eps);
+    mm_matmul_scratch(c->hb, &L->gate, c->xb, rows, nt, c->scratch);
+    mm_matmul_scratch(c->hb2, &L->up, c->xb, rows, nt, c->scratch);
+    swiglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+    mm_matmul_scratch(c->xb, &L->down, c->hb, rows, nt, c->scratch);
+    add_rows(c->x, c->xb, (size_t)rows * d);
     return 0;
 }
 
-/* Final norm and output matrix for the last token of each sequence that
- * asked for logits, LOGIT_ROWS rows per pass over the output matrix. */
-static void output_logits(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
+/*
+ * Final norm and output matrix for the R selected rows, LOGIT_ROWS rows
+ * per pass over the output matrix. compact: row r of x holds selection r
+ * (the last layer ran compacted); else row sel_tok[r] does.
+ */
+static void output_logits(model_ctx *c, const struct model_batch_seq *seqs, int R, bool compact)
 {
     const model *m = c->m;
     int d = m->n_embd;
     int rows_max = c->max_tokens < LOGIT_ROWS ? c->max_tokens : LOGIT_ROWS;
-    int s = 0, t_end = 0;
-    int sel[LOGIT_ROWS];
-    while (s < n_seqs) {
-        int r = 0;
-        for (; s < n_seqs && r < rows_max; s++) {
-            t_end += seqs[s].n_tokens;
-            if (!seqs[s].logits)
-                continue;
-            rmsnorm(c->xo + (size_t)r * d, c->x + (size_t)(t_end - 1) * d, m->output_norm, d,
-                    m->rms_eps);
-            sel[r++] = s;
+    for (int r0 = 0; r0 < R; r0 += rows_max) {
+        int n = R - r0 < rows_max ? R - r0 : rows_max;
+        for (int i = 0; i < n; i++) {
+            int row = compact ? r0 + i : c->sel_tok[r0 + i];
+            rmsnorm(c->xo + (size_t)i * d, c->x + (size_t)row * d, m->output_norm, d, m->rms_eps);
         }
-        if (r == 0)
-            break;
-        mm_matmul_scratch(c->lg, &m->output, c->xo, r, c->n_threads, c->scratch);
-        for (int i = 0; i < r; i++)
-            memcpy(seqs[sel[i]].logits, c->lg + (size_t)i * m->n_vocab,
+        mm_matmul_scratch(c->lg, &m->output, c->xo, n, c->n_threads, c->scratch);
+        for (int i = 0; i < n; i++)
+            memcpy(seqs[c->sel_seq[r0 + i]].logits, c->lg + (size_t)i * m->n_vocab,
                    sizeof(float) * (size_t)m->n_vocab);
     }
 }
@@ -523,15 +580,23 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, 
         qt_dequantize_row(m->tok_embd.type, emb + (size_t)c->tok[t] * m->tok_embd.row_bytes,
                           c->x + (size_t)t * m->n_embd, m->n_embd);
 
+    /* The last layer runs compacted to the rows that need logits, unless a
+     * sequence collects H2O mass (which counts every query). */
+    int R = select_rows(c, seqs, n_seqs);
+    bool compact = true;
+    for (int s = 0; s < n_seqs; s++)
+        compact = compact && c->mass_off[s] < 0;
+
     struct kv_layout kl;
     kv_cache_layout(cache, &kl);
     for (int l = 0; l < m->n_layer; l++) {
-        rc = layer_forward(c, l, seqs, n_seqs, T, cache, &kl);
+        int rows = l == m->n_layer - 1 && compact ? R : -1;
+        rc = layer_forward(c, l, seqs, n_seqs, T, rows, cache, &kl);
         if (rc) {
             rollback(c, seqs, n_seqs);
             return rc;
         }
     }
-    output_logits(c, seqs, n_seqs);
+    output_logits(c, seqs, R, compact);
     return 0;
 }
