@@ -217,14 +217,14 @@ struct attn_seq {
  * heads share a KV head (GQA; MQA when n_kv_head = 1).
  */
 struct attn_params {
-    int n_head;       /* query heads */
-    int n_kv_head;    /* key/value heads; n_head % n_kv_head == 0 */
-    int head_dim;     /* elements per head, 1..1024 */
-    float scale;      /* logit scale, usually 1/sqrt(head_dim); > 0 */
-    struct pos_scheme pos;
-    int n_threads;    /* OpenMP threads; 0 = the runtime's default */
-    bool force_scalar; /* run the portable scalar path even where a SIMD path
-                          was compiled (tests compare both) */
+    int n_head;            /* query heads */
+    int n_kv_head;         /* key/value heads; n_head % n_kv_head == 0 */
+    int head_dim;          /* elements per head, 1..1024 */
+    float scale;           /* logit scale, usually 1/sqrt(head_dim); > 0 */
+    struct pos_scheme pos; /* position scheme (RoPE, ALiBi, T5 or none) */
+    int n_threads;         /* OpenMP threads; 0 = the runtime's default */
+    bool force_scalar;     /* run the portable scalar path even where a SIMD path
+                              was compiled (tests compare both) */
 };
 
 typedef struct attn_ctx attn_ctx;

@@ -102,9 +102,12 @@ static inline uint16_t attn_f32_to_bf16(float f)
 static inline float attn_load(const void *row, int i, enum attn_type type)
 {
     switch (type) {
-    case ATTN_F16: return attn_f16_to_f32(((const uint16_t *)row)[i]);
-    case ATTN_BF16: return attn_bf16_to_f32(((const uint16_t *)row)[i]);
-    case ATTN_F32: break;
+    case ATTN_F16:
+        return attn_f16_to_f32(((const uint16_t *)row)[i]);
+    case ATTN_BF16:
+        return attn_bf16_to_f32(((const uint16_t *)row)[i]);
+    case ATTN_F32:
+        break;
     }
     return ((const float *)row)[i];
 }
@@ -164,8 +167,8 @@ struct attn_ops {
      * the unnormalised probabilities exp(s - m) (0 where masked, also for
      * t in [nt, ATTN_TILE)). *l gains their sum.
      */
-    void (*softmax)(float *s, int nt, const int32_t *kpos, int32_t pos_q,
-                    const struct attn_bias *b, float *m, float *l, float *acc, int head_dim);
+    void (*softmax)(float *s, int nt, const int32_t *kpos, int32_t pos_q, const struct attn_bias *b,
+                    float *m, float *l, float *acc, int head_dim);
 
     /* Final probabilities: s[t] = exp(s + bias - m) * inv_l (0 where masked, t < ATTN_TILE). */
     void (*probs)(float *s, int nt, const int32_t *kpos, int32_t pos_q, const struct attn_bias *b,

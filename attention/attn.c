@@ -54,8 +54,8 @@
 #include <errno.h>
 #include <math.h>
 #include <omp.h>
-#include <stdatomic.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -72,36 +72,36 @@
 
 /* One thread's scratch; every array starts on its own cache line. */
 struct tscratch {
-    float *S;              /* [rows_max][ATTN_TILE] scores, then probabilities */
-    float *acc;            /* [rows_max][head_dim] output accumulators */
-    float *m, *l;          /* [rows_max] running max and sum */
-    float *qr;             /* [rows_max][head_dim] prepared (scaled, rotated) queries */
-    const float **qrow;    /* [rows_max] prepared query of each row */
-    int32_t *rpos;         /* [rows_max] position of each row's query */
-    struct attn_bias *bias; /* [rows_max] bias of each row's head */
-    int32_t *kpos;         /* [ATTN_TILE] positions of the tile's keys, padded */
-    size_t *tok;           /* [ATTN_TILE] byte offset of each key's page slot */
-    size_t *tok_next;      /* [ATTN_TILE] the same for the next tile (prefetching) */
-    const void **kp, **vp; /* [ATTN_TILE] key and value rows of one head */
-    float *kst;            /* [ATTN_TILE][head_dim] staged (converted, rotated) keys */
-    float *vst;            /* [ATTN_TILE][head_dim] staged (converted) values */
+    float *S;                 /* [rows_max][ATTN_TILE] scores, then probabilities */
+    float *acc;               /* [rows_max][head_dim] output accumulators */
+    float *m, *l;             /* [rows_max] running max and sum */
+    float *qr;                /* [rows_max][head_dim] prepared (scaled, rotated) queries */
+    const float **qrow;       /* [rows_max] prepared query of each row */
+    int32_t *rpos;            /* [rows_max] position of each row's query */
+    struct attn_bias *bias;   /* [rows_max] bias of each row's head */
+    int32_t *kpos;            /* [ATTN_TILE] positions of the tile's keys, padded */
+    size_t *tok;              /* [ATTN_TILE] byte offset of each key's page slot */
+    size_t *tok_next;         /* [ATTN_TILE] the same for the next tile (prefetching) */
+    const void **kp, **vp;    /* [ATTN_TILE] key and value rows of one head */
+    float *kst;               /* [ATTN_TILE][head_dim] staged (converted, rotated) keys */
+    float *vst;               /* [ATTN_TILE][head_dim] staged (converted) values */
     struct attn_prefetch *pf; /* [1] rows of the next head or tile */
-    float *cs, *sn;        /* [ATTN_TILE][half] cos and sin of each key's angles */
-    float *base_c, *base_s; /* [half] angles at the cached 4096-block start */
-    float *cur_c, *cur_s;   /* [half] ... plus 64 * hi */
-    float *qbuf;           /* [head_dim + rot] a query being rotated, its cos/sin */
-    int64_t base_block;    /* block of base_c/base_s, -1 = none */
-    int cur_hi;            /* hi of cur_c/cur_s, -1 = none */
+    float *cs, *sn;           /* [ATTN_TILE][half] cos and sin of each key's angles */
+    float *base_c, *base_s;   /* [half] angles at the cached 4096-block start */
+    float *cur_c, *cur_s;     /* [half] ... plus 64 * hi */
+    float *qbuf;              /* [head_dim + rot] a query being rotated, its cos/sin */
+    int64_t base_block;       /* block of base_c/base_s, -1 = none */
+    int cur_hi;               /* hi of cur_c/cur_s, -1 = none */
 };
 
 /* (sequence, query block, KV heads): rows share one scratch in one item. */
 struct unit {
     int seq, q0, nq, g0, ng;
-    int rows;      /* nq * ng * group */
-    int k_end;     /* keys [0, k_end) may be visible */
-    int nsplit;    /* parts along the keys; 1 = not split */
-    size_t part0;  /* first partial row (rows of part i at part0 + i * rows) */
-    int32_t qmax;  /* largest query position */
+    int rows;        /* nq * ng * group */
+    int k_end;       /* keys [0, k_end) may be visible */
+    int nsplit;      /* parts along the keys; 1 = not split */
+    size_t part0;    /* first partial row (rows of part i at part0 + i * rows) */
+    int32_t qmax;    /* largest query position */
     atomic_int done; /* parts finished; the part that finishes last merges */
 };
 
@@ -109,16 +109,16 @@ enum item_kind { ITEM_ATTN, ITEM_MASS };
 
 struct item {
     enum item_kind kind;
-    int unit;      /* ITEM_ATTN: the unit; ITEM_MASS: the sequence */
-    int part;      /* ITEM_ATTN: part index, -1 when the unit is not split */
-    int k0, k1;    /* key range */
+    int unit;   /* ITEM_ATTN: the unit; ITEM_MASS: the sequence */
+    int part;   /* ITEM_ATTN: part index, -1 when the unit is not split */
+    int k0, k1; /* key range */
     double cost;
 };
 
 /* Per-sequence facts found while validating. */
 struct seqinfo {
-    int qoff;      /* first query of the sequence in the batch */
-    bool sorted;   /* positions non-decreasing */
+    int qoff;    /* first query of the sequence in the batch */
+    bool sorted; /* positions non-decreasing */
 };
 
 struct attn_ctx {
@@ -129,26 +129,26 @@ struct attn_ctx {
     int rows_max;  /* rows one item may hold */
     int rot, half; /* RoPE rotated dims and pairs; 0 without RoPE */
 
-    double *inv_freq;     /* [half] posenc's frequencies (queries) */
-    double *theta;        /* [half] freq_scale * inv_freq (keys) */
-    float *lo_c, *lo_s;   /* [ROPE_LO][half] cos/sin of lo * theta */
-    float *hi_c, *hi_s;   /* [ROPE_LO][half] cos/sin of 64 * hi * theta */
+    double *inv_freq;   /* [half] posenc's frequencies (queries) */
+    double *theta;      /* [half] freq_scale * inv_freq (keys) */
+    float *lo_c, *lo_s; /* [ROPE_LO][half] cos/sin of lo * theta */
+    float *hi_c, *hi_s; /* [ROPE_LO][half] cos/sin of 64 * hi * theta */
     struct pos_t5_lut lut;
     bool has_lut;
-    float *t5bias;        /* [n_head][lut.n + 1] table[h][bucket(-d)], refreshed per run */
+    float *t5bias; /* [n_head][lut.n + 1] table[h][bucket(-d)], refreshed per run */
 
-    struct tscratch *ts;  /* [n_threads] */
+    struct tscratch *ts; /* [n_threads] */
     void *ts_mem;
 
     /* batch workspace, grown by attn_run */
-    float *stats;         /* [total_q][n_head][2] final (m, l) */
-    float *parts;         /* [..][head_dim + 2] split partials: m, l, acc */
+    float *stats; /* [total_q][n_head][2] final (m, l) */
+    float *parts; /* [..][head_dim + 2] split partials: m, l, acc */
     struct unit *units;
     struct item *items;
     struct seqinfo *si;
     size_t cap_stats, cap_parts, cap_units, cap_items, cap_si;
 
-    size_t bytes;         /* everything allocated */
+    size_t bytes; /* everything allocated */
     char err[192];
 };
 
@@ -159,7 +159,9 @@ struct attn_ctx {
 static void row_to_f32(float *dst, const void *row, int off, int n, enum attn_type type)
 {
     switch (type) {
-    case ATTN_F32: memcpy(dst, (const float *)row + off, sizeof(float) * (size_t)n); return;
+    case ATTN_F32:
+        memcpy(dst, (const float *)row + off, sizeof(float) * (size_t)n);
+        return;
     case ATTN_F16:
         for (int i = 0; i < n; i++)
             dst[i] = attn_f16_to_f32(((const uint16_t *)row)[off + i]);
@@ -181,7 +183,8 @@ static float dot_f32(const float *a, const float *b, int n)
             part[j] += a[d + j] * b[d + j];
     for (; d < n; d++)
         part[0] += a[d] * b[d];
-    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+    return ((part[0] + part[4]) + (part[1] + part[5])) +
+           ((part[2] + part[6]) + (part[3] + part[7]));
 }
 
 static void qk_scalar(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
@@ -264,8 +267,8 @@ static void pv_scalar(float *acc, int nrows, const float *P, const void *const *
 }
 
 static void stage_k_scalar(float *out, const void *const *kp, int nt, enum attn_type type, int D,
-                           int rot, enum pos_rope_pairing pairing, const float *cs,
-                           const float *sn, int ld_cs)
+                           int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                           int ld_cs)
 {
     int half = rot / 2;
     float k[1024];
@@ -316,9 +319,12 @@ static const struct attn_ops scalar_ops = {
 size_t attn_type_size(enum attn_type type)
 {
     switch (type) {
-    case ATTN_F32: return 4;
-    case ATTN_F16: return 2;
-    case ATTN_BF16: return 2;
+    case ATTN_F32:
+        return 4;
+    case ATTN_F16:
+        return 2;
+    case ATTN_BF16:
+        return 2;
     }
     return 0;
 }
@@ -326,9 +332,12 @@ size_t attn_type_size(enum attn_type type)
 const char *attn_type_name(enum attn_type type)
 {
     switch (type) {
-    case ATTN_F32: return "f32";
-    case ATTN_F16: return "f16";
-    case ATTN_BF16: return "bf16";
+    case ATTN_F32:
+        return "f32";
+    case ATTN_F16:
+        return "f16";
+    case ATTN_BF16:
+        return "bf16";
     }
     return "unknown";
 }
@@ -384,11 +393,12 @@ static int check_params(const struct attn_params *p, char *err, size_t errlen)
     }
     const struct pos_scheme *ps = &p->pos;
     switch (ps->kind) {
-    case POS_NONE: return 0;
+    case POS_NONE:
+        return 0;
     case POS_ROPE:
         if (ps->rope_dims < 2 || ps->rope_dims % 2 || ps->rope_dims > p->head_dim) {
-            fail(err, errlen, "rope_dims %d must be even, >= 2 and <= head_dim %d",
-                 ps->rope_dims, p->head_dim);
+            fail(err, errlen, "rope_dims %d must be even, >= 2 and <= head_dim %d", ps->rope_dims,
+                 p->head_dim);
             return -EINVAL;
         }
         if (!(ps->rope_theta > 0.0f) || !isfinite(ps->rope_theta)) {
@@ -427,12 +437,12 @@ static int check_params(const struct attn_params *p, char *err, size_t errlen)
 static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int D, int half)
 {
     size_t off = 0;
-#define CARVE(field, count)                                                        \
-    do {                                                                           \
-        size_t bytes_ = align_up(sizeof(*w->field) * (size_t)(count), CACHE_LINE); \
-        if (mem)                                                                   \
-            w->field = (void *)(mem + off);                                        \
-        off += bytes_;                                                             \
+#define CARVE(field, count)                                                                        \
+    do {                                                                                           \
+        size_t bytes_ = align_up(sizeof(*w->field) * (size_t)(count), CACHE_LINE);                 \
+        if (mem)                                                                                   \
+            w->field = (void *)(mem + off);                                                        \
+        off += bytes_;                                                                             \
     } while (0)
     CARVE(S, (size_t)rows_max * ATTN_TILE);
     CARVE(acc, (size_t)rows_max * D);
@@ -501,8 +511,7 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
         ctx->lo_s = ctx_alloc(ctx, tab);
         ctx->hi_c = ctx_alloc(ctx, tab);
         ctx->hi_s = ctx_alloc(ctx, tab);
-        if (!ctx->inv_freq || !ctx->theta || !ctx->lo_c || !ctx->lo_s || !ctx->hi_c ||
-            !ctx->hi_s)
+        if (!ctx->inv_freq || !ctx->theta || !ctx->lo_c || !ctx->lo_s || !ctx->hi_c || !ctx->hi_s)
             goto out_nomem;
         pos_rope_inv_freq(ctx->inv_freq, ctx->rot, (double)ps->rope_theta);
         for (int i = 0; i < half; i++)
@@ -632,8 +641,8 @@ static int validate(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_s
     for (int s = 0; s < n_seqs; s++) {
         const struct attn_seq *sq = &seqs[s];
         if (sq->n_kv < 0 || sq->n_q < 0)
-            return run_fail(ctx, -EINVAL, "sequence %d: negative n_kv %d or n_q %d", s,
-                            sq->n_kv, sq->n_q);
+            return run_fail(ctx, -EINVAL, "sequence %d: negative n_kv %d or n_q %d", s, sq->n_kv,
+                            sq->n_q);
         if (sq->n_q > 0 && (!sq->q || !sq->out || !sq->q_pos))
             return run_fail(ctx, -EINVAL, "sequence %d: %d queries but no q, out or q_pos", s,
                             sq->n_q);
@@ -956,8 +965,8 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
  * scattered over pages, which the hardware prefetcher follows poorly.
  */
 static const struct attn_prefetch *prefetch_head(const attn_ctx *ctx, struct attn_prefetch *pf,
-                                                 const size_t *tok, const struct attn_kv *kv,
-                                                 int g, int n)
+                                                 const size_t *tok, const struct attn_kv *kv, int g,
+                                                 int n)
 {
     const size_t row = (size_t)ctx->p.head_dim * attn_type_size(kv->type);
     const size_t head = (size_t)g * kv->page_tokens * row;
@@ -987,8 +996,7 @@ static struct attn_bias head_bias(const attn_ctx *ctx, int h)
 }
 
 /* dst = q * scale, rotated by pos_q's exact angles cs, laid out like staged keys. */
-static void prep_row(const attn_ctx *ctx, float *x, const float *cs, const float *src,
-                     float *dst)
+static void prep_row(const attn_ctx *ctx, float *x, const float *cs, const float *src, float *dst)
 {
     const int D = ctx->p.head_dim, rot = ctx->rot, half = ctx->half;
     const float scale = ctx->p.scale;
@@ -1018,8 +1026,8 @@ static void prep_row(const attn_ctx *ctx, float *x, const float *cs, const float
  * (head of block, query, group member), so one KV head's rows are contiguous.
  * Each row's query is prepared into the thread's scratch.
  */
-static void setup_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq,
-                       int q0, int nq, int g0, int ng)
+static void setup_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq, int q0,
+                       int nq, int g0, int ng)
 {
     const int H = ctx->p.n_head, D = ctx->p.head_dim, group = ctx->group;
     float *x = w->qbuf, *cs = w->qbuf + D;
@@ -1243,8 +1251,7 @@ int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seq
         grow(ctx, (void **)&ctx->items, &ctx->cap_items, n_items, sizeof(struct item)) ||
         grow(ctx, (void **)&ctx->stats, &ctx->cap_stats, (size_t)total_q * H * 2 + 1,
              sizeof(float)) ||
-        grow(ctx, (void **)&ctx->parts, &ctx->cap_parts, n_parts * (size_t)(D + 2),
-             sizeof(float)))
+        grow(ctx, (void **)&ctx->parts, &ctx->cap_parts, n_parts * (size_t)(D + 2), sizeof(float)))
         return run_fail(ctx, -ENOMEM, "out of memory for the workspace of %d queries", total_q);
 
     if (ctx->p.pos.kind == POS_T5) { /* compose the table with the bucket lookup */

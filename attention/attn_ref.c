@@ -16,8 +16,8 @@
 #include <stdlib.h>
 
 /* The K (value = false) or V row of cached token i, KV head g. */
-static const void *kv_row(const struct attn_kv *kv, const struct attn_seq *sq, int D, int g,
-                          int i, bool value)
+static const void *kv_row(const struct attn_kv *kv, const struct attn_seq *sq, int D, int g, int i,
+                          bool value)
 {
     size_t esz = attn_type_size(kv->type);
     size_t page = (size_t)sq->page_table[i / kv->page_tokens];
@@ -26,8 +26,8 @@ static const void *kv_row(const struct attn_kv *kv, const struct attn_seq *sq, i
     return kv->base + off;
 }
 
-static int check(const struct attn_params *p, const struct attn_kv *kv,
-                 const struct attn_seq *seqs, int n_seqs)
+static int check(const struct attn_params *p, const struct attn_kv *kv, const struct attn_seq *seqs,
+                 int n_seqs)
 {
     if (!p || !kv || n_seqs < 0 || (n_seqs && !seqs))
         return -EINVAL;
@@ -41,8 +41,8 @@ static int check(const struct attn_params *p, const struct attn_kv *kv,
     if (ps->kind == POS_ALIBI && !ps->alibi_slopes)
         return -EINVAL;
     if (ps->kind == POS_T5 &&
-        (!ps->t5_table || pos_t5_check(ps->t5_num_buckets, ps->t5_max_distance,
-                                       ps->t5_bidirectional, NULL, 0)))
+        (!ps->t5_table ||
+         pos_t5_check(ps->t5_num_buckets, ps->t5_max_distance, ps->t5_bidirectional, NULL, 0)))
         return -EINVAL;
     size_t block = (size_t)p->n_kv_head * kv->page_tokens * p->head_dim * attn_type_size(kv->type);
     for (int s = 0; s < n_seqs; s++) {
@@ -76,8 +76,8 @@ int attn_reference(const struct attn_params *p, const struct attn_kv *kv,
         max_kv = seqs[s].n_kv > max_kv ? seqs[s].n_kv : max_kv;
     size_t kv_elts = ((size_t)max_kv + 1) * G * D;
     double *score = malloc(sizeof(double) * ((size_t)max_kv + 1));
-    float *kr = malloc(sizeof(float) * kv_elts);  /* [n_kv][G][D] rotated keys */
-    float *vr = malloc(sizeof(float) * kv_elts);  /* [n_kv][G][D] values */
+    float *kr = malloc(sizeof(float) * kv_elts); /* [n_kv][G][D] rotated keys */
+    float *vr = malloc(sizeof(float) * kv_elts); /* [n_kv][G][D] values */
     float *cs = malloc(sizeof(float) * ((size_t)rot + 1));
     double *inv_freq = malloc(sizeof(double) * ((size_t)rot + 1));
     float *qr = malloc(sizeof(float) * (size_t)D);
@@ -100,7 +100,8 @@ int attn_reference(const struct attn_params *p, const struct attn_kv *kv,
                 pos_rope_cos_sin(cs, inv_freq, rot, (double)ps->rope_freq_scale, sq->pos[i]);
             for (int g = 0; g < G; g++) {
                 float *k = kr + ((size_t)i * G + g) * D, *v = vr + ((size_t)i * G + g) * D;
-                const void *ks = kv_row(kv, sq, D, g, i, false), *vs = kv_row(kv, sq, D, g, i, true);
+                const void *ks = kv_row(kv, sq, D, g, i, false),
+                           *vs = kv_row(kv, sq, D, g, i, true);
                 for (int d = 0; d < D; d++) {
                     k[d] = attn_load(ks, d, kv->type);
                     v[d] = attn_load(vs, d, kv->type);
@@ -138,8 +139,7 @@ int attn_reference(const struct attn_params *p, const struct attn_kv *kv,
                     else if (ps->kind == POS_T5)
                         bias = ps->t5_table[(size_t)h * ps->t5_num_buckets +
                                             pos_t5_bucket(offset, ps->t5_bidirectional,
-                                                          ps->t5_num_buckets,
-                                                          ps->t5_max_distance)];
+                                                          ps->t5_num_buckets, ps->t5_max_distance)];
                     score[i] = dot * p->scale + bias;
                     mx = score[i] > mx ? score[i] : mx;
                 }

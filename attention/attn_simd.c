@@ -17,8 +17,7 @@
 
 #include <math.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define SIMD_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SIMD_AVX2 1
@@ -44,6 +43,7 @@ INLINE __mmask16 lanes(int n)
 {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1u);
 }
+/* clang-format off */
 INLINE vf vzero(void) { return _mm512_setzero_ps(); }
 INLINE vf vset1(float x) { return _mm512_set1_ps(x); }
 INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -54,13 +54,20 @@ INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a*b */
 INLINE float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
 INLINE float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+/* clang-format on */
 
-INLINE vf vload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf vload(const float *p)
+{
+    return _mm512_loadu_ps(p);
+}
 INLINE vf vload_n(const float *p, int n)
 {
     return n >= VL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes(n), p);
 }
-INLINE void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
+INLINE void vstore(float *p, vf x)
+{
+    _mm512_storeu_ps(p, x);
+}
 INLINE void vstore_n(float *p, vf x, int n)
 {
     if (n >= VL)
@@ -70,14 +77,14 @@ INLINE void vstore_n(float *p, vf x, int n)
 }
 INLINE vf vload_h_n(const uint16_t *p, int n)
 {
-    __m256i h = n >= VL ? _mm256_loadu_si256((const __m256i *)p)
-                        : _mm256_maskz_loadu_epi16(lanes(n), p);
+    __m256i h =
+        n >= VL ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(lanes(n), p);
     return _mm512_cvtph_ps(h);
 }
 INLINE vf vload_b_n(const uint16_t *p, int n)
 {
-    __m256i h = n >= VL ? _mm256_loadu_si256((const __m256i *)p)
-                        : _mm256_maskz_loadu_epi16(lanes(n), p);
+    __m256i h =
+        n >= VL ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(lanes(n), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
@@ -170,6 +177,7 @@ INLINE __m256i lanes_i(int n)
 {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+/* clang-format off */
 INLINE vf vzero(void) { return _mm256_setzero_ps(); }
 INLINE vf vset1(float x) { return _mm256_set1_ps(x); }
 INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
@@ -178,6 +186,7 @@ INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 INLINE vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+/* clang-format on */
 INLINE float vhsum(vf a)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -193,12 +202,18 @@ INLINE float vhmax(vf a)
     return _mm_cvtss_f32(s);
 }
 
-INLINE vf vload(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vf vload(const float *p)
+{
+    return _mm256_loadu_ps(p);
+}
 INLINE vf vload_n(const float *p, int n)
 {
     return n >= VL ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_i(n));
 }
-INLINE void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
+INLINE void vstore(float *p, vf x)
+{
+    _mm256_storeu_ps(p, x);
+}
 INLINE void vstore_n(float *p, vf x, int n)
 {
     if (n >= VL)
@@ -216,7 +231,10 @@ INLINE __m128i load_u16_n(const uint16_t *p, int n)
         memcpy(buf, p, sizeof(uint16_t) * (size_t)n);
     return _mm_loadu_si128((const __m128i *)buf);
 }
-INLINE vf vload_h_n(const uint16_t *p, int n) { return _mm256_cvtph_ps(load_u16_n(p, n)); }
+INLINE vf vload_h_n(const uint16_t *p, int n)
+{
+    return _mm256_cvtph_ps(load_u16_n(p, n));
+}
 INLINE vf vload_b_n(const uint16_t *p, int n)
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_u16_n(p, n)), 16));
@@ -224,8 +242,10 @@ INLINE vf vload_b_n(const uint16_t *p, int n)
 
 INLINE void vdeinterleave(vf a, vf b, vf *even, vf *odd)
 {
-    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+    *even = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    *odd = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
 }
 
 /* Lane o = sum of a[o]; the tree leaves input 2c + j in lane 4j + c. */
@@ -258,7 +278,8 @@ INLINE vf vexp(vf x)
     vf r2 = _mm256_mul_ps(r, r);
     vf y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
     /* x >= -87.3 keeps n >= -126: 2^n is a normal number built in the exponent field */
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
@@ -294,9 +315,12 @@ static const char simd_name[] = "avx2";
 INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
 {
     switch (T) {
-    case ATTN_F16: return vload_h_n((const uint16_t *)row + off, n);
-    case ATTN_BF16: return vload_b_n((const uint16_t *)row + off, n);
-    case ATTN_F32: break;
+    case ATTN_F16:
+        return vload_h_n((const uint16_t *)row + off, n);
+    case ATTN_BF16:
+        return vload_b_n((const uint16_t *)row + off, n);
+    case ATTN_F32:
+        break;
     }
     return vload_n((const float *)row + off, n);
 }
@@ -375,9 +399,15 @@ static void qk_simd(float *S, const float *const *q, int nrows, const void *cons
                     enum attn_type type, int D, const struct attn_prefetch *pf)
 {
     switch (type) {
-    case ATTN_F32: qk_typed(S, q, nrows, kp, nt, ATTN_F32, D, pf); break;
-    case ATTN_F16: qk_typed(S, q, nrows, kp, nt, ATTN_F16, D, pf); break;
-    case ATTN_BF16: qk_typed(S, q, nrows, kp, nt, ATTN_BF16, D, pf); break;
+    case ATTN_F32:
+        qk_typed(S, q, nrows, kp, nt, ATTN_F32, D, pf);
+        break;
+    case ATTN_F16:
+        qk_typed(S, q, nrows, kp, nt, ATTN_F16, D, pf);
+        break;
+    case ATTN_BF16:
+        qk_typed(S, q, nrows, kp, nt, ATTN_BF16, D, pf);
+        break;
     }
 }
 
@@ -441,8 +471,8 @@ INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp
         memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
 }
 
-INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void *const *kp,
-                          int nt, enum attn_type T, int D, int rot, bool neox, const float *cs,
+INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                          enum attn_type T, int D, int rot, bool neox, const float *cs,
                           const float *sn, int ld, const struct attn_prefetch *pf)
 {
     for (int c0 = 0; c0 < nt; c0 += VL) {
@@ -450,15 +480,15 @@ INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void
         int r = 0;
         for (; r + 4 <= nrows; r += 4)
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4)
-                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn,
-                              ld, 4, VL / 4);
+                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn, ld,
+                              4, VL / 4);
         for (; r + 2 <= nrows; r += 2)
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 2)
-                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn,
-                              ld, 2, VL / 2);
+                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn, ld,
+                              2, VL / 2);
         for (; r < nrows; r++)
-            qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, rot, neox, cs, sn, ld,
-                          1, VL);
+            qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, rot, neox, cs, sn, ld, 1,
+                          VL);
     }
 }
 
@@ -588,9 +618,15 @@ static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp
                     enum attn_type type, int D)
 {
     switch (type) {
-    case ATTN_F32: pv_typed(acc, nrows, P, vp, nt, ATTN_F32, D); break;
-    case ATTN_F16: pv_typed(acc, nrows, P, vp, nt, ATTN_F16, D); break;
-    case ATTN_BF16: pv_typed(acc, nrows, P, vp, nt, ATTN_BF16, D); break;
+    case ATTN_F32:
+        pv_typed(acc, nrows, P, vp, nt, ATTN_F32, D);
+        break;
+    case ATTN_F16:
+        pv_typed(acc, nrows, P, vp, nt, ATTN_F16, D);
+        break;
+    case ATTN_BF16:
+        pv_typed(acc, nrows, P, vp, nt, ATTN_BF16, D);
+        break;
     }
 }
 
@@ -598,9 +634,8 @@ static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp
  * Staging keys: convert, de-interleave and rotate a tile once
  * ------------------------------------------------------------------------ */
 
-INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_type T, int D,
-                        int rot, enum pos_rope_pairing pairing, const float *cs,
-                        const float *sn, int ld_cs)
+INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_type T, int D, int rot,
+                        enum pos_rope_pairing pairing, const float *cs, const float *sn, int ld_cs)
 {
     int half = rot / 2;
     for (int t = 0; t < nt; t++) {
@@ -623,13 +658,19 @@ INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_typ
 }
 
 static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_type type, int D,
-                         int rot, enum pos_rope_pairing pairing, const float *cs,
-                         const float *sn, int ld_cs)
+                         int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                         int ld_cs)
 {
     switch (type) {
-    case ATTN_F32: stage_typed(out, kp, nt, ATTN_F32, D, rot, pairing, cs, sn, ld_cs); break;
-    case ATTN_F16: stage_typed(out, kp, nt, ATTN_F16, D, rot, pairing, cs, sn, ld_cs); break;
-    case ATTN_BF16: stage_typed(out, kp, nt, ATTN_BF16, D, rot, pairing, cs, sn, ld_cs); break;
+    case ATTN_F32:
+        stage_typed(out, kp, nt, ATTN_F32, D, rot, pairing, cs, sn, ld_cs);
+        break;
+    case ATTN_F16:
+        stage_typed(out, kp, nt, ATTN_F16, D, rot, pairing, cs, sn, ld_cs);
+        break;
+    case ATTN_BF16:
+        stage_typed(out, kp, nt, ATTN_BF16, D, rot, pairing, cs, sn, ld_cs);
+        break;
     }
 }
 

@@ -396,7 +396,9 @@ static void scheme_params(struct fixture *f, int n_head)
     memset(ps, 0, sizeof(*ps));
     uint32_t seed = 777;
     switch (f->c.scheme) {
-    case S_NONE: ps->kind = POS_NONE; break;
+    case S_NONE:
+        ps->kind = POS_NONE;
+        break;
     case S_ROPE_ADJ:
     case S_ROPE_NEOX_HALF:
         ps->kind = POS_ROPE;
@@ -424,7 +426,8 @@ static void scheme_params(struct fixture *f, int n_head)
             f->t5_table[i] = 2.0f * rng_unit(&seed);
         ps->t5_table = f->t5_table;
         break;
-    case S_COUNT: break;
+    case S_COUNT:
+        break;
     }
 }
 
@@ -521,8 +524,8 @@ static void fixture_init(struct fixture *f, const struct kcase *c)
         }
         if (c->pos_mode == POS_SHUFFLED)
             for (int i = 0; i < n_q; i++) /* a spread of positions, not just the last */
-                f->q_pos[s][i] = n_kv ? f->pos[s][(int)(rng_next(&seed) % (uint32_t)n_kv)]
-                                      : c->shift;
+                f->q_pos[s][i] =
+                    n_kv ? f->pos[s][(int)(rng_next(&seed) % (uint32_t)n_kv)] : c->shift;
         for (int i = 0; i < n_q * n_head * D; i++)
             f->q[s][i] = rng_unit(&seed);
         f->seqs[s] = (struct attn_seq){.page_table = f->page_table[s],
@@ -607,16 +610,14 @@ static void run_fused(struct fixture *f, struct result *r, bool scalar)
 static void describe(const struct kcase *c, char *buf, size_t len)
 {
     int n = snprintf(buf, len, "%s d=%d group=%d kvh=%d page=%d %s threads=%d pos=%d+%d kv=",
-                     scheme_names[c->scheme], c->head_dim, c->group, c->n_kv_head,
-                     c->page_tokens, attn_type_name(c->type), c->threads, (int)c->pos_mode,
-                     (int)c->shift);
+                     scheme_names[c->scheme], c->head_dim, c->group, c->n_kv_head, c->page_tokens,
+                     attn_type_name(c->type), c->threads, (int)c->pos_mode, (int)c->shift);
     for (int s = 0; s < c->n_seqs && n > 0 && (size_t)n < len; s++)
         n += snprintf(buf + n, len - (size_t)n, "%d/%dq ", c->n_kv[s], c->n_q[s]);
 }
 
 /* Largest |a - b| over all outputs; NaN counts as infinite. */
-static double max_out_diff(const struct fixture *f, const struct result *a,
-                           const struct result *b)
+static double max_out_diff(const struct fixture *f, const struct result *a, const struct result *b)
 {
     double worst = 0;
     for (int s = 0; s < f->c.n_seqs; s++) {
@@ -631,8 +632,7 @@ static double max_out_diff(const struct fixture *f, const struct result *a,
 }
 
 /* Largest relative difference of the masses, and check each sums to heads x seeing queries. */
-static double max_mass_diff(const struct fixture *f, const struct result *a,
-                            const struct result *b)
+static double max_mass_diff(const struct fixture *f, const struct result *a, const struct result *b)
 {
     double worst = 0;
     for (int s = 0; s < f->c.n_seqs; s++) {
@@ -684,8 +684,8 @@ static void check_case(const struct kcase *c)
     describe(c, what, sizeof(what));
     double e1 = max_out_diff(&f, &simd, &ref), e2 = max_out_diff(&f, &scal, &ref);
     if (!(e1 <= TOL_OUT) || !(e2 <= TOL_OUT))
-        fail_msg("%s: max |fused - reference| = %g (%s), %g (scalar)", what, e1,
-                 attn_simd_name(), e2);
+        fail_msg("%s: max |fused - reference| = %g (%s), %g (scalar)", what, e1, attn_simd_name(),
+                 e2);
     if (c->mass) {
         double m1 = max_mass_diff(&f, &simd, &ref), m2 = max_mass_diff(&f, &scal, &ref);
         if (!(m1 <= TOL_MASS) || !(m2 <= TOL_MASS))
@@ -766,9 +766,17 @@ static void test_kernel_prefill_chunk(void **state)
             c.group = 1, c.n_kv_head = 2;
         check_case(&c);
     }
-    struct kcase big = {.scheme = S_ROPE_ADJ, .head_dim = 64, .group = 2, .n_kv_head = 1,
-                        .page_tokens = 16, .type = ATTN_F16, .n_seqs = 1, .n_kv = {4099},
-                        .n_q = {512}, .threads = 2, .mass = true};
+    struct kcase big = {.scheme = S_ROPE_ADJ,
+                        .head_dim = 64,
+                        .group = 2,
+                        .n_kv_head = 1,
+                        .page_tokens = 16,
+                        .type = ATTN_F16,
+                        .n_seqs = 1,
+                        .n_kv = {4099},
+                        .n_q = {512},
+                        .threads = 2,
+                        .mass = true};
     big.skip_scalar = true;
     check_case(&big);
     big.scheme = S_T5_CAUSAL;
@@ -889,8 +897,8 @@ static void test_kernel_translation(void **state)
                 double tol = f0.params.pos.kind == POS_ROPE ? 1e-4 : 0.0;
                 if (!(d <= tol) || !(dm <= (tol ? 1e-4 : 0.0)) || !(dref <= 1e-4))
                     fail_msg("%s %s shift %d: output moved by %g (mass %g, vs reference %g)",
-                             scheme_names[sc], scalar ? "scalar" : attn_simd_name(),
-                             (int)shifts[i], d, dm, dref);
+                             scheme_names[sc], scalar ? "scalar" : attn_simd_name(), (int)shifts[i],
+                             d, dm, dref);
                 result_free(&r1, c.n_seqs);
                 fixture_deinit(&f1);
             }
@@ -926,15 +934,32 @@ static void test_kernel_t5_two_token_sign(void **state)
             pool[2 * D + D + 1] = 1.0f; /* v1 = e1 */
             int32_t page_table[1] = {0}, pos[2] = {0, 1}, q_pos[2] = {1, 0};
             float q[2 * D] = {0}, out[2 * D], mass[2];
-            struct attn_kv kv = {.base = (const uint8_t *)pool, .page_bytes = sizeof(pool),
-                                 .k_offset = 0, .v_offset = 2 * D * sizeof(float),
-                                 .page_tokens = 2, .type = ATTN_F32, .n_pages = 1};
-            struct attn_seq seq = {.page_table = page_table, .pos = pos, .n_kv = 2, .n_q = 2,
-                                   .q_pos = q_pos, .q = q, .out = out, .mass = mass};
-            struct attn_params p = {.n_head = 1, .n_kv_head = 1, .head_dim = D, .scale = 0.5f,
-                                    .n_threads = 1 + path % 2, .force_scalar = path == 1};
-            p.pos = (struct pos_scheme){.kind = POS_T5, .t5_table = table, .t5_num_buckets = NB,
-                                        .t5_max_distance = 128, .t5_bidirectional = bidi};
+            struct attn_kv kv = {.base = (const uint8_t *)pool,
+                                 .page_bytes = sizeof(pool),
+                                 .k_offset = 0,
+                                 .v_offset = 2 * D * sizeof(float),
+                                 .page_tokens = 2,
+                                 .type = ATTN_F32,
+                                 .n_pages = 1};
+            struct attn_seq seq = {.page_table = page_table,
+                                   .pos = pos,
+                                   .n_kv = 2,
+                                   .n_q = 2,
+                                   .q_pos = q_pos,
+                                   .q = q,
+                                   .out = out,
+                                   .mass = mass};
+            struct attn_params p = {.n_head = 1,
+                                    .n_kv_head = 1,
+                                    .head_dim = D,
+                                    .scale = 0.5f,
+                                    .n_threads = 1 + path % 2,
+                                    .force_scalar = path == 1};
+            p.pos = (struct pos_scheme){.kind = POS_T5,
+                                        .t5_table = table,
+                                        .t5_num_buckets = NB,
+                                        .t5_max_distance = 128,
+                                        .t5_bidirectional = bidi};
             if (path == 2) {
                 assert_int_equal(attn_reference(&p, &kv, &seq, 1), 0);
             } else {
@@ -961,9 +986,17 @@ static void test_kernel_t5_two_token_sign(void **state)
 static void test_kernel_nothing_visible(void **state)
 {
     (void)state;
-    struct kcase c = {.scheme = S_ROPE_NEOX_HALF, .head_dim = 64, .group = 4, .n_kv_head = 2,
-                      .page_tokens = 16, .type = ATTN_F32, .n_seqs = 2, .n_kv = {100, 0},
-                      .n_q = {2, 1}, .threads = 2, .mass = true};
+    struct kcase c = {.scheme = S_ROPE_NEOX_HALF,
+                      .head_dim = 64,
+                      .group = 4,
+                      .n_kv_head = 2,
+                      .page_tokens = 16,
+                      .type = ATTN_F32,
+                      .n_seqs = 2,
+                      .n_kv = {100, 0},
+                      .n_q = {2, 1},
+                      .threads = 2,
+                      .mass = true};
     struct fixture f;
     fixture_init(&f, &c);
     for (int i = 0; i < 100; i++)
@@ -1025,7 +1058,8 @@ static void test_kernel_memory_128k(void **state)
         pattern[i] = attn_f32_to_f16(rng_unit(&seed));
     for (size_t i = 0; i < page_bytes * n_pages / 2; i += 4099) /* touches every page */
         memcpy(pool + i, pattern,
-               sizeof(uint16_t) * (page_bytes * n_pages / 2 - i < 4099 ? page_bytes * n_pages / 2 - i : 4099));
+               sizeof(uint16_t) *
+                   (page_bytes * n_pages / 2 - i < 4099 ? page_bytes * n_pages / 2 - i : 4099));
     for (int i = 0; i < n_pages; i++)
         page_table[i] = n_pages - 1 - i;
     for (int i = 0; i < N; i++)
@@ -1034,19 +1068,29 @@ static void test_kernel_memory_128k(void **state)
     for (int i = 0; i < H * D; i++)
         q[i] = rng_unit(&seed);
 
-    struct attn_params p = {.n_head = H, .n_kv_head = KVH, .head_dim = D, .scale = 0.125f,
-                            .n_threads = 2};
-    p.pos = (struct pos_scheme){.kind = POS_ROPE, .rope_theta = 10000.0f, .rope_dims = D,
-                                .rope_freq_scale = 1.0f};
+    struct attn_params p = {
+        .n_head = H, .n_kv_head = KVH, .head_dim = D, .scale = 0.125f, .n_threads = 2};
+    p.pos = (struct pos_scheme){
+        .kind = POS_ROPE, .rope_theta = 10000.0f, .rope_dims = D, .rope_freq_scale = 1.0f};
     char err[128];
     attn_ctx *ctx = attn_create(&p, err, sizeof(err));
     assert_non_null(ctx);
-    struct attn_kv kv = {.base = (const uint8_t *)pool, .page_bytes = page_bytes,
-                         .k_offset = 0, .v_offset = block, .page_tokens = PT,
-                         .type = ATTN_F16, .n_pages = n_pages};
+    struct attn_kv kv = {.base = (const uint8_t *)pool,
+                         .page_bytes = page_bytes,
+                         .k_offset = 0,
+                         .v_offset = block,
+                         .page_tokens = PT,
+                         .type = ATTN_F16,
+                         .n_pages = n_pages};
     int32_t q_pos = 1023;
-    struct attn_seq seq = {.page_table = page_table, .pos = pos, .n_kv = 1024, .n_q = 1,
-                           .q_pos = &q_pos, .q = q, .out = out, .mass = mass};
+    struct attn_seq seq = {.page_table = page_table,
+                           .pos = pos,
+                           .n_kv = 1024,
+                           .n_q = 1,
+                           .q_pos = &q_pos,
+                           .q = q,
+                           .out = out,
+                           .mass = mass};
     assert_int_equal(attn_run(ctx, &kv, &seq, 1), 0);
     size_t ws_1k = attn_workspace_bytes(ctx);
 
@@ -1095,8 +1139,8 @@ static void test_kernel_bad_params(void **state)
     assert_null(attn_create(&p, err, sizeof(err)));
     assert_non_null(strstr(err, "scale"));
     p = ok;
-    p.pos = (struct pos_scheme){.kind = POS_ROPE, .rope_theta = 10000.0f, .rope_dims = 63,
-                                .rope_freq_scale = 1.0f};
+    p.pos = (struct pos_scheme){
+        .kind = POS_ROPE, .rope_theta = 10000.0f, .rope_dims = 63, .rope_freq_scale = 1.0f};
     assert_null(attn_create(&p, err, sizeof(err)));
     assert_non_null(strstr(err, "rope_dims"));
     p.pos.rope_dims = 64;
@@ -1109,8 +1153,11 @@ static void test_kernel_bad_params(void **state)
     assert_non_null(strstr(err, "alibi_slopes"));
     float table[8 * 32] = {0};
     p = ok;
-    p.pos = (struct pos_scheme){.kind = POS_T5, .t5_table = table, .t5_num_buckets = 32,
-                                .t5_max_distance = 8, .t5_bidirectional = true};
+    p.pos = (struct pos_scheme){.kind = POS_T5,
+                                .t5_table = table,
+                                .t5_num_buckets = 32,
+                                .t5_max_distance = 8,
+                                .t5_bidirectional = true};
     assert_null(attn_create(&p, err, sizeof(err)));
     assert_non_null(strstr(err, "max_distance"));
     assert_null(attn_create(NULL, err, sizeof(err)));
@@ -1119,9 +1166,16 @@ static void test_kernel_bad_params(void **state)
 static void test_kernel_bad_batch(void **state)
 {
     (void)state;
-    struct kcase c = {.scheme = S_ALIBI, .head_dim = 64, .group = 4, .n_kv_head = 2,
-                      .page_tokens = 16, .type = ATTN_F16, .n_seqs = 1, .n_kv = {100},
-                      .n_q = {1}, .threads = 2};
+    struct kcase c = {.scheme = S_ALIBI,
+                      .head_dim = 64,
+                      .group = 4,
+                      .n_kv_head = 2,
+                      .page_tokens = 16,
+                      .type = ATTN_F16,
+                      .n_seqs = 1,
+                      .n_kv = {100},
+                      .n_q = {1},
+                      .threads = 2};
     struct fixture f;
     fixture_init(&f, &c);
     char err[128];

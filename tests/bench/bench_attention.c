@@ -220,8 +220,11 @@ struct scheme_data {
 
 static struct attn_params params_for(enum pos_kind kind, struct scheme_data *sd)
 {
-    struct attn_params p = {.n_head = H, .n_kv_head = KVH, .head_dim = D,
-                            .scale = 1.0f / sqrtf((float)D), .n_threads = THREADS};
+    struct attn_params p = {.n_head = H,
+                            .n_kv_head = KVH,
+                            .head_dim = D,
+                            .scale = 1.0f / sqrtf((float)D),
+                            .n_threads = THREADS};
     p.pos.kind = kind;
     if (kind == POS_ROPE) {
         p.pos.rope_theta = 10000.0f;
@@ -263,8 +266,13 @@ static void batch_init(struct batch *b, int L, int n_q)
         b->q_pos[i] = L - n_q + i;
     for (size_t i = 0; i < (size_t)n_q * H * D; i++)
         b->q[i] = rnd();
-    b->seq = (struct attn_seq){.page_table = b->page_table, .pos = b->pos, .n_kv = L,
-                               .n_q = n_q, .q_pos = b->q_pos, .q = b->q, .out = b->out};
+    b->seq = (struct attn_seq){.page_table = b->page_table,
+                               .pos = b->pos,
+                               .n_kv = L,
+                               .n_q = n_q,
+                               .q_pos = b->q_pos,
+                               .q = b->q,
+                               .out = b->out};
 }
 
 static void batch_free(struct batch *b)
@@ -434,8 +442,8 @@ int main(void)
         struct batch b;
         batch_init(&b, L, NQ_PREFILL);
         /* visible pairs: every query sees the history and the chunk up to itself */
-        double pairs = (double)NQ_PREFILL * (L - NQ_PREFILL) +
-                       (double)NQ_PREFILL * (NQ_PREFILL + 1) / 2;
+        double pairs =
+            (double)NQ_PREFILL * (L - NQ_PREFILL) + (double)NQ_PREFILL * (NQ_PREFILL + 1) / 2;
         double flops = 4.0 * H * D * pairs;
         bool all_schemes = L <= 16384;
         double t[4] = {0, 0, 0, 0};
