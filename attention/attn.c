@@ -1290,7 +1290,7 @@ int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seq
         }
     }
 
-    /* a sequence with queries but no keys, and masses of sequences without queries */
+    /* no query saw the keys of a sequence without queries */
     for (int s = 0; s < n_seqs; s++)
         if (seqs[s].mass && seqs[s].n_q == 0 && seqs[s].n_kv > 0)
             memset(seqs[s].mass, 0, sizeof(float) * (size_t)seqs[s].n_kv);
