@@ -189,7 +189,8 @@ static const struct key_def keys[CFG_N_KEYS] = {
             "first tokens of a sequence that are never evicted"),
     [CFG_EVICTION_WINDOW_TOKENS] =
         INT("eviction", "window_tokens", eviction.window_tokens, "0", 0, 1 << 24, "tokens", LIVE,
-            "most recent tokens kept; 0 = whatever budget the sinks (and h2o heavy tokens) leave"),
+            "most recent tokens kept; 0 = what the budget leaves after the sinks (h2o: and heavy "
+            "tokens) and one page"),
     [CFG_EVICTION_HEAVY_TOKENS] =
         INT("eviction", "heavy_tokens", eviction.heavy_tokens, "1024", 0, 1 << 24, "tokens", LIVE,
             "h2o only: tokens kept for their accumulated attention mass"),
@@ -1030,6 +1031,56 @@ __attribute__((format(printf, 4, 5))) static void violation(struct rules *r, con
     r->n_errors++;
 }
 
+/*
+ * The eviction budget, stated as the cache states it. This room may not
+ * include cache/kv_cache.h, so the formula of kv_policy_check() (cache/
+ * evict.c) is written out again here, and test_server.c checks over a grid
+ * of settings that every config cfg_validate() accepts is one that
+ * kv_policy_check() accepts:
+ *
+ *   sink-window: ceil(sink_tokens / page_tokens) * page_tokens
+ *                + window + page_tokens <= max_cache_tokens
+ *                (sinks are kept as whole pages; a full sequence must have
+ *                one page that eviction can free);
+ *   h2o:         sink_tokens + window + heavy_tokens + page_tokens
+ *                <= max_cache_tokens (token-granular; one eviction step
+ *                frees at least a page's worth).
+ *
+ * kept_tokens() is the first term (what the policy keeps besides the
+ * window), so both read: kept + window + one page <= max_cache_tokens.
+ * Config asks a little more than the cache: the window, explicit or
+ * automatic, is at least one page, and h2o keeps at least one heavy token.
+ */
+static int64_t kept_tokens(const struct cfg *c)
+{
+    int64_t page = c->cache.page_tokens, sinks = c->eviction.sink_tokens;
+    switch (c->eviction.policy) {
+    case CFG_EVICT_SINK_WINDOW:
+        return page > 0 ? (sinks + page - 1) / page * page : sinks;
+    case CFG_EVICT_H2O:
+        return sinks + c->eviction.heavy_tokens;
+    case CFG_EVICT_NONE:
+        break;
+    }
+    return 0;
+}
+
+/* The kept_tokens() term in words: "sink_tokens 4 (line 9) as whole pages (16)",
+ * "sink_tokens 48 (line 9)", or "sink_tokens 4 (line 9) + heavy_tokens 64 (line 10)"
+ * (in parentheses when `group`, for a subtraction). */
+static void kept_words(const struct cfg *c, bool group, char *buf, size_t len)
+{
+    char ts[128], th[128];
+    term(c, CFG_EVICTION_SINK_TOKENS, ts, sizeof(ts));
+    term(c, CFG_EVICTION_HEAVY_TOKENS, th, sizeof(th));
+    if (c->eviction.policy == CFG_EVICT_H2O)
+        fmt(buf, len, group ? "(%s + %s)" : "%s + %s", ts, th);
+    else if (kept_tokens(c) != c->eviction.sink_tokens)
+        fmt(buf, len, "%s as whole pages (%" PRId64 ")", ts, kept_tokens(c));
+    else
+        fmt(buf, len, "%s", ts);
+}
+
 static void rules_eviction(struct rules *r)
 {
     const struct cfg *c = r->c;
@@ -1037,50 +1088,49 @@ static void rules_eviction(struct rules *r)
         return;
     bool h2o = c->eviction.policy == CFG_EVICT_H2O;
     int64_t max = c->eviction.max_cache_tokens, page = c->cache.page_tokens;
-    int64_t sinks = c->eviction.sink_tokens, heavy = h2o ? c->eviction.heavy_tokens : 0;
-    int64_t window = c->eviction.window_tokens;
-    char ts[128], th[128], tp[128], tm[128], tw[128];
-    term(c, CFG_EVICTION_SINK_TOKENS, ts, sizeof(ts));
-    term(c, CFG_EVICTION_HEAVY_TOKENS, th, sizeof(th));
+    int64_t window = c->eviction.window_tokens, kept = kept_tokens(c);
+    char tk[300], tkg[304], tp[128], tm[128], tw[128];
+    kept_words(c, false, tk, sizeof(tk));
+    kept_words(c, true, tkg, sizeof(tkg));
     term(c, CFG_CACHE_PAGE_TOKENS, tp, sizeof(tp));
     term(c, CFG_EVICTION_MAX_CACHE_TOKENS, tm, sizeof(tm));
     term(c, CFG_EVICTION_WINDOW_TOKENS, tw, sizeof(tw));
 
     /* h2o without heavy hitters is sink-window under another name. */
     const int kh[] = {CFG_EVICTION_HEAVY_TOKENS, CFG_EVICTION_POLICY};
-    if (h2o && heavy == 0 && !skip_rule(r, kh, 2))
+    if (h2o && c->eviction.heavy_tokens == 0 && !skip_rule(r, kh, 2))
         violation(r, kh, 2, "policy h2o needs heavy_tokens >= 1 (or use policy sink-window)");
 
-    /* The sinks (and heavy hitters) must leave at least one page for the window. */
+    /* The kept tokens must leave at least one page for eviction to free. */
     const int ka[] = {CFG_EVICTION_SINK_TOKENS, CFG_EVICTION_HEAVY_TOKENS,
                       CFG_EVICTION_MAX_CACHE_TOKENS, CFG_CACHE_PAGE_TOKENS, CFG_EVICTION_POLICY};
-    bool a_ok = true;
-    if (!skip_rule(r, ka, 5) && sinks + heavy + page > max) {
-        a_ok = false;
-        if (h2o)
-            violation(r, ka, 5, "%s + %s + one page: %s = %" PRId64 " exceeds %s", ts, th, tp,
-                      sinks + heavy + page, tm);
-        else
-            violation(r, ka, 5, "%s + one page: %s = %" PRId64 " exceeds %s", ts, tp, sinks + page,
-                      tm);
+    bool a_checked = !skip_rule(r, ka, 5), a_ok = a_checked && kept + page <= max;
+    if (a_checked && !a_ok)
+        violation(r, ka, 5, "%s + one page: %s = %" PRId64 " exceeds %s", tk, tp, kept + page, tm);
+
+    if (window == 0) {
+        /* Automatic: the window is what the rest leaves (cfg_window_tokens). */
+        const int kw[] = {CFG_EVICTION_WINDOW_TOKENS, CFG_EVICTION_MAX_CACHE_TOKENS,
+                          CFG_EVICTION_SINK_TOKENS,   CFG_EVICTION_HEAVY_TOKENS,
+                          CFG_CACHE_PAGE_TOKENS,      CFG_EVICTION_POLICY};
+        if (a_ok && !skip_rule(r, kw, 6) && max - kept - page < page)
+            violation(r, kw, 6,
+                      "window_tokens 0 (automatic) leaves %s - %s - one page: %s = %" PRId64
+                      " tokens, less than one page",
+                      tm, tkg, tp, max - kept - page);
+        return;
     }
-    if (window == 0)
-        return; /* automatic: fills the budget, at least a page if the rule above holds */
 
     const int kb[] = {CFG_EVICTION_WINDOW_TOKENS, CFG_CACHE_PAGE_TOKENS};
     if (!skip_rule(r, kb, 2) && window < page)
         violation(r, kb, 2, "window_tokens %" PRId64 " is less than one page: %s", window, tp);
 
     const int kc[] = {CFG_EVICTION_WINDOW_TOKENS, CFG_EVICTION_SINK_TOKENS,
-                      CFG_EVICTION_HEAVY_TOKENS, CFG_EVICTION_MAX_CACHE_TOKENS,
-                      CFG_EVICTION_POLICY};
-    if (a_ok && !skip_rule(r, kc, 5) && window + sinks + heavy > max) {
-        if (h2o)
-            violation(r, kc, 5, "%s + %s + %s = %" PRId64 " exceeds %s", tw, ts, th,
-                      window + sinks + heavy, tm);
-        else
-            violation(r, kc, 5, "%s + %s = %" PRId64 " exceeds %s", tw, ts, window + sinks, tm);
-    }
+                      CFG_EVICTION_HEAVY_TOKENS,  CFG_EVICTION_MAX_CACHE_TOKENS,
+                      CFG_CACHE_PAGE_TOKENS,      CFG_EVICTION_POLICY};
+    if (a_ok && !skip_rule(r, kc, 6) && kept + window + page > max)
+        violation(r, kc, 6, "%s + %s + one page: %s = %" PRId64 " exceeds %s", tw, tk, tp,
+                  kept + window + page, tm);
 }
 
 static void rules_t5(struct rules *r)
@@ -1166,11 +1216,11 @@ int cfg_load(struct cfg *c, const char *path, const char *const *sets, int n_set
 
 int64_t cfg_window_tokens(const struct cfg *c)
 {
+    if (c->eviction.policy == CFG_EVICT_NONE)
+        return c->eviction.window_tokens; /* unused: policy none never evicts */
     if (c->eviction.window_tokens > 0)
         return c->eviction.window_tokens;
-    int64_t w = c->eviction.max_cache_tokens - c->eviction.sink_tokens;
-    if (c->eviction.policy == CFG_EVICT_H2O)
-        w -= c->eviction.heavy_tokens;
+    int64_t w = c->eviction.max_cache_tokens - kept_tokens(c) - c->cache.page_tokens;
     return w > 0 ? w : 0;
 }
 

@@ -259,9 +259,12 @@ int cfg_set(struct cfg *c, const char *assignment, struct cfg_errors *errs);
 /*
  * The cross-key rules, all checked, every violation reported (at the
  * origin of the key the message is about):
- *   - with eviction on: sink_tokens (+ heavy_tokens for h2o) + one page
- *     <= max_cache_tokens; an explicit window_tokens is at least one page
- *     and window + sinks (+ heavy for h2o) <= max_cache_tokens;
+ *   - with eviction on, the budget exactly as the cache's kv_policy_check
+ *     counts it: kept + window + page_tokens <= max_cache_tokens, where
+ *     kept is the sinks rounded up to whole pages (sink-window) or
+ *     sink_tokens + heavy_tokens (h2o) and window is cfg_window_tokens();
+ *     kept + one page <= max_cache_tokens is reported first on its own;
+ *     the window, explicit or automatic, is at least one page;
  *   - h2o keeps at least one heavy token;
  *   - T5 overrides: both or neither of t5_num_buckets and t5_max_distance,
  *     num_buckets >= 4, max_distance > num_buckets/2 (the exact range of
@@ -277,8 +280,12 @@ int cfg_validate(const struct cfg *c, struct cfg_errors *errs);
 
 /*
  * The recent window the eviction policy keeps: window_tokens if set,
- * otherwise what fills the budget: max_cache_tokens - sink_tokens (and -
- * heavy_tokens for h2o); 0 if that is negative (cfg_validate rejects it).
+ * otherwise what fills the budget, the largest window cfg_validate allows:
+ * max_cache_tokens - kept - page_tokens, where kept is the sinks rounded up
+ * to whole pages (sink-window) or sink_tokens + heavy_tokens (h2o); 0 if
+ * that is negative (cfg_validate rejects it). Policy none: window_tokens as
+ * set (unused). The one place "0 = fill the budget" is resolved: `kvd serve`
+ * hands this value to the cache.
  */
 int64_t cfg_window_tokens(const struct cfg *c);
 

@@ -8,6 +8,14 @@
  * module and hands them to srv_serve_run. On SIGHUP the same sequence runs
  * again on the same file and overrides; cfg_reload decides which changes
  * apply live and which wait for a restart.
+ *
+ * Derived values come from config/, never recomputed here: the eviction
+ * window (cfg_window_tokens, which resolves window_tokens = 0 exactly as
+ * the cache's kv_policy_check counts the budget) and the memory rule
+ * (cfg_check_memory, with the model's real KV bytes per token, read once
+ * at start by loading the model's header and shapes). The memory rule is
+ * checked again on every reload, since max_cache_tokens applies live while
+ * the pool's size needs a restart.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -25,6 +33,7 @@
 struct serve_state {
     struct cfg running; /* the config being served */
     struct cfg pending; /* a reload that passed, not yet committed */
+    uint64_t kv_bytes_per_token; /* K and V of one token, every layer and KV head */
     const char *sets[MAX_SETS + 2];
     int n_sets;
     char api_key[CFG_KEY_MAX + CFG_PATH_MAX];
@@ -169,6 +178,8 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .max_connections = (int)c->server.max_connections,
         .max_write_queue = 64u << 20,
     };
+    /* cfg_validate has checked this policy with kv_policy_check's formula;
+     * window_tokens = 0 is resolved by cfg_window_tokens alone. */
     struct kv_policy pol = {
         .kind = map_policy(c->eviction.policy),
         .max_cache_tokens = (int)c->eviction.max_cache_tokens,
@@ -177,16 +188,6 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .heavy_tokens = c->eviction.policy == CFG_EVICT_H2O ? (int)c->eviction.heavy_tokens : 0,
         .renumber = c->eviction.positions == CFG_POS_RENUMBER,
     };
-    if (c->eviction.window_tokens == 0 && pol.kind != KV_EVICT_NONE) {
-        /* "Fill the budget", as the cache counts it: sink-window keeps
-         * whole sink pages, and eviction needs one page it can free. */
-        int page = (int)c->cache.page_tokens;
-        int sinks = pol.kind == KV_EVICT_SINK_WINDOW ? (pol.sink_tokens + page - 1) / page * page
-                                                     : pol.sink_tokens + pol.heavy_tokens;
-        pol.window_tokens = pol.max_cache_tokens - sinks - page;
-        if (pol.window_tokens < 1)
-            pol.window_tokens = 1;
-    }
     if (read_api_key(c, st->api_key, sizeof(st->api_key), err, errlen))
         return -1;
     o->api = (struct srv_api_params){
@@ -219,6 +220,64 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
     return 0;
 }
 
+/*
+ * One line with the eviction settings in effect (the window resolved), at
+ * start and after each reload: what `kvd check-config` would say, from the
+ * running server.
+ */
+static void log_eviction(const char *when, const struct cfg *c)
+{
+    char policy[32], positions[32];
+    cfg_format_value(c, CFG_EVICTION_POLICY, policy, sizeof(policy));
+    cfg_format_value(c, CFG_EVICTION_POSITIONS, positions, sizeof(positions));
+    bool on = c->eviction.policy != CFG_EVICT_NONE;
+    srv_log(SRV_LOG_INFO,
+            "config %s (%s): eviction policy %s, max_cache_tokens %lld, sink_tokens %lld, "
+            "window_tokens %lld%s, heavy_tokens %lld, positions %s",
+            when, c->file[0] ? c->file : "no file: built-in defaults", policy,
+            (long long)c->eviction.max_cache_tokens, (long long)c->eviction.sink_tokens,
+            (long long)cfg_window_tokens(c),
+            on && c->eviction.window_tokens == 0 ? " (automatic)" : "",
+            (long long)(c->eviction.policy == CFG_EVICT_H2O ? c->eviction.heavy_tokens : 0),
+            positions);
+}
+
+/*
+ * The memory rule needs the model's KV bytes per token. Load the model
+ * (header, tensor table, tokenizer; the weights stay mapped and untouched),
+ * take the shape the cache will get, free it; the engine loads it again
+ * once the socket listens. Returns 0; 1 when the model cannot be loaded;
+ * 2 when the pool cannot hold one sequence at its full budget. Errors are
+ * printed.
+ */
+static int check_model_memory(struct serve_state *st, struct cfg_errors *errs)
+{
+    const struct cfg *c = &st->running;
+    struct model_params mp = {
+        .path = c->model.path,
+        .alibi_max_bias = (float)c->model.alibi_max_bias,
+        .t5_num_buckets = (int)c->model.t5_num_buckets,
+        .t5_max_distance = (int)c->model.t5_max_distance,
+    };
+    char err[1024];
+    model *m = model_load(&mp, err, sizeof(err));
+    if (!m) {
+        fprintf(stderr, "kvd serve: %s\n", err);
+        return 1;
+    }
+    struct kv_cache_params shape = {0};
+    model_kv_shape(m, &shape);
+    model_free(m);
+    st->kv_bytes_per_token = 2ull * (uint64_t)shape.n_layer * (uint64_t)shape.n_kv_head *
+                             (uint64_t)shape.head_dim * cfg_kv_type_bytes(c->cache.kv_type);
+    cfg_errors_init(errs);
+    if (cfg_check_memory(c, st->kv_bytes_per_token, errs) != 0) {
+        print_errors(errs);
+        return 2;
+    }
+    return 0;
+}
+
 static void apply_log(const struct cfg *c)
 {
     static const enum srv_log_level lv[] = {SRV_LOG_DEBUG, SRV_LOG_INFO, SRV_LOG_WARN,
@@ -247,9 +306,20 @@ static int serve_reload(const char *path, struct srv_serve_config *out, void *ud
         report_errors(errs);
         goto out;
     }
-    for (int i = 0; i < diff.n_restart; i++)
-        srv_log(SRV_LOG_WARN, "config: %s.%s changed: ignored until restart",
-                cfg_key_section(diff.restart[i]), cfg_key_name(diff.restart[i]));
+    /* max_cache_tokens applies live, the pool's size only at restart. */
+    if (cfg_check_memory(&st->pending, st->kv_bytes_per_token, errs) != 0) {
+        report_errors(errs);
+        goto out;
+    }
+    for (int i = 0; i < diff.n_restart; i++) {
+        enum cfg_key k = diff.restart[i];
+        char now[CFG_PATH_MAX], then[CFG_PATH_MAX], at[CFG_PATH_MAX + 32];
+        cfg_format_value(loaded, k, now, sizeof(now));
+        cfg_format_value(&st->running, k, then, sizeof(then));
+        cfg_format_origin(loaded, k, at, sizeof(at));
+        srv_log(SRV_LOG_WARN, "config: %s.%s = %s (%s): ignored until restart; still %s",
+                cfg_key_section(k), cfg_key_name(k), now, at, then);
+    }
     for (int i = 0; i < diff.n_live; i++) {
         char v[256];
         cfg_format_value(&st->pending, diff.live[i], v, sizeof(v));
@@ -280,6 +350,7 @@ static void serve_commit(void *ud, bool applied)
     if (applied) {
         st->running = st->pending;
         apply_log(&st->running);
+        log_eviction("reloaded", &st->running);
     }
 }
 
@@ -348,6 +419,11 @@ int srv_cmd_serve(int argc, char **argv)
                 errno == ENOENT ? " (make one with `kvd mkmodel`, or pass --model FILE)" : "");
         goto out;
     }
+    status = check_model_memory(st, errs);
+    if (status != 0)
+        goto out;
+    status = 2;
+    log_eviction("in effect", &st->running);
     sc->sched.max_step_tokens = sc->sched.limits.step_tokens;
     if (config)
         snprintf(sc->config_path, sizeof(sc->config_path), "%s", config);

@@ -142,6 +142,9 @@ CASE_TEST(cross_key)
 CASE_TEST(cross_key_window)
 CASE_TEST(cross_key_h2o)
 CASE_TEST(cross_key_once)
+CASE_TEST(cross_key_sink_pages)
+CASE_TEST(cross_key_auto_window)
+CASE_TEST(cross_key_auto_window_h2o)
 CASE_TEST(parse_failure_rules)
 CASE_TEST(auth_both)
 CASE_TEST(not_key_value)
@@ -592,11 +595,17 @@ static void test_window_and_memory(void **state)
     (void)state;
     struct cfg c;
     cfg_defaults(&c);
-    assert_int_equal(cfg_window_tokens(&c), 4096 - 4);
+    /* Automatic: the budget less the sinks as the policy keeps them (4
+     * sinks are one whole 16-token page for sink-window) less the page
+     * eviction frees; explicit: as set. */
+    assert_int_equal(cfg_window_tokens(&c), 4096 - 16 - 16);
     c.eviction.policy = CFG_EVICT_H2O;
-    assert_int_equal(cfg_window_tokens(&c), 4096 - 4 - 1024);
+    assert_int_equal(cfg_window_tokens(&c), 4096 - 4 - 1024 - 16);
     c.eviction.window_tokens = 100;
     assert_int_equal(cfg_window_tokens(&c), 100);
+    c.eviction.window_tokens = 0;
+    c.eviction.max_cache_tokens = 1000; /* less than the heavy hitters: nothing left */
+    assert_int_equal(cfg_window_tokens(&c), 0);
 
     cfg_defaults(&c);
     assert_int_equal(cfg_sequence_pages(&c), 4096 / 16 + 1);
@@ -617,6 +626,73 @@ static void test_window_and_memory(void **state)
     assert_string_equal(errs->list[0].key, "cache.memory");
     assert_non_null(strstr(errs->list[0].message, "needs"));
     assert_non_null(strstr(errs->list[1].message, "more than 2^64 bytes"));
+    free(errs);
+}
+
+/*
+ * The eviction rule over a grid, against the cache's formula restated here
+ * (kv_policy_check: sink-window keeps ceil(sink/page) whole pages of sinks,
+ * h2o sink + heavy tokens; both need window + one page more): a window is
+ * accepted iff it is at least a page and fits, and the automatic window
+ * (window_tokens = 0) is exactly the largest explicit window accepted, so
+ * config, `kvd serve` and the cache agree on what 0 means.
+ */
+static void test_window_matches_budget_rule(void **state)
+{
+    (void)state;
+    static const enum cfg_policy policies[] = {CFG_EVICT_SINK_WINDOW, CFG_EVICT_H2O};
+    static const int64_t pages[] = {1, 3, 16, 64};
+    static const int64_t sinks[] = {0, 1, 4, 15, 16, 17, 40};
+    static const int64_t heavies[] = {1, 5, 64};
+    static const int64_t maxes[] = {1, 2, 16, 31, 32, 33, 48, 63, 64, 100, 256, 4096};
+    struct cfg_errors *errs = new_errors();
+    int n_auto_ok = 0, n_auto_bad = 0;
+    for (size_t pi = 0; pi < 2; pi++)
+        for (size_t gi = 0; gi < sizeof(pages) / sizeof(pages[0]); gi++)
+            for (size_t si = 0; si < sizeof(sinks) / sizeof(sinks[0]); si++)
+                for (size_t hi = 0; hi < sizeof(heavies) / sizeof(heavies[0]); hi++)
+                    for (size_t mi = 0; mi < sizeof(maxes) / sizeof(maxes[0]); mi++) {
+                        struct cfg c;
+                        cfg_defaults(&c);
+                        int64_t page = pages[gi], sink = sinks[si], max = maxes[mi];
+                        c.eviction.policy = policies[pi];
+                        c.cache.page_tokens = page;
+                        c.eviction.sink_tokens = sink;
+                        c.eviction.heavy_tokens = heavies[hi];
+                        c.eviction.max_cache_tokens = max;
+                        bool h2o = policies[pi] == CFG_EVICT_H2O;
+                        int64_t kept = h2o ? sink + heavies[hi] : (sink + page - 1) / page * page;
+                        int64_t room = max - kept - page; /* the largest window that fits */
+
+                        cfg_errors_init(errs);
+                        bool auto_ok = cfg_validate(&c, errs) == 0;
+                        assert_int_equal(auto_ok, room >= page);
+                        if (!auto_ok) {
+                            n_auto_bad++;
+                            /* No explicit window is accepted either. */
+                            c.eviction.window_tokens = page;
+                            cfg_errors_init(errs);
+                            assert_int_equal(cfg_validate(&c, errs), -EINVAL);
+                            continue;
+                        }
+                        n_auto_ok++;
+                        assert_int_equal(cfg_window_tokens(&c), room);
+                        c.eviction.window_tokens = room;
+                        cfg_errors_init(errs);
+                        assert_int_equal(cfg_validate(&c, errs), 0);
+                        c.eviction.window_tokens = room + 1;
+                        cfg_errors_init(errs);
+                        assert_int_equal(cfg_validate(&c, errs), -EINVAL);
+                        assert_int_equal(errs->count, 1);
+                        assert_string_equal(errs->list[0].key, "eviction.window_tokens");
+                        if (page > 1) {
+                            c.eviction.window_tokens = page - 1;
+                            cfg_errors_init(errs);
+                            assert_int_equal(cfg_validate(&c, errs), -EINVAL);
+                        }
+                    }
+    /* The grid has both kinds of case. */
+    assert_true(n_auto_ok > 100 && n_auto_bad > 100);
     free(errs);
 }
 
@@ -684,9 +760,10 @@ static void test_reload_diff_and_merge(void **state)
 
     /*
      * A file valid on its own can be invalid merged: with page_tokens 8,
-     * 4 sinks + one page fit in 16 tokens; with the running 16 they do not.
+     * 4 sinks (one page) + a one-page window + one page fit in 24 tokens;
+     * with the running 16-token pages the sinks and one page alone do not.
      */
-    const char *small[] = {"cache.page_tokens=8", "eviction.max_cache_tokens=16"};
+    const char *small[] = {"cache.page_tokens=8", "eviction.max_cache_tokens=24"};
     assert_int_equal(cfg_load(&loaded, NULL, small, 2, errs), 0);
     assert_int_equal(cfg_reload(&running, &loaded, &next, &diff, errs), -EINVAL);
     assert_int_equal(errs->count, 1);
@@ -841,6 +918,9 @@ int main(void)
         cmocka_unit_test(test_case_cross_key_window),
         cmocka_unit_test(test_case_cross_key_h2o),
         cmocka_unit_test(test_case_cross_key_once),
+        cmocka_unit_test(test_case_cross_key_sink_pages),
+        cmocka_unit_test(test_case_cross_key_auto_window),
+        cmocka_unit_test(test_case_cross_key_auto_window_h2o),
         cmocka_unit_test(test_case_parse_failure_rules),
         cmocka_unit_test(test_case_auth_both),
         cmocka_unit_test(test_case_not_key_value),
@@ -857,6 +937,7 @@ int main(void)
         cmocka_unit_test(test_table_defaults_canonical),
         cmocka_unit_test(test_precedence_and_origins),
         cmocka_unit_test(test_window_and_memory),
+        cmocka_unit_test(test_window_matches_budget_rule),
         cmocka_unit_test(test_reload_classes),
         cmocka_unit_test(test_reload_diff_and_merge),
         cmocka_unit_test(test_copy_is_plain),
