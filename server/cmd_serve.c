@@ -31,8 +31,8 @@
 
 /* What SIGHUP needs to rebuild the config (loop thread only). */
 struct serve_state {
-    struct cfg running; /* the config being served */
-    struct cfg pending; /* a reload that passed, not yet committed */
+    struct cfg running;          /* the config being served */
+    struct cfg pending;          /* a reload that passed, not yet committed */
     uint64_t kv_bytes_per_token; /* K and V of one token, every layer and KV head */
     const char *sets[MAX_SETS + 2];
     int n_sets;
@@ -231,15 +231,14 @@ static void log_eviction(const char *when, const struct cfg *c)
     cfg_format_value(c, CFG_EVICTION_POLICY, policy, sizeof(policy));
     cfg_format_value(c, CFG_EVICTION_POSITIONS, positions, sizeof(positions));
     bool on = c->eviction.policy != CFG_EVICT_NONE;
-    srv_log(SRV_LOG_INFO,
-            "config %s (%s): eviction policy %s, max_cache_tokens %lld, sink_tokens %lld, "
-            "window_tokens %lld%s, heavy_tokens %lld, positions %s",
-            when, c->file[0] ? c->file : "no file: built-in defaults", policy,
-            (long long)c->eviction.max_cache_tokens, (long long)c->eviction.sink_tokens,
-            (long long)cfg_window_tokens(c),
-            on && c->eviction.window_tokens == 0 ? " (automatic)" : "",
-            (long long)(c->eviction.policy == CFG_EVICT_H2O ? c->eviction.heavy_tokens : 0),
-            positions);
+    srv_log(
+        SRV_LOG_INFO,
+        "config %s (%s): eviction policy %s, max_cache_tokens %lld, sink_tokens %lld, "
+        "window_tokens %lld%s, heavy_tokens %lld, positions %s",
+        when, c->file[0] ? c->file : "no file: built-in defaults", policy,
+        (long long)c->eviction.max_cache_tokens, (long long)c->eviction.sink_tokens,
+        (long long)cfg_window_tokens(c), on && c->eviction.window_tokens == 0 ? " (automatic)" : "",
+        (long long)(c->eviction.policy == CFG_EVICT_H2O ? c->eviction.heavy_tokens : 0), positions);
 }
 
 /*
