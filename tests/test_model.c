@@ -1833,8 +1833,16 @@ static void test_cli(void **state)
     model_free(m);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    /* OpenMP workers spin after each parallel region unless told otherwise,
+     * starving the single-threaded reference that runs between forwards on
+     * a two-core machine. libgomp reads the policy when it loads: set it
+     * and start again. */
+    if (argc > 0 && !getenv("OMP_WAIT_POLICY")) {
+        setenv("OMP_WAIT_POLICY", "passive", 1);
+        execv("/proc/self/exe", argv); /* on failure, carry on spinning */
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mkmodel_deterministic),
         cmocka_unit_test(test_mkmodel_vocab),
