@@ -7,14 +7,24 @@
  *   session  every client keeps a session; each turn (step) appends
  *            --turn-tokens new tokens, the long-chat case the cache is for
  * Prompts are sent as arrays of token ids taken from the server's own
- * /tokenize of a text, so every prompt has an exact length.
+ * /tokenize of a text, so every prompt has an exact length. In the session
+ * scenario the conversation is the previous prompt, the answer's tokens
+ * (when the server returns them: /completion with return_tokens) and the
+ * new tokens, so the server finds everything but the new tokens in its
+ * cache; the session id travels in the body and in X-Session-Id, so a
+ * session-affine balancer keeps each session on one replica.
  *
- * Each step runs --requests requests (or for --duration) at --concurrency
- * clients (one thread and keep-alive connection each), optionally paced to
- * --rate requests/s, and reports what vLLM's and llama.cpp's benchmarks
- * report: requests/s, output tokens/s, time to first token, inter-token
- * latency and end-to-end latency (mean, p50, p90, p99), errors by status,
- * and the server's RSS and KV pages used from /metrics.
+ * Each step runs --requests requests (or for --duration, whichever ends
+ * first when both are given) at --concurrency clients (one thread and one
+ * keep-alive connection each), optionally paced to --rate requests/s; a
+ * session step is one turn of every client. Requests ask for exactly
+ * --max-tokens tokens (ignore_eos). Per step it reports what vLLM's and
+ * llama.cpp's benchmarks report: requests/s, output tokens/s, time to first
+ * token, inter-token latency (the gaps between streamed token events) and
+ * end-to-end latency (mean, p50, p90, p99), errors by status, and the
+ * server's RSS and KV pages used, read from /metrics while the step runs
+ * (the peak is reported). A table goes to stdout (a progress line to
+ * stderr during long steps); --csv, --json and --plot write files.
  *
  * It targets only the address it is given and refuses anything but
  * loopback unless --allow-remote is passed: a load tester should never be
@@ -27,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
@@ -36,6 +47,10 @@
 
 #define MAX_STEPS 64
 #define MAX_STATUS 8
+#define MAX_CLIENTS 1024
+
+/* Status recorded for a 200 stream that ended with an error event. */
+#define STATUS_STREAM_ERROR (-1)
 
 enum scenario { SC_FIXED, SC_SWEEP, SC_SESSION };
 
@@ -48,36 +63,42 @@ struct load_opts {
     int n_contexts;
     int turns, turn_tokens;
     int concurrency;
-    double rate;          /* requests/s; 0 = as fast as the clients go */
-    int requests;         /* per step */
-    double duration;      /* per step, seconds; 0 = use requests */
+    double rate;     /* requests/s; 0 = as fast as the clients go */
+    int requests;    /* per step; 0 = bounded by the duration only */
+    double duration; /* per step, seconds; 0 = bounded by requests only */
     int max_tokens;
     bool stream;
     const char *endpoint; /* /v1/completions or /completion */
     const char *file;     /* text to tokenize for prompts */
     const char *csv, *json, *plot;
     const char *api_key;
-    double timeout;
+    double timeout; /* seconds a request may take */
 };
 
 /* One request's measurements. */
 struct sample {
-    int status;
-    double ttft, e2e;
-    int out_tokens;
-    double itl_sum; /* sum of gaps between tokens */
-    int itl_n;
+    int status;    /* HTTP status; 0: no answer; STATUS_STREAM_ERROR */
+    int sent;      /* prompt tokens sent */
+    double ttft;   /* seconds to the first token event (e2e when not streamed) */
+    double e2e;    /* seconds to the end of the answer */
+    int out_tokens;     /* completion tokens (usage; else token events) */
+    int cached;         /* prompt tokens the server had cached, or -1 */
+    float *gaps;        /* [n_gaps] seconds between token events (owned) */
+    int n_gaps, cap_gaps;
 };
 
 struct step_result {
-    int context;             /* prompt (or session) tokens at this step */
+    int context;      /* prompt tokens of this step (mean sent, for sessions) */
     int n_ok, n_err;
     int status_code[MAX_STATUS], status_count[MAX_STATUS];
     double wall;
     double rps, out_tps;
     double ttft[4], itl[4], e2e[4]; /* mean, p50, p90, p99 (seconds) */
-    double rss_mb;
-    double pages_used;
+    long n_ttft, n_itl;             /* how many values each summarises */
+    double cached;                  /* mean cached prompt tokens (-1 unknown) */
+    long out_tokens;
+    double rss_mb;     /* peak while the step ran (NaN unknown) */
+    double pages_used; /* peak KV pages used (NaN unknown) */
 };
 
 struct load_run;
@@ -87,23 +108,28 @@ struct client {
     int idx;
     struct lc_conn *conn;
     char session[64];
-    int session_tokens; /* tokens this client's session already holds */
+    int32_t *conv; /* session scenario: the conversation so far */
+    int n_conv, cap_conv;
+    long fed;      /* corpus tokens this client has appended */
 };
 
 struct load_run {
     const struct load_opts *o;
     const int32_t *corpus;
     int n_corpus;
-    int step_tokens;  /* prompt tokens for this step (new tokens for session turns) */
-    int step;
-    atomic_int next;  /* next request index of the step */
+    int step_tokens; /* prompt tokens for this step (new tokens for session turns) */
+    atomic_int next; /* next request index of the step */
+    atomic_int done_clients;
     double t0;
+    double t_end; /* when the last client finished (under mu) */
+    pthread_mutex_t mu; /* guards samples */
     struct sample *samples;
-    int max_samples;
-    atomic_int n_samples;
+    int n_samples, cap_samples;
 };
 
-/* ------------------------------------------------------------------------ */
+/* ------------------------------------------------------------------------
+ * Options
+ * ------------------------------------------------------------------------ */
 
 static void load_usage(FILE *f)
 {
@@ -115,12 +141,14 @@ static void load_usage(FILE *f)
             "  --turn-tokens N       session: tokens each turn adds (default 256)\n"
             "  --concurrency C       clients in parallel (default 4)\n"
             "  --rate R              pace to R requests/s (default: unpaced)\n"
-            "  --requests N          requests per step (default 16)\n"
-            "  --duration SECONDS    per step, instead of a request count\n"
+            "  --requests N          requests per step (default 16; a session step is one\n"
+            "                        turn per client)\n"
+            "  --duration SECONDS    per step; with --requests, whichever ends first\n"
             "  --max-tokens M        tokens generated per request (default 16)\n"
-            "  --no-stream           non-streamed responses (no TTFT/ITL)\n"
+            "  --no-stream           non-streamed responses (TTFT = end-to-end, no ITL)\n"
             "  --endpoint PATH       /v1/completions (default) or /completion\n"
             "  --file TEXT           text whose tokens make the prompts\n"
+            "  --timeout SECONDS     longest a request may take (default 600)\n"
             "  --csv F --json F --plot F.png   write results (plot needs gnuplot)\n"
             "  --api-key KEY         sent as Authorization: Bearer KEY\n"
             "  --allow-remote        allow a non-loopback address\n");
@@ -129,7 +157,9 @@ static void load_usage(FILE *f)
 static int parse_contexts(const char *s, struct load_opts *o)
 {
     o->n_contexts = 0;
-    char buf[512];
+    char buf[1024];
+    if (strlen(s) >= sizeof(buf))
+        return -1;
     snprintf(buf, sizeof(buf), "%s", s);
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
@@ -147,13 +177,20 @@ static int bad_value(const char *name, const char *v)
     return -1;
 }
 
+/* Parse argv into o. Returns 0, or -1 having said why (exit status 2). */
 static int parse_opts(int argc, char **argv, struct load_opts *o, bool *help)
 {
     const char *url = "http://127.0.0.1:8080";
-    bool allow_remote = false, bad = false;
-    *o = (struct load_opts){.scenario = SC_FIXED, .prompt_tokens = 512, .turns = 8,
-                            .turn_tokens = 256, .concurrency = 4, .requests = 16,
-                            .max_tokens = 16, .stream = true, .endpoint = "/v1/completions",
+    bool allow_remote = false, bad = false, requests_given = false;
+    *o = (struct load_opts){.scenario = SC_FIXED,
+                            .prompt_tokens = 512,
+                            .turns = 8,
+                            .turn_tokens = 256,
+                            .concurrency = 4,
+                            .requests = 16,
+                            .max_tokens = 16,
+                            .stream = true,
+                            .endpoint = "/v1/completions",
                             .timeout = 600};
     parse_contexts("512,1024,2048,4096", o);
     for (int i = 1; i < argc && !bad;) {
@@ -180,7 +217,7 @@ static int parse_opts(int argc, char **argv, struct load_opts *o, bool *help)
             o->prompt_tokens = (int)n;
         } else if (OPT("--contexts")) {
             if (bad || parse_contexts(v, o))
-                return bad_value("--contexts", v);
+                return bad_value("--contexts (up to 64 lengths, e.g. 512,2048,8192)", v);
         } else if (OPT("--turns")) {
             if (bad || srv_parse_long(v, 1, MAX_STEPS, &n))
                 return bad_value("--turns (1..64)", v);
@@ -190,7 +227,7 @@ static int parse_opts(int argc, char **argv, struct load_opts *o, bool *help)
                 return bad_value("--turn-tokens", v);
             o->turn_tokens = (int)n;
         } else if (OPT("--concurrency")) {
-            if (bad || srv_parse_long(v, 1, 1024, &n))
+            if (bad || srv_parse_long(v, 1, MAX_CLIENTS, &n))
                 return bad_value("--concurrency (1..1024)", v);
             o->concurrency = (int)n;
         } else if (OPT("--rate")) {
@@ -201,6 +238,7 @@ static int parse_opts(int argc, char **argv, struct load_opts *o, bool *help)
             if (bad || srv_parse_long(v, 1, 1000000, &n))
                 return bad_value("--requests", v);
             o->requests = (int)n;
+            requests_given = true;
         } else if (OPT("--duration")) {
             if (bad || srv_parse_double(v, 0.1, 86400, &d))
                 return bad_value("--duration (seconds)", v);
@@ -215,13 +253,21 @@ static int parse_opts(int argc, char **argv, struct load_opts *o, bool *help)
             o->endpoint = v;
         } else if (OPT("--file")) {
             o->file = v;
+        } else if (OPT("--timeout")) {
+            if (bad || srv_parse_double(v, 0.1, 86400, &d))
+                return bad_value("--timeout (seconds)", v);
+            o->timeout = d;
         } else if (OPT("--csv")) {
             o->csv = v;
         } else if (OPT("--json")) {
             o->json = v;
         } else if (OPT("--plot")) {
+            if (!bad && strpbrk(v, "'\n\\"))
+                return bad_value("--plot (a path without quotes or backslashes)", v);
             o->plot = v;
         } else if (OPT("--api-key")) {
+            if (!bad && strpbrk(v, "\r\n"))
+                return bad_value("--api-key", "(contains a line break)");
             o->api_key = v;
         } else if (!strcmp(argv[i], "--no-stream")) {
             o->stream = false;
@@ -233,17 +279,21 @@ static int parse_opts(int argc, char **argv, struct load_opts *o, bool *help)
             *help = true;
             return 0;
         } else {
-            fprintf(stderr, "kvd load: unknown option '%s'\n", argv[i]);
+            fprintf(stderr, "kvd load: unknown option '%s' (try --help)\n", argv[i]);
             return -1;
         }
 #undef OPT
     }
     if (bad)
         return -1;
+    if (o->duration > 0 && !requests_given)
+        o->requests = 0; /* the duration alone bounds the step */
     if (lc_parse_url(url, o->host, sizeof(o->host), &o->port))
         return bad_value("--url (http://HOST:PORT)", url);
     if (!allow_remote && !lc_is_loopback(o->host)) {
-        fprintf(stderr, "kvd load: refusing non-loopback address %s (pass --allow-remote)\n",
+        fprintf(stderr,
+                "kvd load: refusing non-loopback address %s: pass --allow-remote to load a "
+                "server on another machine\n",
                 o->host);
         return -1;
     }
@@ -264,6 +314,7 @@ static const char default_text[] =
     "visited for a hundred years. Lily asked her brother Tom to help her build a boat, "
     "and together they worked every evening until the sun went down. ";
 
+/* A whole file (new, NUL-terminated); NULL when it cannot be read. */
 static char *read_file(const char *path, size_t *len)
 {
     FILE *f = fopen(path, "rb");
@@ -287,20 +338,26 @@ static char *read_file(const char *path, size_t *len)
         if (r < 65536)
             break;
     }
+    bool failed = ferror(f);
     fclose(f);
+    if (failed) {
+        free(buf);
+        return NULL;
+    }
     buf[n] = '\0';
     *len = n;
     return buf;
 }
 
-/* Ask the server to tokenize the corpus text; returns the token count or -1. */
+/* Ask the server to tokenize the corpus text (*out new). Returns the token
+ * count, or -1 having said why. */
 static int fetch_corpus(struct lc_conn *c, const struct load_opts *o, const char *auth,
                         int32_t **out)
 {
     size_t len = strlen(default_text);
     char *text = o->file ? read_file(o->file, &len) : strdup(default_text);
     if (!text) {
-        fprintf(stderr, "kvd load: cannot read %s\n", o->file);
+        fprintf(stderr, "kvd load: cannot read %s\n", o->file ? o->file : "(built-in text)");
         return -1;
     }
     json_t *req = json_pack("{s:s%}", "content", text, len);
@@ -335,28 +392,45 @@ static int fetch_corpus(struct lc_conn *c, const struct load_opts *o, const char
         json_decref(resp);
         return -1;
     }
-    for (int i = 0; i < n; i++)
-        (*out)[i] = (int32_t)json_integer_value(json_array_get(toks, (size_t)i));
+    for (int i = 0; i < n; i++) {
+        json_t *t = json_array_get(toks, (size_t)i);
+        if (!json_is_integer(t)) {
+            fprintf(stderr, "kvd load: /tokenize returned a token that is not an integer\n");
+            free(*out);
+            *out = NULL;
+            json_decref(resp);
+            return -1;
+        }
+        (*out)[i] = (int32_t)json_integer_value(t);
+    }
     json_decref(resp);
     return n;
 }
 
-/* The request body: `n` prompt tokens from the corpus, starting at `from`. */
-static char *make_body(const struct load_run *run, int from, int n, const char *session)
+/* The request body (new): prompt ids[0..n), or `n` corpus tokens from
+ * `from` when ids is NULL. NULL when memory runs out. */
+static char *make_body(const struct load_run *run, const int32_t *ids, int from, int n,
+                       const char *session)
 {
     const struct load_opts *o = run->o;
     json_t *prompt = json_array();
     for (int i = 0; i < n; i++)
-        json_array_append_new(prompt, json_integer(run->corpus[(from + i) % run->n_corpus]));
+        json_array_append_new(prompt,
+                              json_integer(ids ? ids[i] : run->corpus[(from + i) % run->n_corpus]));
     json_t *req = json_object();
     json_object_set_new(req, "prompt", prompt);
     json_object_set_new(req, "stream", json_boolean(o->stream));
     json_object_set_new(req, "temperature", json_real(0.0));
+    json_object_set_new(req, "ignore_eos", json_true());
     if (!strcmp(o->endpoint, "/completion")) {
         json_object_set_new(req, "n_predict", json_integer(o->max_tokens));
         json_object_set_new(req, "cache_prompt", json_boolean(session != NULL));
+        if (session) /* the answer's ids continue the conversation */
+            json_object_set_new(req, "return_tokens", json_true());
     } else {
         json_object_set_new(req, "max_tokens", json_integer(o->max_tokens));
+        if (o->stream)
+            json_object_set_new(req, "stream_options", json_pack("{s:b}", "include_usage", 1));
     }
     if (session)
         json_object_set_new(req, "session", json_string(session));
@@ -366,97 +440,240 @@ static char *make_body(const struct load_run *run, int from, int n, const char *
 }
 
 /* ------------------------------------------------------------------------
+ * Reading answers
+ * ------------------------------------------------------------------------ */
+
+/* What one answer said, streamed or not. */
+struct answer {
+    double start, first, last; /* monotonic seconds; first/last token events */
+    int n_events;              /* token events seen */
+    struct sample *s;
+    char *pend; /* SSE bytes not yet split into events */
+    size_t n_pend, cap_pend;
+    bool oom;
+    bool error_event;
+    int usage_out, usage_cached; /* -1 when the answer did not say */
+    int32_t *gen;                /* the answer's token ids, if returned */
+    int n_gen;
+};
+
+static void push_gap(struct sample *s, double gap, bool *oom)
+{
+    if (s->n_gaps == s->cap_gaps) {
+        int cap = s->cap_gaps ? s->cap_gaps * 2 : 64;
+        float *g = realloc(s->gaps, sizeof(float) * (size_t)cap);
+        if (!g) {
+            *oom = true;
+            return;
+        }
+        s->gaps = g;
+        s->cap_gaps = cap;
+    }
+    s->gaps[s->n_gaps++] = (float)gap;
+}
+
+/* Usage figures of an OpenAI body or chunk, or of llama.cpp's final object. */
+static void read_usage(struct answer *a, json_t *v)
+{
+    json_t *u = json_object_get(v, "usage");
+    if (json_is_object(u)) {
+        json_t *ct = json_object_get(u, "completion_tokens");
+        json_t *cached = json_object_get(json_object_get(u, "prompt_tokens_details"),
+                                         "cached_tokens");
+        if (json_is_integer(ct))
+            a->usage_out = (int)json_integer_value(ct);
+        if (json_is_integer(cached))
+            a->usage_cached = (int)json_integer_value(cached);
+        return;
+    }
+    if (!json_is_true(json_object_get(v, "stop")))
+        return;
+    json_t *tp = json_object_get(v, "tokens_predicted");
+    json_t *tc = json_object_get(v, "tokens_cached");
+    if (json_is_integer(tp))
+        a->usage_out = (int)json_integer_value(tp);
+    if (json_is_integer(tc))
+        a->usage_cached = (int)json_integer_value(tc);
+    json_t *toks = json_object_get(v, "tokens");
+    size_t n = json_is_array(toks) ? json_array_size(toks) : 0;
+    if (n > 0 && (a->gen = malloc(sizeof(int32_t) * n)) != NULL) {
+        a->n_gen = (int)n;
+        for (size_t i = 0; i < n; i++)
+            a->gen[i] = (int32_t)json_integer_value(json_array_get(toks, i));
+    }
+}
+
+/* One SSE event's data: stamp it if it carries a token, keep its usage. */
+static void on_event(struct answer *a, const char *data, size_t n, double now)
+{
+    if (n == 6 && !memcmp(data, "[DONE]", 6))
+        return;
+    json_t *v = json_loadb(data, n, 0, NULL);
+    if (!v || json_object_get(v, "error")) {
+        a->error_event = true;
+        json_decref(v);
+        return;
+    }
+    json_t *ch = json_array_get(json_object_get(v, "choices"), 0);
+    const char *text = json_string_value(json_object_get(ch ? ch : v, ch ? "text" : "content"));
+    bool final = json_is_true(json_object_get(v, "stop"));
+    json_t *toks = json_object_get(v, "tokens");
+    bool token = (text && *text) || (!final && json_array_size(toks) > 0);
+    if (token) {
+        if (a->n_events == 0)
+            a->first = now;
+        else
+            push_gap(a->s, now - a->last, &a->oom);
+        a->last = now;
+        a->n_events++;
+    }
+    read_usage(a, v);
+    json_decref(v);
+}
+
+/* Body bytes of a streamed answer as they arrive: split into events. */
+static void on_sse(void *user, const char *data, size_t len)
+{
+    struct answer *a = user;
+    double now = lc_now();
+    if (a->n_pend + len + 1 > a->cap_pend) {
+        size_t cap = a->cap_pend ? a->cap_pend : 4096;
+        while (cap < a->n_pend + len + 1)
+            cap *= 2;
+        char *p = realloc(a->pend, cap);
+        if (!p) {
+            a->oom = true;
+            return;
+        }
+        a->pend = p;
+        a->cap_pend = cap;
+    }
+    memcpy(a->pend + a->n_pend, data, len);
+    a->n_pend += len;
+    size_t off = 0;
+    for (;;) {
+        char *end = memmem(a->pend + off, a->n_pend - off, "\n\n", 2);
+        if (!end)
+            break;
+        const char *ev = a->pend + off;
+        size_t n = (size_t)(end - ev);
+        if (n >= 6 && !memcmp(ev, "data: ", 6))
+            on_event(a, ev + 6, n - 6, now);
+        off = (size_t)(end - a->pend) + 2;
+    }
+    memmove(a->pend, a->pend + off, a->n_pend - off);
+    a->n_pend -= off;
+}
+
+/* ------------------------------------------------------------------------
  * Running a step
  * ------------------------------------------------------------------------ */
 
-/* SSE timing: each "data: {...}" event that carries text is one token. */
-struct sse_timer {
-    double start, last;
-    struct sample *s;
-    char tail[8];
-    size_t tail_len;
-};
-
-static void on_sse(void *user, const char *data, size_t len)
+static void record(struct load_run *run, struct sample *s)
 {
-    struct sse_timer *t = user;
-    double now = lc_now();
-    /* Count occurrences of "data: {" across chunk boundaries. */
-    static const char pat[] = "data: {";
-    const size_t pl = sizeof(pat) - 1;
-    char joined[8 + 16384];
-    size_t n = 0;
-    memcpy(joined, t->tail, t->tail_len);
-    n = t->tail_len;
-    size_t take = len < sizeof(joined) - n ? len : sizeof(joined) - n;
-    memcpy(joined + n, data, take);
-    n += take;
-    for (size_t i = 0; i + pl <= n; i++) {
-        if (memcmp(joined + i, pat, pl) != 0)
-            continue;
-        struct sample *s = t->s;
-        if (s->out_tokens == 0) {
-            s->ttft = now - t->start;
-        } else {
-            s->itl_sum += now - t->last;
-            s->itl_n++;
+    pthread_mutex_lock(&run->mu);
+    if (run->n_samples == run->cap_samples) {
+        int cap = run->cap_samples ? run->cap_samples * 2 : 256;
+        struct sample *p = realloc(run->samples, sizeof(*p) * (size_t)cap);
+        if (!p) {
+            pthread_mutex_unlock(&run->mu);
+            free(s->gaps);
+            return;
         }
-        s->out_tokens++;
-        t->last = now;
+        run->samples = p;
+        run->cap_samples = cap;
     }
-    t->tail_len = n < pl - 1 ? n : pl - 1;
-    memcpy(t->tail, joined + n - t->tail_len, t->tail_len);
+    run->samples[run->n_samples++] = *s;
+    pthread_mutex_unlock(&run->mu);
 }
 
-static void record(struct load_run *run, const struct sample *s)
+/* Append n ids to the client's conversation; false when memory runs out. */
+static bool conv_push(struct client *cl, const int32_t *ids, int n)
 {
-    int i = atomic_fetch_add(&run->n_samples, 1);
-    if (i < run->max_samples)
-        run->samples[i] = *s;
+    if (cl->n_conv + n > cl->cap_conv) {
+        int cap = cl->cap_conv ? cl->cap_conv : 1024;
+        while (cap < cl->n_conv + n)
+            cap *= 2;
+        int32_t *p = realloc(cl->conv, sizeof(int32_t) * (size_t)cap);
+        if (!p)
+            return false;
+        cl->conv = p;
+        cl->cap_conv = cap;
+    }
+    memcpy(cl->conv + cl->n_conv, ids, sizeof(int32_t) * (size_t)n);
+    cl->n_conv += n;
+    return true;
 }
 
-/* Count completion tokens of a non-streamed response from its usage. */
-static int usage_tokens(const char *body)
-{
-    json_t *j = json_loads(body, 0, NULL);
-    json_t *u = json_object_get(json_object_get(j, "usage"), "completion_tokens");
-    if (!u)
-        u = json_object_get(j, "tokens_predicted");
-    int n = json_is_integer(u) ? (int)json_integer_value(u) : 0;
-    json_decref(j);
-    return n;
-}
-
+/* One request of client cl (request index req_idx of the step). */
 static void one_request(struct client *cl, int req_idx, const char *auth)
 {
     struct load_run *run = cl->run;
     const struct load_opts *o = run->o;
-    int from = (req_idx * 7919 + cl->idx * 104729) % run->n_corpus;
+    struct sample s = {.cached = -1};
     char *body;
+    char headers[512];
+    snprintf(headers, sizeof(headers), "%s", auth);
     if (o->scenario == SC_SESSION) {
-        cl->session_tokens += run->step_tokens;
-        /* the whole conversation so far: the server matches its history */
-        body = make_body(run, cl->idx * 1000, cl->session_tokens, cl->session);
+        /* this turn's new tokens, from the client's own place in the corpus */
+        bool ok = true;
+        for (int i = 0; i < run->step_tokens && ok; i++) {
+            int32_t t = run->corpus[(cl->idx * 104729L + cl->fed++) % run->n_corpus];
+            ok = conv_push(cl, &t, 1);
+        }
+        body = ok ? make_body(run, cl->conv, 0, cl->n_conv, cl->session) : NULL;
+        s.sent = cl->n_conv;
+        size_t hl = strlen(headers);
+        snprintf(headers + hl, sizeof(headers) - hl, "X-Session-Id: %s\r\n", cl->session);
     } else {
-        body = make_body(run, from, run->step_tokens, NULL);
+        int from = (int)((req_idx * 7919L + cl->idx * 104729L) % run->n_corpus);
+        body = make_body(run, NULL, from, run->step_tokens, NULL);
+        s.sent = run->step_tokens;
     }
-    struct sample s = {0};
-    struct sse_timer timer = {.start = lc_now(), .s = &s};
+    if (!body) {
+        record(run, &s); /* status 0: could not even be sent */
+        return;
+    }
+    struct answer a = {.start = lc_now(), .s = &s, .usage_out = -1, .usage_cached = -1};
     struct lc_response r;
     char err[256];
-    int rc = lc_request(cl->conn, "POST", o->endpoint, auth, body, o->stream ? on_sse : NULL,
-                        &timer, &r, err, sizeof(err));
+    int rc = lc_request(cl->conn, "POST", o->endpoint, headers, body, o->stream ? on_sse : NULL,
+                        &a, &r, err, sizeof(err));
     free(body);
-    s.e2e = lc_now() - timer.start;
+    double end = lc_now();
+    s.e2e = end - a.start;
     s.status = rc ? 0 : r.status;
-    if (!rc && r.status == 200 && !o->stream) {
-        s.out_tokens = usage_tokens(r.body);
-        s.ttft = s.e2e;
+    if (s.status == 200 && !o->stream) {
+        json_t *v = json_loads(r.body ? r.body : "", 0, NULL);
+        if (v)
+            read_usage(&a, v);
+        else
+            a.error_event = true;
+        json_decref(v);
+        a.n_events = a.usage_out > 0 ? 1 : 0;
+        a.first = end;
     }
-    if (!rc && o->stream && s.out_tokens > 0)
-        s.out_tokens--; /* the last event is the finish event, not a token */
     lc_response_free(&r);
+    if (s.status == 200 && (a.error_event || a.oom))
+        s.status = STATUS_STREAM_ERROR;
+    s.ttft = a.n_events > 0 ? a.first - a.start : 0;
+    s.out_tokens = a.usage_out >= 0 ? a.usage_out : a.n_events;
+    s.cached = a.usage_cached;
+    if (o->scenario == SC_SESSION && s.status == 200 && a.n_gen > 0)
+        conv_push(cl, a.gen, a.n_gen);
+    free(a.gen);
+    free(a.pend);
     record(run, &s);
+}
+
+static void client_done(struct load_run *run)
+{
+    double now = lc_now();
+    pthread_mutex_lock(&run->mu);
+    if (now > run->t_end)
+        run->t_end = now;
+    pthread_mutex_unlock(&run->mu);
+    atomic_fetch_add(&run->done_clients, 1);
 }
 
 static void *client_main(void *arg)
@@ -468,24 +685,30 @@ static void *client_main(void *arg)
     if (o->api_key)
         snprintf(auth, sizeof(auth), "Authorization: Bearer %s\r\n", o->api_key);
     if (o->scenario == SC_SESSION) {
-        one_request(cl, run->step, auth); /* one turn per client per step */
+        one_request(cl, 0, auth); /* one turn per client per step */
+        client_done(run);
         return NULL;
     }
     for (;;) {
         int i = atomic_fetch_add(&run->next, 1);
         double now = lc_now();
-        if (o->duration > 0 ? now - run->t0 >= o->duration : i >= o->requests)
+        if ((o->requests > 0 && i >= o->requests) ||
+            (o->duration > 0 && now - run->t0 >= o->duration))
             break;
         if (o->rate > 0) { /* request i is due at t0 + i / rate */
             double due = run->t0 + i / o->rate;
+            if (o->duration > 0 && due - run->t0 >= o->duration)
+                break;
             if (due > now) {
-                struct timespec ts = {.tv_sec = (time_t)(due - now),
-                                      .tv_nsec = (long)(((due - now) - (double)(time_t)(due - now)) * 1e9)};
+                double w = due - now;
+                struct timespec ts = {.tv_sec = (time_t)w,
+                                      .tv_nsec = (long)((w - (double)(time_t)w) * 1e9)};
                 nanosleep(&ts, NULL);
             }
         }
         one_request(cl, i, auth);
     }
+    client_done(run);
     return NULL;
 }
 
@@ -495,25 +718,26 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* mean, p50, p90, p99 of v[0..n) (sorted in place). */
-static void summarize(double *v, int n, double out[4])
+/* mean, p50, p90, p99 of v[0..n) (sorted in place; nearest rank). */
+static void summarize(double *v, long n, double out[4])
 {
     memset(out, 0, sizeof(double) * 4);
     if (n == 0)
         return;
     qsort(v, (size_t)n, sizeof(double), cmp_double);
     double sum = 0;
-    for (int i = 0; i < n; i++)
+    for (long i = 0; i < n; i++)
         sum += v[i];
-    out[0] = sum / n;
+    out[0] = sum / (double)n;
     const double q[3] = {0.5, 0.9, 0.99};
     for (int k = 0; k < 3; k++) {
-        int idx = (int)ceil(q[k] * n) - 1;
+        long idx = (long)ceil(q[k] * (double)n) - 1;
         out[k + 1] = v[idx < 0 ? 0 : idx];
     }
 }
 
-/* Sum of the values of metric lines whose name contains `needle`. */
+/* Sum of the values of metric lines whose name (labels included) contains
+ * `needle`; NaN when none does. */
 static double metric_value(const char *text, const char *needle)
 {
     double total = 0;
@@ -540,31 +764,39 @@ static double metric_value(const char *text, const char *needle)
     return found ? total : NAN;
 }
 
-static void read_server_metrics(struct lc_conn *c, struct step_result *res)
+static double nan_max(double a, double b)
+{
+    return isnan(a) ? b : isnan(b) ? a : (a > b ? a : b);
+}
+
+/* Read RSS and KV pages used from /metrics; keep the larger in res. */
+static void read_server_metrics(struct lc_conn *c, const char *auth, struct step_result *res)
 {
     struct lc_response r;
     char err[256];
-    res->rss_mb = res->pages_used = NAN;
-    if (lc_request(c, "GET", "/metrics", NULL, NULL, NULL, NULL, &r, err, sizeof(err)) == 0 &&
+    if (lc_request(c, "GET", "/metrics", auth, NULL, NULL, NULL, &r, err, sizeof(err)) == 0 &&
         r.status == 200 && r.body) {
-        res->rss_mb = metric_value(r.body, "resident_memory_bytes") / (1024.0 * 1024.0);
-        res->pages_used = metric_value(r.body, "pages_used");
+        res->rss_mb =
+            nan_max(res->rss_mb, metric_value(r.body, "resident_memory_bytes") / (1024.0 * 1024.0));
+        res->pages_used = nan_max(res->pages_used, metric_value(r.body, "kv_pages_used"));
     }
     lc_response_free(&r);
 }
 
 static void aggregate(struct load_run *run, struct step_result *res)
 {
-    int n = atomic_load(&run->n_samples);
-    if (n > run->max_samples)
-        n = run->max_samples;
+    int n = run->n_samples;
+    long n_gaps = 0;
+    for (int i = 0; i < n; i++)
+        n_gaps += run->samples[i].status == 200 ? run->samples[i].n_gaps : 0;
     double *ttft = calloc((size_t)n + 1, sizeof(double));
-    double *itl = calloc((size_t)n + 1, sizeof(double));
     double *e2e = calloc((size_t)n + 1, sizeof(double));
-    int nt = 0, ni = 0, ne = 0;
-    long out_tokens = 0;
+    double *itl = calloc((size_t)n_gaps + 1, sizeof(double));
+    long nt = 0, ni = 0, ne = 0, n_cached = 0, sent = 0;
+    double cached = 0;
     for (int i = 0; i < n && ttft && itl && e2e; i++) {
         struct sample *s = &run->samples[i];
+        sent += s->sent;
         if (s->status != 200) {
             res->n_err++;
             int k = 0;
@@ -575,40 +807,95 @@ static void aggregate(struct load_run *run, struct step_result *res)
             continue;
         }
         res->n_ok++;
-        out_tokens += s->out_tokens;
+        res->out_tokens += s->out_tokens;
         e2e[ne++] = s->e2e;
         if (s->out_tokens > 0)
             ttft[nt++] = s->ttft;
-        if (s->itl_n > 0)
-            itl[ni++] = s->itl_sum / s->itl_n;
+        for (int g = 0; g < s->n_gaps; g++)
+            itl[ni++] = s->gaps[g];
+        if (s->cached >= 0) {
+            cached += s->cached;
+            n_cached++;
+        }
     }
     summarize(ttft, nt, res->ttft);
     summarize(itl, ni, res->itl);
+    res->n_ttft = nt;
+    res->n_itl = ni;
     summarize(e2e, ne, res->e2e);
     res->rps = res->wall > 0 ? res->n_ok / res->wall : 0;
-    res->out_tps = res->wall > 0 ? (double)out_tokens / res->wall : 0;
+    res->out_tps = res->wall > 0 ? (double)res->out_tokens / res->wall : 0;
+    res->cached = n_cached ? cached / (double)n_cached : -1;
+    if (run->o->scenario == SC_SESSION && n > 0)
+        res->context = (int)((sent + n / 2) / n);
     free(ttft);
     free(itl);
     free(e2e);
+    for (int i = 0; i < n; i++)
+        free(run->samples[i].gaps);
+    run->n_samples = 0;
 }
 
-static int run_step(struct load_run *run, struct client *clients, struct step_result *res)
+static void sleep_s(double s)
+{
+    struct timespec ts = {.tv_sec = (time_t)s, .tv_nsec = (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+/*
+ * Run one step: the clients' threads, while this thread samples /metrics
+ * (peak RSS and KV pages) and shows progress on stderr: a line rewritten in
+ * place on a terminal, a plain line every 10 s otherwise.
+ */
+static int run_step(struct load_run *run, struct client *clients, struct lc_conn *ctl,
+                    const char *auth, const char *label, struct step_result *res)
 {
     const struct load_opts *o = run->o;
     int n_clients = o->concurrency;
     atomic_store(&run->next, 0);
-    atomic_store(&run->n_samples, 0);
-    run->t0 = lc_now();
-    pthread_t th[1024];
+    atomic_store(&run->done_clients, 0);
+    res->rss_mb = res->pages_used = NAN;
+    run->t0 = run->t_end = lc_now();
+    pthread_t th[MAX_CLIENTS];
     int started = 0;
     for (int i = 0; i < n_clients; i++) {
         if (pthread_create(&th[i], NULL, client_main, &clients[i]))
             break;
         started++;
     }
+    bool tty = isatty(2);
+    double last_metrics = 0, last_progress = run->t0, shown = 0;
+    while (atomic_load(&run->done_clients) < started) {
+        sleep_s(0.05);
+        double now = lc_now();
+        if (now - last_metrics >= 0.25) {
+            read_server_metrics(ctl, auth, res);
+            last_metrics = now;
+        }
+        if (now - last_progress >= (tty ? 0.5 : 10.0)) {
+            pthread_mutex_lock(&run->mu);
+            int done = run->n_samples;
+            pthread_mutex_unlock(&run->mu);
+            char line[200];
+            int total = o->scenario == SC_SESSION ? started : o->requests;
+            if (total > 0)
+                snprintf(line, sizeof(line), "  %s: %d/%d requests, %.1f s", label, done, total,
+                         now - run->t0);
+            else
+                snprintf(line, sizeof(line), "  %s: %d requests, %.1f of %.0f s", label, done,
+                         now - run->t0, o->duration);
+            fprintf(stderr, tty ? "\r%-70s" : "%s\n", line);
+            fflush(stderr);
+            shown = 1;
+            last_progress = now;
+        }
+    }
     for (int i = 0; i < started; i++)
         pthread_join(th[i], NULL);
-    res->wall = lc_now() - run->t0;
+    res->wall = run->t_end - run->t0; /* not the monitor's last nap */
+    if (shown && tty)
+        fprintf(stderr, "\r%70s\r", "");
+    read_server_metrics(ctl, auth, res);
     aggregate(run, res);
     return started == n_clients ? 0 : -1;
 }
@@ -619,21 +906,46 @@ static int run_step(struct load_run *run, struct client *clients, struct step_re
 
 static void print_header(void)
 {
-    printf("%8s %5s %4s %8s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s\n", "context", "ok", "err",
-           "req/s", "out tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "e2e mean",
-           "e2e p50", "e2e p99", "rss MiB", "pages");
+    printf("%8s %7s %5s %4s %8s %9s | %-31s | %-31s | %-31s | %8s %6s\n", "", "", "", "", "",
+           "", "     time to first token (ms)", "     inter-token latency (ms)",
+           "     end-to-end latency (ms)", "", "");
+    printf("%8s %7s %5s %4s %8s %9s | %7s %7s %7s %7s | %7s %7s %7s %7s | %7s %7s %7s %7s | %8s "
+           "%6s\n",
+           "context", "cached", "ok", "err", "req/s", "out tok/s", "mean", "p50", "p90", "p99",
+           "mean", "p50", "p90", "p99", "mean", "p50", "p90", "p99", "rss MiB", "pages");
+}
+
+static const char *status_note(int code)
+{
+    return code == 0 ? " (no answer: connection failed or timed out)"
+           : code == STATUS_STREAM_ERROR ? " (error event inside a 200 answer)"
+                                         : "";
 }
 
 static void print_row(const struct step_result *r)
 {
-    printf("%8d %5d %4d %8.2f %9.1f %8.1fms %8.1fms %8.2fms %8.2fms %8.1fms %8.1fms %8.1fms "
-           "%8.1f %8.0f\n",
-           r->context, r->n_ok, r->n_err, r->rps, r->out_tps, r->ttft[1] * 1e3,
-           r->ttft[3] * 1e3, r->itl[1] * 1e3, r->itl[3] * 1e3, r->e2e[0] * 1e3,
-           r->e2e[1] * 1e3, r->e2e[3] * 1e3, r->rss_mb, r->pages_used);
+    char cached[16];
+    if (r->cached >= 0)
+        snprintf(cached, sizeof(cached), "%.0f", r->cached);
+    else
+        snprintf(cached, sizeof(cached), "-");
+    printf("%8d %7s %5d %4d %8.2f %9.1f |", r->context, cached, r->n_ok, r->n_err, r->rps,
+           r->out_tps);
+    const double *groups[3] = {r->ttft, r->itl, r->e2e};
+    const long counts[3] = {r->n_ttft, r->n_itl, r->n_ok};
+    for (int g = 0; g < 3; g++) {
+        for (int k = 0; k < 4; k++) {
+            if (counts[g] == 0) /* e.g. no inter-token gaps without streaming */
+                printf(" %7s", "-");
+            else
+                printf(" %7.*f", g == 1 ? 2 : 1, groups[g][k] * 1e3);
+        }
+        printf(" |");
+    }
+    printf(" %8.1f %6.0f\n", r->rss_mb, r->pages_used);
     for (int k = 0; k < MAX_STATUS && r->status_count[k]; k++)
         printf("         errors: status %d x %d%s\n", r->status_code[k], r->status_count[k],
-               r->status_code[k] == 0 ? " (connection failed)" : "");
+               status_note(r->status_code[k]));
 }
 
 static int write_csv(const char *path, const struct step_result *res, int n)
@@ -641,18 +953,23 @@ static int write_csv(const char *path, const struct step_result *res, int n)
     FILE *f = fopen(path, "w");
     if (!f)
         return -1;
-    fprintf(f, "context,ok,errors,wall_s,req_per_s,out_tok_per_s,ttft_mean_ms,ttft_p50_ms,"
-               "ttft_p90_ms,ttft_p99_ms,itl_mean_ms,itl_p50_ms,itl_p90_ms,itl_p99_ms,"
-               "e2e_mean_ms,e2e_p50_ms,e2e_p90_ms,e2e_p99_ms,rss_mib,kv_pages_used\n");
+    fprintf(f, "context,cached_tokens,ok,errors,wall_s,req_per_s,out_tokens,out_tok_per_s,"
+               "ttft_mean_ms,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_mean_ms,itl_p50_ms,"
+               "itl_p90_ms,itl_p99_ms,e2e_mean_ms,e2e_p50_ms,e2e_p90_ms,e2e_p99_ms,rss_mib,"
+               "kv_pages_used,errors_by_status\n");
     for (int i = 0; i < n; i++) {
         const struct step_result *r = &res[i];
-        fprintf(f, "%d,%d,%d,%.3f,%.3f,%.2f", r->context, r->n_ok, r->n_err, r->wall, r->rps,
-                r->out_tps);
+        fprintf(f, "%d,%.1f,%d,%d,%.3f,%.3f,%ld,%.2f", r->context, r->cached, r->n_ok, r->n_err,
+                r->wall, r->rps, r->out_tokens, r->out_tps);
         const double *groups[3] = {r->ttft, r->itl, r->e2e};
         for (int g = 0; g < 3; g++)
             for (int k = 0; k < 4; k++)
                 fprintf(f, ",%.3f", groups[g][k] * 1e3);
-        fprintf(f, ",%.1f,%.0f\n", r->rss_mb, r->pages_used);
+        fprintf(f, ",%.1f,%.0f,", isnan(r->rss_mb) ? -1.0 : r->rss_mb,
+                isnan(r->pages_used) ? -1.0 : r->pages_used);
+        for (int k = 0; k < MAX_STATUS && r->status_count[k]; k++) /* "503:2 0:1" */
+            fprintf(f, "%s%d:%d", k ? " " : "", r->status_code[k], r->status_count[k]);
+        fprintf(f, "\n");
     }
     return fclose(f);
 }
@@ -661,6 +978,11 @@ static json_t *stats_json(const double v[4])
 {
     return json_pack("{s:f,s:f,s:f,s:f}", "mean", v[0] * 1e3, "p50", v[1] * 1e3, "p90",
                      v[2] * 1e3, "p99", v[3] * 1e3);
+}
+
+static const char *scenario_name(enum scenario s)
+{
+    return s == SC_FIXED ? "fixed" : s == SC_SWEEP ? "sweep" : "session";
 }
 
 static int write_json(const char *path, const struct load_opts *o, const struct step_result *res,
@@ -676,46 +998,59 @@ static int write_json(const char *path, const struct load_opts *o, const struct 
             json_object_set_new(errs, code, json_integer(r->status_count[k]));
         }
         json_array_append_new(
-            steps, json_pack("{s:i,s:i,s:i,s:f,s:f,s:f,s:o,s:o,s:o,s:o,s:f,s:f}", "context",
-                             r->context, "ok", r->n_ok, "errors", r->n_err, "wall_s", r->wall,
-                             "requests_per_s", r->rps, "output_tokens_per_s", r->out_tps,
-                             "ttft_ms", stats_json(r->ttft), "itl_ms", stats_json(r->itl),
-                             "e2e_ms", stats_json(r->e2e), "errors_by_status", errs,
-                             "rss_mib", isnan(r->rss_mb) ? -1.0 : r->rss_mb, "kv_pages_used",
-                             isnan(r->pages_used) ? -1.0 : r->pages_used));
+            steps,
+            json_pack("{s:i,s:f,s:i,s:i,s:f,s:f,s:I,s:f,s:o,s:o,s:o,s:o,s:f,s:f}", "context",
+                      r->context, "cached_tokens", r->cached, "ok", r->n_ok, "errors", r->n_err,
+                      "wall_s", r->wall, "requests_per_s", r->rps, "output_tokens",
+                      (json_int_t)r->out_tokens, "output_tokens_per_s", r->out_tps, "ttft_ms",
+                      stats_json(r->ttft), "itl_ms", stats_json(r->itl), "e2e_ms",
+                      stats_json(r->e2e), "errors_by_status", errs, "rss_mib",
+                      isnan(r->rss_mb) ? -1.0 : r->rss_mb, "kv_pages_used",
+                      isnan(r->pages_used) ? -1.0 : r->pages_used));
     }
-    const char *sc[] = {"fixed", "sweep", "session"};
-    json_t *doc = json_pack("{s:s,s:s,s:i,s:f,s:i,s:b,s:o}", "scenario", sc[o->scenario],
-                            "endpoint", o->endpoint, "concurrency", o->concurrency, "rate",
-                            o->rate, "max_tokens", o->max_tokens, "stream", o->stream, "steps",
-                            steps);
-    int rc = json_dump_file(doc, path, JSON_INDENT(2));
+    json_t *doc = json_pack("{s:s,s:s,s:i,s:i,s:f,s:f,s:i,s:b,s:o}", "scenario",
+                            scenario_name(o->scenario), "endpoint", o->endpoint, "concurrency",
+                            o->concurrency, "requests_per_step", o->requests, "duration_s",
+                            o->duration, "rate", o->rate, "max_tokens", o->max_tokens, "stream",
+                            o->stream, "steps", steps);
+    int rc = doc ? json_dump_file(doc, path, JSON_INDENT(2)) : -1;
     json_decref(doc);
     return rc;
 }
 
-/* Latency and throughput against context length, drawn by gnuplot. */
-static int write_plot(const char *path, const struct step_result *res, int n)
+/* Latency (top) and output throughput (bottom) against context length,
+ * drawn by gnuplot. The path has no quote (checked with the options). */
+static int write_plot(const char *path, const struct load_opts *o, const struct step_result *res,
+                      int n)
 {
     FILE *g = popen("gnuplot 2>/dev/null", "w");
     if (!g)
         return -1;
-    fprintf(g, "set terminal pngcairo size 1000,700 noenhanced\nset output '%s'\n", path);
-    fprintf(g, "set multiplot layout 2,1 title 'kvd load'\nset logscale x 2\n"
-               "set xlabel 'context (tokens)'\nset grid\nset key left top\n"
-               "set ylabel 'latency (ms)'\n");
+    fprintf(g, "set terminal pngcairo size 1000,760 noenhanced\nset output '%s'\n", path);
+    fprintf(g,
+            "set multiplot layout 2,1 title 'kvd load: %s, %d clients, %d tokens out'\n"
+            "set logscale x 2\nset xlabel 'context (prompt tokens)'\nset grid\n"
+            "set key left top\nset logscale y 10\nset ylabel 'latency (ms)'\n",
+            scenario_name(o->scenario), o->concurrency, o->max_tokens);
     fprintf(g, "plot '-' using 1:2 with linespoints title 'ttft p50', "
+               "'-' using 1:2 with linespoints title 'ttft p99', "
                "'-' using 1:2 with linespoints title 'itl p50', "
+               "'-' using 1:2 with linespoints title 'e2e p50', "
                "'-' using 1:2 with linespoints title 'e2e p99'\n");
-    for (int s = 0; s < 3; s++) {
+    for (int s = 0; s < 5; s++) {
         for (int i = 0; i < n; i++) {
-            double v = s == 0 ? res[i].ttft[1] : s == 1 ? res[i].itl[1] : res[i].e2e[3];
-            fprintf(g, "%d %f\n", res[i].context, v * 1e3);
+            const struct step_result *r = &res[i];
+            double v = s == 0   ? r->ttft[1]
+                       : s == 1 ? r->ttft[3]
+                       : s == 2 ? r->itl[1]
+                       : s == 3 ? r->e2e[1]
+                                : r->e2e[3];
+            fprintf(g, "%d %f\n", r->context, v * 1e3);
         }
         fprintf(g, "e\n");
     }
-    fprintf(g, "set ylabel 'output tokens/s'\nplot '-' using 1:2 with linespoints "
-               "title 'output tokens/s'\n");
+    fprintf(g, "unset logscale y\nset ylabel 'tokens/s'\nset yrange [0:*]\n"
+               "plot '-' using 1:2 with linespoints title 'output tokens/s'\n");
     for (int i = 0; i < n; i++)
         fprintf(g, "%d %f\n", res[i].context, res[i].out_tps);
     fprintf(g, "e\nunset multiplot\n");
@@ -753,8 +1088,9 @@ static int write_outputs(const struct load_opts *o, const struct step_result *re
         rc = 1;
     }
     if (o->plot) {
-        if (write_plot(o->plot, res, n)) {
-            fprintf(stderr, "kvd load: gnuplot failed (is gnuplot-nox installed?)\n");
+        if (write_plot(o->plot, o, res, n)) {
+            fprintf(stderr, "kvd load: gnuplot failed writing %s (is gnuplot-nox installed?)\n",
+                    o->plot);
             rc = 1;
         } else {
             printf("plot: %s\n", o->plot);
@@ -782,24 +1118,26 @@ int srv_cmd_load(int argc, char **argv)
         return 1;
     }
     struct load_run run = {.o = &o};
-    run.n_corpus = fetch_corpus(ctl, &o, auth[0] ? auth : NULL, (int32_t **)&run.corpus);
+    pthread_mutex_init(&run.mu, NULL);
+    int32_t *corpus = NULL;
+    run.n_corpus = fetch_corpus(ctl, &o, auth[0] ? auth : NULL, &corpus);
+    run.corpus = corpus;
     int ctx[MAX_STEPS];
     int n_steps = steps_of(&o, ctx);
-    run.max_samples = o.duration > 0 ? 1 << 20 : (o.requests > o.concurrency ? o.requests
-                                                                             : o.concurrency);
-    run.samples = calloc((size_t)run.max_samples, sizeof(struct sample));
     struct client *clients = calloc((size_t)o.concurrency, sizeof(struct client));
     struct step_result res[MAX_STEPS];
     memset(res, 0, sizeof(res));
     int rc = 0, done = 0;
-    if (run.n_corpus <= 0 || !run.samples || !clients) {
+    if (run.n_corpus <= 0 || !clients) {
         rc = 1;
         goto out;
     }
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
     for (int i = 0; i < o.concurrency; i++) {
         clients[i] = (struct client){.run = &run, .idx = i};
-        snprintf(clients[i].session, sizeof(clients[i].session), "load-%d-%ld", i,
-                 (long)time(NULL));
+        snprintf(clients[i].session, sizeof(clients[i].session), "load-%ld-%ld-%d",
+                 (long)getpid(), (long)now.tv_sec, i);
         clients[i].conn = lc_connect(o.host, o.port, o.timeout, err, sizeof(err));
         if (!clients[i].conn) {
             fprintf(stderr, "kvd load: %s\n", err);
@@ -807,28 +1145,52 @@ int srv_cmd_load(int argc, char **argv)
             goto out;
         }
     }
-    printf("kvd load: %s:%d %s, %d clients%s, %d tokens out per request\n", o.host, o.port,
-           o.endpoint, o.concurrency, o.stream ? ", streaming" : "", o.max_tokens);
+    printf("kvd load: %s:%d %s, scenario %s, %d clients, ", o.host, o.port, o.endpoint,
+           scenario_name(o.scenario), o.concurrency);
+    if (o.scenario == SC_SESSION)
+        printf("%d turns of +%d tokens", o.turns, o.turn_tokens);
+    else if (o.requests > 0 && o.duration > 0)
+        printf("%d requests or %.1f s per step", o.requests, o.duration);
+    else if (o.requests > 0)
+        printf("%d requests per step", o.requests);
+    else
+        printf("%.1f s per step", o.duration);
+    if (o.rate > 0 && o.scenario != SC_SESSION)
+        printf(" at %.2f req/s", o.rate);
+    printf(", %d tokens out%s\n", o.max_tokens, o.stream ? ", streamed" : "");
+    if (o.scenario == SC_SESSION && strcmp(o.endpoint, "/completion") != 0)
+        printf("note: %s returns no token ids, so answers are not fed back into the "
+               "conversation (use --endpoint /completion for that)\n",
+               o.endpoint);
     print_header();
+    fflush(stdout);
+    long total_ok = 0;
     for (int s = 0; s < n_steps; s++) {
-        fprintf(stderr, "\r  step %d/%d: context %d ...", s + 1, n_steps, ctx[s]);
-        run.step = s;
+        char label[64];
+        snprintf(label, sizeof(label), "step %d/%d, context %d", s + 1, n_steps, ctx[s]);
         run.step_tokens = o.scenario == SC_SESSION ? o.turn_tokens : ctx[s];
         res[s].context = ctx[s];
-        run_step(&run, clients, &res[s]);
-        read_server_metrics(ctl, &res[s]);
-        fprintf(stderr, "\r%60s\r", "");
+        if (run_step(&run, clients, ctl, auth[0] ? auth : NULL, label, &res[s]))
+            fprintf(stderr, "kvd load: could not start every client thread\n");
         print_row(&res[s]);
         fflush(stdout);
+        total_ok += res[s].n_ok;
         done++;
     }
     rc = write_outputs(&o, res, done);
+    if (total_ok == 0) {
+        fprintf(stderr, "kvd load: no request succeeded\n");
+        rc = 1;
+    }
 out:
-    for (int i = 0; clients && i < o.concurrency; i++)
+    for (int i = 0; clients && i < o.concurrency; i++) {
         lc_close(clients[i].conn);
+        free(clients[i].conv);
+    }
     free(clients);
     free(run.samples);
-    free((void *)run.corpus);
+    free(corpus);
+    pthread_mutex_destroy(&run.mu);
     lc_close(ctl);
     return rc;
 }

@@ -84,6 +84,8 @@ bool lc_is_loopback(const char *host)
     return false;
 }
 
+/* Connect c->fd to c->host:c->port, trying each address the name has
+ * ("localhost" may list ::1 before 127.0.0.1). Returns 0, or -1 with err. */
 static int open_socket(struct lc_conn *c, char *err, size_t errlen)
 {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
@@ -95,15 +97,22 @@ static int open_socket(struct lc_conn *c, char *err, size_t errlen)
         snprintf(err, errlen, "cannot resolve %s: %s", c->host, gai_strerror(rc));
         return -1;
     }
-    int fd = socket(res->ai_family, SOCK_STREAM, 0);
-    if (fd < 0 || connect(fd, res->ai_addr, res->ai_addrlen) < 0) {
-        snprintf(err, errlen, "cannot connect to %s:%d: %s", c->host, c->port, strerror(errno));
-        if (fd >= 0)
+    int fd = -1, saved = 0;
+    for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) < 0) {
+            saved = errno;
             close(fd);
-        freeaddrinfo(res);
-        return -1;
+            fd = -1;
+        } else if (fd < 0) {
+            saved = errno;
+        }
     }
     freeaddrinfo(res);
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot connect to %s:%d: %s", c->host, c->port, strerror(saved));
+        return -1;
+    }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     struct timeval tv = {.tv_sec = (time_t)c->timeout_s,
@@ -242,17 +251,27 @@ int lc_request(struct lc_conn *c, const char *method, const char *path, const ch
                const char *body, lc_body_cb cb, void *user, struct lc_response *resp,
                char *err, size_t errlen)
 {
+    *resp = (struct lc_response){0};
     size_t blen = body ? strlen(body) : 0;
-    size_t cap = strlen(method) + strlen(path) + (headers ? strlen(headers) : 0) + blen + 256;
+    size_t cap = strlen(method) + strlen(path) + strlen(c->host) +
+                 (headers ? strlen(headers) : 0) + blen + 256;
     char *req = malloc(cap);
     if (!req) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
+    /* An IPv6 literal goes in brackets in the Host header. */
+    bool v6 = strchr(c->host, ':') != NULL;
     int n = snprintf(req, cap,
-                     "%s %s HTTP/1.1\r\nHost: %s:%d\r\n%s%sContent-Length: %zu\r\n\r\n%s",
-                     method, path, c->host, c->port, headers ? headers : "",
-                     body ? "Content-Type: application/json\r\n" : "", blen, body ? body : "");
+                     "%s %s HTTP/1.1\r\nHost: %s%s%s:%d\r\n%s%sContent-Length: %zu\r\n\r\n%s",
+                     method, path, v6 ? "[" : "", c->host, v6 ? "]" : "", c->port,
+                     headers ? headers : "", body ? "Content-Type: application/json\r\n" : "",
+                     blen, body ? body : "");
+    if (n < 0 || (size_t)n >= cap) { /* cannot happen with the sizes above */
+        free(req);
+        snprintf(err, errlen, "request too large");
+        return -1;
+    }
     int rc = -1;
     if (c->fd < 0 && open_socket(c, err, errlen)) {
         free(req);
@@ -280,6 +299,11 @@ int lc_request(struct lc_conn *c, const char *method, const char *path, const ch
     }
     free(req);
     if (rc != 0) {
+        /* The connection's state is unknown (half a response may be
+         * unread): the next request starts on a fresh one. */
+        if (c->fd >= 0)
+            close(c->fd);
+        c->fd = -1;
         resp->status = 0;
         return -1;
     }
