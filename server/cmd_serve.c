@@ -421,7 +421,6 @@ int srv_cmd_serve(int argc, char **argv)
     status = check_model_memory(st, errs);
     if (status != 0)
         goto out;
-    status = 2;
     log_eviction("in effect", &st->running);
     sc->sched.max_step_tokens = sc->sched.limits.step_tokens;
     if (config)
