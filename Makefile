@@ -32,7 +32,7 @@ TESTLIBS := -lcmocka
 
 # Debian packages the build, the tests and `make run` need.
 DEB_PACKAGES := gcc make pkg-config libuv1-dev libjansson-dev node-llhttp \
-                libcmocka-dev libinih-dev libpcre2-dev curl gnuplot-nox
+                libcmocka-dev libinih-dev libpcre2-dev curl gnuplot-nox haproxy
 # What `make deploy-check` and the multi-replica test need on top.
 DEPLOY_PACKAGES := haproxy python3-yaml systemd
 

@@ -1232,8 +1232,8 @@ static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req 
     call_submit(a, call);
 }
 
-static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *req,
-                          const char *id, bool del)
+static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *id,
+                          bool del)
 {
     if (!session_id_ok(id, (size_t)a->p.max_session_id)) {
         api_error(c, 400, "session", "bad session id: 1..%d characters of A-Z a-z 0-9 . _ : -",
@@ -1315,8 +1315,8 @@ static void route_tokenize(srv_api *a, srv_conn *c, const struct srv_http_req *r
             arr = NULL;
             break;
         }
-        json_array_append_new(arr, json_pack("{s:i, s:o}", "id", t.v[i], "piece",
-                                             json_text(piece, (size_t)(n + m))));
+        json_array_append_new(
+            arr, json_pack("{s:i, s:o}", "id", t.v[i], "piece", json_text(piece, (size_t)(n + m))));
     }
     model_detok_destroy(d);
     free(piece);
@@ -1438,8 +1438,7 @@ static void route_metrics(srv_api *a, srv_conn *c)
         return;
     }
     memcpy(all + len, extra, (size_t)n + 1);
-    srv_http_respond(c, 200, "text/plain; version=0.0.4; charset=utf-8", "", all,
-                     len + (size_t)n);
+    srv_http_respond(c, 200, "text/plain; version=0.0.4; charset=utf-8", "", all, len + (size_t)n);
     free(all);
 }
 
@@ -1513,8 +1512,8 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         return;
     }
     bool allowed = r == R_OPENAI || r == R_LLAMA || r == R_TOKENIZE || r == R_DETOKENIZE ? post
-                   : r == R_SESSION                                                   ? get || del
-                                                                                      : get;
+                   : r == R_SESSION ? get || del
+                                    : get;
     if (!allowed) {
         char hdr[64];
         snprintf(hdr, sizeof(hdr), "Allow: %s\r\n", allow);

@@ -77,18 +77,18 @@ struct load_opts {
 
 /* One request's measurements. */
 struct sample {
-    int status;    /* HTTP status; 0: no answer; STATUS_STREAM_ERROR */
-    int sent;      /* prompt tokens sent */
-    double ttft;   /* seconds to the first token event (e2e when not streamed) */
-    double e2e;    /* seconds to the end of the answer */
-    int out_tokens;     /* completion tokens (usage; else token events) */
-    int cached;         /* prompt tokens the server had cached, or -1 */
-    float *gaps;        /* [n_gaps] seconds between token events (owned) */
+    int status;     /* HTTP status; 0: no answer; STATUS_STREAM_ERROR */
+    int sent;       /* prompt tokens sent */
+    double ttft;    /* seconds to the first token event (e2e when not streamed) */
+    double e2e;     /* seconds to the end of the answer */
+    int out_tokens; /* completion tokens (usage; else token events) */
+    int cached;     /* prompt tokens the server had cached, or -1 */
+    float *gaps;    /* [n_gaps] seconds between token events (owned) */
     int n_gaps, cap_gaps;
 };
 
 struct step_result {
-    int context;      /* prompt tokens of this step (mean sent, for sessions) */
+    int context; /* prompt tokens of this step (mean sent, for sessions) */
     int n_ok, n_err;
     int status_code[MAX_STATUS], status_count[MAX_STATUS];
     double wall;
@@ -110,7 +110,7 @@ struct client {
     char session[64];
     int32_t *conv; /* session scenario: the conversation so far */
     int n_conv, cap_conv;
-    long fed;      /* corpus tokens this client has appended */
+    long fed; /* corpus tokens this client has appended */
 };
 
 struct load_run {
@@ -121,7 +121,7 @@ struct load_run {
     atomic_int next; /* next request index of the step */
     atomic_int done_clients;
     double t0;
-    double t_end; /* when the last client finished (under mu) */
+    double t_end;       /* when the last client finished (under mu) */
     pthread_mutex_t mu; /* guards samples */
     struct sample *samples;
     int n_samples, cap_samples;
@@ -133,25 +133,24 @@ struct load_run {
 
 static void load_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: kvd load [--url http://127.0.0.1:8080] [--scenario fixed|sweep|session]\n"
-            "  --prompt-tokens N     fixed: prompt length (default 512)\n"
-            "  --contexts A,B,...    sweep: prompt lengths (default 512,1024,2048,4096)\n"
-            "  --turns T             session: turns per client (default 8)\n"
-            "  --turn-tokens N       session: tokens each turn adds (default 256)\n"
-            "  --concurrency C       clients in parallel (default 4)\n"
-            "  --rate R              pace to R requests/s (default: unpaced)\n"
-            "  --requests N          requests per step (default 16; a session step is one\n"
-            "                        turn per client)\n"
-            "  --duration SECONDS    per step; with --requests, whichever ends first\n"
-            "  --max-tokens M        tokens generated per request (default 16)\n"
-            "  --no-stream           non-streamed responses (TTFT = end-to-end, no ITL)\n"
-            "  --endpoint PATH       /v1/completions (default) or /completion\n"
-            "  --file TEXT           text whose tokens make the prompts\n"
-            "  --timeout SECONDS     longest a request may take (default 600)\n"
-            "  --csv F --json F --plot F.png   write results (plot needs gnuplot)\n"
-            "  --api-key KEY         sent as Authorization: Bearer KEY\n"
-            "  --allow-remote        allow a non-loopback address\n");
+    fprintf(f, "usage: kvd load [--url http://127.0.0.1:8080] [--scenario fixed|sweep|session]\n"
+               "  --prompt-tokens N     fixed: prompt length (default 512)\n"
+               "  --contexts A,B,...    sweep: prompt lengths (default 512,1024,2048,4096)\n"
+               "  --turns T             session: turns per client (default 8)\n"
+               "  --turn-tokens N       session: tokens each turn adds (default 256)\n"
+               "  --concurrency C       clients in parallel (default 4)\n"
+               "  --rate R              pace to R requests/s (default: unpaced)\n"
+               "  --requests N          requests per step (default 16; a session step is one\n"
+               "                        turn per client)\n"
+               "  --duration SECONDS    per step; with --requests, whichever ends first\n"
+               "  --max-tokens M        tokens generated per request (default 16)\n"
+               "  --no-stream           non-streamed responses (TTFT = end-to-end, no ITL)\n"
+               "  --endpoint PATH       /v1/completions (default) or /completion\n"
+               "  --file TEXT           text whose tokens make the prompts\n"
+               "  --timeout SECONDS     longest a request may take (default 600)\n"
+               "  --csv F --json F --plot F.png   write results (plot needs gnuplot)\n"
+               "  --api-key KEY         sent as Authorization: Bearer KEY\n"
+               "  --allow-remote        allow a non-loopback address\n");
 }
 
 static int parse_contexts(const char *s, struct load_opts *o)
@@ -478,8 +477,8 @@ static void read_usage(struct answer *a, json_t *v)
     json_t *u = json_object_get(v, "usage");
     if (json_is_object(u)) {
         json_t *ct = json_object_get(u, "completion_tokens");
-        json_t *cached = json_object_get(json_object_get(u, "prompt_tokens_details"),
-                                         "cached_tokens");
+        json_t *cached =
+            json_object_get(json_object_get(u, "prompt_tokens_details"), "cached_tokens");
         if (json_is_integer(ct))
             a->usage_out = (int)json_integer_value(ct);
         if (json_is_integer(cached))
@@ -637,8 +636,8 @@ static void one_request(struct client *cl, int req_idx, const char *auth)
     struct answer a = {.start = lc_now(), .s = &s, .usage_out = -1, .usage_cached = -1};
     struct lc_response r;
     char err[256];
-    int rc = lc_request(cl->conn, "POST", o->endpoint, headers, body, o->stream ? on_sse : NULL,
-                        &a, &r, err, sizeof(err));
+    int rc = lc_request(cl->conn, "POST", o->endpoint, headers, body, o->stream ? on_sse : NULL, &a,
+                        &r, err, sizeof(err));
     free(body);
     double end = lc_now();
     s.e2e = end - a.start;
@@ -906,8 +905,8 @@ static int run_step(struct load_run *run, struct client *clients, struct lc_conn
 
 static void print_header(void)
 {
-    printf("%8s %7s %5s %4s %8s %9s | %-31s | %-31s | %-31s | %8s %6s\n", "", "", "", "", "",
-           "", "     time to first token (ms)", "     inter-token latency (ms)",
+    printf("%8s %7s %5s %4s %8s %9s | %-31s | %-31s | %-31s | %8s %6s\n", "", "", "", "", "", "",
+           "     time to first token (ms)", "     inter-token latency (ms)",
            "     end-to-end latency (ms)", "", "");
     printf("%8s %7s %5s %4s %8s %9s | %7s %7s %7s %7s | %7s %7s %7s %7s | %7s %7s %7s %7s | %8s "
            "%6s\n",
@@ -917,7 +916,7 @@ static void print_header(void)
 
 static const char *status_note(int code)
 {
-    return code == 0 ? " (no answer: connection failed or timed out)"
+    return code == 0                     ? " (no answer: connection failed or timed out)"
            : code == STATUS_STREAM_ERROR ? " (error event inside a 200 answer)"
                                          : "";
 }
@@ -976,8 +975,8 @@ static int write_csv(const char *path, const struct step_result *res, int n)
 
 static json_t *stats_json(const double v[4])
 {
-    return json_pack("{s:f,s:f,s:f,s:f}", "mean", v[0] * 1e3, "p50", v[1] * 1e3, "p90",
-                     v[2] * 1e3, "p99", v[3] * 1e3);
+    return json_pack("{s:f,s:f,s:f,s:f}", "mean", v[0] * 1e3, "p50", v[1] * 1e3, "p90", v[2] * 1e3,
+                     "p99", v[3] * 1e3);
 }
 
 static const char *scenario_name(enum scenario s)
@@ -998,21 +997,20 @@ static int write_json(const char *path, const struct load_opts *o, const struct 
             json_object_set_new(errs, code, json_integer(r->status_count[k]));
         }
         json_array_append_new(
-            steps,
-            json_pack("{s:i,s:f,s:i,s:i,s:f,s:f,s:I,s:f,s:o,s:o,s:o,s:o,s:f,s:f}", "context",
-                      r->context, "cached_tokens", r->cached, "ok", r->n_ok, "errors", r->n_err,
-                      "wall_s", r->wall, "requests_per_s", r->rps, "output_tokens",
-                      (json_int_t)r->out_tokens, "output_tokens_per_s", r->out_tps, "ttft_ms",
-                      stats_json(r->ttft), "itl_ms", stats_json(r->itl), "e2e_ms",
-                      stats_json(r->e2e), "errors_by_status", errs, "rss_mib",
-                      isnan(r->rss_mb) ? -1.0 : r->rss_mb, "kv_pages_used",
-                      isnan(r->pages_used) ? -1.0 : r->pages_used));
+            steps, json_pack("{s:i,s:f,s:i,s:i,s:f,s:f,s:I,s:f,s:o,s:o,s:o,s:o,s:f,s:f}", "context",
+                             r->context, "cached_tokens", r->cached, "ok", r->n_ok, "errors",
+                             r->n_err, "wall_s", r->wall, "requests_per_s", r->rps, "output_tokens",
+                             (json_int_t)r->out_tokens, "output_tokens_per_s", r->out_tps,
+                             "ttft_ms", stats_json(r->ttft), "itl_ms", stats_json(r->itl), "e2e_ms",
+                             stats_json(r->e2e), "errors_by_status", errs, "rss_mib",
+                             isnan(r->rss_mb) ? -1.0 : r->rss_mb, "kv_pages_used",
+                             isnan(r->pages_used) ? -1.0 : r->pages_used));
     }
-    json_t *doc = json_pack("{s:s,s:s,s:i,s:i,s:f,s:f,s:i,s:b,s:o}", "scenario",
-                            scenario_name(o->scenario), "endpoint", o->endpoint, "concurrency",
-                            o->concurrency, "requests_per_step", o->requests, "duration_s",
-                            o->duration, "rate", o->rate, "max_tokens", o->max_tokens, "stream",
-                            o->stream, "steps", steps);
+    json_t *doc =
+        json_pack("{s:s,s:s,s:i,s:i,s:f,s:f,s:i,s:b,s:o}", "scenario", scenario_name(o->scenario),
+                  "endpoint", o->endpoint, "concurrency", o->concurrency, "requests_per_step",
+                  o->requests, "duration_s", o->duration, "rate", o->rate, "max_tokens",
+                  o->max_tokens, "stream", o->stream, "steps", steps);
     int rc = doc ? json_dump_file(doc, path, JSON_INDENT(2)) : -1;
     json_decref(doc);
     return rc;
@@ -1136,8 +1134,8 @@ int srv_cmd_load(int argc, char **argv)
     clock_gettime(CLOCK_REALTIME, &now);
     for (int i = 0; i < o.concurrency; i++) {
         clients[i] = (struct client){.run = &run, .idx = i};
-        snprintf(clients[i].session, sizeof(clients[i].session), "load-%ld-%ld-%d",
-                 (long)getpid(), (long)now.tv_sec, i);
+        snprintf(clients[i].session, sizeof(clients[i].session), "load-%ld-%ld-%d", (long)getpid(),
+                 (long)now.tv_sec, i);
         clients[i].conn = lc_connect(o.host, o.port, o.timeout, err, sizeof(err));
         if (!clients[i].conn) {
             fprintf(stderr, "kvd load: %s\n", err);

@@ -20,14 +20,13 @@ struct lc_conn;
 typedef void (*lc_body_cb)(void *user, const char *data, size_t len);
 
 struct lc_response {
-    int status;  /* HTTP status, or 0 when the exchange failed */
-    char *body;  /* whole body, NUL-terminated (owned: free with lc_response_free) */
+    int status; /* HTTP status, or 0 when the exchange failed */
+    char *body; /* whole body, NUL-terminated (owned: free with lc_response_free) */
     size_t len;
 };
 
 /* Connect to host:port (numeric IPv4/IPv6). NULL with err filled on failure. */
-struct lc_conn *lc_connect(const char *host, int port, double timeout_s, char *err,
-                           size_t errlen);
+struct lc_conn *lc_connect(const char *host, int port, double timeout_s, char *err, size_t errlen);
 void lc_close(struct lc_conn *c);
 
 /*
@@ -37,8 +36,8 @@ void lc_close(struct lc_conn *c);
  * err filled (resp->status is then 0).
  */
 int lc_request(struct lc_conn *c, const char *method, const char *path, const char *headers,
-               const char *body, lc_body_cb cb, void *user, struct lc_response *resp,
-               char *err, size_t errlen);
+               const char *body, lc_body_cb cb, void *user, struct lc_response *resp, char *err,
+               size_t errlen);
 void lc_response_free(struct lc_response *resp);
 
 /* Split "http://HOST:PORT" (or "HOST:PORT"); 0 or -1. host gets a copy. */

@@ -116,15 +116,15 @@ static int open_socket(struct lc_conn *c, char *err, size_t errlen)
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     struct timeval tv = {.tv_sec = (time_t)c->timeout_s,
-                         .tv_usec = (suseconds_t)((c->timeout_s - (double)(time_t)c->timeout_s) * 1e6)};
+                         .tv_usec =
+                             (suseconds_t)((c->timeout_s - (double)(time_t)c->timeout_s) * 1e6)};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     c->fd = fd;
     return 0;
 }
 
-struct lc_conn *lc_connect(const char *host, int port, double timeout_s, char *err,
-                           size_t errlen)
+struct lc_conn *lc_connect(const char *host, int port, double timeout_s, char *err, size_t errlen)
 {
     struct lc_conn *c = calloc(1, sizeof(*c));
     if (!c) {
@@ -239,8 +239,8 @@ static int exchange(struct lc_conn *c, const char *req, size_t req_len, struct l
         total += (size_t)n;
         llhttp_errno_t e = llhttp_execute(&parser, buf, (size_t)n);
         if (e != HPE_OK && e != HPE_PAUSED) {
-            snprintf(err, errlen, "bad response: %s", st->oom ? "out of memory"
-                                                              : llhttp_errno_name(e));
+            snprintf(err, errlen, "bad response: %s",
+                     st->oom ? "out of memory" : llhttp_errno_name(e));
             return -1;
         }
     }
@@ -248,13 +248,13 @@ static int exchange(struct lc_conn *c, const char *req, size_t req_len, struct l
 }
 
 int lc_request(struct lc_conn *c, const char *method, const char *path, const char *headers,
-               const char *body, lc_body_cb cb, void *user, struct lc_response *resp,
-               char *err, size_t errlen)
+               const char *body, lc_body_cb cb, void *user, struct lc_response *resp, char *err,
+               size_t errlen)
 {
     *resp = (struct lc_response){0};
     size_t blen = body ? strlen(body) : 0;
-    size_t cap = strlen(method) + strlen(path) + strlen(c->host) +
-                 (headers ? strlen(headers) : 0) + blen + 256;
+    size_t cap = strlen(method) + strlen(path) + strlen(c->host) + (headers ? strlen(headers) : 0) +
+                 blen + 256;
     char *req = malloc(cap);
     if (!req) {
         snprintf(err, errlen, "out of memory");
@@ -262,11 +262,10 @@ int lc_request(struct lc_conn *c, const char *method, const char *path, const ch
     }
     /* An IPv6 literal goes in brackets in the Host header. */
     bool v6 = strchr(c->host, ':') != NULL;
-    int n = snprintf(req, cap,
-                     "%s %s HTTP/1.1\r\nHost: %s%s%s:%d\r\n%s%sContent-Length: %zu\r\n\r\n%s",
-                     method, path, v6 ? "[" : "", c->host, v6 ? "]" : "", c->port,
-                     headers ? headers : "", body ? "Content-Type: application/json\r\n" : "",
-                     blen, body ? body : "");
+    int n = snprintf(
+        req, cap, "%s %s HTTP/1.1\r\nHost: %s%s%s:%d\r\n%s%sContent-Length: %zu\r\n\r\n%s", method,
+        path, v6 ? "[" : "", c->host, v6 ? "]" : "", c->port, headers ? headers : "",
+        body ? "Content-Type: application/json\r\n" : "", blen, body ? body : "");
     if (n < 0 || (size_t)n >= cap) { /* cannot happen with the sizes above */
         free(req);
         snprintf(err, errlen, "request too large");

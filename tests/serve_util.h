@@ -86,9 +86,9 @@ SU_FN int su_free_port(void)
 /* --- HTTP ------------------------------------------------------------------ */
 
 struct su_resp {
-    int status;     /* -1: no answer */
+    int status; /* -1: no answer */
     char head[8192];
-    char *body;     /* NUL-terminated (owned; su_resp_free) */
+    char *body; /* NUL-terminated (owned; su_resp_free) */
     size_t len;
 };
 

@@ -33,7 +33,7 @@
 
 #define N_REPLICAS 3
 #define N_SESSIONS 10 /* not a multiple of N_REPLICAS: round-robin would move them */
-#define N_GEN 4 /* tokens generated per turn (ignore_eos: exactly) */
+#define N_GEN 4       /* tokens generated per turn (ignore_eos: exactly) */
 
 static const char haproxy_cfg[] = "deploy/haproxy/kvd.cfg";
 
@@ -48,9 +48,9 @@ static struct su_proc proxy;
 /* The test's view of each session. */
 struct chat {
     char id[32];
-    json_t *hist;  /* the conversation's token ids so far */
-    int expect;    /* cached_tokens the next turn must report (-1: a miss) */
-    int owner;     /* replica index holding it, -1 unknown */
+    json_t *hist; /* the conversation's token ids so far */
+    int expect;   /* cached_tokens the next turn must report (-1: a miss) */
+    int owner;    /* replica index holding it, -1 unknown */
 };
 static struct chat chats[N_SESSIONS];
 static bool owners_known;
@@ -189,10 +189,9 @@ static void test_header_and_field_disagree(void **state)
     (void)state;
     SKIP_UNLESS_CLUSTER();
     int st;
-    json_t *v = su_post(proxy.port, "/v1/completions", "X-Session-Id: chat-0\r\n",
-                        json_pack("{s:s, s:i, s:s}", "prompt", "hello", "max_tokens", 2, "session",
-                                  "chat-1"),
-                        &st);
+    json_t *v = su_post(
+        proxy.port, "/v1/completions", "X-Session-Id: chat-0\r\n",
+        json_pack("{s:s, s:i, s:s}", "prompt", "hello", "max_tokens", 2, "session", "chat-1"), &st);
     assert_int_equal(st, 400);
     json_t *e = json_object_get(v, "error");
     assert_string_equal(json_string_value(json_object_get(e, "code")), "session_mismatch");
@@ -334,8 +333,8 @@ static int group_setup(void **state)
         return setup_failed();
     }
     static const char *const args[] = {
-        "--set", "cache.memory=4MiB",   "--set", "limits.max_running=8",
-        "--set", "server.threads=1",    "--set", "limits.max_prompt_tokens=4096",
+        "--set", "cache.memory=4MiB", "--set", "limits.max_running=8",
+        "--set", "server.threads=1",  "--set", "limits.max_prompt_tokens=4096",
         "--set", "log.level=info",
     };
     for (int r = 0; r < N_REPLICAS; r++) {
