@@ -64,6 +64,7 @@ LINK_gguf      := $(filter $(BUILD)/model/gguf%.o,$(MODEL_OBJ))
 LINK_tokenizer := $(filter $(BUILD)/model/gguf%.o $(BUILD)/model/tokenizer%.o,$(MODEL_OBJ))
 LINK_quant     := $(filter $(BUILD)/model/quant%.o $(BUILD)/model/matmul%.o,$(MODEL_OBJ))
 LINK_sampler   := $(filter $(BUILD)/model/sampler%.o,$(MODEL_OBJ))
+LINK_arch      := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
 
 TEST_SRC   := $(wildcard tests/test_*.c)
 TEST_NAMES := $(patsubst tests/test_%.c,%,$(TEST_SRC))

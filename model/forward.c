@@ -1,28 +1,36 @@
 /*
- * forward.c - the batched forward pass of a Llama-family model over the
- * paged KV cache.
+ * forward.c - the batched forward pass of a model (Llama family, BLOOM,
+ * MPT) over the paged KV cache.
  *
  * One call takes tokens from several sequences at once (prefill chunks and
  * single decode tokens together) and runs every matrix product over all of
  * them as one matrix-times-matrix: the weights, which dominate memory
  * traffic, are read once per call instead of once per token. Per layer:
  *
- *   xb = RMSNorm(x) * attn_norm                        [T][n_embd]
+ *   xb = Norm(x)                                       [T][n_embd]
+ *        (RMSNorm * w for the Llama family; LayerNorm * w + b for BLOOM, MPT)
  *   q, k, v = xb Wq^T (+bq), xb Wk^T (+bk), xb Wv^T (+bv)
+ *        (a fused QKV matrix is three row views: model_internal.h)
+ *        MPT only: q, k, v clamped to [-clamp_kqv, clamp_kqv]
  *   K and V of every new token -> its sequence's pages (k unrotated)
  *   att = attention over each sequence's cache        [T][n_head*head_dim]
- *         (the fused kernel rotates q and cached k by their positions)
- *   x += att Wo^T
- *   xb = RMSNorm(x) * ffn_norm
- *   x += (silu(xb Wgate^T) * (xb Wup^T)) Wdown^T
+ *         (the fused kernel rotates q and cached k by their positions, or
+ *         adds the ALiBi / T5 bias of pos_k - pos_q)
+ *   x += att Wo^T (+bo)
+ *   xb = Norm(x)
+ *   x += (silu(xb Wgate^T) * (xb Wup^T)) Wdown^T               SwiGLU, or
+ *   x += gelu(xb Wup^T + b_up) Wdown^T + b_down                 GELU MLP
  *
- * then the final norm and the output matrix for only the tokens whose
+ * BLOOM also normalises the embedding (LayerNorm) before the first layer.
+ * Then the final norm and the output matrix for only the tokens whose
  * logits were asked for.
  *
  * Keys go into the cache before rotation (ARCHITECTURE.md Invariant 2), so
  * evicting and renumbering positions never touches them: the kernel rotates
  * by whatever position a key has now. Queries are rotated by the positions
- * the cache assigned to the new tokens.
+ * the cache assigned to the new tokens. Offset-only biases (ALiBi, T5) need
+ * not even that: nothing of them is stored, and nothing of size L x L is
+ * ever built; the kernel computes each bias from two position numbers.
  *
  * Memory: every activation buffer is sized for max_batch_tokens in
  * model_ctx_create; model_forward allocates nothing, except that an H2O
@@ -56,11 +64,12 @@ struct model_ctx {
     float *k;    /* [T][kv_dim] new keys, unrotated */
     float *v;    /* [T][kv_dim] new values */
     float *att;  /* [T][q_dim] attention output */
-    float *hb;   /* [T][n_ff] gate, then silu(gate) * up */
-    float *hb2;  /* [T][n_ff] up */
+    float *hb;   /* [T][n_ff] gate, then silu(gate) * up (SwiGLU); up, then gelu(up) */
+    float *hb2;  /* [T][n_ff] up (SwiGLU) */
     float *xo;   /* [LOGIT_ROWS][n_embd] final-normed rows that need logits */
     float *lg;   /* [LOGIT_ROWS][n_vocab] logits of those rows */
     void *scratch; /* activation quantisation for mm_matmul_scratch */
+    size_t scratch_bytes;
 
     /* Batch bookkeeping, indexed by token (T) or sequence (<= T). */
     int32_t *tok;          /* [T] token ids in batch order */
@@ -168,7 +177,8 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
         }
     }
     sb = (sb + 63) / 64 * 64;
-    c->scratch = aligned_alloc(64, sb ? sb : 64);
+    c->scratch_bytes = sb ? sb : 64;
+    c->scratch = aligned_alloc(64, c->scratch_bytes);
     if (!c->scratch) {
         snprintf(err, errlen, "out of memory for %zu bytes of matmul scratch", sb);
         goto fail;
@@ -217,6 +227,23 @@ void model_ctx_destroy(model_ctx *c)
     free(c);
 }
 
+size_t model_ctx_bytes(const model_ctx *c)
+{
+    const model *m = c->m;
+    size_t T = (size_t)c->max_tokens;
+    size_t rows = T < LOGIT_ROWS ? T : LOGIT_ROWS;
+    size_t floats = T * (2 * (size_t)m->n_embd + 2 * (size_t)m->q_dim + 2 * (size_t)m->kv_dim +
+                         2 * (size_t)m->n_ff) +
+                    rows * ((size_t)m->n_embd + (size_t)m->n_vocab) + c->mass_cap;
+    size_t ints = T * 9 * sizeof(int32_t) + T * 2 * sizeof(bool) + T * sizeof(struct attn_seq);
+    return floats * sizeof(float) + ints + c->scratch_bytes + attn_workspace_bytes(c->attn);
+}
+
+size_t model_ctx_attn_bytes(const model_ctx *c)
+{
+    return attn_workspace_bytes(c->attn);
+}
+
 /* ------------------------------------------------------------------------
  * Kernels of the forward (the matrix products are in matmul.c)
  * ------------------------------------------------------------------------ */
@@ -232,11 +259,38 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
         out[i] = x[i] * r * w[i];
 }
 
-static void rmsnorm_rows(float *out, const float *x, const float *w, int n_rows, int n,
-                         float eps)
+/* out[i] = (x[i] - mean) / sqrt(var + eps) * w[i] + b[i] (b may be NULL);
+ * out may equal x. Sums in double, as rmsnorm's. */
+static void layernorm(float *out, const float *x, const float *w, const float *b, int n,
+                      float eps)
 {
+    double s = 0.0;
+    for (int i = 0; i < n; i++)
+        s += x[i];
+    float mean = (float)(s / n);
+    double ss = 0.0;
+    for (int i = 0; i < n; i++)
+        ss += (double)(x[i] - mean) * (x[i] - mean);
+    float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++)
+        out[i] = (x[i] - mean) * r * w[i] + (b ? b[i] : 0.0f);
+}
+
+/* The model's norm of one row of n_embd: RMSNorm or LayerNorm. */
+static void norm_row(const model *m, float *out, const float *x, const float *w, const float *b)
+{
+    if (m->norm == MODEL_NORM_LAYER)
+        layernorm(out, x, w, b, m->n_embd, m->norm_eps);
+    else
+        rmsnorm(out, x, w, m->n_embd, m->norm_eps);
+}
+
+static void norm_rows(const model *m, float *out, const float *x, const float *w,
+                      const float *b, int n_rows)
+{
+    size_t d = (size_t)m->n_embd;
     for (int t = 0; t < n_rows; t++)
-        rmsnorm(out + (size_t)t * n, x + (size_t)t * n, w, n, eps);
+        norm_row(m, out + (size_t)t * d, x + (size_t)t * d, w, b);
 }
 
 static void add_bias(float *x, const float *b, int n_rows, int n)
@@ -252,6 +306,35 @@ static void add_rows(float *restrict x, const float *restrict y, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         x[i] += y[i];
+}
+
+/* x = clamp(x, -c, c) over n values (MPT's clip_qkv); c = 0: nothing. */
+static void clamp_rows(float *x, size_t n, float c)
+{
+    if (c <= 0.0f)
+        return;
+    for (size_t i = 0; i < n; i++)
+        x[i] = x[i] < -c ? -c : x[i] > c ? c : x[i];
+}
+
+/* hb = gelu(hb), elementwise: BLOOM's tanh approximation, or the exact erf
+ * form (MPT). */
+static void gelu(float *hb, size_t n, enum model_act act, int n_threads)
+{
+    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
+    if (act == MODEL_ACT_GELU_TANH) {
+#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
+        for (size_t i = 0; i < n; i++) {
+            float x = hb[i];
+            hb[i] = 0.5f * x * (1.0f + tanhf(0.79788456f * x * (1.0f + 0.044715f * x * x)));
+        }
+    } else {
+#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
+        for (size_t i = 0; i < n; i++) {
+            float x = hb[i];
+            hb[i] = 0.5f * x * (1.0f + erff(x * 0.70710678f));
+        }
+    }
 }
 
 /* hb = silu(hb) * hb2, elementwise over n values. */
@@ -392,11 +475,13 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     int d = m->n_embd, hd = m->head_dim, nt = c->n_threads;
 
     /* Attention: norm, k/v (and q) for all tokens at once. */
-    rmsnorm_rows(c->xb, c->x, L->attn_norm, T, d, m->rms_eps);
+    norm_rows(m, c->xb, c->x, L->attn_norm, L->attn_norm_b, T);
     mm_matmul_scratch(c->k, &L->wk, c->xb, T, nt, c->scratch);
     mm_matmul_scratch(c->v, &L->wv, c->xb, T, nt, c->scratch);
     add_bias(c->k, L->bk, T, m->kv_dim);
     add_bias(c->v, L->bv, T, m->kv_dim);
+    clamp_rows(c->k, (size_t)T * m->kv_dim, m->clamp_kqv);
+    clamp_rows(c->v, (size_t)T * m->kv_dim, m->clamp_kqv);
 
     /* New tokens' K (unrotated) and V into their sequences' pages. */
     int t = 0;
@@ -423,6 +508,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     }
     mm_matmul_scratch(c->q, &L->wq, c->xb, rows, nt, c->scratch);
     add_bias(c->q, L->bq, rows, m->q_dim);
+    clamp_rows(c->q, (size_t)rows * m->q_dim, m->clamp_kqv);
 
     /* The fused kernel over each sequence's cache. */
     struct attn_kv kv = {
@@ -471,14 +557,22 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
 
     /* Output projection and residual. */
     mm_matmul_scratch(c->xb, &L->wo, c->att, rows, nt, c->scratch);
+    add_bias(c->xb, L->bo, rows, d);
     add_rows(c->x, c->xb, (size_t)rows * d);
 
-    /* Feed-forward: SwiGLU. */
-    rmsnorm_rows(c->xb, c->x, L->ffn_norm, rows, d, m->rms_eps);
-    mm_matmul_scratch(c->hb, &L->gate, c->xb, rows, nt, c->scratch);
-    mm_matmul_scratch(c->hb2, &L->up, c->xb, rows, nt, c->scratch);
-    swiglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+    /* Feed-forward: SwiGLU, or a GELU MLP with biases. */
+    norm_rows(m, c->xb, c->x, L->ffn_norm, L->ffn_norm_b, rows);
+    if (m->act == MODEL_ACT_SWIGLU) {
+        mm_matmul_scratch(c->hb, &L->gate, c->xb, rows, nt, c->scratch);
+        mm_matmul_scratch(c->hb2, &L->up, c->xb, rows, nt, c->scratch);
+        swiglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+    } else {
+        mm_matmul_scratch(c->hb, &L->up, c->xb, rows, nt, c->scratch);
+        add_bias(c->hb, L->b_up, rows, m->n_ff);
+        gelu(c->hb, (size_t)rows * m->n_ff, m->act, nt);
+    }
     mm_matmul_scratch(c->xb, &L->down, c->hb, rows, nt, c->scratch);
+    add_bias(c->xb, L->b_down, rows, d);
     add_rows(c->x, c->xb, (size_t)rows * d);
     return 0;
 }
@@ -497,7 +591,8 @@ static void output_logits(model_ctx *c, const struct model_batch_seq *seqs, int 
         int n = R - r0 < rows_max ? R - r0 : rows_max;
         for (int i = 0; i < n; i++) {
             int row = compact ? r0 + i : c->sel_tok[r0 + i];
-            rmsnorm(c->xo + (size_t)i * d, c->x + (size_t)row * d, m->output_norm, d, m->rms_eps);
+            norm_row(m, c->xo + (size_t)i * d, c->x + (size_t)row * d, m->output_norm,
+                     m->output_norm_b);
         }
         mm_matmul_scratch(c->lg, &m->output, c->xo, n, c->n_threads, c->scratch);
         for (int i = 0; i < n; i++)
@@ -579,6 +674,8 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, 
     for (int t = 0; t < T; t++)
         qt_dequantize_row(m->tok_embd.type, emb + (size_t)c->tok[t] * m->tok_embd.row_bytes,
                           c->x + (size_t)t * m->n_embd, m->n_embd);
+    if (m->tok_norm) /* BLOOM's word_embeddings_layernorm */
+        norm_rows(m, c->x, c->x, m->tok_norm, m->tok_norm_b, T);
 
     /* The last layer runs compacted to the rows that need logits, unless a
      * sequence collects H2O mass (which counts every query). */

@@ -1,6 +1,6 @@
 /*
- * mkmodel.c - small seeded Llama-family GGUF models: the default model and
- * the test fixtures.
+ * mkmodel.c - small seeded GGUF models (llama, qwen2, bloom, mpt; RoPE,
+ * ALiBi or T5 bias): the default model and the test fixtures.
  *
  * Two parts. The vocabulary is SentencePiece-shaped like Llama's: <unk>,
  * <s>, </s>, the 256 byte-fallback tokens <0x00>..<0xFF> (so any UTF-8 text
@@ -21,7 +21,14 @@
  * token's own row would otherwise dominate its logits (x . e = |e|^2 /
  * rms(x) after the norm), and the model would only repeat its input.
  * Norm weights are 1 +- 0.2 so a forward that forgot them would differ
- * measurably.
+ * measurably; biases (bloom, qwen2) likewise are of order 0.1.
+ *
+ * BLOOM normalises the embedding first, which makes a token's own row a
+ * unit-size part of the residual stream: its LayerNorm weights are 0.1 +-
+ * 0.02 so that, with BLOOM's tied output, the model does not just repeat
+ * its input. The T5 table is a recency preference that grows with the
+ * head (bias -0.1 * (h+1)/n_head * bucket) plus uniform noise of +-0.5, so
+ * heads differ and the bucket matters.
  */
 #include "model/mkmodel.h"
 
@@ -31,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention/attention.h"
 #include "model/quant.h"
 
 void model_mk_defaults(struct model_mk_params *p)
@@ -46,6 +54,10 @@ void model_mk_defaults(struct model_mk_params *p)
         .rope_dims = 0,
         .rope_theta = 10000.0f,
         .rms_eps = 1e-5f,
+        .alibi_max_bias = 0.0f,
+        .clamp_kqv = 0.0f,
+        .t5_num_buckets = 32,
+        .t5_max_distance = 128,
         .n_ctx_train = 4096,
         .tied = false,
         .type = GGML_TYPE_F32,
@@ -74,6 +86,29 @@ static bool is_qwen2(const struct model_mk_params *p)
     return !strcmp(p->arch, "qwen2");
 }
 
+/* BLOOM and MPT: LayerNorm, fused QKV, GELU MLP, ALiBi. */
+static bool is_bloom_family(const struct model_mk_params *p)
+{
+    return !strcmp(p->arch, "bloom") || !strcmp(p->arch, "mpt");
+}
+
+const char *model_mk_position(const struct model_mk_params *p)
+{
+    if (p->position)
+        return p->position;
+    return p->arch && is_bloom_family(p) ? "alibi" : "rope";
+}
+
+static bool pos_is(const struct model_mk_params *p, const char *kind)
+{
+    return !strcmp(model_mk_position(p), kind);
+}
+
+static float alibi_max_bias(const struct model_mk_params *p)
+{
+    return p->alibi_max_bias > 0.0f ? p->alibi_max_bias : 8.0f;
+}
+
 int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
 {
 #define BAD(...)                                                                                   \
@@ -81,8 +116,31 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
         snprintf(err, errlen, __VA_ARGS__);                                                        \
         return -EINVAL;                                                                            \
     } while (0)
-    if (!p->arch || (strcmp(p->arch, "llama") && strcmp(p->arch, "qwen2")))
-        BAD("arch must be llama or qwen2 (got '%s')", p->arch ? p->arch : "(null)");
+    if (!p->arch || (strcmp(p->arch, "llama") && strcmp(p->arch, "qwen2") &&
+                     strcmp(p->arch, "bloom") && strcmp(p->arch, "mpt")))
+        BAD("arch must be llama, qwen2, bloom or mpt (got '%s')", p->arch ? p->arch : "(null)");
+    const char *pos = model_mk_position(p);
+    if (strcmp(pos, "rope") && strcmp(pos, "alibi") && strcmp(pos, "t5"))
+        BAD("position must be rope, alibi or t5 (got '%s')", pos);
+    if (is_bloom_family(p) && strcmp(pos, "alibi"))
+        BAD("%s attention is alibi (got position %s)", p->arch, pos);
+    if (!(p->alibi_max_bias >= 0.0f) || !isfinite(p->alibi_max_bias))
+        BAD("alibi max bias must be a positive number, or 0 for 8 (got %g)", p->alibi_max_bias);
+    if (!strcmp(p->arch, "bloom") && p->alibi_max_bias != 0.0f && p->alibi_max_bias != 8.0f)
+        BAD("bloom's ALiBi slopes are fixed (max bias 8); got %g", p->alibi_max_bias);
+    if (!(p->clamp_kqv >= 0.0f) || !isfinite(p->clamp_kqv))
+        BAD("clamp kqv must be >= 0 (got %g)", p->clamp_kqv);
+    if (p->clamp_kqv > 0.0f && strcmp(p->arch, "mpt"))
+        BAD("clamp kqv is an mpt option (arch %s)", p->arch);
+    if (!strcmp(pos, "t5")) {
+        char why[200];
+        if (p->t5_num_buckets < 4 || p->t5_num_buckets > 4096)
+            BAD("t5 buckets must be in [4, 4096] (got %d)", p->t5_num_buckets);
+        if (p->t5_max_distance > (1 << 20))
+            BAD("t5 max distance must be at most 1048576 (got %d)", p->t5_max_distance);
+        if (pos_t5_check(p->t5_num_buckets, p->t5_max_distance, false, why, sizeof(why)))
+            BAD("t5: %s", why);
+    }
     if (p->n_embd < 2 || p->n_embd > 65536)
         BAD("dim must be in [2, 65536] (got %d)", p->n_embd);
     if (p->n_layer < 1 || p->n_layer > 1024)
@@ -92,11 +150,13 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
     if (p->n_kv_head < 1 || p->n_head % p->n_kv_head)
         BAD("kv-heads (%d) must be >= 1 and divide heads (%d)", p->n_kv_head, p->n_head);
     int head_dim = p->n_embd / p->n_head;
-    if (head_dim % 2)
+    if (head_dim % 2 && !strcmp(pos, "rope"))
         BAD("head dim dim/heads = %d must be even for RoPE", head_dim);
     int rope_dims = p->rope_dims ? p->rope_dims : head_dim;
-    if (rope_dims < 2 || rope_dims > head_dim || rope_dims % 2)
+    if (!strcmp(pos, "rope") && (rope_dims < 2 || rope_dims > head_dim || rope_dims % 2))
         BAD("rope dims must be even and in [2, head dim %d] (got %d)", head_dim, rope_dims);
+    if (strcmp(pos, "rope") && p->rope_dims)
+        BAD("rope dims apply to position rope only (position %s)", pos);
     if (p->n_ff < 1 || p->n_ff > (1 << 20))
         BAD("ff must be in [1, 1048576] (got %d)", p->n_ff);
     if (p->n_vocab < 259 + 1 || p->n_vocab > (1 << 20))
@@ -370,10 +430,12 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
     int head_dim = p->n_embd / p->n_head;
     int rope_dims = p->rope_dims ? p->rope_dims : head_dim;
     const char *a = p->arch;
+    const char *pos = model_mk_position(p);
+    bool natural = !strcmp(pos, is_bloom_family(p) ? "alibi" : "rope");
     int rc = 0;
     char name[96];
-    snprintf(name, sizeof(name), "kvd-mkmodel-%s-%dx%d-seed%llu", a, p->n_embd, p->n_layer,
-             (unsigned long long)p->seed);
+    snprintf(name, sizeof(name), "kvd-mkmodel-%s%s%s-%dx%d-seed%llu", a, natural ? "" : "-",
+             natural ? "" : pos, p->n_embd, p->n_layer, (unsigned long long)p->seed);
     rc |= gguf_writer_set_str(w, "general.architecture", a);
     rc |= gguf_writer_set_str(w, "general.name", name);
     /* llama.cpp's llama_ftype: all f32, mostly f16, q4_0, q8_0, bf16. */
@@ -390,11 +452,28 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
     rc |= gguf_writer_set_u32(w, KEY("feed_forward_length"), (uint32_t)p->n_ff);
     rc |= gguf_writer_set_u32(w, KEY("attention.head_count"), (uint32_t)p->n_head);
     rc |= gguf_writer_set_u32(w, KEY("attention.head_count_kv"), (uint32_t)p->n_kv_head);
-    rc |= gguf_writer_set_u32(w, KEY("rope.dimension_count"), (uint32_t)rope_dims);
-    rc |= gguf_writer_set_f32(w, KEY("rope.freq_base"), p->rope_theta);
-    rc |= gguf_writer_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), p->rms_eps);
+    if (!strcmp(pos, "rope")) {
+        rc |= gguf_writer_set_u32(w, KEY("rope.dimension_count"), (uint32_t)rope_dims);
+        rc |= gguf_writer_set_f32(w, KEY("rope.freq_base"), p->rope_theta);
+    }
+    if (is_bloom_family(p))
+        rc |= gguf_writer_set_f32(w, KEY("attention.layer_norm_epsilon"), p->rms_eps);
+    else
+        rc |= gguf_writer_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), p->rms_eps);
+    /* ALiBi max_bias: mpt's key (llama.cpp reads it), and the same key for a
+     * llama-shaped ALiBi model; bloom's is implied (8). */
+    if (!strcmp(pos, "alibi") && strcmp(a, "bloom"))
+        rc |= gguf_writer_set_f32(w, KEY("attention.max_alibi_bias"), alibi_max_bias(p));
+    if (p->clamp_kqv > 0.0f)
+        rc |= gguf_writer_set_f32(w, KEY("attention.clamp_kqv"), p->clamp_kqv);
     rc |= gguf_writer_set_u32(w, KEY("vocab_size"), (uint32_t)p->n_vocab);
 #undef KEY
+    if (!natural)
+        rc |= gguf_writer_set_str(w, "kvd.position.kind", pos);
+    if (!strcmp(pos, "t5")) {
+        rc |= gguf_writer_set_u32(w, "kvd.t5.num_buckets", (uint32_t)p->t5_num_buckets);
+        rc |= gguf_writer_set_u32(w, "kvd.t5.max_distance", (uint32_t)p->t5_max_distance);
+    }
     rc |= gguf_writer_set_str(w, "tokenizer.ggml.model", "llama");
     rc |= gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", (const char *const *)v->tok,
                                   (uint64_t)v->n);
@@ -408,8 +487,120 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
     return rc ? -ENOMEM : 0;
 }
 
+/*
+ * The T5 bias table blk.0.attn_rel_b.weight, [n_head, num_buckets] in GGUF
+ * order (row = bucket, n_head values): a recency preference per head plus
+ * noise.
+ */
+static int add_t5_table(struct writer_ctx *c)
+{
+    const char *name = "blk.0.attn_rel_b.weight";
+    const struct model_mk_params *p = c->p;
+    int H = p->n_head, nb = p->t5_num_buckets;
+    uint64_t s = name_seed(p->seed, name);
+    for (int b = 0; b < nb; b++)
+        for (int h = 0; h < H; h++)
+            c->buf[(size_t)b * H + h] =
+                -0.1f * (float)(h + 1) / (float)H * (float)b + 0.5f * rng_unit(&s);
+    uint64_t ne[2] = {(uint64_t)H, (uint64_t)nb};
+    int rc = gguf_writer_add_tensor(c->w, name, GGML_TYPE_F32, 2, ne, c->buf,
+                                    sizeof(float) * (size_t)H * (size_t)nb);
+    if (rc)
+        snprintf(c->err, c->errlen, "adding tensor %s failed (%d)", name, rc);
+    return rc;
+}
+
+/*
+ * BLOOM and MPT, in llama.cpp's names: a fused QKV matrix (rows of Q, K,
+ * V), a GELU MLP, LayerNorms; BLOOM adds every bias and the embedding
+ * LayerNorm, and is always tied.
+ */
+static int write_bloom_tensors(struct writer_ctx *c)
+{
+    const struct model_mk_params *p = c->p;
+    bool bloom = !strcmp(p->arch, "bloom");
+    int d = p->n_embd, hd = d / p->n_head;
+    int q_dim = p->n_head * hd, kv_dim = p->n_kv_head * hd;
+    float s_in = 1.0f / sqrtf((float)d);
+    float s_emb = 2.5f / sqrtf((float)d);
+    const float norm_std = 0.2f / 1.7320508f;
+    enum ggml_type t = p->type;
+    char name[64];
+    int rc;
+#define ADD(type, ne0, ne1, centre, std)                                                           \
+    do {                                                                                           \
+        if ((rc = add_tensor(c, name, type, ne0, ne1, centre, std, false)))                        \
+            return rc;                                                                             \
+    } while (0)
+#define NAME(...) snprintf(name, sizeof(name), __VA_ARGS__)
+
+    NAME("token_embd.weight");
+    if ((rc = add_tensor(c, name, t, d, p->n_vocab, 0.0f, s_emb, true)))
+        return rc;
+    if (bloom) {
+        NAME("token_embd_norm.weight");
+        ADD(GGML_TYPE_F32, d, 1, 0.1f, 0.1f * norm_std);
+        NAME("token_embd_norm.bias");
+        ADD(GGML_TYPE_F32, d, 1, 0.0f, 0.02f);
+    }
+    for (int l = 0; l < p->n_layer; l++) {
+        NAME("blk.%d.attn_norm.weight", l);
+        ADD(GGML_TYPE_F32, d, 1, 1.0f, norm_std);
+        if (bloom) {
+            NAME("blk.%d.attn_norm.bias", l);
+            ADD(GGML_TYPE_F32, d, 1, 0.0f, 0.1f);
+        }
+        NAME("blk.%d.attn_qkv.weight", l);
+        ADD(t, d, q_dim + 2 * kv_dim, 0.0f, 1.2f * s_in);
+        if (bloom) {
+            NAME("blk.%d.attn_qkv.bias", l);
+            ADD(GGML_TYPE_F32, q_dim + 2 * kv_dim, 1, 0.0f, 0.2f);
+        }
+        NAME("blk.%d.attn_output.weight", l);
+        ADD(t, q_dim, d, 0.0f, 2.0f / sqrtf((float)q_dim));
+        if (bloom) {
+            NAME("blk.%d.attn_output.bias", l);
+            ADD(GGML_TYPE_F32, d, 1, 0.0f, 0.1f);
+        }
+        NAME("blk.%d.ffn_norm.weight", l);
+        ADD(GGML_TYPE_F32, d, 1, 1.0f, norm_std);
+        if (bloom) {
+            NAME("blk.%d.ffn_norm.bias", l);
+            ADD(GGML_TYPE_F32, d, 1, 0.0f, 0.1f);
+        }
+        NAME("blk.%d.ffn_up.weight", l);
+        ADD(t, d, p->n_ff, 0.0f, s_in);
+        if (bloom) {
+            NAME("blk.%d.ffn_up.bias", l);
+            ADD(GGML_TYPE_F32, p->n_ff, 1, 0.0f, 0.2f);
+        }
+        NAME("blk.%d.ffn_down.weight", l);
+        ADD(t, p->n_ff, d, 0.0f, 2.0f / sqrtf((float)p->n_ff));
+        if (bloom) {
+            NAME("blk.%d.ffn_down.bias", l);
+            ADD(GGML_TYPE_F32, d, 1, 0.0f, 0.1f);
+        }
+    }
+    NAME("output_norm.weight");
+    ADD(GGML_TYPE_F32, d, 1, 1.0f, norm_std);
+    if (bloom) {
+        NAME("output_norm.bias");
+        ADD(GGML_TYPE_F32, d, 1, 0.0f, 0.1f);
+    } else if (!p->tied) {
+        NAME("output.weight");
+        if ((rc = add_tensor(c, name, t, d, p->n_vocab, 0.0f, s_emb, true)))
+            return rc;
+    }
+#undef ADD
+#undef NAME
+    return 0;
+}
+
 static int write_tensors(struct writer_ctx *c)
 {
+    if (is_bloom_family(c->p))
+        return write_bloom_tensors(c);
+
     const struct model_mk_params *p = c->p;
     int d = p->n_embd, hd = d / p->n_head;
     int q_dim = p->n_head * hd, kv_dim = p->n_kv_head * hd;
@@ -456,6 +647,8 @@ static int write_tensors(struct writer_ctx *c)
         ADD(t, d, p->n_ff, 0.0f, s_in);
         NAME("blk.%d.ffn_down.weight", l);
         ADD(t, p->n_ff, d, 0.0f, 2.0f / sqrtf((float)p->n_ff));
+        if (l == 0 && pos_is(p, "t5") && (rc = add_t5_table(c)))
+            return rc;
     }
     NAME("output_norm.weight");
     ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
@@ -486,11 +679,14 @@ int model_mk_write(const struct model_mk_params *p, const char *path, char *err,
     int hd = p->n_embd / p->n_head;
     size_t big = (size_t)p->n_embd * (size_t)p->n_vocab;
     size_t ffn = (size_t)p->n_embd * (size_t)p->n_ff;
-    size_t attn = (size_t)p->n_embd * (size_t)(p->n_head * hd);
+    size_t attn = (size_t)p->n_embd * (size_t)((p->n_head + 2 * p->n_kv_head) * hd);
+    size_t t5 = (size_t)p->n_head * (size_t)p->t5_num_buckets;
     if (ffn > big)
         big = ffn;
     if (attn > big)
         big = attn;
+    if (t5 > big)
+        big = t5;
     c.buf = malloc(big * sizeof(float));
     c.enc = malloc(big * sizeof(float)); /* every written type is at most 4 bytes/element */
     c.w = gguf_writer_create();

@@ -1,13 +1,25 @@
 /*
- * mkmodel.h - write small seeded Llama-family GGUF models.
+ * mkmodel.h - write small seeded GGUF models of every architecture and
+ * position scheme kvd runs.
  *
  * `kvd mkmodel`, the default model of `make run` and the test fixtures all
  * come from here. A model is a function of its parameters and seed alone:
  * the same parameters write the same bytes. Files use llama.cpp's metadata
- * keys and tensor names, so any GGUF reader can open them, and carry an
- * SPM-style vocabulary (<unk>, <s>, </s>, the 256 byte-fallback tokens and a
- * few hundred common English pieces with scores) in which any text
- * tokenizes and decodes back.
+ * keys and tensor names (llama, qwen2, bloom, mpt), so any GGUF reader can
+ * open them, and carry an SPM-style vocabulary (<unk>, <s>, </s>, the 256
+ * byte-fallback tokens and a few hundred common English pieces with scores)
+ * in which any text tokenizes and decodes back.
+ *
+ * Architectures and position schemes:
+ *   llama, qwen2   RoPE (default); or an offset-only bias, kvd's own
+ *                  metadata: kvd.position.kind = "alibi" (with
+ *                  <arch>.attention.max_alibi_bias) or "t5" (kvd.t5.num_buckets,
+ *                  kvd.t5.max_distance and the one table
+ *                  blk.0.attn_rel_b.weight);
+ *   bloom          ALiBi with BLOOM's slopes (max_bias 8), every bias, the
+ *                  embedding LayerNorm, tied output (as BLOOM checkpoints are);
+ *   mpt            ALiBi with mpt.attention.max_alibi_bias, no biases,
+ *                  optional mpt.attention.clamp_kqv.
  *
  * Internal to kvd (server/cmd_mkmodel.c, tests, benchmarks); not part of
  * the public model API in model.h.
@@ -22,24 +34,32 @@
 #include "model/gguf.h"
 
 struct model_mk_params {
-    const char *arch;    /* "llama" or "qwen2" (adds q/k/v biases, NeoX RoPE pairs) */
+    const char *arch;    /* "llama", "qwen2" (adds q/k/v biases, NeoX RoPE pairs),
+                            "bloom" or "mpt" */
+    const char *position; /* "rope", "alibi" or "t5"; NULL = the architecture's own
+                             (rope for llama/qwen2, alibi for bloom/mpt) */
     int n_embd;          /* model width */
     int n_layer;         /* transformer blocks */
     int n_head;          /* query heads; head_dim = n_embd / n_head */
     int n_kv_head;       /* key/value heads; divides n_head */
-    int n_ff;            /* SwiGLU hidden width */
+    int n_ff;            /* feed-forward hidden width (SwiGLU, or GELU for bloom/mpt) */
     int n_vocab;         /* vocabulary size, >= 259 (specials + byte tokens + one piece) */
     int rope_dims;       /* rotated dims per head (even, <= head_dim); 0 = head_dim */
     float rope_theta;    /* RoPE base */
-    float rms_eps;       /* RMSNorm epsilon */
+    float rms_eps;       /* norm epsilon: RMSNorm's, or LayerNorm's for bloom/mpt */
+    float alibi_max_bias; /* ALiBi slopes' max_bias (mpt, llama/qwen2 with alibi);
+                             0 = 8; bloom's is always 8 */
+    float clamp_kqv;     /* mpt: q/k/v clamp written when > 0; 0 = none */
+    int t5_num_buckets;  /* t5: buckets of the bias table, 4..4096 */
+    int t5_max_distance; /* t5: distance where the last bucket saturates */
     int n_ctx_train;     /* written as <arch>.context_length */
-    bool tied;           /* no output.weight: logits use token_embd.weight */
+    bool tied;           /* no output.weight: logits use token_embd.weight (bloom: always) */
     enum ggml_type type; /* 2-D weights: F32, F16, BF16, Q8_0 or Q4_0 (norms stay F32) */
     uint64_t seed;       /* every weight derives from it */
 };
 
-/* The default model: llama, dim 256, 4 layers, 8 heads, 4 KV heads, ff 768,
- * vocab 1024, f32, seed 1. */
+/* The default model: llama with RoPE, dim 256, 4 layers, 8 heads, 4 KV heads,
+ * ff 768, vocab 1024, f32, seed 1 (T5 fields: 32 buckets, max_distance 128). */
 void model_mk_defaults(struct model_mk_params *p);
 
 /*
@@ -57,5 +77,8 @@ int model_mk_write(const struct model_mk_params *p, const char *path, char *err,
 
 /* Parse a weight type name ("f32", "f16", "bf16", "q8_0", "q4_0"). 0 or -EINVAL. */
 int model_mk_parse_type(const char *name, enum ggml_type *out);
+
+/* The position scheme p writes: p->position, or the architecture's own. */
+const char *model_mk_position(const struct model_mk_params *p);
 
 #endif /* KVD_MKMODEL_H */

@@ -1,17 +1,29 @@
 /*
- * model.c - loading a Llama-family model from GGUF, and its tokens.
+ * model.c - loading a model from GGUF, and its tokens.
  *
- * Loading is validation: the architecture is one kvd runs (llama, qwen2),
- * every hyper-parameter comes from the `<arch>.*` metadata keys llama.cpp
- * writes (with llama.cpp's defaults where a key is optional), and every
- * tensor the forward reads is looked up by its llama.cpp name and checked
- * against the shape those parameters imply before anything uses it. A file
- * that fails any check is rejected with the key or tensor named; after
- * model_load succeeds the forward indexes weights without further checks.
+ * Loading is validation: the architecture is one kvd runs (llama, qwen2,
+ * bloom, mpt), every hyper-parameter comes from the `<arch>.*` metadata
+ * keys llama.cpp writes (with llama.cpp's defaults where a key is
+ * optional), and every tensor the forward reads is looked up by its
+ * llama.cpp name and checked against the shape those parameters imply
+ * before anything uses it. A file that fails any check is rejected with the
+ * key or tensor named; after model_load succeeds the forward indexes
+ * weights without further checks.
+ *
+ * This file holds what every architecture shares (metadata and tensor
+ * helpers, the shape, the lifecycle) and the Llama family itself;
+ * arch_bloom.c loads BLOOM and MPT, posbias.c the offset-only position
+ * biases (ALiBi slopes, the T5 table).
  *
  * Weight matrices stay in the file mapping in their own formats; norm
  * weights and biases are converted to f32 once. The tokenizer is built from
  * the same file (tokenizer.ggml.*).
+ *
+ * Position schemes of the Llama family: RoPE by default, or an offset-only
+ * bias when kvd.position.kind says "alibi" (slopes from
+ * <arch>.attention.max_alibi_bias) or "t5" (a learned per-head bias by T5
+ * bucket, causal, one table for the stack: see posbias.c). The attention
+ * scale stays 1/sqrt(head_dim) whatever the scheme.
  *
  * RoPE pairing: llama.cpp's converter permutes Q and K of Llama checkpoints
  * so that rotation pairs are adjacent elements (ggml's "normal" rope), and
@@ -30,12 +42,19 @@
  * Metadata
  * ------------------------------------------------------------------------ */
 
-/* Required unsigned integer <arch>.<suffix> in [lo, hi]. */
-static int meta_int(const gguf_file *f, const char *arch, const char *suffix, bool required,
-                    long def, long lo, long hi, int *out, char *err, size_t errlen)
+static void meta_key(char *key, size_t cap, const char *arch, const char *suffix)
+{
+    if (arch)
+        snprintf(key, cap, "%s.%s", arch, suffix);
+    else
+        snprintf(key, cap, "%s", suffix);
+}
+
+int model_meta_int(const gguf_file *f, const char *arch, const char *suffix, bool required,
+                   long def, long lo, long hi, int *out, char *err, size_t errlen)
 {
     char key[128];
-    snprintf(key, sizeof(key), "%s.%s", arch, suffix);
+    meta_key(key, sizeof(key), arch, suffix);
     int64_t v;
     int rc = gguf_get_i64(f, key, &v);
     if (rc == -ENOENT && !required) {
@@ -59,13 +78,15 @@ static int meta_int(const gguf_file *f, const char *arch, const char *suffix, bo
     return 0;
 }
 
-static int meta_float(const gguf_file *f, const char *arch, const char *suffix, float def,
-                      float *out, char *err, size_t errlen)
+int model_meta_float(const gguf_file *f, const char *arch, const char *suffix, float def,
+                     float *out, bool *found, char *err, size_t errlen)
 {
     char key[128];
-    snprintf(key, sizeof(key), "%s.%s", arch, suffix);
+    meta_key(key, sizeof(key), arch, suffix);
     float v;
     int rc = gguf_get_f32(f, key, &v);
+    if (found)
+        *found = rc != -ENOENT;
     if (rc == -ENOENT) {
         *out = def;
         return 0;
@@ -78,21 +99,22 @@ static int meta_float(const gguf_file *f, const char *arch, const char *suffix, 
     return 0;
 }
 
-static int read_hparams(model *m, char *err, size_t errlen)
+int model_read_shape(model *m, char *err, size_t errlen)
 {
     const gguf_file *f = m->file;
     const char *a = m->arch_name;
     const long big = 1L << 20;
     int rc = 0;
-    rc = rc ? rc : meta_int(f, a, "embedding_length", true, 0, 1, big, &m->n_embd, err, errlen);
-    rc = rc ? rc : meta_int(f, a, "block_count", true, 0, 1, 4096, &m->n_layer, err, errlen);
-    rc = rc ? rc : meta_int(f, a, "attention.head_count", true, 0, 1, 4096, &m->n_head, err,
-                            errlen);
-    rc = rc ? rc : meta_int(f, a, "feed_forward_length", true, 0, 1, big, &m->n_ff, err, errlen);
+    rc = rc ? rc : model_meta_int(f, a, "embedding_length", true, 0, 1, big, &m->n_embd, err, errlen);
+    rc = rc ? rc : model_meta_int(f, a, "block_count", true, 0, 1, 4096, &m->n_layer, err, errlen);
+    rc = rc ? rc : model_meta_int(f, a, "attention.head_count", true, 0, 1, 4096, &m->n_head, err,
+                                  errlen);
+    rc = rc ? rc : model_meta_int(f, a, "feed_forward_length", true, 0, 1, big, &m->n_ff, err,
+                                  errlen);
     if (rc)
         return rc;
-    rc = meta_int(f, a, "attention.head_count_kv", false, m->n_head, 1, m->n_head,
-                  &m->n_kv_head, err, errlen);
+    rc = model_meta_int(f, a, "attention.head_count_kv", false, m->n_head, 1, m->n_head,
+                        &m->n_kv_head, err, errlen);
     if (rc)
         return rc;
     if (m->n_head % m->n_kv_head) {
@@ -101,8 +123,8 @@ static int read_hparams(model *m, char *err, size_t errlen)
         return -EINVAL;
     }
     int def_hd = m->n_embd % m->n_head ? 0 : m->n_embd / m->n_head;
-    rc = meta_int(f, a, "attention.key_length", false, def_hd, 1, 1024, &m->head_dim, err,
-                  errlen);
+    rc = model_meta_int(f, a, "attention.key_length", false, def_hd, 1, 1024, &m->head_dim, err,
+                        errlen);
     if (rc)
         return rc;
     if (m->head_dim == 0) {
@@ -111,8 +133,8 @@ static int read_hparams(model *m, char *err, size_t errlen)
         return -EINVAL;
     }
     int v_len;
-    rc = meta_int(f, a, "attention.value_length", false, m->head_dim, 1, 1024, &v_len, err,
-                  errlen);
+    rc = model_meta_int(f, a, "attention.value_length", false, m->head_dim, 1, 1024, &v_len, err,
+                        errlen);
     if (rc)
         return rc;
     if (v_len != m->head_dim) {
@@ -122,28 +144,30 @@ static int read_hparams(model *m, char *err, size_t errlen)
     }
     m->q_dim = m->n_head * m->head_dim;
     m->kv_dim = m->n_kv_head * m->head_dim;
-    rc = meta_int(f, a, "context_length", false, 0, 0, INT32_MAX, &m->n_ctx_train, err, errlen);
-    if (rc)
-        return rc;
+    return model_meta_int(f, a, "context_length", false, 0, 0, INT32_MAX, &m->n_ctx_train, err,
+                          errlen);
+}
 
-    /* Position scheme: RoPE over the first n_rot dims of each head. */
+/* RoPE over the first n_rot dims of each head (the Llama family's default). */
+static int read_rope(model *m, char *err, size_t errlen)
+{
+    const gguf_file *f = m->file;
+    const char *a = m->arch_name;
     int n_rot;
-    rc = meta_int(f, a, "rope.dimension_count", false, m->head_dim, 2, m->head_dim, &n_rot, err,
-                  errlen);
+    int rc = model_meta_int(f, a, "rope.dimension_count", false, m->head_dim, 2, m->head_dim,
+                            &n_rot, err, errlen);
     if (rc)
         return rc;
     if (n_rot % 2) {
         snprintf(err, errlen, "%s.rope.dimension_count %d is odd", a, n_rot);
         return -EINVAL;
     }
-    float theta, eps, scale = 1.0f;
-    rc = meta_float(f, a, "rope.freq_base", 10000.0f, &theta, err, errlen);
-    rc = rc ? rc : meta_float(f, a, "attention.layer_norm_rms_epsilon", 1e-5f, &eps, err, errlen);
+    float theta, scale = 1.0f;
+    rc = model_meta_float(f, a, "rope.freq_base", 10000.0f, &theta, NULL, err, errlen);
     if (rc)
         return rc;
-    if (!(theta > 0.0f) || !(eps > 0.0f)) {
-        snprintf(err, errlen, "%s: rope.freq_base (%g) and layer_norm_rms_epsilon (%g) must be "
-                 "positive", a, theta, eps);
+    if (!(theta > 0.0f)) {
+        snprintf(err, errlen, "%s.rope.freq_base (%g) must be positive", a, theta);
         return -EINVAL;
     }
 
@@ -153,38 +177,35 @@ static int read_hparams(model *m, char *err, size_t errlen)
     snprintf(key, sizeof(key), "%s.rope.scaling.type", a);
     const char *st;
     size_t stn;
+    float factor;
     if (!gguf_get_str(f, key, &st, &stn) && !(stn == 4 && !memcmp(st, "none", 4))) {
         if (!(stn == 6 && !memcmp(st, "linear", 6))) {
             snprintf(err, errlen, "%s = '%.*s' is not supported (kvd runs none and linear)", key,
                      (int)(stn > 32 ? 32 : stn), st);
             return -EINVAL;
         }
-        float factor;
-        rc = meta_float(f, a, "rope.scaling.factor", 1.0f, &factor, err, errlen);
+        rc = model_meta_float(f, a, "rope.scaling.factor", 1.0f, &factor, NULL, err, errlen);
         if (rc)
             return rc;
         if (!(factor > 0.0f)) {
             snprintf(err, errlen, "%s.rope.scaling.factor %g must be positive", a, factor);
             return -EINVAL;
         }
-        scale = 1.0f / factor;
     } else {
-        float factor;
-        rc = meta_float(f, a, "rope.scale_linear", 1.0f, &factor, err, errlen);
+        rc = model_meta_float(f, a, "rope.scale_linear", 1.0f, &factor, NULL, err, errlen);
         if (rc)
             return rc;
         if (!(factor > 0.0f)) {
             snprintf(err, errlen, "%s.rope.scale_linear %g must be positive", a, factor);
             return -EINVAL;
         }
-        scale = 1.0f / factor;
     }
+    scale = 1.0f / factor;
     if (gguf_find_tensor(f, "rope_freqs.weight")) {
         snprintf(err, errlen, "tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 "
                  "style) is not supported");
         return -EINVAL;
     }
-    m->rms_eps = eps;
     m->pos = (struct pos_scheme){
         .kind = POS_ROPE,
         .rope_theta = theta,
@@ -192,6 +213,54 @@ static int read_hparams(model *m, char *err, size_t errlen)
         .rope_pairing = m->arch == MODEL_ARCH_QWEN2 ? POS_ROPE_NEOX : POS_ROPE_ADJACENT,
         .rope_freq_scale = scale,
     };
+    return 0;
+}
+
+/* The Llama family's norm and position scheme. The ALiBi slopes and the T5
+ * table are built after the tensors (model_load). */
+static int read_llama_hparams(model *m, const struct model_params *params, char *err,
+                              size_t errlen)
+{
+    const char *a = m->arch_name;
+    float eps;
+    int rc = model_meta_float(m->file, a, "attention.layer_norm_rms_epsilon", 1e-5f, &eps, NULL,
+                              err, errlen);
+    if (rc)
+        return rc;
+    if (!(eps > 0.0f)) {
+        snprintf(err, errlen, "%s.attention.layer_norm_rms_epsilon (%g) must be positive", a, eps);
+        return -EINVAL;
+    }
+    m->norm = MODEL_NORM_RMS;
+    m->norm_eps = eps;
+    m->act = MODEL_ACT_SWIGLU;
+
+    enum pos_kind kind;
+    rc = model_pos_kind(m->file, &kind, err, errlen);
+    if (rc)
+        return rc;
+    if (kind == POS_ROPE)
+        return read_rope(m, err, errlen);
+    m->pos = (struct pos_scheme){.kind = kind};
+    if (kind == POS_ALIBI) {
+        bool found;
+        rc = model_meta_float(m->file, a, "attention.max_alibi_bias", 0.0f, &m->alibi_max_bias,
+                              &found, err, errlen);
+        if (rc)
+            return rc;
+        if (found && !(m->alibi_max_bias > 0.0f)) {
+            snprintf(err, errlen, "metadata key %s.attention.max_alibi_bias = %g must be positive",
+                     a, m->alibi_max_bias);
+            return -EINVAL;
+        }
+        if (!found && params->alibi_max_bias > 0.0f)
+            m->alibi_max_bias = params->alibi_max_bias;
+        else if (!found) {
+            snprintf(err, errlen, "kvd.position.kind = alibi but metadata key "
+                     "%s.attention.max_alibi_bias is missing (and no alibi_max_bias was given)", a);
+            return -EINVAL;
+        }
+    }
     return 0;
 }
 
@@ -228,8 +297,8 @@ static const struct gguf_tensor *find_checked(const gguf_file *f, const char *na
     return t;
 }
 
-static int load_matrix(const gguf_file *f, const char *name, int n_in, int n_out, bool required,
-                       struct mm_weight *w, bool *found, char *err, size_t errlen)
+int model_load_matrix(const gguf_file *f, const char *name, int n_in, int n_out, bool required,
+                      struct mm_weight *w, bool *found, char *err, size_t errlen)
 {
     bool bad = false;
     const struct gguf_tensor *t = find_checked(f, name, n_in, n_out, required, &bad, err, errlen);
@@ -247,10 +316,8 @@ static int load_matrix(const gguf_file *f, const char *name, int n_in, int n_out
     return 0;
 }
 
-/* A vector of n elements converted to f32 at dst; absent and optional:
- * *out = NULL. */
-static int load_vector(const gguf_file *f, const char *name, int n, bool required, float *dst,
-                       const float **out, char *err, size_t errlen)
+int model_load_vector(const gguf_file *f, const char *name, int n, bool required, float *dst,
+                      const float **out, char *err, size_t errlen)
 {
     bool bad = false;
     const struct gguf_tensor *t = find_checked(f, name, n, 1, required, &bad, err, errlen);
@@ -286,7 +353,8 @@ static const char *dominant_type(const model *m)
         const struct mm_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo,
                                         &L->gate, &L->up, &L->down};
         for (int i = 0; i < 7; i++)
-            bytes[lw[i]->type] += lw[i]->row_bytes * (size_t)lw[i]->n_out;
+            if (lw[i]->data) /* gate: SwiGLU only */
+                bytes[lw[i]->type] += lw[i]->row_bytes * (size_t)lw[i]->n_out;
     }
     int best = 0;
     for (int t = 1; t < GGML_TYPE_COUNT; t++)
@@ -296,58 +364,81 @@ static const char *dominant_type(const model *m)
     return n ? n : "unknown";
 }
 
+/* The f32 vectors any architecture may need: per layer 2 norms and their
+ * biases, q/k/v biases, the output projection's and the MLP's biases; the
+ * embedding and output norms with biases. */
+static size_t vec_floats(const model *m)
+{
+    size_t d = (size_t)m->n_embd;
+    size_t per_layer = 4 * d + (size_t)m->q_dim + 2 * (size_t)m->kv_dim + d + (size_t)m->n_ff + d;
+    return per_layer * (size_t)m->n_layer + 4 * d;
+}
+
+/* Llama and qwen2 tensors; the output, its norm and the embedding are
+ * already loaded (load_tensors). v: free f32 storage. */
+static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
+{
+    const gguf_file *f = m->file;
+    int d = m->n_embd, rc = 0;
+    for (int l = 0; l < m->n_layer && !rc; l++) {
+        struct model_layer *L = &m->layers[l];
+        char name[96];
+#define T(suffix) (snprintf(name, sizeof(name), "blk.%d.%s", l, suffix), name)
+        rc = rc ? rc : model_load_vector(f, T("attn_norm.weight"), d, true, v, &L->attn_norm, err, errlen);
+        v += d;
+        rc = rc ? rc : model_load_vector(f, T("ffn_norm.weight"), d, true, v, &L->ffn_norm, err, errlen);
+        v += d;
+        /* Biases: qwen2 has them; llama.cpp accepts them on llama too. */
+        bool need_bias = m->arch == MODEL_ARCH_QWEN2;
+        rc = rc ? rc : model_load_vector(f, T("attn_q.bias"), m->q_dim, need_bias, v, &L->bq, err, errlen);
+        v += m->q_dim;
+        rc = rc ? rc : model_load_vector(f, T("attn_k.bias"), m->kv_dim, need_bias, v, &L->bk, err, errlen);
+        v += m->kv_dim;
+        rc = rc ? rc : model_load_vector(f, T("attn_v.bias"), m->kv_dim, need_bias, v, &L->bv, err, errlen);
+        v += m->kv_dim;
+        rc = rc ? rc : model_load_matrix(f, T("attn_q.weight"), d, m->q_dim, true, &L->wq, NULL, err, errlen);
+        rc = rc ? rc : model_load_matrix(f, T("attn_k.weight"), d, m->kv_dim, true, &L->wk, NULL, err, errlen);
+        rc = rc ? rc : model_load_matrix(f, T("attn_v.weight"), d, m->kv_dim, true, &L->wv, NULL, err, errlen);
+        rc = rc ? rc : model_load_matrix(f, T("attn_output.weight"), m->q_dim, d, true, &L->wo, NULL, err, errlen);
+        rc = rc ? rc : model_load_matrix(f, T("ffn_gate.weight"), d, m->n_ff, true, &L->gate, NULL, err, errlen);
+        rc = rc ? rc : model_load_matrix(f, T("ffn_up.weight"), d, m->n_ff, true, &L->up, NULL, err, errlen);
+        rc = rc ? rc : model_load_matrix(f, T("ffn_down.weight"), m->n_ff, d, true, &L->down, NULL, err, errlen);
+#undef T
+    }
+    return rc;
+}
+
 static int load_tensors(model *m, char *err, size_t errlen)
 {
     const gguf_file *f = m->file;
     int d = m->n_embd;
-    /* Vectors per layer: 2 norms + 3 biases; plus output_norm. */
-    size_t per_layer = (size_t)2 * d + (size_t)m->q_dim + 2 * (size_t)m->kv_dim;
-    m->vecs = malloc(sizeof(float) * (per_layer * (size_t)m->n_layer + (size_t)d));
+    m->vecs = malloc(sizeof(float) * vec_floats(m));
     m->layers = calloc((size_t)m->n_layer, sizeof(*m->layers));
     if (!m->vecs || !m->layers) {
         snprintf(err, errlen, "out of memory for %d layers", m->n_layer);
         return -ENOMEM;
     }
-    int rc = load_matrix(f, "token_embd.weight", d, m->n_vocab, true, &m->tok_embd, NULL, err,
-                         errlen);
+    int rc = model_load_matrix(f, "token_embd.weight", d, m->n_vocab, true, &m->tok_embd, NULL,
+                               err, errlen);
     if (rc)
         return rc;
     bool has_output;
-    rc = load_matrix(f, "output.weight", d, m->n_vocab, false, &m->output, &has_output, err,
-                     errlen);
+    rc = model_load_matrix(f, "output.weight", d, m->n_vocab, false, &m->output, &has_output, err,
+                           errlen);
     if (rc)
         return rc;
     m->tied = !has_output;
     if (m->tied)
         m->output = m->tok_embd;
     float *v = m->vecs;
-    rc = load_vector(f, "output_norm.weight", d, true, v, &m->output_norm, err, errlen);
+    rc = model_load_vector(f, "output_norm.weight", d, true, v, &m->output_norm, err, errlen);
     v += d;
-    for (int l = 0; l < m->n_layer && !rc; l++) {
-        struct model_layer *L = &m->layers[l];
-        char name[96];
-#define T(suffix) (snprintf(name, sizeof(name), "blk.%d.%s", l, suffix), name)
-        rc = rc ? rc : load_vector(f, T("attn_norm.weight"), d, true, v, &L->attn_norm, err, errlen);
-        v += d;
-        rc = rc ? rc : load_vector(f, T("ffn_norm.weight"), d, true, v, &L->ffn_norm, err, errlen);
-        v += d;
-        /* Biases: qwen2 has them; llama.cpp accepts them on llama too. */
-        bool need_bias = m->arch == MODEL_ARCH_QWEN2;
-        rc = rc ? rc : load_vector(f, T("attn_q.bias"), m->q_dim, need_bias, v, &L->bq, err, errlen);
-        v += m->q_dim;
-        rc = rc ? rc : load_vector(f, T("attn_k.bias"), m->kv_dim, need_bias, v, &L->bk, err, errlen);
-        v += m->kv_dim;
-        rc = rc ? rc : load_vector(f, T("attn_v.bias"), m->kv_dim, need_bias, v, &L->bv, err, errlen);
-        v += m->kv_dim;
-        rc = rc ? rc : load_matrix(f, T("attn_q.weight"), d, m->q_dim, true, &L->wq, NULL, err, errlen);
-        rc = rc ? rc : load_matrix(f, T("attn_k.weight"), d, m->kv_dim, true, &L->wk, NULL, err, errlen);
-        rc = rc ? rc : load_matrix(f, T("attn_v.weight"), d, m->kv_dim, true, &L->wv, NULL, err, errlen);
-        rc = rc ? rc : load_matrix(f, T("attn_output.weight"), m->q_dim, d, true, &L->wo, NULL, err, errlen);
-        rc = rc ? rc : load_matrix(f, T("ffn_gate.weight"), d, m->n_ff, true, &L->gate, NULL, err, errlen);
-        rc = rc ? rc : load_matrix(f, T("ffn_up.weight"), d, m->n_ff, true, &L->up, NULL, err, errlen);
-        rc = rc ? rc : load_matrix(f, T("ffn_down.weight"), m->n_ff, d, true, &L->down, NULL, err, errlen);
-#undef T
-    }
+    if (rc)
+        return rc;
+    if (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT)
+        rc = model_bloom_tensors(m, v, err, errlen);
+    else
+        rc = load_llama_layers(m, v, err, errlen);
     if (rc)
         return rc;
     m->weight_type = dominant_type(m);
@@ -357,6 +448,16 @@ static int load_tensors(model *m, char *err, size_t errlen)
 /* ------------------------------------------------------------------------
  * Lifecycle
  * ------------------------------------------------------------------------ */
+
+static const struct {
+    const char *name;
+    enum model_arch arch;
+} arches[] = {
+    {"llama", MODEL_ARCH_LLAMA},
+    {"qwen2", MODEL_ARCH_QWEN2},
+    {"bloom", MODEL_ARCH_BLOOM},
+    {"mpt", MODEL_ARCH_MPT},
+};
 
 model *model_load(const struct model_params *params, char *err, size_t errlen)
 {
@@ -384,19 +485,26 @@ model *model_load(const struct model_params *params, char *err, size_t errlen)
         snprintf(err, errlen, "%s: missing metadata key general.architecture", params->path);
         goto fail;
     }
-    if (alen == 5 && !memcmp(arch, "llama", 5)) {
-        m->arch = MODEL_ARCH_LLAMA;
-    } else if (alen == 5 && !memcmp(arch, "qwen2", 5)) {
-        m->arch = MODEL_ARCH_QWEN2;
-    } else {
-        snprintf(err, errlen, "%s: architecture '%.*s' is not supported (kvd runs llama, qwen2)",
+    size_t k = 0;
+    while (k < sizeof(arches) / sizeof(arches[0]) &&
+           !(alen == strlen(arches[k].name) && !memcmp(arch, arches[k].name, alen)))
+        k++;
+    if (k == sizeof(arches) / sizeof(arches[0])) {
+        snprintf(err, errlen,
+                 "%s: architecture '%.*s' is not supported (kvd runs llama, qwen2, bloom, mpt)",
                  params->path, (int)(alen > 64 ? 64 : alen), arch);
         goto fail;
     }
+    m->arch = arches[k].arch;
     memcpy(m->arch_name, arch, alen);
     m->arch_name[alen] = '\0';
 
-    if (read_hparams(m, why, sizeof(why))) {
+    int rc = model_read_shape(m, why, sizeof(why));
+    if (!rc && (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT))
+        rc = model_bloom_hparams(m, params, why, sizeof(why));
+    else if (!rc)
+        rc = read_llama_hparams(m, params, why, sizeof(why));
+    if (rc) {
         snprintf(err, errlen, "%s: %s", params->path, why);
         goto fail;
     }
@@ -408,7 +516,16 @@ model *model_load(const struct model_params *params, char *err, size_t errlen)
         goto fail;
     }
     m->n_vocab = tok_n_vocab(m->tok);
-    if (load_tensors(m, why, sizeof(why))) {
+    rc = load_tensors(m, why, sizeof(why));
+
+    /* Offset-only biases: slopes from max_bias, or the shared T5 table. */
+    if (!rc && m->pos.kind == POS_ALIBI)
+        rc = model_pos_alibi(m, m->alibi_max_bias, why, sizeof(why));
+    else if (!rc && m->pos.kind == POS_T5)
+        rc = model_pos_t5(m, params, why, sizeof(why));
+    if (!rc && m->pos.kind != POS_T5)
+        rc = model_pos_no_t5_tables(m, why, sizeof(why));
+    if (rc) {
         snprintf(err, errlen, "%s: %s", params->path, why);
         goto fail;
     }
@@ -441,6 +558,7 @@ void model_free(model *m)
     gguf_close(m->file);
     free(m->layers);
     free(m->vecs);
+    free(m->pos_data);
     free(m->name);
     free(m);
 }

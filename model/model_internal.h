@@ -1,11 +1,18 @@
 /*
  * model_internal.h - the loaded model, shared by model.c (loading,
- * tokens) and forward.c (the batched forward). Never included from outside
- * the model room (tests excepted: they are white-box).
+ * tokens), arch_bloom.c (BLOOM and MPT), posbias.c (ALiBi slopes and the
+ * T5 bias table) and forward.c (the batched forward). Never included from
+ * outside the model room (tests and benchmarks excepted: they are
+ * white-box).
  *
  * Weight matrices stay in the file's mapping and in the file's formats
  * (struct mm_weight describes each); the small vectors (norm weights,
  * biases) are converted to f32 once at load time, into one allocation.
+ *
+ * One layer description serves every architecture. A fused QKV matrix
+ * (BLOOM, MPT: rows of Q, then K, then V) is described as three row views
+ * wq, wk, wv into the one tensor, and its bias as three slices, so the
+ * forward never knows whether the file fused them.
  */
 #ifndef KVD_MODEL_INTERNAL_H
 #define KVD_MODEL_INTERNAL_H
@@ -16,19 +23,41 @@
 #include "model/tokenizer.h"
 
 enum model_arch {
-    MODEL_ARCH_LLAMA = 0, /* RMSNorm, RoPE (adjacent pairs), GQA, SwiGLU */
+    MODEL_ARCH_LLAMA = 0, /* RMSNorm, GQA, SwiGLU; RoPE (adjacent pairs), or ALiBi / T5
+                             bias when kvd.position.kind says so */
     MODEL_ARCH_QWEN2,     /* llama + q/k/v biases, RoPE in NeoX halves */
+    MODEL_ARCH_BLOOM,     /* embedding LayerNorm, LayerNorm with bias, fused QKV with
+                             bias, GELU (tanh) MLP with biases, ALiBi (max_bias 8) */
+    MODEL_ARCH_MPT,       /* LayerNorm (optional bias), fused QKV, optional QKV clamp,
+                             GELU (erf) MLP, ALiBi with the file's max_bias */
+};
+
+enum model_norm {
+    MODEL_NORM_RMS = 0, /* x / rms(x) * w */
+    MODEL_NORM_LAYER,   /* (x - mean) / std * w + b (b optional) */
+};
+
+enum model_act {
+    MODEL_ACT_SWIGLU = 0, /* down(silu(gate x) * up x) */
+    MODEL_ACT_GELU_TANH,  /* down(gelu(up x + b_up)) + b_down, tanh approximation (BLOOM) */
+    MODEL_ACT_GELU_ERF,   /* the same with the exact erf GELU (MPT's nn.GELU) */
 };
 
 struct model_layer {
     const float *attn_norm;        /* [n_embd] */
+    const float *attn_norm_b;      /* [n_embd] LayerNorm bias, or NULL */
     struct mm_weight wq;           /* n_embd -> n_head * head_dim */
     struct mm_weight wk, wv;       /* n_embd -> n_kv_head * head_dim */
-    const float *bq, *bk, *bv;     /* biases of q, k, v, or NULL (qwen2 has them) */
+    const float *bq, *bk, *bv;     /* biases of q, k, v, or NULL (qwen2, bloom have them) */
     struct mm_weight wo;           /* n_head * head_dim -> n_embd */
+    const float *bo;               /* [n_embd] output projection bias, or NULL */
     const float *ffn_norm;         /* [n_embd] */
-    struct mm_weight gate, up;     /* n_embd -> n_ff */
+    const float *ffn_norm_b;       /* [n_embd] or NULL */
+    struct mm_weight gate;         /* n_embd -> n_ff (SwiGLU only; zero otherwise) */
+    struct mm_weight up;           /* n_embd -> n_ff */
     struct mm_weight down;         /* n_ff -> n_embd */
+    const float *b_up;             /* [n_ff] or NULL */
+    const float *b_down;           /* [n_embd] or NULL */
 };
 
 struct model {
@@ -41,16 +70,116 @@ struct model {
 
     int n_vocab, n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff, n_ctx_train;
     int q_dim, kv_dim;       /* n_head * head_dim, n_kv_head * head_dim */
-    float rms_eps;
-    struct pos_scheme pos;   /* RoPE: theta, rotated dims, pairing, linear scale */
+    enum model_norm norm;    /* every norm of the model */
+    float norm_eps;          /* its epsilon */
+    enum model_act act;      /* feed-forward shape */
+    float clamp_kqv;         /* > 0: q, k, v clamped to [-clamp, clamp] (MPT); 0 = off */
+    float alibi_max_bias;    /* ALiBi: the max_bias the slopes come from */
+    struct pos_scheme pos;   /* RoPE parameters, or ALiBi slopes / T5 table (pointing
+                                into pos_data) */
 
     struct mm_weight tok_embd; /* n_vocab rows of n_embd: row id is token id's embedding */
+    const float *tok_norm;     /* [n_embd] LayerNorm of the embedding (BLOOM), or NULL */
+    const float *tok_norm_b;   /* [n_embd] or NULL */
     const float *output_norm;  /* [n_embd] */
+    const float *output_norm_b; /* [n_embd] or NULL */
     struct mm_weight output;   /* n_embd -> n_vocab; a copy of tok_embd when tied */
     bool tied;
 
     struct model_layer *layers; /* [n_layer] */
     float *vecs;                /* storage of every f32 vector above */
+    float *pos_data;            /* ALiBi slopes [n_head] or T5 table [n_head][buckets] */
 };
+
+/* ------------------------------------------------------------------------
+ * Loading helpers (model.c), for the architecture files
+ * ------------------------------------------------------------------------ */
+
+/*
+ * Integer metadata <arch>.<suffix> (arch NULL: the key is suffix itself)
+ * into *out, checked against [lo, hi]. Absent and not required: *out = def.
+ * Returns 0 or -EINVAL with the key named in err.
+ */
+int model_meta_int(const gguf_file *f, const char *arch, const char *suffix, bool required,
+                   long def, long lo, long hi, int *out, char *err, size_t errlen);
+
+/*
+ * Float metadata <arch>.<suffix> (arch NULL: the key is suffix). Absent:
+ * *out = def and *found (if non-NULL) = false. Returns 0, or -EINVAL when
+ * the value is not a finite number.
+ */
+int model_meta_float(const gguf_file *f, const char *arch, const char *suffix, float def,
+                     float *out, bool *found, char *err, size_t errlen);
+
+/*
+ * A matrix of n_out rows of n_in elements by name, shape-checked. Absent
+ * and optional: returns 0 with *found = false (found may be NULL). 0 or
+ * -EINVAL with the tensor named in err.
+ */
+int model_load_matrix(const gguf_file *f, const char *name, int n_in, int n_out, bool required,
+                      struct mm_weight *w, bool *found, char *err, size_t errlen);
+
+/*
+ * A vector of n elements by name, converted to f32 at dst and checked
+ * finite; *out = dst, or NULL when absent and optional. 0 or -EINVAL.
+ */
+int model_load_vector(const gguf_file *f, const char *name, int n, bool required, float *dst,
+                      const float **out, char *err, size_t errlen);
+
+/* Read the shared hyper-parameters (sizes, heads, context length) of any
+ * architecture. 0 or -EINVAL. */
+int model_read_shape(model *m, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------------
+ * BLOOM and MPT (arch_bloom.c)
+ * ------------------------------------------------------------------------ */
+
+/* Hyper-parameters beyond the shape: norm epsilon, clamp, ALiBi max_bias
+ * (from the file, else params, else BLOOM's 8; MPT without one fails). */
+int model_bloom_hparams(model *m, const struct model_params *params, char *err, size_t errlen);
+
+/* Every tensor of a BLOOM or MPT file, into m->layers and m->vecs. */
+int model_bloom_tensors(model *m, float *vecs, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------------
+ * Offset-only position biases (posbias.c)
+ * ------------------------------------------------------------------------ */
+
+/*
+ * The position scheme a llama-family file asks for in kvd.position.kind:
+ * "rope" (or absent), "alibi" or "t5". *kind gets it. 0 or -EINVAL.
+ */
+int model_pos_kind(const gguf_file *f, enum pos_kind *kind, char *err, size_t errlen);
+
+/*
+ * ALiBi: slopes for m->n_head heads from max_bias (pos_alibi_slopes) into
+ * m->pos_data, and m->pos pointing at them. 0, -EINVAL or -ENOMEM.
+ */
+int model_pos_alibi(model *m, float max_bias, char *err, size_t errlen);
+
+/*
+ * T5 bias decoder: kvd.t5.num_buckets and kvd.t5.max_distance (params fill
+ * in only what the file lacks), the one table blk.0.attn_rel_b.weight
+ * ([n_head, num_buckets] in GGUF order, every bucket's n_head values
+ * contiguous) transposed into m->pos_data as [n_head][num_buckets], and no
+ * table in any other layer. 0, -EINVAL (key or tensor named) or -ENOMEM.
+ */
+int model_pos_t5(model *m, const struct model_params *params, char *err, size_t errlen);
+
+/*
+ * A file whose position scheme is not T5 must carry no T5 table:
+ * -EINVAL naming the first blk.N.attn_rel_b.weight found, else 0.
+ */
+int model_pos_no_t5_tables(const model *m, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------------
+ * Forward (forward.c)
+ * ------------------------------------------------------------------------ */
+
+/* Bytes a model_ctx holds: activations, scratch and the attention kernel's
+ * workspace. For memory checks in tests. */
+size_t model_ctx_bytes(const model_ctx *ctx);
+/* The attention kernel's part of it (attn_workspace_bytes). */
+size_t model_ctx_attn_bytes(const model_ctx *ctx);
 
 #endif /* KVD_MODEL_INTERNAL_H */

@@ -39,6 +39,7 @@ struct gen_opts {
     bool window_set;
     bool echo;
     struct model_sampling sampling;
+    struct model_params mp; /* offset-only bias values for files that lack them */
 };
 
 static void generate_usage(FILE *f)
@@ -63,7 +64,10 @@ static void generate_usage(FILE *f)
             "  --kv-type T        f32 | f16 | bf16 (default f16)\n"
             "  --threads N        OpenMP threads (default: all)\n"
             "  --batch N          prefill chunk in tokens (default 256)\n"
-            "  --no-echo          print only the generated text, not the prompt\n",
+            "  --no-echo          print only the generated text, not the prompt\n"
+            "  --alibi-max-bias F ALiBi max_bias for a file that lacks it\n"
+            "  --t5-buckets N     T5 bias buckets for a file that lacks kvd.t5.num_buckets\n"
+            "  --t5-max-distance N  T5 max distance for a file that lacks kvd.t5.max_distance\n",
             DEFAULT_MODEL);
 }
 
@@ -164,6 +168,19 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
         } else if (srv_opt_value(argc, argv, &i, "generate", "--batch", &v, &bad)) {
             if (!bad && parse_int_opt(v, "--batch", 1, 65536, &o->batch))
                 return -1;
+        } else if (srv_opt_value(argc, argv, &i, "generate", "--alibi-max-bias", &v, &bad)) {
+            if (!bad && srv_parse_double(v, 1e-3, 1024.0, &x)) {
+                fprintf(stderr, "kvd generate: --alibi-max-bias wants a number in [0.001, 1024], "
+                        "got '%s'\n", v);
+                return -1;
+            }
+            o->mp.alibi_max_bias = (float)x;
+        } else if (srv_opt_value(argc, argv, &i, "generate", "--t5-buckets", &v, &bad)) {
+            if (!bad && parse_int_opt(v, "--t5-buckets", 4, 4096, &o->mp.t5_num_buckets))
+                return -1;
+        } else if (srv_opt_value(argc, argv, &i, "generate", "--t5-max-distance", &v, &bad)) {
+            if (!bad && parse_int_opt(v, "--t5-max-distance", 1, 1 << 20, &o->mp.t5_max_distance))
+                return -1;
         } else if (!strcmp(argv[i], "--preserve")) {
             o->policy.renumber = false;
             i++;
@@ -232,7 +249,8 @@ int srv_cmd_generate(int argc, char **argv)
     }
 
     char err[512];
-    struct model_params mp = {.path = o.model};
+    struct model_params mp = o.mp;
+    mp.path = o.model;
     model *m = model_load(&mp, err, sizeof(err));
     if (!m) {
         fprintf(stderr, "kvd generate: %s\n", err);
@@ -240,6 +258,10 @@ int srv_cmd_generate(int argc, char **argv)
     }
     struct model_info info;
     model_get_info(m, &info);
+    fprintf(stderr, "kvd generate: loaded %s: arch %s, positions %s, %s weights, dim %d, "
+            "%d layers, %d heads (%d kv), vocab %d\n", info.name, info.arch,
+            pos_kind_name(info.pos), info.weight_type, info.n_embd, info.n_layer, info.n_head,
+            info.n_kv_head, info.n_vocab);
 
     int status = 1;
     kv_cache *cache = NULL;
@@ -378,8 +400,10 @@ int srv_cmd_generate(int argc, char **argv)
 
     struct kv_stats ks;
     kv_cache_stats(cache, &ks);
-    fprintf(stderr, "kvd generate: %s (%s, %s), kv %s, policy %s\n", info.name, info.arch,
-            info.weight_type, kv_type_name(o.kv_type), kv_policy_kind_name(o.policy.kind));
+    fprintf(stderr, "kvd generate: %s (%s, %s positions, %s), kv %s, policy %s, positions %s\n",
+            info.name, info.arch, pos_kind_name(info.pos), info.weight_type,
+            kv_type_name(o.kv_type), kv_policy_kind_name(o.policy.kind),
+            o.policy.renumber ? "renumber" : "preserve");
     fprintf(stderr, "  prefill: %d tokens in %.3f s (%.1f tokens/s)\n", done, t1 - t0,
             t1 > t0 ? done / (t1 - t0) : 0.0);
     /* The first sampled token needs no forward; decode forwards = n_gen - 1. */

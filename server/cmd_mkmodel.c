@@ -4,7 +4,10 @@
  * The model is a pure function of the options and the seed (see
  * model/mkmodel.h); it is what `make run` serves when no model is given and
  * what tests and benchmarks build their fixtures from. Any GGUF reader can
- * open it: llama.cpp's metadata keys and tensor names.
+ * open it: llama.cpp's metadata keys and tensor names (llama, qwen2, bloom,
+ * mpt). Without --arch it is a llama model with RoPE, the default of
+ * `make run`; --position alibi|t5 gives a llama-shaped model with an
+ * offset-only bias instead (kvd's own kvd.position.* metadata).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -22,7 +25,13 @@ static void mkmodel_usage(FILE *f)
     fprintf(f,
             "usage: kvd mkmodel --out FILE [options]\n"
             "  --out FILE        where to write the GGUF file (required)\n"
-            "  --arch A          llama or qwen2 (default %s)\n"
+            "  --arch A          llama, qwen2, bloom or mpt (default %s)\n"
+            "  --position P      rope, alibi or t5 (default: rope for llama/qwen2,\n"
+            "                    alibi for bloom/mpt, which run only alibi)\n"
+            "  --alibi-max-bias F  ALiBi slopes' max_bias (default 8; bloom: always 8)\n"
+            "  --clamp-kqv F     mpt: clamp q, k, v to +-F (default 0: off)\n"
+            "  --t5-buckets N    t5: bias table buckets (default %d)\n"
+            "  --t5-max-distance N  t5: distance of the last bucket (default %d)\n"
             "  --dim N           model width (default %d)\n"
             "  --layers N        transformer blocks (default %d)\n"
             "  --heads N         query heads (default %d)\n"
@@ -33,10 +42,12 @@ static void mkmodel_usage(FILE *f)
             "  --rope-theta F    RoPE base (default %g)\n"
             "  --ctx N           context_length written to the metadata (default %d)\n"
             "  --tied            no output.weight: logits from the token embedding\n"
+            "                    (bloom is always tied)\n"
             "  --type T          f32, f16, bf16, q8_0 or q4_0 (default f32)\n"
             "  --seed S          seed of every weight (default %llu)\n",
-            d.arch, d.n_embd, d.n_layer, d.n_head, d.n_kv_head, d.n_ff, d.n_vocab, d.rope_theta,
-            d.n_ctx_train, (unsigned long long)d.seed);
+            d.arch, d.t5_num_buckets, d.t5_max_distance, d.n_embd, d.n_layer, d.n_head,
+            d.n_kv_head, d.n_ff, d.n_vocab, d.rope_theta, d.n_ctx_train,
+            (unsigned long long)d.seed);
 }
 
 int srv_cmd_mkmodel(int argc, char **argv)
@@ -58,6 +69,8 @@ int srv_cmd_mkmodel(int argc, char **argv)
             {"--heads", &p.n_head, 1, 4096},     {"--kv-heads", &p.n_kv_head, 1, 4096},
             {"--ff", &p.n_ff, 1, 1 << 20},       {"--vocab", &p.n_vocab, 260, 1 << 20},
             {"--rope-dims", &p.rope_dims, 2, 1024}, {"--ctx", &p.n_ctx_train, 1, INT32_MAX},
+            {"--t5-buckets", &p.t5_num_buckets, 4, 4096},
+            {"--t5-max-distance", &p.t5_max_distance, 1, 1 << 20},
         };
         bool matched = false;
         for (size_t k = 0; k < sizeof(ints) / sizeof(ints[0]) && !matched; k++) {
@@ -79,6 +92,21 @@ int srv_cmd_mkmodel(int argc, char **argv)
             out = v;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--arch", &v, &bad)) {
             p.arch = v;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--position", &v, &bad)) {
+            p.position = v;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--alibi-max-bias", &v, &bad)) {
+            if (!bad && srv_parse_double(v, 1e-3, 1024.0, &x)) {
+                fprintf(stderr, "kvd mkmodel: --alibi-max-bias wants a number in [0.001, 1024], "
+                        "got '%s'\n", v);
+                return 2;
+            }
+            p.alibi_max_bias = (float)x;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--clamp-kqv", &v, &bad)) {
+            if (!bad && srv_parse_double(v, 0.0, 1e6, &x)) {
+                fprintf(stderr, "kvd mkmodel: --clamp-kqv wants a number >= 0, got '%s'\n", v);
+                return 2;
+            }
+            p.clamp_kqv = (float)x;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--type", &v, &bad)) {
             if (!bad && model_mk_parse_type(v, &p.type)) {
                 fprintf(stderr, "kvd mkmodel: --type wants f32, f16, bf16, q8_0 or q4_0, got '%s'\n",
@@ -130,18 +158,22 @@ int srv_cmd_mkmodel(int argc, char **argv)
         return 1;
     }
     int hd = p.n_embd / p.n_head;
-    long long params = (long long)p.n_embd * p.n_vocab * (p.tied ? 1 : 2) +
+    bool gelu = !strcmp(p.arch, "bloom") || !strcmp(p.arch, "mpt");
+    bool tied = p.tied || !strcmp(p.arch, "bloom");
+    long long params = (long long)p.n_embd * p.n_vocab * (tied ? 1 : 2) +
                        (long long)p.n_layer *
                            ((long long)p.n_embd * (p.n_head + 2 * p.n_kv_head) * hd +
-                            (long long)p.n_head * hd * p.n_embd + 3LL * p.n_embd * p.n_ff);
+                            (long long)p.n_head * hd * p.n_embd +
+                            (gelu ? 2LL : 3LL) * p.n_embd * p.n_ff);
     const char *tn = p.type == GGML_TYPE_F32    ? "f32"
                      : p.type == GGML_TYPE_F16  ? "f16"
                      : p.type == GGML_TYPE_BF16 ? "bf16"
                      : p.type == GGML_TYPE_Q8_0 ? "q8_0"
                                                 : "q4_0";
-    printf("wrote %s: %s, dim %d, %d layers, %d heads, %d kv heads, ff %d, vocab %d, %s%s, "
-           "%.2fM parameters, seed %llu\n",
-           out, p.arch, p.n_embd, p.n_layer, p.n_head, p.n_kv_head, p.n_ff, p.n_vocab, tn,
-           p.tied ? ", tied output" : "", (double)params / 1e6, (unsigned long long)p.seed);
+    printf("wrote %s: %s, %s positions, dim %d, %d layers, %d heads, %d kv heads, ff %d, "
+           "vocab %d, %s%s, %.2fM parameters, seed %llu\n",
+           out, p.arch, model_mk_position(&p), p.n_embd, p.n_layer, p.n_head, p.n_kv_head, p.n_ff,
+           p.n_vocab, tn, tied ? ", tied output" : "", (double)params / 1e6,
+           (unsigned long long)p.seed);
     return 0;
 }
