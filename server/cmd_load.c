@@ -1028,7 +1028,7 @@ static int write_plot(const char *path, const struct load_opts *o, const struct 
     fprintf(g,
             "set multiplot layout 2,1 title 'kvd load: %s, %d clients, %d tokens out'\n"
             "set logscale x 2\nset xlabel 'context (prompt tokens)'\nset grid\n"
-            "set key left top\nset logscale y 10\nset ylabel 'latency (ms)'\n",
+            "set key right bottom\nset logscale y 10\nset ylabel 'latency (ms)'\n",
             scenario_name(o->scenario), o->concurrency, o->max_tokens);
     fprintf(g, "plot '-' using 1:2 with linespoints title 'ttft p50', "
                "'-' using 1:2 with linespoints title 'ttft p99', "
@@ -1047,8 +1047,16 @@ static int write_plot(const char *path, const struct load_opts *o, const struct 
         }
         fprintf(g, "e\n");
     }
-    fprintf(g, "unset logscale y\nset ylabel 'tokens/s'\nset yrange [0:*]\n"
-               "plot '-' using 1:2 with linespoints title 'output tokens/s'\n");
+    /* throughput falls by orders of magnitude over a long sweep: log scale,
+     * unless a step had none (a log axis cannot show zero) */
+    bool all_positive = true;
+    for (int i = 0; i < n; i++)
+        all_positive = all_positive && res[i].out_tps > 0;
+    fprintf(g,
+            "%s\nset ylabel 'output tokens/s'\n%s\n"
+            "plot '-' using 1:2 with linespoints title 'output tokens/s'\n",
+            all_positive ? "set logscale y 10" : "unset logscale y",
+            all_positive ? "set key right top" : "set yrange [0:*]");
     for (int i = 0; i < n; i++)
         fprintf(g, "%d %f\n", res[i].context, res[i].out_tps);
     fprintf(g, "e\nunset multiplot\n");
