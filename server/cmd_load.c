@@ -881,7 +881,7 @@ static int run_step(struct load_run *run, struct client *clients, struct lc_conn
                 snprintf(line, sizeof(line), "  %s: %d/%d requests, %.1f s", label, done, total,
                          now - run->t0);
             else
-                snprintf(line, sizeof(line), "  %s: %d requests, %.1f of %.0f s", label, done,
+                snprintf(line, sizeof(line), "  %s: %d requests, %.1f of %.1f s", label, done,
                          now - run->t0, o->duration);
             fprintf(stderr, tty ? "\r%-70s" : "%s\n", line);
             fflush(stderr);
