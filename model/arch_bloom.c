@@ -54,8 +54,8 @@ int model_bloom_hparams(model *m, const struct model_params *params, char *err, 
     bool is_mpt = m->arch == MODEL_ARCH_MPT;
     float eps;
     bool found;
-    int rc = model_meta_float(f, a, "attention.layer_norm_epsilon", 0.0f, &eps, &found, err,
-                              errlen);
+    int rc =
+        model_meta_float(f, a, "attention.layer_norm_epsilon", 0.0f, &eps, &found, err, errlen);
     if (rc)
         return rc;
     if (!found) {
@@ -112,8 +112,10 @@ int model_bloom_hparams(model *m, const struct model_params *params, char *err, 
         } else if (!is_mpt) {
             m->alibi_max_bias = 8.0f; /* BLOOM's slopes: the ALiBi paper's */
         } else {
-            snprintf(err, errlen, "missing metadata key %s.attention.max_alibi_bias (the ALiBi "
-                     "slopes depend on it; no alibi_max_bias was given either)", a);
+            snprintf(err, errlen,
+                     "missing metadata key %s.attention.max_alibi_bias (the ALiBi "
+                     "slopes depend on it; no alibi_max_bias was given either)",
+                     a);
             return -EINVAL;
         }
     }
@@ -153,8 +155,7 @@ static int load_qkv(const model *m, int l, bool need_bias, float *v, struct mode
                              base + w.row_bytes * (size_t)m->q_dim, why, sizeof(why));
     rc = rc ? rc
             : mm_weight_init(&L->wv, w.type, w.n_in, m->kv_dim,
-                             base + w.row_bytes * (size_t)(m->q_dim + m->kv_dim), why,
-                             sizeof(why));
+                             base + w.row_bytes * (size_t)(m->q_dim + m->kv_dim), why, sizeof(why));
     if (rc) {
         snprintf(err, errlen, "tensor %s: %s", name, why);
         return -EINVAL;
@@ -177,8 +178,7 @@ int model_bloom_tensors(model *m, float *v, char *err, size_t errlen)
     bool bloom = m->arch == MODEL_ARCH_BLOOM; /* every bias and the embedding norm required */
 
     if (bloom) {
-        rc = model_load_vector(f, "token_embd_norm.weight", d, true, v, &m->tok_norm, err,
-                               errlen);
+        rc = model_load_vector(f, "token_embd_norm.weight", d, true, v, &m->tok_norm, err, errlen);
         v += d;
         rc = rc ? rc
                 : model_load_vector(f, "token_embd_norm.bias", d, true, v, &m->tok_norm_b, err,
@@ -188,38 +188,43 @@ int model_bloom_tensors(model *m, float *v, char *err, size_t errlen)
         rc = reject_present(f, "position_embd.weight", "learned absolute positions", err, errlen);
     }
     rc = rc ? rc
-            : model_load_vector(f, "output_norm.bias", d, bloom, v, &m->output_norm_b, err,
-                                errlen);
+            : model_load_vector(f, "output_norm.bias", d, bloom, v, &m->output_norm_b, err, errlen);
     v += d;
 
+    int q = m->q_dim, kv = m->kv_dim;
     for (int l = 0; l < m->n_layer && !rc; l++) {
         struct model_layer *L = &m->layers[l];
-        char name[96];
-#define T(suffix) (snprintf(name, sizeof(name), "blk.%d.%s", l, suffix), name)
-        rc = model_load_vector(f, T("attn_norm.weight"), d, true, v, &L->attn_norm, err, errlen);
-        v += d;
-        rc = rc ? rc : model_load_vector(f, T("attn_norm.bias"), d, bloom, v, &L->attn_norm_b, err, errlen);
-        v += d;
+#define VEC(sfx, n, req, dst)                                                                      \
+    (rc = rc ? rc : model_layer_vector(m, l, sfx, n, req, &v, dst, err, errlen))
+#define MAT(sfx, n_in, n_out, dst)                                                                 \
+    (rc = rc ? rc : model_layer_matrix(m, l, sfx, n_in, n_out, true, dst, err, errlen))
+        VEC("attn_norm.weight", d, true, &L->attn_norm);
+        VEC("attn_norm.bias", d, bloom, &L->attn_norm_b);
         rc = rc ? rc : load_qkv(m, l, bloom, v, L, err, errlen);
-        v += m->q_dim + 2 * m->kv_dim;
-        rc = rc ? rc : model_load_matrix(f, T("attn_output.weight"), m->q_dim, d, true, &L->wo, NULL, err, errlen);
-        rc = rc ? rc : model_load_vector(f, T("attn_output.bias"), d, bloom, v, &L->bo, err, errlen);
-        v += d;
-        rc = rc ? rc : model_load_vector(f, T("ffn_norm.weight"), d, true, v, &L->ffn_norm, err, errlen);
-        v += d;
-        rc = rc ? rc : model_load_vector(f, T("ffn_norm.bias"), d, bloom, v, &L->ffn_norm_b, err, errlen);
-        v += d;
-        rc = rc ? rc : model_load_matrix(f, T("ffn_up.weight"), d, ff, true, &L->up, NULL, err, errlen);
-        rc = rc ? rc : model_load_vector(f, T("ffn_up.bias"), ff, bloom, v, &L->b_up, err, errlen);
-        v += ff;
-        rc = rc ? rc : model_load_matrix(f, T("ffn_down.weight"), ff, d, true, &L->down, NULL, err, errlen);
-        rc = rc ? rc : model_load_vector(f, T("ffn_down.bias"), d, bloom, v, &L->b_down, err, errlen);
-        v += d;
-        rc = rc ? rc : reject_present(f, T("attn_q_norm.weight"), "q/k LayerNorm", err, errlen);
-        rc = rc ? rc : reject_present(f, T("attn_k_norm.weight"), "q/k LayerNorm", err, errlen);
-        rc = rc ? rc : reject_present(f, T("ffn_act.scales"), "AWQ activation scales", err, errlen);
-        rc = rc ? rc : reject_present(f, T("ffn_gate.weight"), "a gated MLP", err, errlen);
-#undef T
+        v += q + 2 * kv;
+        MAT("attn_output.weight", q, d, &L->wo);
+        VEC("attn_output.bias", d, bloom, &L->bo);
+        VEC("ffn_norm.weight", d, true, &L->ffn_norm);
+        VEC("ffn_norm.bias", d, bloom, &L->ffn_norm_b);
+        MAT("ffn_up.weight", d, ff, &L->up);
+        VEC("ffn_up.bias", ff, bloom, &L->b_up);
+        MAT("ffn_down.weight", ff, d, &L->down);
+        VEC("ffn_down.bias", d, bloom, &L->b_down);
+#undef VEC
+#undef MAT
+        static const struct {
+            const char *suffix, *what;
+        } unsupported[] = {
+            {"attn_q_norm.weight", "q/k LayerNorm"},
+            {"attn_k_norm.weight", "q/k LayerNorm"},
+            {"ffn_act.scales", "AWQ activation scales"},
+            {"ffn_gate.weight", "a gated MLP"},
+        };
+        for (size_t i = 0; i < sizeof(unsupported) / sizeof(unsupported[0]) && !rc; i++) {
+            char name[96];
+            snprintf(name, sizeof(name), "blk.%d.%s", l, unsupported[i].suffix);
+            rc = reject_present(f, name, unsupported[i].what, err, errlen);
+        }
     }
     return rc;
 }

@@ -47,7 +47,6 @@
 
 #include "model/model_internal.h"
 
-
 /* Rows of logits computed per output-matrix pass. */
 #define LOGIT_ROWS 32
 
@@ -58,16 +57,16 @@ struct model_ctx {
     attn_ctx *attn;
 
     /* Activations; T = tokens of the current call. */
-    float *x;    /* [T][n_embd] residual stream */
-    float *xb;   /* [T][n_embd] normalised input of a sub-layer / its output */
-    float *q;    /* [T][q_dim] queries, unrotated */
-    float *k;    /* [T][kv_dim] new keys, unrotated */
-    float *v;    /* [T][kv_dim] new values */
-    float *att;  /* [T][q_dim] attention output */
-    float *hb;   /* [T][n_ff] gate, then silu(gate) * up (SwiGLU); up, then gelu(up) */
-    float *hb2;  /* [T][n_ff] up (SwiGLU) */
-    float *xo;   /* [LOGIT_ROWS][n_embd] final-normed rows that need logits */
-    float *lg;   /* [LOGIT_ROWS][n_vocab] logits of those rows */
+    float *x;      /* [T][n_embd] residual stream */
+    float *xb;     /* [T][n_embd] normalised input of a sub-layer / its output */
+    float *q;      /* [T][q_dim] queries, unrotated */
+    float *k;      /* [T][kv_dim] new keys, unrotated */
+    float *v;      /* [T][kv_dim] new values */
+    float *att;    /* [T][q_dim] attention output */
+    float *hb;     /* [T][n_ff] gate, then silu(gate) * up (SwiGLU); up, then gelu(up) */
+    float *hb2;    /* [T][n_ff] up (SwiGLU) */
+    float *xo;     /* [LOGIT_ROWS][n_embd] final-normed rows that need logits */
+    float *lg;     /* [LOGIT_ROWS][n_vocab] logits of those rows */
     void *scratch; /* activation quantisation for mm_matmul_scratch */
     size_t scratch_bytes;
 
@@ -158,8 +157,8 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
     c->sel_tok = malloc(T * sizeof(*c->sel_tok));
     c->mass_off = malloc(T * sizeof(*c->mass_off));
     c->aseq = malloc(T * sizeof(*c->aseq));
-    if (!ok || !c->tok || !c->qpos || !c->first || !c->hist0 || !c->appended ||
-        !c->was_dropped || !c->sel_seq || !c->sel_tok || !c->mass_off || !c->aseq) {
+    if (!ok || !c->tok || !c->qpos || !c->first || !c->hist0 || !c->appended || !c->was_dropped ||
+        !c->sel_seq || !c->sel_tok || !c->mass_off || !c->aseq) {
         snprintf(err, errlen, "out of memory for a %d-token batch", max_batch_tokens);
         goto fail;
     }
@@ -168,8 +167,7 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
     size_t sb = mm_scratch_bytes(&m->output, (int)rows);
     for (int l = 0; l < m->n_layer; l++) {
         const struct model_layer *L = &m->layers[l];
-        const struct mm_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo,
-                                        &L->gate, &L->up, &L->down};
+        const struct mm_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down};
         for (int i = 0; i < 7; i++) {
             size_t b = mm_scratch_bytes(ws[i], max_batch_tokens);
             if (b > sb)
@@ -261,8 +259,7 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
 
 /* out[i] = (x[i] - mean) / sqrt(var + eps) * w[i] + b[i] (b may be NULL);
  * out may equal x. Sums in double, as rmsnorm's. */
-static void layernorm(float *out, const float *x, const float *w, const float *b, int n,
-                      float eps)
+static void layernorm(float *out, const float *x, const float *w, const float *b, int n, float eps)
 {
     double s = 0.0;
     for (int i = 0; i < n; i++)
@@ -285,8 +282,8 @@ static void norm_row(const model *m, float *out, const float *x, const float *w,
         rmsnorm(out, x, w, m->n_embd, m->norm_eps);
 }
 
-static void norm_rows(const model *m, float *out, const float *x, const float *w,
-                      const float *b, int n_rows)
+static void norm_rows(const model *m, float *out, const float *x, const float *w, const float *b,
+                      int n_rows)
 {
     size_t d = (size_t)m->n_embd;
     for (int t = 0; t < n_rows; t++)
@@ -352,9 +349,15 @@ static void swiglu(float *restrict hb, const float *restrict hb2, size_t n, int 
 static void store_kv(void *dst, const float *src, int n, enum kv_type type)
 {
     switch (type) {
-    case KV_F32: memcpy(dst, src, (size_t)n * sizeof(float)); break;
-    case KV_F16: qt_f32_to_f16_row(src, dst, (size_t)n); break;
-    case KV_BF16: qt_f32_to_bf16_row(src, dst, (size_t)n); break;
+    case KV_F32:
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        break;
+    case KV_F16:
+        qt_f32_to_f16_row(src, dst, (size_t)n);
+        break;
+    case KV_BF16:
+        qt_f32_to_bf16_row(src, dst, (size_t)n);
+        break;
     }
 }
 
@@ -467,8 +470,8 @@ static void compact_rows(float *buf, const int *sel_tok, int R, int n)
  * token; then the rows of x are compacted to the R rows that need logits
  * and the rest of the layer runs over those alone. 0, or attn_run's error.
  */
-static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs, int n_seqs,
-                         int T, int R, kv_cache *cache, const struct kv_layout *kl)
+static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs, int n_seqs, int T,
+                         int R, kv_cache *cache, const struct kv_layout *kl)
 {
     const model *m = c->m;
     const struct model_layer *L = &m->layers[l];

@@ -70,8 +70,11 @@ int model_mk_parse_type(const char *name, enum ggml_type *out)
     static const struct {
         const char *name;
         enum ggml_type type;
-    } names[] = {{"f32", GGML_TYPE_F32},   {"f16", GGML_TYPE_F16}, {"bf16", GGML_TYPE_BF16},
-                 {"q8_0", GGML_TYPE_Q8_0}, {"q4_0", GGML_TYPE_Q4_0}};
+    } names[] = {{"f32", GGML_TYPE_F32},
+                 {"f16", GGML_TYPE_F16},
+                 {"bf16", GGML_TYPE_BF16},
+                 {"q8_0", GGML_TYPE_Q8_0},
+                 {"q4_0", GGML_TYPE_Q4_0}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (!strcmp(name, names[i].name)) {
             *out = names[i].type;
@@ -184,26 +187,32 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
 /* Common English words, story words first; each is added with "▁" and with
  * every prefix, so SPM can merge its way up to the whole word. */
 static const char *const words[] = {
-    "the", "a", "and", "to", "was", "he", "she", "it", "of", "in", "they", "her", "his", "you",
-    "said", "with", "on", "that", "for", "day", "I", "is", "one", "big", "had", "time", "Once",
-    "upon", "The", "He", "She", "They", "It", "One", "little", "girl", "boy", "named", "Lily",
-    "Tom", "Tim", "Sue", "Ben", "Mia", "Max", "mom", "dad", "friend", "friends", "play",
-    "played", "happy", "sad", "very", "so", "but", "not", "saw", "went", "go", "wanted", "want",
-    "were", "are", "be", "have", "has", "can", "could", "would", "will", "do", "did", "all",
-    "what", "when", "where", "who", "how", "why", "up", "down", "out", "over", "into", "new",
-    "good", "great", "make", "made", "see", "look", "looked", "get", "got", "come", "came",
-    "know", "think", "long", "old", "there", "then", "than", "this", "them", "their", "we",
-    "me", "my", "your", "at", "by", "from", "as", "an", "or", "if", "no", "yes", "like",
-    "liked", "love", "loved", "dog", "cat", "bird", "ball", "tree", "sun", "park", "house",
-    "home", "toy", "toys", "car", "box", "red", "blue", "green", "small", "fun", "nice", "help",
-    "helped", "found", "find", "run", "ran", "jump", "smiled", "laughed", "felt", "feel",
-    "thought", "asked", "took", "gave", "back", "away", "again", "too", "some", "many", "every",
-    "after", "before", "because", "about", "just", "now", "each", "other", "more", "most",
-    "man", "woman", "people", "world", "water", "food", "tree", "sky", "night", "morning",
-    "sleep", "eat", "ate", "walk", "walked", "talk", "talked", "tell", "told", "began", "start",
-    "started", "end", "learned", "best", "always", "never", "together", "careful", "scared",
-    "brave", "kind", "hug", "outside", "inside", "school", "garden", "flower", "flowers",
-    "ing", "ed", "er", "ly", "tion", "es", "est", "ful", "ness", "ment", "able", "less",
+    "the",     "a",       "and",    "to",      "was",      "he",      "she",     "it",      "of",
+    "in",      "they",    "her",    "his",     "you",      "said",    "with",    "on",      "that",
+    "for",     "day",     "I",      "is",      "one",      "big",     "had",     "time",    "Once",
+    "upon",    "The",     "He",     "She",     "They",     "It",      "One",     "little",  "girl",
+    "boy",     "named",   "Lily",   "Tom",     "Tim",      "Sue",     "Ben",     "Mia",     "Max",
+    "mom",     "dad",     "friend", "friends", "play",     "played",  "happy",   "sad",     "very",
+    "so",      "but",     "not",    "saw",     "went",     "go",      "wanted",  "want",    "were",
+    "are",     "be",      "have",   "has",     "can",      "could",   "would",   "will",    "do",
+    "did",     "all",     "what",   "when",    "where",    "who",     "how",     "why",     "up",
+    "down",    "out",     "over",   "into",    "new",      "good",    "great",   "make",    "made",
+    "see",     "look",    "looked", "get",     "got",      "come",    "came",    "know",    "think",
+    "long",    "old",     "there",  "then",    "than",     "this",    "them",    "their",   "we",
+    "me",      "my",      "your",   "at",      "by",       "from",    "as",      "an",      "or",
+    "if",      "no",      "yes",    "like",    "liked",    "love",    "loved",   "dog",     "cat",
+    "bird",    "ball",    "tree",   "sun",     "park",     "house",   "home",    "toy",     "toys",
+    "car",     "box",     "red",    "blue",    "green",    "small",   "fun",     "nice",    "help",
+    "helped",  "found",   "find",   "run",     "ran",      "jump",    "smiled",  "laughed", "felt",
+    "feel",    "thought", "asked",  "took",    "gave",     "back",    "away",    "again",   "too",
+    "some",    "many",    "every",  "after",   "before",   "because", "about",   "just",    "now",
+    "each",    "other",   "more",   "most",    "man",      "woman",   "people",  "world",   "water",
+    "food",    "tree",    "sky",    "night",   "morning",  "sleep",   "eat",     "ate",     "walk",
+    "walked",  "talk",    "talked", "tell",    "told",     "began",   "start",   "started", "end",
+    "learned", "best",    "always", "never",   "together", "careful", "scared",  "brave",   "kind",
+    "hug",     "outside", "inside", "school",  "garden",   "flower",  "flowers", "ing",     "ed",
+    "er",      "ly",      "tion",   "es",      "est",      "ful",     "ness",    "ment",    "able",
+    "less",
 };
 
 /* Single characters that are pieces of their own. */
@@ -213,9 +222,9 @@ static const char *const chars =
 #define SPM_SPACE "\xe2\x96\x81" /* U+2581, SentencePiece's word boundary */
 
 struct vocab {
-    char **tok;     /* [n] piece strings */
-    float *score;   /* [n] */
-    int32_t *type;  /* [n] llama token types: 1 normal, 2 unknown, 3 control, 6 byte */
+    char **tok;    /* [n] piece strings */
+    float *score;  /* [n] */
+    int32_t *type; /* [n] llama token types: 1 normal, 2 unknown, 3 control, 6 byte */
     int n, cap;
 };
 
@@ -381,8 +390,8 @@ struct writer_ctx {
     gguf_writer *w;
     const struct model_mk_params *p;
     const struct vocab *v;
-    float *buf;     /* scratch for the largest tensor in f32 */
-    uint8_t *enc;   /* scratch for the largest tensor encoded */
+    float *buf;   /* scratch for the largest tensor in f32 */
+    uint8_t *enc; /* scratch for the largest tensor encoded */
     char *err;
     size_t errlen;
 };
@@ -391,8 +400,8 @@ struct writer_ctx {
  * Add one tensor of ne0 x ne1 elements: centre + U(-1,1) * std * sqrt(3)
  * (uniform with the given standard deviation), encoded as type.
  */
-static int add_tensor(struct writer_ctx *c, const char *name, enum ggml_type type, int ne0,
-                      int ne1, float centre, float std, bool vocab_rows)
+static int add_tensor(struct writer_ctx *c, const char *name, enum ggml_type type, int ne0, int ne1,
+                      float centre, float std, bool vocab_rows)
 {
     uint64_t s = name_seed(c->p->seed, name);
     size_t n = (size_t)ne0 * (size_t)ne1;
@@ -411,14 +420,14 @@ static int add_tensor(struct writer_ctx *c, const char *name, enum ggml_type typ
     for (int r = 0; r < ne1; r++) {
         int rc = qt_quantize_row(type, c->buf + (size_t)r * ne0, c->enc + (size_t)r * row, ne0);
         if (rc) {
-            snprintf(c->err, c->errlen, "encoding %s as %s failed (%d)", name,
-                     qt_type_name(type), rc);
+            snprintf(c->err, c->errlen, "encoding %s as %s failed (%d)", name, qt_type_name(type),
+                     rc);
             return rc;
         }
     }
     uint64_t ne[2] = {(uint64_t)ne0, (uint64_t)ne1};
-    int rc = gguf_writer_add_tensor(c->w, name, type, ne1 > 1 ? 2 : 1, ne, c->enc,
-                                    row * (size_t)ne1);
+    int rc =
+        gguf_writer_add_tensor(c->w, name, type, ne1 > 1 ? 2 : 1, ne, c->enc, row * (size_t)ne1);
     if (rc)
         snprintf(c->err, c->errlen, "adding tensor %s failed (%d)", name, rc);
     return rc;

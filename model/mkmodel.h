@@ -34,28 +34,28 @@
 #include "model/gguf.h"
 
 struct model_mk_params {
-    const char *arch;    /* "llama", "qwen2" (adds q/k/v biases, NeoX RoPE pairs),
-                            "bloom" or "mpt" */
+    const char *arch;     /* "llama", "qwen2" (adds q/k/v biases, NeoX RoPE pairs),
+                             "bloom" or "mpt" */
     const char *position; /* "rope", "alibi" or "t5"; NULL = the architecture's own
                              (rope for llama/qwen2, alibi for bloom/mpt) */
-    int n_embd;          /* model width */
-    int n_layer;         /* transformer blocks */
-    int n_head;          /* query heads; head_dim = n_embd / n_head */
-    int n_kv_head;       /* key/value heads; divides n_head */
-    int n_ff;            /* feed-forward hidden width (SwiGLU, or GELU for bloom/mpt) */
-    int n_vocab;         /* vocabulary size, >= 259 (specials + byte tokens + one piece) */
-    int rope_dims;       /* rotated dims per head (even, <= head_dim); 0 = head_dim */
-    float rope_theta;    /* RoPE base */
-    float rms_eps;       /* norm epsilon: RMSNorm's, or LayerNorm's for bloom/mpt */
+    int n_embd;           /* model width */
+    int n_layer;          /* transformer blocks */
+    int n_head;           /* query heads; head_dim = n_embd / n_head */
+    int n_kv_head;        /* key/value heads; divides n_head */
+    int n_ff;             /* feed-forward hidden width (SwiGLU, or GELU for bloom/mpt) */
+    int n_vocab;          /* vocabulary size, >= 259 (specials + byte tokens + one piece) */
+    int rope_dims;        /* rotated dims per head (even, <= head_dim); 0 = head_dim */
+    float rope_theta;     /* RoPE base */
+    float rms_eps;        /* norm epsilon: RMSNorm's, or LayerNorm's for bloom/mpt */
     float alibi_max_bias; /* ALiBi slopes' max_bias (mpt, llama/qwen2 with alibi);
                              0 = 8; bloom's is always 8 */
-    float clamp_kqv;     /* mpt: q/k/v clamp written when > 0; 0 = none */
-    int t5_num_buckets;  /* t5: buckets of the bias table, 4..4096 */
-    int t5_max_distance; /* t5: distance where the last bucket saturates */
-    int n_ctx_train;     /* written as <arch>.context_length */
-    bool tied;           /* no output.weight: logits use token_embd.weight (bloom: always) */
-    enum ggml_type type; /* 2-D weights: F32, F16, BF16, Q8_0 or Q4_0 (norms stay F32) */
-    uint64_t seed;       /* every weight derives from it */
+    float clamp_kqv;      /* mpt: q/k/v clamp written when > 0; 0 = none */
+    int t5_num_buckets;   /* t5: buckets of the bias table, 4..4096 */
+    int t5_max_distance;  /* t5: distance where the last bucket saturates */
+    int n_ctx_train;      /* written as <arch>.context_length */
+    bool tied;            /* no output.weight: logits use token_embd.weight (bloom: always) */
+    enum ggml_type type;  /* 2-D weights: F32, F16, BF16, Q8_0 or Q4_0 (norms stay F32) */
+    uint64_t seed;        /* every weight derives from it */
 };
 
 /* The default model: llama with RoPE, dim 256, 4 layers, 8 heads, 4 KV heads,

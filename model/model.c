@@ -70,8 +70,8 @@ int model_meta_int(const gguf_file *f, const char *arch, const char *suffix, boo
         return -EINVAL;
     }
     if (v < lo || v > hi) {
-        snprintf(err, errlen, "metadata key %s = %lld is outside [%ld, %ld]", key, (long long)v,
-                 lo, hi);
+        snprintf(err, errlen, "metadata key %s = %lld is outside [%ld, %ld]", key, (long long)v, lo,
+                 hi);
         return -EINVAL;
     }
     *out = (int)v;
@@ -105,12 +105,14 @@ int model_read_shape(model *m, char *err, size_t errlen)
     const char *a = m->arch_name;
     const long big = 1L << 20;
     int rc = 0;
-    rc = rc ? rc : model_meta_int(f, a, "embedding_length", true, 0, 1, big, &m->n_embd, err, errlen);
+    rc = rc ? rc
+            : model_meta_int(f, a, "embedding_length", true, 0, 1, big, &m->n_embd, err, errlen);
     rc = rc ? rc : model_meta_int(f, a, "block_count", true, 0, 1, 4096, &m->n_layer, err, errlen);
-    rc = rc ? rc : model_meta_int(f, a, "attention.head_count", true, 0, 1, 4096, &m->n_head, err,
-                                  errlen);
-    rc = rc ? rc : model_meta_int(f, a, "feed_forward_length", true, 0, 1, big, &m->n_ff, err,
-                                  errlen);
+    rc = rc ? rc
+            : model_meta_int(f, a, "attention.head_count", true, 0, 1, 4096, &m->n_head, err,
+                             errlen);
+    rc = rc ? rc
+            : model_meta_int(f, a, "feed_forward_length", true, 0, 1, big, &m->n_ff, err, errlen);
     if (rc)
         return rc;
     rc = model_meta_int(f, a, "attention.head_count_kv", false, m->n_head, 1, m->n_head,
@@ -118,8 +120,8 @@ int model_read_shape(model *m, char *err, size_t errlen)
     if (rc)
         return rc;
     if (m->n_head % m->n_kv_head) {
-        snprintf(err, errlen, "%s.attention.head_count_kv = %d does not divide head_count = %d",
-                 a, m->n_kv_head, m->n_head);
+        snprintf(err, errlen, "%s.attention.head_count_kv = %d does not divide head_count = %d", a,
+                 m->n_kv_head, m->n_head);
         return -EINVAL;
     }
     int def_hd = m->n_embd % m->n_head ? 0 : m->n_embd / m->n_head;
@@ -202,7 +204,8 @@ static int read_rope(model *m, char *err, size_t errlen)
     }
     scale = 1.0f / factor;
     if (gguf_find_tensor(f, "rope_freqs.weight")) {
-        snprintf(err, errlen, "tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 "
+        snprintf(err, errlen,
+                 "tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 "
                  "style) is not supported");
         return -EINVAL;
     }
@@ -218,8 +221,7 @@ static int read_rope(model *m, char *err, size_t errlen)
 
 /* The Llama family's norm and position scheme. The ALiBi slopes and the T5
  * table are built after the tensors (model_load). */
-static int read_llama_hparams(model *m, const struct model_params *params, char *err,
-                              size_t errlen)
+static int read_llama_hparams(model *m, const struct model_params *params, char *err, size_t errlen)
 {
     const char *a = m->arch_name;
     float eps;
@@ -256,8 +258,10 @@ static int read_llama_hparams(model *m, const struct model_params *params, char 
         if (!found && params->alibi_max_bias > 0.0f)
             m->alibi_max_bias = params->alibi_max_bias;
         else if (!found) {
-            snprintf(err, errlen, "kvd.position.kind = alibi but metadata key "
-                     "%s.attention.max_alibi_bias is missing (and no alibi_max_bias was given)", a);
+            snprintf(err, errlen,
+                     "kvd.position.kind = alibi but metadata key "
+                     "%s.attention.max_alibi_bias is missing (and no alibi_max_bias was given)",
+                     a);
             return -EINVAL;
         }
     }
@@ -285,11 +289,9 @@ static const struct gguf_tensor *find_checked(const gguf_file *f, const char *na
         }
         return NULL;
     }
-    if (t->ne[0] != (uint64_t)ne0 || t->ne[1] != (uint64_t)ne1 || t->ne[2] != 1 ||
-        t->ne[3] != 1) {
-        snprintf(err, errlen,
-                 "tensor %s has shape [%llu, %llu, %llu, %llu], expected [%d, %d]", name,
-                 (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+    if (t->ne[0] != (uint64_t)ne0 || t->ne[1] != (uint64_t)ne1 || t->ne[2] != 1 || t->ne[3] != 1) {
+        snprintf(err, errlen, "tensor %s has shape [%llu, %llu, %llu, %llu], expected [%d, %d]",
+                 name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
                  (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], ne0, ne1);
         *bad = true;
         return NULL;
@@ -350,8 +352,7 @@ static const char *dominant_type(const model *m)
         bytes[ws[i]->type] += ws[i]->row_bytes * (size_t)ws[i]->n_out;
     for (int l = 0; l < m->n_layer; l++) {
         const struct model_layer *L = &m->layers[l];
-        const struct mm_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo,
-                                        &L->gate, &L->up, &L->down};
+        const struct mm_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down};
         for (int i = 0; i < 7; i++)
             if (lw[i]->data) /* gate: SwiGLU only */
                 bytes[lw[i]->type] += lw[i]->row_bytes * (size_t)lw[i]->n_out;
@@ -374,36 +375,51 @@ static size_t vec_floats(const model *m)
     return per_layer * (size_t)m->n_layer + 4 * d;
 }
 
-/* Llama and qwen2 tensors; the output, its norm and the embedding are
+int model_layer_vector(const model *m, int l, const char *suffix, int n, bool required, float **v,
+                       const float **out, char *err, size_t errlen)
+{
+    char name[96];
+    snprintf(name, sizeof(name), "blk.%d.%s", l, suffix);
+    int rc = model_load_vector(m->file, name, n, required, *v, out, err, errlen);
+    *v += n;
+    return rc;
+}
+
+int model_layer_matrix(const model *m, int l, const char *suffix, int n_in, int n_out,
+                       bool required, struct mm_weight *w, char *err, size_t errlen)
+{
+    char name[96];
+    snprintf(name, sizeof(name), "blk.%d.%s", l, suffix);
+    return model_load_matrix(m->file, name, n_in, n_out, required, w, NULL, err, errlen);
+}
+
+/* Llama and qwen2 layers; the output, its norm and the embedding are
  * already loaded (load_tensors). v: free f32 storage. */
 static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
 {
-    const gguf_file *f = m->file;
-    int d = m->n_embd, rc = 0;
+    int d = m->n_embd, q = m->q_dim, kv = m->kv_dim, ff = m->n_ff, rc = 0;
+    /* Biases: qwen2 has them; llama.cpp accepts them on llama too. */
+    bool bias = m->arch == MODEL_ARCH_QWEN2;
     for (int l = 0; l < m->n_layer && !rc; l++) {
         struct model_layer *L = &m->layers[l];
-        char name[96];
-#define T(suffix) (snprintf(name, sizeof(name), "blk.%d.%s", l, suffix), name)
-        rc = rc ? rc : model_load_vector(f, T("attn_norm.weight"), d, true, v, &L->attn_norm, err, errlen);
-        v += d;
-        rc = rc ? rc : model_load_vector(f, T("ffn_norm.weight"), d, true, v, &L->ffn_norm, err, errlen);
-        v += d;
-        /* Biases: qwen2 has them; llama.cpp accepts them on llama too. */
-        bool need_bias = m->arch == MODEL_ARCH_QWEN2;
-        rc = rc ? rc : model_load_vector(f, T("attn_q.bias"), m->q_dim, need_bias, v, &L->bq, err, errlen);
-        v += m->q_dim;
-        rc = rc ? rc : model_load_vector(f, T("attn_k.bias"), m->kv_dim, need_bias, v, &L->bk, err, errlen);
-        v += m->kv_dim;
-        rc = rc ? rc : model_load_vector(f, T("attn_v.bias"), m->kv_dim, need_bias, v, &L->bv, err, errlen);
-        v += m->kv_dim;
-        rc = rc ? rc : model_load_matrix(f, T("attn_q.weight"), d, m->q_dim, true, &L->wq, NULL, err, errlen);
-        rc = rc ? rc : model_load_matrix(f, T("attn_k.weight"), d, m->kv_dim, true, &L->wk, NULL, err, errlen);
-        rc = rc ? rc : model_load_matrix(f, T("attn_v.weight"), d, m->kv_dim, true, &L->wv, NULL, err, errlen);
-        rc = rc ? rc : model_load_matrix(f, T("attn_output.weight"), m->q_dim, d, true, &L->wo, NULL, err, errlen);
-        rc = rc ? rc : model_load_matrix(f, T("ffn_gate.weight"), d, m->n_ff, true, &L->gate, NULL, err, errlen);
-        rc = rc ? rc : model_load_matrix(f, T("ffn_up.weight"), d, m->n_ff, true, &L->up, NULL, err, errlen);
-        rc = rc ? rc : model_load_matrix(f, T("ffn_down.weight"), m->n_ff, d, true, &L->down, NULL, err, errlen);
-#undef T
+#define VEC(sfx, n, req, dst)                                                                      \
+    (rc = rc ? rc : model_layer_vector(m, l, sfx, n, req, &v, dst, err, errlen))
+#define MAT(sfx, n_in, n_out, dst)                                                                 \
+    (rc = rc ? rc : model_layer_matrix(m, l, sfx, n_in, n_out, true, dst, err, errlen))
+        VEC("attn_norm.weight", d, true, &L->attn_norm);
+        VEC("ffn_norm.weight", d, true, &L->ffn_norm);
+        VEC("attn_q.bias", q, bias, &L->bq);
+        VEC("attn_k.bias", kv, bias, &L->bk);
+        VEC("attn_v.bias", kv, bias, &L->bv);
+        MAT("attn_q.weight", d, q, &L->wq);
+        MAT("attn_k.weight", d, kv, &L->wk);
+        MAT("attn_v.weight", d, kv, &L->wv);
+        MAT("attn_output.weight", q, d, &L->wo);
+        MAT("ffn_gate.weight", d, ff, &L->gate);
+        MAT("ffn_up.weight", d, ff, &L->up);
+        MAT("ffn_down.weight", ff, d, &L->down);
+#undef VEC
+#undef MAT
     }
     return rc;
 }
@@ -418,8 +434,8 @@ static int load_tensors(model *m, char *err, size_t errlen)
         snprintf(err, errlen, "out of memory for %d layers", m->n_layer);
         return -ENOMEM;
     }
-    int rc = model_load_matrix(f, "token_embd.weight", d, m->n_vocab, true, &m->tok_embd, NULL,
-                               err, errlen);
+    int rc = model_load_matrix(f, "token_embd.weight", d, m->n_vocab, true, &m->tok_embd, NULL, err,
+                               errlen);
     if (rc)
         return rc;
     bool has_output;

@@ -44,24 +44,24 @@ enum model_act {
 };
 
 struct model_layer {
-    const float *attn_norm;        /* [n_embd] */
-    const float *attn_norm_b;      /* [n_embd] LayerNorm bias, or NULL */
-    struct mm_weight wq;           /* n_embd -> n_head * head_dim */
-    struct mm_weight wk, wv;       /* n_embd -> n_kv_head * head_dim */
-    const float *bq, *bk, *bv;     /* biases of q, k, v, or NULL (qwen2, bloom have them) */
-    struct mm_weight wo;           /* n_head * head_dim -> n_embd */
-    const float *bo;               /* [n_embd] output projection bias, or NULL */
-    const float *ffn_norm;         /* [n_embd] */
-    const float *ffn_norm_b;       /* [n_embd] or NULL */
-    struct mm_weight gate;         /* n_embd -> n_ff (SwiGLU only; zero otherwise) */
-    struct mm_weight up;           /* n_embd -> n_ff */
-    struct mm_weight down;         /* n_ff -> n_embd */
-    const float *b_up;             /* [n_ff] or NULL */
-    const float *b_down;           /* [n_embd] or NULL */
+    const float *attn_norm;    /* [n_embd] */
+    const float *attn_norm_b;  /* [n_embd] LayerNorm bias, or NULL */
+    struct mm_weight wq;       /* n_embd -> n_head * head_dim */
+    struct mm_weight wk, wv;   /* n_embd -> n_kv_head * head_dim */
+    const float *bq, *bk, *bv; /* biases of q, k, v, or NULL (qwen2, bloom have them) */
+    struct mm_weight wo;       /* n_head * head_dim -> n_embd */
+    const float *bo;           /* [n_embd] output projection bias, or NULL */
+    const float *ffn_norm;     /* [n_embd] */
+    const float *ffn_norm_b;   /* [n_embd] or NULL */
+    struct mm_weight gate;     /* n_embd -> n_ff (SwiGLU only; zero otherwise) */
+    struct mm_weight up;       /* n_embd -> n_ff */
+    struct mm_weight down;     /* n_ff -> n_embd */
+    const float *b_up;         /* [n_ff] or NULL */
+    const float *b_down;       /* [n_embd] or NULL */
 };
 
 struct model {
-    gguf_file *file;  /* the mapping every mm_weight points into */
+    gguf_file *file; /* the mapping every mm_weight points into */
     tok_vocab *tok;
     enum model_arch arch;
     char arch_name[16];
@@ -69,21 +69,21 @@ struct model {
     const char *weight_type; /* dominant matrix type, static string */
 
     int n_vocab, n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff, n_ctx_train;
-    int q_dim, kv_dim;       /* n_head * head_dim, n_kv_head * head_dim */
-    enum model_norm norm;    /* every norm of the model */
-    float norm_eps;          /* its epsilon */
-    enum model_act act;      /* feed-forward shape */
-    float clamp_kqv;         /* > 0: q, k, v clamped to [-clamp, clamp] (MPT); 0 = off */
-    float alibi_max_bias;    /* ALiBi: the max_bias the slopes come from */
-    struct pos_scheme pos;   /* RoPE parameters, or ALiBi slopes / T5 table (pointing
-                                into pos_data) */
+    int q_dim, kv_dim;     /* n_head * head_dim, n_kv_head * head_dim */
+    enum model_norm norm;  /* every norm of the model */
+    float norm_eps;        /* its epsilon */
+    enum model_act act;    /* feed-forward shape */
+    float clamp_kqv;       /* > 0: q, k, v clamped to [-clamp, clamp] (MPT); 0 = off */
+    float alibi_max_bias;  /* ALiBi: the max_bias the slopes come from */
+    struct pos_scheme pos; /* RoPE parameters, or ALiBi slopes / T5 table (pointing
+                              into pos_data) */
 
-    struct mm_weight tok_embd; /* n_vocab rows of n_embd: row id is token id's embedding */
-    const float *tok_norm;     /* [n_embd] LayerNorm of the embedding (BLOOM), or NULL */
-    const float *tok_norm_b;   /* [n_embd] or NULL */
-    const float *output_norm;  /* [n_embd] */
+    struct mm_weight tok_embd;  /* n_vocab rows of n_embd: row id is token id's embedding */
+    const float *tok_norm;      /* [n_embd] LayerNorm of the embedding (BLOOM), or NULL */
+    const float *tok_norm_b;    /* [n_embd] or NULL */
+    const float *output_norm;   /* [n_embd] */
     const float *output_norm_b; /* [n_embd] or NULL */
-    struct mm_weight output;   /* n_embd -> n_vocab; a copy of tok_embd when tied */
+    struct mm_weight output;    /* n_embd -> n_vocab; a copy of tok_embd when tied */
     bool tied;
 
     struct model_layer *layers; /* [n_layer] */
@@ -125,6 +125,15 @@ int model_load_matrix(const gguf_file *f, const char *name, int n_in, int n_out,
  */
 int model_load_vector(const gguf_file *f, const char *name, int n, bool required, float *dst,
                       const float **out, char *err, size_t errlen);
+
+/*
+ * Per-layer shorthands: tensor blk.<l>.<suffix>. model_layer_vector loads
+ * n floats at *v and advances *v by n (found or not).
+ */
+int model_layer_vector(const model *m, int l, const char *suffix, int n, bool required, float **v,
+                       const float **out, char *err, size_t errlen);
+int model_layer_matrix(const model *m, int l, const char *suffix, int n_in, int n_out,
+                       bool required, struct mm_weight *w, char *err, size_t errlen);
 
 /* Read the shared hyper-parameters (sizes, heads, context length) of any
  * architecture. 0 or -EINVAL. */

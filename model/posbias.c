@@ -94,16 +94,18 @@ int model_pos_alibi(model *m, float max_bias, char *err, size_t errlen)
  * A T5 metadata integer: from the file, else from params (> 0), else an
  * error naming the key. Range-checked either way.
  */
-static int t5_key(const gguf_file *f, const char *key, int from_params, long lo, long hi,
-                  int *out, char *err, size_t errlen)
+static int t5_key(const gguf_file *f, const char *key, int from_params, long lo, long hi, int *out,
+                  char *err, size_t errlen)
 {
     int64_t v;
     int rc = gguf_get_i64(f, key, &v);
     const char *src = "metadata key";
     if (rc == -ENOENT) {
         if (from_params <= 0) {
-            snprintf(err, errlen, "kvd.position.kind = t5 but metadata key %s is missing (and "
-                     "no override was given)", key);
+            snprintf(err, errlen,
+                     "kvd.position.kind = t5 but metadata key %s is missing (and "
+                     "no override was given)",
+                     key);
             return -EINVAL;
         }
         v = from_params;
@@ -113,8 +115,7 @@ static int t5_key(const gguf_file *f, const char *key, int from_params, long lo,
         return -EINVAL;
     }
     if (v < lo || v > hi) {
-        snprintf(err, errlen, "%s %s = %lld is outside [%ld, %ld]", src, key, (long long)v, lo,
-                 hi);
+        snprintf(err, errlen, "%s %s = %lld is outside [%ld, %ld]", src, key, (long long)v, lo, hi);
         return -EINVAL;
     }
     *out = (int)v;
@@ -158,8 +159,7 @@ int model_pos_t5(model *m, const struct model_params *params, char *err, size_t 
         return rc;
     char why[256];
     if (pos_t5_check(nb, md, false, why, sizeof(why))) {
-        snprintf(err, errlen, "kvd.t5.num_buckets = %d, kvd.t5.max_distance = %d: %s", nb, md,
-                 why);
+        snprintf(err, errlen, "kvd.t5.num_buckets = %d, kvd.t5.max_distance = %d: %s", nb, md, why);
         return -EINVAL;
     }
 
@@ -167,34 +167,42 @@ int model_pos_t5(model *m, const struct model_params *params, char *err, size_t 
     char list[320];
     int extra = list_tables(m, 1, list, sizeof(list));
     if (extra) {
-        snprintf(err, errlen, "unexpected tensor%s %s: a T5-bias decoder has one bias table, "
-                 "blk.0.attn_rel_b.weight, shared by every layer", extra > 1 ? "s" : "", list);
+        snprintf(err, errlen,
+                 "unexpected tensor%s %s: a T5-bias decoder has one bias table, "
+                 "blk.0.attn_rel_b.weight, shared by every layer",
+                 extra > 1 ? "s" : "", list);
         return -EINVAL;
     }
     const char *name = "blk.0.attn_rel_b.weight";
     const struct gguf_tensor *t = gguf_find_tensor(f, name);
     if (!t) {
-        snprintf(err, errlen, "missing tensor %s (the T5 bias table, [n_head %d, num_buckets %d], "
-                 "shared by every layer)", name, m->n_head, nb);
+        snprintf(err, errlen,
+                 "missing tensor %s (the T5 bias table, [n_head %d, num_buckets %d], "
+                 "shared by every layer)",
+                 name, m->n_head, nb);
         return -EINVAL;
     }
     if (t->ne[0] != (uint64_t)m->n_head || t->ne[2] != 1 || t->ne[3] != 1) {
-        snprintf(err, errlen, "tensor %s has shape [%llu, %llu, %llu, %llu]: expected [n_head %d, "
-                 "num_buckets %d]", name, (unsigned long long)t->ne[0],
-                 (unsigned long long)t->ne[1], (unsigned long long)t->ne[2],
-                 (unsigned long long)t->ne[3], m->n_head, nb);
+        snprintf(err, errlen,
+                 "tensor %s has shape [%llu, %llu, %llu, %llu]: expected [n_head %d, "
+                 "num_buckets %d]",
+                 name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+                 (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], m->n_head, nb);
         return -EINVAL;
     }
     if (t->ne[1] != (uint64_t)nb) {
-        snprintf(err, errlen, "tensor %s has %llu buckets (shape [%llu, %llu]) but "
-                 "kvd.t5.num_buckets = %d", name, (unsigned long long)t->ne[1],
-                 (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], nb);
+        snprintf(err, errlen,
+                 "tensor %s has %llu buckets (shape [%llu, %llu]) but "
+                 "kvd.t5.num_buckets = %d",
+                 name, (unsigned long long)t->ne[1], (unsigned long long)t->ne[0],
+                 (unsigned long long)t->ne[1], nb);
         return -EINVAL;
     }
     if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16 && t->type != GGML_TYPE_BF16) {
-        snprintf(err, errlen, "tensor %s: type %s is not supported for a bias table (f32, f16, "
-                 "bf16)", name,
-                 gguf_ggml_type_name(t->type) ? gguf_ggml_type_name(t->type) : "unknown");
+        snprintf(err, errlen,
+                 "tensor %s: type %s is not supported for a bias table (f32, f16, "
+                 "bf16)",
+                 name, gguf_ggml_type_name(t->type) ? gguf_ggml_type_name(t->type) : "unknown");
         return -EINVAL;
     }
 
@@ -240,8 +248,9 @@ int model_pos_no_t5_tables(const model *m, char *err, size_t errlen)
     int n = list_tables(m, 0, list, sizeof(list));
     if (!n)
         return 0;
-    snprintf(err, errlen, "unexpected tensor%s %s: T5 bias tables, but the position scheme is %s "
-             "(kvd.position.kind = t5 selects them)", n > 1 ? "s" : "", list,
-             pos_kind_name(m->pos.kind));
+    snprintf(err, errlen,
+             "unexpected tensor%s %s: T5 bias tables, but the position scheme is %s "
+             "(kvd.position.kind = t5 selects them)",
+             n > 1 ? "s" : "", list, pos_kind_name(m->pos.kind));
     return -EINVAL;
 }

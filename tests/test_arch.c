@@ -112,8 +112,8 @@ static kv_cache *make_cache(const model *m, enum kv_type type, int page_tokens, 
 {
     struct kv_cache_params cp = {.page_tokens = page_tokens, .type = type};
     model_kv_shape(m, &cp);
-    size_t page = (size_t)2 * cp.n_layer * cp.n_kv_head * page_tokens * cp.head_dim *
-                  kv_type_size(type);
+    size_t page =
+        (size_t)2 * cp.n_layer * cp.n_kv_head * page_tokens * cp.head_dim * kv_type_size(type);
     page = (page + 63) / 64 * 64;
     cp.memory_bytes = page * (size_t)(tokens / page_tokens + 4);
     char err[256];
@@ -136,8 +136,8 @@ static kv_seq *make_seq(kv_cache *c, const struct kv_policy *pol)
 
 static struct kv_policy policy_none(int max_tokens)
 {
-    return (struct kv_policy){.kind = KV_EVICT_NONE, .max_cache_tokens = max_tokens,
-                              .renumber = true};
+    return (struct kv_policy){
+        .kind = KV_EVICT_NONE, .max_cache_tokens = max_tokens, .renumber = true};
 }
 
 static model_ctx *make_ctx(const model *m, int max_tokens, int threads)
@@ -251,8 +251,8 @@ struct ref_model {
     enum ref_act act;
     enum pos_kind pos;
     float eps, clamp;
-    double *slopes;             /* ALiBi [n_head] */
-    float *t5;                  /* T5 [n_head][nb] */
+    double *slopes; /* ALiBi [n_head] */
+    float *t5;      /* T5 [n_head][nb] */
     int nb, md;
     float *embd, *tok_norm, *tok_norm_b, *out_norm, *out_norm_b, *out;
     struct ref_layer *L;
@@ -270,9 +270,9 @@ static float *ref_tensor(const gguf_file *f, const char *name, int ne0, int ne1)
     assert_non_null(w);
     size_t rb = qt_row_bytes(t->type, ne0);
     for (int r = 0; r < ne1; r++)
-        assert_int_equal(qt_dequantize_row(t->type, (const uint8_t *)t->data + rb * r,
-                                           w + (size_t)r * ne0, ne0),
-                         0);
+        assert_int_equal(
+            qt_dequantize_row(t->type, (const uint8_t *)t->data + rb * r, w + (size_t)r * ne0, ne0),
+            0);
     return w;
 }
 
@@ -413,9 +413,9 @@ static void ref_free(struct ref_model *r)
 {
     for (int l = 0; l < r->n_layer; l++) {
         struct ref_layer *L = &r->L[l];
-        float *ps[] = {L->attn_norm, L->attn_norm_b, L->ffn_norm, L->ffn_norm_b, L->wq, L->wk,
-                       L->wv, L->wo, L->bq, L->bk, L->bv, L->bo, L->gate, L->up, L->down,
-                       L->b_up, L->b_down};
+        float *ps[] = {L->attn_norm, L->attn_norm_b, L->ffn_norm, L->ffn_norm_b, L->wq,    L->wk,
+                       L->wv,        L->wo,          L->bq,       L->bk,         L->bv,    L->bo,
+                       L->gate,      L->up,          L->down,     L->b_up,       L->b_down};
         for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++)
             free(ps[i]);
     }
@@ -686,7 +686,8 @@ static float check_against_reference(const char *path, enum kv_type kvt, int thr
     for (int step = 0; step < NSTEP; step++) {
         struct model_batch_seq b[NS];
         for (int s = 0; s < NS; s++)
-            b[s] = (struct model_batch_seq){.seq = seq[s], .tokens = toks[s] + fed[s],
+            b[s] = (struct model_batch_seq){.seq = seq[s],
+                                            .tokens = toks[s] + fed[s],
                                             .n_tokens = plan[step][s],
                                             .logits = step == 1 && s == 1 ? NULL : lg + s * nv};
         assert_int_equal(model_forward(ctx, b, NS, NULL), 0);
@@ -893,8 +894,11 @@ static void test_alibi_slopes(void **state)
 static struct kv_policy sink_window(bool renumber)
 {
     /* 4-token pages: 4 sinks (one page), a 16-token window, budget 24. */
-    return (struct kv_policy){.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 24,
-                              .sink_tokens = 4, .window_tokens = 16, .renumber = renumber};
+    return (struct kv_policy){.kind = KV_EVICT_SINK_WINDOW,
+                              .max_cache_tokens = 24,
+                              .sink_tokens = 4,
+                              .window_tokens = 16,
+                              .renumber = renumber};
 }
 
 struct evict1 {
@@ -947,8 +951,7 @@ static struct evict1 evict_one_layer(const char *path, bool renumber)
             kv_seq *fresh = make_seq(cache, &(struct kv_policy){.kind = KV_EVICT_NONE,
                                                                 .max_cache_tokens = 32,
                                                                 .renumber = true});
-            struct model_batch_seq f = {.seq = fresh, .tokens = toks, .n_tokens = n,
-                                        .logits = fr};
+            struct model_batch_seq f = {.seq = fresh, .tokens = toks, .n_tokens = n, .logits = fr};
             assert_int_equal(model_forward(ctx, &f, 1, NULL), 0);
             float d = rel_diff(lg, fr, nv);
             e.worst_fresh = d > e.worst_fresh ? d : e.worst_fresh;
@@ -1079,8 +1082,8 @@ static void test_evict_multilayer_equals_reference(void **state)
             int ev = 0;
             float e = evict_vs_reference(path, renumber, kvt, 90, 21 + (uint32_t)i, &ev);
             print_message("  %-13s %s, %s KV: %d evictions, max rel logit diff %.2e\n",
-                          deep[i].name, renumber ? "renumber" : "preserve", kv_type_name(kvt),
-                          ev, e);
+                          deep[i].name, renumber ? "renumber" : "preserve", kv_type_name(kvt), ev,
+                          e);
             assert_true(ev >= 15);
             assert_true(e < (kvt == KV_F32 ? 1e-4f : 1e-3f));
         }
@@ -1096,8 +1099,11 @@ static void test_evict_multilayer_equals_reference(void **state)
  */
 static kv_seq *shifted_seq(kv_cache *cache, int shift)
 {
-    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 48,
-                            .sink_tokens = 0, .window_tokens = 8, .renumber = false};
+    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW,
+                            .max_cache_tokens = 48,
+                            .sink_tokens = 0,
+                            .window_tokens = 8,
+                            .renumber = false};
     kv_seq *s = make_seq(cache, &pol);
     int32_t ids[16];
     for (int i = 0; i < 16; i++)
@@ -1152,10 +1158,10 @@ static void test_translation_invariance(void **state)
             bool exact = true;
             for (int step = 0; step < 12; step++) {
                 int from = step ? 20 + step - 1 : 0, n = step ? 1 : 20;
-                struct model_batch_seq ba = {.seq = a, .tokens = t + from, .n_tokens = n,
-                                             .logits = l0};
-                struct model_batch_seq bb = {.seq = b, .tokens = t + from, .n_tokens = n,
-                                             .logits = l1};
+                struct model_batch_seq ba = {
+                    .seq = a, .tokens = t + from, .n_tokens = n, .logits = l0};
+                struct model_batch_seq bb = {
+                    .seq = b, .tokens = t + from, .n_tokens = n, .logits = l1};
                 assert_int_equal(model_forward(ctx, &ba, 1, NULL), 0);
                 assert_int_equal(model_forward(ctx, &bb, 1, NULL), 0);
                 int nb = kv_seq_n_tokens(b);
@@ -1261,7 +1267,7 @@ static void mutate(const char *src, const char *dst, const struct mutation *mu)
         const struct kv_set *s = &mu->set[k];
         if (!s->key)
             continue;
-        int rc = s->type == GGUF_TYPE_STRING  ? gguf_writer_set_str(w, s->key, s->s)
+        int rc = s->type == GGUF_TYPE_STRING    ? gguf_writer_set_str(w, s->key, s->s)
                  : s->type == GGUF_TYPE_FLOAT32 ? gguf_writer_set_f32(w, s->key, s->f)
                  : s->type == GGUF_TYPE_INT32   ? gguf_writer_set_i32(w, s->key, (int32_t)s->i)
                                                 : gguf_writer_set_u32(w, s->key, (uint32_t)s->i);
@@ -1280,9 +1286,8 @@ static void mutate(const char *src, const char *dst, const struct mutation *mu)
             ne[1] = mu->reshape_ne1;
         }
         if (mu->clone_tensor && !strcmp(t->name, mu->clone_tensor))
-            assert_int_equal(gguf_writer_add_tensor(w, mu->clone_as, t->type, t->n_dims, ne,
-                                                    data, t->size),
-                             0);
+            assert_int_equal(
+                gguf_writer_add_tensor(w, mu->clone_as, t->type, t->n_dims, ne, data, t->size), 0);
         if (mu->drop_tensor && !strcmp(t->name, mu->drop_tensor))
             continue;
         assert_int_equal(gguf_writer_add_tensor(w, t->name, t->type, t->n_dims, ne, data, t->size),
@@ -1295,8 +1300,7 @@ static void mutate(const char *src, const char *dst, const struct mutation *mu)
 
 /* Load must fail with a message containing `want` (and the override
  * params, when given). */
-static void expect_load_error_p(const char *path, const struct model_params *over,
-                                const char *want)
+static void expect_load_error_p(const char *path, const struct model_params *over, const char *want)
 {
     char err[512] = "";
     struct model_params mp = over ? *over : (struct model_params){0};
@@ -1352,8 +1356,12 @@ static void test_t5_sign(void **state)
 
     model *m = load_model(path);
     kv_cache *cache = make_cache(m, KV_F32, 4, 64);
-    struct kv_policy h2o = {.kind = KV_EVICT_H2O, .max_cache_tokens = 16, .sink_tokens = 0,
-                            .window_tokens = 4, .heavy_tokens = 0, .renumber = true};
+    struct kv_policy h2o = {.kind = KV_EVICT_H2O,
+                            .max_cache_tokens = 16,
+                            .sink_tokens = 0,
+                            .window_tokens = 4,
+                            .heavy_tokens = 0,
+                            .renumber = true};
     model_ctx *ctx = make_ctx(m, 8, 2);
     double HL = (double)m->n_head * m->n_layer;
     int32_t t[2] = {17, 42};
@@ -1456,8 +1464,8 @@ static void test_no_materialised_bias(void **state)
                             s = s * 1664525u + 1013904223u;
                             row[e] = (float)((int)(s >> 20) - 2048) / 2048.0f;
                         }
-                        void *dst = v ? kv_seq_v(seq, 0, h, first + i)
-                                      : kv_seq_k(seq, 0, h, first + i);
+                        void *dst =
+                            v ? kv_seq_v(seq, 0, h, first + i) : kv_seq_k(seq, 0, h, first + i);
                         qt_f32_to_f16_row(row, dst, (size_t)m->head_dim);
                     }
             done += n;
@@ -1480,10 +1488,9 @@ static void test_no_materialised_bias(void **state)
         print_message("  %-5s %d heads, %d cached + %d: attention workspace %zu -> %zu bytes, "
                       "model ctx %zu bytes; peak RSS growth during the forward %s%ld kB "
                       "(a heads x chunk x L bias: %.0f MiB; heads x L x L: %.0f GiB)\n",
-                      pos_kind_name(m->pos.kind), H, kv_seq_n_tokens(seq) - CHUNK - 1, CHUNK,
-                      attn0, attn1, all, peak_ok ? "" : "(not measurable) ",
-                      peak_ok ? hwm - rss0 : 0L, per_chunk / 1048576.0,
-                      full / 1073741824.0);
+                      pos_kind_name(m->pos.kind), H, kv_seq_n_tokens(seq) - CHUNK - 1, CHUNK, attn0,
+                      attn1, all, peak_ok ? "" : "(not measurable) ", peak_ok ? hwm - rss0 : 0L,
+                      per_chunk / 1048576.0, full / 1073741824.0);
         assert_int_equal(kv_seq_n_tokens(seq), CTX + CHUNK + 1);
         assert_true((double)attn1 < per_chunk / 64.0); /* under 2 MiB */
         assert_true((double)all < per_chunk / 16.0);
@@ -1530,25 +1537,27 @@ static void test_load_errors(void **state)
     model_free(m);
     model_free(m0);
     mutate(path, bad,
-           &(struct mutation){.set = {{"mpt.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL,
-                                       -1.0f, 0}}});
+           &(struct mutation){
+               .set = {{"mpt.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL, -1.0f, 0}}});
     expect_load_error(bad, "mpt.attention.max_alibi_bias = -1 must be positive");
     mutate(path, bad,
-           &(struct mutation){.set = {{"mpt.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL,
-                                       NAN, 0}}});
+           &(struct mutation){
+               .set = {{"mpt.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL, NAN, 0}}});
     expect_load_error(bad, "mpt.attention.max_alibi_bias is not a finite number");
     mutate(path, bad,
-           &(struct mutation){.set = {{"mpt.attention.clamp_kqv", GGUF_TYPE_FLOAT32, NULL, -2.0f,
-                                       0}}});
+           &(struct mutation){
+               .set = {{"mpt.attention.clamp_kqv", GGUF_TYPE_FLOAT32, NULL, -2.0f, 0}}});
     expect_load_error(bad, "mpt.attention.clamp_kqv = -2 must be >= 0");
     mutate(path, bad, &(struct mutation){.drop_key = "mpt.attention.layer_norm_epsilon"});
     expect_load_error(bad, "missing metadata key mpt.attention.layer_norm_epsilon");
-    mutate(path, bad, &(struct mutation){.clone_tensor = "token_embd.weight",
-                                         .clone_as = "position_embd.weight"});
+    mutate(path, bad,
+           &(struct mutation){.clone_tensor = "token_embd.weight",
+                              .clone_as = "position_embd.weight"});
     expect_load_error(bad, "tensor position_embd.weight (learned absolute positions) is not "
                            "supported");
-    mutate(path, bad, &(struct mutation){.clone_tensor = "blk.1.attn_norm.weight",
-                                         .clone_as = "blk.1.attn_q_norm.weight"});
+    mutate(path, bad,
+           &(struct mutation){.clone_tensor = "blk.1.attn_norm.weight",
+                              .clone_as = "blk.1.attn_q_norm.weight"});
     expect_load_error(bad, "blk.1.attn_q_norm.weight");
 
     /* BLOOM: a missing bias, a wrong fused shape, a position kind that is not alibi. */
@@ -1558,15 +1567,16 @@ static void test_load_errors(void **state)
     expect_load_error(bad, "missing tensor blk.1.attn_qkv.bias");
     mutate(path, bad, &(struct mutation){.drop_tensor = "token_embd_norm.weight"});
     expect_load_error(bad, "missing tensor token_embd_norm.weight");
-    mutate(path, bad, &(struct mutation){.reshape_tensor = "blk.0.attn_qkv.weight",
-                                         .reshape_ne0 = 288, .reshape_ne1 = 96});
+    mutate(path, bad,
+           &(struct mutation){
+               .reshape_tensor = "blk.0.attn_qkv.weight", .reshape_ne0 = 288, .reshape_ne1 = 96});
     expect_load_error(bad, "tensor blk.0.attn_qkv.weight has shape [288, 96");
     mutate(path, bad,
            &(struct mutation){.set = {{"kvd.position.kind", GGUF_TYPE_STRING, "t5", 0, 0}}});
     expect_load_error(bad, "kvd.position.kind = t5, but bloom attention is alibi");
     mutate(path, bad,
-           &(struct mutation){.set = {{"bloom.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL,
-                                       0.0f, 0}}});
+           &(struct mutation){
+               .set = {{"bloom.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL, 0.0f, 0}}});
     expect_load_error(bad, "bloom.attention.max_alibi_bias = 0 must be positive");
 
     /* A llama-shaped ALiBi model needs its max_bias. */
@@ -1613,39 +1623,43 @@ static void test_load_errors(void **state)
     mutate(path, bad,
            &(struct mutation){.set = {{"kvd.t5.max_distance", GGUF_TYPE_INT32, NULL, 0, -5}}});
     expect_load_error(bad, "kvd.t5.max_distance = -5 is outside");
-    mutate(path, bad,
-           &(struct mutation){.set = {{"kvd.t5.max_distance", GGUF_TYPE_UINT32, NULL, 0,
-                                       1 << 30}}});
+    mutate(
+        path, bad,
+        &(struct mutation){.set = {{"kvd.t5.max_distance", GGUF_TYPE_UINT32, NULL, 0, 1 << 30}}});
     expect_load_error(bad, "kvd.t5.max_distance = 1073741824 is outside");
     mutate(path, bad,
            &(struct mutation){.set = {{"kvd.t5.num_buckets", GGUF_TYPE_UINT32, NULL, 0, 2}}});
     expect_load_error(bad, "kvd.t5.num_buckets = 2 is outside");
-    mutate(path, bad, &(struct mutation){.clone_tensor = "blk.0.attn_rel_b.weight",
-                                         .clone_as = "blk.2.attn_rel_b.weight"});
+    mutate(path, bad,
+           &(struct mutation){.clone_tensor = "blk.0.attn_rel_b.weight",
+                              .clone_as = "blk.2.attn_rel_b.weight"});
     expect_load_error(bad, "unexpected tensor blk.2.attn_rel_b.weight: a T5-bias decoder has one "
                            "bias table, blk.0.attn_rel_b.weight, shared by every layer");
-    mutate(path, bad, &(struct mutation){.drop_tensor = "blk.0.attn_rel_b.weight",
-                                         .clone_tensor = "blk.0.attn_rel_b.weight",
-                                         .clone_as = "blk.1.attn_rel_b.weight"});
+    mutate(path, bad,
+           &(struct mutation){.drop_tensor = "blk.0.attn_rel_b.weight",
+                              .clone_tensor = "blk.0.attn_rel_b.weight",
+                              .clone_as = "blk.1.attn_rel_b.weight"});
     expect_load_error(bad, "unexpected tensor blk.1.attn_rel_b.weight");
     mutate(path, bad, &(struct mutation){.drop_tensor = "blk.0.attn_rel_b.weight"});
     expect_load_error(bad, "missing tensor blk.0.attn_rel_b.weight");
-    mutate(path, bad, &(struct mutation){.reshape_tensor = "blk.0.attn_rel_b.weight",
-                                         .reshape_ne0 = 16, .reshape_ne1 = 16});
+    mutate(path, bad,
+           &(struct mutation){
+               .reshape_tensor = "blk.0.attn_rel_b.weight", .reshape_ne0 = 16, .reshape_ne1 = 16});
     expect_load_error(bad, "tensor blk.0.attn_rel_b.weight has shape [16, 16, 1, 1]: expected "
                            "[n_head 8, num_buckets 32]");
     float nan_table[8 * 32];
     for (int i = 0; i < 8 * 32; i++)
         nan_table[i] = i == 77 ? NAN : 0.5f;
-    mutate(path, bad, &(struct mutation){.replace_tensor = "blk.0.attn_rel_b.weight",
-                                         .replace_data = nan_table});
+    mutate(
+        path, bad,
+        &(struct mutation){.replace_tensor = "blk.0.attn_rel_b.weight", .replace_data = nan_table});
     expect_load_error(bad, "blk.0.attn_rel_b.weight: bucket 9, head 5 is not finite");
 
     /* A table in a file whose scheme is not T5 is a mistake, not a no-op. */
     mutate(path, bad,
-           &(struct mutation){.set = {{"kvd.position.kind", GGUF_TYPE_STRING, "alibi", 0, 0},
-                                      {"llama.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL,
-                                       8.0f, 0}}});
+           &(struct mutation){
+               .set = {{"kvd.position.kind", GGUF_TYPE_STRING, "alibi", 0, 0},
+                       {"llama.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL, 8.0f, 0}}});
     expect_load_error(bad, "unexpected tensor blk.0.attn_rel_b.weight: T5 bias tables, but the "
                            "position scheme is alibi");
 
