@@ -62,6 +62,9 @@ struct eval_opts {
     int threads;
     bool json;
     const char *losses, *plot;
+    const char *config;            /* operator config whose [eviction] is the first policy */
+    const char *sets[32];          /* --set section.key=value overrides */
+    int n_sets;
 };
 
 /* One scored run: per-token losses (loss[t] predicts token t; loss[0] unused). */
@@ -82,6 +85,9 @@ static void eval_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvd eval --model F --file TEXT [options]\n"
+            "  --config FILE        run the policy of FILE's [eviction] (and its [cache]\n"
+            "                       page_tokens and kv_type) first\n"
+            "  --set S.K=V          repeatable override of the config, as for kvd serve\n"
             "  --policy SPEC        repeatable; SPEC is one of\n"
             "                         sink-window:SINK:WINDOW[:preserve]\n"
             "                         window:WINDOW[:preserve]   (no sinks)\n"
@@ -166,6 +172,42 @@ static int parse_segments(const char *s, struct eval_opts *o)
     return o->n_segments ? 0 : -1;
 }
 
+/*
+ * The operator's config, loaded exactly as `kvd serve` loads it (defaults <
+ * file < --set, every rule checked), becomes the first policy, with the
+ * config's page size and KV type: what eval measures is what serve runs.
+ */
+static int config_policy(struct eval_opts *o)
+{
+    struct cfg *c = malloc(sizeof(*c));
+    struct cfg_errors *errs = malloc(sizeof(*errs));
+    int rc = -1;
+    if (!c || !errs)
+        goto out;
+    cfg_errors_init(errs);
+    if (cfg_load(c, o->config, o->sets, o->n_sets, errs)) {
+        for (int i = 0; i < errs->count; i++) {
+            char line[1024];
+            cfg_error_format(&errs->list[i], line, sizeof(line));
+            fprintf(stderr, "kvd eval: %s\n", line);
+        }
+        goto out;
+    }
+    struct eval_policy *ep = &o->policies[o->n_policies++];
+    srv_cfg_policy(c, &ep->p);
+    o->page_tokens = (int)c->cache.page_tokens;
+    o->kv_type = srv_cfg_kv_type(c->cache.kv_type);
+    snprintf(ep->label, sizeof(ep->label), "config (%s %d+%d%s, %s)",
+             kv_policy_kind_name(ep->p.kind), ep->p.sink_tokens, ep->p.window_tokens,
+             ep->p.kind == KV_EVICT_H2O ? "+heavy" : "",
+             ep->p.renumber ? "renumber" : "preserve");
+    rc = 0;
+out:
+    free(c);
+    free(errs);
+    return rc;
+}
+
 static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
 {
     *o = (struct eval_opts){.recompute_max = 2048, .page_tokens = 4, .kv_type = KV_F32,
@@ -182,6 +224,12 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
             o->model_path = v;
         } else if (OPT("--file")) {
             o->file = v;
+        } else if (OPT("--config")) {
+            o->config = v;
+        } else if (OPT("--set")) {
+            if (bad || o->n_sets == 32)
+                return bad_opt("--set (at most 32)", v);
+            o->sets[o->n_sets++] = v;
         } else if (OPT("--policy")) {
             if (bad || n_specs == MAX_POLICIES)
                 return bad_opt("--policy (at most 8)", v);
@@ -245,18 +293,24 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
         fprintf(stderr, "kvd eval: --model and --file are required\n");
         return -1;
     }
-    if (n_specs == 0)
+    bool use_config = o->config || o->n_sets;
+    if (use_config && config_policy(o))
+        return -1;
+    if (n_specs == 0 && !use_config)
         specs[n_specs++] = "sink-window:4:252";
+    if (o->n_policies + n_specs > MAX_POLICIES)
+        return bad_opt("--policy (at most 8 with the config's)", specs[0]);
     for (int k = 0; k < n_specs; k++) {
-        if (parse_policy(specs[k], o->page_tokens, &o->policies[k]))
+        struct eval_policy *ep = &o->policies[o->n_policies];
+        if (parse_policy(specs[k], o->page_tokens, ep))
             return bad_opt("--policy (see kvd eval --help)", specs[k]);
         char err[256];
-        if (kv_policy_check(&o->policies[k].p, o->page_tokens, err, sizeof(err))) {
+        if (kv_policy_check(&ep->p, o->page_tokens, err, sizeof(err))) {
             fprintf(stderr, "kvd eval: policy %s: %s\n", specs[k], err);
             return -1;
         }
+        o->n_policies++;
     }
-    o->n_policies = n_specs;
     return 0;
 }
 
@@ -436,7 +490,7 @@ static void print_table(const struct eval_opts *o, const struct eval_run *runs, 
                         int n, int train_len, int ref)
 {
     int ns = n_segments_used(o, n);
-    printf("\n%-30s", "policy / baseline");
+    printf("\n%-40s", "policy / baseline");
     for (int k = 0; k < ns; k++) {
         int a, b;
         segment_bounds(o, n, k, &a, &b);
@@ -448,7 +502,7 @@ static void print_table(const struct eval_opts *o, const struct eval_run *runs, 
     printf(" %10s %9s %8s %7s %10s\n", "overall", "tok/s", "vs ref", "pages", "evicted");
     for (int r = 0; r < n_runs; r++) {
         const struct eval_run *run = &runs[r];
-        printf("%-30s", run->label);
+        printf("%-40s", run->label);
         for (int k = 0; k < ns; k++) {
             int a, b;
             segment_bounds(o, n, k, &a, &b);

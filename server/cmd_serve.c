@@ -104,7 +104,7 @@ static int split_listen(const char *s, char *host, size_t hostlen, int *port)
     return 0;
 }
 
-static enum kv_type map_kv_type(enum cfg_kv_type t)
+enum kv_type srv_cfg_kv_type(enum cfg_kv_type t)
 {
     switch (t) {
     case CFG_KV_F32:
@@ -126,6 +126,20 @@ static enum kv_policy_kind map_policy(enum cfg_policy p)
     default:
         return KV_EVICT_SINK_WINDOW;
     }
+}
+
+void srv_cfg_policy(const struct cfg *c, struct kv_policy *out)
+{
+    /* cfg_validate has checked this policy with kv_policy_check's formula;
+     * window_tokens = 0 is resolved by cfg_window_tokens alone. */
+    *out = (struct kv_policy){
+        .kind = map_policy(c->eviction.policy),
+        .max_cache_tokens = (int)c->eviction.max_cache_tokens,
+        .sink_tokens = (int)c->eviction.sink_tokens,
+        .window_tokens = (int)cfg_window_tokens(c),
+        .heavy_tokens = c->eviction.policy == CFG_EVICT_H2O ? (int)c->eviction.heavy_tokens : 0,
+        .renumber = c->eviction.positions == CFG_POS_RENUMBER,
+    };
 }
 
 /* The API key: inline, or the first line of api_key_file. Returns 0, or
@@ -178,16 +192,8 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .max_connections = (int)c->server.max_connections,
         .max_write_queue = 64u << 20,
     };
-    /* cfg_validate has checked this policy with kv_policy_check's formula;
-     * window_tokens = 0 is resolved by cfg_window_tokens alone. */
-    struct kv_policy pol = {
-        .kind = map_policy(c->eviction.policy),
-        .max_cache_tokens = (int)c->eviction.max_cache_tokens,
-        .sink_tokens = (int)c->eviction.sink_tokens,
-        .window_tokens = (int)cfg_window_tokens(c),
-        .heavy_tokens = c->eviction.policy == CFG_EVICT_H2O ? (int)c->eviction.heavy_tokens : 0,
-        .renumber = c->eviction.positions == CFG_POS_RENUMBER,
-    };
+    struct kv_policy pol;
+    srv_cfg_policy(c, &pol);
     if (read_api_key(c, st->api_key, sizeof(st->api_key), err, errlen))
         return -1;
     o->api = (struct srv_api_params){
@@ -206,7 +212,7 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
     };
     o->sched.cache_memory = c->cache.memory;
     o->sched.page_tokens = (int)c->cache.page_tokens;
-    o->sched.kv_type = map_kv_type(c->cache.kv_type);
+    o->sched.kv_type = srv_cfg_kv_type(c->cache.kv_type);
     o->sched.mlock = c->cache.mlock;
     o->sched.n_threads = (int)c->server.threads;
     o->sched.limits = (struct srv_sched_limits){

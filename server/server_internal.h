@@ -35,6 +35,7 @@ bool srv_opt_value(int argc, char **argv, int *i, const char *cmd, const char *n
 #include <stdint.h>
 
 #include "cache/kv_cache.h"
+#include "config/config.h"
 #include "model/model.h"
 
 /* --- log.c: one line per event on stderr, text or JSON ------------------ */
@@ -370,5 +371,10 @@ struct srv_serve_config {
 
 /* Run the daemon until SIGTERM/SIGINT. Returns the exit status. */
 int srv_serve_run(struct srv_serve_config *cfg);
+
+/* The operator config mapped onto the cache's terms (cmd_serve.c); shared by
+ * `kvd serve` and `kvd eval` so both run exactly the configured policy. */
+enum kv_type srv_cfg_kv_type(enum cfg_kv_type t);
+void srv_cfg_policy(const struct cfg *c, struct kv_policy *out);
 
 #endif /* KVD_SERVER_INTERNAL_H */
