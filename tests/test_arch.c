@@ -23,7 +23,10 @@
  * context shows no L x L bias is ever allocated, and hostile files are
  * rejected with the key or tensor named.
  *
- * CLI tests run the binary named by KVD_BIN (make test sets it).
+ * CLI tests run the binary named by KVD_BIN (make test sets it): kvd
+ * mkmodel and kvd generate for every kind, and kvd serve, whose
+ * /v1/models names the architecture and position scheme and whose greedy
+ * completion equals kvd generate's text.
  */
 #include <errno.h>
 #include <math.h>
@@ -39,10 +42,12 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <jansson.h>
 
 #include "model/mkmodel.h"
 #include "model/model_internal.h"
 #include "model/quant.h"
+#include "tests/serve_util.h"
 
 /* ------------------------------------------------------------------------
  * Fixtures
@@ -2019,6 +2024,85 @@ static void test_cli(void **state)
     free(err);
 }
 
+/*
+ * kvd serve runs every kind as kvd generate does: /v1/models reports the
+ * architecture and position scheme, and a greedy completion is the text
+ * kvd generate prints for the same prompt (same defaults: f16 KV, all
+ * cores).
+ */
+static void test_serve(void **state)
+{
+    (void)state;
+    const char *kvd = getenv("KVD_BIN");
+    if (!kvd || !*kvd) {
+        print_message("skipping: KVD_BIN not set (make test sets it)\n");
+        skip();
+        return;
+    }
+    static const struct {
+        const char *arch, *position, *pos_name;
+        int heads;
+    } kinds[] = {
+        {"bloom", NULL, "alibi", 12},
+        {"mpt", NULL, "alibi", 8},
+        {"llama", "t5", "t5", 8},
+    };
+    for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+        struct model_mk_params p =
+            arch_params(kinds[k].arch, kinds[k].position, 96, kinds[k].heads, 4, 2);
+        p.n_vocab = 600;
+        p.t5_num_buckets = 32;
+        p.t5_max_distance = 128;
+        char path[512];
+        write_model(&p, "serve.gguf", path, sizeof(path));
+
+        /* kvd generate's text. */
+        char args[1200], *out, *err;
+        snprintf(args, sizeof(args),
+                 "generate --model '%s' --prompt 'Once upon a time' -n 16 --temp 0 --no-echo",
+                 path);
+        assert_int_equal(run_kvd(args, &out, &err), 0);
+        size_t n = strlen(out);
+        if (n && out[n - 1] == '\n')
+            out[n - 1] = '\0';
+        free(err);
+
+        struct su_proc srv = {0};
+        snprintf(srv.log, sizeof(srv.log), "%s/serve-%zu.log", tmp_dir, k);
+        assert_int_equal(su_serve(&srv, kvd, path, NULL, 0), 0);
+        struct su_resp r;
+        assert_int_equal(su_http(srv.port, "GET", "/v1/models", NULL, NULL, &r), 200);
+        json_t *models = json_loads(r.body, 0, NULL);
+        su_resp_free(&r);
+        json_t *meta = json_object_get(json_array_get(json_object_get(models, "data"), 0), "meta");
+        const char *arch = json_string_value(json_object_get(meta, "arch"));
+        const char *pos = json_string_value(json_object_get(meta, "positions"));
+        assert_non_null(arch);
+        assert_non_null(pos);
+        assert_string_equal(arch, kinds[k].arch);
+        assert_string_equal(pos, kinds[k].pos_name);
+
+        int status;
+        json_t *ans = su_post(srv.port, "/v1/completions", NULL,
+                              json_pack("{s:s, s:i, s:f}", "prompt", "Once upon a time",
+                                        "max_tokens", 16, "temperature", 0.0),
+                              &status);
+        assert_int_equal(status, 200);
+        const char *text = json_string_value(
+            json_object_get(json_array_get(json_object_get(ans, "choices"), 0), "text"));
+        assert_non_null(text);
+        print_message("  serve %-5s (/v1/models: %s, %s): \"%s\"\n", kinds[k].arch, arch, pos,
+                      text);
+        if (strcmp(text, out))
+            print_message("  generate printed \"%s\"\n", out);
+        assert_string_equal(text, out);
+        json_decref(ans);
+        json_decref(models);
+        free(out);
+        assert_int_equal(su_stop(&srv, SIGTERM, 30), 0);
+    }
+}
+
 int main(int argc, char **argv)
 {
     /* OpenMP workers spin after each parallel region unless told otherwise,
@@ -2042,6 +2126,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_no_materialised_bias),
         cmocka_unit_test(test_mkmodel_healthy),
         cmocka_unit_test(test_cli),
+        cmocka_unit_test(test_serve),
     };
     return cmocka_run_group_tests_name("arch", tests, group_setup, group_teardown);
 }
