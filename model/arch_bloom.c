@@ -73,9 +73,7 @@ int model_bloom_hparams(model *m, const struct model_params *params, char *err, 
 
     /* A kvd.position.kind, if any, must agree: these architectures are ALiBi. */
     enum pos_kind kind;
-    const char *s;
-    size_t n;
-    if (!gguf_get_str(f, "kvd.position.kind", &s, &n)) {
+    if (gguf_find_key(f, "kvd.position.kind") >= 0) {
         rc = model_pos_kind(f, &kind, err, errlen);
         if (rc)
             return rc;

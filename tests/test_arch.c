@@ -7,7 +7,9 @@
  * model/forward.c: its own LayerNorm/RMSNorm, GELU and SwiGLU, the fused
  * QKV split by hand, ALiBi slopes from the ALiBi paper's formula (not from
  * posenc), and an attention that materialises every score and every bias
- * from the position numbers, one token at a time. kvd's forward, with its
+ * from the position numbers (T5 buckets by posenc's pos_t5_bucket, which
+ * test_attention checks against Hugging Face's), one token at a time.
+ * kvd's forward, with its
  * batched products, paged cache and fused kernel that never builds a bias
  * matrix, must agree with it on several shapes and head counts.
  *
@@ -908,18 +910,54 @@ static struct kv_policy sink_window(bool renumber)
 
 struct evict1 {
     int checks;
-    float worst_fresh; /* kvd vs a fresh kvd forward over the retained tokens (renumber) */
+    float worst_fresh; /* kvd vs a fresh kvd forward over the retained tokens */
     float worst_ref;   /* kvd vs a fresh reference forward at the retained positions */
     float min_other;   /* preserve: smallest difference to the renumbered fresh forward */
     int max_gap;       /* preserve: largest position minus the retained count */
 };
 
 /*
+ * A fresh kvd forward over toks[0..n) at positions 0..s-1 (the sinks) and
+ * then p, p+1, ... (the window), logits of the last: forward the sinks,
+ * append placeholders (no forward) until eviction has taken every page
+ * after the sinks up to past p, then cut the history at p, which removes
+ * the placeholders and leaves the next position at p (preserve), and
+ * forward the rest.
+ */
+static void fresh_with_gap(model_ctx *ctx, kv_cache *cache, const int32_t *toks, int s, int p,
+                           int n, float *logits)
+{
+    struct kv_policy pol = sink_window(false);
+    kv_seq *seq = make_seq(cache, &pol);
+    struct model_batch_seq b = {.seq = seq, .tokens = toks, .n_tokens = s};
+    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    int32_t ids[16];
+    for (int i = 0; i < 16; i++)
+        ids[i] = 3 + i;
+    for (int appended = s; appended < p + pol.max_cache_tokens;) {
+        int k = kv_seq_max_append(seq) < 16 ? kv_seq_max_append(seq) : 16;
+        assert_int_equal(kv_seq_append(seq, ids, k, NULL), 0);
+        appended += k;
+    }
+    assert_true(kv_seq_hist_index(seq)[s] >= p); /* every placeholder before p is gone */
+    assert_int_equal(kv_seq_truncate(seq, p), 0);
+    assert_int_equal(kv_seq_n_tokens(seq), s);
+    assert_int_equal(kv_seq_next_pos(seq), p);
+    b = (struct model_batch_seq){
+        .seq = seq, .tokens = toks + s, .n_tokens = n - s, .logits = logits};
+    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    const int32_t *pos = kv_seq_positions(seq);
+    for (int j = 0; j < n; j++)
+        assert_int_equal(pos[j], j < s ? j : p + j - s);
+    kv_seq_destroy(seq);
+}
+
+/*
  * (1) One layer: a token's K/V depend on that token only, so after
  * sink-window eviction the next-token logits must equal a fresh forward
- * over exactly the retained tokens: at 0..n-1 when renumbering (a fresh kvd
- * sequence, and the reference), at their original positions when
- * preserving (the reference, which takes any positions).
+ * over exactly the retained tokens: at 0..n-1 when renumbering, at their
+ * original positions (sinks, a gap, the window) when preserving; both as
+ * a fresh kvd sequence and through the reference.
  */
 static struct evict1 evict_one_layer(const char *path, bool renumber)
 {
@@ -962,10 +1000,17 @@ static struct evict1 evict_one_layer(const char *path, bool renumber)
             e.worst_fresh = d > e.worst_fresh ? d : e.worst_fresh;
             kv_seq_destroy(fresh);
         } else {
+            /* Sinks at 0..3, then a contiguous window after the gap. */
+            int sinks = pol.sink_tokens;
+            for (int j = 0; j < n; j++)
+                assert_int_equal(pos[j], j < sinks ? j : pos[sinks] + j - sinks);
+            fresh_with_gap(ctx, cache, toks, sinks, pos[sinks], n, fr);
+            float d = rel_diff(lg, fr, nv);
+            e.worst_fresh = d > e.worst_fresh ? d : e.worst_fresh;
             e.max_gap = pos[n - 1] - (n - 1) > e.max_gap ? pos[n - 1] - (n - 1) : e.max_gap;
             /* Non-vacuous: the same tokens at 0..n-1 give other logits. */
             ref_fresh(&r, toks, pos0, n, ref);
-            float d = rel_diff(lg, ref, nv);
+            d = rel_diff(lg, ref, nv);
             e.min_other = d < e.min_other ? d : e.min_other;
         }
         ref_fresh(&r, toks, pos, n, ref);
@@ -1003,14 +1048,16 @@ static void test_evict_one_layer_equals_fresh(void **state)
         write_model(&p, "evict1.gguf", path, sizeof(path));
         struct evict1 rn = evict_one_layer(path, true);
         struct evict1 pr = evict_one_layer(path, false);
-        print_message("  %-13s renumber: %d checks, vs fresh kvd %.2e, vs fresh reference %.2e\n"
+        print_message("  %-13s renumber: %d checks, vs fresh kvd at 0..n-1 %.2e, vs fresh "
+                      "reference %.2e\n"
                       "  %-13s preserve: %d checks (positions up to %d past the count), vs "
-                      "fresh reference at the same positions %.2e (at 0..n-1 it differs by "
-                      ">= %.2e)\n",
+                      "fresh kvd at the same positions %.2e, vs fresh reference %.2e (at "
+                      "0..n-1 it differs by >= %.2e)\n",
                       one[i].name, rn.checks, rn.worst_fresh, rn.worst_ref, "", pr.checks,
-                      pr.max_gap, pr.worst_ref, pr.min_other);
+                      pr.max_gap, pr.worst_fresh, pr.worst_ref, pr.min_other);
         assert_true(rn.checks >= 50 && pr.checks >= 50);
         assert_true(rn.worst_fresh < 1e-5f);
+        assert_true(pr.worst_fresh < 1e-5f);
         assert_true(rn.worst_ref < 1e-4f);
         assert_true(pr.worst_ref < 1e-4f);
         assert_true(pr.max_gap >= 40);
@@ -1583,6 +1630,9 @@ static void test_load_errors(void **state)
            &(struct mutation){
                .set = {{"bloom.attention.max_alibi_bias", GGUF_TYPE_FLOAT32, NULL, 0.0f, 0}}});
     expect_load_error(bad, "bloom.attention.max_alibi_bias = 0 must be positive");
+    mutate(path, bad,
+           &(struct mutation){.set = {{"kvd.position.kind", GGUF_TYPE_FLOAT32, NULL, 1.0f, 0}}});
+    expect_load_error(bad, "kvd.position.kind is not a string");
 
     /* A llama-shaped ALiBi model needs its max_bias. */
     p = arch_params("llama", "alibi", 64, 8, 4, 1);
