@@ -37,6 +37,7 @@
 #endif
 
 #include "attention/attention.h"
+#include "tests/bench/bench_util.h"
 
 #define THREADS 2
 #define H 32
@@ -90,29 +91,7 @@ static uint16_t to_half(float f)
 static double triad_gbs(void)
 {
     const size_t n = (size_t)64 << 20; /* 64 Mi floats = 256 MiB per array */
-    float *a = xalloc(n * 4), *b = xalloc(n * 4), *c = xalloc(n * 4);
-#pragma omp parallel for num_threads(THREADS) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        a[i] = 0.0f;
-        b[i] = 1.0f;
-        c[i] = 2.0f;
-    }
-    double best = 1e30;
-    for (int rep = 0; rep < 5; rep++) {
-        const float s = 3.0f + (float)rep;
-        double t0 = now();
-#pragma omp parallel for num_threads(THREADS) schedule(static)
-        for (size_t i = 0; i < n; i++)
-            a[i] = b[i] + s * c[i];
-        double dt = now() - t0;
-        best = dt < best ? dt : best;
-    }
-    volatile float sink = a[n / 2];
-    (void)sink;
-    free(a);
-    free(b);
-    free(c);
-    return 3.0 * 4.0 * (double)n / best / 1e9;
+    return bench_triad(THREADS, n, n, 5, NULL);
 }
 
 /* Peak FMA GFLOP/s of `threads` threads: 12 independent chains per thread. */

@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include "model/quant.h"
+#include "tests/bench/bench_util.h"
 
 #define N 4096
 #define THREADS 2
@@ -98,33 +99,8 @@ static void make_matrix(enum ggml_type type, uint8_t *data, size_t rb)
  */
 static double triad_gbs(void)
 {
-    const size_t n = (size_t)48 << 20, piece = (size_t)2 << 20; /* floats */
-    float *a = xalloc(n * 4), *b = xalloc(n * 4), *c = xalloc(n * 4);
-#pragma omp parallel for num_threads(THREADS) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        a[i] = 0.0f;
-        b[i] = 1.0f;
-        c[i] = 2.0f;
-    }
-    double best = 1e30;
-    for (int sweep = 0; sweep < 3; sweep++) {
-        const float s = 3.0f + (float)sweep;
-        for (size_t p0 = 0; p0 < n; p0 += piece) {
-            double t0 = now();
-#pragma omp parallel for num_threads(THREADS) schedule(static)
-            for (size_t i = p0; i < p0 + piece; i++)
-                a[i] = b[i] + s * c[i];
-            double dt = now() - t0;
-            if (dt < best)
-                best = dt;
-        }
-    }
-    volatile float sink = a[n / 2];
-    (void)sink;
-    free(a);
-    free(b);
-    free(c);
-    return 3.0 * 4.0 * (double)piece / best / 1e9;
+    /* 3 x 192 MiB in pieces of 3 x 8 MiB */
+    return bench_triad(THREADS, (size_t)48 << 20, (size_t)2 << 20, 3, NULL);
 }
 
 int main(void)

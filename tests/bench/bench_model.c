@@ -37,6 +37,7 @@
 #include "model/mkmodel.h"
 #include "model/model_internal.h"
 #include "model/quant.h"
+#include "tests/bench/bench_util.h"
 
 #define THREADS 2
 
@@ -57,36 +58,9 @@ static double now_s(void)
  */
 static double triad_bandwidth(double *stream_bw, size_t n)
 {
-    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float)),
-          *c = malloc(n * sizeof(float));
-    if (!a || !b || !c) {
-        free(a);
-        free(b);
-        free(c);
-        return 0.0;
-    }
-#pragma omp parallel for num_threads(THREADS) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        a[i] = 0.0f;
-        b[i] = 1.0f;
-        c[i] = 2.0f;
-    }
-    double best = 1e30;
-    for (int rep = 0; rep < 5; rep++) {
-        double t0 = now_s();
-#pragma omp parallel for num_threads(THREADS) schedule(static)
-        for (size_t i = 0; i < n; i++)
-            a[i] = b[i] + 3.0f * c[i];
-        double t = now_s() - t0;
-        best = t < best ? t : best;
-    }
-    volatile float sink = a[n / 2];
-    (void)sink;
-    free(a);
-    free(b);
-    free(c);
-    *stream_bw = 3.0 * (double)n * sizeof(float) / best;
-    return 4.0 * (double)n * sizeof(float) / best;
+    double bus = 0.0;
+    *stream_bw = bench_triad(THREADS, n, n, 5, &bus) * 1e9;
+    return bus * 1e9;
 }
 
 /* Bytes one decode step reads from weights: every matrix once (the output
