@@ -495,11 +495,12 @@ static void print_table(const struct eval_opts *o, const struct eval_run *runs, 
         int a, b;
         segment_bounds(o, n, k, &a, &b);
         char h[40];
-        snprintf(h, sizeof(h), "[%d,%d)%s", a, b,
-                 a >= 4 * train_len ? "4x" : a >= 2 * train_len ? "2x" : "");
+        snprintf(h, sizeof(h), "%s[%d,%d)", a >= 4 * train_len ? ">4x " : a >= 2 * train_len ? ">2x " : "",
+                 a, b);
         printf(" %15s", h);
     }
     printf(" %10s %9s %8s %7s %10s\n", "overall", "tok/s", "vs ref", "pages", "evicted");
+    printf("(>2x, >4x: segments starting at 2 or 4 times the training length, %d)\n", train_len);
     for (int r = 0; r < n_runs; r++) {
         const struct eval_run *run = &runs[r];
         printf("%-40s", run->label);
