@@ -17,6 +17,9 @@
  *                         (plus usage.kvd: cached, evicted, retained tokens)
  *   POST /completion      llama.cpp: prompt, n_predict, ... ; content,
  *                         stop, tokens_predicted, tokens_evaluated, timings
+ * Both report log-probabilities when asked (OpenAI logprobs, llama.cpp
+ * n_probs): the engine sends each sampled token's numbers with its text
+ * event, and they are shaped here as each API does.
  * Both accept kvd's own "session": a string id whose cache persists. The
  * same id may come in the X-Session-Id header instead, so a load balancer
  * can keep a session on one replica without parsing bodies; when both are
@@ -68,6 +71,11 @@ struct call {
     int32_t *toks; /* llama.cpp return_tokens */
     int n_toks, cap_toks;
     json_t *settings; /* llama.cpp generation_settings (owned) */
+    bool logprobs;    /* OpenAI logprobs / llama.cpp n_probs asked for */
+    bool id_tokens;   /* OpenAI return_tokens_as_token_ids: "token_id:ID" strings */
+    json_t *lp;       /* non-streamed: the OpenAI logprobs object, or llama.cpp's
+                         completion_probabilities array (owned) */
+    size_t lp_chars;  /* OpenAI text_offset of the next token, in code points */
     struct call *prev, *next;
 };
 
@@ -85,6 +93,10 @@ struct srv_api {
     uint64_t next_id;
     uint64_t seed_state;
     struct call *calls;
+    /* For the text of a token on its own (alternatives in logprobs). */
+    model_detok *piece_detok;
+    char *piece_buf;
+    size_t piece_cap;
 };
 
 /* ------------------------------------------------------------------------
@@ -636,6 +648,27 @@ static void parse_common(srv_api *a, json_t *body, const char *hdr_session, stru
     get_bool(body, "ignore_eos", &r->ignore_eos, e);
 }
 
+/*
+ * How many alternatives per token (OpenAI logprobs, llama.cpp n_probs): an
+ * integer in 0..min(n_vocab, SRV_MAX_TOP_LOGPROBS). Returns 1 if present, 0
+ * if absent or null, -1 bad.
+ */
+static int get_top_n(srv_api *a, json_t *body, const char *key, int *out, struct verr *e)
+{
+    long long n;
+    int rc = get_int(body, key, INT64_MIN, INT64_MAX, &n, e);
+    if (rc <= 0)
+        return rc;
+    int lim = a->info.n_vocab < SRV_MAX_TOP_LOGPROBS ? a->info.n_vocab : SRV_MAX_TOP_LOGPROBS;
+    if (n < 0 || n > lim)
+        return fail(e, key, "invalid_value",
+                    "'%s' must be between 0 and %d (the vocabulary has %d tokens; kvd returns at "
+                    "most %d alternatives per token) (got %lld)",
+                    key, lim, a->info.n_vocab, SRV_MAX_TOP_LOGPROBS, n);
+    *out = (int)n;
+    return 1;
+}
+
 /* Check the prompt's size against the limits. */
 static void check_prompt(srv_api *a, struct srv_req *r, struct verr *e)
 {
@@ -692,9 +725,15 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_se
         fail(e, "best_of", "unsupported", "best_of > 1 is not supported");
     bool b = false;
     if (get_bool(body, "echo", &b, e) > 0 && b)
-        fail(e, "echo", "unsupported", "echo is not supported");
-    if (get_int(body, "logprobs", 0, 5, &i, e) > 0)
-        fail(e, "logprobs", "unsupported", "logprobs are not supported");
+        fail(e, "echo", "unsupported",
+             "echo is not supported: kvd returns neither the prompt nor its log-probabilities "
+             "(logprobs covers generated tokens only)");
+    int top = 0;
+    if (get_top_n(a, body, "logprobs", &top, e) > 0) {
+        r->want_logprobs = call->logprobs = true;
+        r->n_top_logprobs = top;
+    }
+    get_bool(body, "return_tokens_as_token_ids", &call->id_tokens, e);
     if (get_str(body, "suffix", &s, e) > 0 && s[0])
         fail(e, "suffix", "unsupported", "suffix is not supported");
     json_t *lb = field(body, "logit_bias");
@@ -765,8 +804,15 @@ static struct srv_req *parse_llama(srv_api *a, json_t *body, const char *hdr_ses
     get_bool(body, "return_tokens", &call->return_tokens, e);
     if (get_int(body, "n_keep", -1, 1 << 30, &i, e) > 0)
         r->n_keep = (int)i;
-    if (get_int(body, "n_probs", 0, 1 << 20, &i, e) > 0 && i > 0)
-        fail(e, "n_probs", "unsupported", "n_probs is not supported");
+    int top = 0;
+    if (get_top_n(a, body, "n_probs", &top, e) > 0 && top > 0) {
+        r->want_logprobs = call->logprobs = true;
+        r->n_top_logprobs = top;
+    }
+    if (get_bool(body, "post_sampling_probs", &b, e) > 0 && b)
+        fail(e, "post_sampling_probs", "unsupported",
+             "post_sampling_probs is not supported: kvd reports the probabilities of the model's "
+             "raw logits (before penalties and temperature)");
     parse_common(a, body, hdr_session, r, e);
     if (e->status)
         goto out;
@@ -790,13 +836,13 @@ out:
     for (int k = 0; k < r->n_stop; k++)
         json_array_append_new(stops, json_string(r->stop[k]));
     call->settings = json_pack(
-        "{s:i, s:f, s:i, s:f, s:f, s:f, s:i, s:f, s:f, s:I, s:o, s:b, s:b}", "n_predict",
+        "{s:i, s:f, s:i, s:f, s:f, s:f, s:i, s:f, s:f, s:I, s:o, s:b, s:b, s:i}", "n_predict",
         r->max_tokens, "temperature", R6(r->sampling.temperature), "top_k", r->sampling.top_k,
         "top_p", R6(r->sampling.top_p), "min_p", R6(r->sampling.min_p), "repeat_penalty",
         R6(r->sampling.repeat_penalty), "repeat_last_n", r->sampling.penalty_last_n,
         "presence_penalty", R6(r->sampling.presence_penalty), "frequency_penalty",
         R6(r->sampling.frequency_penalty), "seed", (json_int_t)r->sampling.seed, "stop", stops,
-        "stream", call->stream, "ignore_eos", r->ignore_eos);
+        "stream", call->stream, "ignore_eos", r->ignore_eos, "n_probs", r->n_top_logprobs);
     return r;
 }
 
@@ -832,6 +878,7 @@ static void call_free(struct call *call)
     free(call->text);
     free(call->toks);
     json_decref(call->settings);
+    json_decref(call->lp);
     free(call);
 }
 
@@ -966,12 +1013,129 @@ static void stream_start(struct call *call)
     srv_http_stream_begin(call->conn, 200, "text/event-stream", "X-Accel-Buffering: no\r\n");
 }
 
-static json_t *openai_chunk(struct call *call, json_t *text, const char *finish)
+/* One OpenAI choice object; logprobs (stolen) may be NULL (null). */
+static json_t *openai_chunk(struct call *call, json_t *text, const char *finish, json_t *logprobs)
 {
-    return json_pack("{s:s, s:s, s:I, s:s, s:[{s:o, s:i, s:n, s:o}]}", "id", call->id, "object",
+    return json_pack("{s:s, s:s, s:I, s:s, s:[{s:o, s:i, s:o, s:o}]}", "id", call->id, "object",
                      "text_completion", "created", (json_int_t)call->created, "model",
                      call->a->model_name, "choices", "text", text, "index", 0, "logprobs",
-                     "finish_reason", finish ? json_string(finish) : json_null());
+                     logprobs ? logprobs : json_null(), "finish_reason",
+                     finish ? json_string(finish) : json_null());
+}
+
+/* ------------------------------------------------------------------------
+ * Log-probabilities (OpenAI logprobs, llama.cpp n_probs)
+ *
+ * The engine sends, with each sampled token, its log-probability, the most
+ * likely tokens with theirs, and the text the token added. The sampled
+ * token is named by that text (so the names join to the completion's
+ * text); an alternative by the text it stands for on its own, decoded here
+ * with one detokenizer kept for the purpose (a byte token that only starts
+ * a character shows U+FFFD). OpenAI's return_tokens_as_token_ids names
+ * every token "token_id:ID" instead.
+ * ------------------------------------------------------------------------ */
+
+/* A log-probability as JSON: null if it is not finite (a -inf logit). */
+static json_t *json_logprob(double v)
+{
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
+/* The text token id stands for on its own (new JSON string). */
+static json_t *alt_piece(srv_api *a, int32_t id)
+{
+    if (!a->piece_detok && !(a->piece_detok = model_detok_create(a->m)))
+        return json_string("");
+    int n = detok_step(a->piece_detok, &id, &a->piece_buf, &a->piece_cap, 0);
+    int m = n >= 0 ? detok_step(a->piece_detok, NULL, &a->piece_buf, &a->piece_cap, (size_t)n) : -1;
+    if (n < 0 || m < 0) { /* out of memory: start a clean stream next time */
+        model_detok_destroy(a->piece_detok);
+        a->piece_detok = NULL;
+        return json_string("");
+    }
+    return json_text(a->piece_buf ? a->piece_buf : "", (size_t)(n + m));
+}
+
+/* How a token is named: piece (the sampled token's text) or, when NULL,
+ * the token's own text; "token_id:ID" with return_tokens_as_token_ids. */
+static json_t *token_name(struct call *call, int32_t id, const char *piece, size_t n)
+{
+    if (call->id_tokens) {
+        char b[32];
+        snprintf(b, sizeof(b), "token_id:%d", (int)id);
+        return json_string(b);
+    }
+    return piece ? json_text(piece, n) : alt_piece(call->a, id);
+}
+
+static size_t utf8_chars(const char *s, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return k;
+}
+
+/* An empty OpenAI logprobs object (new). */
+static json_t *openai_lp_new(void)
+{
+    return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs",
+                     "text_offset");
+}
+
+/* Append one token to an OpenAI logprobs object. top_logprobs maps names
+ * to log-probabilities; when two alternatives share a name, the more
+ * likely one keeps it, and a U+0000 in a name is written U+FFFD there
+ * (many JSON parsers refuse it in a key). text_offset counts code points
+ * of the completion. */
+static void openai_lp_add(struct call *call, json_t *obj, const struct srv_logprob *lp)
+{
+    json_array_append_new(json_object_get(obj, "tokens"),
+                          token_name(call, lp->token, lp->piece, lp->piece_len));
+    json_array_append_new(json_object_get(obj, "token_logprobs"), json_logprob(lp->logprob));
+    json_t *top = json_object();
+    for (int i = 0; i < lp->n_top; i++) {
+        json_t *k = token_name(call, lp->top_ids[i], NULL, 0);
+        const char *key = json_string_value(k);
+        size_t kl = json_string_length(k);
+        if (key && memchr(key, 0, kl)) {
+            char *t = malloc(kl * 3 + 1);
+            size_t o = 0;
+            for (size_t j = 0; t && j < kl; j++) {
+                if (key[j]) {
+                    t[o++] = key[j];
+                } else {
+                    memcpy(t + o, "\xEF\xBF\xBD", 3);
+                    o += 3;
+                }
+            }
+            json_decref(k);
+            k = t ? json_stringn(t, o) : NULL;
+            free(t);
+            key = json_string_value(k);
+            kl = json_string_length(k);
+        }
+        if (key && !json_object_getn(top, key, kl))
+            json_object_setn_new(top, key, kl, json_logprob(lp->top_logprobs[i]));
+        json_decref(k);
+    }
+    json_array_append_new(json_object_get(obj, "top_logprobs"), top);
+    json_array_append_new(json_object_get(obj, "text_offset"),
+                          json_integer((json_int_t)call->lp_chars));
+    call->lp_chars += utf8_chars(lp->piece, lp->piece_len);
+}
+
+/* llama.cpp's completion_probabilities entry for one token (new). */
+static json_t *llama_prob(struct call *call, const struct srv_logprob *lp)
+{
+    json_t *top = json_array();
+    for (int i = 0; i < lp->n_top; i++)
+        json_array_append_new(top, json_pack("{s:i, s:o, s:o}", "id", (int)lp->top_ids[i], "token",
+                                             token_name(call, lp->top_ids[i], NULL, 0), "logprob",
+                                             json_logprob(lp->top_logprobs[i])));
+    return json_pack("{s:i, s:o, s:o, s:o}", "id", (int)lp->token, "token",
+                     token_name(call, lp->token, lp->piece, lp->piece_len), "logprob",
+                     json_logprob(lp->logprob), "top_logprobs", top);
 }
 
 static void on_text(struct call *call, const struct srv_event *ev)
@@ -1002,13 +1166,27 @@ static void on_text(struct call *call, const struct srv_event *ev)
         }
         memcpy(call->text + call->len, ev->text, ev->len);
         call->len += ev->len;
+        if (ev->lp && call->kind == CALL_OPENAI) {
+            if (!call->lp)
+                call->lp = openai_lp_new();
+            openai_lp_add(call, call->lp, ev->lp);
+        } else if (ev->lp) {
+            if (!call->lp)
+                call->lp = json_array();
+            json_array_append_new(call->lp, llama_prob(call, ev->lp));
+        }
         return;
     }
-    if (ev->len == 0 && !(call->return_tokens && ev->n_tokens))
+    if (ev->len == 0 && !(call->return_tokens && ev->n_tokens) && !ev->lp)
         return;
     stream_start(call);
     if (call->kind == CALL_OPENAI) {
-        sse_send(call, openai_chunk(call, json_text(ev->text, ev->len), NULL));
+        json_t *lp = NULL;
+        if (ev->lp) {
+            lp = openai_lp_new();
+            openai_lp_add(call, lp, ev->lp);
+        }
+        sse_send(call, openai_chunk(call, json_text(ev->text, ev->len), NULL, lp));
     } else {
         json_t *v = json_pack("{s:o, s:b, s:i, s:i}", "content", json_text(ev->text, ev->len),
                               "stop", 0, "id_slot", 0, "index", 0);
@@ -1018,6 +1196,9 @@ static void on_text(struct call *call, const struct srv_event *ev)
                 json_array_append_new(arr, json_integer(ev->tokens[k]));
             json_object_set_new(v, "tokens", arr);
         }
+        if (ev->lp)
+            json_object_set_new(v, "completion_probabilities",
+                                json_pack("[o]", llama_prob(call, ev->lp)));
         sse_send(call, v);
     }
 }
@@ -1045,6 +1226,10 @@ static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t
             json_array_append_new(arr, json_integer(call->toks[k]));
         json_object_set_new(v, "tokens", arr);
     }
+    /* streamed, each event carried its own */
+    if (v && call->logprobs && !call->stream)
+        json_object_set_new(v, "completion_probabilities",
+                            call->lp ? json_incref(call->lp) : json_array());
     return v;
 }
 
@@ -1087,7 +1272,7 @@ static void on_done(struct call *call, const struct srv_event *ev)
     if (call->stream) {
         stream_start(call);
         if (call->kind == CALL_OPENAI) {
-            sse_send(call, openai_chunk(call, json_string(""), openai_finish(ev->finish)));
+            sse_send(call, openai_chunk(call, json_string(""), openai_finish(ev->finish), NULL));
             if (call->include_usage) {
                 sse_send(call,
                          json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", call->id, "object",
@@ -1105,7 +1290,10 @@ static void on_done(struct call *call, const struct srv_event *ev)
     }
     json_t *text = json_text(call->text ? call->text : "", call->len);
     if (call->kind == CALL_OPENAI) {
-        json_t *v = openai_chunk(call, text, openai_finish(ev->finish));
+        json_t *lp = NULL;
+        if (call->logprobs)
+            lp = call->lp ? json_incref(call->lp) : openai_lp_new();
+        json_t *v = openai_chunk(call, text, openai_finish(ev->finish), lp);
         json_object_set_new(v, "usage", usage_json(u));
         respond_json(call->conn, 200, v);
     } else {
@@ -1592,6 +1780,8 @@ void srv_api_destroy(srv_api *a)
         a->calls = call->next;
         call_free(call);
     }
+    model_detok_destroy(a->piece_detok);
+    free(a->piece_buf);
     free(a);
 }
 

@@ -127,6 +127,10 @@ struct srv_req {
     bool ignore_eos;      /* never sample an end-of-generation token */
     int n_keep;           /* llama.cpp n_keep: 0 = the configured sinks;
                              > 0 sink tokens; -1 the whole prompt */
+    bool want_logprobs;   /* report every sampled token's log-probability
+                             (struct srv_logprob in its TEXT event) */
+    int n_top_logprobs;   /* ... with this many most likely tokens
+                             (0..min(n_vocab, SRV_MAX_TOP_LOGPROBS)) */
     uint64_t t_submit_ns; /* monotonic, set by srv_sched_submit */
     atomic_int cancel;    /* 0, SRV_CANCEL_CLIENT or SRV_CANCEL_ABORT */
     void *owner;          /* loop thread's (api.c) */
@@ -135,6 +139,28 @@ struct srv_req {
 
 struct srv_req *srv_req_new(enum srv_req_kind kind); /* zeroed; aborts on OOM */
 void srv_req_free(struct srv_req *r);                /* frees its arrays too */
+
+/* The most alternatives a request may ask for per sampled token. */
+#define SRV_MAX_TOP_LOGPROBS 1000
+
+/*
+ * One sampled token's log-probabilities: log-softmax of the model's raw
+ * logits for that step (before penalties, temperature and ignore_eos), in
+ * double. One allocation holding the arrays (free the struct only).
+ */
+struct srv_logprob {
+    int32_t token;  /* the token sampled */
+    double logprob; /* its log-probability */
+    int n_top;
+    int32_t *top_ids;     /* [n_top] the most likely tokens, most likely first
+                             (equal logits: the lower id first) */
+    double *top_logprobs; /* [n_top] their log-probabilities */
+    char *piece;          /* the text the token added to the completion, as the
+                             streaming detokenizer gave it ("" for a byte that
+                             starts a character; the held bytes' U+FFFD when it
+                             ended the text); NUL-terminated */
+    size_t piece_len;
+};
 
 enum srv_event_kind {
     SRV_EV_TEXT,  /* generated text (and ids) of a running request */
@@ -174,6 +200,8 @@ struct srv_event {
     size_t len;
     int32_t *tokens; /* TEXT with want_tokens: ids sampled */
     int n_tokens;
+    struct srv_logprob *lp;          /* TEXT with want_logprobs: the token sampled
+                                        (an end-of-generation one too), else NULL */
     enum srv_finish finish;          /* DONE */
     int stop_index;                  /* DONE with SRV_FINISH_STOP: which stop string */
     struct srv_usage usage;          /* DONE */

@@ -24,6 +24,8 @@
 #include <cmocka.h>
 #include <jansson.h>
 
+#include "tests/serve_util.h"
+
 static char model_path[1024], text_path[1024];
 static const char *kvd_bin;
 
@@ -248,6 +250,174 @@ static void test_bad_input(void **state)
     assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 1);
 }
 
+/*
+ * kvd eval and kvd serve score a text identically. eval streams the first
+ * 300 tokens of a text through one sequence under sink-window 4+60 (pages
+ * of 8 tokens, f32 keys and values) and writes every token's loss; serve,
+ * configured with the same policy, budget, page size and KV type, gets the
+ * same token ids through ONE session, one more token per request (prompt =
+ * tokens[0..k], n_predict 1, greedy, n_probs = the whole vocabulary): it
+ * matches the session's history, prefills only tokens[k], and the answer's
+ * log-probability of tokens[k+1] must be -loss[k+1] within 1e-4 nats, for
+ * every k. After each request the session holds the prompt only (the
+ * generated token is never written to the cache), and in the end serve
+ * has evicted exactly as many tokens as eval.
+ */
+static struct su_proc eq_srv; /* stopped by eq_teardown, also when a check fails */
+
+static int eq_teardown(void **state)
+{
+    (void)state;
+    if (eq_srv.pid)
+        su_stop(&eq_srv, SIGKILL, 10);
+    return 0;
+}
+
+/* POST a JSON body (stolen) and parse the answer, allowing U+0000 in
+ * strings (the text of byte token 0x00 among the alternatives). */
+static json_t *post_json(int port, const char *path, json_t *body, int *status)
+{
+    char *b = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    struct su_resp r;
+    *status = su_http(port, "POST", path, NULL, b, &r);
+    free(b);
+    json_t *v = r.body ? json_loads(r.body, JSON_ALLOW_NUL, NULL) : NULL;
+    su_resp_free(&r);
+    return v;
+}
+
+static void test_serve_scores_like_eval(void **state)
+{
+    (void)state;
+    if (!have_inputs())
+        skip();
+    enum { N = 300, PAGE = 8, SINK = 4, WINDOW = 60, VOCAB = 512 };
+    /* cmd_eval.c's parse_policy: the smallest budget the policy accepts,
+     * sinks as whole pages + window + one page */
+    const int budget = (SINK + PAGE - 1) / PAGE * PAGE + WINDOW + PAGE;
+    char dir[] = "/tmp/kvd-eval-serve-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char text_file[128], loss_file[128];
+    snprintf(text_file, sizeof(text_file), "%s/text.txt", dir);
+    snprintf(loss_file, sizeof(loss_file), "%s/losses.bin", dir);
+
+    /* The text both score: the shared file's first 4000 bytes (well over
+     * N tokens), so both tokenize exactly the same string. */
+    static char text[4001];
+    FILE *f = fopen(text_path, "rb");
+    assert_non_null(f);
+    size_t tl = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    text[tl] = '\0';
+    f = fopen(text_file, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(text, 1, tl, f), tl);
+    fclose(f);
+
+    /* 1. kvd eval */
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd),
+             "%s eval --model %s --file %s --json --tokens %d --policy sink-window:%d:%d "
+             "--page-tokens %d --kv-type f32 --train-len 512 --losses %s 2>/dev/null",
+             kvd_bin, model_path, text_file, N, SINK, WINDOW, PAGE, loss_file);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    json_t *doc = json_loadf(p, 0, NULL);
+    int rc = pclose(p);
+    assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+    json_t *run = run_named(doc, "sink-window");
+    long long eval_evicted = json_integer_value(json_object_get(run, "tokens_evicted"));
+    assert_true(eval_evicted > 0);
+    json_decref(doc);
+    static float loss[N];
+    f = fopen(loss_file, "rb");
+    assert_non_null(f);
+    assert_int_equal(fread(loss, sizeof(float), N, f), N);
+    fclose(f);
+    assert_true(isnan(loss[0])); /* BOS */
+
+    /* 2. kvd serve, the same settings */
+    char set_budget[64], set_page[64], set_sink[64], set_window[64];
+    snprintf(set_budget, sizeof(set_budget), "eviction.max_cache_tokens=%d", budget);
+    snprintf(set_page, sizeof(set_page), "cache.page_tokens=%d", PAGE);
+    snprintf(set_sink, sizeof(set_sink), "eviction.sink_tokens=%d", SINK);
+    snprintf(set_window, sizeof(set_window), "eviction.window_tokens=%d", WINDOW);
+    const char *args[] = {"--set", "eviction.policy=sink-window",
+                          "--set", set_sink,
+                          "--set", set_window,
+                          "--set", set_budget,
+                          "--set", set_page,
+                          "--set", "cache.kv_type=f32",
+                          "--set", "eviction.positions=renumber"};
+    struct su_proc *srv = &eq_srv;
+    snprintf(srv->log, sizeof(srv->log), "%s/serve.log", dir);
+    assert_int_equal(
+        su_serve(srv, kvd_bin, model_path, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+
+    /* the token ids, BOS included, from the server's own tokenizer */
+    int st;
+    json_t *tk = post_json(srv->port, "/tokenize",
+                           json_pack("{s:s, s:b}", "content", text, "add_special", 1), &st);
+    assert_int_equal(st, 200);
+    json_t *ids = json_object_get(tk, "tokens");
+    assert_true(json_array_size(ids) >= N);
+    static int32_t tok[N];
+    for (int i = 0; i < N; i++)
+        tok[i] = (int32_t)json_integer_value(json_array_get(ids, (size_t)i));
+    json_decref(tk);
+
+    double worst = 0;
+    for (int k = 0; k + 1 < N; k++) {
+        json_t *prompt = json_array();
+        for (int i = 0; i <= k; i++)
+            json_array_append_new(prompt, json_integer(tok[i]));
+        json_t *v = post_json(srv->port, "/completion",
+                              json_pack("{s:o, s:s, s:i, s:f, s:i}", "prompt", prompt, "session",
+                                        "eq", "n_predict", 1, "temperature", 0.0, "n_probs", VOCAB),
+                              &st);
+        if (st != 200 || !v)
+            su_dump_log(srv);
+        assert_int_equal(st, 200);
+        assert_non_null(v);
+        /* only the new token was prefilled */
+        assert_int_equal(json_integer_value(json_object_get(v, "tokens_cached")), k);
+        json_t *top = json_object_get(
+            json_array_get(json_object_get(v, "completion_probabilities"), 0), "top_logprobs");
+        assert_int_equal(json_array_size(top), VOCAB);
+        double lp = NAN;
+        for (size_t j = 0; j < VOCAB; j++) {
+            json_t *t = json_array_get(top, j);
+            if (json_integer_value(json_object_get(t, "id")) == tok[k + 1])
+                lp = json_number_value(json_object_get(t, "logprob"));
+        }
+        json_decref(v);
+        double d = fabs(-lp - (double)loss[k + 1]);
+        if (!(d <= 1e-4))
+            print_message("token %d: serve %.6f, eval %.6f nats\n", k + 1, -lp, loss[k + 1]);
+        assert_true(d <= 1e-4);
+        if (d > worst)
+            worst = d;
+        /* the session holds the prompt, not the token generated */
+        struct su_resp r;
+        assert_int_equal(su_http(srv->port, "GET", "/v1/sessions/eq", NULL, NULL, &r), 200);
+        json_t *info = json_loads(r.body, 0, NULL);
+        su_resp_free(&r);
+        assert_int_equal(json_integer_value(json_object_get(info, "tokens")), k + 1);
+        if (k + 2 == N)
+            assert_int_equal(json_integer_value(json_object_get(info, "evicted_tokens")),
+                             eval_evicted);
+        json_decref(info);
+    }
+    print_message("%d tokens: serve and eval agree within %.2g nats; %lld tokens evicted by both\n",
+                  N - 1, worst, eval_evicted);
+    assert_int_equal(su_stop(srv, SIGTERM, 30), 0);
+    unlink(text_file);
+    unlink(loss_file);
+    unlink(srv->log);
+    rmdir(dir);
+}
+
 int main(void)
 {
     /* the kvd processes share two cores with whatever else runs: idle
@@ -260,6 +430,7 @@ int main(void)
         cmocka_unit_test(test_chunked_equals_independent),
         cmocka_unit_test(test_preserve_worse_than_renumber),
         cmocka_unit_test(test_sink_window_matches_recompute),
+        cmocka_unit_test_teardown(test_serve_scores_like_eval, eq_teardown),
     };
     return cmocka_run_group_tests_name("eval", tests, NULL, NULL);
 }
