@@ -1,22 +1,151 @@
 /*
- * arch_ref.h - the plain reference forward of test_arch.c, and GGUF
- * surgery for its hostile files.
+ * arch_ref.h - the plain reference forward of test_model.c and test_arch.c,
+ * their shared fixtures, and GGUF surgery for hostile files.
  *
- * The reference reads a BLOOM, MPT or llama-shaped ALiBi / T5-bias GGUF on
- * its own (metadata keys and tensor names, the fused QKV split by rows),
- * computes ALiBi slopes from the ALiBi paper's and MPT's formulas rather
- * than posenc's, and runs one token at a time in double precision with
- * every score and bias materialised from the position numbers (T5 buckets
- * by posenc's pos_t5_bucket, which test_attention checks against Hugging
- * Face's). Its cache holds K and V as produced; eviction only drops
- * entries and sets positions, since an offset-only bias needs nothing
- * else.
+ * The reference reads a llama/qwen2 (RoPE), BLOOM or MPT (ALiBi) or
+ * llama-shaped ALiBi / T5-bias GGUF on its own (metadata keys and tensor
+ * names, the fused QKV split by rows), computes ALiBi slopes from the ALiBi
+ * paper's and MPT's formulas rather than posenc's, and runs one token at a
+ * time in double precision over weights dequantised to f32, with every
+ * score materialised. RoPE is applied llama.cpp style: keys are stored
+ * rotated by the position they had when stored, and eviction re-rotates
+ * the survivors by their position change (as llama.cpp's context shift
+ * does). ALiBi and T5 biases are materialised from the position numbers
+ * (T5 buckets by posenc's pos_t5_bucket, which test_attention checks
+ * against Hugging Face's); for them eviction only drops entries and sets
+ * positions, since an offset-only bias needs nothing else.
  *
- * Include after <cmocka.h> and model/model_internal.h; everything here is
- * static, for the one program that includes it.
+ * Include after <cmocka.h> and model/model_internal.h, model/mkmodel.h and
+ * model/quant.h; everything here is static, for the one program that
+ * includes it, and may go unused in one of the two programs.
  */
 #ifndef KVD_TESTS_ARCH_REF_H
 #define KVD_TESTS_ARCH_REF_H
+
+#define AR_FN static __attribute__((unused))
+
+/* ------------------------------------------------------------------------
+ * Fixtures
+ * ------------------------------------------------------------------------ */
+
+/* The program's scratch directory: tmp_dir_create in the group setup,
+ * tmp_dir_remove in the teardown. */
+static char tmp_dir[256];
+
+/* mkdtemp TMPDIR/kvd-test-TAG-XXXXXX. Returns 0 or -1. */
+AR_FN int tmp_dir_create(const char *tag)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(tmp_dir, sizeof(tmp_dir), "%s/kvd-test-%s-XXXXXX", t && *t ? t : "/tmp", tag);
+    return mkdtemp(tmp_dir) ? 0 : -1;
+}
+
+AR_FN int tmp_dir_remove(void)
+{
+    char cmd[400];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp_dir);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+/* Write a mkmodel model as tmp_dir/name; its path in path. */
+AR_FN void write_model(const struct model_mk_params *p, const char *name, char *path, size_t cap)
+{
+    char err[512];
+    snprintf(path, cap, "%s/%s", tmp_dir, name);
+    int rc = model_mk_write(p, path, err, sizeof(err));
+    if (rc)
+        print_message("model_mk_write: %s\n", err);
+    assert_int_equal(rc, 0);
+}
+
+AR_FN model *load_model(const char *path)
+{
+    char err[512];
+    struct model_params mp = {.path = path};
+    model *m = model_load(&mp, err, sizeof(err));
+    if (!m)
+        print_message("model_load: %s\n", err);
+    assert_non_null(m);
+    return m;
+}
+
+/* A cache for model m with room for `tokens` tokens in total. */
+AR_FN kv_cache *make_cache(const model *m, enum kv_type type, int page_tokens, int tokens)
+{
+    struct kv_cache_params cp = {.page_tokens = page_tokens, .type = type};
+    model_kv_shape(m, &cp);
+    size_t page =
+        (size_t)2 * cp.n_layer * cp.n_kv_head * page_tokens * cp.head_dim * kv_type_size(type);
+    page = (page + 63) / 64 * 64;
+    cp.memory_bytes = page * (size_t)(tokens / page_tokens + 4);
+    char err[256];
+    kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
+    if (!c)
+        print_message("kv_cache_create: %s\n", err);
+    assert_non_null(c);
+    return c;
+}
+
+AR_FN kv_seq *make_seq(kv_cache *c, const struct kv_policy *pol)
+{
+    char err[256];
+    kv_seq *s = kv_seq_create(c, pol, false, err, sizeof(err));
+    if (!s)
+        print_message("kv_seq_create: %s\n", err);
+    assert_non_null(s);
+    return s;
+}
+
+AR_FN struct kv_policy policy_none(int max_tokens)
+{
+    return (struct kv_policy){
+        .kind = KV_EVICT_NONE, .max_cache_tokens = max_tokens, .renumber = true};
+}
+
+AR_FN model_ctx *make_ctx(const model *m, int max_tokens, int threads)
+{
+    char err[256];
+    model_ctx *c = model_ctx_create(m, max_tokens, threads, err, sizeof(err));
+    if (!c)
+        print_message("model_ctx_create: %s\n", err);
+    assert_non_null(c);
+    return c;
+}
+
+/* Deterministic pseudo-random token ids in [3, n_vocab) (no specials). */
+AR_FN void fill_tokens(int32_t *t, int n, int n_vocab, uint32_t seed)
+{
+    uint32_t s = seed * 2654435761u + 1;
+    for (int i = 0; i < n; i++) {
+        s = s * 1664525u + 1013904223u;
+        t[i] = 3 + (int32_t)((s >> 8) % (uint32_t)(n_vocab - 3));
+    }
+}
+
+AR_FN float max_abs_diff(const float *a, const float *b, int n)
+{
+    float d = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float e = fabsf(a[i] - b[i]);
+        if (!(e <= d)) /* NaN propagates as a failure */
+            d = isnan(e) ? INFINITY : e;
+    }
+    return d;
+}
+
+AR_FN float max_abs(const float *a, int n)
+{
+    float d = 0.0f;
+    for (int i = 0; i < n; i++)
+        d = fabsf(a[i]) > d ? fabsf(a[i]) : d;
+    return d;
+}
+
+/* The largest difference relative to the largest reference value. */
+AR_FN float rel_diff(const float *a, const float *ref, int n)
+{
+    return max_abs_diff(a, ref, n) / max_abs(ref, n);
+}
 
 /* ------------------------------------------------------------------------
  * ALiBi slopes, as the papers write them
@@ -27,7 +156,7 @@
  * two <= n, slopes (2^(-8/p))^k for k = 1..p, then for the remaining
  * n - p heads the odd powers of 2^(-4/p).
  */
-static void bloom_slopes(double *s, int n)
+AR_FN void bloom_slopes(double *s, int n)
 {
     int p = 1;
     while (p * 2 <= n)
@@ -45,7 +174,7 @@ static void bloom_slopes(double *s, int n)
  * 1 / 2^(k * max_bias / q) for k = 1..q; when q != n, the odd-indexed ones
  * then the even-indexed ones, cut to n.
  */
-static void mpt_slopes(double *s, int n, double max_bias)
+AR_FN void mpt_slopes(double *s, int n, double max_bias)
 {
     int q = 1;
     while (q < n)
@@ -83,8 +212,11 @@ struct ref_model {
     int n_vocab, d, n_layer, n_head, n_kv, hd, n_ff;
     bool layernorm;
     enum ref_act act;
-    enum pos_kind pos;
+    enum pos_kind pos; /* ROPE, ALIBI or T5 */
     float eps, clamp;
+    int n_rot;          /* RoPE: rotated dims per head */
+    bool neox;          /* RoPE: pairs (i, i + n_rot/2) (qwen2) rather than (2i, 2i+1) */
+    float theta, fscale; /* RoPE: frequency base, linear position scale */
     double *slopes; /* ALiBi [n_head] */
     float *t5;      /* T5 [n_head][nb] */
     int nb, md;
@@ -93,7 +225,7 @@ struct ref_model {
 };
 
 /* A whole tensor dequantised to f32 rows, or NULL when absent. */
-static float *ref_tensor(const gguf_file *f, const char *name, int ne0, int ne1)
+AR_FN float *ref_tensor(const gguf_file *f, const char *name, int ne0, int ne1)
 {
     const struct gguf_tensor *t = gguf_find_tensor(f, name);
     if (!t)
@@ -110,7 +242,7 @@ static float *ref_tensor(const gguf_file *f, const char *name, int ne0, int ne1)
     return w;
 }
 
-static float *rows_copy(const float *w, int row0, int n_rows, int n_in)
+AR_FN float *rows_copy(const float *w, int row0, int n_rows, int n_in)
 {
     float *o = malloc(sizeof(float) * (size_t)n_rows * n_in);
     assert_non_null(o);
@@ -118,19 +250,19 @@ static float *rows_copy(const float *w, int row0, int n_rows, int n_in)
     return o;
 }
 
-static int ref_meta_int(const gguf_file *f, const char *key, int def)
+AR_FN int ref_meta_int(const gguf_file *f, const char *key, int def)
 {
     int64_t v;
     return gguf_get_i64(f, key, &v) ? def : (int)v;
 }
 
-static float ref_meta_f32(const gguf_file *f, const char *key, float def)
+AR_FN float ref_meta_f32(const gguf_file *f, const char *key, float def)
 {
     float v;
     return gguf_get_f32(f, key, &v) ? def : v;
 }
 
-static void ref_load(struct ref_model *r, const char *path)
+AR_FN void ref_load(struct ref_model *r, const char *path)
 {
     char err[256];
     gguf_file *f = gguf_open(path, err, sizeof(err));
@@ -156,14 +288,25 @@ static void ref_load(struct ref_model *r, const char *path)
     assert_true(r->eps > 0.0f);
     r->clamp = ref_meta_f32(f, KEY("attention.clamp_kqv"), 0.0f);
     float max_bias = ref_meta_f32(f, KEY("attention.max_alibi_bias"), bloom ? 8.0f : -1.0f);
-#undef KEY
+    /* BLOOM and MPT are ALiBi; a llama-shaped model is RoPE unless
+     * kvd.position.kind says otherwise. */
     const char *kind = "alibi";
     size_t kn = 5;
-    if (!bloom && !mpt)
-        assert_int_equal(gguf_get_str(f, "kvd.position.kind", &kind, &kn), 0);
-    r->pos = kn == 2 && !memcmp(kind, "t5", 2) ? POS_T5 : POS_ALIBI;
-    assert_true(r->pos == POS_T5 || (kn == 5 && !memcmp(kind, "alibi", 5)));
-    if (r->pos == POS_ALIBI) {
+    if (!bloom && !mpt && gguf_get_str(f, "kvd.position.kind", &kind, &kn)) {
+        kind = "rope";
+        kn = 4;
+    }
+    r->pos = kn == 2 && !memcmp(kind, "t5", 2)      ? POS_T5
+             : kn == 4 && !memcmp(kind, "rope", 4)  ? POS_ROPE
+             : kn == 5 && !memcmp(kind, "alibi", 5) ? POS_ALIBI
+                                                    : POS_NONE;
+    assert_true(r->pos != POS_NONE);
+    if (r->pos == POS_ROPE) {
+        r->neox = !strcmp(arch, "qwen2");
+        r->n_rot = ref_meta_int(f, KEY("rope.dimension_count"), r->hd);
+        r->theta = ref_meta_f32(f, KEY("rope.freq_base"), 10000.0f);
+        r->fscale = 1.0f;
+    } else if (r->pos == POS_ALIBI) {
         assert_true(max_bias > 0.0f);
         r->slopes = malloc(sizeof(double) * (size_t)r->n_head);
         mpt_slopes(r->slopes, r->n_head, max_bias);
@@ -178,6 +321,7 @@ static void ref_load(struct ref_model *r, const char *path)
                 r->t5[(size_t)h * r->nb + b] = tab[(size_t)b * r->n_head + h];
         free(tab);
     }
+#undef KEY
 
     uint64_t nv;
     enum gguf_type et;
@@ -243,7 +387,7 @@ static void ref_load(struct ref_model *r, const char *path)
     gguf_close(f);
 }
 
-static void ref_free(struct ref_model *r)
+AR_FN void ref_free(struct ref_model *r)
 {
     for (int l = 0; l < r->n_layer; l++) {
         struct ref_layer *L = &r->L[l];
@@ -264,8 +408,16 @@ static void ref_free(struct ref_model *r)
     free(r->t5);
 }
 
+/*
+ * When set, RMSNorm rounds x / rms to f32 before the weight multiplies it
+ * (two f32 steps, as ggml's rms_norm then mul), the way test_model's
+ * reference always has; unset (test_arch's), the whole norm stays in
+ * double. LayerNorm is always in double.
+ */
+static bool ref_rms_round_f32;
+
 /* The model's norm, in double: RMSNorm * w, or LayerNorm * w + b. */
-static void ref_norm(const struct ref_model *r, float *o, const float *x, const float *w,
+AR_FN void ref_norm(const struct ref_model *r, float *o, const float *x, const float *w,
                      const float *b)
 {
     int n = r->d;
@@ -278,52 +430,103 @@ static void ref_norm(const struct ref_model *r, float *o, const float *x, const 
     for (int i = 0; i < n; i++)
         var += ((double)x[i] - mean) * ((double)x[i] - mean);
     double s = 1.0 / sqrt(var / n + r->eps);
+    if (ref_rms_round_f32 && !r->layernorm && !b) {
+        for (int i = 0; i < n; i++)
+            o[i] = (float)(x[i] * s) * w[i];
+        return;
+    }
     for (int i = 0; i < n; i++)
         o[i] = (float)(((double)x[i] - mean) * s * w[i] + (b ? b[i] : 0.0));
 }
 
+/*
+ * When set, ref_matvec first rounds its input to 8 bits per block of 32
+ * (scale max|x|/127, round to nearest) as quant.h says quantised products
+ * do: the reference then differs from kvd only by summation order.
+ */
+static bool ref_round_act;
+
 /* o[n_out] = W[n_out][n_in] x + b, accumulated in double. */
-static void ref_matvec(float *o, const float *W, const float *b, const float *x, int n_out,
+AR_FN void ref_matvec(float *o, const float *W, const float *b, const float *x, int n_out,
                        int n_in)
 {
+    float *xq = NULL;
+    if (ref_round_act) {
+        xq = malloc(sizeof(float) * (size_t)n_in);
+        assert_non_null(xq);
+        memcpy(xq, x, sizeof(float) * (size_t)n_in);
+        for (int i0 = 0; i0 < n_in; i0 += 32) {
+            float amax = 0.0f;
+            for (int i = i0; i < i0 + 32; i++)
+                amax = fabsf(xq[i]) > amax ? fabsf(xq[i]) : amax;
+            float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int i = i0; i < i0 + 32; i++)
+                xq[i] = rintf(xq[i] * id) * d;
+        }
+        x = xq;
+    }
     for (int r = 0; r < n_out; r++) {
         double s = b ? b[r] : 0.0;
         for (int i = 0; i < n_in; i++)
             s += (double)W[(size_t)r * n_in + i] * x[i];
         o[r] = (float)s;
     }
+    free(xq);
 }
 
-static void ref_clamp(float *x, int n, float c)
+/* Rotate one head's vector by position delta (may be negative). */
+AR_FN void ref_rope(const struct ref_model *r, float *x, double delta)
+{
+    int half = r->n_rot / 2;
+    for (int i = 0; i < half; i++) {
+        double freq = pow((double)r->theta, -2.0 * i / r->n_rot);
+        double ang = delta * r->fscale * freq;
+        double c = cos(ang), s = sin(ang);
+        int a = r->neox ? i : 2 * i, b = r->neox ? i + half : 2 * i + 1;
+        double x0 = x[a], x1 = x[b];
+        x[a] = (float)(x0 * c - x1 * s);
+        x[b] = (float)(x0 * s + x1 * c);
+    }
+}
+
+AR_FN void ref_clamp(float *x, int n, float c)
 {
     for (int i = 0; c > 0.0f && i < n; i++)
         x[i] = x[i] < -c ? -c : x[i] > c ? c : x[i];
 }
 
-static float round_f16(float x)
+AR_FN float round_f16(float x)
 {
     return qt_f16_to_f32(qt_f32_to_f16(x));
 }
 
-/* The bias of key position pk for a query at pq, head h, materialised. */
-static double ref_bias(const struct ref_model *r, int h, int32_t pk, int32_t pq)
+/* The bias of key position pk for a query at pq, head h, materialised
+ * (none with RoPE, which rotates q and k instead). */
+AR_FN double ref_bias(const struct ref_model *r, int h, int32_t pk, int32_t pq)
 {
     int64_t offset = (int64_t)pk - pq; /* key - query: negative looks back */
+    if (r->pos == POS_ROPE)
+        return 0.0;
     if (r->pos == POS_ALIBI)
         return r->slopes[h] * (double)offset;
     return r->t5[(size_t)h * r->nb + pos_t5_bucket(offset, false, r->nb, r->md)];
 }
 
-/* The reference's cache of one sequence: K and V exactly as produced (no
- * positions baked in), rounded to f16 when f16; a position per entry. */
+/*
+ * The reference's cache of one sequence: K and V as produced, rounded to
+ * f16 when f16, and a position per entry. With RoPE, llama.cpp style:
+ * keys are stored rotated by the position they had when stored, and
+ * eviction re-rotates the survivors in place by their position change.
+ */
 struct ref_seq {
     int n, cap;
     bool f16;
     int32_t *pos, *hidx;
     float *k, *v; /* [n_layer][cap][kv_dim] */
+    float *unrot; /* [n_layer][cap][kv_dim] the keys before rotation, exact (drift) */
 };
 
-static void ref_seq_init(struct ref_seq *s, const struct ref_model *r, int cap, bool f16)
+AR_FN void ref_seq_init(struct ref_seq *s, const struct ref_model *r, int cap, bool f16)
 {
     memset(s, 0, sizeof(*s));
     s->cap = cap;
@@ -333,38 +536,55 @@ static void ref_seq_init(struct ref_seq *s, const struct ref_model *r, int cap, 
     s->hidx = calloc((size_t)cap, sizeof(int32_t));
     s->k = calloc(kv, sizeof(float));
     s->v = calloc(kv, sizeof(float));
-    assert_true(s->pos && s->hidx && s->k && s->v);
+    s->unrot = calloc(kv, sizeof(float));
+    assert_true(s->pos && s->hidx && s->k && s->v && s->unrot);
 }
 
-static void ref_seq_free(struct ref_seq *s)
+AR_FN void ref_seq_free(struct ref_seq *s)
 {
     free(s->pos);
     free(s->hidx);
     free(s->k);
     free(s->v);
+    free(s->unrot);
 }
 
-static float *ref_kv(const struct ref_model *r, const struct ref_seq *s, float *base, int l, int i)
+AR_FN float *ref_kv(const struct ref_model *r, const struct ref_seq *s, float *base, int l, int i)
 {
     return base + ((size_t)l * s->cap + i) * (size_t)r->n_kv * r->hd;
 }
 
 /*
  * Keep the entries whose history index is in keep_hidx (ascending) and give
- * them the positions new_pos: with an offset-only bias nothing else
- * changes.
+ * them the positions new_pos. With RoPE the rotated keys turn by the
+ * position change (rounded to f16 again when f16); with an offset-only
+ * bias nothing else changes. Returns how many entries were re-rotated.
  */
-static void ref_seq_evict(const struct ref_model *r, struct ref_seq *s, const int32_t *keep_hidx,
-                          const int32_t *new_pos, int n_keep)
+AR_FN int ref_seq_evict(const struct ref_model *r, struct ref_seq *s, const int32_t *keep_hidx,
+                         const int32_t *new_pos, int n_keep)
 {
-    int w = 0, j = 0, kvd = r->n_kv * r->hd;
+    int w = 0, j = 0, rerot = 0, kvd = r->n_kv * r->hd;
+    bool rope = r->pos == POS_ROPE;
     for (int i = 0; i < s->n && j < n_keep; i++) {
         if (s->hidx[i] != keep_hidx[j])
             continue;
-        for (int l = 0; l < r->n_layer && w != i; l++) {
-            memcpy(ref_kv(r, s, s->k, l, w), ref_kv(r, s, s->k, l, i), sizeof(float) * kvd);
-            memcpy(ref_kv(r, s, s->v, l, w), ref_kv(r, s, s->v, l, i), sizeof(float) * kvd);
+        int delta = new_pos[j] - s->pos[i];
+        for (int l = 0; l < r->n_layer; l++) {
+            float *k = ref_kv(r, s, s->k, l, i);
+            for (int h = 0; rope && delta != 0 && h < r->n_kv; h++) {
+                ref_rope(r, k + h * r->hd, delta);
+                if (s->f16)
+                    for (int e = 0; e < r->hd; e++)
+                        k[h * r->hd + e] = round_f16(k[h * r->hd + e]);
+            }
+            if (w != i) {
+                memcpy(ref_kv(r, s, s->k, l, w), k, sizeof(float) * kvd);
+                memcpy(ref_kv(r, s, s->v, l, w), ref_kv(r, s, s->v, l, i), sizeof(float) * kvd);
+                memcpy(ref_kv(r, s, s->unrot, l, w), ref_kv(r, s, s->unrot, l, i),
+                       sizeof(float) * kvd);
+            }
         }
+        rerot += rope && delta != 0;
         s->pos[w] = new_pos[j];
         s->hidx[w] = s->hidx[i];
         w++;
@@ -372,13 +592,14 @@ static void ref_seq_evict(const struct ref_model *r, struct ref_seq *s, const in
     }
     assert_int_equal(j, n_keep);
     s->n = w;
+    return rerot;
 }
 
 /*
  * One token through the reference: stores its K/V at pos and, if logits is
  * non-NULL, writes the next-token logits.
  */
-static void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token, int32_t pos,
+AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token, int32_t pos,
                      int32_t hidx, float *logits)
 {
     int d = r->d, hd = r->hd, qd = r->n_head * hd, kvd = r->n_kv * hd, ff = r->n_ff;
@@ -403,6 +624,11 @@ static void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token
         ref_clamp(q, qd, r->clamp);
         ref_clamp(k, kvd, r->clamp);
         ref_clamp(v, kvd, r->clamp);
+        memcpy(ref_kv(r, s, s->unrot, l, me), k, sizeof(float) * kvd);
+        for (int h = 0; r->pos == POS_ROPE && h < r->n_head; h++)
+            ref_rope(r, q + h * hd, pos);
+        for (int h = 0; r->pos == POS_ROPE && h < r->n_kv; h++)
+            ref_rope(r, k + h * hd, pos);
         if (s->f16)
             for (int e = 0; e < kvd; e++) {
                 k[e] = round_f16(k[e]);
@@ -473,7 +699,7 @@ static void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token
 }
 
 /* Logits of a fresh reference sequence fed toks[i] at pos[i]. */
-static void ref_fresh(const struct ref_model *r, const int32_t *toks, const int32_t *pos, int n,
+AR_FN void ref_fresh(const struct ref_model *r, const int32_t *toks, const int32_t *pos, int n,
                       float *logits)
 {
     struct ref_seq s;
@@ -481,6 +707,81 @@ static void ref_fresh(const struct ref_model *r, const int32_t *toks, const int3
     for (int i = 0; i < n; i++)
         ref_step(r, &s, toks[i], pos[i], i, i == n - 1 ? logits : NULL);
     ref_seq_free(&s);
+}
+
+/* Comparisons of the last check_against_reference: all, and within 1e-4. */
+static int n_checks, n_tight;
+
+/*
+ * Three sequences fed in mixed batches (prefill chunks beside single decode
+ * tokens), each step's logits compared with the reference fed the same
+ * tokens one at a time. Returns the largest difference relative to the
+ * largest reference logit.
+ */
+AR_FN float check_against_reference(const char *path, enum kv_type kvt, int threads)
+{
+    n_checks = n_tight = 0;
+    model *m = load_model(path);
+    struct ref_model r;
+    ref_load(&r, path);
+    assert_int_equal(r.n_vocab, m->n_vocab);
+    int nv = m->n_vocab;
+
+    enum { NS = 3, NSTEP = 4 };
+    /* Tokens per sequence per step: prefill chunks, then decode tokens. */
+    static const int plan[NSTEP][NS] = {{7, 13, 1}, {1, 5, 1}, {1, 1, 9}, {3, 1, 1}};
+    kv_cache *cache = make_cache(m, kvt, 16, 200);
+    struct kv_policy pol = policy_none(64);
+    kv_seq *seq[NS];
+    struct ref_seq rs[NS];
+    int32_t toks[NS][64];
+    int fed[NS] = {0};
+    for (int s = 0; s < NS; s++) {
+        seq[s] = make_seq(cache, &pol);
+        ref_seq_init(&rs[s], &r, 64, kvt == KV_F16);
+        fill_tokens(toks[s], 64, nv, 100 + (uint32_t)s);
+    }
+    model_ctx *ctx = make_ctx(m, 32, threads);
+    float *lg = malloc(sizeof(float) * NS * nv), *ref = malloc(sizeof(float) * nv);
+    float worst = 0.0f;
+    for (int step = 0; step < NSTEP; step++) {
+        struct model_batch_seq b[NS];
+        /* Step 1 asks no logits of the middle sequence (a prefill chunk
+         * mid-prompt): the last layer then runs for the other rows only. */
+        for (int s = 0; s < NS; s++)
+            b[s] = (struct model_batch_seq){.seq = seq[s],
+                                            .tokens = toks[s] + fed[s],
+                                            .n_tokens = plan[step][s],
+                                            .logits = step == 1 && s == 1 ? NULL : lg + s * nv};
+        assert_int_equal(model_forward(ctx, b, NS, NULL), 0);
+        for (int s = 0; s < NS; s++) {
+            const int32_t *pos = kv_seq_positions(seq[s]);
+            for (int i = 0; i < plan[step][s]; i++) {
+                int idx = fed[s] + i;
+                ref_step(&r, &rs[s], toks[s][idx], pos[idx], idx,
+                         i == plan[step][s] - 1 ? ref : NULL);
+            }
+            fed[s] += plan[step][s];
+            assert_int_equal(kv_seq_n_tokens(seq[s]), fed[s]);
+            if (!b[s].logits)
+                continue;
+            float e = rel_diff(lg + s * nv, ref, nv);
+            n_tight += e < 1e-4f;
+            n_checks++;
+            worst = e > worst ? e : worst;
+        }
+    }
+    free(lg);
+    free(ref);
+    model_ctx_destroy(ctx);
+    for (int s = 0; s < NS; s++) {
+        kv_seq_destroy(seq[s]);
+        ref_seq_free(&rs[s]);
+    }
+    kv_cache_destroy(cache);
+    ref_free(&r);
+    model_free(m);
+    return worst;
 }
 
 /* ------------------------------------------------------------------------
@@ -508,7 +809,7 @@ struct mutation {
 };
 
 /* Copy src to dst with the mutation applied. */
-static void mutate(const char *src, const char *dst, const struct mutation *mu)
+AR_FN void mutate(const char *src, const char *dst, const struct mutation *mu)
 {
     char err[256];
     gguf_file *f = gguf_open(src, err, sizeof(err));
@@ -597,7 +898,7 @@ static void mutate(const char *src, const char *dst, const struct mutation *mu)
 
 /* Load must fail with a message containing `want` (and the override
  * params, when given). */
-static void expect_load_error_p(const char *path, const struct model_params *over, const char *want)
+AR_FN void expect_load_error_p(const char *path, const struct model_params *over, const char *want)
 {
     char err[512] = "";
     struct model_params mp = over ? *over : (struct model_params){0};
@@ -612,7 +913,7 @@ static void expect_load_error_p(const char *path, const struct model_params *ove
     assert_non_null(strstr(err, want));
 }
 
-static void expect_load_error(const char *path, const char *want)
+AR_FN void expect_load_error(const char *path, const char *want)
 {
     expect_load_error_p(path, NULL, want);
 }

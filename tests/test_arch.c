@@ -51,25 +51,19 @@
 #include "tests/serve_util.h"
 
 /* ------------------------------------------------------------------------
- * Fixtures
+ * Fixtures (the shared ones are in tests/arch_ref.h)
  * ------------------------------------------------------------------------ */
-
-static char tmp_dir[256];
 
 static int group_setup(void **state)
 {
     (void)state;
-    const char *t = getenv("TMPDIR");
-    snprintf(tmp_dir, sizeof(tmp_dir), "%s/kvd-test-arch-XXXXXX", t && *t ? t : "/tmp");
-    return mkdtemp(tmp_dir) ? 0 : -1;
+    return tmp_dir_create("arch");
 }
 
 static int group_teardown(void **state)
 {
     (void)state;
-    char cmd[400];
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp_dir);
-    return system(cmd) == 0 ? 0 : -1;
+    return tmp_dir_remove();
 }
 
 /* A small model of the given architecture and position scheme. */
@@ -92,172 +86,9 @@ static struct model_mk_params arch_params(const char *arch, const char *position
     return p;
 }
 
-static void write_model(const struct model_mk_params *p, const char *name, char *path, size_t cap)
-{
-    char err[512];
-    snprintf(path, cap, "%s/%s", tmp_dir, name);
-    int rc = model_mk_write(p, path, err, sizeof(err));
-    if (rc)
-        print_message("model_mk_write: %s\n", err);
-    assert_int_equal(rc, 0);
-}
-
-static model *load_model(const char *path)
-{
-    char err[512];
-    struct model_params mp = {.path = path};
-    model *m = model_load(&mp, err, sizeof(err));
-    if (!m)
-        print_message("model_load: %s\n", err);
-    assert_non_null(m);
-    return m;
-}
-
-/* A cache for model m with room for `tokens` tokens in total. */
-static kv_cache *make_cache(const model *m, enum kv_type type, int page_tokens, int tokens)
-{
-    struct kv_cache_params cp = {.page_tokens = page_tokens, .type = type};
-    model_kv_shape(m, &cp);
-    size_t page =
-        (size_t)2 * cp.n_layer * cp.n_kv_head * page_tokens * cp.head_dim * kv_type_size(type);
-    page = (page + 63) / 64 * 64;
-    cp.memory_bytes = page * (size_t)(tokens / page_tokens + 4);
-    char err[256];
-    kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
-    if (!c)
-        print_message("kv_cache_create: %s\n", err);
-    assert_non_null(c);
-    return c;
-}
-
-static kv_seq *make_seq(kv_cache *c, const struct kv_policy *pol)
-{
-    char err[256];
-    kv_seq *s = kv_seq_create(c, pol, false, err, sizeof(err));
-    if (!s)
-        print_message("kv_seq_create: %s\n", err);
-    assert_non_null(s);
-    return s;
-}
-
-static struct kv_policy policy_none(int max_tokens)
-{
-    return (struct kv_policy){
-        .kind = KV_EVICT_NONE, .max_cache_tokens = max_tokens, .renumber = true};
-}
-
-static model_ctx *make_ctx(const model *m, int max_tokens, int threads)
-{
-    char err[256];
-    model_ctx *c = model_ctx_create(m, max_tokens, threads, err, sizeof(err));
-    if (!c)
-        print_message("model_ctx_create: %s\n", err);
-    assert_non_null(c);
-    return c;
-}
-
-/* Deterministic pseudo-random token ids in [3, n_vocab) (no specials). */
-static void fill_tokens(int32_t *t, int n, int n_vocab, uint32_t seed)
-{
-    uint32_t s = seed * 2654435761u + 1;
-    for (int i = 0; i < n; i++) {
-        s = s * 1664525u + 1013904223u;
-        t[i] = 3 + (int32_t)((s >> 8) % (uint32_t)(n_vocab - 3));
-    }
-}
-
-static float max_abs_diff(const float *a, const float *b, int n)
-{
-    float d = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float e = fabsf(a[i] - b[i]);
-        if (!(e <= d)) /* NaN propagates as a failure */
-            d = isnan(e) ? INFINITY : e;
-    }
-    return d;
-}
-
-static float max_abs(const float *a, int n)
-{
-    float d = 0.0f;
-    for (int i = 0; i < n; i++)
-        d = fabsf(a[i]) > d ? fabsf(a[i]) : d;
-    return d;
-}
-
-static float rel_diff(const float *a, const float *ref, int n)
-{
-    return max_abs_diff(a, ref, n) / max_abs(ref, n);
-}
-
 /* ------------------------------------------------------------------------
  * Forward vs reference
  * ------------------------------------------------------------------------ */
-
-/*
- * Three sequences fed in mixed batches (prefill chunks beside single decode
- * tokens), each step's logits compared with the reference fed the same
- * tokens one at a time. Returns the largest difference relative to the
- * largest reference logit.
- */
-static float check_against_reference(const char *path, enum kv_type kvt, int threads)
-{
-    model *m = load_model(path);
-    struct ref_model r;
-    ref_load(&r, path);
-    assert_int_equal(r.n_vocab, m->n_vocab);
-    int nv = m->n_vocab;
-
-    enum { NS = 3, NSTEP = 4 };
-    static const int plan[NSTEP][NS] = {{7, 13, 1}, {1, 5, 1}, {1, 1, 9}, {3, 1, 1}};
-    kv_cache *cache = make_cache(m, kvt, 16, 200);
-    struct kv_policy pol = policy_none(64);
-    kv_seq *seq[NS];
-    struct ref_seq rs[NS];
-    int32_t toks[NS][64];
-    int fed[NS] = {0};
-    for (int s = 0; s < NS; s++) {
-        seq[s] = make_seq(cache, &pol);
-        ref_seq_init(&rs[s], &r, 64, kvt == KV_F16);
-        fill_tokens(toks[s], 64, nv, 100 + (uint32_t)s);
-    }
-    model_ctx *ctx = make_ctx(m, 32, threads);
-    float *lg = malloc(sizeof(float) * NS * nv), *ref = malloc(sizeof(float) * nv);
-    float worst = 0.0f;
-    for (int step = 0; step < NSTEP; step++) {
-        struct model_batch_seq b[NS];
-        for (int s = 0; s < NS; s++)
-            b[s] = (struct model_batch_seq){.seq = seq[s],
-                                            .tokens = toks[s] + fed[s],
-                                            .n_tokens = plan[step][s],
-                                            .logits = step == 1 && s == 1 ? NULL : lg + s * nv};
-        assert_int_equal(model_forward(ctx, b, NS, NULL), 0);
-        for (int s = 0; s < NS; s++) {
-            const int32_t *pos = kv_seq_positions(seq[s]);
-            for (int i = 0; i < plan[step][s]; i++) {
-                int idx = fed[s] + i;
-                ref_step(&r, &rs[s], toks[s][idx], pos[idx], idx,
-                         i == plan[step][s] - 1 ? ref : NULL);
-            }
-            fed[s] += plan[step][s];
-            if (!b[s].logits)
-                continue;
-            float e = rel_diff(lg + s * nv, ref, nv);
-            worst = e > worst ? e : worst;
-        }
-    }
-    free(lg);
-    free(ref);
-    model_ctx_destroy(ctx);
-    for (int s = 0; s < NS; s++) {
-        kv_seq_destroy(seq[s]);
-        ref_seq_free(&rs[s]);
-    }
-    kv_cache_destroy(cache);
-    ref_free(&r);
-    model_free(m);
-    return worst;
-}
 
 struct arch_case {
     const char *name;

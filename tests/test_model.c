@@ -2,10 +2,10 @@
  * test_model.c - the model runtime: loading, the batched forward, eviction
  * equivalence, the seeded model writer and the CLI around them.
  *
- * The centre is a plain reference forward written here, separately from
- * model/forward.c: its own RMSNorm, RoPE that rotates keys when they are
- * stored (and re-rotates them on eviction, as llama.cpp's context shift
- * does), matrix-vector products over weights dequantised to f32, and a
+ * The centre is a plain reference forward (tests/arch_ref.h, shared with
+ * test_arch.c), written separately from model/forward.c: its own RMSNorm,
+ * RoPE that rotates keys when they are stored (and re-rotates them on
+ * eviction, as llama.cpp's context shift does), matrix-vector products over weights dequantised to f32, and a
  * softmax over materialised scores, one token at a time. kvd's forward,
  * with its batched quantised products, unrotated keys and fused kernel,
  * must agree with it on models of several shapes and weight types.
@@ -31,27 +31,23 @@
 #include "model/mkmodel.h"
 #include "model/model_internal.h"
 #include "model/quant.h"
+#include "tests/arch_ref.h"
 
 /* ------------------------------------------------------------------------
  * Fixtures
  * ------------------------------------------------------------------------ */
 
-static char tmp_dir[256];
-
 static int group_setup(void **state)
 {
     (void)state;
-    const char *t = getenv("TMPDIR");
-    snprintf(tmp_dir, sizeof(tmp_dir), "%s/kvd-test-model-XXXXXX", t && *t ? t : "/tmp");
-    return mkdtemp(tmp_dir) ? 0 : -1;
+    ref_rms_round_f32 = true; /* this program's reference norm, as it always was */
+    return tmp_dir_create("model");
 }
 
 static int group_teardown(void **state)
 {
     (void)state;
-    char cmd[400];
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp_dir);
-    return system(cmd) == 0 ? 0 : -1;
+    return tmp_dir_remove();
 }
 
 static const char *shared_dir(void)
@@ -86,99 +82,6 @@ static struct model_mk_params small_params(void)
     return p;
 }
 
-static void write_model(const struct model_mk_params *p, const char *name, char *path, size_t cap)
-{
-    char err[512];
-    snprintf(path, cap, "%s/%s", tmp_dir, name);
-    int rc = model_mk_write(p, path, err, sizeof(err));
-    if (rc)
-        print_message("model_mk_write: %s\n", err);
-    assert_int_equal(rc, 0);
-}
-
-static model *load_model(const char *path)
-{
-    char err[512];
-    struct model_params mp = {.path = path};
-    model *m = model_load(&mp, err, sizeof(err));
-    if (!m)
-        print_message("model_load: %s\n", err);
-    assert_non_null(m);
-    return m;
-}
-
-/* A cache for model m with room for `tokens` tokens in total. */
-static kv_cache *make_cache(const model *m, enum kv_type type, int page_tokens, int tokens)
-{
-    struct kv_cache_params cp = {.page_tokens = page_tokens, .type = type};
-    model_kv_shape(m, &cp);
-    size_t page = (size_t)2 * cp.n_layer * cp.n_kv_head * page_tokens * cp.head_dim *
-                  kv_type_size(type);
-    page = (page + 63) / 64 * 64;
-    cp.memory_bytes = page * (size_t)(tokens / page_tokens + 4);
-    char err[256];
-    kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
-    if (!c)
-        print_message("kv_cache_create: %s\n", err);
-    assert_non_null(c);
-    return c;
-}
-
-static kv_seq *make_seq(kv_cache *c, const struct kv_policy *pol)
-{
-    char err[256];
-    kv_seq *s = kv_seq_create(c, pol, false, err, sizeof(err));
-    if (!s)
-        print_message("kv_seq_create: %s\n", err);
-    assert_non_null(s);
-    return s;
-}
-
-static struct kv_policy policy_none(int max_tokens)
-{
-    return (struct kv_policy){.kind = KV_EVICT_NONE, .max_cache_tokens = max_tokens,
-                              .renumber = true};
-}
-
-static model_ctx *make_ctx(const model *m, int max_tokens, int threads)
-{
-    char err[256];
-    model_ctx *c = model_ctx_create(m, max_tokens, threads, err, sizeof(err));
-    if (!c)
-        print_message("model_ctx_create: %s\n", err);
-    assert_non_null(c);
-    return c;
-}
-
-/* Deterministic pseudo-random token ids in [3, n_vocab) (no specials). */
-static void fill_tokens(int32_t *t, int n, int n_vocab, uint32_t seed)
-{
-    uint32_t s = seed * 2654435761u + 1;
-    for (int i = 0; i < n; i++) {
-        s = s * 1664525u + 1013904223u;
-        t[i] = 3 + (int32_t)((s >> 8) % (uint32_t)(n_vocab - 3));
-    }
-}
-
-static float max_abs_diff(const float *a, const float *b, int n)
-{
-    float d = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float e = fabsf(a[i] - b[i]);
-        if (!(e <= d)) /* NaN propagates as a failure */
-            d = isnan(e) ? INFINITY : e;
-    }
-    return d;
-}
-
-static float max_abs(const float *a, int n)
-{
-    float d = 0.0f;
-    for (int i = 0; i < n; i++)
-        d = fabsf(a[i]) > d ? fabsf(a[i]) : d;
-    return d;
-}
-
 static int32_t argmax(const float *x, int n)
 {
     int32_t b = 0;
@@ -189,435 +92,8 @@ static int32_t argmax(const float *x, int n)
 }
 
 /* ------------------------------------------------------------------------
- * The reference forward
- * ------------------------------------------------------------------------ */
-
-struct ref_layer {
-    float *attn_norm, *ffn_norm;  /* [d] */
-    float *wq, *wk, *wv, *wo;     /* [out][in] */
-    float *bq, *bk, *bv;          /* or NULL */
-    float *gate, *up, *down;
-};
-
-struct ref_model {
-    int n_vocab, d, n_layer, n_head, n_kv, hd, n_ff, n_rot;
-    bool neox;
-    float eps, theta, fscale;
-    float *embd, *out_norm, *out; /* [n_vocab][d], [d], [n_vocab][d] */
-    struct ref_layer *L;
-};
-
-/* A whole tensor dequantised to f32 rows, or NULL when absent. */
-static float *ref_tensor(const gguf_file *f, const char *name, int ne0, int ne1)
-{
-    const struct gguf_tensor *t = gguf_find_tensor(f, name);
-    if (!t)
-        return NULL;
-    assert_int_equal(t->ne[0], ne0);
-    assert_int_equal(t->ne[1], ne1);
-    float *w = malloc(sizeof(float) * (size_t)ne0 * ne1);
-    assert_non_null(w);
-    size_t rb = qt_row_bytes(t->type, ne0);
-    for (int r = 0; r < ne1; r++)
-        assert_int_equal(qt_dequantize_row(t->type, (const uint8_t *)t->data + rb * r,
-                                           w + (size_t)r * ne0, ne0),
-                         0);
-    return w;
-}
-
-static int ref_meta_int(const gguf_file *f, const char *arch, const char *key, int def)
-{
-    char k[128];
-    snprintf(k, sizeof(k), "%s.%s", arch, key);
-    int64_t v;
-    return gguf_get_i64(f, k, &v) ? def : (int)v;
-}
-
-static void ref_load(struct ref_model *r, const char *path)
-{
-    char err[256];
-    gguf_file *f = gguf_open(path, err, sizeof(err));
-    assert_non_null(f);
-    const char *a;
-    size_t alen;
-    assert_int_equal(gguf_get_str(f, "general.architecture", &a, &alen), 0);
-    char arch[16];
-    snprintf(arch, sizeof(arch), "%.*s", (int)alen, a);
-    memset(r, 0, sizeof(*r));
-    r->neox = !strcmp(arch, "qwen2");
-    r->d = ref_meta_int(f, arch, "embedding_length", 0);
-    r->n_layer = ref_meta_int(f, arch, "block_count", 0);
-    r->n_head = ref_meta_int(f, arch, "attention.head_count", 0);
-    r->n_kv = ref_meta_int(f, arch, "attention.head_count_kv", r->n_head);
-    r->n_ff = ref_meta_int(f, arch, "feed_forward_length", 0);
-    r->hd = r->d / r->n_head;
-    r->n_rot = ref_meta_int(f, arch, "rope.dimension_count", r->hd);
-    char k[128];
-    snprintf(k, sizeof(k), "%s.rope.freq_base", arch);
-    if (gguf_get_f32(f, k, &r->theta))
-        r->theta = 10000.0f;
-    snprintf(k, sizeof(k), "%s.attention.layer_norm_rms_epsilon", arch);
-    if (gguf_get_f32(f, k, &r->eps))
-        r->eps = 1e-5f;
-    r->fscale = 1.0f;
-    uint64_t nv;
-    enum gguf_type et;
-    const void *data;
-    assert_int_equal(gguf_get_arr(f, "tokenizer.ggml.tokens", &et, &nv, &data), 0);
-    r->n_vocab = (int)nv;
-    int d = r->d, qd = r->n_head * r->hd, kvd = r->n_kv * r->hd;
-    r->embd = ref_tensor(f, "token_embd.weight", d, r->n_vocab);
-    r->out = ref_tensor(f, "output.weight", d, r->n_vocab);
-    if (!r->out) { /* tied */
-        r->out = malloc(sizeof(float) * (size_t)d * r->n_vocab);
-        memcpy(r->out, r->embd, sizeof(float) * (size_t)d * r->n_vocab);
-    }
-    r->out_norm = ref_tensor(f, "output_norm.weight", d, 1);
-    r->L = calloc((size_t)r->n_layer, sizeof(*r->L));
-    for (int l = 0; l < r->n_layer; l++) {
-        struct ref_layer *L = &r->L[l];
-        char n[64];
-#define T(s, a0, a1) (snprintf(n, sizeof(n), "blk.%d.%s", l, s), ref_tensor(f, n, a0, a1))
-        L->attn_norm = T("attn_norm.weight", d, 1);
-        L->ffn_norm = T("ffn_norm.weight", d, 1);
-        L->wq = T("attn_q.weight", d, qd);
-        L->wk = T("attn_k.weight", d, kvd);
-        L->wv = T("attn_v.weight", d, kvd);
-        L->bq = T("attn_q.bias", qd, 1);
-        L->bk = T("attn_k.bias", kvd, 1);
-        L->bv = T("attn_v.bias", kvd, 1);
-        L->wo = T("attn_output.weight", qd, d);
-        L->gate = T("ffn_gate.weight", d, r->n_ff);
-        L->up = T("ffn_up.weight", d, r->n_ff);
-        L->down = T("ffn_down.weight", r->n_ff, d);
-#undef T
-        assert_non_null(L->wq);
-        assert_non_null(L->down);
-    }
-    gguf_close(f);
-}
-
-static void ref_free(struct ref_model *r)
-{
-    for (int l = 0; l < r->n_layer; l++) {
-        struct ref_layer *L = &r->L[l];
-        float *ps[] = {L->attn_norm, L->ffn_norm, L->wq, L->wk, L->wv, L->wo,
-                       L->bq, L->bk, L->bv, L->gate, L->up, L->down};
-        for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++)
-            free(ps[i]);
-    }
-    free(r->L);
-    free(r->embd);
-    free(r->out);
-    free(r->out_norm);
-}
-
-static void ref_rmsnorm(float *o, const float *x, const float *w, int n, float eps)
-{
-    double ss = 0;
-    for (int i = 0; i < n; i++)
-        ss += (double)x[i] * x[i];
-    double s = 1.0 / sqrt(ss / n + eps);
-    for (int i = 0; i < n; i++)
-        o[i] = (float)(x[i] * s) * w[i];
-}
-
-/*
- * When set, ref_matvec first rounds its input to 8 bits per block of 32
- * (scale max|x|/127, round to nearest) as quant.h says quantised products
- * do: the reference then differs from kvd only by summation order.
- */
-static bool ref_round_act;
-
-/* o[n_out] = W[n_out][n_in] x + b, accumulated in double. */
-static void ref_matvec(float *o, const float *W, const float *b, const float *x, int n_out,
-                       int n_in)
-{
-    float *xq = malloc(sizeof(float) * (size_t)n_in);
-    memcpy(xq, x, sizeof(float) * (size_t)n_in);
-    for (int i0 = 0; ref_round_act && i0 < n_in; i0 += 32) {
-        float amax = 0.0f;
-        for (int i = i0; i < i0 + 32; i++)
-            amax = fabsf(xq[i]) > amax ? fabsf(xq[i]) : amax;
-        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int i = i0; i < i0 + 32; i++)
-            xq[i] = rintf(xq[i] * id) * d;
-    }
-    for (int r = 0; r < n_out; r++) {
-        double s = b ? b[r] : 0.0;
-        for (int i = 0; i < n_in; i++)
-            s += (double)W[(size_t)r * n_in + i] * xq[i];
-        o[r] = (float)s;
-    }
-    free(xq);
-}
-
-/* Rotate one head's vector by position delta (may be negative). */
-static void ref_rope(const struct ref_model *r, float *x, double delta)
-{
-    int half = r->n_rot / 2;
-    for (int i = 0; i < half; i++) {
-        double freq = pow((double)r->theta, -2.0 * i / r->n_rot);
-        double ang = delta * r->fscale * freq;
-        double c = cos(ang), s = sin(ang);
-        int a = r->neox ? i : 2 * i, b = r->neox ? i + half : 2 * i + 1;
-        double x0 = x[a], x1 = x[b];
-        x[a] = (float)(x0 * c - x1 * s);
-        x[b] = (float)(x0 * s + x1 * c);
-    }
-}
-
-static float round_f16(float x)
-{
-    return qt_f16_to_f32(qt_f32_to_f16(x));
-}
-
-/*
- * The reference's cache of one sequence, llama.cpp style: keys are stored
- * rotated by the position they had when stored (rounded to f16 when f16),
- * and eviction re-rotates the survivors in place by their position change.
- */
-struct ref_seq {
-    int n, cap;
-    bool f16;
-    int32_t *pos, *hidx;
-    float *k, *v; /* [n_layer][cap][kv_dim] */
-    float *unrot; /* [n_layer][cap][kv_dim] the keys before rotation, exact (drift) */
-};
-
-static void ref_seq_init(struct ref_seq *s, const struct ref_model *r, int cap, bool f16)
-{
-    memset(s, 0, sizeof(*s));
-    s->cap = cap;
-    s->f16 = f16;
-    size_t kv = (size_t)r->n_layer * cap * r->n_kv * r->hd;
-    s->pos = calloc((size_t)cap, sizeof(int32_t));
-    s->hidx = calloc((size_t)cap, sizeof(int32_t));
-    s->k = calloc(kv, sizeof(float));
-    s->v = calloc(kv, sizeof(float));
-    s->unrot = calloc(kv, sizeof(float));
-    assert_true(s->pos && s->hidx && s->k && s->v && s->unrot);
-}
-
-static void ref_seq_free(struct ref_seq *s)
-{
-    free(s->pos);
-    free(s->hidx);
-    free(s->k);
-    free(s->v);
-    free(s->unrot);
-}
-
-static float *ref_k(const struct ref_model *r, struct ref_seq *s, float *base, int l, int i)
-{
-    return base + ((size_t)l * s->cap + i) * (size_t)r->n_kv * r->hd;
-}
-
-/*
- * Keep the entries whose history index is in keep_hidx (ascending), giving
- * them the positions new_pos; rotated keys turn by the position change.
- * Returns how many entries were re-rotated.
- */
-static int ref_seq_evict(const struct ref_model *r, struct ref_seq *s, const int32_t *keep_hidx,
-                         const int32_t *new_pos, int n_keep)
-{
-    int w = 0, j = 0, rerot = 0;
-    int kvd = r->n_kv * r->hd;
-    for (int i = 0; i < s->n && j < n_keep; i++) {
-        if (s->hidx[i] != keep_hidx[j])
-            continue;
-        int delta = new_pos[j] - s->pos[i];
-        for (int l = 0; l < r->n_layer; l++) {
-            float *k = ref_k(r, s, s->k, l, i);
-            if (delta != 0) {
-                for (int h = 0; h < r->n_kv; h++) {
-                    ref_rope(r, k + h * r->hd, delta);
-                    if (s->f16)
-                        for (int e = 0; e < r->hd; e++)
-                            k[h * r->hd + e] = round_f16(k[h * r->hd + e]);
-                }
-            }
-            if (w != i) {
-                memcpy(ref_k(r, s, s->k, l, w), k, sizeof(float) * kvd);
-                memcpy(ref_k(r, s, s->v, l, w), ref_k(r, s, s->v, l, i), sizeof(float) * kvd);
-                memcpy(ref_k(r, s, s->unrot, l, w), ref_k(r, s, s->unrot, l, i),
-                       sizeof(float) * kvd);
-            }
-        }
-        rerot += delta != 0;
-        s->pos[w] = new_pos[j];
-        s->hidx[w] = s->hidx[i];
-        w++;
-        j++;
-    }
-    assert_int_equal(j, n_keep);
-    s->n = w;
-    return rerot;
-}
-
-/* One token through the reference: stores its K/V at pos and, if logits
- * is non-NULL, writes the next-token logits. */
-static void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token, int32_t pos,
-                     int32_t hidx, float *logits)
-{
-    int d = r->d, hd = r->hd, qd = r->n_head * hd, kvd = r->n_kv * hd, ff = r->n_ff;
-    assert_true(s->n < s->cap);
-    float *x = malloc(sizeof(float) * d), *xb = malloc(sizeof(float) * d);
-    float *q = malloc(sizeof(float) * qd), *att = malloc(sizeof(float) * qd);
-    float *hb = malloc(sizeof(float) * ff), *hb2 = malloc(sizeof(float) * ff);
-    double *sc = malloc(sizeof(double) * (size_t)(s->n + 1));
-    memcpy(x, r->embd + (size_t)token * d, sizeof(float) * d);
-    int me = s->n++;
-    s->pos[me] = pos;
-    s->hidx[me] = hidx;
-    for (int l = 0; l < r->n_layer; l++) {
-        const struct ref_layer *L = &r->L[l];
-        ref_rmsnorm(xb, x, L->attn_norm, d, r->eps);
-        ref_matvec(q, L->wq, L->bq, xb, qd, d);
-        float *k = ref_k(r, s, s->k, l, me), *v = ref_k(r, s, s->v, l, me);
-        ref_matvec(k, L->wk, L->bk, xb, kvd, d);
-        ref_matvec(v, L->wv, L->bv, xb, kvd, d);
-        memcpy(ref_k(r, s, s->unrot, l, me), k, sizeof(float) * kvd);
-        for (int h = 0; h < r->n_head; h++)
-            ref_rope(r, q + h * hd, pos);
-        for (int h = 0; h < r->n_kv; h++)
-            ref_rope(r, k + h * hd, pos);
-        if (s->f16)
-            for (int e = 0; e < kvd; e++) {
-                k[e] = round_f16(k[e]);
-                v[e] = round_f16(v[e]);
-            }
-        /* Attention: scores materialised, causal by position. */
-        int group = r->n_head / r->n_kv;
-        for (int h = 0; h < r->n_head; h++) {
-            int kh = h / group;
-            double mx = -INFINITY;
-            for (int j = 0; j < s->n; j++) {
-                sc[j] = -INFINITY;
-                if (s->pos[j] > pos)
-                    continue;
-                const float *kj = ref_k(r, s, s->k, l, j) + kh * hd;
-                double dot = 0;
-                for (int e = 0; e < hd; e++)
-                    dot += (double)q[h * hd + e] * kj[e];
-                sc[j] = dot / sqrt((double)hd);
-                mx = sc[j] > mx ? sc[j] : mx;
-            }
-            double sum = 0;
-            for (int j = 0; j < s->n; j++) {
-                sc[j] = sc[j] == -INFINITY ? 0.0 : exp(sc[j] - mx);
-                sum += sc[j];
-            }
-            for (int e = 0; e < hd; e++) {
-                double o = 0;
-                for (int j = 0; j < s->n; j++)
-                    o += sc[j] * ref_k(r, s, s->v, l, j)[kh * hd + e];
-                att[h * hd + e] = (float)(o / sum);
-            }
-        }
-        ref_matvec(xb, L->wo, NULL, att, d, qd);
-        for (int i = 0; i < d; i++)
-            x[i] += xb[i];
-        ref_rmsnorm(xb, x, L->ffn_norm, d, r->eps);
-        ref_matvec(hb, L->gate, NULL, xb, ff, d);
-        ref_matvec(hb2, L->up, NULL, xb, ff, d);
-        for (int i = 0; i < ff; i++)
-            hb[i] = (float)(hb[i] / (1.0 + exp(-(double)hb[i])) * hb2[i]);
-        ref_matvec(xb, L->down, NULL, hb, d, ff);
-        for (int i = 0; i < d; i++)
-            x[i] += xb[i];
-    }
-    if (logits) {
-        ref_rmsnorm(xb, x, r->out_norm, d, r->eps);
-        ref_matvec(logits, r->out, NULL, xb, r->n_vocab, d);
-    }
-    free(x);
-    free(xb);
-    free(q);
-    free(att);
-    free(hb);
-    free(hb2);
-    free(sc);
-}
-
-/* ------------------------------------------------------------------------
  * Forward vs reference on mkmodel models
  * ------------------------------------------------------------------------ */
-
-/* Comparisons of the last check_against_reference: all, and within 1e-4. */
-static int n_checks, n_tight;
-
-/*
- * Three sequences fed in mixed batches (prefill chunks beside single decode
- * tokens), each step's logits compared with the reference fed the same
- * tokens one at a time. Returns the largest difference relative to the
- * largest reference logit.
- */
-static float check_against_reference(const char *path, enum kv_type kvt, int threads)
-{
-    n_checks = n_tight = 0;
-    model *m = load_model(path);
-    struct ref_model r;
-    ref_load(&r, path);
-    assert_int_equal(r.n_vocab, m->n_vocab);
-    int nv = m->n_vocab;
-
-    enum { NS = 3, NSTEP = 4 };
-    /* Tokens per sequence per step: prefill chunks, then decode tokens. */
-    static const int plan[NSTEP][NS] = {{7, 13, 1}, {1, 5, 1}, {1, 1, 9}, {3, 1, 1}};
-    kv_cache *cache = make_cache(m, kvt, 16, 200);
-    struct kv_policy pol = policy_none(64);
-    kv_seq *seq[NS];
-    struct ref_seq rs[NS];
-    int32_t toks[NS][64];
-    int fed[NS] = {0};
-    for (int s = 0; s < NS; s++) {
-        seq[s] = make_seq(cache, &pol);
-        ref_seq_init(&rs[s], &r, 64, kvt == KV_F16);
-        fill_tokens(toks[s], 64, nv, 100 + (uint32_t)s);
-    }
-    model_ctx *ctx = make_ctx(m, 32, threads);
-    float *lg = malloc(sizeof(float) * NS * nv), *ref = malloc(sizeof(float) * nv);
-    float worst = 0.0f;
-    for (int step = 0; step < NSTEP; step++) {
-        struct model_batch_seq b[NS];
-        /* Step 1 asks no logits of the middle sequence (a prefill chunk
-         * mid-prompt): the last layer then runs for the other rows only. */
-        for (int s = 0; s < NS; s++)
-            b[s] = (struct model_batch_seq){.seq = seq[s], .tokens = toks[s] + fed[s],
-                                            .n_tokens = plan[step][s],
-                                            .logits = step == 1 && s == 1 ? NULL : lg + s * nv};
-        int failed = -1;
-        assert_int_equal(model_forward(ctx, b, NS, &failed), 0);
-        for (int s = 0; s < NS; s++) {
-            const int32_t *pos = kv_seq_positions(seq[s]);
-            for (int i = 0; i < plan[step][s]; i++) {
-                int idx = fed[s] + i;
-                ref_step(&r, &rs[s], toks[s][idx], pos[idx], idx,
-                         i == plan[step][s] - 1 ? ref : NULL);
-            }
-            fed[s] += plan[step][s];
-            assert_int_equal(kv_seq_n_tokens(seq[s]), fed[s]);
-            if (!b[s].logits)
-                continue;
-            float e = max_abs_diff(lg + s * nv, ref, nv) / max_abs(ref, nv);
-            n_tight += e < 1e-4f;
-            n_checks++;
-            worst = e > worst ? e : worst;
-        }
-    }
-    free(lg);
-    free(ref);
-    model_ctx_destroy(ctx);
-    for (int s = 0; s < NS; s++) {
-        kv_seq_destroy(seq[s]);
-        ref_seq_free(&rs[s]);
-    }
-    kv_cache_destroy(cache);
-    ref_free(&r);
-    model_free(m);
-    return worst;
-}
 
 struct shape_case {
     const char *name;
@@ -1120,8 +596,8 @@ static struct drift evict_vs_rerotating(const char *path, enum kv_type kvt, int 
     for (int l = 0; l < 1; l++) {
         for (int i = 0; i < n; i++) {
             for (int h = 0; h < r.n_kv; h++) {
-                const float *u = ref_k(&r, &rs, rs.unrot, l, i) + h * hd;
-                const float *rk = ref_k(&r, &rs, rs.k, l, i) + h * hd;
+                const float *u = ref_kv(&r, &rs, rs.unrot, l, i) + h * hd;
+                const float *rk = ref_kv(&r, &rs, rs.k, l, i) + h * hd;
                 /* Exact: rotate the f64-faithful unrotated key (in f32 storage). */
                 memcpy(kx, u, sizeof(float) * hd);
                 ref_rope(&r, kx, pos[i]);
@@ -1396,92 +872,29 @@ static void test_stories_ctx128_identical(void **state)
  * Loading
  * ------------------------------------------------------------------------ */
 
-/* Load must fail with a message containing `want`. */
-static void expect_load_error(const char *path, const char *want)
-{
-    char err[512] = "";
-    struct model_params mp = {.path = path};
-    model *m = model_load(&mp, err, sizeof(err));
-    if (m || !strstr(err, want))
-        print_message("load of %s: got '%s', want '%s'\n", path, err, want);
-    assert_null(m);
-    assert_non_null(strstr(err, want));
-}
-
-/* A GGUF built by hand from a mkmodel file: every metadata key and tensor
- * copied, except that `drop` is left out and `reshape` gets a wrong shape. */
+/* A GGUF built from a mkmodel file by mutate(): every metadata key and
+ * tensor copied, except that `drop` (key or tensor) is left out, `reshape`
+ * gets its rows and columns swapped in the shape (same bytes), and `arch`,
+ * when given, replaces general.architecture. */
 static void write_mutant(const char *src, const char *dst, const char *drop, const char *reshape,
                          const char *arch)
 {
-    char err[256];
-    gguf_file *f = gguf_open(src, err, sizeof(err));
-    assert_non_null(f);
-    gguf_writer *w = gguf_writer_create();
-    for (int64_t i = 0; i < gguf_n_kv(f); i++) {
-        const char *key = gguf_kv_key(f, i);
-        enum gguf_type t = gguf_kv_type(f, i);
-        if (drop && !strcmp(key, drop))
-            continue;
-        if (t == GGUF_TYPE_STRING) {
-            const char *s;
-            size_t n;
-            assert_int_equal(gguf_get_str(f, key, &s, &n), 0);
-            char *c = strndup(s, n);
-            if (arch && !strcmp(key, "general.architecture"))
-                assert_int_equal(gguf_writer_set_str(w, key, arch), 0);
-            else
-                assert_int_equal(gguf_writer_set_str(w, key, c), 0);
-            free(c);
-        } else if (t == GGUF_TYPE_ARRAY) {
-            enum gguf_type et;
-            uint64_t n;
-            const void *data;
-            assert_int_equal(gguf_get_arr(f, key, &et, &n, &data), 0);
-            if (et == GGUF_TYPE_STRING) {
-                char **v = calloc(n, sizeof(char *));
-                for (uint64_t j = 0; j < n; j++) {
-                    const char *s;
-                    size_t len;
-                    assert_int_equal(gguf_get_arr_str(f, key, j, &s, &len), 0);
-                    v[j] = strndup(s, len);
-                }
-                assert_int_equal(gguf_writer_set_arr_str(w, key, (const char *const *)v, n), 0);
-                for (uint64_t j = 0; j < n; j++)
-                    free(v[j]);
-                free(v);
-            } else {
-                assert_int_equal(gguf_writer_set_arr(w, key, et, data, n), 0);
-            }
-        } else if (t == GGUF_TYPE_FLOAT32) {
-            float v;
-            assert_int_equal(gguf_get_f32(f, key, &v), 0);
-            assert_int_equal(gguf_writer_set_f32(w, key, v), 0);
-        } else if (t == GGUF_TYPE_BOOL) {
-            bool v;
-            assert_int_equal(gguf_get_bool(f, key, &v), 0);
-            assert_int_equal(gguf_writer_set_bool(w, key, v), 0);
-        } else {
-            int64_t v;
-            assert_int_equal(gguf_get_i64(f, key, &v), 0);
-            assert_int_equal(gguf_writer_set_u32(w, key, (uint32_t)v), 0);
-        }
+    struct mutation mu = {.drop_key = drop, .drop_tensor = drop};
+    if (arch)
+        mu.set[0] = (struct kv_set){.key = "general.architecture", .type = GGUF_TYPE_STRING,
+                                    .s = arch};
+    if (reshape) {
+        char err[256];
+        gguf_file *f = gguf_open(src, err, sizeof(err));
+        assert_non_null(f);
+        const struct gguf_tensor *rt = gguf_find_tensor(f, reshape);
+        assert_non_null(rt);
+        mu.reshape_tensor = reshape;
+        mu.reshape_ne0 = rt->ne[1];
+        mu.reshape_ne1 = rt->ne[0];
+        gguf_close(f);
     }
-    for (int64_t i = 0; i < gguf_n_tensors(f); i++) {
-        const struct gguf_tensor *t = gguf_tensor_at(f, i);
-        if (drop && !strcmp(t->name, drop))
-            continue;
-        uint64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
-        int nd = t->n_dims;
-        if (reshape && !strcmp(t->name, reshape)) {
-            /* Same bytes, rows and columns swapped in the shape. */
-            ne[0] = t->ne[1];
-            ne[1] = t->ne[0];
-        }
-        assert_int_equal(gguf_writer_add_tensor(w, t->name, t->type, nd, ne, t->data, t->size), 0);
-    }
-    assert_int_equal(gguf_writer_write(w, dst, err, sizeof(err)), 0);
-    gguf_writer_destroy(w);
-    gguf_close(f);
+    mutate(src, dst, &mu);
 }
 
 static void test_load_errors(void **state)
