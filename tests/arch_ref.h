@@ -147,6 +147,44 @@ AR_FN float rel_diff(const float *a, const float *ref, int n)
     return max_abs_diff(a, ref, n) / max_abs(ref, n);
 }
 
+/*
+ * The logits after a 64-token prompt of model `path` (seeded tokens), as a
+ * healthy-model check reads them: all finite (asserted), their standard
+ * deviation in *sd and the top token's softmax probability in *top.
+ */
+AR_FN void logit_health(const char *path, double *sd, double *top)
+{
+    model *m = load_model(path);
+    int nv = m->n_vocab;
+    kv_cache *cache = make_cache(m, KV_F32, 16, 80);
+    struct kv_policy pol = policy_none(80);
+    kv_seq *seq = make_seq(cache, &pol);
+    model_ctx *ctx = make_ctx(m, 64, 2);
+    int32_t t[64];
+    fill_tokens(t, 64, nv, 1);
+    float *lg = malloc(sizeof(float) * nv);
+    struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 64, .logits = lg};
+    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    double s = 0, s2 = 0, mx = -1e30;
+    for (int i = 0; i < nv; i++) {
+        assert_true(isfinite(lg[i]));
+        s += lg[i];
+        s2 += (double)lg[i] * lg[i];
+        mx = lg[i] > mx ? lg[i] : mx;
+    }
+    double mean = s / nv, z = 0;
+    *sd = sqrt(s2 / nv - mean * mean);
+    /* Softmax: the top token's probability. */
+    for (int i = 0; i < nv; i++)
+        z += exp(lg[i] - mx);
+    *top = 1.0 / z;
+    free(lg);
+    model_ctx_destroy(ctx);
+    kv_seq_destroy(seq);
+    kv_cache_destroy(cache);
+    model_free(m);
+}
+
 /* ------------------------------------------------------------------------
  * ALiBi slopes, as the papers write them
  * ------------------------------------------------------------------------ */
