@@ -82,6 +82,15 @@ static struct model_mk_params small_params(void)
     return p;
 }
 
+/* The small_params() model written as tmp_dir/name, loaded. */
+static model *small_model(const char *name)
+{
+    struct model_mk_params p = small_params();
+    char path[512];
+    write_model(&p, name, path, sizeof(path));
+    return load_model(path);
+}
+
 static int32_t argmax(const float *x, int n)
 {
     int32_t b = 0;
@@ -273,10 +282,7 @@ static void test_forward_thread_invariant(void **state)
 static void test_forward_errors(void **state)
 {
     (void)state;
-    struct model_mk_params p = small_params();
-    char path[512];
-    write_model(&p, "errors.gguf", path, sizeof(path));
-    model *m = load_model(path);
+    model *m = small_model("errors.gguf");
     int nv = m->n_vocab;
     kv_cache *cache = make_cache(m, KV_F32, 4, 64);
     struct kv_policy small = policy_none(8), big = policy_none(32);
@@ -357,10 +363,7 @@ static void test_forward_errors(void **state)
 static void test_forward_lru_drop(void **state)
 {
     (void)state;
-    struct model_mk_params p = small_params();
-    char path[512];
-    write_model(&p, "lru.gguf", path, sizeof(path));
-    model *m = load_model(path);
+    model *m = small_model("lru.gguf");
     int nv = m->n_vocab;
     kv_cache *cache = make_cache(m, KV_F32, 4, 8); /* 6 pages of 4 tokens */
     assert_int_equal(kv_cache_n_pages(cache), 6);
@@ -407,10 +410,7 @@ static void test_forward_lru_drop(void **state)
 static void test_forward_h2o_mass(void **state)
 {
     (void)state;
-    struct model_mk_params p = small_params();
-    char path[512];
-    write_model(&p, "h2o.gguf", path, sizeof(path));
-    model *m = load_model(path);
+    model *m = small_model("h2o.gguf");
     kv_cache *cache = make_cache(m, KV_F32, 4, 64);
     struct kv_policy pol = {.kind = KV_EVICT_H2O, .max_cache_tokens = 32, .sink_tokens = 2,
                             .window_tokens = 8, .heavy_tokens = 8, .renumber = true};
