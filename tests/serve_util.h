@@ -1,7 +1,7 @@
 /*
  * serve_util.h - processes and plain HTTP for the tests that run the real
  * `kvd serve` (and HAProxy, and `kvd load`) as child processes:
- * test_cluster.c and test_load.c.
+ * test_cluster.c, test_load.c, test_arch.c and test_eval.c.
  *
  * Every child runs in its own process group, so a kill reaches whatever it
  * started too; every wait has a deadline; every socket has a timeout. The
@@ -10,7 +10,7 @@
  * client that tests keep-alive, pipelining and chunking).
  *
  * Include after <cmocka.h>. The functions are static and may go unused in
- * one of the programs.
+ * one of the programs (test_model.c takes only su_small_model).
  */
 #ifndef KVD_TESTS_SERVE_UTIL_H
 #define KVD_TESTS_SERVE_UTIL_H
@@ -33,7 +33,30 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
+#include "model/mkmodel.h"
+
 #define SU_FN static __attribute__((unused))
+
+/*
+ * The small model the tests start kvd with (and test_model's unit tests
+ * run): mkmodel's defaults, 64 wide, 2 layers, 4 query heads over 2 KV
+ * heads; feed-forward width, vocabulary and seed as given.
+ */
+SU_FN struct model_mk_params su_small_model(int n_ff, int n_vocab, uint64_t seed)
+{
+    struct model_mk_params p;
+    model_mk_defaults(&p);
+    p.n_embd = 64;
+    p.n_layer = 2;
+    p.n_head = 4;
+    p.n_kv_head = 2;
+    p.n_ff = n_ff;
+    p.n_vocab = n_vocab;
+    p.seed = seed;
+    return p;
+}
 
 SU_FN double su_now(void)
 {

@@ -312,15 +312,7 @@ static int group_setup(void **state)
     if (!mkdtemp(tmpdir))
         return -1;
     snprintf(model_path, sizeof(model_path), "%s/tiny.gguf", tmpdir);
-    struct model_mk_params p;
-    model_mk_defaults(&p);
-    p.n_embd = 64;
-    p.n_layer = 2;
-    p.n_head = 4;
-    p.n_kv_head = 2;
-    p.n_ff = 128;
-    p.n_vocab = 512;
-    p.seed = 11;
+    struct model_mk_params p = su_small_model(128, 512, 11);
     char err[512];
     if (model_mk_write(&p, model_path, err, sizeof(err)) != 0) {
         fprintf(stderr, "model_mk_write: %s\n", err);

@@ -32,6 +32,7 @@
 #include "model/model_internal.h"
 #include "model/quant.h"
 #include "tests/arch_ref.h"
+#include "tests/serve_util.h"
 
 /* ------------------------------------------------------------------------
  * Fixtures
@@ -70,16 +71,7 @@ static const char *shared_model(const char *name, char *buf, size_t cap)
 /* Small model shape used by many tests. */
 static struct model_mk_params small_params(void)
 {
-    struct model_mk_params p;
-    model_mk_defaults(&p);
-    p.n_embd = 64;
-    p.n_layer = 2;
-    p.n_head = 4;
-    p.n_kv_head = 2;
-    p.n_ff = 96;
-    p.n_vocab = 300;
-    p.seed = 7;
-    return p;
+    return su_small_model(96, 300, 7);
 }
 
 /* The small_params() model written as tmp_dir/name, loaded. */
