@@ -89,6 +89,19 @@ SU_FN bool su_on_path(const char *name)
     return false;
 }
 
+/* rm -rf dir (a scratch directory, if any: "" is none), then dir = "".
+ * Returns 0, or -1 when the removal failed. */
+SU_FN int su_remove_dir(char *dir)
+{
+    if (!dir[0])
+        return 0;
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    int rc = system(cmd) == 0 ? 0 : -1;
+    dir[0] = '\0';
+    return rc;
+}
+
 /* A loopback port that was free a moment ago (bound to 0, then released). */
 SU_FN int su_free_port(void)
 {

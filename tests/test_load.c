@@ -724,13 +724,8 @@ static int group_teardown(void **state)
     if (lib_model)
         model_free(lib_model);
     lib_model = NULL;
-    if (tmpdir[0]) {
-        char cmd[600];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
-        if (system(cmd) != 0)
-            bad = 1;
-        tmpdir[0] = '\0';
-    }
+    if (su_remove_dir(tmpdir) != 0)
+        bad = 1;
     return bad ? -1 : 0;
 }
 
