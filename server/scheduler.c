@@ -531,7 +531,8 @@ static void emit_text(srv_sched *s, struct run *r, size_t n, const int32_t *toks
     ev->text = malloc(n + 1);
     if (!ev->text)
         abort();
-    memcpy(ev->text, r->hold, n);
+    if (n > 0) /* with logprobs, an event may carry no text (and hold be NULL) */
+        memcpy(ev->text, r->hold, n);
     ev->text[n] = '\0';
     ev->len = n;
     if (n_toks > 0) {
@@ -541,8 +542,10 @@ static void emit_text(srv_sched *s, struct run *r, size_t n, const int32_t *toks
         memcpy(ev->tokens, toks, sizeof(int32_t) * (size_t)n_toks);
         ev->n_tokens = n_toks;
     }
-    memmove(r->hold, r->hold + n, r->hold_len - n);
-    r->hold_len -= n;
+    if (n > 0) {
+        memmove(r->hold, r->hold + n, r->hold_len - n);
+        r->hold_len -= n;
+    }
     post(s, ev);
 }
 
@@ -887,9 +890,10 @@ static bool run_take_token(srv_sched *s, struct run *r, int32_t tok, uint64_t t)
             r->hold_len += (size_t)n;
         }
     }
-    struct srv_logprob *lp = r->req->want_logprobs
-                                 ? lp_make(r, tok, r->hold + hold_before, r->hold_len - hold_before)
-                                 : NULL;
+    struct srv_logprob *lp =
+        r->req->want_logprobs
+            ? lp_make(r, tok, r->hold ? r->hold + hold_before : "", r->hold_len - hold_before)
+            : NULL;
     size_t at = 0, safe = 0;
     int k = srv_stop_scan(r->hold, r->hold_len, r->req->stop, r->req->n_stop, &at, &safe);
     const int32_t *toks = r->req->want_tokens ? &tok : NULL;
