@@ -33,8 +33,8 @@ TESTLIBS := -lcmocka
 # Debian packages the build, the tests and `make run` need.
 DEB_PACKAGES := gcc make pkg-config libuv1-dev libjansson-dev node-llhttp \
                 libcmocka-dev libinih-dev libpcre2-dev curl gnuplot-nox haproxy
-# What `make deploy-check` needs on top.
-DEPLOY_PACKAGES := python3-yaml systemd
+# What `make deploy-check` needs (haproxy is also in DEB_PACKAGES for the tests).
+DEPLOY_PACKAGES := haproxy python3-yaml systemd
 
 # --- sources, one list per room ---------------------------------------------
 ATTN_SRC   := $(wildcard attention/*.c)
