@@ -689,6 +689,28 @@ static void check_prompt(srv_api *a, struct srv_req *r, struct verr *e)
              r->n_prompt, a->p.policy.max_cache_tokens);
 }
 
+/*
+ * What both completion routes read after their own fields: the shared
+ * fields, then the prompt (tokenized here, on the loop thread) and its
+ * limits; `mixed` is parse_prompt's (llama.cpp's prompt forms). Failures
+ * are recorded in e.
+ */
+static void parse_tail(srv_api *a, json_t *body, const char *hdr_session, bool mixed,
+                       struct srv_req *r, struct verr *e)
+{
+    parse_common(a, body, hdr_session, r, e);
+    if (e->status)
+        return;
+    struct toks t = {0};
+    if (parse_prompt(a, body, mixed, &t, e)) {
+        free(t.v);
+        return;
+    }
+    r->prompt = t.v;
+    r->n_prompt = t.n;
+    check_prompt(a, r, e);
+}
+
 static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_session,
                                     struct call *call, struct verr *e)
 {
@@ -751,18 +773,7 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_se
     }
     if (get_str(body, "user", &s, e) > 0 && strlen(s) > 256)
         fail(e, "user", "invalid_value", "'user' is longer than 256 bytes");
-    parse_common(a, body, hdr_session, r, e);
-    if (e->status)
-        goto out;
-
-    struct toks t = {0};
-    if (parse_prompt(a, body, false, &t, e)) {
-        free(t.v);
-        goto out;
-    }
-    r->prompt = t.v;
-    r->n_prompt = t.n;
-    check_prompt(a, r, e);
+    parse_tail(a, body, hdr_session, false, r, e);
 out:
     if (e->status) {
         srv_req_free(r);
@@ -813,18 +824,7 @@ static struct srv_req *parse_llama(srv_api *a, json_t *body, const char *hdr_ses
         fail(e, "post_sampling_probs", "unsupported",
              "post_sampling_probs is not supported: kvd reports the probabilities of the model's "
              "raw logits (before penalties and temperature)");
-    parse_common(a, body, hdr_session, r, e);
-    if (e->status)
-        goto out;
-
-    struct toks t = {0};
-    if (parse_prompt(a, body, true, &t, e)) {
-        free(t.v);
-        goto out;
-    }
-    r->prompt = t.v;
-    r->n_prompt = t.n;
-    check_prompt(a, r, e);
+    parse_tail(a, body, hdr_session, true, r, e);
 out:
     if (e->status) {
         srv_req_free(r);
