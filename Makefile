@@ -3,7 +3,7 @@
 #   make            build ./kvd (objects in build/)
 #   make deps       install the Debian packages the build and tests need
 #   make run        deps, build, make the default model, start the daemon
-#   make test       build and run every test program, print a summary
+#   make test       deps, build and run every test program, print a summary
 #   make asan       the tests under AddressSanitizer + UBSan (build-asan/)
 #   make bench      build and run the benchmarks in tests/bench/
 #   make format     clang-format every source file
@@ -11,7 +11,9 @@
 #
 # Overridable: CC, OPT, ARCH (e.g. ARCH=x86-64-v3 for a portable build),
 # BUILD (object directory), WERROR=1 (warnings are errors; CI sets it),
-# TESTS (run only these test programs, e.g. TESTS="attention cache").
+# TESTS (build and run only these test programs, e.g. TESTS="attention cache"),
+# LLHTTP_DIR (where Debian's node-llhttp puts its C sources), RUN_ARGS (what
+# `make run` passes to `kvd serve`), DEPS_CMD (what `make deps` runs).
 
 CC      ?= gcc
 ARCH    ?= native
@@ -20,8 +22,8 @@ BUILD   ?= build
 WERROR  ?=
 SHARED  ?= ../shared
 
-LLHTTP_DIR     := /usr/share/llhttp
-LLHTTP_INCLUDE := /usr/share/include/llhttp
+LLHTTP_DIR     ?= /usr/share/llhttp
+LLHTTP_INCLUDE ?= /usr/share/include/llhttp
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes $(if $(WERROR),-Werror)
 CPPFLAGS += -D_GNU_SOURCE -I. -I$(LLHTTP_INCLUDE) -MMD -MP
@@ -100,7 +102,15 @@ $(BUILD)/tests/test_%: tests/test_%.c $$(if $$(LINK_$$*),$$(LINK_$$*),$(ALL_OBJ)
 
 tests: $(TEST_BIN) $(BUILD)/kvd
 
-test: tests
+# `make test` and `make run` install the packages in a make invocation of
+# their own, then build in another: GNU make reads a directory's contents
+# once, so a build in the same invocation as the install would not see the
+# llhttp sources the install just created ("No rule to make target
+# build/llhttp/api.o"). tests/test_build.c runs both on a copy of the tree
+# whose LLHTTP_DIR appears only during `make deps`.
+test:
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory $(patsubst %,$(BUILD)/tests/test_%,$(TESTS)) $(BUILD)/kvd
 	@KVD_BIN=$(BUILD)/kvd KVD_SHARED=$(SHARED) sh tests/run.sh $(patsubst %,$(BUILD)/tests/test_%,$(TESTS))
 
 asan:
@@ -119,8 +129,9 @@ bench: benches
 	@for b in $(BENCH_BIN); do echo "== $$b"; KVD_SHARED=$(SHARED) $$b || exit 1; done
 
 # --- setup and run -----------------------------------------------------------------
+DEPS_CMD ?= $(MAKE) --no-print-directory install-packages PACKAGES="$(DEB_PACKAGES)"
 deps:
-	@$(MAKE) --no-print-directory install-packages PACKAGES="$(DEB_PACKAGES)"
+	@$(DEPS_CMD)
 
 deploy-deps:
 	@$(MAKE) --no-print-directory install-packages PACKAGES="$(DEPLOY_PACKAGES)"
@@ -138,9 +149,12 @@ install-packages:
 	else echo "deps: missing$$missing; run: sudo apt-get install -y$$missing"; exit 1; fi
 
 # The daemon on 127.0.0.1:8080, serving the default model (made once).
-run: deps kvd
+RUN_ARGS ?= --config config/kvd.conf
+run:
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory kvd
 	@test -f models/default.gguf || { mkdir -p models && ./kvd mkmodel --out models/default.gguf; }
-	./kvd serve --config config/kvd.conf
+	./kvd serve $(RUN_ARGS)
 
 # Validate Dockerfile, systemd unit, Kubernetes manifests and HAProxy configs.
 deploy-check: deploy-deps kvd
