@@ -143,6 +143,20 @@ static int check_nonempty(const char *s, char *err, size_t errlen)
     return -EINVAL;
 }
 
+/* A tokenizer.ggml.pre spelling: empty, or letters, digits and "-._" (the
+ * model room checks the name itself when it loads the file). */
+static int check_pre_name(const char *s, char *err, size_t errlen)
+{
+    for (const char *p = s; *p; p++) {
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '-' || *p == '.' || *p == '_')) {
+            fmt(err, errlen, "'%c' cannot be part of a pre-tokenizer name", *p);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
 static const struct key_def keys[CFG_N_KEYS] = {
     /* [server] */
     [CFG_SERVER_LISTEN] = STRING(
@@ -168,6 +182,10 @@ static const struct key_def keys[CFG_N_KEYS] = {
     [CFG_MODEL_T5_MAX_DISTANCE] =
         INT("model", "t5_max_distance", model.t5_max_distance, "0", 0, 1 << 20, "tokens", RESTART,
             "T5 distance where the last bucket saturates, with t5_num_buckets; 0 = none"),
+    [CFG_MODEL_TOKENIZER_PRE] =
+        STRING("model", "tokenizer_pre", model.tokenizer_pre, "", RESTART, false, check_pre_name,
+               "pre-tokenizer used instead of the file's tokenizer.ggml.pre (llama-bpe, qwen2, "
+               "deepseek-llm, tekken, ...); empty = the file's"),
     /* [cache] */
     [CFG_CACHE_MEMORY] = SIZE("cache", "memory", cache.memory, "512MiB", MiB, TiB, RESTART,
                               "bytes of KV cache pages, shared by all sequences"),

@@ -74,6 +74,7 @@ enum cfg_key {
     CFG_MODEL_ALIBI_MAX_BIAS,
     CFG_MODEL_T5_NUM_BUCKETS,
     CFG_MODEL_T5_MAX_DISTANCE,
+    CFG_MODEL_TOKENIZER_PRE,
     CFG_CACHE_MEMORY,
     CFG_CACHE_PAGE_TOKENS,
     CFG_CACHE_KV_TYPE,
@@ -128,6 +129,7 @@ struct cfg_model {
     double alibi_max_bias;   /* ALiBi max_bias when the model lacks it; 0 = none */
     int64_t t5_num_buckets;  /* T5 bucket count when the model lacks it; 0 = none */
     int64_t t5_max_distance; /* T5 max distance when the model lacks it; 0 = none */
+    char tokenizer_pre[64];  /* pre-tokenizer forced over the file's; "" = the file's */
 };
 
 struct cfg_cache {

@@ -101,6 +101,10 @@ static void *alloc_floats(size_t n, bool *ok)
 model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads, char *err,
                             size_t errlen)
 {
+    if (m->n_layer == 0) {
+        snprintf(err, errlen, "the model was loaded vocabulary-only: it has no weights to run");
+        return NULL;
+    }
     if (max_batch_tokens < 1 || max_batch_tokens > (1 << 20)) {
         snprintf(err, errlen, "max batch tokens must be in [1, 1048576] (got %d)",
                  max_batch_tokens);

@@ -475,6 +475,71 @@ static const struct {
     {"mpt", MODEL_ARCH_MPT},
 };
 
+/* The tokenizer alone (vocab_only): architecture and tensors are not read. */
+static int load_vocab(model *m, const struct model_params *params, char *err, size_t errlen)
+{
+    char why[400];
+    m->tok = tok_load_forced(m->file, params->tokenizer_pre, why, sizeof(why));
+    if (!m->tok) {
+        snprintf(err, errlen, "tokenizer: %s", why);
+        return -EINVAL;
+    }
+    m->n_vocab = tok_n_vocab(m->tok);
+    snprintf(m->arch_name, sizeof(m->arch_name), "vocab");
+    m->weight_type = "none";
+    return 0;
+}
+
+/* Architecture, hyper-parameters, tokenizer and every tensor. */
+static int load_weights(model *m, const struct model_params *params, char *err, size_t errlen)
+{
+    const char *arch;
+    size_t alen;
+    if (gguf_get_str(m->file, "general.architecture", &arch, &alen)) {
+        snprintf(err, errlen, "missing metadata key general.architecture");
+        return -EINVAL;
+    }
+    size_t k = 0;
+    while (k < sizeof(arches) / sizeof(arches[0]) &&
+           !(alen == strlen(arches[k].name) && !memcmp(arch, arches[k].name, alen)))
+        k++;
+    if (k == sizeof(arches) / sizeof(arches[0])) {
+        snprintf(err, errlen, "architecture '%.*s' is not supported (kvd runs llama, qwen2, bloom, mpt)",
+                 (int)(alen > 64 ? 64 : alen), arch);
+        return -EINVAL;
+    }
+    m->arch = arches[k].arch;
+    memcpy(m->arch_name, arch, alen);
+    m->arch_name[alen] = '\0';
+
+    int rc = model_read_shape(m, err, errlen);
+    if (!rc && (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT))
+        rc = model_bloom_hparams(m, params, err, errlen);
+    else if (!rc)
+        rc = read_llama_hparams(m, params, err, errlen);
+    if (rc)
+        return rc;
+
+    /* Tokenizer: its size is the vocabulary the output layer must cover. */
+    char why[400];
+    m->tok = tok_load_forced(m->file, params->tokenizer_pre, why, sizeof(why));
+    if (!m->tok) {
+        snprintf(err, errlen, "tokenizer: %s", why);
+        return -EINVAL;
+    }
+    m->n_vocab = tok_n_vocab(m->tok);
+    rc = load_tensors(m, err, errlen);
+
+    /* Offset-only biases: slopes from max_bias, or the shared T5 table. */
+    if (!rc && m->pos.kind == POS_ALIBI)
+        rc = model_pos_alibi(m, m->alibi_max_bias, err, errlen);
+    else if (!rc && m->pos.kind == POS_T5)
+        rc = model_pos_t5(m, params, err, errlen);
+    if (!rc && m->pos.kind != POS_T5)
+        rc = model_pos_no_t5_tables(m, err, errlen);
+    return rc;
+}
+
 model *model_load(const struct model_params *params, char *err, size_t errlen)
 {
     if (!params || !params->path) {
@@ -494,53 +559,8 @@ model *model_load(const struct model_params *params, char *err, size_t errlen)
         goto fail;
     }
 
-    /* Architecture. */
-    const char *arch;
-    size_t alen;
-    if (gguf_get_str(m->file, "general.architecture", &arch, &alen)) {
-        snprintf(err, errlen, "%s: missing metadata key general.architecture", params->path);
-        goto fail;
-    }
-    size_t k = 0;
-    while (k < sizeof(arches) / sizeof(arches[0]) &&
-           !(alen == strlen(arches[k].name) && !memcmp(arch, arches[k].name, alen)))
-        k++;
-    if (k == sizeof(arches) / sizeof(arches[0])) {
-        snprintf(err, errlen,
-                 "%s: architecture '%.*s' is not supported (kvd runs llama, qwen2, bloom, mpt)",
-                 params->path, (int)(alen > 64 ? 64 : alen), arch);
-        goto fail;
-    }
-    m->arch = arches[k].arch;
-    memcpy(m->arch_name, arch, alen);
-    m->arch_name[alen] = '\0';
-
-    int rc = model_read_shape(m, why, sizeof(why));
-    if (!rc && (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT))
-        rc = model_bloom_hparams(m, params, why, sizeof(why));
-    else if (!rc)
-        rc = read_llama_hparams(m, params, why, sizeof(why));
-    if (rc) {
-        snprintf(err, errlen, "%s: %s", params->path, why);
-        goto fail;
-    }
-
-    /* Tokenizer: its size is the vocabulary the output layer must cover. */
-    m->tok = tok_load(m->file, why, sizeof(why));
-    if (!m->tok) {
-        snprintf(err, errlen, "%s: tokenizer: %s", params->path, why);
-        goto fail;
-    }
-    m->n_vocab = tok_n_vocab(m->tok);
-    rc = load_tensors(m, why, sizeof(why));
-
-    /* Offset-only biases: slopes from max_bias, or the shared T5 table. */
-    if (!rc && m->pos.kind == POS_ALIBI)
-        rc = model_pos_alibi(m, m->alibi_max_bias, why, sizeof(why));
-    else if (!rc && m->pos.kind == POS_T5)
-        rc = model_pos_t5(m, params, why, sizeof(why));
-    if (!rc && m->pos.kind != POS_T5)
-        rc = model_pos_no_t5_tables(m, why, sizeof(why));
+    int rc = params->vocab_only ? load_vocab(m, params, why, sizeof(why))
+                                : load_weights(m, params, why, sizeof(why));
     if (rc) {
         snprintf(err, errlen, "%s: %s", params->path, why);
         goto fail;
@@ -594,6 +614,8 @@ void model_get_info(const model *m, struct model_info *info)
         .n_kv_head = m->n_kv_head,
         .head_dim = m->head_dim,
         .n_ff = m->n_ff,
+        .tokenizer = tok_pre_name(m->tok),
+        .tokenizer_note = tok_warning(m->tok),
     };
 }
 

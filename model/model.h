@@ -30,6 +30,10 @@ typedef struct model_ctx model_ctx;
 
 struct model_params {
     const char *path;        /* GGUF file */
+    bool vocab_only;         /* load the tokenizer alone: a vocabulary-only file (no
+                                tensors) loads, and model_ctx_create refuses the model */
+    const char *tokenizer_pre; /* NULL, or the pre-tokenizer to use instead of the file's
+                                  tokenizer.ggml.pre (the operator's explicit choice) */
     /* Used only where the file lacks them (0 = no override). */
     float alibi_max_bias;
     int t5_num_buckets;
@@ -44,7 +48,10 @@ struct model_info {
     const char *weight_type; /* dominant tensor type, e.g. "q8_0" (borrowed) */
     int n_vocab;
     int n_ctx_train;         /* training context length from metadata (0 if absent) */
-    int n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff;
+    int n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff; /* 0 when vocab_only */
+    const char *tokenizer;      /* pre-tokenizer family ("llama3", ...; "spm") (borrowed) */
+    const char *tokenizer_note; /* NULL, or what the caller should print about the
+                                   tokenizer (missing or overridden pre-tokenizer) */
 };
 
 /* Load and validate a model. NULL with the reason (file, tensor, key) in err. */

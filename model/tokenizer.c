@@ -509,6 +509,11 @@ static int build_user(tok_vocab *v)
 
 tok_vocab *tok_load(const gguf_file *f, char *err, size_t errlen)
 {
+    return tok_load_forced(f, NULL, err, errlen);
+}
+
+tok_vocab *tok_load_forced(const gguf_file *f, const char *force_pre, char *err, size_t errlen)
+{
     if (err && errlen)
         err[0] = '\0';
     if (!f) {
@@ -554,8 +559,14 @@ tok_vocab *tok_load(const gguf_file *f, char *err, size_t errlen)
         char c[2];
         for (int b = 0; b < 256; b++)
             v->byte_id[b] = tok_lookup(v, c, tok_bpe_byte_char((unsigned char)b, c));
-        if ((rc = tok_bpe_init(v, f, err, errlen)) < 0)
+        if ((rc = tok_bpe_init(v, f, force_pre, err, errlen)) < 0)
             goto fail_rc;
+    } else if (force_pre) {
+        errf(err, errlen,
+             "a pre-tokenizer ('%.64s') was forced, but %s is 'llama' (SentencePiece), "
+             "which has none",
+             force_pre, K_MODEL);
+        goto fail;
     }
     if (v->bos < 0)
         v->add_bos = false;

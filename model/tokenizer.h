@@ -68,9 +68,22 @@ enum tok_type {
  * in err naming the key (and index) at fault: tokens missing or not
  * strings, scores or token types whose length differs from the tokens', a
  * merge naming a piece that is not a token, a special token id outside
- * the vocabulary, an unsupported tokenizer.ggml.model.
+ * the vocabulary, an unsupported tokenizer.ggml.model, a
+ * tokenizer.ggml.pre kvd has no patterns for (named: never another
+ * family's patterns in its place).
  */
 tok_vocab *tok_load(const gguf_file *f, char *err, size_t errlen);
+
+/*
+ * The same, with the pre-tokenizer named by the operator (force_pre: any
+ * tokenizer.ggml.pre value tok_pre_known accepts) instead of the file's;
+ * NULL means the file's. Forcing one on a SentencePiece vocabulary, or
+ * naming an unknown one, fails.
+ */
+tok_vocab *tok_load_forced(const gguf_file *f, const char *force_pre, char *err, size_t errlen);
+
+/* Whether pre is a tokenizer.ggml.pre value kvd has patterns for. */
+bool tok_pre_known(const char *pre);
 
 /* Free a vocabulary (NULL is fine). */
 void tok_free(tok_vocab *v);
@@ -98,13 +111,15 @@ int tok_token_type(const tok_vocab *v, int32_t id);
  * characters undecoded), borrowed from v; NULL when out of range. */
 const char *tok_token_text(const tok_vocab *v, int32_t id, size_t *len);
 
-/* The pre-tokenizer in use: "gpt2", "llama3", "qwen2", "starcoder",
- * "falcon", "default" (llama.cpp's BPE default set) for BPE; "spm" for
- * SentencePiece-style. Borrowed, static. */
+/* The pre-tokenizer family in use: "gpt2", "llama3", "qwen2", "starcoder",
+ * "falcon", "default" (llama.cpp's BPE default set), "deepseek-llm",
+ * "deepseek-coder", "deepseek-v3", "tekken", "gpt-4o", "bloom", "viking"
+ * for BPE; "spm" for SentencePiece-style. Borrowed, static. */
 const char *tok_pre_name(const tok_vocab *v);
 /*
- * A note for the caller's log, or NULL: set when tokenizer.ggml.pre is
- * missing or unknown and the gpt2 pattern is used instead. Borrowed from v.
+ * A note the caller prints, or NULL: set when tokenizer.ggml.pre is missing
+ * (llama.cpp's "default" patterns are used, as llama.cpp does) or when the
+ * operator's forced family replaced the file's value. Borrowed from v.
  */
 const char *tok_warning(const tok_vocab *v);
 

@@ -50,10 +50,44 @@
     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"     \
     "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 
+/* DeepSeek LLM's cased letters (the Lu/Ll/Lt letters of its tokenizer.json
+ * class, written as code point ranges), its ASCII and full-width
+ * punctuation, and the CJK/Hangul run both DeepSeek tokenizers cut out. */
+#define DS_LETTERS                                                                                 \
+    "A-Za-z\\x{b5}\\x{c0}-\\x{d6}\\x{d8}-\\x{f6}\\x{f8}-\\x{1ba}\\x{1bc}-\\x{1bf}"                 \
+    "\\x{1c4}-\\x{293}\\x{295}-\\x{2af}\\x{370}-\\x{373}\\x{376}\\x{377}\\x{37b}-\\x{37d}"         \
+    "\\x{37f}\\x{386}\\x{388}-\\x{38a}\\x{38c}\\x{38e}-\\x{3a1}\\x{3a3}-\\x{3f5}"                  \
+    "\\x{3f7}-\\x{481}\\x{48a}-\\x{52f}\\x{531}-\\x{556}\\x{10a0}-\\x{10c5}\\x{13a0}-\\x{13f5}"     \
+    "\\x{13f8}-\\x{13fd}\\x{1c90}-\\x{1cba}\\x{1cbd}-\\x{1cbf}\\x{1d00}-\\x{1d2b}"                 \
+    "\\x{1d6b}-\\x{1d77}\\x{1d79}-\\x{1d9a}\\x{1e00}-\\x{1f15}\\x{1f18}-\\x{1f1d}"                 \
+    "\\x{1f20}-\\x{1f45}\\x{1f48}-\\x{1f4d}\\x{1f50}-\\x{1f57}\\x{1f59}\\x{1f5b}\\x{1f5d}"         \
+    "\\x{1f5f}-\\x{1f7d}\\x{1f80}-\\x{1fb4}\\x{1fb6}-\\x{1fbc}\\x{1fbe}\\x{1fc2}-\\x{1fc4}"        \
+    "\\x{1fc6}-\\x{1fcc}\\x{1fd0}-\\x{1fd3}\\x{1fd6}-\\x{1fdb}\\x{1fe0}-\\x{1fec}"                 \
+    "\\x{1ff2}-\\x{1ff4}\\x{1ff6}-\\x{1ffc}\\x{2102}\\x{2107}\\x{210a}-\\x{2113}\\x{2115}"         \
+    "\\x{2119}-\\x{211d}\\x{2124}\\x{2126}\\x{2128}\\x{212a}-\\x{212d}\\x{212f}-\\x{2134}"         \
+    "\\x{2139}\\x{213c}-\\x{213f}\\x{2145}-\\x{2149}\\x{214e}\\x{2183}\\x{2184}"                   \
+    "\\x{2c00}-\\x{2c7b}\\x{2c7e}-\\x{2ce4}\\x{2ceb}-\\x{2cee}\\x{2cf2}\\x{2cf3}"                   \
+    "\\x{a640}-\\x{a66d}\\x{a680}-\\x{a69b}\\x{a722}-\\x{a76f}\\x{a771}-\\x{a787}"                 \
+    "\\x{a78b}-\\x{a78e}\\x{ab70}-\\x{abbf}\\x{fb00}-\\x{fb06}\\x{fb13}-\\x{fb17}"                 \
+    "\\x{ff21}-\\x{ff3a}\\x{ff41}-\\x{ff5a}\\x{10400}-\\x{1044f}\\x{104b0}-\\x{104d3}"             \
+    "\\x{104d8}-\\x{104fb}\\x{10c80}-\\x{10cb2}\\x{10cc0}-\\x{10cf2}\\x{118a0}-\\x{118df}"         \
+    "\\x{1e900}-\\x{1e943}"
+#define DS_PUNCT "!-/:-~\\x{ff01}-\\x{ff0f}\\x{ff1a}-\\x{ff5e}\\x{2018}-\\x{201f}\\x{3000}-\\x{3002}"
+#define DS_CJK "[\\x{4e00}-\\x{9fa5}\\x{800}-\\x{4e00}\\x{ac00}-\\x{d7ff}]+"
+/* Tekken (Mistral Nemo) and GPT-4o: a word is an optional non-letter, then
+ * upper-case letters followed by lower-case ones (or the other way round),
+ * so "HelloWorld" cuts into "Hello" and "World". Written with the Unicode
+ * case classes, as the tokenizer.json states it (PCRE2 has them). */
+#define CASE_WORDS(sfx)                                                                            \
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+" sfx \
+    "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*" sfx
+#define CONTRACTIONS_I "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+#define BLOOM_WORDS " ?[^(\\s|.,!?\\x{2026}\\x{3002}\\x{ff0c}\\x{3001}\\x{964}\\x{6d4}\\x{60c})]+"
+
 struct pre_family {
     const char *name;
     int n;
-    const char *pats[4];
+    const char *pats[6];
 };
 
 static const struct pre_family FAMILIES[] = {
@@ -66,6 +100,30 @@ static const struct pre_family FAMILIES[] = {
     {"falcon", 3, {"[\\p{P}\\$\\+<=>\\^~\\|`]+", PAT_GPT2, "[0-9][0-9][0-9]"}},
     /* llama.cpp's BPE default, for vocabularies that say "default" */
     {"default", 4, {"[\\p{P}\\$\\+<=>\\^~\\|]+", PAT_GPT2, "\\p{N}+", "[0-9][0-9][0-9]"}},
+    /* line breaks alone, cased letters with one optional leading space,
+     * punctuation runs, trailing white space, CJK/Hangul runs, digit runs.
+     * "$" of the original is the end of the piece: \z here (PCRE2's "$"
+     * would also match before a final newline). */
+    {"deepseek-llm",
+     6,
+     {"[\\r\\n]", "\\s?[" DS_LETTERS "]+", "\\s?[" DS_PUNCT "]+", "\\s+\\z", DS_CJK, "\\p{N}+"}},
+    {"deepseek-coder", 5, {"[\\r\\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", DS_CJK, "\\p{N}"}},
+    {"deepseek-v3",
+     3,
+     {"\\p{N}{1,3}", "[\\x{4e00}-\\x{9fa5}\\x{3040}-\\x{309f}\\x{30a0}-\\x{30ff}]+",
+      "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?"
+      "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {"tekken",
+     1,
+     {CASE_WORDS("") "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {"gpt-4o",
+     1,
+     {CASE_WORDS(CONTRACTIONS_I) "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|"
+                                 "\\s+(?!\\S)|\\s+"}},
+    /* everything but white space and a few (Western, CJK, Indic, Arabic)
+     * punctuation marks, with an optional leading space */
+    {"bloom", 1, {BLOOM_WORDS}},
+    {"viking", 2, {BLOOM_WORDS, "\\p{N}"}},
 };
 
 /* tokenizer.ggml.pre values and the family each uses (as llama.cpp maps them). */
@@ -73,44 +131,69 @@ static const struct {
     const char *pre;
     const char *family;
     bool ignore_merges; /* a word that is a token is taken whole */
+    bool add_bos;       /* BOS default when tokenizer.ggml.add_bos_token is absent */
 } ALIASES[] = {
-    {"gpt-2", "gpt2", false},
-    {"gpt2", "gpt2", false},
-    {"phi-2", "gpt2", false},
-    {"mpt", "gpt2", false},
-    {"olmo", "gpt2", false},
-    {"jais", "gpt2", false},
-    {"roberta-bpe", "gpt2", false},
-    {"jina-es", "gpt2", false},
-    {"jina-de", "gpt2", false},
-    {"jina-v1-en", "gpt2", false},
-    {"jina-v2-es", "gpt2", false},
-    {"jina-v2-de", "gpt2", false},
-    {"jina-v2-code", "gpt2", false},
-    {"gigachat", "gpt2", false},
-    {"llama3", "llama3", true},
-    {"llama-v3", "llama3", true},
-    {"llama-bpe", "llama3", true},
-    {"falcon3", "llama3", true},
-    {"dbrx", "llama3", false},
-    {"smaug-bpe", "llama3", false},
-    {"qwen2", "qwen2", false},
-    {"stablelm2", "qwen2", false},
-    {"deepseek-r1-qwen", "qwen2", false},
-    {"starcoder", "starcoder", false},
-    {"refact", "starcoder", false},
-    {"command-r", "starcoder", false},
-    {"smollm", "starcoder", false},
-    {"codeshell", "starcoder", false},
-    {"exaone", "starcoder", false},
-    {"minerva-7b", "starcoder", false},
-    {"falcon", "falcon", false},
-    {"default", "default", false},
+    {"gpt-2", "gpt2", false, false},
+    {"gpt2", "gpt2", false, false},
+    {"phi-2", "gpt2", false, false},
+    {"mpt", "gpt2", false, false},
+    {"olmo", "gpt2", false, false},
+    {"jais", "gpt2", false, false},
+    {"roberta-bpe", "gpt2", false, false},
+    {"jina-es", "gpt2", false, false},
+    {"jina-de", "gpt2", false, false},
+    {"jina-v1-en", "gpt2", false, false},
+    {"jina-v2-es", "gpt2", false, false},
+    {"jina-v2-de", "gpt2", false, false},
+    {"jina-v2-code", "gpt2", false, false},
+    {"gigachat", "gpt2", false, false},
+    {"exaone4", "gpt2", false, false},
+    {"a.x-4.0", "gpt2", false, false},
+    {"mellum", "gpt2", false, false},
+    {"llama3", "llama3", true, true},
+    {"llama-v3", "llama3", true, true},
+    {"llama-bpe", "llama3", true, true},
+    {"falcon3", "llama3", true, true},
+    {"falcon-h1", "llama3", true, true},
+    {"pixtral", "llama3", true, true},
+    {"midm-2.0", "llama3", true, true},
+    {"lfm2", "llama3", true, true},
+    {"dbrx", "llama3", false, false},
+    {"smaug-bpe", "llama3", false, false},
+    {"chatglm-bpe", "llama3", false, false},
+    {"glm4", "llama3", false, false},
+    {"qwen2", "qwen2", false, false},
+    {"stablelm2", "qwen2", false, false},
+    {"deepseek-r1-qwen", "qwen2", false, false},
+    {"kormo", "qwen2", false, false},
+    {"megrez", "qwen2", false, false},
+    {"hunyuan", "qwen2", false, false},
+    {"grok-2", "qwen2", false, false},
+    {"starcoder", "starcoder", false, false},
+    {"refact", "starcoder", false, false},
+    {"command-r", "starcoder", false, false},
+    {"smollm", "starcoder", false, false},
+    {"codeshell", "starcoder", false, false},
+    {"exaone", "starcoder", false, false},
+    {"minerva-7b", "starcoder", false, false},
+    {"falcon", "falcon", false, false},
+    {"default", "default", false, false},
+    {"deepseek-llm", "deepseek-llm", false, false},
+    {"deepseek-coder", "deepseek-coder", false, false},
+    {"deepseek-v3", "deepseek-v3", false, false},
+    {"hunyuan-dense", "deepseek-v3", false, false},
+    {"tekken", "tekken", true, true},
+    {"gpt-4o", "gpt-4o", false, false},
+    {"llama4", "gpt-4o", false, false},
+    {"bloom", "bloom", false, false},
+    {"poro-chat", "bloom", false, false},
+    {"gpt3-finnish", "bloom", false, false},
+    {"viking", "viking", false, false},
 };
 
 struct tok_pretok {
     int n;
-    pcre2_code *code[4];
+    pcre2_code *code[6];
 };
 
 static const struct pre_family *family(const char *name)
@@ -148,8 +231,24 @@ static int compile_family(tok_vocab *v, const struct pre_family *fam, char *err,
     return 0;
 }
 
-/* Pick and compile the patterns for tokenizer.ggml.pre. */
-static int init_pre(tok_vocab *v, const gguf_file *f, char *err, size_t errlen)
+/* The alias row for a tokenizer.ggml.pre value, or -1. */
+static int find_alias(const char *pre, size_t len)
+{
+    for (size_t i = 0; i < sizeof ALIASES / sizeof ALIASES[0]; i++)
+        if (strlen(ALIASES[i].pre) == len && memcmp(ALIASES[i].pre, pre, len) == 0)
+            return (int)i;
+    return -1;
+}
+
+/*
+ * Pick and compile the patterns for tokenizer.ggml.pre. An unknown value is
+ * refused with its name: tokenizing with another family's patterns would
+ * give different ids on some texts and nobody would know. The operator may
+ * name the family instead (force: any value of the alias table), which
+ * wins over the file's. A file without the key (converters before 2024)
+ * gets llama.cpp's "default" patterns, and tok_warning says so.
+ */
+static int init_pre(tok_vocab *v, const gguf_file *f, const char *force, char *err, size_t errlen)
 {
     const char *pre;
     size_t len;
@@ -158,20 +257,41 @@ static int init_pre(tok_vocab *v, const gguf_file *f, char *err, size_t errlen)
         snprintf(err, errlen, "%s is not a string", K_PRE);
         return -EINVAL;
     }
-    if (rc == 0) {
-        for (size_t i = 0; i < sizeof ALIASES / sizeof ALIASES[0]; i++) {
-            if (strlen(ALIASES[i].pre) == len && memcmp(ALIASES[i].pre, pre, len) == 0) {
-                v->ignore_merges = ALIASES[i].ignore_merges;
-                return compile_family(v, family(ALIASES[i].family), err, errlen);
-            }
+    int k;
+    if (force) {
+        k = find_alias(force, strlen(force));
+        if (k < 0) {
+            snprintf(err, errlen, "pre-tokenizer '%.64s' (forced by the operator) is unknown",
+                     force);
+            return -EINVAL;
         }
-        snprintf(v->warning, sizeof v->warning,
-                 "unknown %s '%.*s': using the gpt2 pre-tokenizer pattern", K_PRE,
-                 (int)(len > 64 ? 64 : len), pre);
+        if (rc == 0 && (strlen(force) != len || memcmp(force, pre, len) != 0))
+            snprintf(v->warning, sizeof v->warning, "%s '%.*s' overridden: using '%s' as configured",
+                     K_PRE, (int)(len > 64 ? 64 : len), pre, force);
+    } else if (rc == 0) {
+        k = find_alias(pre, len);
+        if (k < 0) {
+            snprintf(err, errlen,
+                     "%s '%.*s' is not supported (name a known one with [model] tokenizer_pre "
+                     "to force it)",
+                     K_PRE, (int)(len > 64 ? 64 : len), pre);
+            return -EINVAL;
+        }
     } else {
-        snprintf(v->warning, sizeof v->warning, "%s is missing: using the gpt2 pattern", K_PRE);
+        k = find_alias("default", 7);
+        snprintf(v->warning, sizeof v->warning, "%s is missing: using llama.cpp's default patterns",
+                 K_PRE);
     }
-    return compile_family(v, family("gpt2"), err, errlen);
+    v->ignore_merges = ALIASES[k].ignore_merges;
+    bool b;
+    if (gguf_get_bool(f, "tokenizer.ggml.add_bos_token", &b) == -ENOENT)
+        v->add_bos = ALIASES[k].add_bos;
+    return compile_family(v, family(ALIASES[k].family), err, errlen);
+}
+
+bool tok_pre_known(const char *pre)
+{
+    return pre && find_alias(pre, strlen(pre)) >= 0;
 }
 
 /* ------------------------------------------------------------------------
@@ -341,12 +461,13 @@ static int load_merges(tok_vocab *v, const gguf_file *f, char *err, size_t errle
     return rc;
 }
 
-int tok_bpe_init(tok_vocab *v, const gguf_file *f, char *err, size_t errlen)
+int tok_bpe_init(tok_vocab *v, const gguf_file *f, const char *force_pre, char *err,
+                 size_t errlen)
 {
     int rc = load_merges(v, f, err, errlen);
     if (rc < 0)
         return rc;
-    return init_pre(v, f, err, errlen);
+    return init_pre(v, f, force_pre, err, errlen);
 }
 
 void tok_bpe_free(tok_vocab *v)

@@ -107,8 +107,10 @@ int tok_spm_encode(const tok_vocab *v, const char *text, size_t len, bool space_
                    struct tok_out *out);
 
 /* BPE: the merge table (tokenizer.ggml.merges) and the pre-tokenizer
- * named by tokenizer.ggml.pre. 0, or -errno with err filled. */
-int tok_bpe_init(tok_vocab *v, const gguf_file *f, char *err, size_t errlen);
+ * named by tokenizer.ggml.pre, or by force_pre when not NULL (see
+ * tok_load_forced). 0, or -errno with err filled. */
+int tok_bpe_init(tok_vocab *v, const gguf_file *f, const char *force_pre, char *err,
+                 size_t errlen);
 void tok_bpe_free(tok_vocab *v);
 /* BPE: encode one run of raw text (no user-defined tokens inside). */
 int tok_bpe_encode(const tok_vocab *v, const char *text, size_t len, struct tok_out *out);

@@ -209,6 +209,7 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .alibi_max_bias = (float)c->model.alibi_max_bias,
         .t5_num_buckets = (int)c->model.t5_num_buckets,
         .t5_max_distance = (int)c->model.t5_max_distance,
+        .tokenizer_pre = c->model.tokenizer_pre[0] ? c->model.tokenizer_pre : NULL,
     };
     o->sched.cache_memory = c->cache.memory;
     o->sched.page_tokens = (int)c->cache.page_tokens;
@@ -263,6 +264,7 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs)
         .alibi_max_bias = (float)c->model.alibi_max_bias,
         .t5_num_buckets = (int)c->model.t5_num_buckets,
         .t5_max_distance = (int)c->model.t5_max_distance,
+        .tokenizer_pre = c->model.tokenizer_pre[0] ? c->model.tokenizer_pre : NULL,
     };
     char err[1024];
     model *m = model_load(&mp, err, sizeof(err));

@@ -17,8 +17,11 @@
 
 static void tokenize_usage(FILE *f)
 {
-    fprintf(f, "usage: kvd tokenize --model FILE [--pieces] [--bos] (--file PATH | [--] TEXT)\n"
-               "  --model FILE   GGUF model whose tokenizer to use\n"
+    fprintf(f, "usage: kvd tokenize --model FILE [--pieces] [--bos] [--tokenizer-pre NAME]\n"
+               "                    (--file PATH | [--] TEXT)\n"
+               "  --model FILE   GGUF model (or vocabulary-only file) whose tokenizer to use\n"
+               "  --tokenizer-pre NAME  pre-tokenizer to use instead of the file's\n"
+               "                 tokenizer.ggml.pre (llama-bpe, qwen2, deepseek-llm, ...)\n"
                "  --file PATH    tokenize the file's bytes instead of TEXT\n"
                "  --pieces       one token per line: id and its text\n"
                "  --bos          start with BOS as a prompt would\n");
@@ -80,7 +83,7 @@ static void print_quoted(const char *s, int n)
 
 int srv_cmd_tokenize(int argc, char **argv)
 {
-    const char *model_path = NULL, *file = NULL, *text = NULL;
+    const char *model_path = NULL, *file = NULL, *text = NULL, *pre = NULL;
     bool pieces = false, bos = false, bad = false;
     for (int i = 1; i < argc && !bad;) {
         const char *v = NULL;
@@ -88,6 +91,8 @@ int srv_cmd_tokenize(int argc, char **argv)
             model_path = v;
         } else if (srv_opt_value(argc, argv, &i, "tokenize", "--file", &v, &bad)) {
             file = v;
+        } else if (srv_opt_value(argc, argv, &i, "tokenize", "--tokenizer-pre", &v, &bad)) {
+            pre = v;
         } else if (!strcmp(argv[i], "--pieces")) {
             pieces = true;
             i++;
@@ -133,13 +138,18 @@ int srv_cmd_tokenize(int argc, char **argv)
     }
 
     char err[512];
-    struct model_params mp = {.path = model_path};
+    /* Only the tokenizer is needed: vocabulary-only files load too. */
+    struct model_params mp = {.path = model_path, .vocab_only = true, .tokenizer_pre = pre};
     model *m = model_load(&mp, err, sizeof(err));
     if (!m) {
         fprintf(stderr, "kvd tokenize: %s\n", err);
         free(owned);
         return 1;
     }
+    struct model_info info;
+    model_get_info(m, &info);
+    if (info.tokenizer_note)
+        fprintf(stderr, "kvd tokenize: note: %s\n", info.tokenizer_note);
     int status = 1;
     int n = model_tokenize(m, text, len, bos, NULL, 0);
     int32_t *ids = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;

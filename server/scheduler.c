@@ -1239,8 +1239,12 @@ static bool engine_load(srv_sched *s)
     if (!s->ctx)
         goto out_cache;
     srv_log(SRV_LOG_INFO,
-            "model %s (%s, %d layers, vocab %d) loaded; KV pool %d pages of %d tokens", info.name,
-            info.arch, info.n_layer, info.n_vocab, kv_cache_n_pages(s->cache), s->p.page_tokens);
+            "model %s (%s, %d layers, vocab %d, pre-tokenizer %s) loaded; KV pool %d pages of %d "
+            "tokens",
+            info.name, info.arch, info.n_layer, info.n_vocab, info.tokenizer,
+            kv_cache_n_pages(s->cache), s->p.page_tokens);
+    if (info.tokenizer_note)
+        srv_log(SRV_LOG_WARN, "tokenizer: %s", info.tokenizer_note);
     atomic_store(&s->ready_model, (const model *)s->m);
     post(s, event_new(SRV_EV_READY, NULL));
     return true;

@@ -1212,6 +1212,88 @@ static void test_cli(void **state)
     model_free(m);
 }
 
+/*
+ * Vocabulary-only files (a tokenizer and no tensors, as the converter's
+ * --vocab-only writes them): model_load with vocab_only loads them, runs no
+ * forward, and `kvd tokenize` gives the reference ids of their test strings.
+ * A tokenizer.ggml.pre kvd does not know is refused with the value named,
+ * unless --tokenizer-pre names a known one.
+ */
+static void test_vocab_only(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"gpt-2", "llama-spm", "phi-3", "falcon", "starcoder"};
+    bool have_bin = getenv("KVD_BIN") && *getenv("KVD_BIN");
+    char path[1024], args[2800], *out, *err;
+    int checked = 0;
+    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
+        snprintf(path, sizeof(path), "%s/vocab/ggml-vocab-%s.gguf", shared_dir(), names[k]);
+        if (access(path, R_OK) != 0) {
+            print_message("  %s absent: skipped\n", path);
+            continue;
+        }
+        char e[512];
+        assert_null(model_load(&(struct model_params){.path = path}, e, sizeof(e)));
+        struct model_params mp = {.path = path, .vocab_only = true};
+        model *m = model_load(&mp, e, sizeof(e));
+        if (!m)
+            fail_msg("vocab-only %s: %s", path, e);
+        assert_null(model_ctx_create(m, 8, 1, e, sizeof(e)));
+        assert_non_null(strstr(e, "vocabulary-only"));
+        model_free(m);
+        if (!have_bin)
+            continue;
+        /* The first string of the .inp file that is a plain line, through the CLI. */
+        char ip[1100], op[1100], tp[512];
+        snprintf(ip, sizeof(ip), "%s.inp", path);
+        snprintf(op, sizeof(op), "%s.out", path);
+        size_t n;
+        char *inp = slurp(ip, &n), *outp = slurp(op, &n);
+        assert_true(inp && outp);
+        char *sep = strstr(inp, "\n__ggml_vocab_test__\n"), *eol = strchr(outp, '\n');
+        assert_true(sep && eol);
+        snprintf(tp, sizeof(tp), "%s/vocab-text", tmp_dir);
+        FILE *f = fopen(tp, "wb");
+        fwrite(inp, 1, (size_t)(sep - inp), f);
+        fclose(f);
+        snprintf(args, sizeof(args), "tokenize --model '%s' --file '%s'", path, tp);
+        assert_int_equal(run_kvd(args, &out, &err), 0);
+        char *want = outp[0] == ' ' ? outp + 1 : outp; /* the .out lines start with a space */
+        eol[1] = '\0';
+        assert_string_equal(out, want);
+        checked++;
+        free(out);
+        free(err);
+        free(inp);
+        free(outp);
+    }
+    print_message("  %d vocabulary-only files tokenized through kvd tokenize\n", checked);
+    if (!have_bin)
+        return;
+
+    /* An unknown pre-tokenizer, refused by name; forced, it runs with a note. */
+    gguf_writer *w = gguf_writer_create();
+    static const char *const toks[] = {"a", "b", "c"};
+    gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2");
+    gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", toks, 3);
+    gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", toks, 0);
+    gguf_writer_set_str(w, "tokenizer.ggml.pre", "no-such-pre");
+    snprintf(path, sizeof(path), "%s/vocab-unknown.gguf", tmp_dir);
+    assert_int_equal(gguf_writer_write(w, path, NULL, 0), 0);
+    gguf_writer_destroy(w);
+    snprintf(args, sizeof(args), "tokenize --model '%s' abc", path);
+    assert_int_equal(run_kvd(args, &out, &err), 1);
+    assert_non_null(strstr(err, "tokenizer.ggml.pre 'no-such-pre' is not supported"));
+    free(out);
+    free(err);
+    snprintf(args, sizeof(args), "tokenize --model '%s' --tokenizer-pre gpt-2 abc", path);
+    assert_int_equal(run_kvd(args, &out, &err), 0);
+    assert_string_equal(out, "0 1 2\n");
+    assert_non_null(strstr(err, "overridden"));
+    free(out);
+    free(err);
+}
+
 int main(int argc, char **argv)
 {
     /* OpenMP workers spin after each parallel region unless told otherwise,
@@ -1242,6 +1324,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_stories_ctx128_identical),
         cmocka_unit_test(test_evict_stories_drift),
         cmocka_unit_test(test_cli),
+        cmocka_unit_test(test_vocab_only),
     };
     return cmocka_run_group_tests_name("model", tests, group_setup, group_teardown);
 }

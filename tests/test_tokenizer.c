@@ -69,9 +69,10 @@ static tok_vocab *load_path(const char *path)
     return v;
 }
 
-/* Serialise a writer and load a tokenizer from the bytes; the writer is
- * destroyed. Returns NULL with the error in err. */
-static tok_vocab *load_writer(gguf_writer *w, char *err, size_t errlen)
+/* Serialise a writer and load a tokenizer from the bytes, with the
+ * pre-tokenizer forced (NULL: the file's); the writer is destroyed.
+ * Returns NULL with the error in err. */
+static tok_vocab *load_writer_forced(gguf_writer *w, const char *force, char *err, size_t errlen)
 {
     void *buf;
     size_t size;
@@ -80,10 +81,15 @@ static tok_vocab *load_writer(gguf_writer *w, char *err, size_t errlen)
     gguf_file *f = gguf_open_memory(buf, size, err, errlen);
     if (!f)
         fail_msg("gguf_open_memory: %s", err);
-    tok_vocab *v = tok_load(f, err, errlen);
+    tok_vocab *v = tok_load_forced(f, force, err, errlen);
     gguf_close(f);
     free(buf);
     return v;
+}
+
+static tok_vocab *load_writer(gguf_writer *w, char *err, size_t errlen)
+{
+    return load_writer_forced(w, NULL, err, errlen);
 }
 
 /* Encode without BOS into a fixed array; returns the count. */
@@ -939,20 +945,82 @@ static void test_pretokenizers(void **state)
     /* Invalid UTF-8 never matches; it is kept as a piece of its own. */
     expect_words("gpt-2", "gpt2", "ab\xff\xfe cd", "ab|\xff\xfe| cd");
 
-    /* Unknown and missing pre-tokenizers fall back to gpt2, with a note. */
-    tok_vocab *v = must_load(bpe_writer(NULL, 0, NULL, 0, "no-such-pre"));
-    assert_string_equal(tok_pre_name(v), "gpt2");
+    /* An unknown pre-tokenizer is refused with its value named; the
+     * operator may force a known one, which the note reports. */
+    char err[256];
+    assert_null(load_writer(bpe_writer(NULL, 0, NULL, 0, "no-such-pre"), err, sizeof err));
+    assert_non_null(strstr(err, "'no-such-pre' is not supported"));
+    tok_vocab *v = load_writer_forced(bpe_writer(NULL, 0, NULL, 0, "no-such-pre"), "qwen2", err,
+                                      sizeof err);
+    assert_non_null(v);
+    assert_string_equal(tok_pre_name(v), "qwen2");
     assert_non_null(tok_warning(v));
     assert_non_null(strstr(tok_warning(v), "no-such-pre"));
     tok_free(v);
+    assert_null(load_writer_forced(bpe_writer(NULL, 0, NULL, 0, "gpt-2"), "nope", err, sizeof err));
+    assert_non_null(strstr(err, "'nope'"));
+    assert_null(load_writer_forced(spm_writer(NULL, NULL, NULL, 0), "qwen2", err, sizeof err));
+    assert_non_null(strstr(err, "SentencePiece"));
+    assert_true(tok_pre_known("tekken") && !tok_pre_known("no-such-pre") && !tok_pre_known(NULL));
+    /* A file from before pre-tokenizers existed: llama.cpp's default set,
+     * with a note for the caller to print. */
     v = must_load(bpe_writer(NULL, 0, NULL, 0, NULL));
-    assert_string_equal(tok_pre_name(v), "gpt2");
+    assert_string_equal(tok_pre_name(v), "default");
     assert_non_null(tok_warning(v));
     assert_int_equal(tok_split_words(v, NULL, 1, NULL, 0), -EINVAL);
     tok_free(v);
     v = must_load(spm_writer(NULL, NULL, NULL, 0));
     assert_int_equal(tok_split_words(v, "a", 1, NULL, 0), -EINVAL); /* SPM has none */
     tok_free(v);
+}
+
+/*
+ * The families of the mainstream models' BPE vocabularies. The expected
+ * cuts were worked out by hand from the patterns' definitions (each pattern
+ * cuts the pieces the previous one left; unmatched text stays a piece).
+ */
+static void test_pretokenizers_more(void **state)
+{
+    (void)state;
+    const char *t = "Hello world's 12345 \xc3\xa9t\xc3\xa9!! $x\n\n  ok";
+    /* DeepSeek LLM: line breaks alone; cased letters (é too) with one
+     * space; runs of its "punctuation" (0x21-0x2F and 0x3A-0x7E, which
+     * takes in the ASCII letters, so " été" is cut again around its "t");
+     * trailing space; digit runs. */
+    expect_words("deepseek-llm", "deepseek-llm", t,
+                 "Hello| world|'|s| |12345| \xc3\xa9|t|\xc3\xa9|!!| $|x|\n|\n| | ok");
+    /* Cyrillic is in its letter class, CJK is cut out of the space before. */
+    expect_words("deepseek-llm", "deepseek-llm",
+                 "\xd0\x9f\xd1\x80\xd0\xb8 \xd0\xbc\xd0\xb8 \xe4\xbd\xa0\xe5\xa5\xbd",
+                 "\xd0\x9f\xd1\x80\xd0\xb8| \xd0\xbc\xd0\xb8| |\xe4\xbd\xa0\xe5\xa5\xbd");
+    /* "$" is a symbol, not punctuation, for DeepSeek Coder; digits alone. */
+    expect_words("deepseek-coder", "deepseek-coder", t,
+                 "Hello| world|'|s| |1|2|3|4|5| \xc3\xa9t\xc3\xa9|!!| $|x|\n|\n| | ok");
+    expect_words("deepseek-v3", "deepseek-v3",
+                 "Hello world's 12345 \xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e!! $x\n\n  ok",
+                 "Hello| world|'s| |123|45| |\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e|!!| $|x|\n\n| | ok");
+    /* Tekken (Mistral Nemo): a word ends where upper case follows lower. */
+    expect_words("tekken", "tekken", "HelloWorld ABCdef 12 a/b\n\n  ok",
+                 "Hello|World| ABCdef| |1|2| a|/b|\n\n| | ok");
+    expect_words("gpt-4o", "gpt-4o", "HelloWorld's 12345 a/b", "Hello|World's| |123|45| a|/b");
+    expect_words("bloom", "bloom", "Hello, world! (x) a|b",
+                 "Hello|,| world|! (|x|)| a|||b");
+    expect_words("viking", "viking", "ab12 c3", "ab|1|2| c|3");
+    /* Aliases map to their families. */
+    expect_words("pixtral", "llama3", "a 1234", "a| |123|4");
+    expect_words("deepseek-r1-qwen", "qwen2", "a 12", "a| |1|2");
+    expect_words("hunyuan-dense", "deepseek-v3", "x 1234", "x| |123|4");
+
+    /* llama-bpe and tekken start prompts with BOS unless the file says no. */
+    static const char *const bos[] = {"<s>"};
+    for (int i = 0; i < 3; i++) {
+        const char *pre = i == 2 ? "gpt-2" : i ? "tekken" : "llama-bpe";
+        gguf_writer *w = bpe_writer(bos, 1, NULL, 0, pre);
+        assert_int_equal(gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", 256), 0);
+        tok_vocab *v = must_load(w);
+        assert_int_equal(tok_add_bos(v), i < 2);
+        tok_free(v);
+    }
 }
 
 /* llama3's ignore_merges: a word that is a token is taken whole even when
@@ -1110,6 +1178,7 @@ int main(void)
         cmocka_unit_test(test_special_tokens),
         cmocka_unit_test(test_bpe_rank_order),
         cmocka_unit_test(test_pretokenizers),
+        cmocka_unit_test(test_pretokenizers_more),
         cmocka_unit_test(test_bpe_ignore_merges),
         cmocka_unit_test(test_hostile_metadata),
     };
