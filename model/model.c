@@ -475,8 +475,9 @@ static const struct {
     {"mpt", MODEL_ARCH_MPT},
 };
 
-/* The tokenizer alone (vocab_only): architecture and tensors are not read. */
-static int load_vocab(model *m, const struct model_params *params, char *err, size_t errlen)
+/* The tokenizer (with the operator's pre-tokenizer, if any); its size is
+ * the vocabulary the output layer must cover. */
+static int load_tokenizer(model *m, const struct model_params *params, char *err, size_t errlen)
 {
     char why[400];
     m->tok = tok_load_forced(m->file, params->tokenizer_pre, why, sizeof(why));
@@ -485,6 +486,15 @@ static int load_vocab(model *m, const struct model_params *params, char *err, si
         return -EINVAL;
     }
     m->n_vocab = tok_n_vocab(m->tok);
+    return 0;
+}
+
+/* The tokenizer alone (vocab_only): architecture and tensors are not read. */
+static int load_vocab(model *m, const struct model_params *params, char *err, size_t errlen)
+{
+    int rc = load_tokenizer(m, params, err, errlen);
+    if (rc)
+        return rc;
     snprintf(m->arch_name, sizeof(m->arch_name), "vocab");
     m->weight_type = "none";
     return 0;
@@ -504,7 +514,8 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
            !(alen == strlen(arches[k].name) && !memcmp(arch, arches[k].name, alen)))
         k++;
     if (k == sizeof(arches) / sizeof(arches[0])) {
-        snprintf(err, errlen, "architecture '%.*s' is not supported (kvd runs llama, qwen2, bloom, mpt)",
+        snprintf(err, errlen,
+                 "architecture '%.*s' is not supported (kvd runs llama, qwen2, bloom, mpt)",
                  (int)(alen > 64 ? 64 : alen), arch);
         return -EINVAL;
     }
@@ -520,15 +531,9 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
     if (rc)
         return rc;
 
-    /* Tokenizer: its size is the vocabulary the output layer must cover. */
-    char why[400];
-    m->tok = tok_load_forced(m->file, params->tokenizer_pre, why, sizeof(why));
-    if (!m->tok) {
-        snprintf(err, errlen, "tokenizer: %s", why);
-        return -EINVAL;
-    }
-    m->n_vocab = tok_n_vocab(m->tok);
-    rc = load_tensors(m, err, errlen);
+    rc = load_tokenizer(m, params, err, errlen);
+    if (!rc)
+        rc = load_tensors(m, err, errlen);
 
     /* Offset-only biases: slopes from max_bias, or the shared T5 table. */
     if (!rc && m->pos.kind == POS_ALIBI)

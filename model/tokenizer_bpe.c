@@ -57,7 +57,7 @@
     "A-Za-z\\x{b5}\\x{c0}-\\x{d6}\\x{d8}-\\x{f6}\\x{f8}-\\x{1ba}\\x{1bc}-\\x{1bf}"                 \
     "\\x{1c4}-\\x{293}\\x{295}-\\x{2af}\\x{370}-\\x{373}\\x{376}\\x{377}\\x{37b}-\\x{37d}"         \
     "\\x{37f}\\x{386}\\x{388}-\\x{38a}\\x{38c}\\x{38e}-\\x{3a1}\\x{3a3}-\\x{3f5}"                  \
-    "\\x{3f7}-\\x{481}\\x{48a}-\\x{52f}\\x{531}-\\x{556}\\x{10a0}-\\x{10c5}\\x{13a0}-\\x{13f5}"     \
+    "\\x{3f7}-\\x{481}\\x{48a}-\\x{52f}\\x{531}-\\x{556}\\x{10a0}-\\x{10c5}\\x{13a0}-\\x{13f5}"    \
     "\\x{13f8}-\\x{13fd}\\x{1c90}-\\x{1cba}\\x{1cbd}-\\x{1cbf}\\x{1d00}-\\x{1d2b}"                 \
     "\\x{1d6b}-\\x{1d77}\\x{1d79}-\\x{1d9a}\\x{1e00}-\\x{1f15}\\x{1f18}-\\x{1f1d}"                 \
     "\\x{1f20}-\\x{1f45}\\x{1f48}-\\x{1f4d}\\x{1f50}-\\x{1f57}\\x{1f59}\\x{1f5b}\\x{1f5d}"         \
@@ -66,21 +66,23 @@
     "\\x{1ff2}-\\x{1ff4}\\x{1ff6}-\\x{1ffc}\\x{2102}\\x{2107}\\x{210a}-\\x{2113}\\x{2115}"         \
     "\\x{2119}-\\x{211d}\\x{2124}\\x{2126}\\x{2128}\\x{212a}-\\x{212d}\\x{212f}-\\x{2134}"         \
     "\\x{2139}\\x{213c}-\\x{213f}\\x{2145}-\\x{2149}\\x{214e}\\x{2183}\\x{2184}"                   \
-    "\\x{2c00}-\\x{2c7b}\\x{2c7e}-\\x{2ce4}\\x{2ceb}-\\x{2cee}\\x{2cf2}\\x{2cf3}"                   \
+    "\\x{2c00}-\\x{2c7b}\\x{2c7e}-\\x{2ce4}\\x{2ceb}-\\x{2cee}\\x{2cf2}\\x{2cf3}"                  \
     "\\x{a640}-\\x{a66d}\\x{a680}-\\x{a69b}\\x{a722}-\\x{a76f}\\x{a771}-\\x{a787}"                 \
     "\\x{a78b}-\\x{a78e}\\x{ab70}-\\x{abbf}\\x{fb00}-\\x{fb06}\\x{fb13}-\\x{fb17}"                 \
     "\\x{ff21}-\\x{ff3a}\\x{ff41}-\\x{ff5a}\\x{10400}-\\x{1044f}\\x{104b0}-\\x{104d3}"             \
     "\\x{104d8}-\\x{104fb}\\x{10c80}-\\x{10cb2}\\x{10cc0}-\\x{10cf2}\\x{118a0}-\\x{118df}"         \
     "\\x{1e900}-\\x{1e943}"
-#define DS_PUNCT "!-/:-~\\x{ff01}-\\x{ff0f}\\x{ff1a}-\\x{ff5e}\\x{2018}-\\x{201f}\\x{3000}-\\x{3002}"
+#define DS_PUNCT                                                                                   \
+    "!-/:-~\\x{ff01}-\\x{ff0f}\\x{ff1a}-\\x{ff5e}\\x{2018}-\\x{201f}\\x{3000}-\\x{3002}"
 #define DS_CJK "[\\x{4e00}-\\x{9fa5}\\x{800}-\\x{4e00}\\x{ac00}-\\x{d7ff}]+"
 /* Tekken (Mistral Nemo) and GPT-4o: a word is an optional non-letter, then
  * upper-case letters followed by lower-case ones (or the other way round),
  * so "HelloWorld" cuts into "Hello" and "World". Written with the Unicode
  * case classes, as the tokenizer.json states it (PCRE2 has them). */
 #define CASE_WORDS(sfx)                                                                            \
-    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+" sfx \
-    "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*" sfx
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]"     \
+    "+" sfx "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}"   \
+            "\\p{M}]*" sfx
 #define CONTRACTIONS_I "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
 #define BLOOM_WORDS " ?[^(\\s|.,!?\\x{2026}\\x{3002}\\x{ff0c}\\x{3001}\\x{964}\\x{6d4}\\x{60c})]+"
 
@@ -266,8 +268,9 @@ static int init_pre(tok_vocab *v, const gguf_file *f, const char *force, char *e
             return -EINVAL;
         }
         if (rc == 0 && (strlen(force) != len || memcmp(force, pre, len) != 0))
-            snprintf(v->warning, sizeof v->warning, "%s '%.*s' overridden: using '%s' as configured",
-                     K_PRE, (int)(len > 64 ? 64 : len), pre, force);
+            snprintf(v->warning, sizeof v->warning,
+                     "%s '%.*s' overridden: using '%s' as configured", K_PRE,
+                     (int)(len > 64 ? 64 : len), pre, force);
     } else if (rc == 0) {
         k = find_alias(pre, len);
         if (k < 0) {
@@ -461,8 +464,7 @@ static int load_merges(tok_vocab *v, const gguf_file *f, char *err, size_t errle
     return rc;
 }
 
-int tok_bpe_init(tok_vocab *v, const gguf_file *f, const char *force_pre, char *err,
-                 size_t errlen)
+int tok_bpe_init(tok_vocab *v, const gguf_file *f, const char *force_pre, char *err, size_t errlen)
 {
     int rc = load_merges(v, f, err, errlen);
     if (rc < 0)
