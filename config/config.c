@@ -234,7 +234,14 @@ static const struct key_def keys[CFG_N_KEYS] = {
                  "time a client has to send the whole header block (slow clients get 408)"),
     [CFG_LIMITS_IDLE_TIMEOUT] =
         DURATION("limits", "idle_timeout", limits.idle_timeout_ms, "1m", 100, DAY, LIVE,
-                 "a connection silent this long between requests is closed"),
+                 "a connection silent this long between requests, or whose reader takes less "
+                 "than 64KiB of a waiting answer in this time, is closed"),
+    [CFG_LIMITS_BODY_TIMEOUT] =
+        DURATION("limits", "body_timeout", limits.body_timeout_ms, "1m", 100, HOUR, LIVE,
+                 "time a client has to send the whole body once its headers are in (408)"),
+    [CFG_LIMITS_WRITE_BUFFER] =
+        SIZE("limits", "write_buffer", limits.write_buffer, "1MiB", 65536, GiB, LIVE,
+             "streamed answer bytes a reader may leave untaken before its generation pauses"),
     [CFG_LIMITS_MAX_PROMPT_TOKENS] =
         INT("limits", "max_prompt_tokens", limits.max_prompt_tokens, "32768", 1, 1 << 24, "tokens",
             LIVE, "prompts longer than this are rejected with 400"),

@@ -92,6 +92,8 @@ enum cfg_key {
     CFG_LIMITS_MAX_BODY_BYTES,
     CFG_LIMITS_HEADER_TIMEOUT,
     CFG_LIMITS_IDLE_TIMEOUT,
+    CFG_LIMITS_BODY_TIMEOUT,
+    CFG_LIMITS_WRITE_BUFFER,
     CFG_LIMITS_MAX_PROMPT_TOKENS,
     CFG_LIMITS_MAX_TOKENS,
     CFG_LIMITS_QUEUE_LENGTH,
@@ -157,6 +159,8 @@ struct cfg_limits {
     uint64_t max_body_bytes;    /* request body */
     uint64_t header_timeout_ms; /* time to receive the whole header block */
     uint64_t idle_timeout_ms;   /* a connection silent this long is closed */
+    uint64_t body_timeout_ms;   /* time to receive a whole body after its headers */
+    uint64_t write_buffer;      /* stream bytes left unread before generation pauses */
     int64_t max_prompt_tokens;  /* prompts longer than this are rejected (400) */
     int64_t max_tokens;         /* cap on a request's max_tokens */
     int64_t queue_length;       /* requests waiting for a slot; beyond it, 503 */

@@ -858,6 +858,18 @@ static void call_gone(void *owner)
         atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
 }
 
+/* Backpressure from the connection: a reader that is behind pauses its
+ * request's generation (the engine keeps its slot and cache). */
+static void call_pressure(void *owner, bool pause)
+{
+    struct call *call = owner;
+    if (!call->req)
+        return;
+    atomic_store(&call->req->paused, pause);
+    if (!pause)
+        srv_sched_wake(call->a->sched);
+}
+
 static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
 {
     struct call *call = calloc(1, sizeof(*call));
@@ -900,7 +912,7 @@ static void call_submit(srv_api *a, struct call *call)
         call_free(call);
         return;
     }
-    srv_conn_set_owner(call->conn, call, call_gone);
+    srv_conn_set_owner(call->conn, call, call_gone, call_pressure);
     call->next = a->calls;
     if (a->calls)
         a->calls->prev = call;
@@ -911,7 +923,7 @@ static void call_submit(srv_api *a, struct call *call)
 static void call_end(srv_api *a, struct call *call)
 {
     if (call->conn)
-        srv_conn_set_owner(call->conn, NULL, NULL);
+        srv_conn_set_owner(call->conn, NULL, NULL, NULL);
     if (call->prev)
         call->prev->next = call->next;
     else
@@ -1654,7 +1666,9 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
     srv_api *a = ud;
     const char *path = req->path;
     const char *m = req->method;
-    bool get = !strcmp(m, "GET"), post = !strcmp(m, "POST"), del = !strcmp(m, "DELETE");
+    /* HEAD is GET without the body (the HTTP layer drops it). */
+    bool get = !strcmp(m, "GET") || !strcmp(m, "HEAD"), post = !strcmp(m, "POST"),
+         del = !strcmp(m, "DELETE");
 
     enum {
         R_NONE,
@@ -1671,10 +1685,10 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
     const char *sess = NULL;
     if (!strcmp(path, "/health")) {
         r = R_HEALTH;
-        allow = "GET";
+        allow = "GET, HEAD";
     } else if (!strcmp(path, "/metrics")) {
         r = R_METRICS;
-        allow = "GET";
+        allow = "GET, HEAD";
     } else if (!strcmp(path, "/v1/completions") || !strcmp(path, "/completions")) {
         r = R_OPENAI;
         allow = "POST";
@@ -1683,7 +1697,7 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         allow = "POST";
     } else if (!strcmp(path, "/v1/models") || !strcmp(path, "/models")) {
         r = R_MODELS;
-        allow = "GET";
+        allow = "GET, HEAD";
     } else if (!strcmp(path, "/tokenize")) {
         r = R_TOKENIZE;
         allow = "POST";
@@ -1692,7 +1706,7 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         allow = "POST";
     } else if (!strncmp(path, "/v1/sessions/", 13) && path[13]) {
         r = R_SESSION;
-        allow = "GET, DELETE";
+        allow = "GET, HEAD, DELETE";
         sess = path + 13;
     }
     if (r == R_NONE) {

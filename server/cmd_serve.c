@@ -189,8 +189,13 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .max_body_bytes = c->limits.max_body_bytes,
         .header_timeout_ms = c->limits.header_timeout_ms,
         .idle_timeout_ms = c->limits.idle_timeout_ms,
+        .body_timeout_ms = c->limits.body_timeout_ms,
         .max_connections = (int)c->server.max_connections,
-        .max_write_queue = 64u << 20,
+        .write_buffer = c->limits.write_buffer,
+        /* A stream's producer pauses at write_buffer; this much more is
+         * one event's worth of slack at most, so reaching it means the
+         * pause did not happen. */
+        .max_write_queue = 8 * c->limits.write_buffer,
     };
     struct kv_policy pol;
     srv_cfg_policy(c, &pol);

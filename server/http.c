@@ -15,13 +15,30 @@
  *   request line + headers over max_header_bytes, or more than max_headers
  *   headers: 431 (414 for the URL alone); body over max_body_bytes (by
  *   Content-Length or while reading a chunked body): 413; no complete
- *   headers within header_timeout, or a body stalled for idle_timeout: 408;
- *   a keep-alive connection idle for idle_timeout is closed quietly; more
- *   than max_connections open: 503; a reader that lets more than
- *   max_write_queue bytes pile up is closed. Malformed HTTP: 400.
+ *   headers within header_timeout, a body not complete within
+ *   body_timeout of its headers, or a body stalled for idle_timeout: 408;
+ *   a Transfer-Encoding other than `chunked` alone: 501; CONNECT: 405;
+ *   a keep-alive connection idle for idle_timeout is closed quietly.
+ *   Malformed HTTP: 400.
  * After an error the connection is closed gracefully (FIN after the
  * answer, further input discarded for a moment) so the client can read
  * the status before the socket goes away.
+ *
+ * Connection slots: when max_connections are open, a new connection takes
+ * the slot of the connection that has been idle (between requests, nothing
+ * queued) the longest; only when none is idle does it get 503. The same
+ * shedding frees a descriptor when accept() finds none left (EMFILE).
+ *
+ * Slow readers. An answer is judged by what the reader leaves untaken over
+ * time, never by its size: while bytes wait in a connection's write queue,
+ * the reader must take at least min(what waited, WRITE_MIN_PROGRESS) in
+ * every idle_timeout, or it is closed and counted (a prompt reader of a
+ * 200 MiB answer is never cut; one that stops reading is). A stream also
+ * applies backpressure: once more than write_buffer bytes wait, the
+ * request's owner is told to pause producing (srv_conn_set_owner's
+ * on_pressure), and told to resume when the queue has drained to half.
+ * max_write_queue stays as a hard cap for a stream whose producer does not
+ * pause.
  *
  * Handles are freed only in their close callbacks.
  */
@@ -38,6 +55,9 @@
 
 #define READ_CHUNK 65536
 #define LINGER_MS 2000
+/* A reader with bytes waiting must take at least this much (or all that
+ * waited) in every idle_timeout. */
+#define WRITE_MIN_PROGRESS 65536
 
 enum conn_state {
     CONN_READING,   /* reading (and parsing) a request */
@@ -56,7 +76,8 @@ struct hdr {
 
 struct srv_conn {
     uv_tcp_t tcp;
-    uv_timer_t timer;
+    uv_timer_t timer;  /* idle, header, body and linger deadlines */
+    uv_timer_t wtimer; /* the slow-reader check, while bytes wait to be sent */
     uv_shutdown_t shutdown_req;
     int handles_open;
     srv_http *h;
@@ -80,6 +101,9 @@ struct srv_conn {
     size_t body_len, body_cap;
     bool keep_alive;
     int http_minor;
+    bool head_only;         /* HEAD: the answer's head without its body */
+    uint64_t body_deadline; /* uv_now() by which the body must be complete */
+    uint64_t idle_since;    /* uv_now() when it last became idle (for shedding) */
 
     /* bytes received but not parsed yet */
     char *pending;
@@ -88,12 +112,17 @@ struct srv_conn {
     bool reading;
 
     /* the answer */
-    int n_writes;     /* uv_write requests in flight */
+    int n_writes;          /* uv_write requests in flight */
+    uint64_t queued_total; /* bytes ever handed to uv_write */
+    uint64_t taken_mark;   /* bytes taken by the reader at the last check */
+    uint64_t waiting_mark; /* bytes waiting at the last check */
+    bool pressured;        /* on_pressure(owner, true) was the last call */
     bool flush_close; /* close once n_writes reaches 0 (server closing) */
     bool chunked;
     bool close_after;
     void *owner;
     void (*on_gone)(void *owner);
+    void (*on_pressure)(void *owner, bool pause);
 };
 
 struct srv_http {
@@ -106,7 +135,8 @@ struct srv_http {
     void *ud;
     llhttp_settings_t settings;
     srv_conn *conns;
-    int n_conns;
+    int n_conns;   /* allocated (closing ones until their close callbacks) */
+    int n_closing; /* of those, closing */
     bool draining, closing;
     void (*done)(void *ud);
     void *done_ud;
@@ -122,6 +152,8 @@ struct wreq {
 static void conn_close(srv_conn *c);
 static void conn_process(srv_conn *c);
 static void conn_fail(srv_conn *c, int status, const char *msg);
+static void timer_arm(srv_conn *c, enum timer_kind k, uint64_t ms);
+static void idle_arm(srv_conn *c);
 
 static void *xrealloc(void *p, size_t n)
 {
@@ -198,6 +230,11 @@ static const char *status_text(int status)
  * Timers
  * ------------------------------------------------------------------------ */
 
+static uint64_t min_u64(uint64_t a, uint64_t b)
+{
+    return a < b ? a : b;
+}
+
 static void on_timer(uv_timer_t *t)
 {
     srv_conn *c = t->data;
@@ -205,6 +242,14 @@ static void on_timer(uv_timer_t *t)
     c->timer_kind = TIMER_NONE;
     switch (k) {
     case TIMER_IDLE:
+        /* Idle for reading, but an answer is still going out: the write
+         * check judges the reader, so wait another period. */
+        if (c->n_writes > 0 && c->state == CONN_READING && !c->in_message) {
+            timer_arm(c, TIMER_IDLE, c->h->p.idle_timeout_ms);
+            break;
+        }
+        conn_close(c);
+        break;
     case TIMER_LINGER:
         conn_close(c);
         break;
@@ -212,7 +257,12 @@ static void on_timer(uv_timer_t *t)
         conn_fail(c, 408, "the request headers did not arrive in time");
         break;
     case TIMER_BODY:
-        conn_fail(c, 408, "the request body stalled");
+        if (uv_now(c->h->loop) >= c->body_deadline) {
+            srv_metrics_conn(c->h->metrics, SRV_CONN_BODY_TIMEOUT);
+            conn_fail(c, 408, "the request body did not arrive within body_timeout");
+        } else {
+            conn_fail(c, 408, "the request body stalled");
+        }
         break;
     case TIMER_NONE:
         break;
@@ -242,6 +292,63 @@ static void timer_stop(srv_conn *c)
 
 static void on_close_handle(uv_handle_t *hd);
 
+/* Bytes handed to uv_write that the reader has not taken yet. */
+static size_t write_waiting(srv_conn *c)
+{
+    return uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp);
+}
+
+static void pressure(srv_conn *c, bool pause)
+{
+    if (c->pressured == pause)
+        return;
+    c->pressured = pause;
+    if (c->on_pressure)
+        c->on_pressure(c->owner, pause);
+}
+
+/* A reader that takes too little is closed and counted. */
+static void close_slow_reader(srv_conn *c, const char *why)
+{
+    srv_log(SRV_LOG_WARN, "http: closing a connection that does not read its answer (%s)", why);
+    srv_metrics_conn(c->h->metrics, SRV_CONN_SLOW_READER);
+    conn_close(c);
+}
+
+static void write_check_arm(srv_conn *c);
+
+/* The slow-reader check, once per idle_timeout while bytes wait. */
+static void on_write_check(uv_timer_t *t)
+{
+    srv_conn *c = t->data;
+    if (c->state == CONN_CLOSING)
+        return;
+    size_t waiting = write_waiting(c);
+    uint64_t taken = c->queued_total - waiting;
+    uint64_t need = min_u64(c->waiting_mark, WRITE_MIN_PROGRESS);
+    if (waiting > 0 && taken - c->taken_mark < need) {
+        close_slow_reader(c, "too little taken within idle_timeout");
+        return;
+    }
+    write_check_arm(c);
+}
+
+/* Start a check period from what waits now (or stop when nothing does). */
+static void write_check_arm(srv_conn *c)
+{
+    size_t waiting = write_waiting(c);
+    if (waiting == 0 || c->state == CONN_CLOSING) {
+        if (c->state != CONN_CLOSING)
+            uv_timer_stop(&c->wtimer);
+        return;
+    }
+    c->taken_mark = c->queued_total - waiting;
+    c->waiting_mark = waiting;
+    int rc = uv_timer_start(&c->wtimer, on_write_check, c->h->p.idle_timeout_ms, 0);
+    if (rc < 0)
+        srv_log(SRV_LOG_ERROR, "http: uv_timer_start: %s", uv_strerror(rc));
+}
+
 static void on_write(uv_write_t *w, int status)
 {
     struct wreq *wr = (struct wreq *)w;
@@ -255,6 +362,10 @@ static void on_write(uv_write_t *w, int status)
         conn_close(c);
         return;
     }
+    if (c->n_writes == 0)
+        uv_timer_stop(&c->wtimer);
+    if (c->pressured && write_waiting(c) <= c->h->p.write_buffer / 2)
+        pressure(c, false);
     if (then_close && c->state == CONN_LINGER) {
         /* Answer sent: FIN our side, discard input for a moment. */
         int rc = uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, NULL);
@@ -290,11 +401,23 @@ static int conn_write(srv_conn *c, const char *a, size_t alen, const char *b, si
         return -EPIPE;
     }
     c->n_writes++;
-    if (uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp) > c->h->p.max_write_queue) {
-        srv_log(SRV_LOG_WARN, "http: closing a connection that does not read its answer");
-        conn_close(c);
+    c->queued_total += alen + blen;
+    if (write_waiting(c) > 0 && !uv_is_active((uv_handle_t *)&c->wtimer))
+        write_check_arm(c);
+    return 0;
+}
+
+/* A stream's piece is queued: past write_buffer the producer pauses; past
+ * max_write_queue (a producer that does not pause) the reader is cut. */
+static int stream_judge(srv_conn *c)
+{
+    size_t waiting = write_waiting(c);
+    if (waiting > c->h->p.max_write_queue) {
+        close_slow_reader(c, "max_write_queue reached");
         return -EPIPE;
     }
+    if (waiting > c->h->p.write_buffer)
+        pressure(c, true);
     return 0;
 }
 
@@ -323,13 +446,25 @@ static void request_reset(srv_conn *c)
         c->body_cap = 0;
     }
     c->chunked = false;
+    c->head_only = false;
     c->owner = NULL;
     c->on_gone = NULL;
+    c->on_pressure = NULL;
+    c->pressured = false;
 }
 
 static srv_conn *parser_conn(llhttp_t *p)
 {
     return p->data;
+}
+
+/* The body timer: the next read within idle_timeout, the whole body by
+ * body_deadline, whichever comes first. */
+static void body_timer_arm(srv_conn *c)
+{
+    uint64_t now = uv_now(c->h->loop);
+    uint64_t left = c->body_deadline > now ? c->body_deadline - now : 0;
+    timer_arm(c, TIMER_BODY, min_u64(c->h->p.idle_timeout_ms, left));
 }
 
 static int reject(srv_conn *c, int status, const char *msg)
@@ -395,10 +530,48 @@ static int on_header_value(llhttp_t *p, const char *at, size_t n)
     return 0;
 }
 
+/* Whether a header value is one token equal to `want` (case-insensitive,
+ * surrounding spaces and tabs ignored). */
+static bool value_is(const char *v, size_t n, const char *want)
+{
+    while (n > 0 && (*v == ' ' || *v == '\t'))
+        v++, n--;
+    while (n > 0 && (v[n - 1] == ' ' || v[n - 1] == '\t'))
+        n--;
+    return n == strlen(want) && !strncasecmp(v, want, n);
+}
+
+/*
+ * Framing and protocol switches are settled here, before any body byte:
+ * a body coded other than `chunked` alone (gzip, chunked; chunked, chunked;
+ * two Transfer-Encoding fields) would reach a handler undecoded, so it is
+ * refused (501, as RFC 9112 asks for a coding the server does not know).
+ * kvd speaks no protocol but HTTP/1.x: an Upgrade is ignored (the client
+ * stays on HTTP and the next pipelined request is parsed as one), CONNECT
+ * is refused.
+ */
+static int check_framing(srv_conn *c, llhttp_t *p)
+{
+    if (llhttp_get_method(p) == HTTP_CONNECT)
+        return reject(c, 405, "CONNECT is not supported");
+    p->upgrade = 0;
+    int n_te = 0;
+    for (int i = 0; i < c->n_hdrs; i++) {
+        const struct hdr *x = &c->hdrs[i];
+        if (!x->name || strcasecmp(x->name, "transfer-encoding"))
+            continue;
+        if (++n_te > 1 || !x->value || !value_is(x->value, x->vlen, "chunked"))
+            return reject(c, 501, "only 'Transfer-Encoding: chunked' is accepted");
+    }
+    return 0;
+}
+
 static int on_headers_complete(llhttp_t *p)
 {
     srv_conn *c = parser_conn(p);
     c->headers_done = true;
+    if (check_framing(c, p))
+        return -1;
     if ((p->flags & F_CONTENT_LENGTH) && p->content_length > c->h->p.max_body_bytes) {
         c->err_status = 413;
         c->err_msg = "the request body is too large";
@@ -411,7 +584,8 @@ static int on_headers_complete(llhttp_t *p)
             conn_write(c, cont, sizeof(cont) - 1, NULL, 0, false);
         }
     }
-    timer_arm(c, TIMER_BODY, c->h->p.idle_timeout_ms);
+    c->body_deadline = uv_now(c->h->loop) + c->h->p.body_timeout_ms;
+    body_timer_arm(c);
     return 0;
 }
 
@@ -447,6 +621,25 @@ static char *trim(char *s)
     return s;
 }
 
+/*
+ * The path of a request target: origin-form as it is; absolute-form
+ * ("http://host:port/path", which HTTP/1.1 servers must accept, RFC 9112
+ * 3.2.2) without its scheme and authority ("/" when it has no path). The
+ * query has been cut off already.
+ */
+static const char *origin_path(const char *url)
+{
+    const char *rest = NULL;
+    if (!strncasecmp(url, "http://", 7))
+        rest = url + 7;
+    else if (!strncasecmp(url, "https://", 8))
+        rest = url + 8;
+    if (!rest)
+        return url;
+    const char *slash = strchr(rest, '/');
+    return slash ? slash : "/";
+}
+
 /* Hand the complete request to the handler. */
 static void dispatch(srv_conn *c)
 {
@@ -462,12 +655,15 @@ static void dispatch(srv_conn *c)
         *q = '\0';
         query = q + 1;
     }
+    const char *path = origin_path(c->url);
+    llhttp_method_t method = (llhttp_method_t)llhttp_get_method(&c->parser);
+    c->head_only = method == HTTP_HEAD;
     struct srv_http_header hv[c->n_hdrs > 0 ? c->n_hdrs : 1];
     for (int i = 0; i < c->n_hdrs; i++)
         hv[i] = (struct srv_http_header){trim(c->hdrs[i].name), trim(c->hdrs[i].value)};
     struct srv_http_req req = {
-        .method = llhttp_method_name((llhttp_method_t)llhttp_get_method(&c->parser)),
-        .path = c->url,
+        .method = llhttp_method_name(method),
+        .path = path,
         .query = query,
         .headers = hv,
         .n_headers = c->n_hdrs,
@@ -517,7 +713,7 @@ static void conn_process(srv_conn *c)
         break;
     }
     if (c->state == CONN_READING && !c->in_message && c->timer_kind == TIMER_NONE)
-        timer_arm(c, TIMER_IDLE, c->h->p.idle_timeout_ms);
+        idle_arm(c);
     c->in_process = false;
 }
 
@@ -535,6 +731,7 @@ static void conn_free(srv_conn *c)
     if (c->next)
         c->next->prev = c->prev;
     h->n_conns--;
+    h->n_closing--;
     request_reset(c);
     free(c->hdrs);
     free(c->url);
@@ -560,6 +757,7 @@ static void conn_close(srv_conn *c)
     if (c->state == CONN_CLOSING)
         return;
     c->state = CONN_CLOSING;
+    c->h->n_closing++;
     if (c->on_gone) {
         void (*gone)(void *) = c->on_gone;
         void *owner = c->owner;
@@ -568,9 +766,11 @@ static void conn_close(srv_conn *c)
         gone(owner);
     }
     uv_timer_stop(&c->timer);
+    uv_timer_stop(&c->wtimer);
     uv_read_stop((uv_stream_t *)&c->tcp);
     uv_close((uv_handle_t *)&c->tcp, on_close_handle);
     uv_close((uv_handle_t *)&c->timer, on_close_handle);
+    uv_close((uv_handle_t *)&c->wtimer, on_close_handle);
 }
 
 /* Answer an error from the HTTP layer itself and close. */
@@ -626,8 +826,8 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         free(buf->base);
         return;
     }
-    if (c->headers_done && c->state == CONN_READING)
-        timer_arm(c, TIMER_BODY, c->h->p.idle_timeout_ms);
+    if (c->headers_done && c->state == CONN_READING && c->in_message)
+        body_timer_arm(c);
     if (!c->pending) {
         c->pending = buf->base;
         c->pending_len = (size_t)nread;
@@ -668,6 +868,7 @@ static void response_done(srv_conn *c)
 {
     c->owner = NULL;
     c->on_gone = NULL;
+    c->on_pressure = NULL;
     if (c->close_after) {
         c->state = CONN_LINGER;
         return;
@@ -679,60 +880,101 @@ static void response_done(srv_conn *c)
     conn_process(c);
 }
 
-static void on_connection(uv_stream_t *server, int status)
+/* A connection waiting for its next request, with nothing queued. */
+static bool conn_idle(const srv_conn *c)
 {
-    srv_http *h = server->data;
-    if (status < 0) {
-        srv_log(SRV_LOG_WARN, "http: accept: %s", uv_strerror(status));
-        return;
-    }
+    return c->state == CONN_READING && !c->in_message && c->pending_len == 0 && c->n_writes == 0;
+}
+
+/*
+ * Close the connection idle the longest to make room for a new one
+ * (`except` is the newcomer). Returns whether one was closed. O(open
+ * connections), and only when the slots or the descriptors are full.
+ */
+static bool shed_idle(srv_http *h, const srv_conn *except)
+{
+    srv_conn *victim = NULL;
+    for (srv_conn *c = h->conns; c; c = c->next)
+        if (c != except && conn_idle(c) && (!victim || c->idle_since < victim->idle_since))
+            victim = c;
+    if (!victim)
+        return false;
+    srv_metrics_conn(h->metrics, SRV_CONN_SHED_IDLE);
+    conn_close(victim);
+    return true;
+}
+
+/* Idle from now: the keep-alive timer, and the age shedding goes by. */
+static void idle_arm(srv_conn *c)
+{
+    c->idle_since = uv_now(c->h->loop);
+    timer_arm(c, TIMER_IDLE, c->h->p.idle_timeout_ms);
+}
+
+/* A connection object with its handles initialised and linked into h's
+ * list (the socket still closed). NULL when out of memory. */
+static srv_conn *conn_new(srv_http *h)
+{
     srv_conn *c = calloc(1, sizeof(*c));
     if (!c)
-        return;
+        return NULL;
     c->h = h;
-    int rc = uv_tcp_init(h->loop, &c->tcp);
-    if (rc < 0) {
-        srv_log(SRV_LOG_ERROR, "http: uv_tcp_init: %s", uv_strerror(rc));
-        free(c);
-        return;
+    /* None of these can fail for a valid loop (they create no socket). */
+    if (uv_tcp_init(h->loop, &c->tcp) || uv_timer_init(h->loop, &c->timer) ||
+        uv_timer_init(h->loop, &c->wtimer)) {
+        fprintf(stderr, "kvd: uv handle init failed\n");
+        abort();
     }
-    c->tcp.data = c;
-    c->handles_open = 1;
-    rc = uv_timer_init(h->loop, &c->timer);
-    if (rc < 0) {
-        srv_log(SRV_LOG_ERROR, "http: uv_timer_init: %s", uv_strerror(rc));
-        c->state = CONN_CLOSING;
-        uv_close((uv_handle_t *)&c->tcp, on_close_handle);
-        /* counted below so conn_free's bookkeeping balances */
-    } else {
-        c->timer.data = c;
-        c->handles_open = 2;
-    }
+    c->tcp.data = c->timer.data = c->wtimer.data = c;
+    c->handles_open = 3;
     c->next = h->conns;
     if (h->conns)
         h->conns->prev = c;
     h->conns = c;
     h->n_conns++;
-    if (c->state == CONN_CLOSING)
-        return;
-    rc = uv_accept(server, (uv_stream_t *)&c->tcp);
-    if (rc < 0) {
-        srv_log(SRV_LOG_WARN, "http: uv_accept: %s", uv_strerror(rc));
-        conn_close(c);
-        return;
-    }
-    rc = uv_tcp_nodelay(&c->tcp, 1); /* tokens go out as they come */
+    return c;
+}
+
+/* The socket is open: start parsing, or refuse when every slot is busy. */
+static void conn_start(srv_conn *c)
+{
+    srv_http *h = c->h;
+    int rc = uv_tcp_nodelay(&c->tcp, 1); /* tokens go out as they come */
     if (rc < 0)
         srv_log(SRV_LOG_DEBUG, "http: uv_tcp_nodelay: %s", uv_strerror(rc));
     llhttp_init(&c->parser, HTTP_REQUEST, &h->settings);
     c->parser.data = c;
     c->state = CONN_READING;
     start_reading(c);
-    if (h->n_conns > h->p.max_connections) {
+    if (h->n_conns - h->n_closing > h->p.max_connections && !shed_idle(h, c)) {
         conn_fail(c, 503, "too many open connections; retry later");
         return;
     }
-    timer_arm(c, TIMER_IDLE, h->p.idle_timeout_ms);
+    idle_arm(c);
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+    srv_http *h = server->data;
+    if (status < 0) {
+        /* Out of descriptors: libuv has closed the waiting connection;
+         * give an idle one's descriptor back so the next accept works. */
+        bool shed = (status == UV_EMFILE || status == UV_ENFILE) && shed_idle(h, NULL);
+        srv_metrics_conn(h->metrics, SRV_CONN_ACCEPT_FAILED);
+        srv_log(SRV_LOG_WARN, "http: accept: %s%s", uv_strerror(status),
+                shed ? " (closed the longest idle connection)" : "");
+        return;
+    }
+    srv_conn *c = conn_new(h);
+    if (!c)
+        return;
+    int rc = uv_accept(server, (uv_stream_t *)&c->tcp);
+    if (rc < 0) {
+        srv_log(SRV_LOG_WARN, "http: uv_accept: %s", uv_strerror(rc));
+        conn_close(c);
+        return;
+    }
+    conn_start(c);
 }
 
 /* ------------------------------------------------------------------------
@@ -794,6 +1036,20 @@ int srv_http_listen(srv_http *h, const char *host, int port, int *bound_port, ch
     }
     *bound_port = got.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&got)->sin6_port)
                                             : ntohs(((struct sockaddr_in *)&got)->sin_port);
+    return 0;
+}
+
+int srv_http_open_fd(srv_http *h, int fd)
+{
+    srv_conn *c = conn_new(h);
+    if (!c)
+        return -ENOMEM;
+    int rc = uv_tcp_open(&c->tcp, fd);
+    if (rc < 0) {
+        conn_close(c);
+        return rc;
+    }
+    conn_start(c);
     return 0;
 }
 
@@ -867,10 +1123,12 @@ const char *srv_http_header(const struct srv_http_req *req, const char *name)
     return NULL;
 }
 
-void srv_conn_set_owner(srv_conn *c, void *owner, void (*on_gone)(void *owner))
+void srv_conn_set_owner(srv_conn *c, void *owner, void (*on_gone)(void *owner),
+                        void (*on_pressure)(void *owner, bool pause))
 {
     c->owner = owner;
     c->on_gone = on_gone;
+    c->on_pressure = on_pressure;
 }
 
 /* The status line and common headers; returns the length. */
@@ -899,7 +1157,7 @@ int srv_http_respond(srv_conn *c, int status, const char *content_type, const ch
     if (n < 0)
         return -EINVAL;
     srv_metrics_status(c->h->metrics, status);
-    int rc = conn_write(c, head, (size_t)n, body, len, c->close_after);
+    int rc = conn_write(c, head, (size_t)n, body, c->head_only ? 0 : len, c->close_after);
     if (rc < 0)
         return rc;
     response_done(c);
@@ -913,7 +1171,7 @@ int srv_http_stream_begin(srv_conn *c, int status, const char *content_type,
         return -EPIPE;
     char head[2048];
     c->chunked = c->http_minor >= 1;
-    if (!c->chunked)
+    if (!c->chunked && !c->head_only)
         c->close_after = true;
     int n = head_format(c, head, sizeof(head), status, content_type, extra_headers,
                         c->chunked ? "Transfer-Encoding: chunked\r\nCache-Control: no-cache\r\n"
@@ -929,10 +1187,12 @@ int srv_http_stream_write(srv_conn *c, const char *data, size_t len)
 {
     if (c->state != CONN_STREAMING)
         return -EPIPE;
-    if (len == 0)
+    if (len == 0 || c->head_only)
         return 0;
-    if (!c->chunked)
-        return conn_write(c, data, len, NULL, 0, false);
+    if (!c->chunked) {
+        int rc = conn_write(c, data, len, NULL, 0, false);
+        return rc < 0 ? rc : stream_judge(c);
+    }
     char size[32];
     int n = snprintf(size, sizeof(size), "%zx\r\n", len);
     /* one write: size line, data, CRLF */
@@ -946,7 +1206,7 @@ int srv_http_stream_write(srv_conn *c, const char *data, size_t len)
     memcpy(wr->data + n + len, "\r\n", 2);
     int rc = conn_write(c, wr->data, (size_t)n + len + 2, NULL, 0, false);
     free(wr);
-    return rc;
+    return rc < 0 ? rc : stream_judge(c);
 }
 
 int srv_http_stream_end(srv_conn *c)
@@ -955,7 +1215,10 @@ int srv_http_stream_end(srv_conn *c)
         return -EPIPE;
     int rc = 0;
     bool close = c->close_after;
-    if (c->chunked)
+    if (c->head_only) {
+        if (close)
+            rc = conn_write(c, "", 0, NULL, 0, true);
+    } else if (c->chunked)
         rc = conn_write(c, "0\r\n\r\n", 5, NULL, 0, close);
     else if (close) {
         /* close-delimited: the end is the FIN */
@@ -967,6 +1230,7 @@ int srv_http_stream_end(srv_conn *c)
             timer_arm(c, TIMER_LINGER, LINGER_MS);
         c->owner = NULL;
         c->on_gone = NULL;
+        c->on_pressure = NULL;
         return 0;
     }
     if (rc < 0)

@@ -57,6 +57,7 @@ struct srv_metrics {
     pthread_mutex_t mu;
     uint64_t status[MAX_STATUS];
     uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled;
+    uint64_t conn_events[SRV_CONN_EVENT_COUNT];
     struct hist hist[SRV_HIST_COUNT];
     struct srv_engine_gauges g;
     uint64_t config_generation;
@@ -107,6 +108,13 @@ void srv_metrics_cancelled(srv_metrics *m)
 {
     pthread_mutex_lock(&m->mu);
     m->cancelled++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_conn(srv_metrics *m, enum srv_conn_event e)
+{
+    pthread_mutex_lock(&m->mu);
+    m->conn_events[e]++;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -213,6 +221,18 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
     render_counter(&b, "kvd_generated_tokens_total", "Tokens generated.", c.generated_tokens);
     render_counter(&b, "kvd_requests_cancelled_total",
                    "Requests whose client disconnected before the end.", c.cancelled);
+    static const char *const conn_reason[SRV_CONN_EVENT_COUNT] = {
+        [SRV_CONN_SLOW_READER] = "slow_reader",
+        [SRV_CONN_SHED_IDLE] = "shed_idle",
+        [SRV_CONN_BODY_TIMEOUT] = "body_timeout",
+        [SRV_CONN_ACCEPT_FAILED] = "accept_failed",
+    };
+    tb_printf(&b, "# HELP kvd_http_connections_closed_total Connections the server ended or "
+                  "could not take, by reason.\n"
+                  "# TYPE kvd_http_connections_closed_total counter\n");
+    for (int e = 0; e < SRV_CONN_EVENT_COUNT; e++)
+        tb_printf(&b, "kvd_http_connections_closed_total{reason=\"%s\"} %llu\n", conn_reason[e],
+                  (unsigned long long)c.conn_events[e]);
     for (int h = 0; h < SRV_HIST_COUNT; h++) {
         const struct hist_def *d = &hist_defs[h];
         const struct hist *x = &c.hist[h];

@@ -116,6 +116,7 @@ struct srv_sched {
     struct srv_req *in_head, *in_tail;
     int n_waiting; /* submitted, not yet admitted or dropped */
     bool stop;
+    bool woken; /* srv_sched_wake since the last pull */
     bool limits_dirty;
     struct srv_sched_limits next_limits;
     int queue_length;    /* read by submit */
@@ -922,7 +923,7 @@ static bool run_take_token(srv_sched *s, struct run *r, int32_t tok, uint64_t t)
 static bool pull_inbox(srv_sched *s, bool block, uint64_t wait_ms)
 {
     pthread_mutex_lock(&s->in_mu);
-    if (block && !s->in_head && !s->stop && !s->limits_dirty) {
+    if (block && !s->in_head && !s->stop && !s->limits_dirty && !s->woken) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_sec += (time_t)(wait_ms / 1000);
@@ -935,6 +936,7 @@ static bool pull_inbox(srv_sched *s, bool block, uint64_t wait_ms)
     }
     struct srv_req *head = s->in_head;
     s->in_head = s->in_tail = NULL;
+    s->woken = false;
     bool stop = s->stop;
     bool dirty = s->limits_dirty;
     struct srv_sched_limits l = s->next_limits;
@@ -1037,14 +1039,17 @@ static void admit(srv_sched *s, uint64_t t)
     }
 }
 
-/* Build the batch: decode tokens first, then prefill chunks in admission
+/* Build the batch: decode tokens first (not for a request whose reader is
+ * behind: it keeps its slot and its cache and resumes when the loop thread
+ * clears `paused`), then prefill chunks in admission
  * order, within step_tokens. Returns the number of entries. */
 static int build_batch(srv_sched *s)
 {
     int n = 0, budget = s->lim.step_tokens;
     for (struct run *r = s->runs; r; r = r->next) {
         r->batch_slot = -1;
-        if (r->phase == RUN_DECODE && budget > 0 && n < s->batch_cap) {
+        if (r->phase == RUN_DECODE && budget > 0 && n < s->batch_cap &&
+            !atomic_load(&r->req->paused)) {
             s->batch[n] = (struct model_batch_seq){
                 .seq = r->seq, .tokens = &r->next_tok, .n_tokens = 1, .logits = r->logits};
             s->batch_runs[n] = r;
@@ -1437,6 +1442,15 @@ int srv_sched_submit(srv_sched *s, struct srv_req *r)
     pthread_cond_signal(&s->in_cv);
     pthread_mutex_unlock(&s->in_mu);
     return 0;
+}
+
+/* Lock rule: takes in_mu only. */
+void srv_sched_wake(srv_sched *s)
+{
+    pthread_mutex_lock(&s->in_mu);
+    s->woken = true;
+    pthread_cond_signal(&s->in_cv);
+    pthread_mutex_unlock(&s->in_mu);
 }
 
 const model *srv_sched_model(srv_sched *s)

@@ -78,6 +78,17 @@ void srv_metrics_tokens(srv_metrics *m, uint64_t prompt, uint64_t cached, uint64
 void srv_metrics_observe(srv_metrics *m, enum srv_hist h, double value);
 void srv_metrics_engine(srv_metrics *m, const struct srv_engine_gauges *g);
 void srv_metrics_cancelled(srv_metrics *m);
+
+/* Connections the HTTP layer ended or could not take, by reason
+ * (kvd_http_connections_closed_total{reason}). */
+enum srv_conn_event {
+    SRV_CONN_SLOW_READER,   /* left its answer untaken (idle_timeout / max_write_queue) */
+    SRV_CONN_SHED_IDLE,     /* idle keep-alive closed to make room for a new one */
+    SRV_CONN_BODY_TIMEOUT,  /* body not complete within body_timeout */
+    SRV_CONN_ACCEPT_FAILED, /* accept() failed (out of descriptors) */
+    SRV_CONN_EVENT_COUNT
+};
+void srv_metrics_conn(srv_metrics *m, enum srv_conn_event e);
 void srv_metrics_config(srv_metrics *m, uint64_t generation, bool last_ok, int64_t when_unix_s);
 /* The exposition text (new, caller frees); NULL when out of memory. */
 char *srv_metrics_render(srv_metrics *m, size_t *len);
@@ -133,6 +144,8 @@ struct srv_req {
                              (0..min(n_vocab, SRV_MAX_TOP_LOGPROBS)) */
     uint64_t t_submit_ns; /* monotonic, set by srv_sched_submit */
     atomic_int cancel;    /* 0, SRV_CANCEL_CLIENT or SRV_CANCEL_ABORT */
+    atomic_bool paused;   /* its reader is behind: decode nothing for it until the
+                             loop thread clears this (and calls srv_sched_wake) */
     void *owner;          /* loop thread's (api.c) */
     struct srv_req *next; /* queue link (owned by whoever queues it) */
 };
@@ -262,6 +275,8 @@ const model *srv_sched_model(srv_sched *s);
 /* Swap the limits for the next step. Returns 0, or -EINVAL with the reason
  * in err (nothing changed). */
 int srv_sched_set_limits(srv_sched *s, const struct srv_sched_limits *l, char *err, size_t errlen);
+/* Wake the engine for a request whose `paused` was just cleared. */
+void srv_sched_wake(srv_sched *s);
 /* Requests waiting for admission (for Retry-After and tests). */
 int srv_sched_queue_depth(srv_sched *s);
 
@@ -287,8 +302,13 @@ struct srv_http_params {
     size_t max_body_bytes;      /* body (413) */
     uint64_t header_timeout_ms; /* from a request's first byte to its headers' end (408) */
     uint64_t idle_timeout_ms;   /* keep-alive idle, and between body reads (408) */
-    int max_connections;        /* open connections; more get 503 and are closed */
-    size_t max_write_queue;     /* bytes queued to a slow reader before closing it */
+    uint64_t body_timeout_ms;   /* from a request's headers to its body's end (408) */
+    int max_connections;        /* open connections; beyond, the longest idle one is
+                                   closed, or (none idle) the new one gets 503 */
+    size_t write_buffer;        /* bytes a stream may have waiting before its owner is
+                                   told to pause (on_pressure) */
+    size_t max_write_queue;     /* bytes a stream may have waiting at all; beyond, the
+                                   reader is closed (a producer that does not pause) */
 };
 
 struct srv_http_header {
@@ -343,9 +363,17 @@ int srv_http_stream_end(srv_conn *c);
 /*
  * Attach the handler's state to the connection's current request: if the
  * connection closes before the answer ends, on_gone(owner) runs once (on
- * the loop thread) and the connection must not be used again.
+ * the loop thread) and the connection must not be used again. on_pressure
+ * (may be NULL) is called with pause = true when more than write_buffer
+ * bytes of a stream wait for the reader, and with false once half of that
+ * has drained: a producer that pauses keeps the connection's memory
+ * bounded.
  */
-void srv_conn_set_owner(srv_conn *c, void *owner, void (*on_gone)(void *owner));
+void srv_conn_set_owner(srv_conn *c, void *owner, void (*on_gone)(void *owner),
+                        void (*on_pressure)(void *owner, bool pause));
+/* Serve an already connected stream socket as if accepted (the fuzzer feeds
+ * one end of a socketpair). Returns 0 or a negative uv error. */
+int srv_http_open_fd(srv_http *h, int fd);
 
 /* --- api.c: routes, JSON, the OpenAI and llama.cpp shapes -------------------- */
 
