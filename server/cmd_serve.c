@@ -158,11 +158,18 @@ static int read_api_key(const struct cfg *c, char *out, size_t outlen, char *err
         snprintf(err, errlen, "[auth] api_key_file %s: %s", c->auth.api_key_file, strerror(errno));
         return -1;
     }
+    /* Room for a key one byte too long, so a long one is seen (not cut). */
     char line[CFG_KEY_MAX + 2] = "";
     if (!fgets(line, sizeof(line), f))
         line[0] = '\0';
     fclose(f);
-    line[strcspn(line, "\r\n")] = '\0';
+    size_t n = strcspn(line, "\r\n");
+    if (n >= CFG_KEY_MAX) {
+        snprintf(err, errlen, "[auth] api_key_file %s: the key is longer than %d bytes",
+                 c->auth.api_key_file, CFG_KEY_MAX - 1);
+        return -1;
+    }
+    line[n] = '\0';
     if (!line[0]) {
         snprintf(err, errlen, "[auth] api_key_file %s: the first line is empty",
                  c->auth.api_key_file);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "model/model.h"
 #include "server/server.h"
@@ -22,42 +23,60 @@ static void tokenize_usage(FILE *f)
                "  --model FILE   GGUF model (or vocabulary-only file) whose tokenizer to use\n"
                "  --tokenizer-pre NAME  pre-tokenizer to use instead of the file's\n"
                "                 tokenizer.ggml.pre (llama-bpe, qwen2, deepseek-llm, ...)\n"
-               "  --file PATH    tokenize the file's bytes instead of TEXT\n"
+               "  --file PATH    tokenize the bytes of a regular file (at most 256 MiB)\n"
                "  --pieces       one token per line: id and its text\n"
                "  --bos          start with BOS as a prompt would\n");
 }
 
-/* Read a whole file (new buffer). NULL with errno set on failure. */
-static char *read_file(const char *path, size_t *len)
+/* The largest file --file takes: tokenizing is linear, but the ids of a
+ * larger text would not be useful on a terminal either. */
+#define MAX_FILE_BYTES (256u << 20)
+
+/*
+ * Read a whole regular file of at most MAX_FILE_BYTES (new buffer). A
+ * device, FIFO or directory is refused before reading (/dev/zero would
+ * never end), and so is a file that grows past the cap while being read.
+ * NULL with the reason in err on failure.
+ */
+static char *read_file(const char *path, size_t *len, char *err, size_t errlen)
 {
     FILE *f = fopen(path, "rb");
-    if (!f)
+    if (!f) {
+        snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
         return NULL;
-    size_t cap = 4096, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        size_t r = fread(buf + n, 1, cap - n, f);
-        n += r;
-        if (n < cap) {
-            if (ferror(f)) {
-                free(buf);
-                buf = NULL;
-                errno = EIO;
-            }
-            break;
-        }
-        char *nb = realloc(buf, cap * 2);
-        if (!nb) {
-            free(buf);
-            buf = NULL;
-            errno = ENOMEM;
-            break;
-        }
-        buf = nb;
-        cap *= 2;
     }
-    fclose(f);
+    struct stat st;
+    char *buf = NULL;
+    if (fstat(fileno(f), &st) != 0) {
+        snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
+        goto out_close;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(err, errlen, "%s is not a regular file", path);
+        goto out_close;
+    }
+    if ((uint64_t)st.st_size > MAX_FILE_BYTES) {
+        snprintf(err, errlen, "%s is %lld bytes; --file takes at most %u", path,
+                 (long long)st.st_size, MAX_FILE_BYTES);
+        goto out_close;
+    }
+    /* One byte more than the size says, to notice a file that grew. */
+    size_t cap = (size_t)st.st_size + 1;
+    buf = malloc(cap);
+    if (!buf) {
+        snprintf(err, errlen, "%s: out of memory (%zu bytes)", path, cap);
+        goto out_close;
+    }
+    size_t n = fread(buf, 1, cap, f);
+    if (ferror(f) || n == cap) {
+        snprintf(err, errlen, "%s: %s", path, ferror(f) ? "read error" : "the file grew while read");
+        free(buf);
+        buf = NULL;
+        goto out_close;
+    }
     *len = n;
+out_close:
+    fclose(f);
     return buf;
 }
 
@@ -127,9 +146,10 @@ int srv_cmd_tokenize(int argc, char **argv)
     size_t len = 0;
     char *owned = NULL;
     if (file) {
-        owned = read_file(file, &len);
+        char ferr[600];
+        owned = read_file(file, &len, ferr, sizeof(ferr));
         if (!owned) {
-            fprintf(stderr, "kvd tokenize: cannot read %s: %s\n", file, strerror(errno));
+            fprintf(stderr, "kvd tokenize: %s\n", ferr);
             return 1;
         }
         text = owned;
