@@ -102,6 +102,31 @@ SU_FN int su_remove_dir(char *dir)
     return rc;
 }
 
+/*
+ * A scratch directory /tmp/kvd-test-NAME-XXXXXX (its path into dir, at
+ * least 64 bytes) holding the small model su_small_model(128, 512, seed)
+ * as tiny.gguf (its path into model_path, at least 128 bytes). Returns 0,
+ * or -1 with the reason on stderr.
+ */
+SU_FN int su_scratch_model(const char *name, uint64_t seed, char *dir, size_t dirlen,
+                           char *model_path, size_t pathlen)
+{
+    snprintf(dir, dirlen, "/tmp/kvd-test-%s-XXXXXX", name);
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "mkdtemp %s: %s\n", dir, strerror(errno));
+        dir[0] = '\0';
+        return -1;
+    }
+    snprintf(model_path, pathlen, "%s/tiny.gguf", dir);
+    struct model_mk_params p = su_small_model(128, 512, seed);
+    char err[512];
+    if (model_mk_write(&p, model_path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "model_mk_write: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
 /* A loopback port that was free a moment ago (bound to 0, then released). */
 SU_FN int su_free_port(void)
 {

@@ -146,17 +146,7 @@ static int group_setup(void **state)
     kvd_bin = getenv("KVD_BIN");
     if (kvd_bin && !*kvd_bin)
         kvd_bin = NULL;
-    snprintf(tmpdir, sizeof(tmpdir), "/tmp/kvd-test-faults-XXXXXX");
-    if (!mkdtemp(tmpdir))
-        return -1;
-    snprintf(model_path, sizeof(model_path), "%s/tiny.gguf", tmpdir);
-    struct model_mk_params p = su_small_model(128, 512, 11);
-    char err[512];
-    if (model_mk_write(&p, model_path, err, sizeof(err)) != 0) {
-        fprintf(stderr, "model_mk_write: %s\n", err);
-        return -1;
-    }
-    return 0;
+    return su_scratch_model("faults", 11, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path));
 }
 
 static int group_teardown(void **state)

@@ -139,6 +139,18 @@ static int raw_connect(int port, int rcvbuf)
     return fd;
 }
 
+/* Send a JSON POST on fd; headers: "" or lines ending in CRLF. */
+static void send_post(int fd, const char *path, const char *headers, const char *body)
+{
+    char req[2048];
+    int n = snprintf(req, sizeof(req),
+                     "POST %s HTTP/1.1\r\nHost: kvd\r\nContent-Type: application/json\r\n"
+                     "Content-Length: %zu\r\n%s\r\n%s",
+                     path, strlen(body), headers, body);
+    assert_true(n > 0 && (size_t)n < sizeof(req));
+    assert_int_equal(send(fd, req, (size_t)n, 0), n);
+}
+
 /* Whether the peer has closed fd (EOF or reset) within `seconds`,
  * discarding whatever it sent before. */
 static bool closed_within(int fd, double seconds)
@@ -479,12 +491,7 @@ static void test_slow_reader_closed(void **state)
     /* Every token with 200 alternatives: ~10 KiB of SSE per token. */
     const char *body = "{\"prompt\":\"Once upon a time\",\"max_tokens\":4000,\"logprobs\":200,"
                        "\"ignore_eos\":true,\"stream\":true,\"temperature\":0}";
-    char req[1024];
-    int n = snprintf(req, sizeof(req),
-                     "POST /v1/completions HTTP/1.1\r\nHost: kvd\r\nContent-Type: "
-                     "application/json\r\nContent-Length: %zu\r\n\r\n%s",
-                     strlen(body), body);
-    assert_int_equal(send(fd, req, (size_t)n, 0), n);
+    send_post(fd, "/v1/completions", "", body);
     /* Never read. The server stays responsive meanwhile. */
     assert_int_equal(http_status_simple(s.port, "/health"), 200);
     assert_true(wait_metric_at_least(
@@ -515,12 +522,7 @@ static void test_large_answer_slow_steady_reader(void **state)
     int fd = raw_connect(s.port, 16384);
     const char *body = "{\"prompt\":\"Once upon a time\",\"n_predict\":512,\"n_probs\":100,"
                        "\"ignore_eos\":true,\"temperature\":0}";
-    char req[1024];
-    int n = snprintf(req, sizeof(req),
-                     "POST /completion HTTP/1.1\r\nHost: kvd\r\nContent-Type: "
-                     "application/json\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n%s",
-                     strlen(body), body);
-    assert_int_equal(send(fd, req, (size_t)n, 0), n);
+    send_post(fd, "/completion", "Connection: close\r\n", body);
     /* Read 64 KiB, then pause 100 ms, to the end. */
     size_t cap = 1 << 20, len = 0;
     char *buf = malloc(cap);
@@ -596,18 +598,7 @@ static int group_setup(void **state)
     kvd_bin = getenv("KVD_BIN");
     if (kvd_bin && !*kvd_bin)
         kvd_bin = NULL;
-    snprintf(tmpdir, sizeof(tmpdir), "/tmp/kvd-test-http-XXXXXX");
-    if (!mkdtemp(tmpdir))
-        return -1;
-    snprintf(model_path, sizeof(model_path), "%s/tiny.gguf", tmpdir);
-    /* The model test_server.c uses (the cases' token ids assume its vocabulary). */
-    struct model_mk_params p = su_small_model(128, 512, 7);
-    char err[512];
-    if (model_mk_write(&p, model_path, err, sizeof(err)) != 0) {
-        fprintf(stderr, "model_mk_write: %s\n", err);
-        return -1;
-    }
-    return 0;
+    return su_scratch_model("http", 7, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path));
 }
 
 static int group_teardown(void **state)
