@@ -43,6 +43,7 @@ ATTN_SRC   := $(wildcard attention/*.c)
 CACHE_SRC  := $(wildcard cache/*.c)
 MODEL_SRC  := $(wildcard model/*.c)
 CONFIG_SRC := $(wildcard config/*.c)
+TEMPLATE_SRC := $(wildcard template/*.c)
 SERVER_SRC := $(filter-out server/main.c,$(wildcard server/*.c))
 LLHTTP_SRC := api.c http.c llhttp.c
 
@@ -51,9 +52,11 @@ ATTN_OBJ   := $(call obj,$(ATTN_SRC))
 CACHE_OBJ  := $(call obj,$(CACHE_SRC))
 MODEL_OBJ  := $(call obj,$(MODEL_SRC))
 CONFIG_OBJ := $(call obj,$(CONFIG_SRC))
+TEMPLATE_OBJ := $(call obj,$(TEMPLATE_SRC))
 SERVER_OBJ := $(call obj,$(SERVER_SRC))
 LLHTTP_OBJ := $(patsubst %.c,$(BUILD)/llhttp/%.o,$(LLHTTP_SRC))
-ALL_OBJ    := $(SERVER_OBJ) $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) $(CONFIG_OBJ) $(LLHTTP_OBJ)
+ALL_OBJ    := $(SERVER_OBJ) $(MODEL_OBJ) $(TEMPLATE_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) $(CONFIG_OBJ) \
+              $(LLHTTP_OBJ)
 
 # What each test program links: its room and the rooms below it, so a room's
 # tests build even while another room is mid-change.
@@ -61,6 +64,7 @@ LINK_attention := $(ATTN_OBJ)
 LINK_cache     := $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_model     := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_config    := $(CONFIG_OBJ)
+LINK_template  := $(TEMPLATE_OBJ)
 # Model-room pieces with their own test programs (built before forward.c exists).
 LINK_gguf      := $(filter $(BUILD)/model/gguf%.o,$(MODEL_OBJ))
 LINK_tokenizer := $(filter $(BUILD)/model/gguf%.o $(BUILD)/model/tokenizer%.o,$(MODEL_OBJ))

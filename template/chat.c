@@ -1,0 +1,243 @@
+/*
+ * chat.c - rendering a conversation with a model's chat template.
+ *
+ * The raw render is the template's business; this file does what servers
+ * do around it so that clients see the behaviour they rely on:
+ *
+ *   - The variables are the ones transformers' apply_chat_template passes:
+ *     messages, tools (None when absent), documents (None), bos_token,
+ *     eos_token and add_generation_prompt.
+ *   - Content given as an array of {"type": "text", "text": ...} parts is
+ *     joined with "\n" before the template sees it: most templates index
+ *     content as a string. Other part types (images, audio) are refused.
+ *   - OpenAI's "developer" role is rendered as "system", the role every
+ *     template knows.
+ *   - Some templates have no system role: they raise on it (Gemma,
+ *     Mistral v0.2) or silently skip it (Phi-3 mini, Orion). Whether a
+ *     template prints a system message is found once, at load, by
+ *     rendering a probe conversation and looking for the probe text: never
+ *     by the template's name. For such a template, the system messages'
+ *     text is prepended to the next user message with "\n" between, which
+ *     is what llama.cpp's server and most clients do.
+ *   - A rendering that starts with the BOS text loses it when the
+ *     tokenizer adds BOS itself, or the prompt would start with two.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "template/template_internal.h"
+
+const char tpl_chatml_source[] =
+    "{%- for message in messages -%}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + "
+    "'<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- endif -%}\n";
+
+struct tpl_chat {
+    tpl_template *t;
+    char *bos, *eos;
+    bool strip_bos;
+    bool supports_system;
+};
+
+#define PROBE_SYSTEM "kvd-probe-system-7f3a"
+#define PROBE_USER "kvd-probe-user-7f3a"
+
+static int chat_fail(struct tpl_error *err, const char *fmt, const char *detail)
+{
+    memset(err, 0, sizeof *err);
+    snprintf(err->msg, sizeof err->msg, fmt, detail);
+    return -1;
+}
+
+/* content -> string: strings and null as they are, text parts joined */
+static int flatten_content(json_t *msg, size_t index, struct tpl_error *err)
+{
+    json_t *c = json_object_get(msg, "content");
+    if (!c || json_is_string(c) || json_is_null(c))
+        return 0;
+    char what[64];
+    snprintf(what, sizeof what, "messages[%zu].content", index);
+    if (!json_is_array(c))
+        return chat_fail(err, "%s must be a string, null or an array of text parts", what);
+    struct sbuf b = {.max = (size_t)-1};
+    for (size_t i = 0; i < json_array_size(c); i++) {
+        json_t *part = json_array_get(c, i);
+        const char *type = json_string_value(json_object_get(part, "type"));
+        json_t *text = json_object_get(part, "text");
+        if (!type || strcmp(type, "text") != 0 || !json_is_string(text)) {
+            sbuf_free(&b);
+            snprintf(what, sizeof what, "messages[%zu].content[%zu]", index, i);
+            return chat_fail(err, "%s: only parts {\"type\": \"text\", \"text\": STRING} are "
+                                  "supported",
+                             what);
+        }
+        if (i)
+            sbuf_addc(&b, '\n');
+        sbuf_add(&b, json_string_value(text), json_string_length(text));
+    }
+    json_object_set_new(msg, "content", json_stringn_nocheck(b.p ? b.p : "", b.n));
+    sbuf_free(&b);
+    return 0;
+}
+
+static const char *content_of(const json_t *msg)
+{
+    const char *s = json_string_value(json_object_get(msg, "content"));
+    return s ? s : "";
+}
+
+/* New array: messages as the template will see them. */
+static json_t *prepare(const struct tpl_chat *c, const json_t *messages,
+                       struct tpl_error *err)
+{
+    if (!json_is_array(messages)) {
+        chat_fail(err, "%s must be an array", "messages");
+        return NULL;
+    }
+    json_t *out = json_array();
+    struct sbuf pending = {.max = (size_t)-1}; /* system text waiting for a user turn */
+    bool have_pending = false;
+    for (size_t i = 0; i < json_array_size(messages); i++) {
+        json_t *m = json_array_get(messages, i);
+        const char *role = json_string_value(json_object_get(m, "role"));
+        if (!json_is_object(m) || !role) {
+            char what[48];
+            snprintf(what, sizeof what, "messages[%zu]", i);
+            chat_fail(err, "%s must be an object with a string \"role\"", what);
+            goto fail;
+        }
+        json_t *copy = json_copy(m);
+        if (flatten_content(copy, i, err) < 0) {
+            json_decref(copy);
+            goto fail;
+        }
+        bool is_system = !strcmp(role, "system") || !strcmp(role, "developer");
+        if (is_system)
+            json_object_set_new(copy, "role", json_string("system"));
+        if (is_system && !c->supports_system) {
+            if (have_pending)
+                sbuf_addc(&pending, '\n');
+            sbuf_add(&pending, content_of(copy), strlen(content_of(copy)));
+            have_pending = true;
+            json_decref(copy);
+            continue;
+        }
+        if (have_pending && !strcmp(role, "user")) {
+            const char *u = content_of(copy);
+            if (*u) {
+                sbuf_addc(&pending, '\n');
+                sbuf_add(&pending, u, strlen(u));
+            }
+            json_object_set_new(copy, "content",
+                                json_stringn_nocheck(pending.p ? pending.p : "", pending.n));
+            pending.n = 0;
+            have_pending = false;
+        }
+        json_array_append_new(out, copy);
+    }
+    if (have_pending) /* system text and no user turn after it: give it one */
+        json_array_append_new(out, json_pack("{s:s,s:s%}", "role", "user", "content",
+                                             pending.p ? pending.p : "", pending.n));
+    sbuf_free(&pending);
+    return out;
+fail:
+    sbuf_free(&pending);
+    json_decref(out);
+    return NULL;
+}
+
+static int render_raw(const struct tpl_chat *c, json_t *messages, const json_t *tools,
+                      bool add_generation_prompt, time_t now, char **out, size_t *out_len,
+                      struct tpl_error *err)
+{
+    json_t *ctx = json_pack("{s:O,s:O,s:n,s:s,s:s,s:b}", "messages", messages, "tools",
+                            tools ? (json_t *)tools : json_null(), "documents", "bos_token",
+                            c->bos, "eos_token", c->eos, "add_generation_prompt",
+                            add_generation_prompt);
+    if (!ctx)
+        return chat_fail(err, "%s", "out of memory building the template context");
+    int rc = tpl_render(c->t, ctx, now, out, out_len, err);
+    json_decref(ctx);
+    return rc;
+}
+
+static bool probe_system(struct tpl_chat *c)
+{
+    json_t *msgs = json_pack("[{s:s,s:s},{s:s,s:s}]", "role", "system", "content", PROBE_SYSTEM,
+                             "role", "user", "content", PROBE_USER);
+    char *out = NULL;
+    size_t n = 0;
+    struct tpl_error err;
+    bool ok = render_raw(c, msgs, NULL, true, 0, &out, &n, &err) == 0 &&
+              strstr(out, PROBE_SYSTEM) != NULL;
+    free(out);
+    json_decref(msgs);
+    return ok;
+}
+
+tpl_chat *tpl_chat_create(const char *src, size_t len, const struct tpl_chat_params *p,
+                          struct tpl_error *err)
+{
+    tpl_template *t = tpl_load(src, len, &p->limits, err);
+    if (!t)
+        return NULL;
+    struct tpl_chat *c = calloc(1, sizeof *c);
+    if (!c)
+        abort();
+    c->t = t;
+    c->bos = strdup(p->bos_token ? p->bos_token : "");
+    c->eos = strdup(p->eos_token ? p->eos_token : "");
+    if (!c->bos || !c->eos)
+        abort();
+    c->strip_bos = p->strip_bos;
+    c->supports_system = probe_system(c);
+    return c;
+}
+
+void tpl_chat_destroy(tpl_chat *c)
+{
+    if (!c)
+        return;
+    tpl_free(c->t);
+    free(c->bos);
+    free(c->eos);
+    free(c);
+}
+
+bool tpl_chat_supports_system(const tpl_chat *c)
+{
+    return c->supports_system;
+}
+
+int tpl_chat_render(const tpl_chat *c, const json_t *messages, const json_t *tools,
+                    bool add_generation_prompt, time_t now, char **out, size_t *out_len,
+                    struct tpl_error *err)
+{
+    struct tpl_error scratch;
+    if (!err)
+        err = &scratch;
+    *out = NULL;
+    if (tools && !json_is_array(tools) && !json_is_null(tools))
+        return chat_fail(err, "%s must be an array", "tools");
+    json_t *msgs = prepare(c, messages, err);
+    if (!msgs)
+        return -1;
+    size_t n = 0;
+    int rc = render_raw(c, msgs, tools, add_generation_prompt, now, out, &n, err);
+    json_decref(msgs);
+    if (rc < 0)
+        return -1;
+    size_t nb = strlen(c->bos);
+    if (c->strip_bos && nb && n >= nb && memcmp(*out, c->bos, nb) == 0) {
+        memmove(*out, *out + nb, n - nb + 1);
+        n -= nb;
+    }
+    if (out_len)
+        *out_len = n;
+    return 0;
+}
