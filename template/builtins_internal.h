@@ -90,6 +90,19 @@ static inline bool py_space(unsigned char c)
     return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
 }
 
+/* Finish a string built in b: the new string in out when rc is 0, else
+ * b freed and the limit error. */
+static inline int sbuf_result(struct render *r, const struct node *at, struct sbuf *b, int rc,
+                              struct val *out)
+{
+    if (rc < 0) {
+        sbuf_free(b);
+        return rfail(r, at, "string longer than the limit of %zu bytes", rmax_string(r));
+    }
+    *out = from_sbuf(b);
+    return 0;
+}
+
 /* str() of each item of items (of its attribute when attribute is not
  * NULL) joined with sep: a new string in out (strings.c). */
 int tpl_join(struct render *r, const struct node *at, const json_t *items, const char *sep,

@@ -560,53 +560,36 @@ static struct node *binary(struct parser *p, const struct token *at, int op, str
     return n;
 }
 
-static struct node *parse_pow(struct parser *p)
+/* The arithmetic levels, lowest precedence first, as Jinja orders them:
+ * + -, then ~, then * / // %, then **; each is left-associative. */
+static const int arith_levels[][5] = {
+    {'+', '-'}, {'~'}, {'*', '/', OP_FLOORDIV, '%'}, {OP_POW}};
+#define N_ARITH_LEVELS (int)(sizeof arith_levels / sizeof arith_levels[0])
+
+static bool at_level(const struct parser *p, int level)
 {
-    struct node *n = parse_unary(p, true);
-    while (n && is_op(p, OP_POW)) {
-        const struct token *at = cur(p);
-        advance(p);
-        n = binary(p, at, OP_POW, n, parse_unary(p, true));
-    }
-    return n;
+    for (int k = 0; k < 5 && arith_levels[level][k]; k++)
+        if (is_op(p, arith_levels[level][k]))
+            return true;
+    return false;
 }
 
-static struct node *parse_mul(struct parser *p)
+static struct node *parse_arith(struct parser *p, int level)
 {
-    struct node *n = parse_pow(p);
-    while (n && (is_op(p, '*') || is_op(p, '/') || is_op(p, OP_FLOORDIV) || is_op(p, '%'))) {
+    if (level == N_ARITH_LEVELS)
+        return parse_unary(p, true);
+    struct node *n = parse_arith(p, level + 1);
+    while (n && at_level(p, level)) {
         const struct token *at = cur(p);
         advance(p);
-        n = binary(p, at, at->op, n, parse_pow(p));
-    }
-    return n;
-}
-
-static struct node *parse_concat(struct parser *p)
-{
-    struct node *n = parse_mul(p);
-    while (n && is_op(p, '~')) {
-        const struct token *at = cur(p);
-        advance(p);
-        n = binary(p, at, '~', n, parse_mul(p));
-    }
-    return n;
-}
-
-static struct node *parse_add(struct parser *p)
-{
-    struct node *n = parse_concat(p);
-    while (n && (is_op(p, '+') || is_op(p, '-'))) {
-        const struct token *at = cur(p);
-        advance(p);
-        n = binary(p, at, at->op, n, parse_concat(p));
+        n = binary(p, at, at->op, n, parse_arith(p, level + 1));
     }
     return n;
 }
 
 static struct node *parse_compare(struct parser *p)
 {
-    struct node *n = parse_add(p);
+    struct node *n = parse_arith(p, 0);
     for (;;) {
         if (!n)
             return NULL;
@@ -627,7 +610,7 @@ static struct node *parse_compare(struct parser *p)
         advance(p);
         /* a < b < c chains as (a < b) and (b < c) in Jinja; kvd's subset
          * has no chains: refuse instead of guessing */
-        struct node *rhs = parse_add(p);
+        struct node *rhs = parse_arith(p, 0);
         n = binary(p, at, op, n, rhs);
         if (n && cur(p)->kind == TK_OP &&
             (cur(p)->op == OP_EQ || cur(p)->op == OP_NE || cur(p)->op == '<' ||

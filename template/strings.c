@@ -305,12 +305,7 @@ static int replace_impl(struct render *r, const struct node *at, const struct va
         i = (size_t)(hit - s) + no;
         done++;
     }
-    if (rc < 0) {
-        sbuf_free(&b);
-        return rfail(r, at, "string longer than the limit of %zu bytes", rmax_string(r));
-    }
-    *out = from_sbuf(&b);
-    return 0;
+    return sbuf_result(r, at, &b, rc, out);
 }
 
 static int m_find(struct render *r, const struct node *at, const struct val *in, struct args *a,
@@ -344,12 +339,7 @@ int tpl_join(struct render *r, const struct node *at, const json_t *items,
         if (rc == 0 && x)
             rc = json_str(&b, x, false);
     }
-    if (rc < 0) {
-        sbuf_free(&b);
-        return rfail(r, at, "string longer than the limit of %zu bytes", rmax_string(r));
-    }
-    *out = from_sbuf(&b);
-    return 0;
+    return sbuf_result(r, at, &b, rc, out);
 }
 
 static int f_join(struct render *r, const struct node *at, const struct val *in, struct args *a,
@@ -401,12 +391,7 @@ static int f_tojson(struct render *r, const struct node *at, const struct val *i
         return rfail(r, at, "tojson: %s is not JSON data",
                      in->kind == V_UNDEF ? "an undefined value" : "this value");
     struct sbuf b = {.max = rmax_string(r)};
-    if (json_dump_py(&b, in->j, (int)indent, sk && val_truthy(sk), 0) < 0) {
-        sbuf_free(&b);
-        return rfail(r, at, "string longer than the limit of %zu bytes", rmax_string(r));
-    }
-    *out = from_sbuf(&b);
-    return 0;
+    return sbuf_result(r, at, &b, json_dump_py(&b, in->j, (int)indent, sk && val_truthy(sk), 0), out);
 }
 
 static int f_string(struct render *r, const struct node *at, const struct val *in,
@@ -414,12 +399,7 @@ static int f_string(struct render *r, const struct node *at, const struct val *i
 {
     (void)a;
     struct sbuf b = {.max = rmax_string(r)};
-    if (val_str(&b, in) < 0) {
-        sbuf_free(&b);
-        return rfail(r, at, "string longer than the limit of %zu bytes", rmax_string(r));
-    }
-    *out = from_sbuf(&b);
-    return 0;
+    return sbuf_result(r, at, &b, val_str(&b, in), out);
 }
 
 static int f_safe(struct render *r, const struct node *at, const struct val *in, struct args *a,
@@ -452,12 +432,7 @@ static int f_escape(struct render *r, const struct node *at, const struct val *i
         }
     }
     val_drop(&s);
-    if (rc < 0) {
-        sbuf_free(&b);
-        return rfail(r, at, "string longer than the limit of %zu bytes", rmax_string(r));
-    }
-    *out = from_sbuf(&b);
-    return 0;
+    return sbuf_result(r, at, &b, rc, out);
 }
 
 static int f_indent(struct render *r, const struct node *at, const struct val *in,
@@ -492,12 +467,7 @@ static int f_indent(struct render *r, const struct node *at, const struct val *i
             rc = sbuf_addc(&b, s[i]);
         line_start = s[i] == '\n';
     }
-    if (rc < 0) {
-        sbuf_free(&b);
-        return rfail(r, at, "string longer than the limit of %zu bytes", rmax_string(r));
-    }
-    *out = from_sbuf(&b);
-    return 0;
+    return sbuf_result(r, at, &b, rc, out);
 }
 
 /* --- this file's rows of the builtin table --- */
