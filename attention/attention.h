@@ -162,29 +162,74 @@ void pos_rope_apply(float *x, const float *cs, int rope_dims, enum pos_rope_pair
  * Paged attention
  * ------------------------------------------------------------------------ */
 
+/*
+ * Element types of cached keys and values. The float types store each
+ * element alone; the block types (GGUF's q8_0 and q4_0) store a row of
+ * head_dim elements as head_dim / 32 blocks of 32, little-endian, no padding:
+ *
+ *   q8_0  34 bytes: f16 scale d, int8 q[32];                x[i] = d * q[i]
+ *   q4_0  18 bytes: f16 scale d, uint8 qs[16];              x[i] = d * (nib(i) - 8),
+ *         nib(i) = low nibble of qs[i] for i < 16, high nibble of qs[i - 16] after
+ *
+ * A row of a block type is written once (attn_store_row) and only read after:
+ * the kernels compute on its dequantised values, exactly.
+ */
 enum attn_type {
     ATTN_F32 = 0,
     ATTN_F16,
     ATTN_BF16,
+    ATTN_Q8_0,
+    ATTN_Q4_0,
 };
 
+#define ATTN_QK 32 /* elements per block of q8_0 and q4_0 */
+
+/* Bytes per element of a float type; 0 for a block type or an unknown value. */
 size_t attn_type_size(enum attn_type type);
+/* "f32", "f16", "bf16", "q8_0", "q4_0"; "unknown" otherwise. */
 const char *attn_type_name(enum attn_type type);
+/* Elements per block: 1 for a float type, ATTN_QK for q8_0/q4_0, 0 if unknown. */
+int attn_type_block(enum attn_type type);
+/* Bytes of one row of n elements; 0 for an unknown type or n that is not a
+ * positive multiple of the type's block. */
+size_t attn_row_bytes(enum attn_type type, int n);
+/*
+ * Whether rows of head_dim elements can be stored in this type. Returns 0,
+ * or -EINVAL with a reason naming the type and the head dim in err (block
+ * types need a multiple of 32).
+ */
+int attn_type_check(enum attn_type type, int head_dim, char *err, size_t errlen);
+
+/*
+ * Store n floats (n valid for attn_row_bytes) as one row of the type: convert
+ * (f16 and bf16 round to nearest even) or quantise. Quantising picks each
+ * block's scale from its largest magnitude (q8_0: d = max|x| / 127; q4_0:
+ * d = -x_max / 8 for the element x_max of largest magnitude, which so maps
+ * to -8 exactly), rounds d to f16 and every element to the nearest level of
+ * that stored d. A block holding inf or NaN stores a NaN scale (its values
+ * read back as NaN, as they would in f16); a scale beyond f16's range is
+ * clamped to 65504. Thread-safe, allocates nothing.
+ */
+void attn_store_row(void *dst, const float *src, int n, enum attn_type type);
+/* The inverse: n floats of a row (dequantised), exactly as the kernels see them. */
+void attn_load_row(float *dst, const void *src, int n, enum attn_type type);
 
 /*
  * Where one layer's keys and values are. Page p starts at
  * base + p * page_bytes. Inside a page, this layer's K block starts at
- * k_offset and holds, per KV head h, page_tokens x head_dim elements
- * contiguous (head h at k_offset + h * page_tokens * head_dim * elt);
- * the V block is laid out the same way from v_offset.
+ * k_offset and holds, per KV head h, page_tokens rows of head_dim elements
+ * contiguous (head h at k_offset + h * page_tokens * krow, token slot s at
+ * + s * krow, krow = attn_row_bytes(k_type, head_dim)); the V block is laid
+ * out the same way from v_offset with rows of v_type.
  */
 struct attn_kv {
-    const uint8_t *base; /* first byte of page 0 */
-    size_t page_bytes;   /* bytes from one page to the next */
-    size_t k_offset;     /* byte offset of this layer's K block in a page */
-    size_t v_offset;     /* byte offset of this layer's V block in a page */
-    int page_tokens;     /* tokens per page */
-    enum attn_type type; /* element type of K and V */
+    const uint8_t *base;   /* first byte of page 0 */
+    size_t page_bytes;     /* bytes from one page to the next */
+    size_t k_offset;       /* byte offset of this layer's K block in a page */
+    size_t v_offset;       /* byte offset of this layer's V block in a page */
+    int page_tokens;       /* tokens per page */
+    enum attn_type k_type; /* element type of K */
+    enum attn_type v_type; /* element type of V */
     int n_pages;         /* pages in the pool: page ids are checked against it;
                             0 = not checked (the caller vouches for them) */
 };

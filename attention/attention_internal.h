@@ -15,6 +15,7 @@
 #ifndef KVD_ATTENTION_INTERNAL_H
 #define KVD_ATTENTION_INTERNAL_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -98,18 +99,43 @@ static inline uint16_t attn_f32_to_bf16(float f)
     return (uint16_t)(x >> 16);
 }
 
-/* Element i of a K or V row of the given type, as f32. */
+/* Bytes of one q8_0 / q4_0 block (see attention.h). */
+#define ATTN_Q8_0_BYTES 34
+#define ATTN_Q4_0_BYTES 18
+
+/* The f16 scale at the start of a block (any alignment). */
+static inline float attn_block_scale(const uint8_t *blk)
+{
+    return attn_f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
+}
+
+/* Element i of a K or V row of the given type, as f32 (dequantised). */
 static inline float attn_load(const void *row, int i, enum attn_type type)
 {
+    const uint8_t *b = row;
     switch (type) {
     case ATTN_F16:
         return attn_f16_to_f32(((const uint16_t *)row)[i]);
     case ATTN_BF16:
         return attn_bf16_to_f32(((const uint16_t *)row)[i]);
+    case ATTN_Q8_0:
+        b += (size_t)(i / ATTN_QK) * ATTN_Q8_0_BYTES;
+        return attn_block_scale(b) * (float)(int8_t)b[2 + i % ATTN_QK];
+    case ATTN_Q4_0: {
+        b += (size_t)(i / ATTN_QK) * ATTN_Q4_0_BYTES;
+        int j = i % ATTN_QK;
+        int nib = j < ATTN_QK / 2 ? b[2 + j] & 15 : b[2 + j - ATTN_QK / 2] >> 4;
+        return attn_block_scale(b) * (float)(nib - 8);
+    }
     case ATTN_F32:
         break;
     }
     return ((const float *)row)[i];
+}
+
+static inline bool attn_type_blocked(enum attn_type type)
+{
+    return type == ATTN_Q8_0 || type == ATTN_Q4_0;
 }
 
 /* --- tile operations ------------------------------------------------------------ */
@@ -135,7 +161,7 @@ struct attn_bias {
 struct attn_prefetch {
     const void *k[ATTN_TILE], *v[ATTN_TILE];
     int n;
-    int bytes;
+    int kbytes, vbytes; /* bytes of a key row, of a value row */
 };
 
 /*
@@ -189,6 +215,14 @@ struct attn_ops {
     void (*stage_k)(float *out, const void *const *kp, int nt, enum attn_type type, int head_dim,
                     int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
                     int ld_cs);
+
+    /*
+     * out[t][:] = row t dequantised (t < nt) for a block type (q8_0, q4_0):
+     * the tile's quantised keys or values become f32 once, and everything
+     * after (rotation, scores, P.V) runs on them as on f32 rows.
+     */
+    void (*dequant)(float *out, const void *const *rows, int nt, enum attn_type type,
+                    int head_dim);
 };
 
 /* The SIMD table, or NULL when the build has no SIMD path (attn_simd.c). */

@@ -39,6 +39,19 @@
  * are de-interleaved in rotated keys and prepared queries alike, so the
  * rotation always has the NeoX halves form.
  *
+ * Quantised K/V (q8_0, q4_0): a tile's rows are dequantised once into f32
+ * scratch and everything after - RoPE, scores, P.V - runs on those values,
+ * so the kernel is exact to the dequantised cache whatever the position
+ * scheme. Why rotate after dequantising rather than rotate the query per
+ * key: RoPE turns a stored key k at position p into R(p)k, and
+ * q.R(p)k = (R(p)^T q).k, so an integer dot product on the stored int8 key
+ * needs the query rotated back by each key's own angle and requantised -
+ * O(head_dim) rotation and quantisation per key and per query row (a GQA
+ * group of rows pays it once each), against one dequantise-and-rotate per
+ * key shared by the whole group here. It would also add the query's 8-bit
+ * rounding to every score. The bytes read from memory, which is what
+ * bounds decode at long context, are the same either way.
+ *
  * Memory: attn_create allocates the per-thread scratch (O(rows x (tile +
  * head_dim))) and the tables; attn_run grows the batch workspace (per-row
  * statistics, split partials, work list) once at its start, sized by queries,
@@ -80,11 +93,14 @@ struct tscratch {
     int32_t *rpos;            /* [rows_max] position of each row's query */
     struct attn_bias *bias;   /* [rows_max] bias of each row's head */
     int32_t *kpos;            /* [ATTN_TILE] positions of the tile's keys, padded */
-    size_t *tok;              /* [ATTN_TILE] byte offset of each key's page slot */
+    size_t *tok;              /* [ATTN_TILE] byte offset of each key's page */
+    int *slot;                /* [ATTN_TILE] each key's slot in its page */
     size_t *tok_next;         /* [ATTN_TILE] the same for the next tile (prefetching) */
+    int *slot_next;           /* [ATTN_TILE] */
     const void **kp, **vp;    /* [ATTN_TILE] key and value rows of one head */
     float *kst;               /* [ATTN_TILE][head_dim] staged (converted, rotated) keys */
-    float *vst;               /* [ATTN_TILE][head_dim] staged (converted) values */
+    float *vst;               /* [ATTN_TILE][head_dim] staged (converted) values; before
+                                 them, a quantised key tile dequantised */
     struct attn_prefetch *pf; /* [1] rows of the next head or tile */
     float *cs, *sn;           /* [ATTN_TILE][half] cos and sin of each key's angles */
     float *base_c, *base_s;   /* [half] angles at the cached 4096-block start */
@@ -169,6 +185,11 @@ static void row_to_f32(float *dst, const void *row, int off, int n, enum attn_ty
     case ATTN_BF16:
         for (int i = 0; i < n; i++)
             dst[i] = attn_bf16_to_f32(((const uint16_t *)row)[off + i]);
+        return;
+    case ATTN_Q8_0:
+    case ATTN_Q4_0:
+        for (int i = 0; i < n; i++)
+            dst[i] = attn_load(row, off + i, type);
         return;
     }
 }
@@ -302,6 +323,12 @@ static void qk_rope_scalar(float *S, const float *const *q, int nrows, const voi
     }
 }
 
+static void dequant_scalar(float *out, const void *const *rows, int nt, enum attn_type type, int D)
+{
+    for (int t = 0; t < nt; t++)
+        row_to_f32(out + (size_t)t * D, rows[t], 0, D, type);
+}
+
 static const struct attn_ops scalar_ops = {
     .name = "scalar",
     .qk = qk_scalar,
@@ -310,37 +337,12 @@ static const struct attn_ops scalar_ops = {
     .probs = probs_scalar,
     .pv = pv_scalar,
     .stage_k = stage_k_scalar,
+    .dequant = dequant_scalar,
 };
 
 /* ------------------------------------------------------------------------
  * Small helpers
  * ------------------------------------------------------------------------ */
-
-size_t attn_type_size(enum attn_type type)
-{
-    switch (type) {
-    case ATTN_F32:
-        return 4;
-    case ATTN_F16:
-        return 2;
-    case ATTN_BF16:
-        return 2;
-    }
-    return 0;
-}
-
-const char *attn_type_name(enum attn_type type)
-{
-    switch (type) {
-    case ATTN_F32:
-        return "f32";
-    case ATTN_F16:
-        return "f16";
-    case ATTN_BF16:
-        return "bf16";
-    }
-    return "unknown";
-}
 
 static size_t align_up(size_t n, size_t a)
 {
@@ -454,7 +456,9 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(bias, rows_max);
     CARVE(kpos, ATTN_TILE);
     CARVE(tok, ATTN_TILE);
+    CARVE(slot, ATTN_TILE);
     CARVE(tok_next, ATTN_TILE);
+    CARVE(slot_next, ATTN_TILE);
     CARVE(kp, ATTN_TILE);
     CARVE(vp, ATTN_TILE);
     CARVE(kst, (size_t)ATTN_TILE * D);
@@ -633,10 +637,13 @@ static int validate(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_s
         return run_fail(ctx, -EINVAL, "no kv description or sequences");
     if (kv->page_tokens < 1)
         return run_fail(ctx, -EINVAL, "page_tokens %d must be >= 1", kv->page_tokens);
-    size_t esz = attn_type_size(kv->type);
-    if (!esz)
-        return run_fail(ctx, -EINVAL, "unknown kv type %d", (int)kv->type);
-    size_t block = (size_t)p->n_kv_head * (size_t)kv->page_tokens * (size_t)p->head_dim * esz;
+    char why[160];
+    if (attn_type_check(kv->k_type, p->head_dim, why, sizeof(why)) ||
+        attn_type_check(kv->v_type, p->head_dim, why, sizeof(why)))
+        return run_fail(ctx, -EINVAL, "%s", why);
+    const size_t per_head = (size_t)p->n_kv_head * (size_t)kv->page_tokens;
+    const size_t kblock = per_head * attn_row_bytes(kv->k_type, p->head_dim);
+    const size_t vblock = per_head * attn_row_bytes(kv->v_type, p->head_dim);
     long tq = 0;
     for (int s = 0; s < n_seqs; s++) {
         const struct attn_seq *sq = &seqs[s];
@@ -661,11 +668,11 @@ static int validate(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_s
             continue;
         if (!kv->base)
             return run_fail(ctx, -EINVAL, "kv base is NULL");
-        if (kv->k_offset + block > kv->page_bytes || kv->v_offset + block > kv->page_bytes)
+        if (kv->k_offset + kblock > kv->page_bytes || kv->v_offset + vblock > kv->page_bytes)
             return run_fail(ctx, -EINVAL,
-                            "a layer's K or V block (%zu bytes at %zu / %zu) does not fit in a "
-                            "%zu-byte page",
-                            block, kv->k_offset, kv->v_offset, kv->page_bytes);
+                            "a layer's K or V block (%zu / %zu bytes at %zu / %zu) does not fit "
+                            "in a %zu-byte page",
+                            kblock, vblock, kv->k_offset, kv->v_offset, kv->page_bytes);
         int n_pages = (sq->n_kv + kv->page_tokens - 1) / kv->page_tokens;
         for (int i = 0; i < n_pages; i++) {
             int32_t id = sq->page_table[i];
@@ -899,29 +906,30 @@ static void rope_tile(const attn_ctx *ctx, struct tscratch *w, int nt)
  * Load the positions and page-slot offsets of keys [k0, k0 + nt) into the
  * scratch, padded to ATTN_TILE. Returns the smallest position.
  */
-static void tile_offsets(const attn_ctx *ctx, size_t *tok, const struct attn_kv *kv,
+static void tile_offsets(size_t *tok, int *slot, const struct attn_kv *kv,
                          const struct attn_seq *sq, int k0, int nt)
 {
-    const size_t slot = (size_t)ctx->p.head_dim * attn_type_size(kv->type);
     const int pt = kv->page_tokens;
     for (int t = 0; t < nt; t++) {
         int k = k0 + t;
-        tok[t] = (size_t)sq->page_table[k / pt] * kv->page_bytes + (size_t)(k % pt) * slot;
+        tok[t] = (size_t)sq->page_table[k / pt] * kv->page_bytes;
+        slot[t] = k % pt;
     }
 }
 
-static int32_t load_tile(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
-                         const struct attn_seq *sq, int k0, int nt)
+static int32_t load_tile(struct tscratch *w, const struct attn_kv *kv, const struct attn_seq *sq,
+                         int k0, int nt)
 {
     int32_t pmin = INT32_MAX;
     for (int t = 0; t < nt; t++) {
         w->kpos[t] = sq->pos[k0 + t];
         pmin = sq->pos[k0 + t] < pmin ? sq->pos[k0 + t] : pmin;
     }
-    tile_offsets(ctx, w->tok, kv, sq, k0, nt);
+    tile_offsets(w->tok, w->slot, kv, sq, k0, nt);
     for (int t = nt; t < ATTN_TILE; t++) {
         w->kpos[t] = INT32_MAX;
         w->tok[t] = w->tok[nt - 1];
+        w->slot[t] = w->slot[nt - 1];
     }
     return pmin;
 }
@@ -936,24 +944,34 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
                         int nt, const float *const *q, int rows_h, const struct attn_prefetch *pf)
 {
     const int D = ctx->p.head_dim;
-    const size_t head = (size_t)g * kv->page_tokens * D * attn_type_size(kv->type);
-    const uint8_t *kb = kv->base + kv->k_offset + head, *vb = kv->base + kv->v_offset + head;
+    const size_t krow = attn_row_bytes(kv->k_type, D), vrow = attn_row_bytes(kv->v_type, D);
+    const uint8_t *kb = kv->base + kv->k_offset + (size_t)g * kv->page_tokens * krow;
+    const uint8_t *vb = kv->base + kv->v_offset + (size_t)g * kv->page_tokens * vrow;
     for (int t = 0; t < ATTN_TILE; t++) {
-        w->kp[t] = kb + w->tok[t];
-        w->vp[t] = vb + w->tok[t];
+        w->kp[t] = kb + w->tok[t] + (size_t)w->slot[t] * krow;
+        w->vp[t] = vb + w->tok[t] + (size_t)w->slot[t] * vrow;
+    }
+    enum attn_type kt = kv->k_type;
+    if (attn_type_blocked(kt)) {
+        /* Quantised keys: dequantise the tile once (into vst, free until the
+         * values), then rotate and score the f32 rows, exact to the stored values. */
+        ctx->ops->dequant(w->vst, w->kp, nt, kt, D);
+        for (int t = 0; t < ATTN_TILE; t++)
+            w->kp[t] = w->vst + (size_t)(t < nt ? t : nt - 1) * D;
+        kt = ATTN_F32;
     }
     const bool many = rows_h > 4;
     if (!many && ctx->rot) {
-        ctx->ops->qk_rope(w->S, q, rows_h, w->kp, nt, kv->type, D, ctx->rot,
-                          ctx->p.pos.rope_pairing, w->cs, w->sn, ctx->half, pf);
+        ctx->ops->qk_rope(w->S, q, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing,
+                          w->cs, w->sn, ctx->half, pf);
         return;
     }
-    if (!many || (kv->type == ATTN_F32 && !ctx->rot)) {
-        ctx->ops->qk(w->S, q, rows_h, w->kp, nt, kv->type, D, pf);
+    if (!many || (kt == ATTN_F32 && !ctx->rot)) {
+        ctx->ops->qk(w->S, q, rows_h, w->kp, nt, kt, D, pf);
         return;
     }
-    ctx->ops->stage_k(w->kst, w->kp, nt, kv->type, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs,
-                      w->sn, ctx->half);
+    ctx->ops->stage_k(w->kst, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs, w->sn,
+                      ctx->half);
     for (int t = 0; t < ATTN_TILE; t++)
         w->kp[t] = w->kst + (size_t)(t < nt ? t : nt - 1) * D;
     ctx->ops->qk(w->S, q, rows_h, w->kp, nt, ATTN_F32, D, pf);
@@ -965,18 +983,20 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
  * scattered over pages, which the hardware prefetcher follows poorly.
  */
 static const struct attn_prefetch *prefetch_head(const attn_ctx *ctx, struct attn_prefetch *pf,
-                                                 const size_t *tok, const struct attn_kv *kv, int g,
-                                                 int n)
+                                                 const size_t *tok, const int *slot,
+                                                 const struct attn_kv *kv, int g, int n)
 {
-    const size_t row = (size_t)ctx->p.head_dim * attn_type_size(kv->type);
-    const size_t head = (size_t)g * kv->page_tokens * row;
-    const uint8_t *kb = kv->base + kv->k_offset + head, *vb = kv->base + kv->v_offset + head;
+    const size_t krow = attn_row_bytes(kv->k_type, ctx->p.head_dim);
+    const size_t vrow = attn_row_bytes(kv->v_type, ctx->p.head_dim);
+    const uint8_t *kb = kv->base + kv->k_offset + (size_t)g * kv->page_tokens * krow;
+    const uint8_t *vb = kv->base + kv->v_offset + (size_t)g * kv->page_tokens * vrow;
     for (int t = 0; t < n; t++) {
-        pf->k[t] = kb + tok[t];
-        pf->v[t] = vb + tok[t];
+        pf->k[t] = kb + tok[t] + (size_t)slot[t] * krow;
+        pf->v[t] = vb + tok[t] + (size_t)slot[t] * vrow;
     }
     pf->n = n;
-    pf->bytes = (int)row;
+    pf->kbytes = (int)krow;
+    pf->vbytes = (int)vrow;
     return pf;
 }
 
@@ -1075,28 +1095,33 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
 
     for (int k0 = it->k0; k0 < it->k1; k0 += ATTN_TILE) {
         int nt = it->k1 - k0 < ATTN_TILE ? it->k1 - k0 : ATTN_TILE;
-        if (load_tile(ctx, w, kv, sq, k0, nt) > u->qmax)
+        if (load_tile(w, kv, sq, k0, nt) > u->qmax)
             continue; /* every key of the tile is in every query's future */
         if (ctx->rot)
             rope_tile(ctx, w, nt);
         int nt_next = it->k1 - (k0 + ATTN_TILE);
         nt_next = nt_next < ATTN_TILE ? nt_next : ATTN_TILE;
         if (nt_next > 0)
-            tile_offsets(ctx, w->tok_next, kv, sq, k0 + ATTN_TILE, nt_next);
+            tile_offsets(w->tok_next, w->slot_next, kv, sq, k0 + ATTN_TILE, nt_next);
         for (int hh = 0; hh < u->ng; hh++) {
             int r0 = hh * rows_h;
             const struct attn_prefetch *pf = NULL; /* the next head, or head 0 of the next tile */
             if (hh + 1 < u->ng)
-                pf = prefetch_head(ctx, w->pf, w->tok, kv, u->g0 + hh + 1, nt);
+                pf = prefetch_head(ctx, w->pf, w->tok, w->slot, kv, u->g0 + hh + 1, nt);
             else if (nt_next > 0)
-                pf = prefetch_head(ctx, w->pf, w->tok_next, kv, u->g0, nt_next);
+                pf = prefetch_head(ctx, w->pf, w->tok_next, w->slot_next, kv, u->g0, nt_next);
             head_scores(ctx, w, kv, u->g0 + hh, nt, w->qrow + r0, rows_h, pf);
             for (int r = 0; r < rows_h; r++)
                 ops->softmax(w->S + (size_t)r * ATTN_TILE, nt, w->kpos, w->rpos[r0 + r],
                              &w->bias[r0 + r], &w->m[r0 + r], &w->l[r0 + r],
                              w->acc + (size_t)(r0 + r) * D, D);
-            enum attn_type vt = kv->type;
-            if (rows_h > 4 && vt != ATTN_F32) { /* convert once, not once per row block */
+            enum attn_type vt = kv->v_type;
+            if (attn_type_blocked(vt)) { /* quantised values: P.V over the dequantised tile */
+                ops->dequant(w->vst, w->vp, nt, vt, D);
+                for (int t = 0; t < nt; t++)
+                    w->vp[t] = w->vst + (size_t)t * D;
+                vt = ATTN_F32;
+            } else if (rows_h > 4 && vt != ATTN_F32) { /* convert once, not once per row block */
                 ops->stage_k(w->vst, w->vp, nt, vt, D, 0, POS_ROPE_NEOX, NULL, NULL, 0);
                 for (int t = 0; t < nt; t++)
                     w->vp[t] = w->vst + (size_t)t * D;
@@ -1192,7 +1217,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
             }
             for (int k0 = it->k0; k0 < it->k1; k0 += ATTN_TILE) {
                 int nt = it->k1 - k0 < ATTN_TILE ? it->k1 - k0 : ATTN_TILE;
-                if (load_tile(ctx, w, kv, sq, k0, nt) > qmax)
+                if (load_tile(w, kv, sq, k0, nt) > qmax)
                     continue;
                 if (ctx->rot)
                     rope_tile(ctx, w, nt);

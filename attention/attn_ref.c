@@ -4,10 +4,10 @@
  * For each query and head: rotate the query and every visible key with
  * posenc's exact angles, materialise all scores and biases (T5 through
  * pos_t5_bucket itself, no lookup table), softmax in double precision,
- * sum the values. Keys and values are converted (and keys rotated) once per
- * sequence into f32 copies, O(n_kv x n_kv_head x head_dim) memory; no
- * tiling, no SIMD, no threads: the fused kernel is checked against this in tests and timed
- * against it in benchmarks.
+ * sum the values. Keys and values are converted or dequantised (and keys
+ * rotated) once per sequence into f32 copies, O(n_kv x n_kv_head x
+ * head_dim) memory; no tiling, no SIMD, no threads: the fused kernel is
+ * checked against this in tests and timed against it in benchmarks.
  */
 #include "attention_internal.h"
 
@@ -19,10 +19,10 @@
 static const void *kv_row(const struct attn_kv *kv, const struct attn_seq *sq, int D, int g, int i,
                           bool value)
 {
-    size_t esz = attn_type_size(kv->type);
+    size_t row = attn_row_bytes(value ? kv->v_type : kv->k_type, D);
     size_t page = (size_t)sq->page_table[i / kv->page_tokens];
     size_t off = page * kv->page_bytes + (value ? kv->v_offset : kv->k_offset) +
-                 ((size_t)g * kv->page_tokens + (size_t)(i % kv->page_tokens)) * D * esz;
+                 ((size_t)g * kv->page_tokens + (size_t)(i % kv->page_tokens)) * row;
     return kv->base + off;
 }
 
@@ -32,7 +32,8 @@ static int check(const struct attn_params *p, const struct attn_kv *kv, const st
     if (!p || !kv || n_seqs < 0 || (n_seqs && !seqs))
         return -EINVAL;
     if (p->n_head < 1 || p->n_kv_head < 1 || p->n_head % p->n_kv_head || p->head_dim < 1 ||
-        kv->page_tokens < 1 || !attn_type_size(kv->type))
+        kv->page_tokens < 1 || attn_type_check(kv->k_type, p->head_dim, NULL, 0) ||
+        attn_type_check(kv->v_type, p->head_dim, NULL, 0))
         return -EINVAL;
     const struct pos_scheme *ps = &p->pos;
     if (ps->kind == POS_ROPE &&
@@ -44,11 +45,13 @@ static int check(const struct attn_params *p, const struct attn_kv *kv, const st
         (!ps->t5_table ||
          pos_t5_check(ps->t5_num_buckets, ps->t5_max_distance, ps->t5_bidirectional, NULL, 0)))
         return -EINVAL;
-    size_t block = (size_t)p->n_kv_head * kv->page_tokens * p->head_dim * attn_type_size(kv->type);
+    size_t heads = (size_t)p->n_kv_head * kv->page_tokens;
+    size_t kblock = heads * attn_row_bytes(kv->k_type, p->head_dim);
+    size_t vblock = heads * attn_row_bytes(kv->v_type, p->head_dim);
     for (int s = 0; s < n_seqs; s++) {
         const struct attn_seq *sq = &seqs[s];
         if (sq->n_kv > 0 &&
-            (kv->k_offset + block > kv->page_bytes || kv->v_offset + block > kv->page_bytes))
+            (kv->k_offset + kblock > kv->page_bytes || kv->v_offset + vblock > kv->page_bytes))
             return -EINVAL;
         if (sq->n_kv < 0 || sq->n_q < 0 || (sq->n_q && (!sq->q || !sq->out || !sq->q_pos)) ||
             (sq->n_kv && (!sq->pos || !sq->page_table || !kv->base)))
@@ -103,8 +106,8 @@ int attn_reference(const struct attn_params *p, const struct attn_kv *kv,
                 const void *ks = kv_row(kv, sq, D, g, i, false),
                            *vs = kv_row(kv, sq, D, g, i, true);
                 for (int d = 0; d < D; d++) {
-                    k[d] = attn_load(ks, d, kv->type);
-                    v[d] = attn_load(vs, d, kv->type);
+                    k[d] = attn_load(ks, d, kv->k_type);
+                    v[d] = attn_load(vs, d, kv->v_type);
                 }
                 if (rope)
                     pos_rope_apply(k, cs, rot, ps->rope_pairing);

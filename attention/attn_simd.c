@@ -320,6 +320,8 @@ INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
     case ATTN_BF16:
         return vload_b_n((const uint16_t *)row + off, n);
     case ATTN_F32:
+    case ATTN_Q8_0: /* block types are dequantised to f32 rows before any tile operation */
+    case ATTN_Q4_0:
         break;
     }
     return vload_n((const float *)row + off, n);
@@ -370,11 +372,12 @@ INLINE void prefetch_rows(const struct attn_prefetch *pf, int t0)
     if (!pf)
         return;
     int end = t0 + VL < pf->n ? t0 + VL : pf->n;
-    for (int t = t0; t < end; t++)
-        for (int b = 0; b < pf->bytes; b += 64) {
+    for (int t = t0; t < end; t++) {
+        for (int b = 0; b < pf->kbytes; b += 64)
             _mm_prefetch((const char *)pf->k[t] + b, _MM_HINT_T0);
+        for (int b = 0; b < pf->vbytes; b += 64)
             _mm_prefetch((const char *)pf->v[t] + b, _MM_HINT_T0);
-        }
+    }
 }
 
 /* Key chunks of VL outer (with their prefetches), row blocks inner. */
@@ -407,6 +410,9 @@ static void qk_simd(float *S, const float *const *q, int nrows, const void *cons
         break;
     case ATTN_BF16:
         qk_typed(S, q, nrows, kp, nt, ATTN_BF16, D, pf);
+        break;
+    case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
+    case ATTN_Q4_0:
         break;
     }
 }
@@ -506,6 +512,9 @@ static void qk_rope_simd(float *S, const float *const *q, int nrows, const void 
         break;
     case ATTN_BF16:
         qk_rope_typed(S, q, nrows, kp, nt, ATTN_BF16, D, rot, neox, cs, sn, ld, pf);
+        break;
+    case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
+    case ATTN_Q4_0:
         break;
     }
 }
@@ -627,6 +636,9 @@ static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp
     case ATTN_BF16:
         pv_typed(acc, nrows, P, vp, nt, ATTN_BF16, D);
         break;
+    case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
+    case ATTN_Q4_0:
+        break;
     }
 }
 
@@ -671,6 +683,57 @@ static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_ty
     case ATTN_BF16:
         stage_typed(out, kp, nt, ATTN_BF16, D, rot, pairing, cs, sn, ld_cs);
         break;
+    case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
+    case ATTN_Q4_0:
+        break;
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Dequantising a tile of q8_0 / q4_0 rows
+ * ------------------------------------------------------------------------ */
+
+/* VL int8 values as f32. */
+INLINE vf vload_i8(const int8_t *p)
+{
+#ifdef SIMD_AVX512
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+
+/* One block of 32 as f32: q8_0 directly, q4_0 after splitting its nibbles. */
+INLINE void dequant_block(float *o, const uint8_t *blk, enum attn_type T)
+{
+    vf d = vset1(attn_block_scale(blk));
+    const int8_t *q = (const int8_t *)(blk + 2);
+    int8_t buf[ATTN_QK];
+    if (T == ATTN_Q4_0) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(blk + 2)), m = _mm_set1_epi8(15),
+                eight = _mm_set1_epi8(8);
+        _mm_storeu_si128((__m128i *)buf, _mm_sub_epi8(_mm_and_si128(b, m), eight));
+        _mm_storeu_si128((__m128i *)(buf + 16),
+                         _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight));
+        q = buf;
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < ATTN_QK; i += VL)
+        vstore(o + i, vmul(d, vload_i8(q + i)));
+}
+
+static void dequant_simd(float *out, const void *const *rows, int nt, enum attn_type type, int D)
+{
+    const size_t bb = type == ATTN_Q8_0 ? ATTN_Q8_0_BYTES : ATTN_Q4_0_BYTES;
+    for (int t = 0; t < nt; t++) {
+        const uint8_t *r = rows[t];
+        float *o = out + (size_t)t * D;
+        if (type == ATTN_Q8_0)
+            for (int b = 0; b < D / ATTN_QK; b++)
+                dequant_block(o + b * ATTN_QK, r + b * bb, ATTN_Q8_0);
+        else
+            for (int b = 0; b < D / ATTN_QK; b++)
+                dequant_block(o + b * ATTN_QK, r + b * bb, ATTN_Q4_0);
     }
 }
 
@@ -682,6 +745,7 @@ static const struct attn_ops simd_ops = {
     .probs = probs_simd,
     .pv = pv_simd,
     .stage_k = stage_k_simd,
+    .dequant = dequant_simd,
 };
 
 const struct attn_ops *attn_simd_ops(void)

@@ -315,9 +315,9 @@ static void move_token_bytes(kv_seq *s, int dst, int src)
     for (int layer = 0; layer < l->n_layer; layer++)
         for (int h = 0; h < l->n_kv_head; h++) {
             memcpy(kv_layout_elem(l, dp, ds, layer, h, false),
-                   kv_layout_elem(l, sp, ss, layer, h, false), l->row_bytes);
+                   kv_layout_elem(l, sp, ss, layer, h, false), l->k_row_bytes);
             memcpy(kv_layout_elem(l, dp, ds, layer, h, true),
-                   kv_layout_elem(l, sp, ss, layer, h, true), l->row_bytes);
+                   kv_layout_elem(l, sp, ss, layer, h, true), l->v_row_bytes);
         }
 }
 

@@ -14,12 +14,19 @@
  * struct attn_kv, field for field):
  *
  *   page p starts at base + p * page_bytes (page_bytes is a multiple of 64);
- *   inside a page, layer l has a K block at k_offset(l) = 2*l*block_bytes
- *   and a V block at v_offset(l) = (2*l + 1)*block_bytes, where
- *   block_bytes = n_kv_head * page_tokens * head_dim * elt;
- *   a block holds, per KV head h, page_tokens x head_dim elements
- *   contiguous: head h at +h*page_tokens*head_dim*elt, token slot s of that
- *   head at +s*head_dim*elt.
+ *   inside a page, layer l has a K block at k_offset(l) = l*(kblock+vblock)
+ *   and a V block at v_offset(l) = k_offset(l) + kblock, where
+ *   kblock = n_kv_head * page_tokens * krow and krow is the bytes of one
+ *   head_dim row in k_type (vblock, vrow likewise in v_type); a block
+ *   holds, per KV head h, page_tokens rows contiguous: head h at
+ *   +h*page_tokens*row, token slot s of that head at +s*row.
+ *
+ *   K and V have their own types: f32, f16, bf16, or GGUF's q8_0 / q4_0
+ *   blocks (32 elements and one f16 scale: 34 / 18 bytes, so head_dim must be
+ *   a multiple of 32 for them). A row is written once, when its token is
+ *   appended, and its bytes never change after: eviction frees or moves
+ *   whole rows, renumbering touches positions only, so a quantised row is
+ *   never requantised.
  *
  * Logical token i of a sequence lives in page page_table[i / page_tokens],
  * slot i % page_tokens. Every page of a page table is full except the last.
@@ -51,13 +58,20 @@
  * Element types
  * ------------------------------------------------------------------------ */
 
-enum kv_type { KV_F32 = 0, KV_F16, KV_BF16 }; /* same numbering as attn_type */
+/* Same numbering as attn_type (the model room passes them through). */
+enum kv_type { KV_F32 = 0, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0 };
 
-/* Bytes per element (4, 2, 2); 0 for a value outside the enum. */
+/* Bytes per element of a float type (4, 2, 2); 0 for q8_0, q4_0 (use
+ * kv_type_row_bytes) and for a value outside the enum. */
 size_t kv_type_size(enum kv_type type);
-/* "f32", "f16", "bf16"; "unknown" for a value outside the enum. */
+/* Bytes of one row of head_dim elements: head_dim * size for the float
+ * types, head_dim / 32 blocks of 34 (q8_0) or 18 (q4_0) bytes; 0 for a value
+ * outside the enum or a head_dim the type cannot store (< 1, or not a
+ * multiple of 32 for q8_0 and q4_0). */
+size_t kv_type_row_bytes(enum kv_type type, int head_dim);
+/* "f32", "f16", "bf16", "q8_0", "q4_0"; "unknown" for a value outside the enum. */
 const char *kv_type_name(enum kv_type type);
-/* Parse "f32" | "f16" | "bf16". Returns 0, or -EINVAL with *out unchanged. */
+/* Parse one of those names. Returns 0, or -EINVAL with *out unchanged. */
 int kv_type_parse(const char *name, enum kv_type *out);
 
 /* ------------------------------------------------------------------------
@@ -69,15 +83,25 @@ struct kv_cache_params {
     int page_tokens;     /* tokens per page (default 16), 1..65536 */
     int n_layer;         /* layers, >= 1 */
     int n_kv_head;       /* key/value heads per layer, >= 1 */
-    int head_dim;        /* elements per head, >= 1 */
-    enum kv_type type;   /* element type of K and V */
+    int head_dim;        /* elements per head, >= 1 (a multiple of 32 for q8_0, q4_0) */
+    enum kv_type k_type; /* element type of K */
+    enum kv_type v_type; /* element type of V */
     bool mlock;          /* try to lock the pages in RAM (see kv_cache_create) */
 };
+
+/*
+ * Bytes one token takes in the pool: K and V rows of every layer and KV
+ * head, in their types (the page adds at most 63 bytes of alignment per
+ * page_tokens tokens). 0 when a type cannot store head_dim or the product
+ * overflows. The one formula every budget check uses.
+ */
+size_t kv_cache_token_bytes(const struct kv_cache_params *params);
 
 typedef struct kv_cache kv_cache; /* the pool + all sequences; one owner thread */
 
 /*
- * Create the pool: validates the params, maps n_pages * page_bytes bytes
+ * Create the pool: validates the params (a quantised type with a head_dim
+ * that is not a multiple of 32 is refused, naming both), maps n_pages * page_bytes bytes
  * once (anonymous mmap; pages are touched, and so resident, only when a
  * sequence first writes them unless mlock is set) and builds the free list.
  * Returns the cache, or NULL with the reason in err (bad shape, a budget
@@ -106,35 +130,37 @@ size_t kv_cache_v_offset(const kv_cache *cache, int layer);
  * kv_layout_v_offset(l), page_tokens, type).
  */
 struct kv_layout {
-    uint8_t *base;      /* first byte of page 0 */
-    size_t page_bytes;  /* bytes from one page to the next */
-    size_t block_bytes; /* bytes of one layer's K (or V) block in a page */
-    size_t row_bytes;   /* bytes of one token of one head: head_dim * elt */
-    int page_tokens;    /* tokens per page */
+    uint8_t *base;                    /* first byte of page 0 */
+    size_t page_bytes;                /* bytes from one page to the next */
+    size_t k_block_bytes;             /* bytes of one layer's K block in a page */
+    size_t v_block_bytes;             /* ... and of its V block */
+    size_t k_row_bytes, v_row_bytes;  /* one token of one head: kv_type_row_bytes */
+    int page_tokens;                  /* tokens per page */
     int n_layer, n_kv_head, head_dim;
-    enum kv_type type;
+    enum kv_type k_type, v_type;
 };
 
 void kv_cache_layout(kv_cache *cache, struct kv_layout *out);
 
 static inline size_t kv_layout_k_offset(const struct kv_layout *l, int layer)
 {
-    return (size_t)2 * (size_t)layer * l->block_bytes;
+    return (size_t)layer * (l->k_block_bytes + l->v_block_bytes);
 }
 
 static inline size_t kv_layout_v_offset(const struct kv_layout *l, int layer)
 {
-    return ((size_t)2 * (size_t)layer + 1) * l->block_bytes;
+    return kv_layout_k_offset(l, layer) + l->k_block_bytes;
 }
 
-/* First element of token slot `slot` of page `page`, layer `layer`, KV head
- * `head`: K when v is false, V when true. head_dim elements follow. */
+/* First byte of token slot `slot` of page `page`, layer `layer`, KV head
+ * `head`: the K row when v is false, the V row when true. */
 static inline void *kv_layout_elem(const struct kv_layout *l, int page, int slot, int layer,
                                    int head, bool v)
 {
     size_t off = (size_t)page * l->page_bytes +
                  (v ? kv_layout_v_offset(l, layer) : kv_layout_k_offset(l, layer)) +
-                 ((size_t)head * (size_t)l->page_tokens + (size_t)slot) * l->row_bytes;
+                 ((size_t)head * (size_t)l->page_tokens + (size_t)slot) *
+                     (v ? l->v_row_bytes : l->k_row_bytes);
     return l->base + off;
 }
 
@@ -250,7 +276,8 @@ int32_t kv_seq_next_pos(const kv_seq *seq);
  */
 int kv_seq_append(kv_seq *seq, const int32_t *tokens, int n, int *first);
 
-/* head_dim elements of K (V) of retained token idx. idx < n_tokens. */
+/* The K (V) row of retained token idx: head_dim elements in k_type (v_type),
+ * kv_type_row_bytes of them. idx < n_tokens. */
 void *kv_seq_k(kv_seq *seq, int layer, int kv_head, int idx);
 void *kv_seq_v(kv_seq *seq, int layer, int kv_head, int idx);
 

@@ -25,17 +25,35 @@
  * Element types
  * ------------------------------------------------------------------------ */
 
+#define KV_QK 32 /* elements per q8_0 / q4_0 block */
+
 size_t kv_type_size(enum kv_type type)
 {
     switch (type) {
     case KV_F32:
         return 4;
     case KV_F16:
-        return 2;
     case KV_BF16:
         return 2;
+    case KV_Q8_0:
+    case KV_Q4_0:
+        break;
     }
     return 0;
+}
+
+size_t kv_type_row_bytes(enum kv_type type, int head_dim)
+{
+    if (head_dim < 1)
+        return 0;
+    switch (type) {
+    case KV_Q8_0:
+        return head_dim % KV_QK ? 0 : (size_t)(head_dim / KV_QK) * 34; /* f16 d + 32 x int8 */
+    case KV_Q4_0:
+        return head_dim % KV_QK ? 0 : (size_t)(head_dim / KV_QK) * 18; /* f16 d + 16 bytes */
+    default:
+        return (size_t)head_dim * kv_type_size(type);
+    }
 }
 
 const char *kv_type_name(enum kv_type type)
@@ -47,13 +65,17 @@ const char *kv_type_name(enum kv_type type)
         return "f16";
     case KV_BF16:
         return "bf16";
+    case KV_Q8_0:
+        return "q8_0";
+    case KV_Q4_0:
+        return "q4_0";
     }
     return "unknown";
 }
 
 int kv_type_parse(const char *name, enum kv_type *out)
 {
-    static const enum kv_type all[] = {KV_F32, KV_F16, KV_BF16};
+    static const enum kv_type all[] = {KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0};
     if (!name)
         return -EINVAL;
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
@@ -84,6 +106,18 @@ static void set_err(char *err, size_t errlen, const char *msg)
         snprintf(err, errlen, "%s", msg);
 }
 
+size_t kv_cache_token_bytes(const struct kv_cache_params *p)
+{
+    size_t krow = kv_type_row_bytes(p->k_type, p->head_dim);
+    size_t vrow = kv_type_row_bytes(p->v_type, p->head_dim);
+    size_t heads, out;
+    if (!krow || !vrow || p->n_layer < 1 || p->n_kv_head < 1 ||
+        !mul_ok((size_t)p->n_layer, (size_t)p->n_kv_head, &heads) ||
+        !mul_ok(heads, krow + vrow, &out))
+        return 0;
+    return out;
+}
+
 kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t errlen)
 {
     if (err && errlen)
@@ -105,19 +139,29 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
                      p->n_layer, p->n_kv_head, p->head_dim);
         return NULL;
     }
-    size_t elt = kv_type_size(p->type);
-    if (elt == 0) {
-        if (err)
-            snprintf(err, errlen, "kv cache: unknown KV type %d", (int)p->type);
-        return NULL;
+    for (int v = 0; v < 2; v++) {
+        enum kv_type t = v ? p->v_type : p->k_type;
+        if (!kv_type_row_bytes(t, p->head_dim)) {
+            if (err && kv_type_size(t) == 0 && t != KV_Q8_0 && t != KV_Q4_0)
+                snprintf(err, errlen, "kv cache: unknown %s type %d", v ? "V" : "K", (int)t);
+            else if (err)
+                snprintf(err, errlen,
+                         "kv cache: %s type %s stores blocks of 32 elements; head_dim %d is not "
+                         "a multiple of 32 (use f16, bf16 or f32 for this model)",
+                         v ? "V" : "K", kv_type_name(t), p->head_dim);
+            return NULL;
+        }
     }
 
-    /* page_bytes = 2 * n_layer * n_kv_head * page_tokens * head_dim * elt,
+    /* page_bytes = n_layer * n_kv_head * page_tokens * (krow + vrow),
      * rounded up to a cache line, every product checked. */
-    size_t row, block, page;
-    if (!mul_ok((size_t)p->head_dim, elt, &row) || !mul_ok(row, (size_t)p->page_tokens, &block) ||
-        !mul_ok(block, (size_t)p->n_kv_head, &block) ||
-        !mul_ok(block, (size_t)p->n_layer * 2, &page) || page > SIZE_MAX - KV_PAGE_ALIGN) {
+    size_t krow = kv_type_row_bytes(p->k_type, p->head_dim);
+    size_t vrow = kv_type_row_bytes(p->v_type, p->head_dim);
+    size_t kblock, vblock, page;
+    if (!mul_ok(krow, (size_t)p->page_tokens * (size_t)p->n_kv_head, &kblock) ||
+        !mul_ok(vrow, (size_t)p->page_tokens * (size_t)p->n_kv_head, &vblock) ||
+        kblock > SIZE_MAX - vblock || !mul_ok(kblock + vblock, (size_t)p->n_layer, &page) ||
+        page > SIZE_MAX - KV_PAGE_ALIGN) {
         set_err(err, errlen, "kv cache: page size overflows");
         return NULL;
     }
@@ -128,9 +172,9 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
         if (err)
             snprintf(err, errlen,
                      "kv cache: memory budget of %zu bytes holds no page of %zu bytes "
-                     "(%d tokens x %d layers x %d KV heads x %d dims x K,V in %s)",
+                     "(%d tokens x %d layers x %d KV heads x %d dims, K in %s, V in %s)",
                      p->memory_bytes, page, p->page_tokens, p->n_layer, p->n_kv_head, p->head_dim,
-                     kv_type_name(p->type));
+                     kv_type_name(p->k_type), kv_type_name(p->v_type));
         return NULL;
     }
     if (n_pages > INT32_MAX) {
@@ -176,13 +220,16 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
     c->layout = (struct kv_layout){
         .base = base,
         .page_bytes = page,
-        .block_bytes = block,
-        .row_bytes = row,
+        .k_block_bytes = kblock,
+        .v_block_bytes = vblock,
+        .k_row_bytes = krow,
+        .v_row_bytes = vrow,
         .page_tokens = p->page_tokens,
         .n_layer = p->n_layer,
         .n_kv_head = p->n_kv_head,
         .head_dim = p->head_dim,
-        .type = p->type,
+        .k_type = p->k_type,
+        .v_type = p->v_type,
     };
     /* Stack with page 0 on top: a fresh pool hands out pages 0, 1, 2, ... */
     for (size_t i = 0; i < n_pages; i++) {

@@ -70,7 +70,10 @@ struct key_def {
     int (*check)(const char *s, char *err, size_t errlen); /* T_STRING: extra syntax */
 };
 
-static const char *const kv_type_names[] = {"f16", "f32", "bf16", NULL};
+static const char *const kv_type_names[] = {"f16", "f32", "bf16", "q8_0", "q4_0", NULL};
+/* k_type / v_type: the same spellings, and "kv_type" for the shorthand's value */
+static const char *const kv_side_names[] = {"f16", "f32", "bf16", "q8_0", "q4_0", "kv_type", NULL};
+_Static_assert(CFG_KV_SAME == 5, "kv_side_names spells CFG_KV_SAME last");
 static const char *const policy_names[] = {"none", "sink-window", "h2o", NULL};
 static const char *const positions_names[] = {"renumber", "preserve", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error", NULL};
@@ -193,7 +196,11 @@ static const struct key_def keys[CFG_N_KEYS] = {
         INT("cache", "page_tokens", cache.page_tokens, "16", 1, 4096, "tokens", RESTART,
             "tokens per cache page: the unit of allocation and eviction"),
     [CFG_CACHE_KV_TYPE] = ENUM("cache", "kv_type", cache.kv_type, "f16", kv_type_names, RESTART,
-                               "element type keys and values are stored in"),
+                               "element type keys and values are stored in (both)"),
+    [CFG_CACHE_K_TYPE] = ENUM("cache", "k_type", cache.k_type, "kv_type", kv_side_names, RESTART,
+                              "element type of keys; kv_type = as kv_type says"),
+    [CFG_CACHE_V_TYPE] = ENUM("cache", "v_type", cache.v_type, "kv_type", kv_side_names, RESTART,
+                              "element type of values; kv_type = as kv_type says"),
     [CFG_CACHE_MLOCK] = BOOL("cache", "mlock", cache.mlock, "false", RESTART,
                              "lock the cache pool in RAM so it is never swapped out"),
     /* [eviction] */
@@ -1249,9 +1256,14 @@ int64_t cfg_window_tokens(const struct cfg *c)
     return w > 0 ? w : 0;
 }
 
-size_t cfg_kv_type_bytes(enum cfg_kv_type t)
+enum cfg_kv_type cfg_k_type(const struct cfg *c)
 {
-    return t == CFG_KV_F32 ? 4 : 2;
+    return c->cache.k_type == CFG_KV_SAME ? c->cache.kv_type : c->cache.k_type;
+}
+
+enum cfg_kv_type cfg_v_type(const struct cfg *c)
+{
+    return c->cache.v_type == CFG_KV_SAME ? c->cache.kv_type : c->cache.v_type;
 }
 
 int64_t cfg_sequence_pages(const struct cfg *c)

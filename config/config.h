@@ -38,6 +38,9 @@ enum cfg_kv_type {
     CFG_KV_F16 = 0, /* IEEE half: 2 bytes per element (default) */
     CFG_KV_F32,     /* 4 bytes per element */
     CFG_KV_BF16,    /* bfloat16: 2 bytes per element */
+    CFG_KV_Q8_0,    /* GGUF q8_0: blocks of 32, 34 bytes (8.5 bits per element) */
+    CFG_KV_Q4_0,    /* GGUF q4_0: blocks of 32, 18 bytes (4.5 bits per element) */
+    CFG_KV_SAME,    /* k_type / v_type only: whatever kv_type says */
 };
 
 enum cfg_policy {
@@ -78,6 +81,8 @@ enum cfg_key {
     CFG_CACHE_MEMORY,
     CFG_CACHE_PAGE_TOKENS,
     CFG_CACHE_KV_TYPE,
+    CFG_CACHE_K_TYPE,
+    CFG_CACHE_V_TYPE,
     CFG_CACHE_MLOCK,
     CFG_EVICTION_POLICY,
     CFG_EVICTION_MAX_CACHE_TOKENS,
@@ -137,7 +142,9 @@ struct cfg_model {
 struct cfg_cache {
     uint64_t memory;          /* bytes of KV pages in the pool */
     int64_t page_tokens;      /* tokens per page */
-    enum cfg_kv_type kv_type; /* element type of stored K and V */
+    enum cfg_kv_type kv_type; /* element type of stored K and V (shorthand for both) */
+    enum cfg_kv_type k_type;  /* of K; CFG_KV_SAME = kv_type (see cfg_k_type()) */
+    enum cfg_kv_type v_type;  /* of V; CFG_KV_SAME = kv_type (see cfg_v_type()) */
     bool mlock;               /* lock the pool in RAM */
 };
 
@@ -296,7 +303,10 @@ int cfg_validate(const struct cfg *c, struct cfg_errors *errs);
 int64_t cfg_window_tokens(const struct cfg *c);
 
 /* Bytes of one K or V element of the given type (2 or 4). */
-size_t cfg_kv_type_bytes(enum cfg_kv_type t);
+/* The element types K and V are stored in: k_type / v_type, or kv_type
+ * where they say "kv_type". Never CFG_KV_SAME. */
+enum cfg_kv_type cfg_k_type(const struct cfg *c);
+enum cfg_kv_type cfg_v_type(const struct cfg *c);
 
 /*
  * Pages one sequence can occupy at its full budget: ceil(max_cache_tokens /

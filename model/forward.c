@@ -349,7 +349,13 @@ static void swiglu(float *restrict hb, const float *restrict hb2, size_t n, int 
     }
 }
 
-/* Store head_dim floats into a cache slot of the cache's element type. */
+/* The cache's and the kernel's type enums are passed through by value. */
+_Static_assert(KV_F32 == (int)ATTN_F32 && KV_F16 == (int)ATTN_F16 && KV_BF16 == (int)ATTN_BF16 &&
+                   KV_Q8_0 == (int)ATTN_Q8_0 && KV_Q4_0 == (int)ATTN_Q4_0,
+               "enum kv_type and enum attn_type must number alike");
+
+/* Store head_dim floats into a cache slot of the cache's element type
+ * (q8_0 and q4_0: quantised here, once; the bytes are never rewritten). */
 static void store_kv(void *dst, const float *src, int n, enum kv_type type)
 {
     switch (type) {
@@ -361,6 +367,10 @@ static void store_kv(void *dst, const float *src, int n, enum kv_type type)
         break;
     case KV_BF16:
         qt_f32_to_bf16_row(src, dst, (size_t)n);
+        break;
+    case KV_Q8_0:
+    case KV_Q4_0:
+        attn_store_row(dst, src, n, (enum attn_type)type);
         break;
     }
 }
@@ -497,9 +507,9 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         for (int i = 0; i < seqs[s].n_tokens; i++, t++) {
             for (int h = 0; h < m->n_kv_head; h++) {
                 store_kv(kv_seq_k(seq, l, h, c->first[s] + i),
-                         c->k + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->type);
+                         c->k + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->k_type);
                 store_kv(kv_seq_v(seq, l, h, c->first[s] + i),
-                         c->v + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->type);
+                         c->v + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->v_type);
             }
         }
     }
@@ -524,7 +534,8 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         .k_offset = kv_layout_k_offset(kl, l),
         .v_offset = kv_layout_v_offset(kl, l),
         .page_tokens = kl->page_tokens,
-        .type = (enum attn_type)kl->type,
+        .k_type = (enum attn_type)kl->k_type,
+        .v_type = (enum attn_type)kl->v_type,
         .n_pages = kv_cache_n_pages(cache),
     };
     int n_aseq = 0;

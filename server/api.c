@@ -1263,7 +1263,8 @@ static void on_done(struct call *call, const struct srv_event *ev)
         }
         respond_json(
             call->conn, 200,
-            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b, s:{s:s, s:i, s:i, s:i, s:i}}",
+            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b, s:{s:s, s:i, s:i, s:i, s:i}, "
+                      "s:{s:s, s:s, s:i, s:I}}",
                       "id", call->req->session,
                       "object", "session", "tokens", si->history_tokens, "retained_tokens",
                       si->retained_tokens, "evicted_tokens",
@@ -1275,7 +1276,9 @@ static void on_done(struct call *call, const struct srv_event *ev)
                       "eviction", "policy", kv_policy_kind_name(si->policy.kind),
                       "max_cache_tokens", si->policy.max_cache_tokens, "sink_tokens",
                       si->policy.sink_tokens, "window_tokens", si->policy.window_tokens,
-                      "heavy_tokens", si->policy.heavy_tokens));
+                      "heavy_tokens", si->policy.heavy_tokens, "kv", "k_type",
+                      kv_type_name(si->k_type), "v_type", kv_type_name(si->v_type), "pages",
+                      si->kv_pages, "bytes", (json_int_t)si->kv_bytes));
         return;
     }
     if (ev->finish == SRV_FINISH_CANCEL)

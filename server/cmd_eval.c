@@ -58,7 +58,7 @@ struct eval_opts {
     int train_len;      /* 0 = from metadata */
     int recompute_max;  /* tokens the recompute baseline covers */
     int page_tokens;
-    enum kv_type kv_type;
+    enum kv_type k_type, v_type;
     int threads;
     bool json;
     const char *losses, *plot;
@@ -86,7 +86,7 @@ static void eval_usage(FILE *f)
     fprintf(f,
             "usage: kvd eval --model F --file TEXT [options]\n"
             "  --config FILE        run the policy of FILE's [eviction] (and its [cache]\n"
-            "                       page_tokens and kv_type) first\n"
+            "                       page_tokens and K/V types) first\n"
             "  --set S.K=V          repeatable override of the config, as for kvd serve\n"
             "  --policy SPEC        repeatable; SPEC is one of\n"
             "                         sink-window:SINK:WINDOW[:preserve]\n"
@@ -100,7 +100,8 @@ static void eval_usage(FILE *f)
             "  --train-len N        training length (default: from the model)\n"
             "  --recompute-tokens N limit of the recompute baseline (default 2048)\n"
             "  --page-tokens N      cache page size (default 4)\n"
-            "  --kv-type T          f32 | f16 | bf16 (default f32)\n"
+            "  --kv-type T          K and V type: f32 | f16 | bf16 | q8_0 | q4_0 (default f32)\n"
+            "  --k-type T, --v-type T   the K or the V type alone\n"
             "  --threads N          OpenMP threads (default: all cores)\n"
             "  --json               print results as JSON\n"
             "  --losses OUT.npy|OUT.bin   per-token losses of the first policy\n"
@@ -196,7 +197,8 @@ static int config_policy(struct eval_opts *o)
     struct eval_policy *ep = &o->policies[o->n_policies++];
     srv_cfg_policy(c, &ep->p);
     o->page_tokens = (int)c->cache.page_tokens;
-    o->kv_type = srv_cfg_kv_type(c->cache.kv_type);
+    o->k_type = srv_cfg_kv_type(cfg_k_type(c));
+    o->v_type = srv_cfg_kv_type(cfg_v_type(c));
     snprintf(ep->label, sizeof(ep->label), "config (%s %d+%d%s, %s)",
              kv_policy_kind_name(ep->p.kind), ep->p.sink_tokens, ep->p.window_tokens,
              ep->p.kind == KV_EVICT_H2O ? "+heavy" : "",
@@ -210,8 +212,8 @@ out:
 
 static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
 {
-    *o = (struct eval_opts){.recompute_max = 2048, .page_tokens = 4, .kv_type = KV_F32,
-                            .start = 1};
+    *o = (struct eval_opts){.recompute_max = 2048, .page_tokens = 4, .k_type = KV_F32,
+                            .v_type = KV_F32, .start = 1};
     parse_segments("512,2048,8192", o);
     const char *specs[MAX_POLICIES];
     int n_specs = 0;
@@ -264,9 +266,9 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
             if (bad || srv_parse_long(v, 1, 4096, &n))
                 return bad_opt("--page-tokens", v);
             o->page_tokens = (int)n;
-        } else if (OPT("--kv-type")) {
-            if (bad || kv_type_parse(v, &o->kv_type))
-                return bad_opt("--kv-type (f32|f16|bf16)", v);
+        } else if (srv_opt_kv_types(argc, argv, &i, "eval", &o->k_type, &o->v_type, &bad)) {
+            if (bad)
+                return -1;
         } else if (OPT("--threads")) {
             if (bad || srv_parse_long(v, 1, 1024, &n))
                 return bad_opt("--threads", v);
@@ -351,7 +353,8 @@ static double seconds_now(void)
 /* A cache big enough for `tokens` tokens of one sequence (plus slack). */
 static kv_cache *make_cache(const struct evaluator *ev, int tokens, char *err, size_t errlen)
 {
-    struct kv_cache_params p = {.page_tokens = ev->o->page_tokens, .type = ev->o->kv_type};
+    struct kv_cache_params p = {.page_tokens = ev->o->page_tokens, .k_type = ev->o->k_type,
+                                .v_type = ev->o->v_type};
     model_kv_shape(ev->m, &p);
     size_t pages = (size_t)(tokens + ev->o->page_tokens - 1) / (size_t)ev->o->page_tokens + 2;
     p.memory_bytes = (pages + 1) * ev->kv_token_bytes * (size_t)ev->o->page_tokens + 4096;
@@ -652,11 +655,12 @@ static void describe_path(const struct eval_opts *o, const struct model_info *in
 {
     fprintf(stderr,
             "kvd eval: %s (%s, %d layers, %d heads / %d kv heads, head dim %d)\n"
-            "attention: fused paged kernel, %s, %d threads, kv %s, position %s, page %d tokens\n"
+            "attention: fused paged kernel, %s, %d threads, K %s, V %s, position %s, page %d "
+            "tokens\n"
             "tokens: %d; training length %d (2x = %d, 4x = %d)\n",
             info->name, info->arch, info->n_layer, info->n_head, info->n_kv_head, info->head_dim,
             attn_simd_name(), o->threads ? o->threads : omp_get_max_threads(),
-            kv_type_name(o->kv_type), pos_kind_name(info->pos), o->page_tokens, n, train_len,
+            kv_type_name(o->k_type), kv_type_name(o->v_type), pos_kind_name(info->pos), o->page_tokens, n, train_len,
             2 * train_len, 4 * train_len);
 }
 
@@ -693,8 +697,16 @@ int srv_cmd_eval(int argc, char **argv)
         if (o.policies[k].p.max_cache_tokens > budget)
             budget = o.policies[k].p.max_cache_tokens;
     struct evaluator ev = {.m = m, .n_vocab = info.n_vocab, .o = &o};
-    ev.kv_token_bytes = 2 * (size_t)info.n_layer * (size_t)info.n_kv_head *
-                        (size_t)info.head_dim * kv_type_size(o.kv_type);
+    struct kv_cache_params shape = {.k_type = o.k_type, .v_type = o.v_type};
+    model_kv_shape(m, &shape);
+    ev.kv_token_bytes = kv_cache_token_bytes(&shape);
+    if (!ev.kv_token_bytes) {
+        fprintf(stderr, "kvd eval: K type %s / V type %s cannot store head_dim %d (q8_0 and q4_0 "
+                        "need a multiple of 32)\n",
+                kv_type_name(o.k_type), kv_type_name(o.v_type), info.head_dim);
+        model_free(m);
+        return 2;
+    }
     ev.ctx = tokens ? model_ctx_create(m, budget, o.threads, err, sizeof(err)) : NULL;
     ev.logits = malloc(sizeof(float) * (size_t)info.n_vocab);
     struct eval_run runs[MAX_POLICIES + MAX_BASELINES];

@@ -34,7 +34,7 @@ struct gen_opts {
     int batch;     /* prefill chunk */
     int threads;
     int page_tokens;
-    enum kv_type kv_type;
+    enum kv_type k_type, v_type;
     struct kv_policy policy;
     bool window_set;
     bool echo;
@@ -61,7 +61,8 @@ static void generate_usage(FILE *f)
             "  --window W         recent tokens kept (default: what the budget allows)\n"
             "  --heavy H          h2o: heavy-hitter tokens kept (default 0)\n"
             "  --preserve         keep positions after eviction (default: renumber)\n"
-            "  --kv-type T        f32 | f16 | bf16 (default f16)\n"
+            "  --kv-type T        K and V type: f32 | f16 | bf16 | q8_0 | q4_0 (default f16)\n"
+            "  --k-type T, --v-type T  the K or the V type alone\n"
             "  --threads N        OpenMP threads (default: all)\n"
             "  --batch N          prefill chunk in tokens (default 256)\n"
             "  --no-echo          print only the generated text, not the prompt\n"
@@ -96,7 +97,8 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
         .n_predict = 128,
         .batch = 256,
         .page_tokens = 16,
-        .kv_type = KV_F16,
+        .k_type = KV_F16,
+        .v_type = KV_F16,
         .policy = {.kind = KV_EVICT_NONE, .sink_tokens = 4, .renumber = true},
         .echo = true,
     };
@@ -157,11 +159,9 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
         } else if (srv_opt_value(argc, argv, &i, "generate", "--heavy", &v, &bad)) {
             if (!bad && parse_int_opt(v, "--heavy", 0, 1 << 24, &o->policy.heavy_tokens))
                 return -1;
-        } else if (srv_opt_value(argc, argv, &i, "generate", "--kv-type", &v, &bad)) {
-            if (!bad && kv_type_parse(v, &o->kv_type)) {
-                fprintf(stderr, "kvd generate: --kv-type wants f32, f16 or bf16, got '%s'\n", v);
+        } else if (srv_opt_kv_types(argc, argv, &i, "generate", &o->k_type, &o->v_type, &bad)) {
+            if (bad)
                 return -1;
-            }
         } else if (srv_opt_value(argc, argv, &i, "generate", "--threads", &v, &bad)) {
             if (!bad && parse_int_opt(v, "--threads", 1, 1024, &o->threads))
                 return -1;
@@ -310,10 +310,9 @@ int srv_cmd_generate(int argc, char **argv)
         status = 2;
         goto out;
     }
-    struct kv_cache_params cp = {.page_tokens = pt, .type = o.kv_type};
+    struct kv_cache_params cp = {.page_tokens = pt, .k_type = o.k_type, .v_type = o.v_type};
     model_kv_shape(m, &cp);
-    size_t page_bytes = (size_t)2 * cp.n_layer * cp.n_kv_head * pt * cp.head_dim *
-                        kv_type_size(o.kv_type);
+    size_t page_bytes = kv_cache_token_bytes(&cp) * (size_t)pt;
     page_bytes = (page_bytes + 63) / 64 * 64;
     cp.memory_bytes = page_bytes * (size_t)((o.ctx + pt - 1) / pt + 2);
     cache = kv_cache_create(&cp, err, sizeof(err));
@@ -400,9 +399,9 @@ int srv_cmd_generate(int argc, char **argv)
 
     struct kv_stats ks;
     kv_cache_stats(cache, &ks);
-    fprintf(stderr, "kvd generate: %s (%s, %s positions, %s), kv %s, policy %s, positions %s\n",
+    fprintf(stderr, "kvd generate: %s (%s, %s positions, %s), kv %s/%s, policy %s, positions %s\n",
             info.name, info.arch, pos_kind_name(info.pos), info.weight_type,
-            kv_type_name(o.kv_type), kv_policy_kind_name(o.policy.kind),
+            kv_type_name(o.k_type), kv_type_name(o.v_type), kv_policy_kind_name(o.policy.kind),
             o.policy.renumber ? "renumber" : "preserve");
     fprintf(stderr, "  prefill: %d tokens in %.3f s (%.1f tokens/s)\n", done, t1 - t0,
             t1 > t0 ? done / (t1 - t0) : 0.0);

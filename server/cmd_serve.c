@@ -111,9 +111,15 @@ enum kv_type srv_cfg_kv_type(enum cfg_kv_type t)
         return KV_F32;
     case CFG_KV_BF16:
         return KV_BF16;
-    default:
-        return KV_F16;
+    case CFG_KV_Q8_0:
+        return KV_Q8_0;
+    case CFG_KV_Q4_0:
+        return KV_Q4_0;
+    case CFG_KV_F16:
+    case CFG_KV_SAME: /* resolved by cfg_k_type / cfg_v_type before this */
+        break;
     }
+    return KV_F16;
 }
 
 static enum kv_policy_kind map_policy(enum cfg_policy p)
@@ -225,7 +231,8 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
     };
     o->sched.cache_memory = c->cache.memory;
     o->sched.page_tokens = (int)c->cache.page_tokens;
-    o->sched.kv_type = srv_cfg_kv_type(c->cache.kv_type);
+    o->sched.k_type = srv_cfg_kv_type(cfg_k_type(c));
+    o->sched.v_type = srv_cfg_kv_type(cfg_v_type(c));
     o->sched.mlock = c->cache.mlock;
     o->sched.n_threads = (int)c->server.threads;
     o->sched.limits = (struct srv_sched_limits){
@@ -284,11 +291,18 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs)
         fprintf(stderr, "kvd serve: %s\n", err);
         return 1;
     }
-    struct kv_cache_params shape = {0};
+    struct kv_cache_params shape = {.k_type = srv_cfg_kv_type(cfg_k_type(c)),
+                                    .v_type = srv_cfg_kv_type(cfg_v_type(c))};
     model_kv_shape(m, &shape);
     model_free(m);
-    st->kv_bytes_per_token = 2ull * (uint64_t)shape.n_layer * (uint64_t)shape.n_kv_head *
-                             (uint64_t)shape.head_dim * cfg_kv_type_bytes(c->cache.kv_type);
+    st->kv_bytes_per_token = kv_cache_token_bytes(&shape);
+    if (!st->kv_bytes_per_token) { /* a block type the head size cannot take */
+        fprintf(stderr,
+                "kvd serve: [cache] k_type %s / v_type %s cannot store the model's head_dim %d "
+                "(q8_0 and q4_0 need a multiple of 32)\n",
+                kv_type_name(shape.k_type), kv_type_name(shape.v_type), shape.head_dim);
+        return 2;
+    }
     cfg_errors_init(errs);
     if (cfg_check_memory(c, st->kv_bytes_per_token, errs) != 0) {
         print_errors(errs);

@@ -255,6 +255,12 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
     render_gauge(&b, "kvd_kv_pages_total", "KV cache pages in the pool.", c.g.kv_pages_total);
     render_gauge(&b, "kvd_kv_pages_used", "KV cache pages holding tokens.", c.g.kv_pages_used);
     render_gauge(&b, "kvd_kv_pages_free", "KV cache pages free.", c.g.kv_pages_free);
+    tb_printf(&b,
+              "# HELP kvd_kv_type_info Element types the KV cache stores keys and values in.\n"
+              "# TYPE kvd_kv_type_info gauge\nkvd_kv_type_info{k_type=\"%s\",v_type=\"%s\"} 1\n",
+              kv_type_name(c.g.kv_k_type), kv_type_name(c.g.kv_v_type));
+    render_gauge(&b, "kvd_kv_page_bytes", "Bytes of one KV cache page (K and V of its tokens).",
+                 (double)c.g.kv_page_bytes);
     render_counter(&b, "kvd_kv_evictions_total", "Eviction steps that removed tokens.",
                    c.g.evictions);
     render_counter(&b, "kvd_kv_evicted_tokens_total", "Tokens removed from caches by eviction.",

@@ -423,6 +423,13 @@ static void session_describe(const struct session *x, struct srv_session_info *o
     out->renumber = kv_seq_policy(x->seq)->renumber;
     out->last_used_ms = x->last_used_unix_ms;
     out->policy = *kv_seq_policy(x->seq);
+    kv_cache *c = kv_seq_cache(x->seq);
+    struct kv_layout l;
+    kv_cache_layout(c, &l);
+    out->k_type = l.k_type;
+    out->v_type = l.v_type;
+    out->kv_pages = kv_seq_n_pages(x->seq);
+    out->kv_bytes = (uint64_t)out->kv_pages * l.page_bytes;
 }
 
 static void handle_session_request(srv_sched *s, struct srv_req *r)
@@ -467,6 +474,9 @@ static void publish_gauges(srv_sched *s)
         g.evictions = st.evictions;
         g.tokens_evicted = st.tokens_evicted;
         g.sessions_dropped = st.sessions_dropped;
+        g.kv_k_type = s->p.k_type;
+        g.kv_v_type = s->p.v_type;
+        g.kv_page_bytes = kv_cache_page_bytes(s->cache);
     }
     srv_metrics_engine(s->metrics, &g);
 }
@@ -1218,7 +1228,8 @@ static bool engine_load(srv_sched *s)
 
     struct kv_cache_params cp = {.memory_bytes = s->p.cache_memory,
                                  .page_tokens = s->p.page_tokens,
-                                 .type = s->p.kv_type,
+                                 .k_type = s->p.k_type,
+                                 .v_type = s->p.v_type,
                                  .mlock = s->p.mlock};
     model_kv_shape(s->m, &cp);
     s->cache = kv_cache_create(&cp, err, sizeof(err));

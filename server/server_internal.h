@@ -38,6 +38,14 @@ bool srv_opt_value(int argc, char **argv, int *i, const char *cmd, const char *n
 #include "config/config.h"
 #include "model/model.h"
 
+/*
+ * The KV type options of generate and eval: --kv-type T (K and V),
+ * --k-type T, --v-type T, T one of f32, f16, bf16, q8_0, q4_0. Same
+ * contract as srv_opt_value; a bad type prints what is accepted and sets *bad.
+ */
+bool srv_opt_kv_types(int argc, char **argv, int *i, const char *cmd, enum kv_type *k_type,
+                      enum kv_type *v_type, bool *bad);
+
 /* --- log.c: one line per event on stderr, text or JSON ------------------ */
 
 enum srv_log_level { SRV_LOG_DEBUG = 0, SRV_LOG_INFO, SRV_LOG_WARN, SRV_LOG_ERROR };
@@ -68,6 +76,8 @@ struct srv_engine_gauges {
     int sessions;    /* live sessions */
     int kv_pages_total, kv_pages_used, kv_pages_free;
     uint64_t evictions, tokens_evicted, sessions_dropped;
+    enum kv_type kv_k_type, kv_v_type; /* element types of the pool's K and V */
+    uint64_t kv_page_bytes;            /* bytes of one page (page_tokens tokens) */
 };
 
 /* Every function is thread-safe (one mutex, never held with another). */
@@ -202,6 +212,9 @@ struct srv_session_info {
     bool renumber;        /* positions mode */
     int64_t last_used_ms; /* unix time in ms */
     struct kv_policy policy; /* its eviction policy and budget (kv_seq_policy) */
+    enum kv_type k_type, v_type; /* element types its K and V are stored in */
+    int kv_pages;                /* pages it holds */
+    uint64_t kv_bytes;           /* ... and their bytes */
 };
 
 /* An event, crossing from the engine thread to the loop thread (owned by
@@ -240,7 +253,7 @@ struct srv_sched_params {
     struct model_params model;
     size_t cache_memory; /* bytes of KV pages */
     int page_tokens;
-    enum kv_type kv_type;
+    enum kv_type k_type, v_type; /* element types of K and V */
     bool mlock;
     int n_threads;       /* OpenMP threads of a step (0 = default) */
     int max_step_tokens; /* forward capacity (>= limits.step_tokens) */

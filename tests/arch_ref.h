@@ -72,10 +72,9 @@ AR_FN model *load_model(const char *path)
 /* A cache for model m with room for `tokens` tokens in total. */
 AR_FN kv_cache *make_cache(const model *m, enum kv_type type, int page_tokens, int tokens)
 {
-    struct kv_cache_params cp = {.page_tokens = page_tokens, .type = type};
+    struct kv_cache_params cp = {.page_tokens = page_tokens, .k_type = type, .v_type = type};
     model_kv_shape(m, &cp);
-    size_t page =
-        (size_t)2 * cp.n_layer * cp.n_kv_head * page_tokens * cp.head_dim * kv_type_size(type);
+    size_t page = kv_cache_token_bytes(&cp) * (size_t)page_tokens;
     page = (page + 63) / 64 * 64;
     cp.memory_bytes = page * (size_t)(tokens / page_tokens + 4);
     char err[256];

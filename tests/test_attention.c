@@ -345,7 +345,9 @@ static const char *const scheme_names[S_COUNT] = {"none",  "rope-adjacent", "rop
 struct kcase {
     enum scheme scheme;
     int head_dim, group, n_kv_head, page_tokens;
-    enum attn_type type;
+    enum attn_type type; /* of K, and of V unless split */
+    bool split;          /* V in v_type instead */
+    enum attn_type v_type;
     int n_seqs;
     int n_kv[MAX_SEQS], n_q[MAX_SEQS];
     enum pos_mode pos_mode;
@@ -378,16 +380,6 @@ static uint32_t rng_next(uint32_t *s)
 static float rng_unit(uint32_t *s) /* [-1, 1) */
 {
     return (float)(rng_next(s) >> 8) / 8388608.0f - 1.0f;
-}
-
-static void store_elt(uint8_t *p, size_t i, float x, enum attn_type type)
-{
-    if (type == ATTN_F32) {
-        memcpy(p + 4 * i, &x, 4);
-    } else {
-        uint16_t h = type == ATTN_F16 ? attn_f32_to_f16(x) : attn_f32_to_bf16(x);
-        memcpy(p + 2 * i, &h, 2);
-    }
 }
 
 static void scheme_params(struct fixture *f, int n_head)
@@ -473,24 +465,35 @@ static void fixture_init(struct fixture *f, const struct kcase *c)
     for (int s = 0; s < c->n_seqs; s++)
         need += (c->n_kv[s] + c->page_tokens - 1) / c->page_tokens;
     int n_pages = need + 3;
-    size_t esz = attn_type_size(c->type);
-    size_t block = (size_t)c->n_kv_head * c->page_tokens * D * esz;
-    size_t page_bytes = 4 * block + 64;
+    const enum attn_type vt = c->split ? c->v_type : c->type;
+    const size_t krow = attn_row_bytes(c->type, D), vrow = attn_row_bytes(vt, D);
+    assert_true(krow > 0 && vrow > 0);
+    const int rows = c->n_kv_head * c->page_tokens;
+    const size_t kblock = (size_t)rows * krow, vblock = (size_t)rows * vrow;
+    size_t page_bytes = 2 * (kblock + vblock) + 64;
     f->pool = malloc(page_bytes * (size_t)n_pages);
     assert_non_null(f->pool);
     /* layer 1 (the one the kernel reads) random, everything else NaN */
     memset(f->pool, 0xff, page_bytes * (size_t)n_pages);
+    float x[1024];
     for (int pg = 0; pg < n_pages; pg++) {
-        uint8_t *layer1 = f->pool + (size_t)pg * page_bytes + 2 * block;
-        for (size_t i = 0; i < 2 * block / esz; i++)
-            store_elt(layer1, i, rng_unit(&seed), c->type);
+        uint8_t *layer1 = f->pool + (size_t)pg * page_bytes + kblock + vblock;
+        for (int r = 0; r < 2 * rows; r++) {
+            for (int d = 0; d < D; d++)
+                x[d] = rng_unit(&seed);
+            if (r < rows)
+                attn_store_row(layer1 + (size_t)r * krow, x, D, c->type);
+            else
+                attn_store_row(layer1 + kblock + (size_t)(r - rows) * vrow, x, D, vt);
+        }
     }
     f->kv = (struct attn_kv){.base = f->pool,
                              .page_bytes = page_bytes,
-                             .k_offset = 2 * block,
-                             .v_offset = 3 * block,
+                             .k_offset = kblock + vblock,
+                             .v_offset = 2 * kblock + vblock,
                              .page_tokens = c->page_tokens,
-                             .type = c->type,
+                             .k_type = c->type,
+                             .v_type = vt,
                              .n_pages = n_pages};
     int *ids = malloc(sizeof(int) * (size_t)n_pages);
     assert_non_null(ids);
@@ -609,9 +612,10 @@ static void run_fused(struct fixture *f, struct result *r, bool scalar)
 
 static void describe(const struct kcase *c, char *buf, size_t len)
 {
-    int n = snprintf(buf, len, "%s d=%d group=%d kvh=%d page=%d %s threads=%d pos=%d+%d kv=",
+    int n = snprintf(buf, len, "%s d=%d group=%d kvh=%d page=%d K %s V %s threads=%d pos=%d+%d kv=",
                      scheme_names[c->scheme], c->head_dim, c->group, c->n_kv_head, c->page_tokens,
-                     attn_type_name(c->type), c->threads, (int)c->pos_mode, (int)c->shift);
+                     attn_type_name(c->type), attn_type_name(c->split ? c->v_type : c->type),
+                     c->threads, (int)c->pos_mode, (int)c->shift);
     for (int s = 0; s < c->n_seqs && n > 0 && (size_t)n < len; s++)
         n += snprintf(buf + n, len - (size_t)n, "%d/%dq ", c->n_kv[s], c->n_q[s]);
 }
@@ -706,16 +710,31 @@ static void check_case(const struct kcase *c)
 
 static const int kLengths[5] = {1, 2, 17, 1000, 4099};
 static const enum attn_type kTypes[3] = {ATTN_F32, ATTN_F16, ATTN_BF16};
+/* K / V pairs of the quantised runs: both q8_0, q8_0 keys with q4_0 values, both q4_0 */
+static const enum attn_type kQuantK[3] = {ATTN_Q8_0, ATTN_Q8_0, ATTN_Q4_0};
+static const enum attn_type kQuantV[3] = {ATTN_Q8_0, ATTN_Q4_0, ATTN_Q4_0};
+
+/* The n-th type of a rotation: float types, or (quant) the quantised pairs. */
+static void set_types(struct kcase *c, bool quant, int n)
+{
+    if (!quant) {
+        c->type = kTypes[n % 3];
+        return;
+    }
+    c->type = kQuantK[n % 3];
+    c->split = true;
+    c->v_type = kQuantV[n % 3];
+}
 
 /*
  * Decode (one query) and a 3-query chunk over every scheme x head dim
  * {64, 128} x GQA {1, 4, 8} x page {1, 16, 64}; the lengths, KV types and
  * thread counts (1, 2, 3) rotate through the grid so every scheme meets
- * every length.
+ * every length. The quantised grid is the same over q8_0 / q4_0 pairs: the
+ * reference dequantises, so fused and reference see the same values.
  */
-static void test_kernel_grid(void **state)
+static void run_grid(bool quant)
 {
-    (void)state;
     const int dims[2] = {64, 128}, groups[3] = {1, 4, 8}, pages[3] = {1, 16, 64};
     int n = 0;
     for (int sc = 0; sc < S_COUNT; sc++)
@@ -729,7 +748,6 @@ static void test_kernel_grid(void **state)
                             .group = groups[gi],
                             .n_kv_head = 2,
                             .page_tokens = pages[pi],
-                            .type = kTypes[n % 3],
                             .n_seqs = 1,
                             .n_kv = {kLengths[(n + sc) % 5]},
                             .n_q = {rep == 0 ? 1 : 3},
@@ -737,10 +755,23 @@ static void test_kernel_grid(void **state)
                             .mass = n % 2 == 0,
                             .skip_scalar = (n / 2) % 2 == 1,
                         };
+                        set_types(&c, quant, n);
                         if (c.n_q[0] > c.n_kv[0])
                             c.n_q[0] = c.n_kv[0];
                         check_case(&c);
                     }
+}
+
+static void test_kernel_grid(void **state)
+{
+    (void)state;
+    run_grid(false);
+}
+
+static void test_kernel_grid_quant(void **state)
+{
+    (void)state;
+    run_grid(true);
 }
 
 /*
@@ -750,18 +781,18 @@ static void test_kernel_grid(void **state)
 static void test_kernel_prefill_chunk(void **state)
 {
     (void)state;
-    for (int sc = 0; sc < S_COUNT; sc++) {
-        struct kcase c = {.scheme = (enum scheme)sc,
+    for (int sc = 0; sc < 2 * S_COUNT; sc++) { /* float types, then quantised */
+        struct kcase c = {.scheme = (enum scheme)(sc % S_COUNT),
                           .head_dim = sc % 2 ? 128 : 64,
                           .group = sc % 2 ? 1 : 4,
                           .n_kv_head = sc % 2 ? 2 : 1,
                           .page_tokens = 16,
-                          .type = kTypes[sc % 3],
                           .n_seqs = 1,
                           .n_kv = {600},
                           .n_q = {512},
                           .threads = 1 + sc % 3,
                           .mass = sc % 2 == 1};
+        set_types(&c, sc >= S_COUNT, sc);
         if (sc % 2) /* keep the reference's work modest: 2 heads of 128 */
             c.group = 1, c.n_kv_head = 2;
         check_case(&c);
@@ -786,24 +817,28 @@ static void test_kernel_prefill_chunk(void **state)
     big.group = 1;
     big.mass = false;
     check_case(&big);
+    big.scheme = S_ROPE_NEOX_HALF; /* quantised keys rotated by the kernel, many rows */
+    set_types(&big, true, 1);
+    big.mass = true;
+    check_case(&big);
 }
 
 /* Several sequences of very different lengths in one call: decode steps and a chunk. */
 static void test_kernel_mixed_batch(void **state)
 {
     (void)state;
-    for (int sc = 0; sc < S_COUNT; sc++) {
-        struct kcase c = {.scheme = (enum scheme)sc,
+    for (int sc = 0; sc < 2 * S_COUNT; sc++) {
+        struct kcase c = {.scheme = (enum scheme)(sc % S_COUNT),
                           .head_dim = 64,
                           .group = 4,
                           .n_kv_head = 2,
                           .page_tokens = 16,
-                          .type = kTypes[sc % 3],
                           .n_seqs = 6,
                           .n_kv = {4099, 1, 17, 2, 1000, 300},
                           .n_q = {1, 1, 1, 2, 64, 0},
                           .threads = 1 + sc % 3,
                           .mass = true};
+        set_types(&c, sc >= S_COUNT, sc);
         check_case(&c);
     }
 }
@@ -812,44 +847,47 @@ static void test_kernel_mixed_batch(void **state)
 static void test_kernel_head_dims(void **state)
 {
     (void)state;
-    const int dims[5] = {80, 96, 256, 40, 4};
+    const int dims[7] = {80, 96, 256, 40, 4, 32, 160};
     const enum scheme schemes[3] = {S_NONE, S_ROPE_ADJ, S_ROPE_NEOX_HALF};
     int n = 0;
-    for (int di = 0; di < 5; di++)
-        for (int si = 0; si < 3; si++, n++) {
-            struct kcase c = {.scheme = schemes[si],
-                              .head_dim = dims[di],
-                              .group = 4,
-                              .n_kv_head = 2,
-                              .page_tokens = 16,
-                              .type = kTypes[n % 3],
-                              .n_seqs = 2,
-                              .n_kv = {1000, 77},
-                              .n_q = {1, 9},
-                              .threads = 1 + n % 3,
-                              .mass = true};
-            check_case(&c);
-        }
+    for (int quant = 0; quant < 2; quant++)
+        for (int di = 0; di < 7; di++)
+            for (int si = 0; si < 3; si++, n++) {
+                if (quant && dims[di] % 32)
+                    continue; /* q8_0 / q4_0 refuse such heads (test_kernel_quant_refused) */
+                struct kcase c = {.scheme = schemes[si],
+                                  .head_dim = dims[di],
+                                  .group = 4,
+                                  .n_kv_head = 2,
+                                  .page_tokens = 16,
+                                  .n_seqs = 2,
+                                  .n_kv = {1000, 77},
+                                  .n_q = {1, 9},
+                                  .threads = 1 + n % 3,
+                                  .mass = true};
+                set_types(&c, quant, n);
+                check_case(&c);
+            }
 }
 
 /* Holes (sinks + window, random gaps) and shuffled positions: same as the reference. */
 static void test_kernel_gaps(void **state)
 {
     (void)state;
-    for (int sc = 0; sc < S_COUNT; sc++) {
+    for (int sc = 0; sc < 2 * S_COUNT; sc++) {
         for (int mode = POS_HOLES; mode <= POS_SHUFFLED; mode++) {
-            struct kcase c = {.scheme = (enum scheme)sc,
+            struct kcase c = {.scheme = (enum scheme)(sc % S_COUNT),
                               .head_dim = 64,
                               .group = 4,
                               .n_kv_head = 2,
                               .page_tokens = 16,
-                              .type = kTypes[sc % 3],
                               .n_seqs = 2,
                               .n_kv = {3000, 200},
                               .n_q = {1, 20},
                               .pos_mode = (enum pos_mode)mode,
                               .threads = 2 + sc % 2,
                               .mass = true};
+            set_types(&c, sc >= S_COUNT, sc + mode);
             check_case(&c);
         }
     }
@@ -939,7 +977,8 @@ static void test_kernel_t5_two_token_sign(void **state)
                                  .k_offset = 0,
                                  .v_offset = 2 * D * sizeof(float),
                                  .page_tokens = 2,
-                                 .type = ATTN_F32,
+                                 .k_type = ATTN_F32,
+                                 .v_type = ATTN_F32,
                                  .n_pages = 1};
             struct attn_seq seq = {.page_table = page_table,
                                    .pos = pos,
@@ -1080,7 +1119,8 @@ static void test_kernel_memory_128k(void **state)
                          .k_offset = 0,
                          .v_offset = block,
                          .page_tokens = PT,
-                         .type = ATTN_F16,
+                         .k_type = ATTN_F16,
+                         .v_type = ATTN_F16,
                          .n_pages = n_pages};
     int32_t q_pos = 1023;
     struct attn_seq seq = {.page_table = page_table,
@@ -1120,6 +1160,122 @@ static void test_kernel_memory_128k(void **state)
 /* ------------------------------------------------------------------------
  * Kernel: bad input
  * ------------------------------------------------------------------------ */
+
+/*
+ * q8_0 and q4_0 rows: the block layout of attention.h, the scale rule,
+ * every element within half a level of its input, q4_0's largest magnitude
+ * exactly -8 levels, inf/NaN blocks read back as NaN, an all-zero block as
+ * zeros.
+ */
+static void test_kernel_quant_rows(void **state)
+{
+    (void)state;
+    uint32_t seed = 99;
+    float x[64], y[64];
+    uint8_t row[68];
+    for (int rep = 0; rep < 200; rep++) {
+        float mag = rep % 2 ? 1e-3f : 40.0f;
+        for (int i = 0; i < 64; i++)
+            x[i] = mag * rng_unit(&seed);
+        for (int t = 0; t < 2; t++) {
+            enum attn_type type = t ? ATTN_Q4_0 : ATTN_Q8_0;
+            attn_store_row(row, x, 64, type);
+            attn_load_row(y, row, 64, type);
+            size_t bb = attn_row_bytes(type, 32);
+            for (int b = 0; b < 2; b++) {
+                float amax = 0, vmax = 0;
+                for (int i = 0; i < 32; i++)
+                    if (fabsf(x[32 * b + i]) > amax)
+                        amax = fabsf(x[32 * b + i]), vmax = x[32 * b + i];
+                uint16_t h = (uint16_t)(row[b * bb] | (row[b * bb + 1] << 8));
+                float d = attn_f16_to_f32(h);
+                float want = t ? vmax / -8.0f : amax / 127.0f;
+                assert_true(h == attn_f32_to_f16(want));
+                /* half a level, or the clip of the top level (127 for q8_0 whose f16 scale
+                 * rounded down; 7 for q4_0 on the side opposite its largest magnitude) */
+                float top = t ? 7.0f : 127.0f;
+                for (int i = 0; i < 32; i++) {
+                    float xi = x[32 * b + i], tol = fabsf(d) * 0.5001f;
+                    if (fabsf(xi) - top * fabsf(d) > tol)
+                        tol = fabsf(xi) - top * fabsf(d) + 1e-6f * fabsf(xi);
+                    assert_true(fabsf(y[32 * b + i] - xi) <= tol);
+                }
+                if (t) { /* the largest magnitude is level -8 (nibble 0) */
+                    for (int i = 0; i < 32; i++)
+                        if (x[32 * b + i] == vmax)
+                            assert_true(y[32 * b + i] == -8.0f * d);
+                }
+            }
+        }
+    }
+    assert_int_equal(attn_row_bytes(ATTN_Q8_0, 64), 68);
+    assert_int_equal(attn_row_bytes(ATTN_Q4_0, 64), 36);
+    assert_int_equal(attn_row_bytes(ATTN_Q4_0, 48), 0);
+    assert_int_equal(attn_row_bytes(ATTN_F16, 48), 96);
+    assert_int_equal(attn_type_block(ATTN_Q8_0), 32);
+    assert_int_equal(attn_type_block(ATTN_BF16), 1);
+    assert_string_equal(attn_type_name(ATTN_Q4_0), "q4_0");
+    /* q4_0 nibble order: element i < 16 in the low nibble of byte i, i >= 16 high of i - 16 */
+    for (int i = 0; i < 32; i++)
+        x[i] = i == 3 ? -8.0f : i == 20 ? 7.0f : 0.0f;
+    attn_store_row(row, x, 32, ATTN_Q4_0);
+    assert_true(attn_f16_to_f32((uint16_t)(row[0] | (row[1] << 8))) == 1.0f);
+    assert_int_equal(row[2 + 3], 0x80); /* element 3: level -8 = nibble 0; element 19: 8 */
+    assert_int_equal(row[2 + 4], 0xf8); /* element 4: 0 -> 8; element 20: 7 -> 15 */
+    /* zeros, and a block with NaN or inf reads back NaN (as f16 would keep them) */
+    memset(x, 0, sizeof(x));
+    for (int t = 0; t < 2; t++) {
+        enum attn_type type = t ? ATTN_Q4_0 : ATTN_Q8_0;
+        attn_store_row(row, x, 64, type);
+        attn_load_row(y, row, 64, type);
+        for (int i = 0; i < 64; i++)
+            assert_true(y[i] == 0.0f);
+        x[5] = NAN;
+        x[40] = INFINITY;
+        attn_store_row(row, x, 64, type);
+        attn_load_row(y, row, 64, type);
+        assert_true(isnan(y[0]) && isnan(y[31]) && isnan(y[32]));
+        x[5] = x[40] = 0.0f;
+    }
+}
+
+/* q8_0 / q4_0 with a head size that is no multiple of 32 is refused, naming both. */
+static void test_kernel_quant_refused(void **state)
+{
+    (void)state;
+    char err[160];
+    assert_int_equal(attn_type_check(ATTN_Q8_0, 40, err, sizeof(err)), -EINVAL);
+    assert_non_null(strstr(err, "q8_0"));
+    assert_non_null(strstr(err, "head_dim 40"));
+    assert_int_equal(attn_type_check(ATTN_F16, 40, err, sizeof(err)), 0);
+    assert_int_equal(attn_type_check((enum attn_type)9, 64, err, sizeof(err)), -EINVAL);
+    struct kcase c = {.scheme = S_ALIBI,
+                      .head_dim = 64,
+                      .group = 2,
+                      .n_kv_head = 2,
+                      .page_tokens = 16,
+                      .n_seqs = 1,
+                      .n_kv = {100},
+                      .n_q = {1},
+                      .threads = 1};
+    set_types(&c, true, 1);
+    struct fixture f;
+    fixture_init(&f, &c);
+    attn_ctx *ctx = attn_create(&f.params, err, sizeof(err));
+    assert_non_null(ctx);
+    assert_int_equal(attn_run(ctx, &f.kv, f.seqs, 1), 0);
+    struct attn_params p48 = f.params; /* the same pool read as 48-dim heads */
+    p48.head_dim = 48;
+    attn_ctx *c48 = attn_create(&p48, err, sizeof(err));
+    assert_non_null(c48);
+    assert_int_equal(attn_run(c48, &f.kv, f.seqs, 1), -EINVAL);
+    assert_non_null(strstr(attn_error(c48), "q8_0"));
+    assert_non_null(strstr(attn_error(c48), "head_dim 48"));
+    assert_int_equal(attn_reference(&p48, &f.kv, f.seqs, 1), -EINVAL);
+    attn_destroy(c48);
+    attn_destroy(ctx);
+    fixture_deinit(&f);
+}
 
 static void test_kernel_bad_params(void **state)
 {
@@ -1271,6 +1427,9 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernel_t5_two_token_sign),
         cmocka_unit_test(test_kernel_nothing_visible),
         cmocka_unit_test(test_kernel_grid),
+        cmocka_unit_test(test_kernel_grid_quant),
+        cmocka_unit_test(test_kernel_quant_rows),
+        cmocka_unit_test(test_kernel_quant_refused),
         cmocka_unit_test(test_kernel_head_dims),
         cmocka_unit_test(test_kernel_mixed_batch),
         cmocka_unit_test(test_kernel_gaps),

@@ -61,13 +61,19 @@ static uint8_t row_byte(uint32_t seed, int layer, int head, int v, size_t b)
     return (uint8_t)(mix(mix(seed, (uint32_t)(layer * 131 + head * 7 + v)), (uint32_t)b) >> 24);
 }
 
+/* Bytes of a K (v = 0) or V (v = 1) row. */
+static size_t row_len(const struct kv_layout *l, int v)
+{
+    return v ? l->v_row_bytes : l->k_row_bytes;
+}
+
 static void fill_token(kv_seq *s, const struct kv_layout *l, int idx, uint32_t seed)
 {
     for (int layer = 0; layer < l->n_layer; layer++)
         for (int h = 0; h < l->n_kv_head; h++)
             for (int v = 0; v < 2; v++) {
                 uint8_t *row = v ? kv_seq_v(s, layer, h, idx) : kv_seq_k(s, layer, h, idx);
-                for (size_t b = 0; b < l->row_bytes; b++)
+                for (size_t b = 0; b < row_len(l, v); b++)
                     row[b] = row_byte(seed, layer, h, v, b);
             }
 }
@@ -79,7 +85,7 @@ static bool token_intact(kv_seq *s, const struct kv_layout *l, int idx, uint32_t
         for (int h = 0; h < l->n_kv_head; h++)
             for (int v = 0; v < 2; v++) {
                 const uint8_t *row = v ? kv_seq_v(s, layer, h, idx) : kv_seq_k(s, layer, h, idx);
-                for (size_t b = 0; b < l->row_bytes; b++)
+                for (size_t b = 0; b < row_len(l, v); b++)
                     if (row[b] != row_byte(seed, layer, h, v, b))
                         return false;
             }
@@ -94,27 +100,34 @@ static uint64_t token_checksum(kv_seq *s, const struct kv_layout *l, int idx)
         for (int hd = 0; hd < l->n_kv_head; hd++)
             for (int v = 0; v < 2; v++) {
                 const uint8_t *row = v ? kv_seq_v(s, layer, hd, idx) : kv_seq_k(s, layer, hd, idx);
-                for (size_t b = 0; b < l->row_bytes; b++)
+                for (size_t b = 0; b < row_len(l, v); b++)
                     h = (h ^ row[b]) * 1099511628211ull;
             }
     return h;
 }
 
-static kv_cache *make_cache(size_t mem, int pt, int n_layer, int n_kv_head, int head_dim,
-                            enum kv_type type)
+static kv_cache *make_cache2(size_t mem, int pt, int n_layer, int n_kv_head, int head_dim,
+                             enum kv_type k_type, enum kv_type v_type)
 {
     struct kv_cache_params p = {.memory_bytes = mem,
                                 .page_tokens = pt,
                                 .n_layer = n_layer,
                                 .n_kv_head = n_kv_head,
                                 .head_dim = head_dim,
-                                .type = type};
+                                .k_type = k_type,
+                                .v_type = v_type};
     char err[256];
     kv_cache *c = kv_cache_create(&p, err, sizeof(err));
     if (!c)
         print_message("kv_cache_create: %s\n", err);
     assert_non_null(c);
     return c;
+}
+
+static kv_cache *make_cache(size_t mem, int pt, int n_layer, int n_kv_head, int head_dim,
+                            enum kv_type type)
+{
+    return make_cache2(mem, pt, n_layer, n_kv_head, head_dim, type, type);
 }
 
 static kv_seq *make_seq(kv_cache *c, struct kv_policy pol, bool session)
@@ -326,7 +339,7 @@ static void test_types(void **state)
     assert_int_equal(t, KV_F16);
     assert_int_equal(kv_type_parse("f32", &t), 0);
     assert_int_equal(t, KV_F32);
-    assert_int_equal(kv_type_parse("q8_0", &t), -EINVAL);
+    assert_int_equal(kv_type_parse("q5_0", &t), -EINVAL);
     assert_int_equal(kv_type_parse("", &t), -EINVAL);
     assert_int_equal(kv_type_parse(NULL, &t), -EINVAL);
     assert_int_equal(t, KV_F32);
@@ -336,6 +349,28 @@ static void test_types(void **state)
     assert_int_equal((int)KV_F32, (int)ATTN_F32);
     assert_int_equal((int)KV_F16, (int)ATTN_F16);
     assert_int_equal((int)KV_BF16, (int)ATTN_BF16);
+    assert_int_equal((int)KV_Q8_0, (int)ATTN_Q8_0);
+    assert_int_equal((int)KV_Q4_0, (int)ATTN_Q4_0);
+    /* row sizes agree with the kernel's */
+    const enum kv_type all[] = {KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0};
+    for (int i = 0; i < 5; i++) {
+        enum kv_type parsed;
+        assert_int_equal(kv_type_parse(kv_type_name(all[i]), &parsed), 0);
+        assert_int_equal(parsed, all[i]);
+        for (int d = 1; d <= 256; d++)
+            assert_int_equal(kv_type_row_bytes(all[i], d), attn_row_bytes((enum attn_type)all[i], d));
+    }
+    assert_int_equal(kv_type_row_bytes(KV_Q8_0, 64), 68);
+    assert_int_equal(kv_type_row_bytes(KV_Q4_0, 64), 36);
+    assert_int_equal(kv_type_row_bytes(KV_Q4_0, 48), 0);
+    struct kv_cache_params tp = {.n_layer = 30, .n_kv_head = 3, .head_dim = 64,
+                                 .k_type = KV_Q8_0, .v_type = KV_Q4_0};
+    assert_int_equal(kv_cache_token_bytes(&tp), 30 * 3 * (68 + 36));
+    tp.k_type = tp.v_type = KV_F16;
+    assert_int_equal(kv_cache_token_bytes(&tp), 30 * 3 * 2 * 128);
+    tp.head_dim = 40;
+    tp.v_type = KV_Q8_0;
+    assert_int_equal(kv_cache_token_bytes(&tp), 0);
 }
 
 static void test_create_rejects(void **state)
@@ -347,7 +382,8 @@ static void test_create_rejects(void **state)
                                 .n_layer = 2,
                                 .n_kv_head = 2,
                                 .head_dim = 8,
-                                .type = KV_F16};
+                                .k_type = KV_F16,
+                                .v_type = KV_F16};
     assert_null(kv_cache_create(NULL, err, sizeof(err)));
     struct kv_cache_params q = p;
     q.page_tokens = 0;
@@ -358,9 +394,18 @@ static void test_create_rejects(void **state)
     assert_null(kv_cache_create(&q, err, sizeof(err)));
     assert_non_null(strstr(err, "head_dim"));
     q = p;
-    q.type = (enum kv_type)5;
+    q.v_type = (enum kv_type)7;
     assert_null(kv_cache_create(&q, err, sizeof(err)));
     assert_non_null(strstr(err, "type"));
+    q = p;
+    q.k_type = KV_Q8_0; /* head_dim 8 is no multiple of a 32-element block */
+    assert_null(kv_cache_create(&q, err, sizeof(err)));
+    assert_non_null(strstr(err, "K type q8_0"));
+    assert_non_null(strstr(err, "head_dim 8"));
+    q = p;
+    q.v_type = KV_Q4_0;
+    assert_null(kv_cache_create(&q, err, sizeof(err)));
+    assert_non_null(strstr(err, "V type q4_0"));
     q = p;
     q.memory_bytes = 1000; /* a page is 2*2*2*16*8*2 = 2048 bytes */
     assert_null(kv_cache_create(&q, err, sizeof(err)));
@@ -398,7 +443,8 @@ static void test_layout(void **state)
     size_t pb = kv_cache_page_bytes(c);
     assert_int_equal(pb % 64, 0);
     assert_true(pb >= (size_t)2 * n_layer * n_kv_head * pt * head_dim * 2);
-    assert_int_equal(l.row_bytes, head_dim * 2);
+    assert_int_equal(l.k_row_bytes, head_dim * 2);
+    assert_int_equal(l.v_row_bytes, head_dim * 2);
     assert_ptr_equal(l.base, kv_cache_base(c));
     assert_int_equal(kv_cache_page_tokens(c), pt);
 
@@ -410,7 +456,8 @@ static void test_layout(void **state)
                               .k_offset = kv_cache_k_offset(c, layer),
                               .v_offset = kv_cache_v_offset(c, layer),
                               .page_tokens = kv_cache_page_tokens(c),
-                              .type = (enum attn_type)l.type};
+                              .k_type = (enum attn_type)l.k_type,
+                              .v_type = (enum attn_type)l.v_type};
         for (int h = 0; h < n_kv_head; h++)
             for (int s = 0; s < pt; s++)
                 for (int v = 0; v < 2; v++) {
@@ -423,7 +470,7 @@ static void test_layout(void **state)
                     }
                     size_t off =
                         (size_t)((uint8_t *)kv_layout_elem(&l, 0, s, layer, h, v) - l.base);
-                    for (size_t b = 0; b < l.row_bytes; b++) {
+                    for (size_t b = 0; b < row_len(&l, v); b++) {
                         assert_true(off + b < pb);
                         assert_int_equal(cover[off + b], 0);
                         cover[off + b] = 1;
@@ -487,7 +534,8 @@ static void test_mlock_optional(void **state)
                                 .n_layer = 1,
                                 .n_kv_head = 1,
                                 .head_dim = 16,
-                                .type = KV_F32,
+                                .k_type = KV_F32,
+                                .v_type = KV_F32,
                                 .mlock = true};
     char err[256];
     kv_cache *c = kv_cache_create(&p, err, sizeof(err));
@@ -772,9 +820,11 @@ static void test_preserve_positions(void **state)
 
 /* Invariant 1 for both policies and both position modes: the K and V bytes
  * of every retained token are identical before and after every eviction. */
-static void run_no_rewrite(struct kv_policy pol, enum kv_type type)
+static void run_no_rewrite(struct kv_policy pol, enum kv_type k_type, enum kv_type v_type)
 {
-    kv_cache *c = make_cache(1 << 20, 8, 3, 2, 5, type);
+    /* head_dim 32: one block of q8_0 / q4_0; to the cache a row is only bytes,
+     * the scale included, and every one of them must survive unchanged */
+    kv_cache *c = make_cache2(1 << 20, 8, 3, 2, 32, k_type, v_type);
     struct kv_layout l;
     kv_cache_layout(c, &l);
     kv_seq *s = make_seq(c, pol, false);
@@ -798,10 +848,10 @@ static void run_no_rewrite(struct kv_policy pol, enum kv_type type)
         for (int layer = 0; layer < l.n_layer; layer++)
             for (int h = 0; h < l.n_kv_head; h++) {
                 uint8_t *k = kv_seq_k(s, layer, h, first), *v = kv_seq_v(s, layer, h, first);
-                for (size_t b = 0; b < l.row_bytes; b++) {
+                for (size_t b = 0; b < l.k_row_bytes; b++)
                     k[b] = (uint8_t)rng_next(&rng);
+                for (size_t b = 0; b < l.v_row_bytes; b++)
                     v[b] = (uint8_t)rng_next(&rng);
-                }
             }
         sums[id] = token_checksum(s, &l, first);
         if (kv_seq_n_tokens(s) != n_before + 1) {
@@ -835,15 +885,23 @@ static void run_no_rewrite(struct kv_policy pol, enum kv_type type)
 static void test_no_rewrite_sink_window(void **state)
 {
     (void)state;
-    run_no_rewrite(sink_window(200, 5, 60, true), KV_F16);
-    run_no_rewrite(sink_window(200, 5, 60, false), KV_F32);
+    run_no_rewrite(sink_window(200, 5, 60, true), KV_F16, KV_F16);
+    run_no_rewrite(sink_window(200, 5, 60, false), KV_F32, KV_F32);
+    run_no_rewrite(sink_window(200, 5, 60, true), KV_BF16, KV_BF16);
+    run_no_rewrite(sink_window(200, 5, 60, true), KV_Q8_0, KV_Q8_0);
+    run_no_rewrite(sink_window(200, 5, 60, false), KV_Q8_0, KV_Q4_0);
+    run_no_rewrite(sink_window(200, 5, 60, true), KV_Q4_0, KV_Q4_0);
 }
 
 static void test_no_rewrite_h2o(void **state)
 {
     (void)state;
-    run_no_rewrite(h2o(120, 4, 30, 40, true), KV_BF16);
-    run_no_rewrite(h2o(120, 4, 30, 40, false), KV_F32);
+    run_no_rewrite(h2o(120, 4, 30, 40, true), KV_BF16, KV_BF16);
+    run_no_rewrite(h2o(120, 4, 30, 40, false), KV_F32, KV_F32);
+    run_no_rewrite(h2o(120, 4, 30, 40, true), KV_F16, KV_F16);
+    run_no_rewrite(h2o(120, 4, 30, 40, true), KV_Q8_0, KV_Q8_0);
+    run_no_rewrite(h2o(120, 4, 30, 40, false), KV_Q8_0, KV_Q4_0);
+    run_no_rewrite(h2o(120, 4, 30, 40, true), KV_Q4_0, KV_Q4_0);
 }
 
 /* h2o keeps sinks, window and the heaviest middle tokens; ids, positions
@@ -1525,7 +1583,8 @@ static struct attn_kv attn_kv_of(kv_cache *c)
                             .k_offset = kv_layout_k_offset(&l, 0),
                             .v_offset = kv_layout_v_offset(&l, 0),
                             .page_tokens = l.page_tokens,
-                            .type = (enum attn_type)l.type};
+                            .k_type = (enum attn_type)l.k_type,
+                            .v_type = (enum attn_type)l.v_type};
 }
 
 static double max_abs_diff(const float *a, const float *b, int n)
@@ -1746,8 +1805,8 @@ static void test_bounded_memory(void **state)
         for (int i = 0; i < n; i++)
             for (int layer = 0; layer < 2; layer++)
                 for (int h = 0; h < 2; h++) {
-                    memset(kv_seq_k(s, layer, h, first + i), (int)(fed + i) & 0xff, l.row_bytes);
-                    memset(kv_seq_v(s, layer, h, first + i), (int)(fed + i) & 0x7f, l.row_bytes);
+                    memset(kv_seq_k(s, layer, h, first + i), (int)(fed + i) & 0xff, l.k_row_bytes);
+                    memset(kv_seq_v(s, layer, h, first + i), (int)(fed + i) & 0x7f, l.v_row_bytes);
                 }
         fed += n;
         assert_true(kv_seq_n_tokens(s) <= max);

@@ -612,9 +612,16 @@ static void test_window_and_memory(void **state)
     c.eviction.max_cache_tokens = 4097;
     assert_int_equal(cfg_sequence_pages(&c), 257 + 1);
     cfg_defaults(&c);
-    assert_int_equal(cfg_kv_type_bytes(CFG_KV_F16), 2);
-    assert_int_equal(cfg_kv_type_bytes(CFG_KV_BF16), 2);
-    assert_int_equal(cfg_kv_type_bytes(CFG_KV_F32), 4);
+    /* k_type / v_type follow kv_type unless set */
+    assert_int_equal(cfg_k_type(&c), CFG_KV_F16);
+    assert_int_equal(cfg_v_type(&c), CFG_KV_F16);
+    c.cache.kv_type = CFG_KV_Q8_0;
+    assert_int_equal(cfg_k_type(&c), CFG_KV_Q8_0);
+    assert_int_equal(cfg_v_type(&c), CFG_KV_Q8_0);
+    c.cache.v_type = CFG_KV_Q4_0;
+    assert_int_equal(cfg_k_type(&c), CFG_KV_Q8_0);
+    assert_int_equal(cfg_v_type(&c), CFG_KV_Q4_0);
+    cfg_defaults(&c);
 
     struct cfg_errors *errs = new_errors();
     /* 512MiB / (257 pages * 16 tokens) = 130560 bytes per token, rounded down. */

@@ -1634,10 +1634,9 @@ static long long ev_int(json_t *e, const char *key)
 /* KV bytes of one token of the test model in the given cache type. */
 static uint64_t model_token_bytes(enum cfg_kv_type t)
 {
-    struct kv_cache_params shape = {0};
+    struct kv_cache_params shape = {.k_type = srv_cfg_kv_type(t), .v_type = srv_cfg_kv_type(t)};
     model_kv_shape(lib_model, &shape);
-    return 2ull * (uint64_t)shape.n_layer * (uint64_t)shape.n_kv_head * (uint64_t)shape.head_dim *
-           cfg_kv_type_bytes(t);
+    return kv_cache_token_bytes(&shape);
 }
 
 /*

@@ -185,7 +185,8 @@ static struct attn_kv kv_view(const struct pool *p, int L, int layer)
                             .k_offset = (size_t)layer * 2 * BLOCK,
                             .v_offset = (size_t)layer * 2 * BLOCK + BLOCK,
                             .page_tokens = PT,
-                            .type = ATTN_F16,
+                            .k_type = ATTN_F16,
+                            .v_type = ATTN_F16,
                             .n_pages = L / PT};
 }
 

@@ -131,7 +131,8 @@ static struct result run(int retained)
                                 .n_layer = N_LAYER,
                                 .n_kv_head = N_KV_HEAD,
                                 .head_dim = HEAD_DIM,
-                                .type = KV_F16};
+                                .k_type = KV_F16,
+                                .v_type = KV_F16};
     kv_cache *c = kv_cache_create(&p, err, sizeof(err));
     if (!c)
         die("kv_cache_create", err);

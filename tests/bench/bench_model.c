@@ -157,9 +157,9 @@ static int run_case(const model *m, int ctx, int chunk, int n_decode, struct res
 {
     const enum kv_type kvt = KV_F16;
     int total = ctx + 2 * chunk + n_decode + 2;
-    struct kv_cache_params cp = {.page_tokens = 16, .type = kvt};
+    struct kv_cache_params cp = {.page_tokens = 16, .k_type = kvt, .v_type = kvt};
     model_kv_shape(m, &cp);
-    size_t page = (size_t)2 * cp.n_layer * cp.n_kv_head * 16 * cp.head_dim * kv_type_size(kvt);
+    size_t page = kv_cache_token_bytes(&cp) * 16;
     page = (page + 63) / 64 * 64;
     cp.memory_bytes = page * (size_t)(total / 16 + 4);
     char err[256];
