@@ -189,6 +189,10 @@ static const struct key_def keys[CFG_N_KEYS] = {
         STRING("model", "tokenizer_pre", model.tokenizer_pre, "", RESTART, false, check_pre_name,
                "pre-tokenizer used instead of the file's tokenizer.ggml.pre (llama-bpe, qwen2, "
                "deepseek-llm, tekken, ...); empty = the file's"),
+    [CFG_MODEL_CHAT_TEMPLATE] =
+        STRING("model", "chat_template", model.chat_template, "", RESTART, false, NULL,
+               "Jinja chat template file used instead of the model's own; empty = the model's "
+               "tokenizer.chat_template, or ChatML when it has none"),
     /* [cache] */
     [CFG_CACHE_MEMORY] = SIZE("cache", "memory", cache.memory, "512MiB", MiB, TiB, RESTART,
                               "bytes of KV cache pages, shared by all sequences"),

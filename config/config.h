@@ -78,6 +78,7 @@ enum cfg_key {
     CFG_MODEL_T5_NUM_BUCKETS,
     CFG_MODEL_T5_MAX_DISTANCE,
     CFG_MODEL_TOKENIZER_PRE,
+    CFG_MODEL_CHAT_TEMPLATE,
     CFG_CACHE_MEMORY,
     CFG_CACHE_PAGE_TOKENS,
     CFG_CACHE_KV_TYPE,
@@ -137,6 +138,7 @@ struct cfg_model {
     int64_t t5_num_buckets;  /* T5 bucket count when the model lacks it; 0 = none */
     int64_t t5_max_distance; /* T5 max distance when the model lacks it; 0 = none */
     char tokenizer_pre[64];  /* pre-tokenizer forced over the file's; "" = the file's */
+    char chat_template[CFG_PATH_MAX]; /* Jinja file used over the model's template; "" = none */
 };
 
 struct cfg_cache {

@@ -656,6 +656,27 @@ bool model_is_eog(const model *m, int32_t token)
     return tok_is_eog(m->tok, token);
 }
 
+int32_t model_eos(const model *m)
+{
+    return tok_eos(m->tok);
+}
+
+const char *model_token_text(const model *m, int32_t id, size_t *len)
+{
+    return tok_token_text(m->tok, id, len);
+}
+
+const char *model_chat_template(const model *m, const char *name, size_t *len)
+{
+    char key[256];
+    if (name && snprintf(key, sizeof key, "tokenizer.chat_template.%s", name) >= (int)sizeof key)
+        return NULL;
+    const char *s;
+    if (gguf_get_str(m->file, name ? key : "tokenizer.chat_template", &s, len) < 0)
+        return NULL;
+    return s;
+}
+
 /*
  * The detokeniser continues a text: it is meant for generated tokens that
  * follow a prompt, so a word-initial "▁" always shows as a space.

@@ -73,6 +73,18 @@ int model_tokenize(const model *m, const char *text, size_t len, bool add_bos, i
 bool model_add_bos(const model *m);   /* whether prompts start with BOS */
 int32_t model_bos(const model *m);
 bool model_is_eog(const model *m, int32_t token); /* end of generation (EOS, EOT) */
+int32_t model_eos(const model *m);   /* -1 if the vocabulary has none */
+/* A token's text as the vocabulary stores it ("<s>", "<|im_end|>"), borrowed;
+ * NULL outside the vocabulary. For control tokens this is the text chat
+ * templates write as bos_token / eos_token. */
+const char *model_token_text(const model *m, int32_t id, size_t *len);
+
+/*
+ * The chat template the file carries: tokenizer.chat_template, or with name
+ * given tokenizer.chat_template.NAME. Borrowed from the model's mapping (not
+ * NUL-terminated; *len is its length); NULL when the file has none.
+ */
+const char *model_chat_template(const model *m, const char *name, size_t *len);
 
 /*
  * Streaming detokeniser: push token ids one at a time, get back only

@@ -15,6 +15,8 @@ static int cmd_help(int argc, char **argv);
 
 static const struct srv_command commands[] = {
     {"buckets", "print the T5 relative-position bucket table", srv_cmd_buckets},
+    {"chat-template", "print the prompt a chat template makes of a conversation",
+     srv_cmd_chat_template},
     {"check-config", "check a config file, print the effective values", srv_cmd_check_config},
     {"eval", "measure an eviction policy's cost in perplexity on a text", srv_cmd_eval},
     {"generate", "generate text from a prompt, offline", srv_cmd_generate},

@@ -18,6 +18,7 @@ struct srv_command {
 };
 
 int srv_cmd_buckets(int argc, char **argv);
+int srv_cmd_chat_template(int argc, char **argv);
 int srv_cmd_check_config(int argc, char **argv);
 int srv_cmd_load(int argc, char **argv);
 int srv_cmd_eval(int argc, char **argv);

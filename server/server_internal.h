@@ -23,6 +23,31 @@ int srv_parse_double(const char *s, double min, double max, double *out);
 bool srv_opt_value(int argc, char **argv, int *i, const char *cmd, const char *name,
                    const char **value, bool *bad);
 
+/* --- chat_template.c: the chat template a model is served with ----------- */
+
+#include "template/template.h"
+
+/* A whole file (new, NUL-terminated; *len its length), or NULL with the
+ * reason (path and errno) in err. */
+char *srv_read_file(const char *path, size_t *len, char *err, size_t errlen);
+
+struct model;
+struct srv_chat_template_opts {
+    const char *path;      /* operator's template file, or NULL/"": the model's */
+    const char *name;      /* NULL, or the variant tokenizer.chat_template.NAME */
+    const char *bos_token; /* NULL, or the BOS text instead of the model's */
+    const char *eos_token; /* NULL, or the EOS text instead of the model's */
+};
+
+/*
+ * Load the chat template for m (NULL: no model, only o->path or ChatML):
+ * the operator's file, else the model's, else ChatML. Writes where it came
+ * from into source. Returns a new chat template, or NULL with the reason in
+ * err (an unreadable file; a template refused, with line:column).
+ */
+tpl_chat *srv_chat_template_load(const struct model *m, const struct srv_chat_template_opts *o,
+                                 char *source, size_t source_len, char *err, size_t errlen);
+
 /* ======================================================================
  * The daemon (kvd serve). Threads: the loop thread (libuv: http.c, api.c,
  * daemon.c) and the engine thread (scheduler.c). Only the structs below

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include <cmocka.h>
@@ -624,6 +625,120 @@ static void test_linear_work(void **state)
     json_decref(msgs);
 }
 
+
+/* ------------------------------------------------------------------------
+ * kvd chat-template
+ * ------------------------------------------------------------------------ */
+
+/* Run `$KVD_BIN chat-template ARGS` (stderr into the output when
+ * with_stderr); returns its output (new) and exit status. */
+static char *run_cli(const char *args, bool with_stderr, int *status)
+{
+    const char *bin = getenv("KVD_BIN");
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s chat-template %s %s", bin, args,
+             with_stderr ? "2>&1" : "2>/dev/null");
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    size_t r;
+    while ((r = fread(buf + n, 1, cap - n - 1, p)) > 0)
+        n += r;
+    buf[n] = 0;
+    int st = pclose(p);
+    *status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return buf;
+}
+
+static void expect_cli(const char *args, const char *expect_file)
+{
+    int st;
+    char *got = run_cli(args, false, &st);
+    char *want = slurp(expect_file, NULL);
+    assert_non_null(want);
+    if (st != 0 || strcmp(got, want) != 0)
+        fail_msg("kvd chat-template %s: status %d\n  want [%s]\n  got  [%s]", args, st, want, got);
+    free(got);
+    free(want);
+}
+
+static void expect_cli_error(const char *args, int status, const char *want)
+{
+    int st;
+    char *got = run_cli(args, true, &st);
+    if (st != status || !strstr(got, want))
+        fail_msg("kvd chat-template %s: status %d (want %d)\n  want [%s]\n  got  [%s]", args, st,
+                 status, want, got);
+    free(got);
+}
+
+static void test_cli(void **state)
+{
+    (void)state;
+    if (!getenv("KVD_BIN")) {
+        print_message("KVD_BIN not set (run through `make test`): skipping\n");
+        skip();
+    }
+    expect_cli("--template " CASES "/models/gemma.jinja --messages " CASES
+               "/conversations/basic.json",
+               CASES "/render/gemma.expect");
+    expect_cli("--template " CASES "/models/chatml-openhermes.jinja --no-generation-prompt "
+               "--messages " CASES "/conversations/parts.json",
+               CASES "/render/chatml-parts.expect");
+    expect_cli("--template " CASES "/models/qwen2.5.jinja --eos-token '<|im_end|>' --messages " CASES
+               "/conversations/tools.json --tools " CASES "/conversations/tools_spec.json",
+               CASES "/render/qwen2.5-tools.expect");
+    expect_cli_error("--template " CASES "/errors/unsupported_filter.jinja", 1,
+                     "kvd chat-template: chat template (" CASES
+                     "/errors/unsupported_filter.jinja): 1:15: unsupported filter 'batch'");
+    expect_cli_error("--template " CASES "/errors/raise_exception.jinja", 1,
+                     "render: 1:57: template raised an exception: assistant turns are not allowed");
+    expect_cli_error("--template /nonexistent.jinja", 1, "cannot open /nonexistent.jinja");
+    expect_cli_error("--template " CASES "/models/gemma.jinja --messages " CASES "/README", 1,
+                     "--messages " CASES "/README:1:");
+    expect_cli_error("--template " CASES "/models/gemma.jinja --tools " CASES
+                     "/render/gemma.json", 1, "must hold a JSON array");
+    expect_cli_error("", 2, "need --model FILE or --template FILE");
+    expect_cli_error("--template", 2, "--template needs a value");
+    expect_cli_error("--frob", 2, "unknown option '--frob'");
+    expect_cli_error("--template x --name y", 2, "--name picks a template of --model FILE");
+
+    const char *shared = getenv("KVD_SHARED");
+    char path[512], args[1024];
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-phi-3.gguf", shared ? shared : "../shared");
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        print_message("%s absent: the model-template cases are skipped\n", path);
+        return;
+    }
+    fclose(f);
+    /* the model's template, without a system role: the probe finds it; BOS
+     * is stripped because the tokenizer adds it */
+    int st;
+    snprintf(args, sizeof args, "--model %s", path);
+    char *out = run_cli(args, false, &st);
+    assert_int_equal(st, 0);
+    assert_string_equal(out, "<|user|>\nYou are a helpful assistant.\nHello!<|end|>\n<|assistant|>\n"
+                             "Hi. How can I help?<|end|>\n<|user|>\nTell me a story.<|end|>\n"
+                             "<|assistant|>\n");
+    free(out);
+    out = run_cli(args, true, &st);
+    assert_non_null(strstr(out, "template from the model's tokenizer.chat_template; system "
+                                "messages joined to the first user message"));
+    free(out);
+    snprintf(args, sizeof args, "--model %s --name tool_use", path);
+    expect_cli_error(args, 1, "the model has no chat template named 'tool_use'");
+    /* a model without a template gets ChatML */
+    snprintf(args, sizeof args, "--model %s/models/stories260K.gguf --no-generation-prompt",
+             shared ? shared : "../shared");
+    out = run_cli(args, true, &st);
+    assert_int_equal(st, 0);
+    assert_non_null(strstr(out, "template from the default (ChatML"));
+    assert_non_null(strstr(out, "<|im_start|>user\nTell me a story.<|im_end|>\n"));
+    free(out);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -634,6 +749,7 @@ int main(void)
         cmocka_unit_test(test_filters_and_methods), cmocka_unit_test(test_tests),
         cmocka_unit_test(test_error_cases),     cmocka_unit_test(test_runtime_errors),
         cmocka_unit_test(test_limits),          cmocka_unit_test(test_linear_work),
+        cmocka_unit_test(test_cli),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
