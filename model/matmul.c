@@ -105,7 +105,8 @@ int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out
     if (!qt_type_supported(type)) {
         snprintf(err, errlen,
                  "weight type %s is not supported by the matrix product "
-                 "(supported: f32 f16 bf16 q8_0 q4_0 q4_K q6_K)",
+                 "(supported: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K "
+                 "q5_K q6_K)",
                  name);
         return -EINVAL;
     }
@@ -140,18 +141,12 @@ int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out
  *   s   float [n_tok][ldb]   d * sum(q) over the block (for q4_K's mins)
  * ------------------------------------------------------------------------ */
 
-struct xq {
-    int8_t *q;
-    float *d, *s;
-    size_t ldq, ldb;
-};
-
 static size_t round_up(size_t n, size_t a)
 {
     return (n + a - 1) / a * a;
 }
 
-static void xq_layout(struct xq *xa, void *scratch, int n_in, int n_tok)
+static void xq_layout(struct mm_xq *xa, void *scratch, int n_in, int n_tok)
 {
     size_t nb = (size_t)n_in / QT_QK;
     xa->ldq = round_up((size_t)n_in, 64);
@@ -236,7 +231,7 @@ struct job {
     const float *x; /* [n_tok][n_in] */
     float *out;     /* [n_tok][n_out] */
     int n_tok;
-    struct xq xa; /* quantised activations (quantised types only) */
+    struct mm_xq xa; /* quantised activations (quantised types only) */
 };
 
 /* Row pointers of a tile; rows past the end repeat the last row (discarded). */
@@ -869,8 +864,10 @@ static void run_group(const struct job *jb, int g)
     case GGML_TYPE_Q6_K:
         group_simd(jb, GGML_TYPE_Q6_K, g);
         break;
-    default:
-        assert(!"unsupported type reached the kernel");
+    default: /* quant_blocks.c's formats */
+        mm_blocks_rows(jb->w, &jb->xa, jb->out, jb->n_tok, g * MM_GROUP,
+                       g * MM_GROUP + MM_GROUP < jb->w->n_out ? g * MM_GROUP + MM_GROUP
+                                                              : jb->w->n_out);
         break;
     }
 }
@@ -991,6 +988,10 @@ static void run_group(const struct job *jb, int g)
 {
     int g0 = g * MM_GROUP;
     int g1 = g0 + MM_GROUP < jb->w->n_out ? g0 + MM_GROUP : jb->w->n_out;
+    if (qt_is_block_type(jb->w->type)) {
+        mm_blocks_rows(jb->w, &jb->xa, jb->out, jb->n_tok, g0, g1);
+        return;
+    }
     for (int o = g0; o < g1; o++)
         row_scalar(jb, o);
 }

@@ -35,17 +35,18 @@ static const struct qt_traits traits[GGML_TYPE_COUNT] = {
     [GGML_TYPE_F32] = {"f32", 1, 4, true},
     [GGML_TYPE_F16] = {"f16", 1, 2, true},
     [GGML_TYPE_Q4_0] = {"q4_0", 32, 18, true},
-    [GGML_TYPE_Q4_1] = {"q4_1", 32, 20, false},
-    [GGML_TYPE_Q5_0] = {"q5_0", 32, 22, false},
-    [GGML_TYPE_Q5_1] = {"q5_1", 32, 24, false},
+    [GGML_TYPE_Q4_1] = {"q4_1", 32, 20, true},
+    [GGML_TYPE_Q5_0] = {"q5_0", 32, 22, true},
+    [GGML_TYPE_Q5_1] = {"q5_1", 32, 24, true},
     [GGML_TYPE_Q8_0] = {"q8_0", 32, 34, true},
     [GGML_TYPE_Q8_1] = {"q8_1", 32, 36, false},
-    [GGML_TYPE_Q2_K] = {"q2_K", 256, 84, false},
-    [GGML_TYPE_Q3_K] = {"q3_K", 256, 110, false},
+    [GGML_TYPE_Q2_K] = {"q2_K", 256, 84, true},
+    [GGML_TYPE_Q3_K] = {"q3_K", 256, 110, true},
     [GGML_TYPE_Q4_K] = {"q4_K", 256, 144, true},
-    [GGML_TYPE_Q5_K] = {"q5_K", 256, 176, false},
+    [GGML_TYPE_Q5_K] = {"q5_K", 256, 176, true},
     [GGML_TYPE_Q6_K] = {"q6_K", 256, 210, true},
     [GGML_TYPE_Q8_K] = {"q8_K", 256, 292, false},
+    [GGML_TYPE_IQ4_NL] = {"iq4_nl", 32, 18, true},
     [GGML_TYPE_BF16] = {"bf16", 1, 2, true},
 };
 /* clang-format on */
@@ -384,7 +385,7 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n)
         dequant_q6_K(b, dst, n / 256);
         return 0;
     default:
-        return -EINVAL;
+        return qt_blocks_dequantize(type, b, dst, n);
     }
 }
 

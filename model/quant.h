@@ -7,9 +7,13 @@
  *   quant.c   the element formats GGUF files use (f32, f16, bf16, q8_0,
  *             q4_0, q4_K, q6_K): half-precision conversions, dequantising a
  *             row to f32 and quantising f32 rows into the formats kvd writes.
+ *   quant_blocks.c  the other formats of common files (q4_1, q5_0, q5_1,
+ *             iq4_nl, q2_K, q3_K, q5_K), each as integers, scales and mins
+ *             per block of 32.
  *
  *   matmul.c  out[t][o] = sum_i W[o][i] * x[t][i] for a weight matrix W in
- *             any supported format, SIMD inside a row and OpenMP over rows.
+ *             any supported format, SIMD inside a row and OpenMP over rows;
+ *             matmul_blocks.c the kernels for quant_blocks.c's formats.
  *
  * The central idea of the products: a weight block is decoded in registers
  * once and used against a tile of several tokens, so decoding (matrix times
@@ -150,6 +154,29 @@ static inline void qt_q4k_scale_min(const uint8_t *s, int j, int *scale, int *mi
 }
 
 /* ------------------------------------------------------------------------
+ * The other block formats (quant_blocks.c)
+ * ------------------------------------------------------------------------ */
+
+/* Whether type is one of quant_blocks.c's: q4_1, q5_0, q5_1, iq4_nl, q2_K,
+ * q3_K, q5_K. */
+bool qt_is_block_type(enum ggml_type type);
+
+/*
+ * Block b (elements 32b .. 32b+31) of a row of such a type, as integers
+ * w[32], scales s[2] and mins mn[2] per half of 16: element k is
+ * s[k / 16] * w[k] - mn[k / 16] exactly as the format defines it.
+ */
+void qt_block32_decode(enum ggml_type type, const uint8_t *row, int b, int8_t *w, float *s,
+                       float *mn);
+
+/* Only the scales and mins of that block (for kernels that decode the
+ * integers themselves). */
+void qt_block32_scales(enum ggml_type type, const uint8_t *row, int b, float *s, float *mn);
+
+/* qt_dequantize_row for these types (0 or -EINVAL). */
+int qt_blocks_dequantize(enum ggml_type type, const uint8_t *src, float *dst, int n);
+
+/* ------------------------------------------------------------------------
  * Matrix products
  * ------------------------------------------------------------------------ */
 
@@ -200,5 +227,32 @@ void mm_scratch_release(void);
 
 /* Which kernels this build compiled in: "avx512-vnni", "avx2" or "scalar". */
 const char *mm_kernel_name(void);
+
+/*
+ * Activations quantised per block of 32 (matmul.c fills them before the
+ * products): q int8 [n_tok][ldq] = round(x / d); d float [n_tok][ldb] the
+ * block scales max|x| / 127; s float [n_tok][ldb] = d * sum(q).
+ */
+struct mm_xq {
+    int8_t *q;
+    float *d, *s;
+    size_t ldq, ldb;
+};
+
+/*
+ * Rows [o0, o1) of out[n_tok][w->n_out] for a weight of a qt_is_block_type
+ * type (matmul_blocks.c). The kernel is picked at run time: AVX2 when the
+ * CPU has it, else plain C. Each output is summed in the same order
+ * whatever the rows and tokens around it.
+ */
+void mm_blocks_rows(const struct mm_weight *w, const struct mm_xq *xa, float *out, int n_tok,
+                    int o0, int o1);
+
+/* The kernel mm_blocks_rows uses on this CPU: "avx2" or "scalar". */
+const char *mm_blocks_kernel_name(void);
+/* For tests and benchmarks: "scalar" forces the plain C kernel, "auto"
+ * returns to the CPU's best. 0, or -EINVAL for another name. Not to be
+ * called while products run. */
+int mm_blocks_use(const char *kernel);
 
 #endif /* KVD_QUANT_H */

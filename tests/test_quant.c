@@ -19,7 +19,11 @@
  *                      here exactly as the kernel does, the f32 term alone.
  *
  * Results must also be bit-identical for 1, 2 and 3 threads, and a token
- * computed alone must give what it gave inside a batch.
+ * computed alone must give what it gave inside a batch. The formats of
+ * model/quant_blocks.c (q4_1, q5_0, q5_1, iq4_nl, q2_K, q3_K, q5_K), which
+ * kvd only reads, are checked on random blocks against transcriptions of
+ * their layouts written here, and their products (model/matmul_blocks.c)
+ * with the same bounds, mins counted in mag as for q4_K.
  */
 #include <errno.h>
 #include <float.h>
@@ -114,7 +118,10 @@ static void test_type_table(void **state)
 
     assert_true(qt_type_supported(GGML_TYPE_F32));
     assert_true(qt_type_supported(GGML_TYPE_Q6_K));
-    assert_false(qt_type_supported(GGML_TYPE_Q5_K));
+    assert_true(qt_type_supported(GGML_TYPE_Q5_K));
+    assert_true(qt_type_supported(GGML_TYPE_IQ4_NL));
+    assert_string_equal(qt_type_name(GGML_TYPE_IQ4_NL), "iq4_nl");
+    assert_false(qt_type_supported(GGML_TYPE_Q8_K));
     assert_false(qt_type_supported((enum ggml_type) - 1));
 
     assert_int_equal(qt_row_bytes(GGML_TYPE_F32, 7), 28);
@@ -126,7 +133,14 @@ static void test_type_table(void **state)
     assert_int_equal(qt_row_bytes(GGML_TYPE_Q6_K, 256), 210);
     assert_int_equal(qt_row_bytes(GGML_TYPE_Q4_0, 48), 0);  /* not a multiple of 32 */
     assert_int_equal(qt_row_bytes(GGML_TYPE_Q6_K, 128), 0); /* not a multiple of 256 */
-    assert_int_equal(qt_row_bytes(GGML_TYPE_Q5_K, 256), 0); /* unsupported */
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q8_K, 256), 0); /* unsupported */
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q5_K, 256), 176);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q3_K, 512), 220);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q2_K, 256), 84);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q5_1, 64), 48);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q5_0, 32), 22);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_Q4_1, 96), 60);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_IQ4_NL, 64), 36);
     assert_int_equal(qt_row_bytes(GGML_TYPE_F32, 0), 0);
     assert_int_equal(qt_block_elems(GGML_TYPE_Q4_K), 256);
     assert_int_equal(qt_block_bytes(GGML_TYPE_Q8_0), 34);
@@ -442,7 +456,7 @@ static void test_quant_errors(void **state)
     x[7] = 1e6f;
     assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_0, x, b, 32), -ERANGE);
     float y[32];
-    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q5_K, b, y, 256), -EINVAL);
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q8_K, b, y, 256), -EINVAL);
     assert_int_equal(qt_dequantize_row(GGML_TYPE_Q8_0, b, y, 31), -EINVAL);
 }
 
@@ -604,6 +618,230 @@ static void test_q6_K_known(void **state)
 }
 
 /* ------------------------------------------------------------------------
+ * The read-only block formats: random blocks against plain transcriptions
+ * ------------------------------------------------------------------------ */
+
+/* Offsets of the f16 scale fields of each read-only format (-1: none). */
+static void scale_fields(enum ggml_type type, int *d, int *m)
+{
+    *m = -1;
+    switch (type) {
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_1:
+    case GGML_TYPE_Q5_K:
+        *d = 0, *m = 2;
+        break;
+    case GGML_TYPE_Q2_K:
+        *d = 80, *m = 82;
+        break;
+    case GGML_TYPE_Q3_K:
+        *d = 108;
+        break;
+    default: /* q5_0, iq4_nl */
+        *d = 0;
+        break;
+    }
+}
+
+static bool read_only_type(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q5_1 ||
+           type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q3_K ||
+           type == GGML_TYPE_Q5_K;
+}
+
+/* Random bytes with finite, moderate scales of either sign. */
+static void random_ro_blocks(enum ggml_type type, uint8_t *p, int n_blocks)
+{
+    size_t bb = qt_block_bytes(type);
+    int d, m;
+    scale_fields(type, &d, &m);
+    for (size_t i = 0; i < bb * (size_t)n_blocks; i++)
+        p[i] = (uint8_t)rng_u64();
+    for (int i = 0; i < n_blocks; i++, p += bb) {
+        wr16(p + d, random_scale(0.001f, 0.05f));
+        if (m >= 0)
+            wr16(p + m, random_scale(0.001f, 0.05f));
+    }
+}
+
+/* The nibble of element e (< 32) of a small block's qs[16]: low nibbles
+ * are elements 0..15, high nibbles 16..31. */
+static int nibble(const uint8_t *qs, int e)
+{
+    return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+}
+
+/* q4_1, q5_0, q5_1, iq4_nl: one block of 32 from its description. */
+static void plain_small(enum ggml_type type, const uint8_t *blk, float *y, float *mag)
+{
+    static const int levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+    double d = ref_f16(rd16(blk)), m = 0;
+    for (int e = 0; e < 32; e++) {
+        double v;
+        if (type == GGML_TYPE_Q4_1) {
+            m = ref_f16(rd16(blk + 2));
+            v = d * nibble(blk + 4, e) + m;
+        } else if (type == GGML_TYPE_IQ4_NL) {
+            v = d * levels[nibble(blk + 2, e)];
+        } else {
+            bool one = type == GGML_TYPE_Q5_1;
+            const uint8_t *qh = blk + (one ? 4 : 2), *qs = blk + (one ? 8 : 6);
+            int high = (qh[e / 8] >> (e % 8)) & 1; /* bit e of the little-endian u32 */
+            int q = nibble(qs, e) + 16 * high;
+            m = one ? ref_f16(rd16(blk + 2)) : 0;
+            v = one ? d * q + m : d * (q - 16);
+        }
+        y[e] = (float)v;
+        mag[e] = (float)(fabs(v - m) + fabs(m));
+    }
+}
+
+/* q2_K: element e = 128h + 32j + l takes bits 2j, 2j+1 of qs[32h + l];
+ * scales[e/16]: low nibble the scale, high nibble the min. */
+static void plain_q2_K(const uint8_t *blk, float *y, float *mag)
+{
+    const uint8_t *sc = blk, *qs = blk + 16;
+    double d = ref_f16(rd16(blk + 80)), dmin = ref_f16(rd16(blk + 82));
+    for (int e = 0; e < 256; e++) {
+        int h = e / 128, j = e % 128 / 32, l = e % 32;
+        int q = (qs[32 * h + l] >> (2 * j)) & 3;
+        double a = d * (sc[e / 16] & 15) * q, b = dmin * (sc[e / 16] >> 4);
+        y[e] = (float)(a - b);
+        mag[e] = (float)(fabs(a) + fabs(b));
+    }
+}
+
+/* q3_K: the sixteen 6-bit scales unpacked word-wise (bytes 0..3 and 4..7
+ * give the low nibbles, bytes 8..11 two bits each), element e = 128h + 32j
+ * + l: two bits of qs[32h + l] at 2j, minus 4 unless bit 4h + j of
+ * hmask[l] is set. */
+static void plain_q3_K(const uint8_t *blk, float *y, float *mag)
+{
+    const uint8_t *hm = blk, *qs = blk + 32, *sb = blk + 96;
+    uint32_t a0, a1, tmp, words[4];
+    memcpy(&a0, sb, 4);
+    memcpy(&a1, sb + 4, 4);
+    memcpy(&tmp, sb + 8, 4);
+    words[0] = (a0 & 0x0f0f0f0f) | ((tmp & 0x03030303) << 4);
+    words[1] = (a1 & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
+    words[2] = ((a0 >> 4) & 0x0f0f0f0f) | (((tmp >> 4) & 0x03030303) << 4);
+    words[3] = ((a1 >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
+    uint8_t scales[16];
+    memcpy(scales, words, 16);
+    double d = ref_f16(rd16(blk + 108));
+    for (int e = 0; e < 256; e++) {
+        int h = e / 128, j = e % 128 / 32, l = e % 32;
+        int q = ((qs[32 * h + l] >> (2 * j)) & 3) - (((hm[l] >> (4 * h + j)) & 1) ? 0 : 4);
+        y[e] = (float)(d * (scales[e / 16] - 32) * q);
+        mag[e] = fabsf(y[e]);
+    }
+}
+
+/* q5_K: q4_K's scales and mins; sub-block j = e/32 takes nibble (j odd:
+ * high) of qs[32(j/2) + l] and bit j of qh[l] as its fifth bit. */
+static void plain_q5_K(const uint8_t *blk, float *y, float *mag)
+{
+    double d = ref_f16(rd16(blk)), dmin = ref_f16(rd16(blk + 2));
+    const uint8_t *s = blk + 4, *qh = blk + 16, *qs = blk + 48;
+    int sc[8], m[8];
+    for (int i = 0; i < 4; i++) {
+        sc[i] = s[i] & 0x3f;
+        m[i] = s[4 + i] & 0x3f;
+        sc[4 + i] = (s[8 + i] & 0x0f) + 16 * (s[i] >> 6);
+        m[4 + i] = (s[8 + i] >> 4) + 16 * (s[4 + i] >> 6);
+    }
+    for (int e = 0; e < 256; e++) {
+        int j = e / 32, l = e % 32;
+        uint8_t byte = qs[32 * (j / 2) + l];
+        int q = (j % 2 ? byte >> 4 : byte & 15) + 16 * ((qh[l] >> j) & 1);
+        double a = d * sc[j] * q, b = dmin * m[j];
+        y[e] = (float)(a - b);
+        mag[e] = (float)(fabs(a) + fabs(b));
+    }
+}
+
+/* One block of any read-only format; returns its elements. */
+static int plain_ro_block(enum ggml_type type, const uint8_t *blk, float *y, float *mag)
+{
+    switch (type) {
+    case GGML_TYPE_Q2_K:
+        plain_q2_K(blk, y, mag);
+        return 256;
+    case GGML_TYPE_Q3_K:
+        plain_q3_K(blk, y, mag);
+        return 256;
+    case GGML_TYPE_Q5_K:
+        plain_q5_K(blk, y, mag);
+        return 256;
+    default:
+        plain_small(type, blk, y, mag);
+        return 32;
+    }
+}
+
+static const enum ggml_type RO_TYPES[7] = {GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+                                           GGML_TYPE_IQ4_NL, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,
+                                           GGML_TYPE_Q5_K};
+
+/* 64 random blocks of each format (every bit pattern of every quantum
+ * field occurs), unaligned, decoded and compared element by element. */
+static void test_read_only_dequant(void **state)
+{
+    (void)state;
+    enum { NB = 64 };
+    for (int k = 0; k < 7; k++) {
+        enum ggml_type type = RO_TYPES[k];
+        size_t bb = qt_block_bytes(type);
+        int be = qt_block_elems(type);
+        uint8_t *raw = malloc(bb * NB + 1), *blk = raw + 1;
+        float *y = malloc(sizeof(float) * (size_t)be * NB), want[256], mag[256];
+        assert_true(raw && y);
+        rng_seed(700 + (uint64_t)type);
+        random_ro_blocks(type, blk, NB);
+        assert_int_equal(qt_dequantize_row(type, blk, y, be * NB), 0);
+        for (int i = 0; i < NB; i++) {
+            assert_int_equal(plain_ro_block(type, blk + bb * (size_t)i, want, mag), be);
+            for (int e = 0; e < be; e++)
+                if (fabsf(y[be * i + e] - want[e]) > 1e-6f * mag[e])
+                    fail_msg("%s block %d element %d: got %g, want %g", qt_type_name(type), i, e,
+                             (double)y[be * i + e], (double)want[e]);
+        }
+        assert_int_equal(qt_dequantize_row(type, blk, y, be + 32 * (be == 32)), 0);
+        if (be == 256)
+            assert_int_equal(qt_dequantize_row(type, blk, y, 128), -EINVAL);
+        free(raw);
+        free(y);
+    }
+}
+
+/* Hand-built blocks: every iq4_nl level and every q5_0 quantum in place. */
+static void test_read_only_known(void **state)
+{
+    (void)state;
+    float y[32];
+    uint8_t iq[18] = {0};
+    wr16(iq, 0x3c00); /* d = 1 */
+    for (int k = 0; k < 16; k++)
+        iq[2 + k] = (uint8_t)(k | (15 - k) << 4);
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_IQ4_NL, iq, y, 32), 0);
+    assert_true(y[0] == -127.0f && y[8] == 1.0f && y[15] == 113.0f);
+    assert_true(y[16] == 113.0f && y[31] == -127.0f && y[7] == -10.0f);
+    uint8_t q5[22] = {0};
+    wr16(q5, 0x3800); /* d = 0.5 */
+    uint32_t qh = 0;
+    for (int e = 0; e < 32; e++) /* element e holds quantum e: nibble e % 16, fifth bit e >= 16 */
+        qh |= (uint32_t)(e >= 16) << e;
+    memcpy(q5 + 2, &qh, 4);
+    for (int k = 0; k < 16; k++)
+        q5[6 + k] = (uint8_t)(k | k << 4);
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_Q5_0, q5, y, 32), 0);
+    for (int e = 0; e < 32; e++)
+        assert_true(y[e] == 0.5f * (float)(e - 16));
+}
+
+/* ------------------------------------------------------------------------
  * Matrix products
  * ------------------------------------------------------------------------ */
 
@@ -612,6 +850,10 @@ static void fill_weights(enum ggml_type type, uint8_t *data, int n_in, int n_out
     size_t rb = qt_row_bytes(type, n_in);
     if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
         random_k_blocks(type, data, (int)(rb / qt_block_bytes(type)) * n_out);
+        return;
+    }
+    if (read_only_type(type)) {
+        random_ro_blocks(type, data, (int)(rb / qt_block_bytes(type)) * n_out);
         return;
     }
     float *row = malloc(sizeof(float) * (size_t)n_in);
@@ -632,6 +874,13 @@ static void weight_magnitudes(enum ggml_type type, const uint8_t *data, const fl
                               int n_out, float *mag)
 {
     size_t n = (size_t)n_in * (size_t)n_out;
+    if (read_only_type(type)) {
+        float y[256];
+        size_t bb = qt_block_bytes(type);
+        for (size_t i = 0, blk = 0; i < n; blk++)
+            i += (size_t)plain_ro_block(type, data + bb * blk, y, mag + i);
+        return;
+    }
     if (type != GGML_TYPE_Q4_K) {
         for (size_t i = 0; i < n; i++)
             mag[i] = fabsf(W[i]);
@@ -832,6 +1081,28 @@ static void test_matmul_q6_K(void **state)
 }
 
 /* A larger product: several row groups per thread, long rows. */
+/* The read-only formats through the run-time-chosen kernel, then through
+ * the plain C one. */
+static void test_matmul_read_only(void **state)
+{
+    (void)state;
+    const int small[3] = {32, 96, 288}, k_in[2] = {256, 512};
+    for (int pass = 0; pass < 2; pass++) {
+        assert_int_equal(mm_blocks_use(pass ? "scalar" : "auto"), 0);
+        print_message("read-only formats' kernel: %s\n", mm_blocks_kernel_name());
+        for (int k = 0; k < 7; k++) {
+            enum ggml_type type = RO_TYPES[k];
+            if (qt_block_elems(type) == 32)
+                check_matmul_shapes(type, small, 3);
+            else
+                check_matmul_shapes(type, k_in, 2);
+            check_matmul(type, 1024, 83, 9);
+        }
+    }
+    assert_int_equal(mm_blocks_use("auto"), 0);
+    assert_int_equal(mm_blocks_use("avx9"), -EINVAL);
+}
+
 static void test_matmul_larger(void **state)
 {
     (void)state;
@@ -850,10 +1121,12 @@ static void test_weight_init_errors(void **state)
     char err[200] = "";
     uint8_t data[1024] = {0};
 
-    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q5_K, 256, 4, data, err, sizeof err), -EINVAL);
-    assert_non_null(strstr(err, "q5_K"));
-    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q4_1, 32, 4, data, err, sizeof err), -EINVAL);
-    assert_non_null(strstr(err, "q4_1"));
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q8_K, 256, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "q8_K"));
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q8_1, 32, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "q8_1"));
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q5_K, 128, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "256"));
     assert_int_equal(mm_weight_init(&w, (enum ggml_type)77, 32, 4, data, err, sizeof err), -EINVAL);
     assert_non_null(strstr(err, "77"));
     assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q4_0, 48, 4, data, err, sizeof err), -EINVAL);
@@ -919,6 +1192,9 @@ int main(void)
         cmocka_unit_test(test_q6_K_dequant),
         cmocka_unit_test(test_q4_K_known),
         cmocka_unit_test(test_q6_K_known),
+        cmocka_unit_test(test_read_only_dequant),
+        cmocka_unit_test(test_read_only_known),
+        cmocka_unit_test(test_matmul_read_only),
         cmocka_unit_test(test_weight_init_errors),
         cmocka_unit_test(test_matmul_edges),
         cmocka_unit_test(test_matmul_f32),

@@ -61,22 +61,39 @@ static void *xalloc(size_t n)
     return p;
 }
 
-/* Fill one matrix: quantised from random floats, or random K blocks with sane scales. */
+/* Offsets of the f16 scales in a block of the formats kvd only reads
+ * (filled with random bytes here); -1: none / not such a format. */
+static void scale_offsets(enum ggml_type type, int *d, int *m)
+{
+    static const struct {
+        enum ggml_type type;
+        int d, m;
+    } tab[] = {
+        {GGML_TYPE_Q4_K, 0, 2},   {GGML_TYPE_Q6_K, 208, -1}, {GGML_TYPE_Q4_1, 0, 2},
+        {GGML_TYPE_Q5_0, 0, -1},  {GGML_TYPE_Q5_1, 0, 2},    {GGML_TYPE_IQ4_NL, 0, -1},
+        {GGML_TYPE_Q2_K, 80, 82}, {GGML_TYPE_Q3_K, 108, -1}, {GGML_TYPE_Q5_K, 0, 2},
+    };
+    *d = *m = -1;
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
+        if (tab[i].type == type)
+            *d = tab[i].d, *m = tab[i].m;
+}
+
+/* Fill one matrix: quantised from random floats, or random blocks with sane scales. */
 static void make_matrix(enum ggml_type type, uint8_t *data, size_t rb)
 {
-    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+    int doff, moff;
+    scale_offsets(type, &doff, &moff);
+    if (doff >= 0) {
         size_t bb = qt_block_bytes(type), nblk = rb / bb * N;
         for (size_t i = 0; i < nblk * bb; i++)
             data[i] = (uint8_t)(rnd() * 128 + 128);
         for (size_t i = 0; i < nblk; i++) {
             uint8_t *b = data + i * bb;
             uint16_t d = qt_f32_to_f16(0.01f * (rnd() + 1.5f));
-            if (type == GGML_TYPE_Q4_K) {
-                memcpy(b, &d, 2);
-                memcpy(b + 2, &d, 2);
-            } else {
-                memcpy(b + 208, &d, 2);
-            }
+            memcpy(b + doff, &d, 2);
+            if (moff >= 0)
+                memcpy(b + moff, &d, 2);
         }
         return;
     }
@@ -105,13 +122,16 @@ static double triad_gbs(void)
 
 int main(void)
 {
-    const enum ggml_type types[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q8_0,
-                                    GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    const enum ggml_type types[] = {
+        GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,   GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
+        GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q4_1,   GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+        GGML_TYPE_IQ4_NL, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q5_K};
     const int n_types = (int)(sizeof types / sizeof types[0]);
     const int n_tok = 64;
 
     double triad = triad_gbs();
-    printf("matrix %dx%d, %d threads, kernels: %s\n", N, N, THREADS, mm_kernel_name());
+    printf("matrix %dx%d, %d threads, kernels: %s (q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q5_K: %s)\n", N,
+           N, THREADS, mm_kernel_name(), mm_blocks_kernel_name());
     printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s\n\n", triad);
     printf("%-6s %9s %12s %11s %11s %16s\n", "type", "MiB", "cold GB/s", "cold/triad", "hot GB/s",
            "GFLOP/s @64 tok");

@@ -1,0 +1,269 @@
+/*
+ * matmul_blocks.c - the matrix products of quant_blocks.c's formats (q4_1,
+ * q5_0, q5_1, iq4_nl, q2_K, q3_K, q5_K) against 8-bit activations.
+ *
+ * Every block of 32 weights is decoded once per tile of tokens into
+ * integers w[32], two scales and two mins (qt_block32_decode; the AVX2
+ * kernel decodes the integers in registers itself), and meets
+ * each token's quantised activations q (scale dx) in integer dot products:
+ *
+ *     sum_k value[k] x[k] = dx * sum_h ( s[h] * sum_{k in h} w[k] q[k]
+ *                                       - mn[h] * sum_{k in h} q[k] )
+ *
+ * with h the two halves of 16. The integer sums are exact, so the result
+ * differs from a product over the dequantised weights only by the
+ * activations' rounding (as for every quantised type of matmul.c) and f32
+ * summation.
+ *
+ * Kernels, chosen at run time (the build need not target AVX2):
+ *   avx2    one block per 256-bit step: vpmaddubsw(|w|, sign(q, w)) and
+ *           vpmaddwd give eight i32 lanes, lanes 0..3 the first half's
+ *           sums and 4..7 the second's, scaled by (s0 x4, s1 x4) * dx in
+ *           f32 lanes; the mins the same way from the sums of q.
+ *           |w| <= 127 and |q| <= 127, so the pairwise i16 sums of
+ *           vpmaddubsw cannot saturate.
+ *   scalar  the same integer sums in plain C.
+ * Rows are independent and each token's outputs are summed block by block
+ * in one fixed order, so results depend neither on the threads nor on the
+ * other tokens of the batch.
+ */
+#include <errno.h>
+#include <stdbool.h>
+#include <string.h>
+
+#include "model/quant.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MMB_X86 1
+#endif
+
+/* Tokens whose activations one decoded block meets before the next block. */
+#define MMB_NT 4
+
+struct block32 {
+    int8_t w[32];
+    float s[2], mn[2];
+};
+
+/* ------------------------------------------------------------------------
+ * Plain C
+ * ------------------------------------------------------------------------ */
+
+static void rows_scalar(const struct mm_weight *w, const struct mm_xq *xa, float *out, int n_tok,
+                        int o0, int o1)
+{
+    const int nb = w->n_in / QT_QK;
+    for (int o = o0; o < o1; o++) {
+        const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
+        for (int t0 = 0; t0 < n_tok; t0 += MMB_NT) {
+            int nt = n_tok - t0 < MMB_NT ? n_tok - t0 : MMB_NT;
+            float acc[MMB_NT] = {0};
+            for (int b = 0; b < nb; b++) {
+                struct block32 k;
+                qt_block32_decode(w->type, row, b, k.w, k.s, k.mn);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *q = xa->q + (size_t)(t0 + t) * xa->ldq + QT_QK * (size_t)b;
+                    float dx = xa->d[(size_t)(t0 + t) * xa->ldb + b];
+                    int dot[2] = {0, 0}, sum[2] = {0, 0};
+                    for (int i = 0; i < 32; i++) {
+                        dot[i / 16] += k.w[i] * q[i];
+                        sum[i / 16] += q[i];
+                    }
+                    acc[t] += dx * ((k.s[0] * (float)dot[0] - k.mn[0] * (float)sum[0]) +
+                                    (k.s[1] * (float)dot[1] - k.mn[1] * (float)sum[1]));
+                }
+            }
+            for (int t = 0; t < nt; t++)
+                out[(size_t)(t0 + t) * (size_t)w->n_out + (size_t)o] = acc[t];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * AVX2
+ * ------------------------------------------------------------------------ */
+
+#ifdef MMB_X86
+
+#define AVX2_FN __attribute__((target("avx2,fma")))
+
+AVX2_FN static inline float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 nibbles of 16 bytes: low nibbles in bytes 0..15, high in 16..31. */
+AVX2_FN static inline __m256i nibbles(const uint8_t *p)
+{
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i n = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(n, _mm256_set1_epi8(15));
+}
+
+/* 0x10 in byte e where bit e of the little-endian u32 at p is set. */
+AVX2_FN static inline __m256i fifth_bits(const uint8_t *p)
+{
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    /* byte e takes byte e/8 of qh, then tests bit e%8 of it */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                            2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+/*
+ * The integers of block b of a row (quant_blocks.c's layouts, the same
+ * values as qt_block32_decode gives) in one vector; scales and mins come
+ * from qt_block32_scales.
+ */
+AVX2_FN static inline __m256i decode_avx2(enum ggml_type type, const uint8_t *row, int b)
+{
+    const __m256i three = _mm256_set1_epi8(3);
+    int j = b % 8;
+    switch (type) {
+    case GGML_TYPE_Q4_1:
+        return nibbles(row + 20 * (size_t)b + 4);
+    case GGML_TYPE_Q5_0: {
+        const uint8_t *u = row + 22 * (size_t)b;
+        __m256i q = _mm256_or_si256(nibbles(u + 6), fifth_bits(u + 2));
+        return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    }
+    case GGML_TYPE_Q5_1: {
+        const uint8_t *u = row + 24 * (size_t)b;
+        return _mm256_or_si256(nibbles(u + 8), fifth_bits(u + 4));
+    }
+    case GGML_TYPE_IQ4_NL: {
+        const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
+                                                38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35,
+                                                -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+        return _mm256_shuffle_epi8(levels, nibbles(row + 18 * (size_t)b + 2));
+    }
+    case GGML_TYPE_Q2_K: {
+        const uint8_t *q = row + 84 * (size_t)(b / 8) + 16 + 32 * (j / 4);
+        __m256i v = _mm256_loadu_si256((const __m256i *)q);
+        return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j % 4)), three);
+    }
+    case GGML_TYPE_Q3_K: {
+        const uint8_t *u = row + 110 * (size_t)(b / 8);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(u + 32 + 32 * (j / 4)));
+        __m256i h = _mm256_loadu_si256((const __m256i *)u);
+        v = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j % 4)), three);
+        /* q - 4 + 4 * (bit j of hmask) */
+        h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
+        return _mm256_sub_epi8(_mm256_add_epi8(v, _mm256_slli_epi16(h, 2)), _mm256_set1_epi8(4));
+    }
+    default: { /* Q5_K */
+        const uint8_t *u = row + 176 * (size_t)(b / 8);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(u + 48 + 32 * (j / 2)));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(u + 16));
+        v = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j & 1)), _mm256_set1_epi8(15));
+        h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
+        return _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
+    }
+    }
+}
+
+AVX2_FN static void rows_avx2(const struct mm_weight *w, const struct mm_xq *xa, float *out,
+                              int n_tok, int o0, int o1)
+{
+    const int nb = w->n_in / QT_QK;
+    const bool mins = w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q5_1 ||
+                      w->type == GGML_TYPE_Q2_K || w->type == GGML_TYPE_Q5_K;
+    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    for (int o = o0; o < o1; o++) {
+        const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
+        for (int t0 = 0; t0 < n_tok; t0 += MMB_NT) {
+            int nt = n_tok - t0 < MMB_NT ? n_tok - t0 : MMB_NT;
+            __m256 acc[MMB_NT];
+            for (int t = 0; t < MMB_NT; t++)
+                acc[t] = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                struct block32 k;
+                qt_block32_scales(w->type, row, b, k.s, k.mn);
+                __m256i wv = decode_avx2(w->type, row, b);
+                __m256i wabs = _mm256_sign_epi8(wv, wv);
+                __m256 sv =
+                    _mm256_setr_ps(k.s[0], k.s[0], k.s[0], k.s[0], k.s[1], k.s[1], k.s[1], k.s[1]);
+                __m256 mv = _mm256_setr_ps(k.mn[0], k.mn[0], k.mn[0], k.mn[0], k.mn[1], k.mn[1],
+                                           k.mn[1], k.mn[1]);
+                for (int t = 0; t < nt; t++) {
+                    size_t tok = (size_t)(t0 + t);
+                    __m256i x = _mm256_loadu_si256(
+                        (const __m256i *)(xa->q + tok * xa->ldq + 32 * (size_t)b));
+                    __m256 dx = _mm256_set1_ps(xa->d[tok * xa->ldb + b]);
+                    __m256i dot = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, wv)), ones16);
+                    __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), sv);
+                    if (mins) {
+                        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x), ones16);
+                        part = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sum), mv, part);
+                    }
+                    acc[t] = _mm256_fmadd_ps(part, dx, acc[t]);
+                }
+            }
+            for (int t = 0; t < nt; t++)
+                out[(size_t)(t0 + t) * (size_t)w->n_out + (size_t)o] = hsum8(acc[t]);
+        }
+    }
+}
+
+#endif /* MMB_X86 */
+
+/* ------------------------------------------------------------------------
+ * Dispatch
+ * ------------------------------------------------------------------------ */
+
+/* -1: not yet looked at; 0: plain C; 1: AVX2. */
+static int cached = -1;
+
+static bool have_avx2(void)
+{
+#ifdef MMB_X86
+    /* every thread that races here computes the same value */
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+#else
+    return false;
+#endif
+}
+
+int mm_blocks_use(const char *kernel)
+{
+    if (!strcmp(kernel, "scalar")) {
+        __atomic_store_n(&cached, 0, __ATOMIC_RELAXED);
+        return 0;
+    }
+    if (strcmp(kernel, "auto") != 0)
+        return -EINVAL;
+    __atomic_store_n(&cached, -1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+const char *mm_blocks_kernel_name(void)
+{
+    return have_avx2() ? "avx2" : "scalar";
+}
+
+void mm_blocks_rows(const struct mm_weight *w, const struct mm_xq *xa, float *out, int n_tok,
+                    int o0, int o1)
+{
+#ifdef MMB_X86
+    if (have_avx2()) {
+        rows_avx2(w, xa, out, n_tok, o0, o1);
+        return;
+    }
+#endif
+    rows_scalar(w, xa, out, n_tok, o0, o1);
+}
