@@ -495,17 +495,23 @@ static void random_k_blocks(enum ggml_type type, uint8_t *p, int n_blocks)
  * qs[32*(e/64) + e%32], value d*sc[e/32]*q - dmin*m[e/32]. *mag gets
  * |d*sc*q| + |dmin*m|.
  */
-static void plain_q4_K(const uint8_t *blk, float *y, float *mag)
+/* The eight 6-bit scales and mins of q4_K and q5_K (12 bytes at s). */
+static void plain_k_scales(const uint8_t *s, int *sc, int *m)
 {
-    double d = ref_f16(rd16(blk)), dmin = ref_f16(rd16(blk + 2));
-    const uint8_t *s = blk + 4, *qs = blk + 16;
-    int sc[8], m[8];
     for (int i = 0; i < 4; i++) {
         sc[i] = s[i] & 0x3f;
         m[i] = s[4 + i] & 0x3f;
         sc[4 + i] = (s[8 + i] & 0x0f) + 16 * (s[i] >> 6);
         m[4 + i] = (s[8 + i] >> 4) + 16 * (s[4 + i] >> 6);
     }
+}
+
+static void plain_q4_K(const uint8_t *blk, float *y, float *mag)
+{
+    double d = ref_f16(rd16(blk)), dmin = ref_f16(rd16(blk + 2));
+    const uint8_t *s = blk + 4, *qs = blk + 16;
+    int sc[8], m[8];
+    plain_k_scales(s, sc, m);
     for (int e = 0; e < 256; e++) {
         int j = e / 32;
         uint8_t byte = qs[32 * (e / 64) + e % 32];
@@ -746,12 +752,7 @@ static void plain_q5_K(const uint8_t *blk, float *y, float *mag)
     double d = ref_f16(rd16(blk)), dmin = ref_f16(rd16(blk + 2));
     const uint8_t *s = blk + 4, *qh = blk + 16, *qs = blk + 48;
     int sc[8], m[8];
-    for (int i = 0; i < 4; i++) {
-        sc[i] = s[i] & 0x3f;
-        m[i] = s[4 + i] & 0x3f;
-        sc[4 + i] = (s[8 + i] & 0x0f) + 16 * (s[i] >> 6);
-        m[4 + i] = (s[8 + i] >> 4) + 16 * (s[4 + i] >> 6);
-    }
+    plain_k_scales(s, sc, m);
     for (int e = 0; e < 256; e++) {
         int j = e / 32, l = e % 32;
         uint8_t byte = qs[32 * (j / 2) + l];
