@@ -17,6 +17,14 @@
  *              the first policy retains, at positions 0..n-1: the gold
  *              standard the cache approximates (expensive; length-limited).
  *
+ * With --kld-ref T, every policy and the dense baseline also run a twin
+ * sequence whose cache stores K and V in type T (f32: the unquantised
+ * reference), fed the same tokens in lockstep under the same policy; the
+ * KL divergence KL(P_ref || P) of the two next-token distributions is
+ * averaged per segment and overall. It measures what a KV type costs
+ * token by token, which perplexity (an average of one token's
+ * probability) hides.
+ *
  * At start it prints which attention path runs; a shape the fused kernel
  * cannot take fails model_ctx_create with the shape named, and eval stops:
  * there is no silent fallback to a slower kernel.
@@ -59,6 +67,8 @@ struct eval_opts {
     int recompute_max;  /* tokens the recompute baseline covers */
     int page_tokens;
     enum kv_type k_type, v_type;
+    bool kld;                      /* --kld-ref given */
+    enum kv_type kld_type;         /* K and V type of the twin reference sequence */
     int threads;
     bool json;
     const char *losses, *plot;
@@ -71,6 +81,8 @@ struct eval_opts {
 struct eval_run {
     char label[96];
     double *loss;
+    double *kld;        /* with --kld-ref: kld[t] = KL(P_ref || P) of token t's prediction */
+    bool has_kld;
     int n;              /* tokens scored: loss[1..n) valid */
     double seconds;
     int pages_used;
@@ -102,6 +114,9 @@ static void eval_usage(FILE *f)
             "  --page-tokens N      cache page size (default 4)\n"
             "  --kv-type T          K and V type: f32 | f16 | bf16 | q8_0 | q4_0 (default f32)\n"
             "  --k-type T, --v-type T   the K or the V type alone\n"
+            "  --kld-ref T          also run each policy and dense with K/V in type T (e.g. f32)\n"
+            "                       and report the mean KL divergence of the next-token\n"
+            "                       distributions against it\n"
             "  --threads N          OpenMP threads (default: all cores)\n"
             "  --json               print results as JSON\n"
             "  --losses OUT.npy|OUT.bin   per-token losses of the first policy\n"
@@ -269,6 +284,10 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
         } else if (srv_opt_kv_types(argc, argv, &i, "eval", &o->k_type, &o->v_type, &bad)) {
             if (bad)
                 return -1;
+        } else if (OPT("--kld-ref")) {
+            if (bad || kv_type_parse(v, &o->kld_type))
+                return bad_opt("--kld-ref (f32|f16|bf16|q8_0|q4_0)", v);
+            o->kld = true;
         } else if (OPT("--threads")) {
             if (bad || srv_parse_long(v, 1, 1024, &n))
                 return bad_opt("--threads", v);
@@ -339,8 +358,8 @@ struct evaluator {
     model_ctx *ctx;
     int n_vocab;
     float *logits;
+    float *ref_logits; /* with --kld-ref: the twin sequence's */
     const struct eval_opts *o;
-    size_t kv_token_bytes; /* K+V bytes of one token, all layers */
 };
 
 static double seconds_now(void)
@@ -350,15 +369,77 @@ static double seconds_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A cache big enough for `tokens` tokens of one sequence (plus slack). */
-static kv_cache *make_cache(const struct evaluator *ev, int tokens, char *err, size_t errlen)
+/* A cache with K and V in the given types big enough for `tokens` tokens
+ * of one sequence (plus slack). NULL with the reason (a type the head size
+ * cannot take, memory) in err. */
+static kv_cache *make_cache_typed(const struct evaluator *ev, int tokens, enum kv_type k_type,
+                                  enum kv_type v_type, char *err, size_t errlen)
 {
-    struct kv_cache_params p = {.page_tokens = ev->o->page_tokens, .k_type = ev->o->k_type,
-                                .v_type = ev->o->v_type};
+    struct kv_cache_params p = {.page_tokens = ev->o->page_tokens, .k_type = k_type,
+                                .v_type = v_type};
     model_kv_shape(ev->m, &p);
     size_t pages = (size_t)(tokens + ev->o->page_tokens - 1) / (size_t)ev->o->page_tokens + 2;
-    p.memory_bytes = (pages + 1) * ev->kv_token_bytes * (size_t)ev->o->page_tokens + 4096;
+    p.memory_bytes = (pages + 1) * kv_cache_token_bytes(&p) * (size_t)ev->o->page_tokens + 4096;
     return kv_cache_create(&p, err, errlen);
+}
+
+static kv_cache *make_cache(const struct evaluator *ev, int tokens, char *err, size_t errlen)
+{
+    return make_cache_typed(ev, tokens, ev->o->k_type, ev->o->v_type, err, errlen);
+}
+
+/* KL(P || Q) of the softmaxes of two logit rows, in double. */
+static double kl_divergence(const float *p_logits, const float *q_logits, int n)
+{
+    double pm = p_logits[0], qm = q_logits[0];
+    for (int i = 1; i < n; i++) {
+        pm = p_logits[i] > pm ? p_logits[i] : pm;
+        qm = q_logits[i] > qm ? q_logits[i] : qm;
+    }
+    double ps = 0, qs = 0;
+    for (int i = 0; i < n; i++) {
+        ps += exp(p_logits[i] - pm);
+        qs += exp(q_logits[i] - qm);
+    }
+    double lp = pm + log(ps), lq = qm + log(qs), kl = 0;
+    for (int i = 0; i < n; i++) {
+        double a = p_logits[i] - lp, b = q_logits[i] - lq; /* log-probabilities */
+        kl += exp(a) * (a - b);
+    }
+    return kl > 0 ? kl : 0; /* rounding can leave -1e-17 for equal rows */
+}
+
+/*
+ * The twin of a policy run for --kld-ref: the same policy over a cache in
+ * the reference type, fed the same tokens. Each step feeds it the token
+ * just fed to the run's sequence and stores KL(P_ref || P) for the next one.
+ */
+struct twin {
+    kv_cache *cache;
+    kv_seq *seq;
+};
+
+static int twin_open(struct evaluator *ev, const struct kv_policy *policy, int budget,
+                     struct twin *tw)
+{
+    char err[256];
+    *tw = (struct twin){0};
+    if (!ev->o->kld)
+        return 0;
+    tw->cache = make_cache_typed(ev, budget, ev->o->kld_type, ev->o->kld_type, err, sizeof(err));
+    tw->seq = tw->cache ? kv_seq_create(tw->cache, policy, true, err, sizeof(err)) : NULL;
+    if (!tw->seq) {
+        fprintf(stderr, "kvd eval: --kld-ref %s: %s\n", kv_type_name(ev->o->kld_type), err);
+        kv_cache_destroy(tw->cache);
+        return -1;
+    }
+    return 0;
+}
+
+static void twin_close(struct twin *tw)
+{
+    kv_seq_destroy(tw->seq);
+    kv_cache_destroy(tw->cache);
 }
 
 /* Feed one token to seq and return its logits' loss for `next` (or 0). */
@@ -389,10 +470,23 @@ static int run_policy(struct evaluator *ev, const struct kv_policy *policy, cons
         return -1;
     }
     kv_seq *seq = kv_seq_create(cache, policy, true, err, sizeof(err));
-    int rc = seq ? 0 : -1;
-    double t0 = seconds_now(), t_recompute = 0;
+    struct twin tw;
+    int rc = seq ? twin_open(ev, policy, budget, &tw) : -1;
+    if (!seq)
+        tw = (struct twin){0};
+    run->has_kld = tw.seq != NULL;
+    double t0 = seconds_now(), t_recompute = 0, t_twin = 0;
     for (int t = 0; rc == 0 && t < n - 1; t++) {
         rc = feed(ev, seq, tokens[t], tokens[t + 1], true, &run->loss[t + 1]);
+        if (rc == 0 && tw.seq) {
+            double k0 = seconds_now();
+            struct model_batch_seq b = {.seq = tw.seq, .tokens = &tokens[t], .n_tokens = 1,
+                                        .logits = ev->ref_logits};
+            rc = model_forward(ev->ctx, &b, 1, NULL);
+            if (rc == 0)
+                run->kld[t + 1] = kl_divergence(ev->ref_logits, ev->logits, ev->n_vocab);
+            t_twin += seconds_now() - k0;
+        }
         if (rc || !recompute || t + 1 >= ev->o->recompute_max)
             continue;
         /* gold standard: the retained tokens alone, fresh, at 0..k-1 */
@@ -409,7 +503,7 @@ static int run_policy(struct evaluator *ev, const struct kv_policy *policy, cons
         recompute->n = t + 2;
         t_recompute += seconds_now() - r0;
     }
-    run->seconds = seconds_now() - t0 - t_recompute;
+    run->seconds = seconds_now() - t0 - t_recompute - t_twin;
     if (recompute)
         recompute->seconds = t_recompute;
     run->n = n;
@@ -420,6 +514,7 @@ static int run_policy(struct evaluator *ev, const struct kv_policy *policy, cons
     run->evicted = st.tokens_evicted;
     if (rc)
         fprintf(stderr, "kvd eval: forward failed (%d) under %s\n", rc, run->label);
+    twin_close(&tw);
     kv_seq_destroy(seq);
     kv_cache_destroy(cache);
     return rc;
@@ -475,6 +570,23 @@ static double ppl(const struct eval_run *r, int a, int b)
     return exp(s / (b - a));
 }
 
+/* Mean KL divergence over tokens [a, b) of a run (NAN without --kld-ref or tokens). */
+static double mean_kld(const struct eval_run *r, int a, int b)
+{
+    if (!r->has_kld)
+        return NAN;
+    if (a < 1)
+        a = 1;
+    if (b > r->n)
+        b = r->n;
+    if (a >= b)
+        return NAN;
+    double s = 0;
+    for (int t = a; t < b; t++)
+        s += r->kld[t];
+    return s / (b - a);
+}
+
 static void segment_bounds(const struct eval_opts *o, int n, int k, int *a, int *b)
 {
     *a = k == 0 ? 1 : o->segments[k - 1];
@@ -502,7 +614,10 @@ static void print_table(const struct eval_opts *o, const struct eval_run *runs, 
                  a, b);
         printf(" %15s", h);
     }
-    printf(" %10s %9s %8s %7s %10s\n", "overall", "tok/s", "vs ref", "pages", "evicted");
+    printf(" %10s %9s %8s %7s %10s", "overall", "tok/s", "vs ref", "pages", "evicted");
+    if (o->kld)
+        printf(" %12s", "mean KLD");
+    printf("\n");
     printf("(>2x, >4x: segments starting at 2 or 4 times the training length, %d)\n", train_len);
     for (int r = 0; r < n_runs; r++) {
         const struct eval_run *run = &runs[r];
@@ -516,10 +631,19 @@ static void print_table(const struct eval_opts *o, const struct eval_run *runs, 
         /* compare over the tokens both scored (recompute may stop early) */
         int common = ref >= 0 && runs[ref].n < run->n ? runs[ref].n : run->n;
         double ratio = ref >= 0 ? ppl(run, 1, common) / ppl(&runs[ref], 1, common) : NAN;
-        printf(" %10.3f %9.1f %8.3f %7d %10llu\n", all,
+        printf(" %10.3f %9.1f %8.3f %7d %10llu", all,
                run->seconds > 0 ? (run->n - 1) / run->seconds : 0.0, ratio, run->pages_used,
                (unsigned long long)run->evicted);
+        if (o->kld && run->has_kld)
+            printf(" %12.3e", mean_kld(run, 1, run->n));
+        else if (o->kld)
+            printf(" %12s", "-");
+        printf("\n");
     }
+    if (o->kld)
+        printf("mean KLD: KL(P_ref || P) of the next-token distributions against the same run "
+               "with K/V in %s (not computed for chunked and recompute)\n",
+               kv_type_name(o->kld_type));
     if (ref >= 0)
         printf("vs ref: overall perplexity / that of '%s' over the same tokens\n",
                runs[ref].label);
@@ -533,16 +657,24 @@ static void print_json(const struct eval_opts *o, const struct eval_run *runs, i
     for (int r = 0; r < n_runs; r++) {
         const struct eval_run *run = &runs[r];
         printf("%s\n  {\"label\": \"%s\", \"perplexity\": %.6f, \"seconds\": %.3f, "
-               "\"pages_used\": %d, \"evictions\": %llu, \"tokens_evicted\": %llu, "
-               "\"segments\": [",
+               "\"pages_used\": %d, \"evictions\": %llu, \"tokens_evicted\": %llu, ",
                r ? "," : "", run->label, ppl(run, 1, run->n), run->seconds, run->pages_used,
                (unsigned long long)run->evictions, (unsigned long long)run->evicted);
+        if (run->has_kld)
+            printf("\"kld_ref\": \"%s\", \"kld_mean\": %.9g, ", kv_type_name(o->kld_type),
+                   mean_kld(run, 1, run->n));
+        printf("\"segments\": [");
         for (int k = 0; k < ns; k++) {
             int a, b;
             segment_bounds(o, n, k, &a, &b);
             double p = ppl(run, a, b);
             printf("%s{\"from\": %d, \"to\": %d, \"perplexity\": ", k ? ", " : "", a, b);
-            printf(isnan(p) ? "null}" : "%.6f}", p);
+            printf(isnan(p) ? "null" : "%.6f", p);
+            if (run->has_kld) {
+                double kl = mean_kld(run, a, b);
+                printf(isnan(kl) ? ", \"kld\": null" : ", \"kld\": %.9g", kl);
+            }
+            printf("}");
         }
         printf("]}");
     }
@@ -656,12 +788,13 @@ static void describe_path(const struct eval_opts *o, const struct model_info *in
     fprintf(stderr,
             "kvd eval: %s (%s, %d layers, %d heads / %d kv heads, head dim %d)\n"
             "attention: fused paged kernel, %s, %d threads, K %s, V %s, position %s, page %d "
-            "tokens\n"
+            "tokens%s%s\n"
             "tokens: %d; training length %d (2x = %d, 4x = %d)\n",
             info->name, info->arch, info->n_layer, info->n_head, info->n_kv_head, info->head_dim,
             attn_simd_name(), o->threads ? o->threads : omp_get_max_threads(),
-            kv_type_name(o->k_type), kv_type_name(o->v_type), pos_kind_name(info->pos), o->page_tokens, n, train_len,
-            2 * train_len, 4 * train_len);
+            kv_type_name(o->k_type), kv_type_name(o->v_type), pos_kind_name(info->pos),
+            o->page_tokens, o->kld ? "; KLD against K/V in " : "",
+            o->kld ? kv_type_name(o->kld_type) : "", n, train_len, 2 * train_len, 4 * train_len);
 }
 
 int srv_cmd_eval(int argc, char **argv)
@@ -699,20 +832,25 @@ int srv_cmd_eval(int argc, char **argv)
     struct evaluator ev = {.m = m, .n_vocab = info.n_vocab, .o = &o};
     struct kv_cache_params shape = {.k_type = o.k_type, .v_type = o.v_type};
     model_kv_shape(m, &shape);
-    ev.kv_token_bytes = kv_cache_token_bytes(&shape);
-    if (!ev.kv_token_bytes) {
-        fprintf(stderr, "kvd eval: K type %s / V type %s cannot store head_dim %d (q8_0 and q4_0 "
-                        "need a multiple of 32)\n",
-                kv_type_name(o.k_type), kv_type_name(o.v_type), info.head_dim);
+    struct kv_cache_params ref_shape = shape;
+    ref_shape.k_type = ref_shape.v_type = o.kld ? o.kld_type : KV_F32;
+    if (!kv_cache_token_bytes(&shape) || !kv_cache_token_bytes(&ref_shape)) {
+        fprintf(stderr,
+                "kvd eval: K type %s / V type %s%s%s cannot store head_dim %d (q8_0 and q4_0 "
+                "need a multiple of 32)\n",
+                kv_type_name(o.k_type), kv_type_name(o.v_type), o.kld ? " / --kld-ref " : "",
+                o.kld ? kv_type_name(o.kld_type) : "", info.head_dim);
+        free(tokens);
         model_free(m);
         return 2;
     }
     ev.ctx = tokens ? model_ctx_create(m, budget, o.threads, err, sizeof(err)) : NULL;
     ev.logits = malloc(sizeof(float) * (size_t)info.n_vocab);
+    ev.ref_logits = malloc(sizeof(float) * (size_t)info.n_vocab);
     struct eval_run runs[MAX_POLICIES + MAX_BASELINES];
     memset(runs, 0, sizeof(runs));
     int n_runs = 0, rc = 0, ref = -1;
-    if (!tokens || !ev.ctx || !ev.logits) {
+    if (!tokens || !ev.ctx || !ev.logits || !ev.ref_logits) {
         if (tokens && !ev.ctx)
             fprintf(stderr, "kvd eval: %s\n", err);
         rc = 1;
@@ -721,7 +859,8 @@ int srv_cmd_eval(int argc, char **argv)
     describe_path(&o, &info, n, train_len);
     for (int k = 0; k < o.n_policies + MAX_BASELINES; k++) {
         runs[k].loss = calloc((size_t)n, sizeof(double));
-        if (!runs[k].loss) {
+        runs[k].kld = calloc((size_t)n, sizeof(double));
+        if (!runs[k].loss || !runs[k].kld) {
             rc = 1;
             goto out;
         }
@@ -774,8 +913,12 @@ int srv_cmd_eval(int argc, char **argv)
     }
 out:
     for (int k = 0; k < o.n_policies + MAX_BASELINES; k++)
+    {
         free(runs[k].loss);
+        free(runs[k].kld);
+    }
     free(ev.logits);
+    free(ev.ref_logits);
     model_ctx_destroy(ev.ctx);
     free(tokens);
     model_free(m);

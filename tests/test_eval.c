@@ -113,6 +113,56 @@ static void test_sink_window_matches_recompute(void **state)
     json_decref(doc);
 }
 
+/*
+ * --kld-ref: the twin run in the reference type gives the KL divergence of
+ * every prediction. Against itself it is exactly 0 (same kernel, same
+ * bytes); f16 against f32 is small but not 0, and the perplexities stay
+ * within 0.1%. stories260K's 8-dim heads cannot take q8_0 (blocks of 32):
+ * refused with the type and head size named.
+ */
+static void test_kld_ref(void **state)
+{
+    (void)state;
+    if (!have_inputs())
+        skip();
+    json_t *self = run_ok("--tokens 700 --kv-type f16 --kld-ref f16 --baseline dense");
+    json_t *half = run_ok("--tokens 700 --kv-type f16 --kld-ref f32 --baseline dense");
+    json_t *full = run_ok("--tokens 700 --kv-type f32 --baseline dense");
+    for (int i = 0; i < 2; i++) {
+        const char *which = i ? "dense" : "sink-window";
+        json_t *s = run_named(self, which), *h = run_named(half, which), *f = run_named(full, which);
+        double k_self = json_number_value(json_object_get(s, "kld_mean"));
+        double k_half = json_number_value(json_object_get(h, "kld_mean"));
+        double p_half = json_number_value(json_object_get(h, "perplexity"));
+        double p_full = json_number_value(json_object_get(f, "perplexity"));
+        print_message("%s: KLD f16|f16 %.3g, f16|f32 %.3g; ppl f16 %.5f, f32 %.5f\n", which,
+                      k_self, k_half, p_half, p_full);
+        assert_string_equal(json_string_value(json_object_get(h, "kld_ref")), "f32");
+        assert_true(k_self == 0.0);
+        assert_true(k_half > 0.0 && k_half < 1e-3);
+        assert_true(fabs(p_half / p_full - 1.0) < 1e-3);
+        assert_null(json_object_get(f, "kld_mean")); /* no --kld-ref, no KLD */
+        json_t *seg = json_array_get(json_object_get(h, "segments"), 0);
+        assert_true(json_number_value(json_object_get(seg, "kld")) > 0.0);
+    }
+    json_decref(self);
+    json_decref(half);
+    json_decref(full);
+
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd),
+             "%s eval --model %s --file %s --tokens 100 --kv-type q8_0 2>&1 >/dev/null", kvd_bin,
+             model_path, text_path);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    char msg[1024] = {0};
+    size_t n = fread(msg, 1, sizeof(msg) - 1, p);
+    msg[n] = '\0';
+    assert_int_equal(WEXITSTATUS(pclose(p)), 2);
+    assert_non_null(strstr(msg, "q8_0"));
+    assert_non_null(strstr(msg, "head_dim 8"));
+}
+
 /* Preserved positions run RoPE far past 512: at least 3x worse there. */
 static void test_preserve_worse_than_renumber(void **state)
 {
@@ -430,6 +480,7 @@ int main(void)
         cmocka_unit_test(test_chunked_equals_independent),
         cmocka_unit_test(test_preserve_worse_than_renumber),
         cmocka_unit_test(test_sink_window_matches_recompute),
+        cmocka_unit_test(test_kld_ref),
         cmocka_unit_test_teardown(test_serve_scores_like_eval, eq_teardown),
     };
     return cmocka_run_group_tests_name("eval", tests, NULL, NULL);

@@ -196,6 +196,71 @@ static void test_serve_split_types(void **state)
     check_server("f16", "f16", f16, 2, 8192);
 }
 
+/* `kvd eval --json ARGS` on model32 over text_path: the parsed output. */
+static char text_path[512];
+
+static json_t *eval_json(const char *args)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd),
+             "%s eval --model '%s' --file '%s' --train-len 256 --tokens 600 --threads 1 --json %s "
+             "2>/dev/null",
+             kvd_bin, model32, text_path, args);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    json_t *doc = json_loadf(p, 0, NULL);
+    assert_int_equal(pclose(p), 0);
+    assert_non_null(doc);
+    return doc;
+}
+
+static double run_field(json_t *doc, int run, const char *key)
+{
+    json_t *r = json_array_get(json_object_get(doc, "runs"), (size_t)run);
+    assert_non_null(json_object_get(r, key));
+    return json_number_value(json_object_get(r, key));
+}
+
+/*
+ * kvd eval --kld-ref f32 over quantised caches (sink-window and dense):
+ * every type moves the next-token distributions, f16 least, then q8_0,
+ * q8_0 keys with q4_0 values, q4_0. (A seeded random model: the order is
+ * what is checked, the sizes are not those of a trained model.)
+ */
+static void test_eval_kld_types(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    snprintf(text_path, sizeof(text_path), "%s/text.txt", tmpdir);
+    FILE *f = fopen(text_path, "w");
+    assert_non_null(f);
+    for (int i = 0; i < 60; i++)
+        fprintf(f, "Lily found a red ball %d times in the garden and her dog ran after it. ", i);
+    fclose(f);
+    static const char *const types[4] = {"--kv-type f16", "--kv-type q8_0",
+                                         "--k-type q8_0 --v-type q4_0", "--kv-type q4_0"};
+    double kld[4][2];
+    for (int t = 0; t < 4; t++) {
+        char args[256];
+        snprintf(args, sizeof(args), "%s --kld-ref f32 --policy sink-window:4:60 --baseline dense",
+                 types[t]);
+        json_t *doc = eval_json(args);
+        for (int r = 0; r < 2; r++) {
+            kld[t][r] = run_field(doc, r, "kld_mean");
+            assert_true(run_field(doc, r, "perplexity") > 1.0);
+        }
+        print_message("  %-28s mean KLD vs f32: sink-window %.3e, dense %.3e\n", types[t], kld[t][0],
+                      kld[t][1]);
+        json_decref(doc);
+    }
+    for (int r = 0; r < 2; r++) {
+        assert_true(kld[0][r] > 0.0);
+        assert_true(kld[1][r] > kld[0][r]); /* q8_0 rounds more than f16 */
+        assert_true(kld[3][r] > kld[1][r]); /* q4_0 more than q8_0 */
+        assert_true(kld[2][r] > kld[1][r] && kld[2][r] < kld[3][r]);
+    }
+}
+
 /* q4_0 on 16-dim heads: kvd serve refuses to start and says why. */
 static void test_serve_refuses_head_dim(void **state)
 {
@@ -224,6 +289,7 @@ int main(void)
         cmocka_unit_test(test_serve_q8_0),
         cmocka_unit_test(test_serve_split_types),
         cmocka_unit_test(test_serve_refuses_head_dim),
+        cmocka_unit_test(test_eval_kld_types),
     };
     return cmocka_run_group_tests_name("kvtypes", tests, group_setup, group_teardown);
 }
