@@ -21,6 +21,9 @@
  *     is what llama.cpp's server and most clients do.
  *   - A rendering that starts with the BOS text loses it when the
  *     tokenizer adds BOS itself, or the prompt would start with two.
+ *   - Generation must stop where the template ends an assistant turn. The
+ *     marker is found by a probe too: what the template writes right after
+ *     an assistant message's text.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,10 +45,12 @@ struct tpl_chat {
     char *bos, *eos;
     bool strip_bos;
     bool supports_system;
+    char *eot; /* the marker the template puts after an assistant turn; "" = none */
 };
 
 #define PROBE_SYSTEM "kvd-probe-system-7f3a"
 #define PROBE_USER "kvd-probe-user-7f3a"
+#define PROBE_ASSISTANT "kvd-probe-assistant-7f3a"
 
 static int chat_fail(struct tpl_error *err, const char *fmt, const char *detail)
 {
@@ -180,6 +185,37 @@ static bool probe_system(struct tpl_chat *c)
     return ok;
 }
 
+/*
+ * The end-of-turn marker: render user, assistant, user and look at what
+ * follows the assistant's text. Past spaces and newlines, a marker in angle
+ * brackets ("<|im_end|>", "<end_of_turn>", "</s>", "<|eot_id|>") is the
+ * end of the turn; anything else (a template that closes turns with plain
+ * text, or one that fails on the probe) gives none. New string.
+ */
+static char *probe_end_of_turn(struct tpl_chat *c)
+{
+    json_t *msgs = json_pack("[{s:s,s:s},{s:s,s:s},{s:s,s:s}]", "role", "user", "content",
+                             PROBE_USER, "role", "assistant", "content", PROBE_ASSISTANT, "role",
+                             "user", "content", PROBE_USER);
+    char *out = NULL, *eot = NULL;
+    size_t n = 0;
+    struct tpl_error err;
+    if (render_raw(c, msgs, NULL, false, 0, &out, &n, &err) == 0) {
+        const char *p = strstr(out, PROBE_ASSISTANT);
+        if (p) {
+            p += strlen(PROBE_ASSISTANT);
+            while (*p == ' ' || *p == '\n')
+                p++;
+            const char *close = *p == '<' ? strchr(p, '>') : NULL;
+            if (close && !memchr(p, '\n', (size_t)(close - p)))
+                eot = strndup(p, (size_t)(close - p + 1));
+        }
+    }
+    free(out);
+    json_decref(msgs);
+    return eot ? eot : strdup("");
+}
+
 tpl_chat *tpl_chat_create(const char *src, size_t len, const struct tpl_chat_params *p,
                           struct tpl_error *err)
 {
@@ -196,6 +232,9 @@ tpl_chat *tpl_chat_create(const char *src, size_t len, const struct tpl_chat_par
         abort();
     c->strip_bos = p->strip_bos;
     c->supports_system = probe_system(c);
+    c->eot = probe_end_of_turn(c);
+    if (!c->eot)
+        abort();
     return c;
 }
 
@@ -206,12 +245,18 @@ void tpl_chat_destroy(tpl_chat *c)
     tpl_free(c->t);
     free(c->bos);
     free(c->eos);
+    free(c->eot);
     free(c);
 }
 
 bool tpl_chat_supports_system(const tpl_chat *c)
 {
     return c->supports_system;
+}
+
+const char *tpl_chat_end_of_turn(const tpl_chat *c)
+{
+    return c->eot;
 }
 
 int tpl_chat_render(const tpl_chat *c, const json_t *messages, const json_t *tools,

@@ -123,6 +123,12 @@ void tpl_chat_destroy(tpl_chat *c);
 /* Whether the template renders a system message itself (probed at load). */
 bool tpl_chat_supports_system(const tpl_chat *c);
 
+/* The marker the template writes right after an assistant message's text
+ * ("<|im_end|>", "<end_of_turn>", "</s>", ...; probed at load), where
+ * generation should stop; "" when the template writes none in angle
+ * brackets. Borrowed. */
+const char *tpl_chat_end_of_turn(const tpl_chat *c);
+
 /*
  * Render messages (a JSON array of {"role", "content", ...}, borrowed) and
  * tools (array or NULL). Content may be a string, null, or an array of

@@ -226,6 +226,36 @@ static void test_system_probe(void **state)
     }
 }
 
+/* The end-of-turn marker, found by rendering an assistant turn. */
+static void test_end_of_turn(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *model, *eot;
+    } cases[] = {{"chatml-openhermes", "<|im_end|>"}, {"llama-3", "<|eot_id|>"},
+                 {"gemma", "<end_of_turn>"},          {"phi-3-small", "<|end|>"},
+                 {"mistral-v7", "</s>"},              {"deepseek-coder", "<|EOT|>"},
+                 {"zephyr", "</s>"},                  {"command-r-plus", "<|END_OF_TURN_TOKEN|>"},
+                 {"openchat", "<|end_of_turn|>"},     {"qwen1.5", "<|im_end|>"},
+                 {"llama-2", "</s>"},                 {"qwen3", "<|im_end|>"},
+                 {"solar", ""}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, CASES "/models/%s.jinja", cases[i].model);
+        size_t len;
+        char *src = slurp(path, &len);
+        struct tpl_chat_params p = {.bos_token = "<s>", .eos_token = "</s>"};
+        struct tpl_error err;
+        tpl_chat *c = tpl_chat_create(src, len, &p, &err);
+        assert_non_null(c);
+        if (strcmp(tpl_chat_end_of_turn(c), cases[i].eot) != 0)
+            fail_msg("%s: end of turn [%s], want [%s]", cases[i].model, tpl_chat_end_of_turn(c),
+                     cases[i].eot);
+        tpl_chat_destroy(c);
+        free(src);
+    }
+}
+
 static void test_bos_strip(void **state)
 {
     (void)state;
@@ -743,6 +773,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_model_templates), cmocka_unit_test(test_system_probe),
+        cmocka_unit_test(test_end_of_turn),
         cmocka_unit_test(test_bos_strip),       cmocka_unit_test(test_default_chatml),
         cmocka_unit_test(test_chat_input_errors), cmocka_unit_test(test_whitespace),
         cmocka_unit_test(test_expressions),     cmocka_unit_test(test_statements),
