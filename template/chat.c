@@ -286,3 +286,181 @@ int tpl_chat_render(const tpl_chat *c, const json_t *messages, const json_t *too
         *out_len = n;
     return 0;
 }
+
+/* --- turn-aware fitting --- */
+
+/* The droppable turns of msgs: indices of their first messages in
+ * starts[0..n), each turn running to the next start (or to `end`, where
+ * the pinned last user turn begins). Returns n. */
+static int find_turns(const json_t *msgs, int *starts, int *end)
+{
+    int n_msgs = (int)json_array_size(msgs), last_user = -1, n = 0;
+    for (int i = 0; i < n_msgs; i++) {
+        const char *role = json_string_value(json_object_get(json_array_get(msgs, i), "role"));
+        if (role && !strcmp(role, "user"))
+            last_user = i;
+    }
+    *end = last_user < 0 ? n_msgs : last_user;
+    for (int i = 0; i < *end; i++) {
+        const char *role = json_string_value(json_object_get(json_array_get(msgs, i), "role"));
+        if (role && !strcmp(role, "user"))
+            starts[n++] = i;
+    }
+    return n;
+}
+
+/* msgs without the messages of turns [0, d) (system messages inside them
+ * stay: they are pinned). New array; *dropped counts what left. */
+static json_t *without_turns(const json_t *msgs, const int *starts, int n_turns, int end, int d,
+                             int *dropped)
+{
+    json_t *kept = json_array();
+    int from = d > 0 ? starts[0] : 0, to = d == 0 ? 0 : d < n_turns ? starts[d] : end;
+    *dropped = 0;
+    for (int i = 0; i < (int)json_array_size(msgs); i++) {
+        json_t *m = json_array_get(msgs, i);
+        const char *role = json_string_value(json_object_get(m, "role"));
+        if (i >= from && i < to && !(role && !strcmp(role, "system"))) {
+            (*dropped)++;
+            continue;
+        }
+        json_array_append(kept, m);
+    }
+    return kept;
+}
+
+struct fit_try {
+    const tpl_chat *c;
+    const json_t *msgs, *tools;
+    bool agp;
+    time_t now;
+    const int *starts;
+    int n_turns, end;
+    int (*count)(const char *, size_t, void *);
+    void *ctx;
+    struct tpl_error *err;
+};
+
+/* Render with d turns out: tokens, or -1 (err set). Keeps the text in
+ * *text (freed first) when keep is set. */
+static int fit_try(const struct fit_try *f, int d, char **text, size_t *len, int *dropped)
+{
+    json_t *kept = without_turns(f->msgs, f->starts, f->n_turns, f->end, d, dropped);
+    char *out = NULL;
+    size_t n = 0;
+    int rc = render_raw(f->c, kept, f->tools, f->agp, f->now, &out, &n, f->err);
+    json_decref(kept);
+    if (rc < 0)
+        return -1;
+    size_t nb = strlen(f->c->bos);
+    if (f->c->strip_bos && nb && n >= nb && memcmp(out, f->c->bos, nb) == 0) {
+        memmove(out, out + nb, n - nb + 1);
+        n -= nb;
+    }
+    int tokens = f->count(out, n, f->ctx);
+    if (tokens < 0) {
+        free(out);
+        return chat_fail(f->err, "%s", "counting the prompt's tokens failed");
+    }
+    free(*text);
+    *text = out;
+    *len = n;
+    return tokens;
+}
+
+int tpl_chat_fit(const tpl_chat *c, const json_t *messages, const json_t *tools,
+                 bool add_generation_prompt, time_t now, int budget, int low_water, int min_drop,
+                 int (*count)(const char *text, size_t len, void *ctx), void *count_ctx,
+                 char **out, size_t *out_len, struct tpl_fit *fit, struct tpl_error *err)
+{
+    struct tpl_error scratch;
+    if (!err)
+        err = &scratch;
+    *out = NULL;
+    memset(fit, 0, sizeof *fit);
+    if (tools && !json_is_array(tools) && !json_is_null(tools))
+        return chat_fail(err, "%s must be an array", "tools");
+    json_t *msgs = prepare(c, messages, err);
+    if (!msgs)
+        return -1;
+    int *starts = malloc((json_array_size(msgs) + 1) * sizeof *starts);
+    if (!starts)
+        abort();
+    struct fit_try f = {.c = c, .msgs = msgs, .tools = tools, .agp = add_generation_prompt,
+                        .now = now, .starts = starts, .count = count, .ctx = count_ctx,
+                        .err = err};
+    f.n_turns = find_turns(msgs, starts, &f.end);
+    if (min_drop > f.n_turns)
+        min_drop = f.n_turns; /* a shorter conversation than the session's */
+    if (min_drop < 0)
+        min_drop = 0;
+    if (low_water > budget)
+        low_water = budget;
+    char *text = NULL;
+    size_t len = 0;
+    int dropped = 0, d = min_drop, rc = -1;
+    int tokens = fit_try(&f, d, &text, &len, &dropped);
+    if (tokens >= 0 && tokens > budget) {
+        /* the smallest d in (min_drop, n_turns] whose prompt fits low_water;
+         * the count falls as d grows */
+        int lo = min_drop + 1, hi = f.n_turns;
+        char *t2 = NULL;
+        size_t l2 = 0;
+        int all = fit_try(&f, hi, &t2, &l2, &dropped);
+        if (all < 0)
+            goto out;
+        fit->pinned_tokens = all;
+        int best = hi, best_tokens = all;
+        while (lo < hi) {
+            int mid = lo + (hi - lo) / 2, dm;
+            char *tm = NULL;
+            size_t lm = 0;
+            int k = fit_try(&f, mid, &tm, &lm, &dm);
+            free(tm);
+            if (k < 0) {
+                free(t2);
+                goto out;
+            }
+            if (k <= low_water) {
+                best = hi = mid;
+                best_tokens = k;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        free(t2);
+        d = best;
+        tokens = fit_try(&f, d, &text, &len, &dropped);
+        if (tokens >= 0 && tokens != best_tokens) {
+            chat_fail(err, "%s", "the template rendered differently twice");
+            tokens = -1;
+        }
+        if (tokens >= 0 && tokens > budget) {
+            char msg[200];
+            snprintf(msg, sizeof msg,
+                     "the prompt needs %d tokens with every earlier turn left out (the system "
+                     "messages, the tools and the last user turn are kept whole); the budget is "
+                     "%d",
+                     tokens, budget);
+            chat_fail(err, "%s", msg);
+            goto out;
+        }
+    } else if (tokens >= 0 && d == f.n_turns) {
+        fit->pinned_tokens = tokens;
+    }
+    if (tokens < 0)
+        goto out;
+    fit->dropped_turns = d;
+    fit->dropped_messages = dropped;
+    fit->prompt_tokens = tokens;
+    *out = text;
+    text = NULL;
+    if (out_len)
+        *out_len = len;
+    rc = 0;
+out:
+    free(text);
+    free(starts);
+    json_decref(msgs);
+    return rc;
+}

@@ -141,6 +141,37 @@ int tpl_chat_render(const tpl_chat *c, const json_t *messages, const json_t *too
                     bool add_generation_prompt, time_t now, char **out, size_t *out_len,
                     struct tpl_error *err);
 
+/*
+ * Turn-aware fitting: render the conversation with as many of its oldest
+ * turns left out as it takes for the prompt to fit a token budget.
+ *
+ * A turn is a user message with the messages that answer it, up to the
+ * next user message. Pinned, never left out: the system (and developer)
+ * messages, the tool definitions, and the last turn that starts with a
+ * user message (with what follows it). The rest leave whole, oldest first,
+ * so the prompt is always exactly the template's rendering of the
+ * messages kept: no turn is ever cut, and the template's structure holds.
+ *
+ * count(text, len, ctx) gives the tokens text takes (-1 on failure).
+ * Turns before min_drop are left out whatever happens (a session's earlier
+ * decision, so its cached prefix stays valid). If the prompt with min_drop
+ * turns out fits budget, that is the answer; otherwise as few further turns
+ * go as bring it within low_water (<= budget; a margin so that the next
+ * requests append to the cache instead of dropping again). Costs
+ * O(log turns) renders.
+ */
+struct tpl_fit {
+    int dropped_turns;    /* turns left out, min_drop included */
+    int dropped_messages; /* messages left out */
+    int prompt_tokens;    /* count() of the rendering returned */
+    int pinned_tokens;    /* count() of the rendering with every droppable turn out */
+};
+
+int tpl_chat_fit(const tpl_chat *c, const json_t *messages, const json_t *tools,
+                 bool add_generation_prompt, time_t now, int budget, int low_water, int min_drop,
+                 int (*count)(const char *text, size_t len, void *ctx), void *count_ctx,
+                 char **out, size_t *out_len, struct tpl_fit *fit, struct tpl_error *err);
+
 /* Format err as "LINE:COL: MESSAGE" (or MESSAGE when it has no place) into
  * buf; returns buf. */
 const char *tpl_error_string(const struct tpl_error *err, char *buf, size_t len);

@@ -657,6 +657,114 @@ static void test_linear_work(void **state)
 
 
 /* ------------------------------------------------------------------------
+ * Turn-aware fitting
+ * ------------------------------------------------------------------------ */
+
+static int count_bytes(const char *text, size_t len, void *ctx)
+{
+    (void)text;
+    (*(int *)ctx)++;
+    return (int)len;
+}
+
+/* A conversation: a system message, n answered turns (a system note in
+ * turn 2), and a last user message. */
+static json_t *long_chat(int n)
+{
+    json_t *m = json_pack("[{s:s,s:s}]", "role", "system", "content", "SYS");
+    for (int i = 0; i < n; i++) {
+        char u[32], a[32];
+        snprintf(u, sizeof u, "question %02d", i);
+        snprintf(a, sizeof a, "answer %02d", i);
+        json_array_append_new(m, json_pack("{s:s,s:s}", "role", "user", "content", u));
+        if (i == 2)
+            json_array_append_new(m, json_pack("{s:s,s:s}", "role", "system", "content", "NOTE"));
+        json_array_append_new(m, json_pack("{s:s,s:s}", "role", "assistant", "content", a));
+    }
+    json_array_append_new(m, json_pack("{s:s,s:s}", "role", "user", "content", "last"));
+    return m;
+}
+
+static void test_fit(void **state)
+{
+    (void)state;
+    struct tpl_chat_params p = {0};
+    struct tpl_error err;
+    tpl_chat *c = tpl_chat_create(tpl_chatml_source, strlen(tpl_chatml_source), &p, &err);
+    json_t *msgs = long_chat(10);
+    char *full, *out;
+    size_t full_len, len;
+    assert_int_equal(tpl_chat_render(c, msgs, NULL, true, 0, &full, &full_len, &err), 0);
+    struct tpl_fit fit;
+    int calls = 0;
+    /* fits: nothing leaves */
+    assert_int_equal(tpl_chat_fit(c, msgs, NULL, true, 0, 100000, 50000, 0, count_bytes, &calls,
+                                  &out, &len, &fit, &err), 0);
+    assert_string_equal(out, full);
+    assert_int_equal(fit.dropped_turns, 0);
+    assert_int_equal(fit.prompt_tokens, (int)full_len);
+    free(out);
+    /* too big: whole turns leave, oldest first, down to the low-water mark */
+    int budget = (int)full_len - 1, low = (int)full_len / 2;
+    calls = 0;
+    assert_int_equal(tpl_chat_fit(c, msgs, NULL, true, 0, budget, low, 0, count_bytes, &calls,
+                                  &out, &len, &fit, &err), 0);
+    assert_true(fit.prompt_tokens <= low);
+    assert_true(fit.dropped_turns > 0 && fit.dropped_turns < 10);
+    assert_true(calls <= 8); /* O(log turns) renders */
+    /* the prompt is the template's rendering of exactly the messages kept:
+     * the system messages (the note too), the later turns, the last user turn */
+    json_t *kept = json_array();
+    json_array_append(kept, json_array_get(msgs, 0));
+    json_array_append_new(kept, json_pack("{s:s,s:s}", "role", "system", "content", "NOTE"));
+    for (int i = fit.dropped_turns; i < 10; i++) {
+        char u[32], a[32];
+        snprintf(u, sizeof u, "question %02d", i);
+        snprintf(a, sizeof a, "answer %02d", i);
+        json_array_append_new(kept, json_pack("{s:s,s:s}", "role", "user", "content", u));
+        if (i == 2) /* the note stays where it was */
+            json_array_remove(kept, 1), json_array_append_new(kept, json_pack("{s:s,s:s}", "role", "system", "content", "NOTE"));
+        json_array_append_new(kept, json_pack("{s:s,s:s}", "role", "assistant", "content", a));
+    }
+    json_array_append(kept, json_array_get(msgs, json_array_size(msgs) - 1));
+    char *want;
+    assert_int_equal(tpl_chat_render(c, kept, NULL, true, 0, &want, NULL, &err), 0);
+    assert_string_equal(out, want);
+    assert_int_equal(fit.dropped_messages, 2 * fit.dropped_turns);
+    /* as few turns as fit: one turn fewer than that does not */
+    struct tpl_fit fit2;
+    char *out2;
+    assert_int_equal(tpl_chat_fit(c, msgs, NULL, true, 0, fit.prompt_tokens, fit.prompt_tokens,
+                                  fit.dropped_turns - 1, count_bytes, &calls, &out2, &len, &fit2,
+                                  &err), 0);
+    assert_int_equal(fit2.dropped_turns, fit.dropped_turns);
+    free(out2);
+    /* and below the low-water mark one more goes */
+    assert_int_equal(tpl_chat_fit(c, msgs, NULL, true, 0, fit.prompt_tokens, fit.prompt_tokens - 1,
+                                  fit.dropped_turns - 1, count_bytes, &calls, &out2, &len, &fit2,
+                                  &err), 0);
+    assert_int_equal(fit2.dropped_turns, fit.dropped_turns + 1);
+    free(out2);
+    free(want);
+    json_decref(kept);
+    /* a session's earlier decision holds while the prompt fits */
+    assert_int_equal(tpl_chat_fit(c, msgs, NULL, true, 0, 100000, 50000, 3, count_bytes, &calls,
+                                  &out2, &len, &fit2, &err), 0);
+    assert_int_equal(fit2.dropped_turns, 3);
+    assert_int_equal(fit2.dropped_messages, 6);
+    free(out2);
+    /* the pinned part alone too big: refused with both numbers */
+    assert_int_equal(tpl_chat_fit(c, msgs, NULL, true, 0, 20, 10, 0, count_bytes, &calls, &out2,
+                                  &len, &fit2, &err), -1);
+    assert_non_null(strstr(err.msg, "with every earlier turn left out"));
+    assert_non_null(strstr(err.msg, "the budget is 20"));
+    free(out);
+    free(full);
+    json_decref(msgs);
+    tpl_chat_destroy(c);
+}
+
+/* ------------------------------------------------------------------------
  * kvd chat-template
  * ------------------------------------------------------------------------ */
 
@@ -780,7 +888,7 @@ int main(void)
         cmocka_unit_test(test_filters_and_methods), cmocka_unit_test(test_tests),
         cmocka_unit_test(test_error_cases),     cmocka_unit_test(test_runtime_errors),
         cmocka_unit_test(test_limits),          cmocka_unit_test(test_linear_work),
-        cmocka_unit_test(test_cli),
+        cmocka_unit_test(test_fit),         cmocka_unit_test(test_cli),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
