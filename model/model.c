@@ -641,6 +641,12 @@ int model_tokenize(const model *m, const char *text, size_t len, bool add_bos, i
     return tok_encode(m->tok, text, len, add_bos, out, max);
 }
 
+int model_tokenize_special(const model *m, const char *text, size_t len, bool add_bos,
+                           int32_t *out, int max)
+{
+    return tok_encode_special(m->tok, text, len, add_bos, out, max);
+}
+
 bool model_add_bos(const model *m)
 {
     return tok_add_bos(m->tok);

@@ -70,6 +70,11 @@ void model_kv_shape(const model *m, struct kv_cache_params *p);
  */
 int model_tokenize(const model *m, const char *text, size_t len, bool add_bos, int32_t *out,
                    int max);
+/* model_tokenize, but control tokens written in the text ("<|im_start|>",
+ * "<|eot_id|>") become those tokens: for prompts rendered by a chat
+ * template, never for user text. */
+int model_tokenize_special(const model *m, const char *text, size_t len, bool add_bos,
+                           int32_t *out, int max);
 bool model_add_bos(const model *m);   /* whether prompts start with BOS */
 int32_t model_bos(const model *m);
 bool model_is_eog(const model *m, int32_t token); /* end of generation (EOS, EOT) */

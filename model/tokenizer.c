@@ -474,35 +474,44 @@ static int cmp_user(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-static int build_user(tok_vocab *v)
+static bool whole_match(const tok_vocab *v, int32_t i, bool control)
 {
+    return v->text_len[i] > 0 &&
+           (v->type[i] == TOK_TYPE_USER_DEFINED || (control && v->type[i] == TOK_TYPE_CONTROL));
+}
+
+/* The table of tokens matched whole: user-defined ones, and with control
+ * the control tokens too. */
+static int build_whole(tok_vocab *v, bool control)
+{
+    struct tok_whole *w = &v->whole[control];
     int32_t n = 0;
     for (int32_t i = 0; i < v->n; i++)
-        n += v->type[i] == TOK_TYPE_USER_DEFINED && v->text_len[i] > 0;
-    v->n_user = n;
-    memset(v->user_first, 0, sizeof v->user_first);
+        n += whole_match(v, i, control);
+    w->n = n;
+    memset(w->first, 0, sizeof w->first);
     if (n == 0)
         return 0;
     struct user_key *keys = malloc(sizeof *keys * (size_t)n);
-    v->user_ids = malloc(sizeof *v->user_ids * (size_t)n);
-    if (!keys || !v->user_ids) {
+    w->ids = malloc(sizeof *w->ids * (size_t)n);
+    if (!keys || !w->ids) {
         free(keys);
         return -ENOMEM;
     }
     n = 0;
     for (int32_t i = 0; i < v->n; i++)
-        if (v->type[i] == TOK_TYPE_USER_DEFINED && v->text_len[i] > 0)
+        if (whole_match(v, i, control))
             keys[n++] = (struct user_key){(unsigned char)text_of(v, i)[0], v->text_len[i], i};
     qsort(keys, (size_t)n, sizeof *keys, cmp_user);
     int32_t k = 0;
     for (int b = 0; b < 256; b++) {
-        v->user_first[b] = k;
+        w->first[b] = k;
         while (k < n && keys[k].first == b) {
-            v->user_ids[k] = keys[k].id;
+            w->ids[k] = keys[k].id;
             k++;
         }
     }
-    v->user_first[256] = n;
+    w->first[256] = n;
     free(keys);
     return 0;
 }
@@ -553,7 +562,8 @@ tok_vocab *tok_load_forced(const gguf_file *f, const char *force_pre, char *err,
         (rc = load_scores_types(v, f, err, errlen)) < 0 ||
         (rc = load_specials(v, f, err, errlen)) < 0)
         goto fail_rc;
-    if ((rc = build_pieces(v)) < 0 || (rc = build_lookup(v)) < 0 || (rc = build_user(v)) < 0)
+    if ((rc = build_pieces(v)) < 0 || (rc = build_lookup(v)) < 0 || (rc = build_whole(v, false)) < 0 ||
+        (rc = build_whole(v, true)) < 0)
         goto fail_rc;
     if (v->kind == TOK_KIND_BPE) {
         char c[2];
@@ -598,7 +608,8 @@ void tok_free(tok_vocab *v)
     free(v->eog);
     free(v->lookup.ids);
     free(v->lookup.hash);
-    free(v->user_ids);
+    free(v->whole[0].ids);
+    free(v->whole[1].ids);
     free(v);
 }
 
@@ -670,12 +681,13 @@ const char *tok_token_text(const tok_vocab *v, int32_t id, size_t *len)
  * Encoding
  * ------------------------------------------------------------------------ */
 
-/* The longest user-defined token s starts with, if any. */
-static int32_t match_user(const tok_vocab *v, const char *s, size_t len, size_t *mlen)
+/* The longest token of table w that s starts with, if any. */
+static int32_t match_whole(const tok_vocab *v, const struct tok_whole *w, const char *s,
+                           size_t len, size_t *mlen)
 {
     unsigned char b = (unsigned char)s[0];
-    for (int32_t k = v->user_first[b]; k < v->user_first[b + 1]; k++) {
-        int32_t id = v->user_ids[k];
+    for (int32_t k = w->first[b]; k < w->first[b + 1]; k++) {
+        int32_t id = w->ids[k];
         size_t tl = v->text_len[id];
         if (tl <= len && memcmp(s, text_of(v, id), tl) == 0) {
             *mlen = tl;
@@ -693,8 +705,8 @@ static int encode_run(const tok_vocab *v, const char *s, size_t len, bool after_
     return tok_bpe_encode(v, s, len, o);
 }
 
-int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, int32_t *out,
-               int max)
+static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, bool special,
+                  int32_t *out, int max)
 {
     if (!v || (!text && len > 0) || max < 0 || (!out && max > 0))
         return -EINVAL;
@@ -704,15 +716,17 @@ int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, i
     if (add_bos && v->bos >= 0)
         tok_out_push(&o, v->bos);
 
-    /* Cut out user-defined tokens; encode the runs of text between them.
+    /* Cut out user-defined (and with special, control) tokens; encode the
+     * runs of text between them.
      * Like llama.cpp, SPM puts a space before every run that follows a
      * special token or starts the text. */
     bool after_special = true;
     size_t run = 0;
     int rc;
-    for (size_t i = 0; v->n_user > 0 && i < len;) {
+    const struct tok_whole *w = &v->whole[special];
+    for (size_t i = 0; w->n > 0 && i < len;) {
         size_t ml;
-        int32_t id = match_user(v, text + i, len - i, &ml);
+        int32_t id = match_whole(v, w, text + i, len - i, &ml);
         if (id < 0) {
             i++;
             continue;
@@ -733,6 +747,18 @@ int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, i
     if (o.n > INT_MAX)
         return -EOVERFLOW;
     return (int)o.n;
+}
+
+int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, int32_t *out,
+               int max)
+{
+    return encode(v, text, len, add_bos, false, out, max);
+}
+
+int tok_encode_special(const tok_vocab *v, const char *text, size_t len, bool add_bos,
+                       int32_t *out, int max)
+{
+    return encode(v, text, len, add_bos, true, out, max);
 }
 
 int tok_split_words(const tok_vocab *v, const char *text, size_t len, size_t *starts, int max)

@@ -140,6 +140,10 @@ const char *tok_warning(const tok_vocab *v);
  */
 int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, int32_t *out,
                int max);
+/* tok_encode, but control tokens written in the text ("<|im_start|>",
+ * "<s>") become those tokens, as a rendered chat template needs. */
+int tok_encode_special(const tok_vocab *v, const char *text, size_t len, bool add_bos,
+                       int32_t *out, int max);
 
 /*
  * The pre-tokenizer alone, for tests and diagnostics: cuts text into the

@@ -63,9 +63,14 @@ struct tok_vocab {
 
     /* User-defined tokens, matched whole in the text before encoding:
      * ids sorted by first byte, then by length (longest first). */
-    int32_t *user_ids;
-    int32_t n_user;
-    int32_t user_first[257]; /* user_ids[user_first[b] .. user_first[b+1]) start with b */
+    /* Tokens matched whole in text, longest first per leading byte:
+     * [0] user-defined tokens (always), [1] those and the control tokens
+     * (tok_encode_special: chat markers in a rendered template). */
+    struct tok_whole {
+        int32_t *ids;
+        int32_t n;
+        int32_t first[257]; /* ids[first[b] .. first[b+1]) start with byte b */
+    } whole[2];
 
     /* BPE only. */
     struct tok_merge_tab merges;

@@ -372,6 +372,17 @@ static void test_vocab_phi3_specials(void **state)
     n = enc(v, "<|end|><|user|>", ids, 16);
     for (int i = 0; i < n; i++)
         assert_true(ids[i] < 32000);
+    /* ... except in a rendered chat template (tok_encode_special), where
+     * the markers are the control tokens, and text around them is text. */
+    n = tok_encode_special(v, "<|user|>\nHi<|end|>", 18, true, ids, 16);
+    assert_true(n >= 4 && n < 16);
+    assert_int_equal(ids[0], tok_bos(v));
+    assert_int_equal(ids[1], 32010);
+    assert_int_equal(ids[n - 1], 32007);
+    int32_t plain[16];
+    int k = tok_encode(v, "\nHi", 3, false, plain, 16);
+    assert_int_equal(n, k + 3);
+    assert_memory_equal(ids + 2, plain, sizeof(int32_t) * (size_t)k);
     tok_free(v);
 }
 
