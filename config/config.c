@@ -76,11 +76,13 @@ static const char *const kv_side_names[] = {"f16", "f32", "bf16", "q8_0", "q4_0"
 _Static_assert(CFG_KV_SAME == 5, "kv_side_names spells CFG_KV_SAME last");
 static const char *const policy_names[] = {"none", "sink-window", "h2o", NULL};
 static const char *const positions_names[] = {"renumber", "preserve", NULL};
+static const char *const unit_names[] = {"turn", "token", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error", NULL};
 static const char *const format_names[] = {"text", "json", NULL};
 
 _Static_assert(sizeof(enum cfg_kv_type) == sizeof(int) && sizeof(enum cfg_policy) == sizeof(int) &&
                    sizeof(enum cfg_positions) == sizeof(int) &&
+                   sizeof(enum cfg_evict_unit) == sizeof(int) &&
                    sizeof(enum cfg_log_level) == sizeof(int) &&
                    sizeof(enum cfg_log_format) == sizeof(int),
                "enum fields are stored as int");
@@ -226,6 +228,10 @@ static const struct key_def keys[CFG_N_KEYS] = {
     [CFG_EVICTION_POSITIONS] =
         ENUM("eviction", "positions", eviction.positions, "renumber", positions_names, LIVE,
              "position numbers after eviction: renumber 0..n-1, or preserve the first ones"),
+    [CFG_EVICTION_UNIT] =
+        ENUM("eviction", "unit", eviction.unit, "turn", unit_names, LIVE,
+             "chat requests: turn = whole oldest turns leave (system, tools, last user turn "
+             "kept); token = the policy evicts tokens"),
     [CFG_EVICTION_SESSION_IDLE_TIMEOUT] = DURATION(
         "eviction", "session_idle_timeout", eviction.session_idle_timeout_ms, "30m", 0, 30 * DAY,
         LIVE, "drop a session unused this long; 0 = only when the pool is short"),

@@ -54,6 +54,11 @@ enum cfg_positions {
     CFG_POS_PRESERVE,     /* each token keeps the position it was first given */
 };
 
+enum cfg_evict_unit {
+    CFG_UNIT_TURN = 0, /* chat: whole turns leave, oldest first (system, tools, last turn kept) */
+    CFG_UNIT_TOKEN,    /* chat: the conversation is rendered whole; the policy evicts tokens */
+};
+
 enum cfg_log_level { CFG_LOG_DEBUG = 0, CFG_LOG_INFO, CFG_LOG_WARN, CFG_LOG_ERROR };
 enum cfg_log_format { CFG_LOG_TEXT = 0, CFG_LOG_JSON };
 
@@ -91,6 +96,7 @@ enum cfg_key {
     CFG_EVICTION_WINDOW_TOKENS,
     CFG_EVICTION_HEAVY_TOKENS,
     CFG_EVICTION_POSITIONS,
+    CFG_EVICTION_UNIT,
     CFG_EVICTION_SESSION_IDLE_TIMEOUT,
     CFG_EVICTION_MAX_SESSIONS,
     CFG_LIMITS_MAX_HEADER_BYTES,
@@ -157,6 +163,7 @@ struct cfg_eviction {
     int64_t window_tokens;    /* recent tokens kept; 0 = fill the budget, see cfg_window_tokens() */
     int64_t heavy_tokens;     /* h2o: heavy-hitter tokens kept */
     enum cfg_positions positions;     /* position numbers after eviction */
+    enum cfg_evict_unit unit;         /* what leaves first in chat requests */
     uint64_t session_idle_timeout_ms; /* drop a session idle this long; 0 = only when the pool is
                                          short */
     int64_t max_sessions;             /* sessions kept between requests; 0 = none */

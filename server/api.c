@@ -52,7 +52,7 @@
 #define MAX_STOP 16
 #define MAX_STOP_BYTES 512
 
-enum call_kind { CALL_OPENAI, CALL_LLAMA, CALL_SESSION_GET, CALL_SESSION_DELETE };
+enum call_kind { CALL_OPENAI, CALL_LLAMA, CALL_CHAT, CALL_SESSION_GET, CALL_SESSION_DELETE };
 
 /* One accepted request waiting for the engine (loop thread only). */
 struct call {
@@ -76,8 +76,19 @@ struct call {
     json_t *lp;       /* non-streamed: the OpenAI logprobs object, or llama.cpp's
                          completion_probabilities array (owned) */
     size_t lp_chars;  /* OpenAI text_offset of the next token, in code points */
+    bool role_sent;       /* chat stream: the first chunk (delta.role) went out */
+    int evicted_messages; /* chat: messages of the conversation not in the prompt */
     struct call *prev, *next;
 };
+
+/* What a chat session's earlier requests decided: how many of the
+ * conversation's oldest turns (and messages) its prompt leaves out. */
+struct chat_sess {
+    char *id;
+    int dropped_turns, dropped_messages;
+    struct chat_sess *next;
+};
+#define MAX_CHAT_SESSIONS 4096
 
 struct srv_api {
     srv_sched *sched;
@@ -97,6 +108,13 @@ struct srv_api {
     model_detok *piece_detok;
     char *piece_buf;
     size_t piece_cap;
+    /* Chat: the template (loaded when the model is), or why there is none. */
+    char chat_path[1024];
+    tpl_chat *chat;
+    char chat_err[700];
+    int32_t eot_token;      /* the template's end of turn as a control token, or -1 */
+    struct chat_sess *chat_sess; /* most recently used first */
+    int n_chat_sess;
 };
 
 /* ------------------------------------------------------------------------
@@ -711,11 +729,9 @@ static void parse_tail(srv_api *a, json_t *body, const char *hdr_session, bool m
     check_prompt(a, r, e);
 }
 
-static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_session,
-                                    struct call *call, struct verr *e)
+/* OpenAI's defaults: plain sampling at temperature 1, a fresh seed. */
+static void openai_sampling(srv_api *a, struct srv_req *r)
 {
-    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
-    /* OpenAI's defaults: plain sampling at temperature 1. */
     model_sampling_defaults(&r->sampling);
     r->sampling.temperature = 1.0f;
     r->sampling.top_k = 0;
@@ -723,26 +739,62 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_se
     r->sampling.min_p = 0.0f;
     r->sampling.repeat_penalty = 1.0f;
     r->sampling.seed = next_seed(a);
+}
 
-    const char *s;
-    if (get_str(body, "model", &s, e) < 0)
-        goto out;
-    long long i;
-    r->max_tokens = a->p.default_max_tokens;
-    json_t *mt = field(body, "max_tokens");
+/* r->max_tokens from body[key] (the configured default when absent). */
+static int parse_max_tokens(srv_api *a, json_t *body, const char *key, struct srv_req *r,
+                            struct verr *e)
+{
+    long long i = 0;
+    json_t *mt = field(body, key);
     if (mt && json_is_integer(mt) && json_integer_value(mt) > a->p.max_tokens &&
-        json_integer_value(mt) <= (1ll << 40)) {
-        fail(e, "max_tokens", "invalid_value", "max_tokens (%lld) exceeds the limit of %d",
-             (long long)json_integer_value(mt), a->p.max_tokens);
-        goto out;
-    }
-    if (get_int(body, "max_tokens", 0, a->p.max_tokens, &i, e) > 0)
+        json_integer_value(mt) <= (1ll << 40))
+        return fail(e, key, "invalid_value", "%s (%lld) exceeds the limit of %d", key,
+                    (long long)json_integer_value(mt), a->p.max_tokens);
+    if (get_int(body, key, 0, a->p.max_tokens, &i, e) > 0)
         r->max_tokens = (int)i;
+    return e->status ? -1 : 0;
+}
+
+/* The fields OpenAI's completion and chat routes share: n, seed, stream,
+ * stream_options, user. */
+static void parse_openai_shared(json_t *body, struct srv_req *r, struct call *call,
+                                struct verr *e)
+{
+    long long i;
+    const char *s;
     if (get_int(body, "n", 1, 1 << 30, &i, e) > 0 && i != 1)
         fail(e, "n", "unsupported",
              "n = %lld is not supported: kvd returns one choice per request; send %lld requests "
              "(with different seeds)",
              i, i);
+    if (get_int(body, "seed", INT64_MIN, INT64_MAX, &i, e) > 0)
+        r->sampling.seed = (uint64_t)i;
+    get_bool(body, "stream", &call->stream, e);
+    json_t *so = field(body, "stream_options");
+    if (so) {
+        if (!json_is_object(so))
+            fail(e, "stream_options", "invalid_type", "'stream_options' must be an object");
+        else
+            get_bool(so, "include_usage", &call->include_usage, e);
+    }
+    if (get_str(body, "user", &s, e) > 0 && strlen(s) > 256)
+        fail(e, "user", "invalid_value", "'user' is longer than 256 bytes");
+    if (get_str(body, "model", &s, e) < 0)
+        return;
+}
+
+static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_session,
+                                    struct call *call, struct verr *e)
+{
+    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    openai_sampling(a, r);
+    const char *s;
+    long long i;
+    r->max_tokens = a->p.default_max_tokens;
+    if (parse_max_tokens(a, body, "max_tokens", r, e) < 0)
+        goto out;
+    parse_openai_shared(body, r, call, e);
     if (get_int(body, "best_of", 1, 1 << 30, &i, e) > 0 && i != 1)
         fail(e, "best_of", "unsupported", "best_of > 1 is not supported");
     bool b = false;
@@ -761,18 +813,6 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_se
     json_t *lb = field(body, "logit_bias");
     if (lb && (!json_is_object(lb) || json_object_size(lb) > 0))
         fail(e, "logit_bias", "unsupported", "logit_bias is not supported");
-    if (get_int(body, "seed", INT64_MIN, INT64_MAX, &i, e) > 0)
-        r->sampling.seed = (uint64_t)i;
-    get_bool(body, "stream", &call->stream, e);
-    json_t *so = field(body, "stream_options");
-    if (so) {
-        if (!json_is_object(so))
-            fail(e, "stream_options", "invalid_type", "'stream_options' must be an object");
-        else
-            get_bool(so, "include_usage", &call->include_usage, e);
-    }
-    if (get_str(body, "user", &s, e) > 0 && strlen(s) > 256)
-        fail(e, "user", "invalid_value", "'user' is longer than 256 bytes");
     parse_tail(a, body, hdr_session, false, r, e);
 out:
     if (e->status) {
@@ -847,6 +887,303 @@ out:
 }
 
 /* ------------------------------------------------------------------------
+ * Chat: the conversation through the model's chat template
+ *
+ * POST /v1/chat/completions renders "messages" (and "tools") with the chat
+ * template chosen at load (chat_template.c), tokenizes the result with its
+ * control tokens recognised, and runs it as a completion that also stops
+ * at the template's end-of-turn marker. With [eviction] unit = turn the
+ * conversation is fitted first (tpl_chat_fit): whole oldest turns leave
+ * until the prompt and max_tokens fit max_cache_tokens, so the cache never
+ * has to cut a turn; a session remembers how many turns its prompt leaves
+ * out, so the next request renders the same prefix and only its new turn
+ * is prefilled. POST /apply-template (llama.cpp) answers the rendering.
+ * ------------------------------------------------------------------------ */
+
+static json_t *parse_body(srv_conn *c, const struct srv_http_req *req);
+static bool not_ready(srv_api *a, srv_conn *c);
+
+static struct chat_sess *chat_sess_find(srv_api *a, const char *id)
+{
+    for (struct chat_sess **pp = &a->chat_sess; *pp; pp = &(*pp)->next)
+        if (!strcmp((*pp)->id, id)) {
+            struct chat_sess *x = *pp; /* move to the front: most recent first */
+            *pp = x->next;
+            x->next = a->chat_sess;
+            a->chat_sess = x;
+            return x;
+        }
+    return NULL;
+}
+
+static void chat_sess_free(struct chat_sess *x)
+{
+    free(x->id);
+    free(x);
+}
+
+/* Record a session's decision; the least recently used entry goes past
+ * MAX_CHAT_SESSIONS (the engine drops idle sessions too). */
+static void chat_sess_set(srv_api *a, const char *id, int turns, int messages)
+{
+    struct chat_sess *x = chat_sess_find(a, id);
+    if (!x) {
+        x = calloc(1, sizeof(*x));
+        if (!x || !(x->id = strdup(id)))
+            abort();
+        x->next = a->chat_sess;
+        a->chat_sess = x;
+        if (++a->n_chat_sess > MAX_CHAT_SESSIONS) {
+            struct chat_sess **pp = &a->chat_sess;
+            while ((*pp)->next)
+                pp = &(*pp)->next;
+            chat_sess_free(*pp);
+            *pp = NULL;
+            a->n_chat_sess--;
+        }
+    }
+    x->dropped_turns = turns;
+    x->dropped_messages = messages;
+}
+
+static void chat_sess_forget(srv_api *a, const char *id)
+{
+    for (struct chat_sess **pp = &a->chat_sess; *pp; pp = &(*pp)->next)
+        if (!strcmp((*pp)->id, id)) {
+            struct chat_sess *x = *pp;
+            *pp = x->next;
+            chat_sess_free(x);
+            a->n_chat_sess--;
+            return;
+        }
+}
+
+/* Load the chat template once the model is: logs which one, or why none. */
+static void chat_load(srv_api *a)
+{
+    struct srv_chat_template_opts o = {.path = a->chat_path};
+    char source[1200];
+    a->eot_token = -1;
+    a->chat = srv_chat_template_load(a->m, &o, source, sizeof(source), a->chat_err,
+                                     sizeof(a->chat_err));
+    if (!a->chat) {
+        srv_log(SRV_LOG_ERROR, "chat template: %s; /v1/chat/completions answers 500",
+                a->chat_err);
+        return;
+    }
+    const char *eot = tpl_chat_end_of_turn(a->chat);
+    int32_t ids[4];
+    if (*eot && model_tokenize_special(a->m, eot, strlen(eot), false, ids, 4) == 1)
+        a->eot_token = ids[0];
+    srv_log(SRV_LOG_INFO, "chat template: %s; system messages %s; turns end at %s%s%s",
+            source, tpl_chat_supports_system(a->chat) ? "rendered" : "joined to the first user "
+            "message (the template has no system role)", *eot ? "'" : "", *eot ? eot : "EOS",
+            *eot ? (a->eot_token >= 0 ? "' (one token)" : "' (text)") : "");
+}
+
+/* tpl_chat_fit's token counter: the prompt as it will be tokenized. */
+static int chat_count(const char *text, size_t len, void *ctx)
+{
+    srv_api *a = ctx;
+    return model_tokenize_special(a->m, text, len, model_add_bos(a->m), NULL, 0);
+}
+
+static const char *const chat_roles[] = {"system", "developer", "user", "assistant", "tool",
+                                         NULL};
+
+/* "messages": a non-empty array of objects with a known role. */
+static int check_messages(json_t *msgs, struct verr *e)
+{
+    if (!msgs)
+        return fail(e, "messages", "missing_field", "'messages' is required");
+    if (!json_is_array(msgs) || json_array_size(msgs) == 0)
+        return fail(e, "messages", "invalid_value",
+                    "'messages' must be a non-empty array of {\"role\", \"content\"} objects");
+    size_t i;
+    json_t *m;
+    json_array_foreach(msgs, i, m)
+    {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        bool known = false;
+        for (int k = 0; role && chat_roles[k]; k++)
+            known |= !strcmp(role, chat_roles[k]);
+        if (!json_is_object(m) || !known)
+            return fail(e, "messages", "invalid_value",
+                        "messages[%zu] needs a \"role\" of system, developer, user, assistant or "
+                        "tool",
+                        i);
+    }
+    return 0;
+}
+
+/*
+ * Render the request's conversation into r->prompt (tokenized with its
+ * control tokens). Fits it to the budget with chat_turns, recording the
+ * turns left out (and, for a session, remembering them).
+ */
+static int chat_prompt(srv_api *a, json_t *body, struct srv_req *r, struct call *call,
+                       struct verr *e)
+{
+    json_t *msgs = field(body, "messages"), *tools = field(body, "tools");
+    if (check_messages(msgs, e) < 0)
+        return -1;
+    if (tools && !json_is_array(tools))
+        return fail(e, "tools", "invalid_type", "'tools' must be an array");
+    char *text = NULL;
+    size_t len = 0;
+    struct tpl_error te;
+    int rc;
+    if (a->p.chat_turns) {
+        int budget = a->p.policy.max_cache_tokens - r->max_tokens;
+        if (budget > a->p.max_prompt_tokens)
+            budget = a->p.max_prompt_tokens;
+        if (budget < 1)
+            return fail(e, "max_tokens", "context_length_exceeded",
+                        "max_tokens (%d) leaves no room for the conversation in "
+                        "max_cache_tokens (%d)",
+                        r->max_tokens, a->p.policy.max_cache_tokens);
+        struct chat_sess *x = r->session ? chat_sess_find(a, r->session) : NULL;
+        int min_drop = x ? x->dropped_turns : 0, before = x ? x->dropped_messages : 0;
+        struct tpl_fit fit;
+        rc = tpl_chat_fit(a->chat, msgs, tools, true, time(NULL), budget, budget / 2, min_drop,
+                          chat_count, a, &text, &len, &fit, &te);
+        if (rc == 0) {
+            call->evicted_messages = fit.dropped_messages;
+            if (fit.dropped_turns > min_drop || !r->session)
+                srv_metrics_evicted_messages(a->metrics,
+                                             (uint64_t)(fit.dropped_messages -
+                                                        (r->session ? before : 0)));
+            if (r->session)
+                chat_sess_set(a, r->session, fit.dropped_turns, fit.dropped_messages);
+        }
+    } else {
+        rc = tpl_chat_render(a->chat, msgs, tools, true, time(NULL), &text, &len, &te);
+    }
+    if (rc < 0) {
+        char msg[400];
+        tpl_error_string(&te, msg, sizeof(msg));
+        bool budget = strstr(msg, "with every earlier turn left out") != NULL;
+        return fail(e, "messages", budget ? "context_length_exceeded" : "invalid_value",
+                    "%s%s", budget ? "" : "the chat template cannot render these messages: ",
+                    msg);
+    }
+    int n = model_tokenize_special(a->m, text, len, model_add_bos(a->m), NULL, 0);
+    int32_t *ids = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
+    if (n <= 0 || !ids ||
+        model_tokenize_special(a->m, text, len, model_add_bos(a->m), ids, n) != n) {
+        free(ids);
+        free(text);
+        return fail(e, "messages", "invalid_value", "the rendered conversation cannot be tokenized");
+    }
+    free(text);
+    r->prompt = ids;
+    r->n_prompt = n;
+    return 0;
+}
+
+/* Stop at the template's end of turn: as a token when it is one (control
+ * tokens print no text), else as a stop string. */
+static void chat_stop(srv_api *a, struct srv_req *r)
+{
+    const char *eot = tpl_chat_end_of_turn(a->chat);
+    if (a->eot_token >= 0) {
+        r->stop_token = a->eot_token;
+    } else if (*eot && r->n_stop < MAX_STOP) {
+        char **v = realloc(r->stop, sizeof(char *) * (size_t)(r->n_stop + 1));
+        if (!v || !(v[r->n_stop] = strdup(eot)))
+            abort();
+        r->stop = v;
+        r->n_stop++;
+    }
+}
+
+static struct srv_req *parse_chat(srv_api *a, json_t *body, const char *hdr_session,
+                                  struct call *call, struct verr *e)
+{
+    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    openai_sampling(a, r);
+    r->max_tokens = a->p.default_max_tokens;
+    if (field(body, "max_completion_tokens")) {
+        if (parse_max_tokens(a, body, "max_completion_tokens", r, e) < 0)
+            goto out;
+    } else if (parse_max_tokens(a, body, "max_tokens", r, e) < 0) {
+        goto out;
+    }
+    parse_openai_shared(body, r, call, e);
+    bool lp = false;
+    get_bool(body, "logprobs", &lp, e);
+    int top = 0;
+    if (get_top_n(a, body, "top_logprobs", &top, e) > 0 && !lp)
+        fail(e, "top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs': true");
+    if (lp) {
+        r->want_logprobs = call->logprobs = true;
+        r->n_top_logprobs = top;
+    }
+    json_t *lb = field(body, "logit_bias");
+    if (lb && (!json_is_object(lb) || json_object_size(lb) > 0))
+        fail(e, "logit_bias", "unsupported", "logit_bias is not supported");
+    parse_common(a, body, hdr_session, r, e);
+    if (e->status)
+        goto out;
+    if (!a->chat) {
+        e->status = 500;
+        e->code = "chat_template_unavailable";
+        snprintf(e->msg, sizeof(e->msg), "no chat template can be used: %.400s (set [model] "
+                 "chat_template to a template file)", a->chat_err);
+        goto out;
+    }
+    if (chat_prompt(a, body, r, call, e) < 0)
+        goto out;
+    chat_stop(a, r);
+    check_prompt(a, r, e);
+out:
+    if (e->status) {
+        srv_req_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* POST /apply-template (llama.cpp): {"messages", "tools"?,
+ * "add_generation_prompt"? (default true)} -> {"prompt"}. */
+static void route_apply_template(srv_api *a, srv_conn *c, const struct srv_http_req *req)
+{
+    if (not_ready(a, c))
+        return;
+    json_t *body = parse_body(c, req);
+    if (!body)
+        return;
+    struct verr e = {0};
+    bool agp = true;
+    json_t *msgs = field(body, "messages"), *tools = field(body, "tools");
+    check_messages(msgs, &e);
+    if (tools && !json_is_array(tools))
+        fail(&e, "tools", "invalid_type", "'tools' must be an array");
+    get_bool(body, "add_generation_prompt", &agp, &e);
+    if (!e.status && !a->chat) {
+        api_error_code(c, 500, NULL, "chat_template_unavailable", NULL,
+                       "no chat template can be used: %s", a->chat_err);
+        json_decref(body);
+        return;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    struct tpl_error te;
+    if (!e.status && tpl_chat_render(a->chat, msgs, tools, agp, time(NULL), &text, &len, &te) < 0) {
+        char msg[400];
+        fail(&e, "messages", "invalid_value", "the chat template cannot render these messages: %s",
+             tpl_error_string(&te, msg, sizeof(msg)));
+    }
+    json_decref(body);
+    if (e.status) {
+        api_error_code(c, e.status, e.param[0] ? e.param : NULL, e.code, NULL, "%s", e.msg);
+        return;
+    }
+    respond_json(c, 200, json_pack("{s:o}", "prompt", json_text(text, len)));
+    free(text);
+}
+
+/* ------------------------------------------------------------------------
  * Calls (accepted requests)
  * ------------------------------------------------------------------------ */
 
@@ -880,7 +1217,8 @@ static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
     call->kind = kind;
     call->created = (int64_t)time(NULL);
     uint64_t x = next_seed(a);
-    snprintf(call->id, sizeof(call->id), "cmpl-%016" PRIx64 "%08" PRIx64, x, ++a->next_id);
+    snprintf(call->id, sizeof(call->id), "%s-%016" PRIx64 "%08" PRIx64,
+             kind == CALL_CHAT ? "chatcmpl" : "cmpl", x, ++a->next_id);
     return call;
 }
 
@@ -971,6 +1309,15 @@ static json_t *usage_json(const struct srv_usage *u)
                      u->prompt_tokens + u->completion_tokens, "prompt_tokens_details",
                      "cached_tokens", u->cached_tokens, "kvd", "cached_tokens", u->cached_tokens,
                      "evicted_tokens", u->evicted_tokens, "retained_tokens", u->retained_tokens);
+}
+
+/* A chat answer's usage: the completion's, with the messages left out. */
+static json_t *chat_usage(struct call *call, const struct srv_usage *u)
+{
+    json_t *v = usage_json(u);
+    json_object_set_new(json_object_get(v, "kvd"), "evicted_messages",
+                        json_integer(call->evicted_messages));
+    return v;
 }
 
 static json_t *timings_json(const struct srv_usage *u)
@@ -1150,6 +1497,56 @@ static json_t *llama_prob(struct call *call, const struct srv_logprob *lp)
                      json_logprob(lp->logprob), "top_logprobs", top);
 }
 
+/* One chat.completion.chunk; delta and logprobs (may be NULL: null) stolen. */
+static json_t *chat_chunk(struct call *call, json_t *delta, const char *finish, json_t *logprobs)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:n, s:[{s:i, s:o, s:o, s:o}]}", "id", call->id,
+                     "object", "chat.completion.chunk", "created", (json_int_t)call->created,
+                     "model", call->a->model_name, "system_fingerprint", "choices", "index", 0,
+                     "delta", delta, "logprobs", logprobs ? logprobs : json_null(),
+                     "finish_reason", finish ? json_string(finish) : json_null());
+}
+
+/* The UTF-8 bytes of a token name, as OpenAI's chat logprobs list them. */
+static json_t *name_bytes(const json_t *name)
+{
+    json_t *b = json_array();
+    const unsigned char *p = (const unsigned char *)json_string_value(name);
+    for (size_t i = 0; p && i < json_string_length(name); i++)
+        json_array_append_new(b, json_integer(p[i]));
+    return b;
+}
+
+/* One entry of a chat completion's logprobs.content (new): the sampled
+ * token and the top_logprobs alternatives, each with token, logprob and
+ * bytes. */
+static json_t *chat_lp_entry(struct call *call, const struct srv_logprob *lp)
+{
+    json_t *top = json_array();
+    for (int i = 0; i < lp->n_top; i++) {
+        json_t *k = token_name(call, lp->top_ids[i], NULL, 0);
+        json_array_append_new(top, json_pack("{s:O, s:o, s:o}", "token", k, "logprob",
+                                             json_logprob(lp->top_logprobs[i]), "bytes",
+                                             name_bytes(k)));
+        json_decref(k);
+    }
+    json_t *k = token_name(call, lp->token, lp->piece, lp->piece_len);
+    json_t *v = json_pack("{s:O, s:o, s:o, s:o}", "token", k, "logprob", json_logprob(lp->logprob),
+                          "bytes", name_bytes(k), "top_logprobs", top);
+    json_decref(k);
+    return v;
+}
+
+/* The first chunk of a chat stream says who speaks. */
+static void chat_role_chunk(struct call *call)
+{
+    if (call->role_sent)
+        return;
+    call->role_sent = true;
+    sse_send(call, chat_chunk(call, json_pack("{s:s, s:s}", "role", "assistant", "content", ""),
+                              NULL, NULL));
+}
+
 static void on_text(struct call *call, const struct srv_event *ev)
 {
     if (call->return_tokens && ev->n_tokens > 0) {
@@ -1182,6 +1579,10 @@ static void on_text(struct call *call, const struct srv_event *ev)
             if (!call->lp)
                 call->lp = openai_lp_new();
             openai_lp_add(call, call->lp, ev->lp);
+        } else if (ev->lp && call->kind == CALL_CHAT) {
+            if (!call->lp)
+                call->lp = json_array();
+            json_array_append_new(call->lp, chat_lp_entry(call, ev->lp));
         } else if (ev->lp) {
             if (!call->lp)
                 call->lp = json_array();
@@ -1192,7 +1593,12 @@ static void on_text(struct call *call, const struct srv_event *ev)
     if (ev->len == 0 && !(call->return_tokens && ev->n_tokens) && !ev->lp)
         return;
     stream_start(call);
-    if (call->kind == CALL_OPENAI) {
+    if (call->kind == CALL_CHAT) {
+        chat_role_chunk(call);
+        json_t *lp = ev->lp ? json_pack("{s:[o]}", "content", chat_lp_entry(call, ev->lp)) : NULL;
+        sse_send(call, chat_chunk(call, json_pack("{s:o}", "content", json_text(ev->text, ev->len)),
+                                  NULL, lp));
+    } else if (call->kind == CALL_OPENAI) {
         json_t *lp = NULL;
         if (ev->lp) {
             lp = openai_lp_new();
@@ -1284,6 +1690,21 @@ static void on_done(struct call *call, const struct srv_event *ev)
     if (ev->finish == SRV_FINISH_CANCEL)
         return;
     const struct srv_usage *u = &ev->usage;
+    if (call->stream && call->kind == CALL_CHAT) {
+        stream_start(call);
+        chat_role_chunk(call);
+        sse_send(call, chat_chunk(call, json_object(), openai_finish(ev->finish), NULL));
+        if (call->include_usage)
+            sse_send(call, json_pack("{s:s, s:s, s:I, s:s, s:n, s:[], s:o}", "id", call->id,
+                                     "object", "chat.completion.chunk", "created",
+                                     (json_int_t)call->created, "model", call->a->model_name,
+                                     "system_fingerprint", "choices", "usage",
+                                     chat_usage(call, u)));
+        stream_raw(call, "data: [DONE]\n\n", 14);
+        if (call->conn)
+            srv_http_stream_end(call->conn);
+        return;
+    }
     if (call->stream) {
         stream_start(call);
         if (call->kind == CALL_OPENAI) {
@@ -1304,6 +1725,23 @@ static void on_done(struct call *call, const struct srv_event *ev)
         return;
     }
     json_t *text = json_text(call->text ? call->text : "", call->len);
+    if (call->kind == CALL_CHAT) {
+        json_t *lp = NULL;
+        if (call->logprobs)
+            lp = json_pack("{s:O}", "content", call->lp ? call->lp : json_array());
+        if (lp && !call->lp)
+            json_decref(json_object_get(lp, "content"));
+        respond_json(call->conn, 200,
+                     json_pack("{s:s, s:s, s:I, s:s, s:n, s:[{s:i, s:{s:s, s:o, s:n}, s:o, s:s}], "
+                               "s:o}",
+                               "id", call->id, "object", "chat.completion", "created",
+                               (json_int_t)call->created, "model", call->a->model_name,
+                               "system_fingerprint", "choices", "index", 0, "message", "role",
+                               "assistant", "content", text, "refusal", "logprobs",
+                               lp ? lp : json_null(), "finish_reason", openai_finish(ev->finish),
+                               "usage", chat_usage(call, u)));
+        return;
+    }
     if (call->kind == CALL_OPENAI) {
         json_t *lp = NULL;
         if (call->logprobs)
@@ -1332,7 +1770,7 @@ static void on_error(struct call *call, const struct srv_event *ev)
     if (body)
         sse_text(call, body, len);
     free(body);
-    if (call->kind == CALL_OPENAI)
+    if (call->kind == CALL_OPENAI || call->kind == CALL_CHAT)
         stream_raw(call, "data: [DONE]\n\n", 14);
     if (call->conn)
         srv_http_stream_end(call->conn);
@@ -1348,6 +1786,7 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
             a->m = srv_sched_model(a->sched);
             model_get_info(a->m, &a->info);
             snprintf(a->model_name, sizeof(a->model_name), "%s", a->info.name);
+            chat_load(a);
             a->ready_time = (int64_t)time(NULL);
             srv_log(SRV_LOG_INFO, "ready: serving model '%s'", a->model_name);
             break;
@@ -1415,17 +1854,20 @@ static bool not_ready(srv_api *a, srv_conn *c)
     return false;
 }
 
-static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req *req, bool llama)
+static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req *req,
+                             enum call_kind kind)
 {
     if (not_ready(a, c))
         return;
     json_t *body = parse_body(c, req);
     if (!body)
         return;
-    struct call *call = call_new(a, c, llama ? CALL_LLAMA : CALL_OPENAI);
+    struct call *call = call_new(a, c, kind);
     struct verr e = {0};
     const char *hdr = srv_http_header(req, "X-Session-Id");
-    call->req = llama ? parse_llama(a, body, hdr, call, &e) : parse_openai(a, body, hdr, call, &e);
+    call->req = kind == CALL_LLAMA  ? parse_llama(a, body, hdr, call, &e)
+                : kind == CALL_CHAT ? parse_chat(a, body, hdr, call, &e)
+                                    : parse_openai(a, body, hdr, call, &e);
     json_decref(body);
     if (!call->req) {
         api_error_code(c, e.status, e.param[0] ? e.param : NULL, e.code, NULL, "%s", e.msg);
@@ -1455,6 +1897,8 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
     }
     struct call *call = call_new(a, c, del ? CALL_SESSION_DELETE : CALL_SESSION_GET);
     call->req = srv_req_new(del ? SRV_REQ_SESSION_DELETE : SRV_REQ_SESSION_INFO);
+    if (del)
+        chat_sess_forget(a, id);
     call->req->session = strdup(id);
     if (!call->req->session)
         abort();
@@ -1682,7 +2126,9 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         R_MODELS,
         R_SESSION,
         R_TOKENIZE,
-        R_DETOKENIZE
+        R_DETOKENIZE,
+        R_CHAT,
+        R_APPLY_TEMPLATE
     } r = R_NONE;
     const char *allow = NULL;
     const char *sess = NULL;
@@ -1697,6 +2143,12 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         allow = "POST";
     } else if (!strcmp(path, "/completion")) {
         r = R_LLAMA;
+        allow = "POST";
+    } else if (!strcmp(path, "/v1/chat/completions") || !strcmp(path, "/chat/completions")) {
+        r = R_CHAT;
+        allow = "POST";
+    } else if (!strcmp(path, "/apply-template")) {
+        r = R_APPLY_TEMPLATE;
         allow = "POST";
     } else if (!strcmp(path, "/v1/models") || !strcmp(path, "/models")) {
         r = R_MODELS;
@@ -1716,7 +2168,9 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         api_error(c, 404, NULL, "no route for %s %s", m, path);
         return;
     }
-    bool allowed = r == R_OPENAI || r == R_LLAMA || r == R_TOKENIZE || r == R_DETOKENIZE ? post
+    bool allowed = r == R_OPENAI || r == R_LLAMA || r == R_TOKENIZE || r == R_DETOKENIZE ||
+                           r == R_CHAT || r == R_APPLY_TEMPLATE
+                       ? post
                    : r == R_SESSION ? get || del
                                     : get;
     if (!allowed) {
@@ -1739,10 +2193,16 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         route_metrics(a, c);
         break;
     case R_OPENAI:
-        route_completion(a, c, req, false);
+        route_completion(a, c, req, CALL_OPENAI);
         break;
     case R_LLAMA:
-        route_completion(a, c, req, true);
+        route_completion(a, c, req, CALL_LLAMA);
+        break;
+    case R_CHAT:
+        route_completion(a, c, req, CALL_CHAT);
+        break;
+    case R_APPLY_TEMPLATE:
+        route_apply_template(a, c, req);
         break;
     case R_MODELS:
         route_models(a, c);
@@ -1786,6 +2246,9 @@ void srv_api_set_params(srv_api *a, const struct srv_api_params *p)
     a->p.api_key = NULL;
     if (a->p.max_session_id <= 0)
         a->p.max_session_id = 128;
+    if (!a->chat) /* the template is chosen at load: a reload changes it only on restart */
+        snprintf(a->chat_path, sizeof(a->chat_path), "%s", p->chat_template ? p->chat_template : "");
+    a->p.chat_template = NULL;
 }
 
 void srv_api_destroy(srv_api *a)
@@ -1799,6 +2262,12 @@ void srv_api_destroy(srv_api *a)
     }
     model_detok_destroy(a->piece_detok);
     free(a->piece_buf);
+    tpl_chat_destroy(a->chat);
+    while (a->chat_sess) {
+        struct chat_sess *x = a->chat_sess;
+        a->chat_sess = x->next;
+        chat_sess_free(x);
+    }
     free(a);
 }
 

@@ -221,6 +221,8 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .api_key = st->api_key,
         .policy = pol,
         .max_session_id = 128,
+        .chat_template = c->model.chat_template,
+        .chat_turns = c->eviction.unit == CFG_UNIT_TURN,
     };
     o->sched.model = (struct model_params){
         .path = c->model.path,

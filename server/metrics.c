@@ -56,7 +56,7 @@ struct hist {
 struct srv_metrics {
     pthread_mutex_t mu;
     uint64_t status[MAX_STATUS];
-    uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled;
+    uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled, evicted_messages;
     uint64_t conn_events[SRV_CONN_EVENT_COUNT];
     struct hist hist[SRV_HIST_COUNT];
     struct srv_engine_gauges g;
@@ -108,6 +108,15 @@ void srv_metrics_cancelled(srv_metrics *m)
 {
     pthread_mutex_lock(&m->mu);
     m->cancelled++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_evicted_messages(srv_metrics *m, uint64_t n)
+{
+    if (!m || !n)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->evicted_messages += n;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -221,6 +230,10 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
     render_counter(&b, "kvd_generated_tokens_total", "Tokens generated.", c.generated_tokens);
     render_counter(&b, "kvd_requests_cancelled_total",
                    "Requests whose client disconnected before the end.", c.cancelled);
+    render_counter(&b, "kvd_chat_evicted_messages_total",
+                   "Chat messages left out of prompts, whole turns at a time ([eviction] unit = "
+                   "turn).",
+                   c.evicted_messages);
     static const char *const conn_reason[SRV_CONN_EVENT_COUNT] = {
         [SRV_CONN_SLOW_READER] = "slow_reader",
         [SRV_CONN_SHED_IDLE] = "shed_idle",

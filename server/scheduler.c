@@ -184,6 +184,7 @@ struct srv_req *srv_req_new(enum srv_req_kind kind)
 {
     struct srv_req *r = xcalloc(1, sizeof(*r));
     r->kind = kind;
+    r->stop_token = -1;
     atomic_init(&r->cancel, 0);
     return r;
 }
@@ -858,7 +859,7 @@ static bool run_take_token(srv_sched *s, struct run *r, int32_t tok, uint64_t t)
         r->t_first_ns = t;
     r->t_last_ns = t;
 
-    if (model_is_eog(s->m, tok)) {
+    if (model_is_eog(s->m, tok) || tok == r->req->stop_token) {
         /* End of generation: flush what is held (it cannot complete a stop
          * string any more) and finish. */
         char tail[64];

@@ -113,6 +113,8 @@ void srv_metrics_tokens(srv_metrics *m, uint64_t prompt, uint64_t cached, uint64
 void srv_metrics_observe(srv_metrics *m, enum srv_hist h, double value);
 void srv_metrics_engine(srv_metrics *m, const struct srv_engine_gauges *g);
 void srv_metrics_cancelled(srv_metrics *m);
+/* Chat messages left out of prompts by turn-aware fitting. */
+void srv_metrics_evicted_messages(srv_metrics *m, uint64_t n);
 
 /* Connections the HTTP layer ended or could not take, by reason
  * (kvd_http_connections_closed_total{reason}). */
@@ -171,6 +173,8 @@ struct srv_req {
     char *session;        /* session id, or NULL */
     bool want_tokens;     /* report generated ids in text events */
     bool ignore_eos;      /* never sample an end-of-generation token */
+    int32_t stop_token;   /* -1, or a token that ends generation like EOS (a chat
+                             template's end-of-turn control token) */
     int n_keep;           /* llama.cpp n_keep: 0 = the configured sinks;
                              > 0 sink tokens; -1 the whole prompt */
     bool want_logprobs;   /* report every sampled token's log-probability
@@ -424,6 +428,8 @@ struct srv_api_params {
     const char *api_key;     /* NULL or "" = no auth (copied) */
     struct kv_policy policy; /* to reject prompts that can never fit (policy none) */
     int max_session_id;      /* longest session id accepted */
+    const char *chat_template; /* [model] chat_template, or NULL/"" (copied) */
+    bool chat_turns;           /* [eviction] unit = turn: chat turns leave whole */
 };
 
 srv_api *srv_api_create(srv_sched *sched, srv_metrics *metrics, const struct srv_api_params *p);
