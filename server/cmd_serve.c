@@ -293,6 +293,17 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs)
         fprintf(stderr, "kvd serve: %s\n", err);
         return 1;
     }
+    /* The operator's chat template must load: refused here with its line
+     * and column. The model's own may fail (chat answers 500 then). */
+    char source[1200];
+    struct srv_chat_template_opts to = {.path = c->model.chat_template};
+    tpl_chat *chat = srv_chat_template_load(m, &to, source, sizeof(source), err, sizeof(err));
+    if (!chat && c->model.chat_template[0]) {
+        fprintf(stderr, "kvd serve: [model] chat_template: %s\n", err);
+        model_free(m);
+        return 1;
+    }
+    tpl_chat_destroy(chat);
     struct kv_cache_params shape = {.k_type = srv_cfg_kv_type(cfg_k_type(c)),
                                     .v_type = srv_cfg_kv_type(cfg_v_type(c))};
     model_kv_shape(m, &shape);

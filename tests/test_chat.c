@@ -425,13 +425,43 @@ static void test_long_chat(void **state)
     su_resp_free(&r);
 }
 
+/* An operator's template that cannot be rendered stops kvd serve at start,
+ * with the file, line and column. */
+static void test_bad_template_refused(void **state)
+{
+    (void)state;
+    NEED_SERVER();
+    char bad[600], cmd[2000], model[600];
+    const char *shared = getenv("KVD_SHARED");
+    snprintf(model, sizeof model, "%s/models/stories260K.gguf", shared ? shared : "../shared");
+    snprintf(bad, sizeof bad, "/tmp/kvd-test-chat-bad-%d.jinja", (int)getpid());
+    FILE *f = fopen(bad, "w");
+    assert_non_null(f);
+    fputs("{% for m in messages %}\n{{ m.content | nope }}{% endfor %}", f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd,
+             "%s serve --model %s --listen 127.0.0.1:0 --set model.chat_template=%s 2>&1",
+             getenv("KVD_BIN"), model, bad);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    char out[4096];
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = 0;
+    int st = pclose(p);
+    unlink(bad);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+    if (!strstr(out, "[model] chat_template: chat template (") ||
+        !strstr(out, "2:16: unsupported filter 'nope'"))
+        fail_msg("output: %s", out);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shape),          cmocka_unit_test(test_stream),
         cmocka_unit_test(test_logprobs),       cmocka_unit_test(test_errors),
         cmocka_unit_test(test_apply_template), cmocka_unit_test(test_session),
-        cmocka_unit_test(test_long_chat),
+        cmocka_unit_test(test_long_chat),      cmocka_unit_test(test_bad_template_refused),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
