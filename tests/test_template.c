@@ -199,6 +199,22 @@ static void test_model_templates(void **state)
     assert_int_equal(failures, 0);
 }
 
+/* A chat template of tests/cases/templates/models with BOS <s>, EOS </s>. */
+static tpl_chat *model_chat(const char *model)
+{
+    char path[256];
+    snprintf(path, sizeof path, CASES "/models/%s.jinja", model);
+    size_t len;
+    char *src = slurp(path, &len);
+    assert_non_null(src);
+    struct tpl_chat_params p = {.bos_token = "<s>", .eos_token = "</s>"};
+    struct tpl_error err;
+    tpl_chat *c = tpl_chat_create(src, len, &p, &err);
+    free(src);
+    assert_non_null(c);
+    return c;
+}
+
 /* The probe finds the templates without a system role, whatever their
  * name: these raise on it, or never print it. */
 static void test_system_probe(void **state)
@@ -211,18 +227,10 @@ static void test_system_probe(void **state)
                  {"phi-3-mini", false},   {"chatml-openhermes", true},
                  {"llama-3.2", true},     {"qwen3", true},         {"mistral-v7", true}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char path[256];
-        snprintf(path, sizeof path, CASES "/models/%s.jinja", cases[i].model);
-        size_t len;
-        char *src = slurp(path, &len);
-        struct tpl_chat_params p = {.bos_token = "<s>", .eos_token = "</s>"};
-        struct tpl_error err;
-        tpl_chat *c = tpl_chat_create(src, len, &p, &err);
-        assert_non_null(c);
+        tpl_chat *c = model_chat(cases[i].model);
         if (tpl_chat_supports_system(c) != cases[i].system)
             fail_msg("%s: supports_system should be %d", cases[i].model, cases[i].system);
         tpl_chat_destroy(c);
-        free(src);
     }
 }
 
@@ -240,19 +248,11 @@ static void test_end_of_turn(void **state)
                  {"llama-2", "</s>"},                 {"qwen3", "<|im_end|>"},
                  {"solar", ""}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char path[256];
-        snprintf(path, sizeof path, CASES "/models/%s.jinja", cases[i].model);
-        size_t len;
-        char *src = slurp(path, &len);
-        struct tpl_chat_params p = {.bos_token = "<s>", .eos_token = "</s>"};
-        struct tpl_error err;
-        tpl_chat *c = tpl_chat_create(src, len, &p, &err);
-        assert_non_null(c);
+        tpl_chat *c = model_chat(cases[i].model);
         if (strcmp(tpl_chat_end_of_turn(c), cases[i].eot) != 0)
             fail_msg("%s: end of turn [%s], want [%s]", cases[i].model, tpl_chat_end_of_turn(c),
                      cases[i].eot);
         tpl_chat_destroy(c);
-        free(src);
     }
 }
 
