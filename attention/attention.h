@@ -55,6 +55,9 @@ struct pos_scheme {
     int rope_dims;                      /* rotated dims per head (even, <= head_dim) */
     enum pos_rope_pairing rope_pairing; /* which elements form a rotation pair */
     float rope_freq_scale;              /* linear scaling: angle = pos * scale * inv_freq; 1 = none */
+    const float *rope_freq_factors;     /* NULL, or [rope_dims/2]: pair i's frequency is divided
+                                           by factor i (> 0): Llama 3.1's rope_freqs, Phi-3's
+                                           long/short factors, YaRN's ramp */
 
     /* POS_ALIBI */
     const float *alibi_slopes; /* [n_head] slope per query head */
@@ -142,6 +145,13 @@ int pos_alibi_slopes(float *slopes, int n_head, float max_bias);
  * precision so large positions keep their accuracy.
  */
 void pos_rope_inv_freq(double *inv_freq, int rope_dims, double theta);
+
+/*
+ * The frequencies a ROPE scheme rotates with: pos_rope_inv_freq of its
+ * theta and dims, each divided by its rope_freq_factors entry when it has
+ * them. inv_freq has room for rope_dims / 2 values.
+ */
+void pos_rope_freqs(double *inv_freq, const struct pos_scheme *ps);
 
 /*
  * cos and sin of every pair's angle at position pos:

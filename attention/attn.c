@@ -412,6 +412,13 @@ static int check_params(const struct attn_params *p, char *err, size_t errlen)
                  (double)ps->rope_freq_scale);
             return -EINVAL;
         }
+        for (int i = 0; ps->rope_freq_factors && i < ps->rope_dims / 2; i++) {
+            if (!(ps->rope_freq_factors[i] > 0.0f) || !isfinite(ps->rope_freq_factors[i])) {
+                fail(err, errlen, "rope frequency factor %d (%g) must be positive", i,
+                     (double)ps->rope_freq_factors[i]);
+                return -EINVAL;
+            }
+        }
         if (ps->rope_pairing != POS_ROPE_ADJACENT && ps->rope_pairing != POS_ROPE_NEOX) {
             fail(err, errlen, "unknown rope pairing %d", (int)ps->rope_pairing);
             return -EINVAL;
@@ -517,7 +524,7 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
         ctx->hi_s = ctx_alloc(ctx, tab);
         if (!ctx->inv_freq || !ctx->theta || !ctx->lo_c || !ctx->lo_s || !ctx->hi_c || !ctx->hi_s)
             goto out_nomem;
-        pos_rope_inv_freq(ctx->inv_freq, ctx->rot, (double)ps->rope_theta);
+        pos_rope_freqs(ctx->inv_freq, ps);
         for (int i = 0; i < half; i++)
             ctx->theta[i] = (double)ps->rope_freq_scale * ctx->inv_freq[i];
         for (int j = 0; j < ROPE_LO; j++) {

@@ -90,7 +90,7 @@ int attn_reference(const struct attn_params *p, const struct attn_kv *kv,
         goto out_free;
     }
     if (rope)
-        pos_rope_inv_freq(inv_freq, rot, (double)ps->rope_theta);
+        pos_rope_freqs(inv_freq, ps);
 
     for (int s = 0; s < n_seqs; s++) {
         const struct attn_seq *sq = &seqs[s];

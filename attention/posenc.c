@@ -164,6 +164,13 @@ void pos_rope_inv_freq(double *inv_freq, int rope_dims, double theta)
         inv_freq[i] = pow(theta, -2.0 * i / rope_dims);
 }
 
+void pos_rope_freqs(double *inv_freq, const struct pos_scheme *ps)
+{
+    pos_rope_inv_freq(inv_freq, ps->rope_dims, (double)ps->rope_theta);
+    for (int i = 0; ps->rope_freq_factors && i < ps->rope_dims / 2; i++)
+        inv_freq[i] /= (double)ps->rope_freq_factors[i];
+}
+
 void pos_rope_cos_sin(float *cs, const double *inv_freq, int rope_dims, double freq_scale,
                       int64_t pos)
 {

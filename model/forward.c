@@ -127,7 +127,7 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
         .n_head = m->n_head,
         .n_kv_head = m->n_kv_head,
         .head_dim = m->head_dim,
-        .scale = 1.0f / sqrtf((float)m->head_dim),
+        .scale = m->attn_logit_mul / sqrtf((float)m->head_dim),
         .pos = m->pos,
         .n_threads = n_threads,
     };
@@ -307,6 +307,17 @@ static void add_rows(float *restrict x, const float *restrict y, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         x[i] += y[i];
+}
+
+/* Qwen3: RMSNorm of each of n_heads head vectors of x in place, with the
+ * one weight w shared by the heads; w = NULL: nothing. */
+static void head_norm_rows(const model *m, float *x, const float *w, int n_heads)
+{
+    if (!w)
+        return;
+    int hd = m->head_dim;
+    for (int h = 0; h < n_heads; h++)
+        rmsnorm(x + (size_t)h * hd, x + (size_t)h * hd, w, hd, m->norm_eps);
 }
 
 /* x = clamp(x, -c, c) over n values (MPT's clip_qkv); c = 0: nothing. */
@@ -497,6 +508,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     mm_matmul_scratch(c->v, &L->wv, c->xb, T, nt, c->scratch);
     add_bias(c->k, L->bk, T, m->kv_dim);
     add_bias(c->v, L->bv, T, m->kv_dim);
+    head_norm_rows(m, c->k, L->k_norm, T * m->n_kv_head);
     clamp_rows(c->k, (size_t)T * m->kv_dim, m->clamp_kqv);
     clamp_rows(c->v, (size_t)T * m->kv_dim, m->clamp_kqv);
 
@@ -525,6 +537,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     }
     mm_matmul_scratch(c->q, &L->wq, c->xb, rows, nt, c->scratch);
     add_bias(c->q, L->bq, rows, m->q_dim);
+    head_norm_rows(m, c->q, L->q_norm, rows * m->n_head);
     clamp_rows(c->q, (size_t)rows * m->q_dim, m->clamp_kqv);
 
     /* The fused kernel over each sequence's cache. */

@@ -89,6 +89,11 @@ static bool is_qwen2(const struct model_mk_params *p)
     return !strcmp(p->arch, "qwen2");
 }
 
+static bool is_qwen3(const struct model_mk_params *p)
+{
+    return !strcmp(p->arch, "qwen3");
+}
+
 /* BLOOM and MPT: LayerNorm, fused QKV, GELU MLP, ALiBi. */
 static bool is_bloom_family(const struct model_mk_params *p)
 {
@@ -120,13 +125,23 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
         return -EINVAL;                                                                            \
     } while (0)
     if (!p->arch || (strcmp(p->arch, "llama") && strcmp(p->arch, "qwen2") &&
-                     strcmp(p->arch, "bloom") && strcmp(p->arch, "mpt")))
-        BAD("arch must be llama, qwen2, bloom or mpt (got '%s')", p->arch ? p->arch : "(null)");
+                     strcmp(p->arch, "qwen3") && strcmp(p->arch, "bloom") && strcmp(p->arch, "mpt")))
+        BAD("arch must be llama, qwen2, qwen3, bloom or mpt (got '%s')",
+            p->arch ? p->arch : "(null)");
     const char *pos = model_mk_position(p);
     if (strcmp(pos, "rope") && strcmp(pos, "alibi") && strcmp(pos, "t5"))
         BAD("position must be rope, alibi or t5 (got '%s')", pos);
     if (is_bloom_family(p) && strcmp(pos, "alibi"))
         BAD("%s attention is alibi (got position %s)", p->arch, pos);
+    bool scaled = p->rope_scaling && strcmp(p->rope_scaling, "none");
+    if (scaled && strcmp(p->rope_scaling, "linear") && strcmp(p->rope_scaling, "yarn"))
+        BAD("rope scaling must be none, linear or yarn (got '%s')", p->rope_scaling);
+    if ((scaled || p->rope_freqs) && strcmp(pos, "rope"))
+        BAD("rope scaling and rope_freqs need position rope (got %s)", pos);
+    if (scaled && !(p->rope_scale_factor > 0.0f && isfinite(p->rope_scale_factor)))
+        BAD("rope scale factor must be positive (got %g)", p->rope_scale_factor);
+    if (scaled && !strcmp(p->rope_scaling, "yarn") && p->rope_orig_ctx < 1)
+        BAD("yarn needs the original context length (got %d)", p->rope_orig_ctx);
     if (!(p->alibi_max_bias >= 0.0f) || !isfinite(p->alibi_max_bias))
         BAD("alibi max bias must be a positive number, or 0 for 8 (got %g)", p->alibi_max_bias);
     if (!strcmp(p->arch, "bloom") && p->alibi_max_bias != 0.0f && p->alibi_max_bias != 8.0f)
@@ -465,6 +480,13 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
         rc |= gguf_writer_set_u32(w, KEY("rope.dimension_count"), (uint32_t)rope_dims);
         rc |= gguf_writer_set_f32(w, KEY("rope.freq_base"), p->rope_theta);
     }
+    if (p->rope_scaling && strcmp(p->rope_scaling, "none")) {
+        rc |= gguf_writer_set_str(w, KEY("rope.scaling.type"), p->rope_scaling);
+        rc |= gguf_writer_set_f32(w, KEY("rope.scaling.factor"), p->rope_scale_factor);
+        if (!strcmp(p->rope_scaling, "yarn"))
+            rc |= gguf_writer_set_u32(w, KEY("rope.scaling.original_context_length"),
+                                      (uint32_t)p->rope_orig_ctx);
+    }
     if (is_bloom_family(p))
         rc |= gguf_writer_set_f32(w, KEY("attention.layer_norm_epsilon"), p->rms_eps);
     else
@@ -605,6 +627,36 @@ static int write_bloom_tensors(struct writer_ctx *c)
     return 0;
 }
 
+/*
+ * rope_freqs.weight as Llama 3.1's converter writes it from the "llama3"
+ * scaling (factor 8, low_freq_factor 1, high_freq_factor 4, 8192 original
+ * tokens): 1 for pairs whose wavelength is under 8192/4 tokens, 8 for those
+ * over 8192, a smooth blend between.
+ */
+static int add_rope_freqs(struct writer_ctx *c)
+{
+    const struct model_mk_params *p = c->p;
+    int hd = p->n_embd / p->n_head, dims = p->rope_dims ? p->rope_dims : hd;
+    const double factor = 8, lo = 1, hi = 4, old_ctx = 8192;
+    for (int i = 0; i < dims / 2; i++) {
+        double freq = pow(p->rope_theta, -2.0 * i / dims), wavelen = 2 * M_PI / freq;
+        double f = 1;
+        if (wavelen > old_ctx / lo) {
+            f = factor;
+        } else if (wavelen >= old_ctx / hi) {
+            double smooth = (old_ctx / wavelen - lo) / (hi - lo);
+            f = 1 / ((1 - smooth) / factor + smooth);
+        }
+        c->buf[i] = (float)f;
+    }
+    uint64_t ne[1] = {(uint64_t)(dims / 2)};
+    int rc = gguf_writer_add_tensor(c->w, "rope_freqs.weight", GGML_TYPE_F32, 1, ne, c->buf,
+                                    sizeof(float) * (size_t)(dims / 2));
+    if (rc)
+        snprintf(c->err, c->errlen, "adding tensor rope_freqs.weight failed (%d)", rc);
+    return rc;
+}
+
 static int write_tensors(struct writer_ctx *c)
 {
     if (is_bloom_family(c->p))
@@ -629,6 +681,8 @@ static int write_tensors(struct writer_ctx *c)
     NAME("token_embd.weight");
     if ((rc = add_tensor(c, name, t, d, p->n_vocab, 0.0f, s_emb, true)))
         return rc;
+    if (p->rope_freqs && (rc = add_rope_freqs(c)))
+        return rc;
     for (int l = 0; l < p->n_layer; l++) {
         NAME("blk.%d.attn_norm.weight", l);
         ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
@@ -645,6 +699,12 @@ static int write_tensors(struct writer_ctx *c)
             ADD(GGML_TYPE_F32, kv_dim, 1, 0.0f, 0.2f);
             NAME("blk.%d.attn_v.bias", l);
             ADD(GGML_TYPE_F32, kv_dim, 1, 0.0f, 0.2f);
+        }
+        if (is_qwen3(p)) {
+            NAME("blk.%d.attn_q_norm.weight", l);
+            ADD(GGML_TYPE_F32, hd, 1, 1.0f, 0.2f / 1.7320508f);
+            NAME("blk.%d.attn_k_norm.weight", l);
+            ADD(GGML_TYPE_F32, hd, 1, 1.0f, 0.2f / 1.7320508f);
         }
         NAME("blk.%d.attn_output.weight", l);
         ADD(t, q_dim, d, 0.0f, 2.0f / sqrtf((float)q_dim));

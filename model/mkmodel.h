@@ -11,7 +11,8 @@
  * in which any text tokenizes and decodes back.
  *
  * Architectures and position schemes:
- *   llama, qwen2   RoPE (default); or an offset-only bias, kvd's own
+ *   llama, qwen2, qwen3  RoPE (default; linear or YaRN scaling and Llama
+ *                  3.1's rope_freqs.weight on request); or an offset-only bias, kvd's own
  *                  metadata: kvd.position.kind = "alibi" (with
  *                  <arch>.attention.max_alibi_bias) or "t5" (kvd.t5.num_buckets,
  *                  kvd.t5.max_distance and the one table
@@ -35,7 +36,7 @@
 
 struct model_mk_params {
     const char *arch;     /* "llama", "qwen2" (adds q/k/v biases, NeoX RoPE pairs),
-                             "bloom" or "mpt" */
+                             "qwen3" (per-head q/k RMSNorm, NeoX pairs), "bloom" or "mpt" */
     const char *position; /* "rope", "alibi" or "t5"; NULL = the architecture's own
                              (rope for llama/qwen2, alibi for bloom/mpt) */
     int n_embd;           /* model width */
@@ -46,6 +47,11 @@ struct model_mk_params {
     int n_vocab;          /* vocabulary size, >= 259 (specials + byte tokens + one piece) */
     int rope_dims;        /* rotated dims per head (even, <= head_dim); 0 = head_dim */
     float rope_theta;     /* RoPE base */
+    const char *rope_scaling; /* NULL or "none", "linear", "yarn": <arch>.rope.scaling.type */
+    float rope_scale_factor;  /* rope.scaling.factor (linear, yarn), > 0 */
+    int rope_orig_ctx;        /* yarn: rope.scaling.original_context_length */
+    bool rope_freqs;          /* write rope_freqs.weight with Llama 3.1's factors (the
+                                 "llama3" scaling: factor 8, low 1, high 4, 8192 tokens) */
     float rms_eps;        /* norm epsilon: RMSNorm's, or LayerNorm's for bloom/mpt */
     float alibi_max_bias; /* ALiBi slopes' max_bias (mpt, llama/qwen2 with alibi);
                              0 = 8; bloom's is always 8 */

@@ -150,75 +150,6 @@ int model_read_shape(model *m, char *err, size_t errlen)
                           errlen);
 }
 
-/* RoPE over the first n_rot dims of each head (the Llama family's default). */
-static int read_rope(model *m, char *err, size_t errlen)
-{
-    const gguf_file *f = m->file;
-    const char *a = m->arch_name;
-    int n_rot;
-    int rc = model_meta_int(f, a, "rope.dimension_count", false, m->head_dim, 2, m->head_dim,
-                            &n_rot, err, errlen);
-    if (rc)
-        return rc;
-    if (n_rot % 2) {
-        snprintf(err, errlen, "%s.rope.dimension_count %d is odd", a, n_rot);
-        return -EINVAL;
-    }
-    float theta, scale = 1.0f;
-    rc = model_meta_float(f, a, "rope.freq_base", 10000.0f, &theta, NULL, err, errlen);
-    if (rc)
-        return rc;
-    if (!(theta > 0.0f)) {
-        snprintf(err, errlen, "%s.rope.freq_base (%g) must be positive", a, theta);
-        return -EINVAL;
-    }
-
-    /* Frequency scaling: linear only (newer files name it rope.scaling.*,
-     * older ones rope.scale_linear). */
-    char key[128];
-    snprintf(key, sizeof(key), "%s.rope.scaling.type", a);
-    const char *st;
-    size_t stn;
-    float factor;
-    if (!gguf_get_str(f, key, &st, &stn) && !(stn == 4 && !memcmp(st, "none", 4))) {
-        if (!(stn == 6 && !memcmp(st, "linear", 6))) {
-            snprintf(err, errlen, "%s = '%.*s' is not supported (kvd runs none and linear)", key,
-                     (int)(stn > 32 ? 32 : stn), st);
-            return -EINVAL;
-        }
-        rc = model_meta_float(f, a, "rope.scaling.factor", 1.0f, &factor, NULL, err, errlen);
-        if (rc)
-            return rc;
-        if (!(factor > 0.0f)) {
-            snprintf(err, errlen, "%s.rope.scaling.factor %g must be positive", a, factor);
-            return -EINVAL;
-        }
-    } else {
-        rc = model_meta_float(f, a, "rope.scale_linear", 1.0f, &factor, NULL, err, errlen);
-        if (rc)
-            return rc;
-        if (!(factor > 0.0f)) {
-            snprintf(err, errlen, "%s.rope.scale_linear %g must be positive", a, factor);
-            return -EINVAL;
-        }
-    }
-    scale = 1.0f / factor;
-    if (gguf_find_tensor(f, "rope_freqs.weight")) {
-        snprintf(err, errlen,
-                 "tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 "
-                 "style) is not supported");
-        return -EINVAL;
-    }
-    m->pos = (struct pos_scheme){
-        .kind = POS_ROPE,
-        .rope_theta = theta,
-        .rope_dims = n_rot,
-        .rope_pairing = m->arch == MODEL_ARCH_QWEN2 ? POS_ROPE_NEOX : POS_ROPE_ADJACENT,
-        .rope_freq_scale = scale,
-    };
-    return 0;
-}
-
 /* The Llama family's norm and position scheme. The ALiBi slopes and the T5
  * table are built after the tensors (model_load). */
 static int read_llama_hparams(model *m, const struct model_params *params, char *err, size_t errlen)
@@ -242,7 +173,8 @@ static int read_llama_hparams(model *m, const struct model_params *params, char 
     if (rc)
         return rc;
     if (kind == POS_ROPE)
-        return read_rope(m, err, errlen);
+        return model_read_rope(m, m->arch == MODEL_ARCH_LLAMA ? POS_ROPE_ADJACENT : POS_ROPE_NEOX,
+                               err, errlen);
     m->pos = (struct pos_scheme){.kind = kind};
     if (kind == POS_ALIBI) {
         bool found;
@@ -371,7 +303,8 @@ static const char *dominant_type(const model *m)
 static size_t vec_floats(const model *m)
 {
     size_t d = (size_t)m->n_embd;
-    size_t per_layer = 4 * d + (size_t)m->q_dim + 2 * (size_t)m->kv_dim + d + (size_t)m->n_ff + d;
+    size_t per_layer = 4 * d + (size_t)m->q_dim + 2 * (size_t)m->kv_dim + d + (size_t)m->n_ff + d +
+                       2 * (size_t)m->head_dim;
     return per_layer * (size_t)m->n_layer + 4 * d;
 }
 
@@ -398,8 +331,10 @@ int model_layer_matrix(const model *m, int l, const char *suffix, int n_in, int 
 static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
 {
     int d = m->n_embd, q = m->q_dim, kv = m->kv_dim, ff = m->n_ff, rc = 0;
-    /* Biases: qwen2 has them; llama.cpp accepts them on llama too. */
-    bool bias = m->arch == MODEL_ARCH_QWEN2;
+    /* Biases: qwen2 has them; llama.cpp accepts them on llama too. Qwen3
+     * normalises each q and k head instead. */
+    bool bias = m->arch == MODEL_ARCH_QWEN2, qk_norm = m->arch == MODEL_ARCH_QWEN3;
+    int hd = m->head_dim;
     for (int l = 0; l < m->n_layer && !rc; l++) {
         struct model_layer *L = &m->layers[l];
 #define VEC(sfx, n, req, dst)                                                                      \
@@ -411,6 +346,10 @@ static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
         VEC("attn_q.bias", q, bias, &L->bq);
         VEC("attn_k.bias", kv, bias, &L->bk);
         VEC("attn_v.bias", kv, bias, &L->bv);
+        if (qk_norm) {
+            VEC("attn_q_norm.weight", hd, true, &L->q_norm);
+            VEC("attn_k_norm.weight", hd, true, &L->k_norm);
+        }
         MAT("attn_q.weight", d, q, &L->wq);
         MAT("attn_k.weight", d, kv, &L->wk);
         MAT("attn_v.weight", d, kv, &L->wv);
@@ -471,6 +410,7 @@ static const struct {
 } arches[] = {
     {"llama", MODEL_ARCH_LLAMA},
     {"qwen2", MODEL_ARCH_QWEN2},
+    {"qwen3", MODEL_ARCH_QWEN3},
     {"bloom", MODEL_ARCH_BLOOM},
     {"mpt", MODEL_ARCH_MPT},
 };
@@ -515,13 +455,14 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
         k++;
     if (k == sizeof(arches) / sizeof(arches[0])) {
         snprintf(err, errlen,
-                 "architecture '%.*s' is not supported (kvd runs llama, qwen2, bloom, mpt)",
+                 "architecture '%.*s' is not supported (kvd runs llama, qwen2, qwen3, bloom, mpt)",
                  (int)(alen > 64 ? 64 : alen), arch);
         return -EINVAL;
     }
     m->arch = arches[k].arch;
     memcpy(m->arch_name, arch, alen);
     m->arch_name[alen] = '\0';
+    m->attn_logit_mul = 1.0f;
 
     int rc = model_read_shape(m, err, errlen);
     if (!rc && (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT))
@@ -600,6 +541,7 @@ void model_free(model *m)
     free(m->layers);
     free(m->vecs);
     free(m->pos_data);
+    free(m->rope_factors);
     free(m->name);
     free(m);
 }

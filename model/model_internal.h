@@ -26,6 +26,7 @@ enum model_arch {
     MODEL_ARCH_LLAMA = 0, /* RMSNorm, GQA, SwiGLU; RoPE (adjacent pairs), or ALiBi / T5
                              bias when kvd.position.kind says so */
     MODEL_ARCH_QWEN2,     /* llama + q/k/v biases, RoPE in NeoX halves */
+    MODEL_ARCH_QWEN3,     /* llama + per-head RMSNorm of q and k before RoPE, NeoX halves */
     MODEL_ARCH_BLOOM,     /* embedding LayerNorm, LayerNorm with bias, fused QKV with
                              bias, GELU (tanh) MLP with biases, ALiBi (max_bias 8) */
     MODEL_ARCH_MPT,       /* LayerNorm (optional bias), fused QKV, optional QKV clamp,
@@ -49,6 +50,8 @@ struct model_layer {
     struct mm_weight wq;       /* n_embd -> n_head * head_dim */
     struct mm_weight wk, wv;   /* n_embd -> n_kv_head * head_dim */
     const float *bq, *bk, *bv; /* biases of q, k, v, or NULL (qwen2, bloom have them) */
+    const float *q_norm, *k_norm; /* [head_dim] RMSNorm weights of every q / k head, or NULL
+                                     (qwen3) */
     struct mm_weight wo;       /* n_head * head_dim -> n_embd */
     const float *bo;           /* [n_embd] output projection bias, or NULL */
     const float *ffn_norm;     /* [n_embd] */
@@ -77,6 +80,10 @@ struct model {
     float alibi_max_bias;  /* ALiBi: the max_bias the slopes come from */
     struct pos_scheme pos; /* RoPE parameters, or ALiBi slopes / T5 table (pointing
                               into pos_data) */
+    float *rope_factors;   /* [rope_dims/2] RoPE per-pair divisors (rope_freqs, YaRN), or
+                              NULL; pos.rope_freq_factors points here when they apply */
+    float attn_logit_mul;  /* attention logits times this beyond 1/sqrt(head_dim) (YaRN's
+                              mscale^2); 1 otherwise */
 
     struct mm_weight tok_embd;  /* n_vocab rows of n_embd: row id is token id's embedding */
     const float *tok_norm;      /* [n_embd] LayerNorm of the embedding (BLOOM), or NULL */
@@ -138,6 +145,18 @@ int model_layer_matrix(const model *m, int l, const char *suffix, int n_in, int 
 /* Read the shared hyper-parameters (sizes, heads, context length) of any
  * architecture. 0 or -EINVAL. */
 int model_read_shape(model *m, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------------
+ * RoPE (rope.c)
+ * ------------------------------------------------------------------------ */
+
+/*
+ * The RoPE scheme of a file into m->pos (and m->rope_factors,
+ * m->attn_logit_mul): base, dims, the given pairing, linear or YaRN
+ * scaling and rope_freqs.weight. Needs the shape (model_read_shape).
+ * 0, -EINVAL with the key or tensor named, or -ENOMEM.
+ */
+int model_read_rope(model *m, enum pos_rope_pairing pairing, char *err, size_t errlen);
 
 /* ------------------------------------------------------------------------
  * BLOOM and MPT (arch_bloom.c)

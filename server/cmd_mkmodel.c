@@ -25,7 +25,7 @@ static void mkmodel_usage(FILE *f)
     fprintf(f,
             "usage: kvd mkmodel --out FILE [options]\n"
             "  --out FILE        where to write the GGUF file (required)\n"
-            "  --arch A          llama, qwen2, bloom or mpt (default %s)\n"
+            "  --arch A          llama, qwen2, qwen3, bloom or mpt (default %s)\n"
             "  --position P      rope, alibi or t5 (default: rope for llama/qwen2,\n"
             "                    alibi for bloom/mpt, which run only alibi)\n"
             "  --alibi-max-bias F  ALiBi slopes' max_bias (default 8; bloom: always 8)\n"
@@ -40,6 +40,9 @@ static void mkmodel_usage(FILE *f)
             "  --vocab N         vocabulary size, >= 260 (default %d)\n"
             "  --rope-dims N     rotated dims per head (default: the head dim)\n"
             "  --rope-theta F    RoPE base (default %g)\n"
+            "  --rope-scaling S  none, linear or yarn, with --rope-factor F and\n"
+            "                    (yarn) --rope-orig-ctx N\n"
+            "  --rope-freqs      write Llama 3.1's rope_freqs.weight (llama3 scaling)\n"
             "  --ctx N           context_length written to the metadata (default %d)\n"
             "  --tied            no output.weight: logits from the token embedding\n"
             "                    (bloom is always tied)\n"
@@ -71,6 +74,7 @@ int srv_cmd_mkmodel(int argc, char **argv)
             {"--rope-dims", &p.rope_dims, 2, 1024}, {"--ctx", &p.n_ctx_train, 1, INT32_MAX},
             {"--t5-buckets", &p.t5_num_buckets, 4, 4096},
             {"--t5-max-distance", &p.t5_max_distance, 1, 1 << 20},
+            {"--rope-orig-ctx", &p.rope_orig_ctx, 1, INT32_MAX},
         };
         bool matched = false;
         for (size_t k = 0; k < sizeof(ints) / sizeof(ints[0]) && !matched; k++) {
@@ -119,6 +123,18 @@ int srv_cmd_mkmodel(int argc, char **argv)
                 return 2;
             }
             p.rope_theta = (float)x;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--rope-scaling", &v, &bad)) {
+            p.rope_scaling = v;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--rope-factor", &v, &bad)) {
+            if (!bad && srv_parse_double(v, 1e-3, 1e6, &x)) {
+                fprintf(stderr, "kvd mkmodel: --rope-factor wants a positive number, got '%s'\n",
+                        v);
+                return 2;
+            }
+            p.rope_scale_factor = (float)x;
+        } else if (!strcmp(argv[i], "--rope-freqs")) {
+            p.rope_freqs = true;
+            i++;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--seed", &v, &bad)) {
             char *end;
             if (!bad) {

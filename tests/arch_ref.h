@@ -241,6 +241,7 @@ struct ref_layer {
     float *bq, *bk, *bv, *bo;                               /* or NULL */
     float *gate, *up, *down;                                /* gate: SwiGLU only */
     float *b_up, *b_down;
+    float *q_norm, *k_norm; /* [hd] per-head RMSNorm of q and k (qwen3), or NULL */
 };
 
 enum ref_act { REF_SWIGLU, REF_GELU_TANH, REF_GELU_ERF };
@@ -254,6 +255,10 @@ struct ref_model {
     int n_rot;          /* RoPE: rotated dims per head */
     bool neox;          /* RoPE: pairs (i, i + n_rot/2) (qwen2) rather than (2i, 2i+1) */
     float theta, fscale; /* RoPE: frequency base, linear position scale */
+    float *rope_ff;      /* RoPE: rope_freqs.weight [n_rot/2] (pair i's frequency / ff[i]), or NULL */
+    bool yarn;           /* RoPE: YaRN, ggml's rope_yarn: extrapolated and interpolated angles
+                            mixed by a ramp over the pairs, rotated values times mscale */
+    int yarn_orig;       /* its original context */
     double *slopes; /* ALiBi [n_head] */
     float *t5;      /* T5 [n_head][nb] */
     int nb, md;
@@ -339,10 +344,18 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
                                                     : POS_NONE;
     assert_true(r->pos != POS_NONE);
     if (r->pos == POS_ROPE) {
-        r->neox = !strcmp(arch, "qwen2");
+        r->neox = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3");
         r->n_rot = ref_meta_int(f, KEY("rope.dimension_count"), r->hd);
         r->theta = ref_meta_f32(f, KEY("rope.freq_base"), 10000.0f);
         r->fscale = 1.0f;
+        const char *st;
+        size_t stn;
+        if (!gguf_get_str(f, KEY("rope.scaling.type"), &st, &stn)) {
+            r->fscale = 1.0f / ref_meta_f32(f, KEY("rope.scaling.factor"), 1.0f);
+            r->yarn = stn == 4 && !memcmp(st, "yarn", 4);
+            r->yarn_orig = ref_meta_int(f, KEY("rope.scaling.original_context_length"), 0);
+        }
+        r->rope_ff = ref_tensor(f, "rope_freqs.weight", r->n_rot / 2, 1);
     } else if (r->pos == POS_ALIBI) {
         assert_true(max_bias > 0.0f);
         r->slopes = malloc(sizeof(double) * (size_t)r->n_head);
@@ -409,6 +422,8 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
             L->bv = T("attn_v.bias", kvd, 1);
             L->gate = T("ffn_gate.weight", d, r->n_ff);
             assert_non_null(L->gate);
+            L->q_norm = T("attn_q_norm.weight", r->hd, 1);
+            L->k_norm = T("attn_k_norm.weight", r->hd, 1);
         }
         L->wo = T("attn_output.weight", qd, d);
         L->bo = T("attn_output.bias", d, 1);
@@ -430,7 +445,8 @@ AR_FN void ref_free(struct ref_model *r)
         struct ref_layer *L = &r->L[l];
         float *ps[] = {L->attn_norm, L->attn_norm_b, L->ffn_norm, L->ffn_norm_b, L->wq,    L->wk,
                        L->wv,        L->wo,          L->bq,       L->bk,         L->bv,    L->bo,
-                       L->gate,      L->up,          L->down,     L->b_up,       L->b_down};
+                       L->gate,      L->up,          L->down,     L->b_up,       L->b_down,
+                       L->q_norm,    L->k_norm};
         for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++)
             free(ps[i]);
     }
@@ -443,6 +459,7 @@ AR_FN void ref_free(struct ref_model *r)
     free(r->out_norm_b);
     free(r->slopes);
     free(r->t5);
+    free(r->rope_ff);
 }
 
 /*
@@ -511,18 +528,63 @@ AR_FN void ref_matvec(float *o, const float *W, const float *b, const float *x, 
     free(xq);
 }
 
-/* Rotate one head's vector by position delta (may be negative). */
-AR_FN void ref_rope(const struct ref_model *r, float *x, double delta)
+/*
+ * Rotate one head's vector by position delta (may be negative). Pair i
+ * turns by delta * f_i, f_i = theta^(-2i/n_rot) / rope_freqs[i]; linear
+ * scaling takes fscale * that. YaRN, as ggml's rope_yarn: the
+ * interpolated angle fscale * a and the extrapolated angle a are mixed by
+ * a ramp that is 1 below pair lo (turning more than 32 times over the
+ * original context) and 0 above pair hi (fewer than once), and with
+ * mscale the rotated values are multiplied by 1 + 0.1 ln(1 / fscale): done
+ * once, when a vector is first rotated, never when a stored key is turned
+ * again.
+ */
+AR_FN void ref_rope_ex(const struct ref_model *r, float *x, double delta, bool mscale)
 {
     int half = r->n_rot / 2;
+    double lo = 0, hi = 0, ms = 1;
+    if (r->yarn) {
+        double b = log((double)r->theta), n = r->n_rot;
+        lo = floor(n * log(r->yarn_orig / (32 * 2 * M_PI)) / (2 * b));
+        hi = ceil(n * log(r->yarn_orig / (1 * 2 * M_PI)) / (2 * b));
+        lo = fmax(0, lo);
+        hi = fmin(n - 1, hi);
+        ms = mscale ? 1 + 0.1 * log(1.0 / r->fscale) : 1;
+    }
     for (int i = 0; i < half; i++) {
         double freq = pow((double)r->theta, -2.0 * i / r->n_rot);
-        double ang = delta * r->fscale * freq;
-        double c = cos(ang), s = sin(ang);
+        if (r->rope_ff)
+            freq /= r->rope_ff[i];
+        double extrap = delta * freq, ang = r->fscale * extrap;
+        if (r->yarn) {
+            double y = (i - lo) / fmax(0.001, hi - lo);
+            double mix = 1 - fmin(1, fmax(0, y));
+            ang = ang * (1 - mix) + extrap * mix;
+        }
+        double c = cos(ang) * ms, s = sin(ang) * ms;
         int a = r->neox ? i : 2 * i, b = r->neox ? i + half : 2 * i + 1;
         double x0 = x[a], x1 = x[b];
         x[a] = (float)(x0 * c - x1 * s);
         x[b] = (float)(x0 * s + x1 * c);
+    }
+}
+
+AR_FN void ref_rope(const struct ref_model *r, float *x, double delta)
+{
+    ref_rope_ex(r, x, delta, false);
+}
+
+/* Qwen3: RMSNorm of each head of x (n_heads of hd) with the shared weight w. */
+AR_FN void ref_head_norm(const struct ref_model *r, float *x, const float *w, int n_heads)
+{
+    for (int h = 0; w && h < n_heads; h++) {
+        float *v = x + (size_t)h * r->hd;
+        double ss = 0;
+        for (int e = 0; e < r->hd; e++)
+            ss += (double)v[e] * v[e];
+        double inv = 1.0 / sqrt(ss / r->hd + r->eps);
+        for (int e = 0; e < r->hd; e++)
+            v[e] = (float)(v[e] * inv * w[e]);
     }
 }
 
@@ -661,11 +723,13 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
         ref_clamp(q, qd, r->clamp);
         ref_clamp(k, kvd, r->clamp);
         ref_clamp(v, kvd, r->clamp);
+        ref_head_norm(r, q, L->q_norm, r->n_head);
+        ref_head_norm(r, k, L->k_norm, r->n_kv);
         memcpy(ref_kv(r, s, s->unrot, l, me), k, sizeof(float) * kvd);
         for (int h = 0; r->pos == POS_ROPE && h < r->n_head; h++)
-            ref_rope(r, q + h * hd, pos);
+            ref_rope_ex(r, q + h * hd, pos, true);
         for (int h = 0; r->pos == POS_ROPE && h < r->n_kv; h++)
-            ref_rope(r, k + h * hd, pos);
+            ref_rope_ex(r, k + h * hd, pos, true);
         if (s->f16)
             for (int e = 0; e < kvd; e++) {
                 k[e] = round_f16(k[e]);
@@ -816,6 +880,71 @@ AR_FN float check_against_reference(const char *path, enum kv_type kvt, int thre
         ref_seq_free(&rs[s]);
     }
     kv_cache_destroy(cache);
+    ref_free(&r);
+    model_free(m);
+    return worst;
+}
+
+/* ------------------------------------------------------------------------
+ * Eviction against the reference (ARCHITECTURE.md Invariant 3)
+ * ------------------------------------------------------------------------ */
+
+AR_FN struct kv_policy sink_window(bool renumber)
+{
+    /* 4-token pages: 4 sinks (one page), a 16-token window, budget 24. */
+    return (struct kv_policy){.kind = KV_EVICT_SINK_WINDOW,
+                              .max_cache_tokens = 24,
+                              .sink_tokens = 4,
+                              .window_tokens = 16,
+                              .renumber = renumber};
+}
+
+/*
+ * (2) Many layers: kvd against the reference, decode token by token through
+ * sink-window evictions. kv_seq_hist_index tells which entries survived;
+ * the reference drops the others and takes the new positions (renumbered
+ * or preserved) - it never touches a K or V, and neither does kvd.
+ */
+AR_FN float evict_vs_reference(const char *path, bool renumber, enum kv_type kvt, int steps,
+                                uint32_t seed, int *evictions)
+{
+    model *m = load_model(path);
+    struct ref_model r;
+    ref_load(&r, path);
+    int nv = m->n_vocab;
+    kv_cache *cache = make_cache(m, kvt, 4, 64);
+    struct kv_policy pol = sink_window(renumber);
+    kv_seq *seq = make_seq(cache, &pol);
+    struct ref_seq rs;
+    ref_seq_init(&rs, &r, pol.max_cache_tokens + 1, kvt == KV_F16);
+    model_ctx *ctx = make_ctx(m, 4, 2);
+    float *lg = malloc(sizeof(float) * nv), *ref = malloc(sizeof(float) * nv);
+    float worst = 0.0f;
+    int32_t tok = 1;
+    uint32_t st = seed;
+    for (int fed = 0; fed < steps; fed++) {
+        struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = lg};
+        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        int n = kv_seq_n_tokens(seq);
+        const int32_t *hidx = kv_seq_hist_index(seq);
+        const int32_t *pos = kv_seq_positions(seq);
+        assert_int_equal(hidx[n - 1], fed);
+        ref_seq_evict(&r, &rs, hidx, pos, n - 1);
+        ref_step(&r, &rs, tok, pos[n - 1], fed, ref);
+        float e = rel_diff(lg, ref, nv);
+        worst = e > worst ? e : worst;
+        st = st * 1664525u + 1013904223u;
+        tok = 3 + (int32_t)((st >> 8) % (uint32_t)(nv - 3));
+    }
+    struct kv_stats ks;
+    kv_cache_stats(cache, &ks);
+    *evictions = (int)ks.evictions;
+    free(lg);
+    free(ref);
+    model_ctx_destroy(ctx);
+    kv_seq_destroy(seq);
+    kv_cache_destroy(cache);
+    ref_seq_free(&rs);
     ref_free(&r);
     model_free(m);
     return worst;

@@ -263,16 +263,6 @@ static void test_alibi_slopes(void **state)
  * Eviction equivalence (ARCHITECTURE.md Invariant 3) for offset-only biases
  * ------------------------------------------------------------------------ */
 
-static struct kv_policy sink_window(bool renumber)
-{
-    /* 4-token pages: 4 sinks (one page), a 16-token window, budget 24. */
-    return (struct kv_policy){.kind = KV_EVICT_SINK_WINDOW,
-                              .max_cache_tokens = 24,
-                              .sink_tokens = 4,
-                              .window_tokens = 16,
-                              .renumber = renumber};
-}
-
 struct evict1 {
     int checks;
     float worst_fresh; /* kvd vs a fresh kvd forward over the retained tokens */
@@ -430,57 +420,7 @@ static void test_evict_one_layer_equals_fresh(void **state)
     }
 }
 
-/*
- * (2) Many layers: kvd against the reference, decode token by token through
- * sink-window evictions. kv_seq_hist_index tells which entries survived;
- * the reference drops the others and takes the new positions (renumbered
- * or preserved) - it never touches a K or V, and neither does kvd.
- */
-static float evict_vs_reference(const char *path, bool renumber, enum kv_type kvt, int steps,
-                                uint32_t seed, int *evictions)
-{
-    model *m = load_model(path);
-    struct ref_model r;
-    ref_load(&r, path);
-    int nv = m->n_vocab;
-    kv_cache *cache = make_cache(m, kvt, 4, 64);
-    struct kv_policy pol = sink_window(renumber);
-    kv_seq *seq = make_seq(cache, &pol);
-    struct ref_seq rs;
-    ref_seq_init(&rs, &r, pol.max_cache_tokens + 1, kvt == KV_F16);
-    model_ctx *ctx = make_ctx(m, 4, 2);
-    float *lg = malloc(sizeof(float) * nv), *ref = malloc(sizeof(float) * nv);
-    float worst = 0.0f;
-    int32_t tok = 1;
-    uint32_t st = seed;
-    for (int fed = 0; fed < steps; fed++) {
-        struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = lg};
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
-        int n = kv_seq_n_tokens(seq);
-        const int32_t *hidx = kv_seq_hist_index(seq);
-        const int32_t *pos = kv_seq_positions(seq);
-        assert_int_equal(hidx[n - 1], fed);
-        ref_seq_evict(&r, &rs, hidx, pos, n - 1);
-        ref_step(&r, &rs, tok, pos[n - 1], fed, ref);
-        float e = rel_diff(lg, ref, nv);
-        worst = e > worst ? e : worst;
-        st = st * 1664525u + 1013904223u;
-        tok = 3 + (int32_t)((st >> 8) % (uint32_t)(nv - 3));
-    }
-    struct kv_stats ks;
-    kv_cache_stats(cache, &ks);
-    *evictions = (int)ks.evictions;
-    free(lg);
-    free(ref);
-    model_ctx_destroy(ctx);
-    kv_seq_destroy(seq);
-    kv_cache_destroy(cache);
-    ref_seq_free(&rs);
-    ref_free(&r);
-    model_free(m);
-    return worst;
-}
-
+/* (2) Many layers: evict_vs_reference (tests/arch_ref.h). */
 static void test_evict_multilayer_equals_reference(void **state)
 {
     (void)state;

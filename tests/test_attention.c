@@ -1303,6 +1303,13 @@ static void test_kernel_bad_params(void **state)
     p.pos.rope_freq_scale = 0.0f; /* a zeroed field, not "no scaling" */
     assert_null(attn_create(&p, err, sizeof(err)));
     assert_non_null(strstr(err, "rope_freq_scale"));
+    float factors[32];
+    for (int i = 0; i < 32; i++)
+        factors[i] = i == 7 ? 0.0f : 2.0f;
+    p.pos.rope_freq_scale = 1.0f;
+    p.pos.rope_freq_factors = factors;
+    assert_null(attn_create(&p, err, sizeof(err)));
+    assert_non_null(strstr(err, "rope frequency factor 7"));
     p = ok;
     p.pos.kind = POS_ALIBI;
     assert_null(attn_create(&p, err, sizeof(err)));
