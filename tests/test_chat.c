@@ -341,6 +341,22 @@ static void test_session(void **state)
     json_decref(msgs);
 }
 
+/* A gauge's value from /metrics (-1 when absent). */
+static double metric(const char *name)
+{
+    struct su_resp r;
+    double v = -1;
+    if (su_http(srv.port, "GET", "/metrics", NULL, NULL, &r) == 200) {
+        char key[128];
+        snprintf(key, sizeof key, "\n%s ", name);
+        const char *m = strstr(r.body, key);
+        if (m)
+            v = atof(m + strlen(key));
+    }
+    su_resp_free(&r);
+    return v;
+}
+
 /* Tokens of the template's rendering of msgs (with the generation prompt). */
 static int rendered_tokens(json_t *msgs)
 {
@@ -407,6 +423,11 @@ static void test_long_chat(void **state)
                 json_array_get(json_object_get(v, "choices"), 0), "message"), "content"));
         json_array_append_new(msgs, msg("assistant", answer));
         json_decref(v);
+        if (turn % 50 == 49) /* memory stays flat: printed, not asserted */
+            print_message("turn %3d: conversation %zu messages, %d left out; KV pages used %.0f; "
+                          "RSS %.1f MiB\n",
+                          turn + 1, json_array_size(msgs), evicted, metric("kvd_kv_pages_used"),
+                          metric("process_resident_memory_bytes") / 1048576.0);
     }
     print_message("200 turns: %d messages left out in %d eviction steps; at most %d tokens "
                   "cached (budget 1024)\n",
@@ -455,6 +476,79 @@ static void test_bad_template_refused(void **state)
         fail_msg("output: %s", out);
 }
 
+/* Run cmd (a shell command line), its stdout into out (NUL-terminated,
+ * truncated to n - 1 bytes); returns its exit status or -1. */
+static int run(const char *cmd, char *out, size_t n)
+{
+    FILE *p = popen(cmd, "r");
+    if (!p)
+        return -1;
+    size_t k = fread(out, 1, n - 1, p);
+    out[k] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/*
+ * Done means: the Node `openai` client, unchanged, plain and streaming,
+ * against kvd serve with a template set by config. npm installs the client
+ * into a scratch directory; without node, npm or the registry the test
+ * says so and skips.
+ */
+static void test_openai_node(void **state)
+{
+    (void)state;
+    NEED_SERVER();
+    if (!su_on_path("node") || !su_on_path("npm")) {
+        print_message("node or npm not on PATH: skipping the openai client test\n");
+        skip();
+    }
+    char dir[] = "/tmp/kvd-test-npm-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char cmd[2048], out[16384];
+    snprintf(cmd, sizeof cmd,
+             "timeout 240 npm install --prefix %s openai --no-audit --no-fund --loglevel=error "
+             ">/dev/null 2>&1",
+             dir);
+    if (run(cmd, out, sizeof out) != 0) {
+        su_remove_dir(dir);
+        print_message("npm could not install 'openai' (offline?): skipping the client test\n");
+        skip();
+    }
+    snprintf(cmd, sizeof cmd,
+             "NODE_PATH=%s/node_modules timeout 60 node tests/cases/chat/openai_client.cjs "
+             "http://127.0.0.1:%d/v1 2>&1",
+             dir, srv.port);
+    int st = run(cmd, out, sizeof out);
+    snprintf(cmd, sizeof cmd, "%s/node_modules/openai/package.json", dir);
+    json_t *pkg = json_load_file(cmd, 0, NULL);
+    print_message("openai %s (npm): %s\n", json_string_value(json_object_get(pkg, "version")), out);
+    json_decref(pkg);
+    su_remove_dir(dir);
+    if (st != 0)
+        fail_msg("the openai client failed: %s", out);
+    json_t *v = json_loads(out, 0, NULL);
+    assert_non_null(v);
+    json_t *plain = json_object_get(v, "plain"), *stream = json_object_get(v, "stream");
+    assert_string_equal(json_string_value(json_object_get(plain, "object")), "chat.completion");
+    assert_string_equal(json_string_value(json_object_get(plain, "role")), "assistant");
+    assert_string_equal(json_string_value(json_object_get(stream, "role")), "assistant");
+    const char *a = json_string_value(json_object_get(plain, "content")),
+               *b = json_string_value(json_object_get(stream, "content"));
+    assert_non_null(a);
+    assert_non_null(b);
+    assert_true(strlen(a) > 0);
+    assert_string_equal(a, b); /* temperature 0: the same answer, streamed */
+    assert_string_equal(json_string_value(json_object_get(plain, "finish")),
+                        json_string_value(json_object_get(stream, "finish")));
+    assert_true(json_integer_value(
+                    json_object_get(json_object_get(plain, "usage"), "prompt_tokens")) > 0);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(stream, "usage"), "completion_tokens")),
+        json_integer_value(json_object_get(json_object_get(plain, "usage"), "completion_tokens")));
+    json_decref(v);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -462,6 +556,7 @@ int main(void)
         cmocka_unit_test(test_logprobs),       cmocka_unit_test(test_errors),
         cmocka_unit_test(test_apply_template), cmocka_unit_test(test_session),
         cmocka_unit_test(test_long_chat),      cmocka_unit_test(test_bad_template_refused),
+        cmocka_unit_test(test_openai_node),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
