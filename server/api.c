@@ -78,6 +78,7 @@ struct call {
     size_t lp_chars;  /* OpenAI text_offset of the next token, in code points */
     bool role_sent;       /* chat stream: the first chunk (delta.role) went out */
     int evicted_messages; /* chat: messages of the conversation not in the prompt */
+    bool max_tokens_given; /* chat: the request set max_tokens / max_completion_tokens */
     struct call *prev, *next;
 };
 
@@ -1034,7 +1035,14 @@ static int chat_prompt(srv_api *a, json_t *body, struct srv_req *r, struct call 
     struct tpl_error te;
     int rc;
     if (a->p.chat_turns) {
-        int budget = a->p.policy.max_cache_tokens - r->max_tokens;
+        /* Room for the answer: what the request asked for; without a limit
+         * a quarter of the budget (a longer answer goes on, and the
+         * eviction policy makes room as for any sequence). */
+        int reserve = call->max_tokens_given ? r->max_tokens
+                      : r->max_tokens < a->p.policy.max_cache_tokens / 4
+                          ? r->max_tokens
+                          : a->p.policy.max_cache_tokens / 4;
+        int budget = a->p.policy.max_cache_tokens - reserve;
         if (budget > a->p.max_prompt_tokens)
             budget = a->p.max_prompt_tokens;
         if (budget < 1)
@@ -1103,6 +1111,7 @@ static struct srv_req *parse_chat(srv_api *a, json_t *body, const char *hdr_sess
     struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
     openai_sampling(a, r);
     r->max_tokens = a->p.default_max_tokens;
+    call->max_tokens_given = field(body, "max_completion_tokens") || field(body, "max_tokens");
     if (field(body, "max_completion_tokens")) {
         if (parse_max_tokens(a, body, "max_completion_tokens", r, e) < 0)
             goto out;
