@@ -6,6 +6,8 @@
 #   make test       deps, build and run every test program, print a summary
 #   make asan       the tests under AddressSanitizer + UBSan (build-asan/)
 #   make bench      build and run the benchmarks in tests/bench/
+#   make fuzz       build the libFuzzer targets in tests/fuzz/ and run each
+#                   FUZZ_SECONDS (default 60) under ASan + UBSan
 #   make format     clang-format every source file
 #   make clean
 #
@@ -32,9 +34,11 @@ LDFLAGS  += -fopenmp $(SANITIZE)
 LDLIBS   += -luv -ljansson -linih -lpcre2-8 -lm -lpthread
 TESTLIBS := -lcmocka
 
-# Debian packages the build, the tests and `make run` need.
+# Debian packages the build, the tests, `make fuzz` (clang's libFuzzer and
+# OpenMP, which CI runs) and `make run` need.
 DEB_PACKAGES := gcc make pkg-config libuv1-dev libjansson-dev node-llhttp \
-                libcmocka-dev libinih-dev libpcre2-dev curl gnuplot-nox haproxy
+                libcmocka-dev libinih-dev libpcre2-dev curl gnuplot-nox haproxy \
+                clang libclang-rt-14-dev libomp-14-dev
 # What `make deploy-check` needs (haproxy is also in DEB_PACKAGES for the tests).
 DEPLOY_PACKAGES := haproxy python3-yaml systemd
 
@@ -79,7 +83,8 @@ TEST_BIN   := $(patsubst %,$(BUILD)/tests/test_%,$(TEST_NAMES))
 BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
 BENCH_BIN  := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all deps run test asan bench format clean tests benches deploy-deps deploy-check
+.PHONY: all deps run test asan bench format clean tests benches deploy-deps deploy-check \
+        fuzz fuzzers
 all: kvd
 
 kvd: $(BUILD)/kvd
@@ -132,6 +137,51 @@ benches: $(BENCH_BIN)
 bench: benches
 	@for b in $(BENCH_BIN); do echo "== $$b"; KVD_SHARED=$(SHARED) $$b || exit 1; done
 
+# --- fuzzing -------------------------------------------------------------------
+# Each tests/fuzz/fuzz_NAME.c is a libFuzzer target, built with clang and
+# ASan + UBSan into build-fuzz/ (the whole tree is compiled there with
+# -fsanitize=fuzzer-no-link so coverage reaches every room). `make fuzz`
+# runs each for FUZZ_SECONDS from its committed seeds (tests/fuzz/corpus/
+# NAME/, and the folders tests/fuzz/NAME.seeds lists) with its dictionary
+# (tests/fuzz/NAME.dict) when there is one; new
+# inputs go to build-fuzz/corpus/NAME/, never into the tree. A crash stops
+# the run, leaving the input in build-fuzz/crash-*. Tokenizer targets read
+# the vocabularies in $(SHARED)/vocab (KVD_SHARED).
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_BUILD   := build-fuzz
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+FUZZ_NAMES   := $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
+FUZZ_BIN     := $(patsubst %,$(BUILD)/fuzz/fuzz_%,$(FUZZ_NAMES))
+
+# clang takes minutes to instrument the SIMD kernels with ASan, and no
+# fuzz target reaches them (they are tested against the reference kernel):
+# only coverage there.
+ifeq ($(BUILD),$(FUZZ_BUILD))
+$(BUILD)/attention/attn_simd.o: override SANITIZE := -fsanitize=fuzzer-no-link
+endif
+
+$(BUILD)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c $(ALL_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -fsanitize=fuzzer -o $@ $< $(ALL_OBJ) $(LDFLAGS) $(LDLIBS)
+
+fuzzers: $(FUZZ_BIN)
+
+fuzz:
+	@$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) CC=$(FUZZ_CC) OPT=-O1 \
+	  SANITIZE="$(FUZZ_SAN) -fsanitize=fuzzer-no-link" fuzzers
+	@for n in $(FUZZ_NAMES); do \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$n tests/fuzz/corpus/$$n; \
+	  dict=""; [ -f tests/fuzz/$$n.dict ] && dict="-dict=../tests/fuzz/$$n.dict"; \
+	  seeds=""; [ -f tests/fuzz/$$n.seeds ] && seeds=$$(sed 's|^|../|' tests/fuzz/$$n.seeds); \
+	  echo "== fuzz_$$n: $(FUZZ_SECONDS) s"; \
+	  ( cd $(FUZZ_BUILD) && KVD_SHARED=$(abspath $(SHARED)) \
+	    ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	    ./fuzz/fuzz_$$n -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -timeout=20 \
+	      -rss_limit_mb=2048 -print_final_stats=1 $$dict corpus/$$n ../tests/fuzz/corpus/$$n $$seeds \
+	      > fuzz_$$n.log 2>&1; rc=$$?; tail -n 20 fuzz_$$n.log; exit $$rc ) || exit 1; \
+	done
+
 # --- setup and run -----------------------------------------------------------------
 DEPS_CMD ?= $(MAKE) --no-print-directory install-packages PACKAGES="$(DEB_PACKAGES)"
 deps:
@@ -168,6 +218,6 @@ format:
 	clang-format -i $$(git ls-files '*.c' '*.h')
 
 clean:
-	rm -rf build build-asan kvd
+	rm -rf build build-asan $(FUZZ_BUILD) kvd
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -647,8 +647,9 @@ static void dispatch(srv_conn *c)
     c->state = CONN_HANDLING;
     if (!c->url)
         buf_append(&c->url, &c->url_len, &c->url_cap, "/", 1);
-    if (!c->body)
-        buf_append(&c->body, &c->body_len, &c->body_cap, "", 0);
+    /* The body buffer is kept across keep-alive requests: a request
+     * without a body must not see the previous one's bytes. */
+    buf_append(&c->body, &c->body_len, &c->body_cap, "", 0);
     char *q = strchr(c->url, '?');
     const char *query = "";
     if (q) {

@@ -1,17 +1,10 @@
 /*
- * fuzz_gguf.c - libFuzzer target for the GGUF reader (not part of the
- * default build). Every input is opened with gguf_open_memory; whatever
- * opens is walked through every accessor, so a validation gap shows as an
- * out-of-bounds read under AddressSanitizer.
- *
- * Build and run by hand from the repository root:
- *
- *   clang -g -O1 -D_GNU_SOURCE -I. -fsanitize=fuzzer,address,undefined \
- *       tests/fuzz/fuzz_gguf.c model/gguf.c -o fuzz_gguf
- *   mkdir -p corpus && ./fuzz_gguf -max_len=65536 -max_total_time=60 corpus
- *
- * A good seed is any small GGUF file (e.g. one written by `kvd mkmodel` or
- * gguf_writer_write) copied into corpus/.
+ * fuzz_gguf.c - libFuzzer target for the GGUF reader. Every input is
+ * opened with gguf_open_memory; whatever opens is walked through every
+ * accessor, so a validation gap shows as an out-of-bounds read under
+ * AddressSanitizer. Built and run by `make fuzz` from the small GGUF files
+ * in tests/fuzz/corpus/gguf/ (a tensor file, a vocabulary, an f16 tensor)
+ * with tests/fuzz/gguf.dict.
  */
 #include <stddef.h>
 #include <stdint.h>
