@@ -1660,6 +1660,58 @@ static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t
     return v;
 }
 
+/*
+ * The server cut the generation short: the drain deadline, the KV pool out
+ * of pages mid-generation, or a reload that took away the eviction the
+ * request was admitted under. What was generated has been sent (streamed)
+ * or is kept (llama.cpp's content), but the end never looks like a normal
+ * finish: OpenAI shapes get an error body (503) or, mid-stream, an error
+ * event where the finish chunk would be; llama.cpp's gets stop_type "none"
+ * with an "error" object. Counted in kvd_requests_cut_short_total.
+ */
+static void on_cut(struct call *call, const struct srv_event *ev)
+{
+    srv_metrics_cut(call->a->metrics, (int)ev->finish);
+    const char *code = ev->finish == SRV_FINISH_ABORT  ? "cut_short_shutdown"
+                       : ev->finish == SRV_FINISH_POOL ? "cut_short_kv_cache_full"
+                                                       : "cut_short_policy_none";
+    char msg[400];
+    snprintf(msg, sizeof(msg), "the answer was cut short after %d tokens: %s",
+             ev->usage.completion_tokens,
+             ev->finish == SRV_FINISH_ABORT
+                 ? "the server is shutting down and its drain deadline passed"
+             : ev->finish == SRV_FINISH_POOL
+                 ? "the KV cache ran out of pages (eviction and idle sessions gave none back)"
+                 : "a reload switched eviction to policy none and the sequence's cache is full");
+    if (call->kind == CALL_LLAMA) {
+        json_t *v = llama_final(call, ev,
+                                call->stream ? json_string("")
+                                             : json_text(call->text ? call->text : "", call->len));
+        json_object_set_new(v, "error",
+                            json_pack("{s:s, s:s, s:n, s:s}", "message", msg, "type",
+                                      error_type(503), "param", "code", code));
+        if (!call->stream) {
+            respond_json(call->conn, 200, v);
+            return;
+        }
+        stream_start(call);
+        sse_send(call, v);
+    } else if (!call->stream) {
+        api_error_code(call->conn, 503, NULL, code, NULL, "%s", msg);
+        return;
+    } else {
+        size_t len = 0;
+        char *body = error_json_code(503, msg, NULL, code, &len);
+        stream_start(call);
+        if (body)
+            sse_text(call, body, len);
+        free(body);
+        stream_raw(call, "data: [DONE]\n\n", 14);
+    }
+    if (call->conn)
+        srv_http_stream_end(call->conn);
+}
+
 static void on_done(struct call *call, const struct srv_event *ev)
 {
     if (!call->conn)
@@ -1698,6 +1750,10 @@ static void on_done(struct call *call, const struct srv_event *ev)
     }
     if (ev->finish == SRV_FINISH_CANCEL)
         return;
+    if (srv_finish_cut(ev->finish)) {
+        on_cut(call, ev);
+        return;
+    }
     const struct srv_usage *u = &ev->usage;
     if (call->stream && call->kind == CALL_CHAT) {
         stream_start(call);

@@ -58,6 +58,7 @@ struct srv_metrics {
     uint64_t status[MAX_STATUS];
     uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled, evicted_messages;
     uint64_t conn_events[SRV_CONN_EVENT_COUNT];
+    uint64_t cut_drain, cut_pool, cut_policy;
     struct hist hist[SRV_HIST_COUNT];
     struct srv_engine_gauges g;
     uint64_t config_generation;
@@ -124,6 +125,18 @@ void srv_metrics_conn(srv_metrics *m, enum srv_conn_event e)
 {
     pthread_mutex_lock(&m->mu);
     m->conn_events[e]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_cut(srv_metrics *m, int f)
+{
+    pthread_mutex_lock(&m->mu);
+    if (f == SRV_FINISH_ABORT)
+        m->cut_drain++;
+    else if (f == SRV_FINISH_POOL)
+        m->cut_pool++;
+    else
+        m->cut_policy++;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -234,6 +247,14 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
                    "Chat messages left out of prompts, whole turns at a time ([eviction] unit = "
                    "turn).",
                    c.evicted_messages);
+    tb_printf(&b, "# HELP kvd_requests_cut_short_total Completions the server cut short "
+                  "(answered as an error, never as a normal finish), by reason.\n"
+                  "# TYPE kvd_requests_cut_short_total counter\n"
+                  "kvd_requests_cut_short_total{reason=\"drain\"} %llu\n"
+                  "kvd_requests_cut_short_total{reason=\"kv_pool_full\"} %llu\n"
+                  "kvd_requests_cut_short_total{reason=\"policy_none\"} %llu\n",
+              (unsigned long long)c.cut_drain, (unsigned long long)c.cut_pool,
+              (unsigned long long)c.cut_policy);
     static const char *const conn_reason[SRV_CONN_EVENT_COUNT] = {
         [SRV_CONN_SLOW_READER] = "slow_reader",
         [SRV_CONN_SHED_IDLE] = "shed_idle",

@@ -102,6 +102,8 @@ struct run {
     size_t hold_len, hold_cap;
     uint64_t t_admit_ns, t_first_ns, t_last_ns;
     int batch_slot; /* index in this step's batch, or -1 */
+    bool admitted_evicting; /* admitted under a policy that evicts (a full cache
+                               later means a reload switched it to none) */
     struct run *next;
 };
 
@@ -715,6 +717,7 @@ static struct run *run_admit(srv_sched *s, struct srv_req *req, uint64_t t)
         if (!r->seq)
             goto out_free;
     }
+    r->admitted_evicting = pol.kind != KV_EVICT_NONE;
     r->phase = RUN_PREFILL;
     r->next = NULL;
     struct run **pp = &s->runs;
@@ -1100,13 +1103,18 @@ static void batch_remove(srv_sched *s, int *n, int i)
     (*n)--;
 }
 
-/* A sequence of the batch cannot go on: end it as its state says. */
+/*
+ * A sequence of the batch cannot go on: end it as its state says. What it
+ * generated is sent, but a generation the server cut (the pool ran out of
+ * pages; a reload took away the eviction it was admitted under) ends with
+ * a finish that says so, never as if the request's own limit was reached.
+ */
 static void fail_in_batch(srv_sched *s, struct run *r, int err)
 {
     if (err == -ENOSPC) {
         if (r->phase == RUN_DECODE) {
             emit_text(s, r, r->hold_len, NULL, 0, NULL);
-            run_finish(s, r, SRV_FINISH_CONTEXT, -1);
+            run_finish(s, r, r->admitted_evicting ? SRV_FINISH_POLICY : SRV_FINISH_CONTEXT, -1);
         } else {
             run_fail(s, r, 400,
                      "the prompt (%d tokens) does not fit the context: %d tokens are kept "
@@ -1116,7 +1124,7 @@ static void fail_in_batch(srv_sched *s, struct run *r, int err)
     } else if (err == -ENOMEM) {
         if (r->n_gen > 0) {
             emit_text(s, r, r->hold_len, NULL, 0, NULL);
-            run_finish(s, r, SRV_FINISH_CONTEXT, -1);
+            run_finish(s, r, SRV_FINISH_POOL, -1);
         } else {
             run_fail(s, r, 503, "the KV cache is full; retry later");
         }

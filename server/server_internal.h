@@ -126,6 +126,9 @@ enum srv_conn_event {
     SRV_CONN_EVENT_COUNT
 };
 void srv_metrics_conn(srv_metrics *m, enum srv_conn_event e);
+/* A completion the server cut short (kvd_requests_cut_short_total{reason});
+ * f is one of the srv_finish_cut finishes. */
+void srv_metrics_cut(srv_metrics *m, int f);
 void srv_metrics_config(srv_metrics *m, uint64_t generation, bool last_ok, int64_t when_unix_s);
 /* The exposition text (new, caller frees); NULL when out of memory. */
 char *srv_metrics_render(srv_metrics *m, size_t *len);
@@ -147,8 +150,16 @@ enum srv_finish {
     SRV_FINISH_LENGTH,  /* max_tokens reached */
     SRV_FINISH_CONTEXT, /* the sequence's cache is full under policy none */
     SRV_FINISH_CANCEL,  /* the client left */
-    SRV_FINISH_ABORT,   /* the server cut it short (drain deadline) */
+    /* Cut short by the server (never reported as a normal finish): */
+    SRV_FINISH_ABORT,  /* the drain deadline or shutdown */
+    SRV_FINISH_POOL,   /* the KV pool ran out of pages mid-generation */
+    SRV_FINISH_POLICY, /* its cache filled after a reload switched it to policy none */
 };
+/* Whether f is one of the cut-short finishes. */
+static inline bool srv_finish_cut(enum srv_finish f)
+{
+    return f == SRV_FINISH_ABORT || f == SRV_FINISH_POOL || f == SRV_FINISH_POLICY;
+}
 
 /* cancel values */
 #define SRV_CANCEL_CLIENT 1 /* the client disconnected */

@@ -2,7 +2,9 @@
  * test_faults.c - kvd under faults and hostile local input, end to end
  * with the real binary ($KVD_BIN): commands fed files that never end or
  * keys that do not fit, and a daemon that runs out of file descriptors.
- * Each test is the regression test of a defect that was found that way.
+ * generations the server has to cut short (the KV pool runs out of pages,
+ * a reload takes eviction away). Each test is the regression test of a
+ * defect that was found that way.
  *
  * Waits are for states with generous deadlines; the one measurement of
  * CPU time (no busy loop while out of descriptors) compares against a
@@ -16,10 +18,12 @@
 #include <cmocka.h>
 
 #include <dirent.h>
+#include <pthread.h>
 #include <jansson.h>
 #include <sys/resource.h>
 
 #include "model/mkmodel.h"
+#include "tests/http_client.h"
 #include "tests/serve_util.h"
 
 static const char *kvd_bin;
@@ -137,6 +141,167 @@ static void test_api_key_file_too_long(void **state)
     assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
 }
 
+/* ------------------------------------------------------------------------
+ * Generations the server cuts short say so
+ * ------------------------------------------------------------------------ */
+
+/* A metric's value from /metrics (exact sample name), or -1. */
+static double metric(int port, const char *name)
+{
+    struct su_resp r;
+    double v = -1;
+    if (su_http(port, "GET", "/metrics", NULL, NULL, &r) == 200) {
+        size_t nl = strlen(name);
+        for (const char *l = r.body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+            if (!strncmp(l, name, nl) && l[nl] == ' ') {
+                v = atof(l + nl + 1);
+                break;
+            }
+    }
+    su_resp_free(&r);
+    return v;
+}
+
+struct gen_arg {
+    int port;
+    const char *path, *body;
+    int status;
+    json_t *answer;
+};
+
+static void *gen_thread(void *p)
+{
+    struct gen_arg *g = p;
+    g->answer = su_post(g->port, g->path, NULL, json_loads(g->body, 0, NULL), &g->status);
+    return NULL;
+}
+
+/*
+ * A pool far too small for four long generations at once: the engine
+ * makes the youngest yield when a step finds no page. Such a request used
+ * to end with finish_reason "length" (its own limit, as if nothing had
+ * happened); now OpenAI's shape gets a 503 naming the cut and llama.cpp's
+ * stop_type "none" with an error, and each is counted.
+ */
+static void test_cut_short_pool_full(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "cache.memory=1MiB", "--set",
+                                       "eviction.max_cache_tokens=2048", "--set",
+                                       "limits.max_tokens=4096", "--set", "server.threads=1"};
+    struct su_proc p = {0};
+    snprintf(p.log, sizeof(p.log), "%s/pool.log", tmpdir);
+    assert_int_equal(su_serve(&p, kvd_bin, model_path, args, 8), 0);
+    struct gen_arg g[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        bool llama = i % 2;
+        g[i] = (struct gen_arg){
+            .port = p.port,
+            .path = llama ? "/completion" : "/v1/completions",
+            .body = llama ? "{\"prompt\":\"Once\",\"n_predict\":2000,\"ignore_eos\":true}"
+                          : "{\"prompt\":\"Once\",\"max_tokens\":2000,\"ignore_eos\":true}",
+        };
+        assert_int_equal(pthread_create(&th[i], NULL, gen_thread, &g[i]), 0);
+    }
+    int cut = 0, whole = 0;
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_non_null(g[i].answer);
+        json_t *err = json_object_get(g[i].answer, "error");
+        if (i % 2 == 0 && g[i].status == 503) {
+            assert_string_equal(json_string_value(json_object_get(err, "code")),
+                                "cut_short_kv_cache_full");
+            cut++;
+        } else if (i % 2 == 1 && err) {
+            assert_int_equal(g[i].status, 200);
+            assert_string_equal(json_string_value(json_object_get(g[i].answer, "stop_type")),
+                                "none");
+            assert_string_equal(json_string_value(json_object_get(err, "code")),
+                                "cut_short_kv_cache_full");
+            cut++;
+        } else {
+            /* A whole answer is a normal finish of its own limit. */
+            assert_int_equal(g[i].status, 200);
+            json_t *ch = json_array_get(json_object_get(g[i].answer, "choices"), 0);
+            const char *fin = ch ? json_string_value(json_object_get(ch, "finish_reason"))
+                                 : json_string_value(json_object_get(g[i].answer, "stop_type"));
+            assert_true(!strcmp(fin, "length") || !strcmp(fin, "limit"));
+            whole++;
+        }
+        json_decref(g[i].answer);
+    }
+    print_message("%d cut short, %d whole\n", cut, whole);
+    assert_true(cut >= 1);
+    assert_int_equal(metric(p.port, "kvd_requests_cut_short_total{reason=\"kv_pool_full\"}"),
+                     cut);
+    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+}
+
+static void write_conf(const char *path, const char *policy)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fprintf(f, "[cache]\nmemory = 2MiB\n[eviction]\npolicy = %s\nmax_cache_tokens = 128\n"
+               "[limits]\nmax_tokens = 100000\n[server]\nthreads = 1\n",
+            policy);
+    fclose(f);
+}
+
+/*
+ * A stream admitted under sink-window eviction, then a reload to policy
+ * none: its cache fills and the generation must stop, but as a cut (an
+ * error event, no finish_reason), not as a normal "length" finish.
+ */
+static void test_cut_short_reload_policy_none(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    char conf[600];
+    snprintf(conf, sizeof(conf), "%s/reload.conf", tmpdir);
+    write_conf(conf, "sink-window");
+    const char *const args[] = {"--config", conf};
+    struct su_proc p = {0};
+    snprintf(p.log, sizeof(p.log), "%s/reload.log", tmpdir);
+    assert_int_equal(su_serve(&p, kvd_bin, model_path, args, 2), 0);
+    struct hc c;
+    assert_int_equal(hc_open(&c, p.port), 0);
+    assert_int_equal(hc_request(&c, "POST", "/v1/completions", NULL,
+                                "{\"prompt\":\"Once\",\"max_tokens\":100000,"
+                                "\"ignore_eos\":true,\"stream\":true}"),
+                     0);
+    struct resp r;
+    assert_int_equal(hc_read_head(&c, &r), 0);
+    assert_int_equal(r.status, 200);
+    /* Past the budget (evicting), then the reload. */
+    char *d;
+    size_t n;
+    size_t got = 0;
+    while (got < 300 && hc_read_chunk(&c, &d, &n) == 1) {
+        got += strstr(d, "\"text\"") != NULL;
+        free(d);
+    }
+    write_conf(conf, "none");
+    kill(p.pid, SIGHUP);
+    /* To the end of the stream: the last event before [DONE] is an error. */
+    char last[8192] = "";
+    bool done = false;
+    while (hc_read_chunk(&c, &d, &n) == 1) {
+        if (strstr(d, "[DONE]"))
+            done = true;
+        else
+            snprintf(last, sizeof(last), "%s", d);
+        assert_null(strstr(d, "\"finish_reason\":\"length\""));
+        free(d);
+    }
+    hc_close(&c);
+    assert_true(done);
+    assert_non_null(strstr(last, "cut_short_policy_none"));
+    assert_int_equal(metric(p.port, "kvd_requests_cut_short_total{reason=\"policy_none\"}"), 1);
+    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+}
+
 /* ------------------------------------------------------------------------ */
 
 static int group_setup(void **state)
@@ -160,6 +325,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tokenize_file_not_regular),
         cmocka_unit_test(test_api_key_file_too_long),
+        cmocka_unit_test(test_cut_short_pool_full),
+        cmocka_unit_test(test_cut_short_reload_policy_none),
     };
     return cmocka_run_group_tests_name("faults", tests, group_setup, group_teardown);
 }
