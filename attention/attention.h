@@ -242,6 +242,9 @@ struct attn_kv {
     enum attn_type v_type; /* element type of V */
     int n_pages;         /* pages in the pool: page ids are checked against it;
                             0 = not checked (the caller vouches for them) */
+    int sliding_window;  /* 0, or this layer's window W: a key is visible only when
+                            pos_q - W < pos_k (and pos_k <= pos_q), masked in the tile
+                            loop like the causal mask (Mistral, Gemma's local layers) */
 };
 
 /*

@@ -151,7 +151,16 @@ struct attn_bias {
     float slope;
     const float *t5;
     int t5_n;
+    int32_t window; /* 0, or keys with pos_k <= pos_q - window are hidden too */
 };
+
+/* The last hidden position below a query at pos_q for a window (INT32_MIN
+ * when there is none): keys with pos_k <= it are masked. */
+static inline int32_t attn_window_floor(int32_t pos_q, int32_t window)
+{
+    int64_t lo = (int64_t)pos_q - window;
+    return window <= 0 || lo < INT32_MIN ? INT32_MIN : (int32_t)lo;
+}
 
 /*
  * Rows to prefetch while a tile is scored: n key rows (k[t]) and value rows

@@ -139,6 +139,7 @@ struct seqinfo {
 
 struct attn_ctx {
     struct attn_params p;
+    int32_t window; /* the current attn_run's kv->sliding_window */
     const struct attn_ops *ops;
     int n_threads;
     int group;     /* query heads per KV head */
@@ -224,7 +225,7 @@ static void qk_scalar(float *S, const float *const *q, int nrows, const void *co
 static float biased(float s, int t, int nt, const int32_t *kpos, int32_t pos_q,
                     const struct attn_bias *b)
 {
-    if (t >= nt || kpos[t] > pos_q)
+    if (t >= nt || kpos[t] > pos_q || kpos[t] <= attn_window_floor(pos_q, b->window))
         return -INFINITY;
     if (b->kind == POS_ALIBI)
         return s + b->slope * (float)(kpos[t] - pos_q);
@@ -644,6 +645,9 @@ static int validate(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_s
         return run_fail(ctx, -EINVAL, "no kv description or sequences");
     if (kv->page_tokens < 1)
         return run_fail(ctx, -EINVAL, "page_tokens %d must be >= 1", kv->page_tokens);
+    if (kv->sliding_window < 0)
+        return run_fail(ctx, -EINVAL, "sliding_window %d must be >= 0", kv->sliding_window);
+    ctx->window = kv->sliding_window;
     char why[160];
     if (attn_type_check(kv->k_type, p->head_dim, why, sizeof(why)) ||
         attn_type_check(kv->v_type, p->head_dim, why, sizeof(why)))
@@ -1010,7 +1014,7 @@ static const struct attn_prefetch *prefetch_head(const attn_ctx *ctx, struct att
 /* The bias of query head h. */
 static struct attn_bias head_bias(const attn_ctx *ctx, int h)
 {
-    struct attn_bias b = {.kind = POS_NONE};
+    struct attn_bias b = {.kind = POS_NONE, .window = ctx->window};
     if (ctx->p.pos.kind == POS_ALIBI) {
         b.kind = POS_ALIBI;
         b.slope = ctx->p.pos.alibi_slopes[h];

@@ -32,7 +32,8 @@ static int check(const struct attn_params *p, const struct attn_kv *kv, const st
     if (!p || !kv || n_seqs < 0 || (n_seqs && !seqs))
         return -EINVAL;
     if (p->n_head < 1 || p->n_kv_head < 1 || p->n_head % p->n_kv_head || p->head_dim < 1 ||
-        kv->page_tokens < 1 || attn_type_check(kv->k_type, p->head_dim, NULL, 0) ||
+        kv->page_tokens < 1 || kv->sliding_window < 0 ||
+        attn_type_check(kv->k_type, p->head_dim, NULL, 0) ||
         attn_type_check(kv->v_type, p->head_dim, NULL, 0))
         return -EINVAL;
     const struct pos_scheme *ps = &p->pos;
@@ -127,7 +128,8 @@ int attn_reference(const struct attn_params *p, const struct attn_kv *kv,
                 double mx = -INFINITY;
                 for (int i = 0; i < sq->n_kv; i++) {
                     const int32_t pos_k = sq->pos[i];
-                    if (pos_k > pos_q) {
+                    if (pos_k > pos_q ||
+                        (kv->sliding_window > 0 && (int64_t)pos_q - pos_k >= kv->sliding_window)) {
                         score[i] = -INFINITY;
                         continue;
                     }

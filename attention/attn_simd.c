@@ -147,6 +147,8 @@ INLINE vf vbias_mask(vf x, const int32_t *kpos, int t0, int nt, int32_t pos_q,
     __m512i kp = _mm512_loadu_si512((const void *)(kpos + t0));
     __m512i pq = _mm512_set1_epi32(pos_q);
     __mmask16 vis = _mm512_cmple_epi32_mask(kp, pq) & lanes(nt - t0);
+    if (b->window)
+        vis &= _mm512_cmpgt_epi32_mask(kp, _mm512_set1_epi32(attn_window_floor(pos_q, b->window)));
     if (b->kind == POS_ALIBI) {
         vf dist = _mm512_cvtepi32_ps(_mm512_sub_epi32(kp, pq));
         x = _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(b->slope), dist));
@@ -290,6 +292,11 @@ INLINE vf vbias_mask(vf x, const int32_t *kpos, int t0, int nt, int32_t pos_q,
     __m256i pq = _mm256_set1_epi32(pos_q);
     __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(kp, pq),
                                      _mm256_xor_si256(lanes_i(nt - t0), _mm256_set1_epi32(-1)));
+    if (b->window) {
+        __m256i lo = _mm256_set1_epi32(attn_window_floor(pos_q, b->window));
+        hidden = _mm256_or_si256(hidden, _mm256_xor_si256(_mm256_cmpgt_epi32(kp, lo),
+                                                          _mm256_set1_epi32(-1)));
+    }
     if (b->kind == POS_ALIBI) {
         vf dist = _mm256_cvtepi32_ps(_mm256_sub_epi32(kp, pq));
         x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(b->slope), dist));

@@ -550,6 +550,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         .k_type = (enum attn_type)kl->k_type,
         .v_type = (enum attn_type)kl->v_type,
         .n_pages = kv_cache_n_pages(cache),
+        .sliding_window = m->sliding_window,
     };
     int n_aseq = 0;
     t = 0;

@@ -142,6 +142,9 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
         BAD("rope scale factor must be positive (got %g)", p->rope_scale_factor);
     if (scaled && !strcmp(p->rope_scaling, "yarn") && p->rope_orig_ctx < 1)
         BAD("yarn needs the original context length (got %d)", p->rope_orig_ctx);
+    if (p->sliding_window < 0 || (p->sliding_window > 0 && is_bloom_family(p)))
+        BAD("a sliding window is >= 0 and for llama, qwen2 or qwen3 (got %d, arch %s)",
+            p->sliding_window, p->arch);
     if (!(p->alibi_max_bias >= 0.0f) || !isfinite(p->alibi_max_bias))
         BAD("alibi max bias must be a positive number, or 0 for 8 (got %g)", p->alibi_max_bias);
     if (!strcmp(p->arch, "bloom") && p->alibi_max_bias != 0.0f && p->alibi_max_bias != 8.0f)
@@ -497,6 +500,8 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
         rc |= gguf_writer_set_f32(w, KEY("attention.max_alibi_bias"), alibi_max_bias(p));
     if (p->clamp_kqv > 0.0f)
         rc |= gguf_writer_set_f32(w, KEY("attention.clamp_kqv"), p->clamp_kqv);
+    if (p->sliding_window > 0)
+        rc |= gguf_writer_set_u32(w, KEY("attention.sliding_window"), (uint32_t)p->sliding_window);
     rc |= gguf_writer_set_u32(w, KEY("vocab_size"), (uint32_t)p->n_vocab);
 #undef KEY
     if (!natural)

@@ -50,6 +50,7 @@ struct model_mk_params {
     const char *rope_scaling; /* NULL or "none", "linear", "yarn": <arch>.rope.scaling.type */
     float rope_scale_factor;  /* rope.scaling.factor (linear, yarn), > 0 */
     int rope_orig_ctx;        /* yarn: rope.scaling.original_context_length */
+    int sliding_window;       /* > 0: <arch>.attention.sliding_window (Mistral); 0 = none */
     bool rope_freqs;          /* write rope_freqs.weight with Llama 3.1's factors (the
                                  "llama3" scaling: factor 8, low 1, high 4, 8192 tokens) */
     float rms_eps;        /* norm epsilon: RMSNorm's, or LayerNorm's for bloom/mpt */

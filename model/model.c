@@ -167,6 +167,12 @@ static int read_llama_hparams(model *m, const struct model_params *params, char 
     m->norm = MODEL_NORM_RMS;
     m->norm_eps = eps;
     m->act = MODEL_ACT_SWIGLU;
+    /* Mistral's sliding window: every layer attends to the last W positions
+     * (0 or absent: no window). */
+    rc = model_meta_int(m->file, a, "attention.sliding_window", false, 0, 0, INT32_MAX,
+                        &m->sliding_window, err, errlen);
+    if (rc)
+        return rc;
 
     enum pos_kind kind;
     rc = model_pos_kind(m->file, &kind, err, errlen);

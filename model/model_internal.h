@@ -84,6 +84,8 @@ struct model {
                               NULL; pos.rope_freq_factors points here when they apply */
     float attn_logit_mul;  /* attention logits times this beyond 1/sqrt(head_dim) (YaRN's
                               mscale^2); 1 otherwise */
+    int sliding_window;    /* 0, or every layer sees only keys with pos_q - pos_k < it
+                              (<arch>.attention.sliding_window: Mistral) */
 
     struct mm_weight tok_embd;  /* n_vocab rows of n_embd: row id is token id's embedding */
     const float *tok_norm;      /* [n_embd] LayerNorm of the embedding (BLOOM), or NULL */

@@ -43,6 +43,7 @@ static void mkmodel_usage(FILE *f)
             "  --rope-scaling S  none, linear or yarn, with --rope-factor F and\n"
             "                    (yarn) --rope-orig-ctx N\n"
             "  --rope-freqs      write Llama 3.1's rope_freqs.weight (llama3 scaling)\n"
+            "  --sliding-window N  every layer attends to the last N positions (Mistral)\n"
             "  --ctx N           context_length written to the metadata (default %d)\n"
             "  --tied            no output.weight: logits from the token embedding\n"
             "                    (bloom is always tied)\n"
@@ -75,6 +76,7 @@ int srv_cmd_mkmodel(int argc, char **argv)
             {"--t5-buckets", &p.t5_num_buckets, 4, 4096},
             {"--t5-max-distance", &p.t5_max_distance, 1, 1 << 20},
             {"--rope-orig-ctx", &p.rope_orig_ctx, 1, INT32_MAX},
+            {"--sliding-window", &p.sliding_window, 1, INT32_MAX},
         };
         bool matched = false;
         for (size_t k = 0; k < sizeof(ints) / sizeof(ints[0]) && !matched; k++) {

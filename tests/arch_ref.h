@@ -259,6 +259,7 @@ struct ref_model {
     bool yarn;           /* RoPE: YaRN, ggml's rope_yarn: extrapolated and interpolated angles
                             mixed by a ramp over the pairs, rotated values times mscale */
     int yarn_orig;       /* its original context */
+    int window;          /* sliding window: keys with pos_q - pos_k >= window unseen; 0 = none */
     double *slopes; /* ALiBi [n_head] */
     float *t5;      /* T5 [n_head][nb] */
     int nb, md;
@@ -356,6 +357,7 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
             r->yarn_orig = ref_meta_int(f, KEY("rope.scaling.original_context_length"), 0);
         }
         r->rope_ff = ref_tensor(f, "rope_freqs.weight", r->n_rot / 2, 1);
+        r->window = ref_meta_int(f, KEY("attention.sliding_window"), 0);
     } else if (r->pos == POS_ALIBI) {
         assert_true(max_bias > 0.0f);
         r->slopes = malloc(sizeof(double) * (size_t)r->n_head);
@@ -742,7 +744,7 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
             double mx = -INFINITY;
             for (int j = 0; j < s->n; j++) {
                 sc[j] = -INFINITY;
-                if (s->pos[j] > pos)
+                if (s->pos[j] > pos || (r->window && pos - s->pos[j] >= r->window))
                     continue;
                 const float *kj = ref_kv(r, s, s->k, l, j) + kh * hd;
                 double dot = 0;

@@ -1,8 +1,9 @@
 /*
  * test_arch_modern.c - the RoPE models people run today: Llama 3.x (the
  * per-pair rope_freqs.weight factors its converter writes), RoPE scaled
- * linearly or by YaRN, and Qwen 3 (an RMSNorm over every q and k head
- * before the rotation), end to end.
+ * linearly or by YaRN, Qwen 3 (an RMSNorm over every q and k head before
+ * the rotation) and Mistral's sliding window (attention.sliding_window,
+ * masked inside the fused kernel), end to end.
  *
  * Each is a random-weight model written by kvd mkmodel and checked against
  * the reference forward of tests/arch_ref.h, written apart from
@@ -54,15 +55,18 @@ struct rope_case {
     float factor;
     bool freqs; /* rope_freqs.weight */
     int dim, heads, kv_heads, layers;
+    int window; /* attention.sliding_window */
 };
 
 static const struct rope_case cases[] = {
-    {"llama3-rope-freqs", "llama", NULL, 0, true, 128, 4, 2, 2},
-    {"llama-linear-x4", "llama", "linear", 4, false, 96, 6, 2, 2},
-    {"llama-yarn-x8", "llama", "yarn", 8, false, 128, 4, 1, 2},
-    {"llama3-freqs+yarn", "llama", "yarn", 4, true, 128, 4, 2, 2},
-    {"qwen3", "qwen3", NULL, 0, false, 128, 4, 2, 2},
-    {"qwen3-yarn-x4", "qwen3", "yarn", 4, false, 96, 6, 3, 2},
+    {"llama3-rope-freqs", "llama", NULL, 0, true, 128, 4, 2, 2, 0},
+    {"llama-linear-x4", "llama", "linear", 4, false, 96, 6, 2, 2, 0},
+    {"llama-yarn-x8", "llama", "yarn", 8, false, 128, 4, 1, 2, 0},
+    {"llama3-freqs+yarn", "llama", "yarn", 4, true, 128, 4, 2, 2, 0},
+    {"qwen3", "qwen3", NULL, 0, false, 128, 4, 2, 2, 0},
+    {"qwen3-yarn-x4", "qwen3", "yarn", 4, false, 96, 6, 3, 2, 0},
+    {"mistral-window-6", "llama", NULL, 0, false, 128, 4, 1, 2, 6},
+    {"qwen2-window-11", "qwen2", NULL, 0, false, 96, 6, 2, 2, 11},
 };
 
 static struct model_mk_params case_params(const struct rope_case *c, enum ggml_type type)
@@ -82,6 +86,7 @@ static struct model_mk_params case_params(const struct rope_case *c, enum ggml_t
     p.rope_scale_factor = c->factor;
     p.rope_orig_ctx = 64; /* short: the test positions cross YaRN's whole ramp */
     p.rope_freqs = c->freqs;
+    p.sliding_window = c->window;
     p.type = type;
     return p;
 }
@@ -120,14 +125,17 @@ static void test_parts_matter(void **state)
     (void)state;
     struct {
         struct model_mk_params with, without;
-    } pairs[2];
+    } pairs[3];
     pairs[0].with = case_params(&cases[0], GGML_TYPE_F32);
     pairs[0].without = pairs[0].with;
     pairs[0].without.rope_freqs = false;
     pairs[1].with = case_params(&cases[2], GGML_TYPE_F32);
     pairs[1].without = pairs[1].with;
     pairs[1].without.rope_scaling = NULL;
-    for (int k = 0; k < 2; k++) {
+    pairs[2].with = case_params(&cases[6], GGML_TYPE_F32);
+    pairs[2].without = pairs[2].with;
+    pairs[2].without.sliding_window = 0;
+    for (int k = 0; k < 3; k++) {
         char a[512], b[512];
         write_model(&pairs[k].with, "with.gguf", a, sizeof(a));
         write_model(&pairs[k].without, "without.gguf", b, sizeof(b));
@@ -193,8 +201,8 @@ static void test_parts_matter(void **state)
 static void test_evict_equals_reference(void **state)
 {
     (void)state;
-    const int which[3] = {0, 2, 5}; /* rope_freqs, YaRN, Qwen3 + YaRN */
-    for (int c = 0; c < 3; c++) {
+    const int which[4] = {0, 2, 5, 6}; /* rope_freqs, YaRN, Qwen3 + YaRN, a sliding window */
+    for (int c = 0; c < 4; c++) {
         const struct rope_case *rc = &cases[which[c]];
         struct model_mk_params p = case_params(rc, GGML_TYPE_F32);
         char path[512];
@@ -284,6 +292,18 @@ static void test_load_errors(void **state)
         mutate(yarn, bad, &(struct mutation){.drop_key = keys[i].drop, .set = {keys[i].set}});
         expect_load_error(bad, keys[i].want);
     }
+
+    /* the sliding window: not an integer, negative */
+    char mi[512];
+    p = case_params(&cases[6], GGML_TYPE_F32);
+    write_model(&p, "bad-mistral.gguf", mi, sizeof(mi));
+    mutate(mi, bad,
+           &(struct mutation){.set = {{"llama.attention.sliding_window", GGUF_TYPE_STRING, "6"}}});
+    expect_load_error(bad, "llama.attention.sliding_window is not an integer");
+    mutate(mi, bad,
+           &(struct mutation){
+               .set = {{"llama.attention.sliding_window", GGUF_TYPE_INT32, NULL, 0, -6}}});
+    expect_load_error(bad, "llama.attention.sliding_window = -6");
 
     /* Qwen3's norms: missing, wrong shape, not finite */
     mutate(q3, bad, &(struct mutation){.drop_tensor = "blk.1.attn_k_norm.weight"});

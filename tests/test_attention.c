@@ -355,6 +355,7 @@ struct kcase {
     int threads;
     bool mass;
     bool skip_scalar; /* compare only the SIMD path (keeps the slow scalar runs few) */
+    int window;       /* kv.sliding_window: 0 = none */
 };
 
 struct fixture {
@@ -494,7 +495,8 @@ static void fixture_init(struct fixture *f, const struct kcase *c)
                              .page_tokens = c->page_tokens,
                              .k_type = c->type,
                              .v_type = vt,
-                             .n_pages = n_pages};
+                             .n_pages = n_pages,
+                             .sliding_window = c->window};
     int *ids = malloc(sizeof(int) * (size_t)n_pages);
     assert_non_null(ids);
     for (int i = 0; i < n_pages; i++)
@@ -821,6 +823,48 @@ static void test_kernel_prefill_chunk(void **state)
     set_types(&big, true, 1);
     big.mass = true;
     check_case(&big);
+}
+
+/*
+ * Sliding windows (Mistral, Gemma's local layers) masked in the tile loop:
+ * windows of 1 (a query sees only itself), inside a tile, across tiles and
+ * pages, and longer than the cache, for every scheme, over consecutive,
+ * gapped and shuffled positions, decode steps beside a prefill chunk.
+ */
+static void test_kernel_sliding_window(void **state)
+{
+    (void)state;
+    const int windows[4] = {1, 7, 100, 5000};
+    for (int sc = 0; sc < S_COUNT; sc++)
+        for (int w = 0; w < 4; w++) {
+            struct kcase c = {.scheme = (enum scheme)sc,
+                              .head_dim = 64,
+                              .group = 2,
+                              .n_kv_head = 2,
+                              .page_tokens = 16,
+                              .type = w % 2 ? ATTN_F16 : ATTN_F32,
+                              .n_seqs = 3,
+                              .n_kv = {300, 37, 1},
+                              .n_q = {40, 1, 1},
+                              .pos_mode = (enum pos_mode)(w % 3),
+                              .threads = 1 + (sc + w) % 3,
+                              .mass = w < 2,
+                              .window = windows[w]};
+            check_case(&c);
+        }
+    /* a negative window is a malformed batch */
+    struct kcase c = {.scheme = S_NONE, .head_dim = 32, .group = 1, .n_kv_head = 1,
+                      .page_tokens = 4, .n_seqs = 1, .n_kv = {3}, .n_q = {1}, .threads = 1,
+                      .window = -2};
+    struct fixture f;
+    fixture_init(&f, &c);
+    assert_int_equal(attn_reference(&f.params, &f.kv, f.seqs, 1), -EINVAL);
+    char err[128];
+    attn_ctx *ctx = attn_create(&f.params, err, sizeof(err));
+    assert_int_equal(attn_run(ctx, &f.kv, f.seqs, 1), -EINVAL);
+    assert_non_null(strstr(attn_error(ctx), "sliding_window"));
+    attn_destroy(ctx);
+    fixture_deinit(&f);
 }
 
 /* Several sequences of very different lengths in one call: decode steps and a chunk. */
@@ -1439,6 +1483,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernel_quant_refused),
         cmocka_unit_test(test_kernel_head_dims),
         cmocka_unit_test(test_kernel_mixed_batch),
+        cmocka_unit_test(test_kernel_sliding_window),
         cmocka_unit_test(test_kernel_gaps),
         cmocka_unit_test(test_kernel_translation),
         cmocka_unit_test(test_kernel_prefill_chunk),
