@@ -21,7 +21,7 @@ ARG ARCH=x86-64-v2
 RUN make ARCH=${ARCH} kvd \
  && mkdir -p /out \
  && cp build/kvd /out/kvd \
- && ./build/kvd mkmodel --arch llama --out /out/default.gguf
+ && ./build/kvd mkmodel --preset retrieval --out /out/default.gguf
 
 FROM debian:12-slim
 RUN apt-get update \

@@ -202,12 +202,13 @@ install-packages:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else echo "deps: missing$$missing; run: sudo apt-get install -y$$missing"; exit 1; fi
 
-# The daemon on 127.0.0.1:8080, serving the default model (made once).
+# The daemon on 127.0.0.1:8080, serving the default model (made once): the
+# constructed retrieval model, which copies a code from far back in a prompt.
 RUN_ARGS ?= --config config/kvd.conf
 run:
 	@$(MAKE) --no-print-directory deps
 	@$(MAKE) --no-print-directory kvd
-	@test -f models/default.gguf || { mkdir -p models && ./kvd mkmodel --out models/default.gguf; }
+	@test -f models/default.gguf || { mkdir -p models && ./kvd mkmodel --preset retrieval --out models/default.gguf; }
 	./kvd serve $(RUN_ARGS)
 
 # Validate Dockerfile, systemd unit, Kubernetes manifests and HAProxy configs.

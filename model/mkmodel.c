@@ -31,6 +31,7 @@
  * heads differ and the bucket matters.
  */
 #include "model/mkmodel.h"
+#include "model/mkmodel_internal.h"
 
 #include <errno.h>
 #include <math.h>
@@ -128,6 +129,10 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
                      strcmp(p->arch, "qwen3") && strcmp(p->arch, "bloom") && strcmp(p->arch, "mpt")))
         BAD("arch must be llama, qwen2, qwen3, bloom or mpt (got '%s')",
             p->arch ? p->arch : "(null)");
+    if (p->preset && strcmp(p->preset, "retrieval"))
+        BAD("preset must be retrieval (got '%s')", p->preset);
+    if (p->preset && mk_retrieval_check(p, err, errlen))
+        return -EINVAL;
     const char *pos = model_mk_position(p);
     if (strcmp(pos, "rope") && strcmp(pos, "alibi") && strcmp(pos, "t5"))
         BAD("position must be rope, alibi or t5 (got '%s')", pos);
@@ -180,7 +185,7 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
         BAD("rope dims apply to position rope only (position %s)", pos);
     if (p->n_ff < 1 || p->n_ff > (1 << 20))
         BAD("ff must be in [1, 1048576] (got %d)", p->n_ff);
-    if (p->n_vocab < 259 + 1 || p->n_vocab > (1 << 20))
+    if (!p->preset && (p->n_vocab < 259 + 1 || p->n_vocab > (1 << 20)))
         BAD("vocab must be in [260, 1048576] (3 specials + 256 byte tokens + pieces; got %d)",
             p->n_vocab);
     if (!(p->rope_theta > 0.0f) || !(p->rms_eps > 0.0f))
@@ -239,14 +244,7 @@ static const char *const chars =
 
 #define SPM_SPACE "\xe2\x96\x81" /* U+2581, SentencePiece's word boundary */
 
-struct vocab {
-    char **tok;    /* [n] piece strings */
-    float *score;  /* [n] */
-    int32_t *type; /* [n] llama token types: 1 normal, 2 unknown, 3 control, 6 byte */
-    int n, cap;
-};
-
-static bool vocab_has(const struct vocab *v, const char *s)
+static bool vocab_has(const struct mk_vocab *v, const char *s)
 {
     /* Linear search is fine for the explicit pieces (a few hundred); the
      * n-gram fill below cannot collide with them except where checked. */
@@ -257,7 +255,7 @@ static bool vocab_has(const struct vocab *v, const char *s)
 }
 
 /* Add a piece if there is room and it is new. Returns -ENOMEM or 0. */
-static int vocab_add(struct vocab *v, const char *s, int type, bool check_dup)
+static int vocab_add(struct mk_vocab *v, const char *s, int type, bool check_dup)
 {
     if (v->n >= v->cap || (check_dup && vocab_has(v, s)))
         return 0;
@@ -271,7 +269,7 @@ static int vocab_add(struct vocab *v, const char *s, int type, bool check_dup)
     return 0;
 }
 
-static void vocab_free(struct vocab *v)
+static void vocab_free(struct mk_vocab *v)
 {
     for (int i = 0; i < v->n; i++)
         free(v->tok[i]);
@@ -281,7 +279,7 @@ static void vocab_free(struct vocab *v)
 }
 
 /* Add "▁"+word's prefixes (2 chars up) and the word's own prefixes. */
-static int add_word(struct vocab *v, const char *w)
+static int add_word(struct mk_vocab *v, const char *w)
 {
     char buf[64];
     size_t n = strlen(w);
@@ -305,7 +303,7 @@ static int add_word(struct vocab *v, const char *w)
  * are checked against a small set of explicit pieces only, so the check
  * costs O(explicit) per candidate.
  */
-static int fill_ngrams(struct vocab *v)
+static int fill_ngrams(struct mk_vocab *v)
 {
     int n_explicit = v->n;
     char gram[16], buf[24];
@@ -333,7 +331,14 @@ static int fill_ngrams(struct vocab *v)
     return 0;
 }
 
-static int vocab_build(struct vocab *v, int n_vocab)
+/*
+ * The vocabulary: specials, byte tokens, characters, then list[0..n_list)
+ * with their prefixes; then n-grams up to n_vocab when fill is set (the
+ * seeded models), or nothing more (the retrieval preset, whose vocabulary is
+ * exactly its words: v->n says how many pieces that is).
+ */
+static int vocab_build(struct mk_vocab *v, int n_vocab, const char *const *list, size_t n_list,
+                       bool fill)
 {
     memset(v, 0, sizeof(*v));
     v->cap = n_vocab;
@@ -357,14 +362,14 @@ static int vocab_build(struct vocab *v, int n_vocab)
         char buf[2] = {*c, 0};
         rc = vocab_add(v, buf, 1, false);
     }
-    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]) && !rc; i++)
-        rc = add_word(v, words[i]);
-    if (!rc)
+    for (size_t i = 0; i < n_list && !rc; i++)
+        rc = add_word(v, list[i]);
+    if (!rc && fill)
         rc = fill_ngrams(v);
     if (rc)
         return rc;
     /* Whatever the n-grams could not fill (vocabularies beyond ~10^8). */
-    for (int i = v->n; i < v->cap; i++) {
+    for (int i = v->n; fill && i < v->cap; i++) {
         char buf[32];
         snprintf(buf, sizeof(buf), "<extra_%d>", i);
         if (vocab_add(v, buf, 4, false))
@@ -407,7 +412,7 @@ static uint64_t name_seed(uint64_t seed, const char *name)
 struct writer_ctx {
     gguf_writer *w;
     const struct model_mk_params *p;
-    const struct vocab *v;
+    const struct mk_vocab *v;
     float *buf;   /* scratch for the largest tensor in f32 */
     uint8_t *enc; /* scratch for the largest tensor encoded */
     char *err;
@@ -451,7 +456,7 @@ static int add_tensor(struct writer_ctx *c, const char *name, enum ggml_type typ
     return rc;
 }
 
-static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const struct vocab *v)
+static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const struct mk_vocab *v)
 {
     char key[96];
     int head_dim = p->n_embd / p->n_head;
@@ -461,8 +466,11 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
     bool natural = !strcmp(pos, is_bloom_family(p) ? "alibi" : "rope");
     int rc = 0;
     char name[96];
-    snprintf(name, sizeof(name), "kvd-mkmodel-%s%s%s-%dx%d-seed%llu", a, natural ? "" : "-",
-             natural ? "" : pos, p->n_embd, p->n_layer, (unsigned long long)p->seed);
+    if (p->preset)
+        snprintf(name, sizeof(name), "kvd-%s-%s", p->preset, pos);
+    else
+        snprintf(name, sizeof(name), "kvd-mkmodel-%s%s%s-%dx%d-seed%llu", a, natural ? "" : "-",
+                 natural ? "" : pos, p->n_embd, p->n_layer, (unsigned long long)p->seed);
     rc |= gguf_writer_set_str(w, "general.architecture", a);
     rc |= gguf_writer_set_str(w, "general.name", name);
     /* llama.cpp's llama_ftype: all f32, mostly f16, q4_0, q8_0, bf16. */
@@ -736,14 +744,45 @@ static int write_tensors(struct writer_ctx *c)
     return 0;
 }
 
+/* A preset: its own words as the vocabulary (n_vocab is however many
+ * pieces they make), the metadata as for any model, computed tensors. */
+static int write_preset(const struct model_mk_params *p, const char *path, char *err,
+                        size_t errlen)
+{
+    struct mk_vocab v;
+    gguf_writer *w = NULL;
+    int rc = vocab_build(&v, 1 << 16, mk_retrieval_words, mk_retrieval_n_words, false);
+    if (rc) {
+        snprintf(err, errlen, "out of memory building the vocabulary");
+        goto out;
+    }
+    struct model_mk_params q = *p;
+    q.n_vocab = v.n;
+    w = gguf_writer_create();
+    rc = w ? write_metadata(w, &q, &v) : -ENOMEM;
+    if (rc) {
+        snprintf(err, errlen, "out of memory writing metadata");
+        goto out;
+    }
+    rc = mk_retrieval_tensors(w, &q, &v, err, errlen);
+    if (rc == 0)
+        rc = gguf_writer_write(w, path, err, errlen);
+out:
+    gguf_writer_destroy(w);
+    vocab_free(&v);
+    return rc;
+}
+
 int model_mk_write(const struct model_mk_params *p, const char *path, char *err, size_t errlen)
 {
     int rc = model_mk_check(p, err, errlen);
     if (rc)
         return rc;
-    struct vocab v;
+    if (p->preset)
+        return write_preset(p, path, err, errlen);
+    struct mk_vocab v;
     struct writer_ctx c = {.p = p, .v = &v, .err = err, .errlen = errlen};
-    rc = vocab_build(&v, p->n_vocab);
+    rc = vocab_build(&v, p->n_vocab, words, sizeof(words) / sizeof(words[0]), true);
     if (rc) {
         snprintf(err, errlen, "out of memory building the vocabulary");
         goto out_vocab;

@@ -35,6 +35,8 @@
 #include "model/gguf.h"
 
 struct model_mk_params {
+    const char *preset;   /* NULL, or "retrieval": computed weights, not seeded ones
+                             (model_mk_preset fills the rest; mkmodel_retrieval.c) */
     const char *arch;     /* "llama", "qwen2" (adds q/k/v biases, NeoX RoPE pairs),
                              "qwen3" (per-head q/k RMSNorm, NeoX pairs), "bloom" or "mpt" */
     const char *position; /* "rope", "alibi" or "t5"; NULL = the architecture's own
@@ -44,7 +46,8 @@ struct model_mk_params {
     int n_head;           /* query heads; head_dim = n_embd / n_head */
     int n_kv_head;        /* key/value heads; divides n_head */
     int n_ff;             /* feed-forward hidden width (SwiGLU, or GELU for bloom/mpt) */
-    int n_vocab;          /* vocabulary size, >= 259 (specials + byte tokens + one piece) */
+    int n_vocab;          /* vocabulary size, >= 259 (specials + byte tokens + one piece);
+                             a preset's is its words' (0 here) */
     int rope_dims;        /* rotated dims per head (even, <= head_dim); 0 = head_dim */
     float rope_theta;     /* RoPE base */
     const char *rope_scaling; /* NULL or "none", "linear", "yarn": <arch>.rope.scaling.type */
@@ -64,6 +67,16 @@ struct model_mk_params {
     enum ggml_type type;  /* 2-D weights: F32, F16, BF16, Q8_0 or Q4_0 (norms stay F32) */
     uint64_t seed;        /* every weight derives from it */
 };
+
+/*
+ * The parameters of a preset: "retrieval" (a two-layer model whose weights
+ * are computed so that it copies what followed an earlier occurrence of
+ * its current context: `... the secret code is 8 3 1 4 7 ... the secret code
+ * is` continues ` 8 3 1 4 7`) with position "rope", "alibi" or "t5" (NULL:
+ * rope). 0, or -EINVAL with the reason in err.
+ */
+int model_mk_preset(struct model_mk_params *p, const char *preset, const char *position, char *err,
+                    size_t errlen);
 
 /* The default model: llama with RoPE, dim 256, 4 layers, 8 heads, 4 KV heads,
  * ff 768, vocab 1024, f32, seed 1 (T5 fields: 32 buckets, max_distance 128). */

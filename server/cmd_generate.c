@@ -8,7 +8,8 @@
  * Throughput of prefill and decode goes to stderr, so stdout is only text.
  *
  * Without --model it uses models/default.gguf, writing that default model
- * (kvd mkmodel's defaults) first if the file does not exist.
+ * (kvd mkmodel --preset retrieval, as `make run` does) first if the file
+ * does not exist.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -46,8 +47,8 @@ static void generate_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvd generate [--model FILE] --prompt TEXT [options]\n"
-            "  --model FILE       GGUF model (default %s, written by kvd mkmodel's\n"
-            "                     defaults if absent)\n"
+            "  --model FILE       GGUF model (default %s, written by kvd mkmodel\n"
+            "                     --preset retrieval if absent)\n"
             "  --prompt TEXT      the text to continue\n"
             "  -n N               tokens to generate (default 128)\n"
             "  --temp T           temperature, 0 = greedy (default 0.8)\n"
@@ -218,8 +219,8 @@ static int ensure_default_model(void)
         return -1;
     }
     struct model_mk_params p;
-    model_mk_defaults(&p);
     char err[512];
+    model_mk_preset(&p, "retrieval", NULL, err, sizeof(err)); /* cannot fail */
     fprintf(stderr, "kvd generate: no --model; writing the default model to %s\n", DEFAULT_MODEL);
     if (model_mk_write(&p, DEFAULT_MODEL, err, sizeof(err))) {
         fprintf(stderr, "kvd generate: %s\n", err);

@@ -25,6 +25,9 @@ static void mkmodel_usage(FILE *f)
     fprintf(f,
             "usage: kvd mkmodel --out FILE [options]\n"
             "  --out FILE        where to write the GGUF file (required)\n"
+            "  --preset retrieval  computed weights that copy what followed an earlier\n"
+            "                    occurrence of the current context (with --position;\n"
+            "                    only --ctx and --seed may be given besides)\n"
             "  --arch A          llama, qwen2, qwen3, bloom or mpt (default %s)\n"
             "  --position P      rope, alibi or t5 (default: rope for llama/qwen2,\n"
             "                    alibi for bloom/mpt, which run only alibi)\n"
@@ -58,7 +61,9 @@ int srv_cmd_mkmodel(int argc, char **argv)
 {
     struct model_mk_params p;
     model_mk_defaults(&p);
-    const char *out = NULL;
+    const char *out = NULL, *preset = NULL;
+    const char *shape_opt = NULL; /* the first option a preset does not take */
+    bool ctx_given = false;
     bool bad = false;
     for (int i = 1; i < argc && !bad;) {
         const char *v = NULL;
@@ -90,12 +95,22 @@ int srv_cmd_mkmodel(int argc, char **argv)
                     return 2;
                 }
                 *ints[k].dst = (int)n;
+                if (ints[k].dst == &p.n_ctx_train)
+                    ctx_given = true;
+                else if (!shape_opt)
+                    shape_opt = ints[k].name;
             }
         }
         if (matched)
             continue;
+        const char *opt = argv[i];
+        if (strcmp(opt, "--out") && strcmp(opt, "--position") && strcmp(opt, "--seed") &&
+            strcmp(opt, "--preset") && strcmp(opt, "--help") && strcmp(opt, "-h") && !shape_opt)
+            shape_opt = opt;
         if (srv_opt_value(argc, argv, &i, "mkmodel", "--out", &v, &bad)) {
             out = v;
+        } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--preset", &v, &bad)) {
+            preset = v;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--arch", &v, &bad)) {
             p.arch = v;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--position", &v, &bad)) {
@@ -167,6 +182,22 @@ int srv_cmd_mkmodel(int argc, char **argv)
         return 2;
     }
     char err[512];
+    if (preset) {
+        struct model_mk_params q;
+        if (shape_opt) {
+            fprintf(stderr, "kvd mkmodel: --preset %s fixes the shape; %s cannot be given with "
+                            "it (only --position, --ctx and --seed)\n", preset, shape_opt);
+            return 2;
+        }
+        if (model_mk_preset(&q, preset, p.position, err, sizeof(err))) {
+            fprintf(stderr, "kvd mkmodel: %s\n", err);
+            return 2;
+        }
+        q.seed = p.seed;
+        if (ctx_given)
+            q.n_ctx_train = p.n_ctx_train;
+        p = q;
+    }
     if (model_mk_check(&p, err, sizeof(err))) {
         fprintf(stderr, "kvd mkmodel: %s\n", err);
         return 2;
@@ -174,6 +205,13 @@ int srv_cmd_mkmodel(int argc, char **argv)
     if (model_mk_write(&p, out, err, sizeof(err))) {
         fprintf(stderr, "kvd mkmodel: %s\n", err);
         return 1;
+    }
+    if (preset) {
+        printf("wrote %s: the %s model (%s, %s positions, dim %d, %d layers, %d heads, "
+               "%d kv head; computed weights)\n",
+               out, preset, p.arch, model_mk_position(&p), p.n_embd, p.n_layer, p.n_head,
+               p.n_kv_head);
+        return 0;
     }
     int hd = p.n_embd / p.n_head;
     bool gelu = !strcmp(p.arch, "bloom") || !strcmp(p.arch, "mpt");

@@ -13,8 +13,8 @@
  * without build output, and an LLHTTP_DIR that does not exist until the
  * `make deps` step (DEPS_CMD, replaced here by a copy of Debian's llhttp
  * sources) creates it. `make run` must then build, write the default model
- * and answer a completion; `make test` must build and pass the tests it is
- * asked for. Each make runs in a clean environment (no MAKEFLAGS from the
+ * (the retrieval model) and answer a completion with the code it was given; `make test` must build
+ * and pass the tests it is asked for. Each make runs in a clean environment (no MAKEFLAGS from the
  * make that runs this test) at -O0, so the build takes seconds.
  */
 #include <setjmp.h>
@@ -123,8 +123,7 @@ static void test_make_run_first(void **state)
     int port = su_free_port();
     assert_true(port > 0);
     char vars[256];
-    snprintf(vars, sizeof(vars), "RUN_ARGS='--config config/kvd.conf --listen 127.0.0.1:%d'",
-             port);
+    snprintf(vars, sizeof(vars), "RUN_ARGS='--config config/kvd.conf --listen 127.0.0.1:%d'", port);
     struct su_proc p = {0};
     assert_int_equal(start_make(f, &p, "run", vars), 0);
 
@@ -146,11 +145,15 @@ static void test_make_run_first(void **state)
         su_dump_log(&p);
     assert_int_equal(status, 200);
 
-    json_t *req = json_pack("{s:s, s:i, s:f}", "prompt", "the secret code is", "max_tokens", 4,
-                            "temperature", 0.0);
+    /* The default model is the retrieval model: it finds the code. */
+    json_t *req = json_pack("{s:s, s:i, s:f}", "prompt",
+                            "the secret code is 4 1 7. the dog sat by the river under the old "
+                            "tree. the secret code is",
+                            "max_tokens", 3, "temperature", 0.0);
     json_t *ans = su_post(port, "/v1/completions", NULL, req, &status);
     assert_int_equal(status, 200);
-    assert_non_null(json_object_get(ans, "choices"));
+    json_t *choice = json_array_get(json_object_get(ans, "choices"), 0);
+    assert_string_equal(json_string_value(json_object_get(choice, "text")), " 4 1 7");
     json_decref(ans);
     assert_int_equal(su_stop(&p, SIGTERM, 30) == -1, 0);
 
