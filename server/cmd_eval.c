@@ -39,6 +39,7 @@
 #include <omp.h>
 
 #include "model/model.h"
+#include "server/eval_retrieval.h"
 #include "server/server.h"
 #include "server/server_internal.h"
 
@@ -75,6 +76,7 @@ struct eval_opts {
     const char *config;            /* operator config whose [eviction] is the first policy */
     const char *sets[32];          /* --set section.key=value overrides */
     int n_sets;
+    struct eval_ret_opts ret;      /* --task retrieval (eval_retrieval.c) */
 };
 
 /* One scored run: per-token losses (loss[t] predicts token t; loss[0] unused). */
@@ -120,7 +122,10 @@ static void eval_usage(FILE *f)
             "  --threads N          OpenMP threads (default: all cores)\n"
             "  --json               print results as JSON\n"
             "  --losses OUT.npy|OUT.bin   per-token losses of the first policy\n"
-            "  --plot OUT.png       per-segment perplexity against position (gnuplot)\n");
+            "  --plot OUT.png       per-segment perplexity against position (gnuplot),\n"
+            "                       or retrieval accuracy against the key's distance\n"
+            "%s",
+            srv_eval_ret_usage);
 }
 
 static int bad_opt(const char *name, const char *v)
@@ -230,6 +235,7 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
     *o = (struct eval_opts){.recompute_max = 2048, .page_tokens = 4, .k_type = KV_F32,
                             .v_type = KV_F32, .start = 1};
     parse_segments("512,2048,8192", o);
+    srv_eval_ret_defaults(&o->ret);
     const char *specs[MAX_POLICIES];
     int n_specs = 0;
     bool bad = false;
@@ -296,6 +302,8 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
             o->losses = v;
         } else if (OPT("--plot")) {
             o->plot = v;
+        } else if (srv_eval_ret_opt(argc, argv, &i, &o->ret, &bad)) {
+            continue;
         } else if (!strcmp(argv[i], "--json")) {
             o->json = true;
             i++;
@@ -310,8 +318,9 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
     }
     if (bad)
         return -1;
-    if (!o->model_path || !o->file) {
-        fprintf(stderr, "kvd eval: --model and --file are required\n");
+    if (!o->model_path || (!o->file && !o->ret.on)) {
+        fprintf(stderr, "kvd eval: --model and --file are required (--file is optional with "
+                        "--task retrieval)\n");
         return -1;
     }
     bool use_config = o->config || o->n_sets;
@@ -797,6 +806,45 @@ static void describe_path(const struct eval_opts *o, const struct model_info *in
             o->kld ? kv_type_name(o->kld_type) : "", n, train_len, 2 * train_len, 4 * train_len);
 }
 
+/*
+ * --task retrieval: the policies and baselines as rows of the passkey task
+ * (eval_retrieval.c), over the --file text's tokens as filler if given.
+ */
+static int run_retrieval(const struct eval_opts *o, const struct evaluator *ev,
+                         const struct model_info *info, const int32_t *tokens, int n,
+                         int train_len, int budget)
+{
+    if (o->kld) {
+        fprintf(stderr, "kvd eval: --kld-ref measures perplexity runs; it does not apply to "
+                        "--task retrieval\n");
+        return 2;
+    }
+    struct eval_ret_row rows[MAX_POLICIES + MAX_BASELINES];
+    char labels[MAX_BASELINES][96];
+    int n_rows = 0;
+    for (int k = 0; k < o->n_policies; k++)
+        rows[n_rows++] = (struct eval_ret_row){o->policies[k].label, o->policies[k].p, 0};
+    snprintf(labels[0], sizeof(labels[0]), "chunked (%d)", train_len);
+    snprintf(labels[1], sizeof(labels[1]), "recompute (%s)", o->policies[0].label);
+    if (o->baseline[BL_DENSE])
+        rows[n_rows++] = (struct eval_ret_row){"dense (no eviction)", {.kind = KV_EVICT_NONE}, 1};
+    if (o->baseline[BL_CHUNKED])
+        rows[n_rows++] = (struct eval_ret_row){labels[0], {.kind = KV_EVICT_NONE}, 2};
+    if (o->baseline[BL_RECOMPUTE])
+        rows[n_rows++] = (struct eval_ret_row){labels[1], {.kind = KV_EVICT_NONE}, 3};
+    int longest = 0;
+    for (int k = 0; k < o->ret.n_mult; k++)
+        longest = o->ret.mult[k] > longest ? o->ret.mult[k] : longest;
+    describe_path(o, info, longest * train_len, train_len);
+    struct eval_ret_in in = {
+        .m = ev->m, .ctx = ev->ctx, .max_batch = budget, .r = &o->ret, .rows = rows,
+        .n_rows = n_rows, .train_len = train_len, .page_tokens = o->page_tokens,
+        .k_type = o->k_type, .v_type = o->v_type, .text = tokens ? tokens + 1 : NULL, .n_text = tokens ? n - 1 : 0,
+        .json = o->json, .plot = o->plot,
+    };
+    return srv_eval_retrieval(&in);
+}
+
 int srv_cmd_eval(int argc, char **argv)
 {
     struct eval_opts o;
@@ -824,7 +872,7 @@ int srv_cmd_eval(int argc, char **argv)
         return 2;
     }
     int n = 0;
-    int32_t *tokens = tokenize_file(m, o.file, o.start, o.max_tokens, &n);
+    int32_t *tokens = o.file ? tokenize_file(m, o.file, o.start, o.max_tokens, &n) : NULL;
     int budget = train_len + 1;
     for (int k = 0; k < o.n_policies; k++)
         if (o.policies[k].p.max_cache_tokens > budget)
@@ -844,16 +892,21 @@ int srv_cmd_eval(int argc, char **argv)
         model_free(m);
         return 2;
     }
-    ev.ctx = tokens ? model_ctx_create(m, budget, o.threads, err, sizeof(err)) : NULL;
+    bool text_ok = tokens || (o.ret.on && !o.file);
+    ev.ctx = text_ok ? model_ctx_create(m, budget, o.threads, err, sizeof(err)) : NULL;
     ev.logits = malloc(sizeof(float) * (size_t)info.n_vocab);
     ev.ref_logits = malloc(sizeof(float) * (size_t)info.n_vocab);
     struct eval_run runs[MAX_POLICIES + MAX_BASELINES];
     memset(runs, 0, sizeof(runs));
     int n_runs = 0, rc = 0, ref = -1;
-    if (!tokens || !ev.ctx || !ev.logits || !ev.ref_logits) {
-        if (tokens && !ev.ctx)
+    if (!text_ok || !ev.ctx || !ev.logits || !ev.ref_logits) {
+        if (text_ok && !ev.ctx)
             fprintf(stderr, "kvd eval: %s\n", err);
         rc = 1;
+        goto out;
+    }
+    if (o.ret.on) {
+        rc = run_retrieval(&o, &ev, &info, tokens, n, train_len, budget);
         goto out;
     }
     describe_path(&o, &info, n, train_len);

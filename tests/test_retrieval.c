@@ -9,6 +9,13 @@
  * asked for at the end; every digit of every code must come back (greedy).
  * Under AddressSanitizer the session is 4k tokens (the distances scale
  * down), so the suite stays quick; the construction is the same.
+ *
+ * `kvd eval --task retrieval` (the built binary, KVD_BIN) runs on the RoPE
+ * model with a short training length: no eviction retrieves every key;
+ * sink + window retrieves exactly the keys inside its window, and the
+ * recompute baseline (the same retained tokens, fresh) agrees with it;
+ * the chunked baseline retrieves exactly the keys inside its chunk; the
+ * JSON, the table and the plot carry every case; bad options are refused.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -19,6 +26,8 @@
 #include "tests/serve_util.h"
 
 #include "model/model.h"
+
+#include <sys/wait.h>
 
 #if defined(__SANITIZE_ADDRESS__)
 #define SESSION_TOKENS 4096
@@ -106,7 +115,7 @@ static void open_session(struct session *s, const char *position, char *dir)
     struct model_info info;
     model_get_info(s->m, &info);
     s->n_vocab = info.n_vocab;
-    struct kv_cache_params kp = {.page_tokens = 16, .type = KV_F32};
+    struct kv_cache_params kp = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
     model_kv_shape(s->m, &kp);
     size_t tok_bytes =
         2 * (size_t)info.n_layer * (size_t)info.n_kv_head * (size_t)info.head_dim * sizeof(float);
@@ -263,10 +272,181 @@ static void test_preset_shape_is_fixed(void **state)
     assert_int_equal(model_mk_preset(&p, "other", NULL, err, sizeof(err)), -EINVAL);
 }
 
+/* --- kvd eval --task retrieval -------------------------------------------- */
+
+static const char *kvd_bin(void)
+{
+    const char *b = getenv("KVD_BIN");
+    if (!b)
+        print_message("skipped: KVD_BIN is not set (run through make test)\n");
+    return b;
+}
+
+/* The RoPE retrieval model in a scratch dir; its path in path. */
+static void write_model(char *dir, char *path, size_t cap)
+{
+    char err[512];
+    snprintf(dir, 256, "/tmp/kvd-retrieval-XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, cap, "%s/r.gguf", dir);
+    struct model_mk_params p;
+    assert_int_equal(model_mk_preset(&p, "retrieval", NULL, err, sizeof(err)), 0);
+    assert_int_equal(model_mk_write(&p, path, err, sizeof(err)), 0);
+}
+
+/* Run `kvd eval --model M ARGS` (stderr to dir/err.txt); stdout in a new
+ * string, exit status in *status. */
+static char *run_eval(const char *bin, const char *dir, const char *mpath, const char *args,
+                      int *status)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd), "%s eval --model %s %s 2>%s/err.txt", bin, mpath, args, dir);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    size_t cap = 1 << 16, len = 0;
+    char *out = malloc(cap);
+    size_t got;
+    while ((got = fread(out + len, 1, cap - len - 1, p)) > 0) {
+        len += got;
+        if (len + 1 == cap)
+            out = realloc(out, cap *= 2);
+    }
+    out[len] = '\0';
+    int st = pclose(p);
+    *status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    if (*status != 0) { /* show why (bad-option cases expect 2) */
+        struct su_proc shown = {0};
+        snprintf(shown.log, sizeof(shown.log), "%s/err.txt", dir);
+        su_dump_log(&shown);
+    }
+    return out;
+}
+
+#define EVAL_ARGS                                                                                  \
+    "--task retrieval --train-len 256 --lengths 1,2,4 --depths 0,0.5,0.9,0.97 --page-tokens 4 "    \
+    "--policy sink-window:4:60 --baseline dense --baseline chunked --baseline recompute "
+
+static void test_eval_retrieval_shape(void **state)
+{
+    (void)state;
+    const char *bin = kvd_bin();
+    if (!bin)
+        skip();
+    char dir[256], mpath[600], args[1024];
+    write_model(dir, mpath, sizeof(mpath));
+    bool plot = su_on_path("gnuplot");
+    snprintf(args, sizeof(args), EVAL_ARGS "--json %s%s%s", plot ? "--plot " : "", plot ? dir : "",
+             plot ? "/r.png" : "");
+    int status;
+    char *out = run_eval(bin, dir, mpath, args, &status);
+    assert_int_equal(status, 0);
+    json_error_t jerr;
+    json_t *doc = json_loads(out, 0, &jerr);
+    assert_non_null(doc);
+    json_t *runs = json_object_get(doc, "runs");
+    assert_int_equal(json_array_size(runs), 4);
+    const char *want[4] = {"sink-window:4:60", "dense (no eviction)", "chunked (256)",
+                           "recompute (sink-window:4:60)"};
+    json_t *rows[4];
+    for (int r = 0; r < 4; r++) {
+        rows[r] = json_object_get(json_array_get(runs, r), "cases");
+        assert_string_equal(json_string_value(json_object_get(json_array_get(runs, r), "label")),
+                            want[r]);
+        assert_int_equal(json_array_size(rows[r]), 12);
+    }
+    assert_true(json_real_value(json_object_get(json_array_get(runs, 1), "accuracy")) == 1.0);
+    int inside = 0, outside = 0;
+    for (size_t k = 0; k < 12; k++) {
+        int d = (int)json_integer_value(json_object_get(json_array_get(rows[0], k), "distance"));
+        int got[4];
+        for (int r = 0; r < 4; r++)
+            got[r] =
+                (int)json_integer_value(json_object_get(json_array_get(rows[r], k), "correct"));
+        /* the window holds the last 60..64 tokens; the chunk the last 255 */
+        if (d <= 50)
+            assert_int_equal(got[0], 1), inside++;
+        if (d >= 70)
+            assert_int_equal(got[0], 0), outside++;
+        assert_int_equal(got[3], got[0]);
+        if (d <= 240)
+            assert_int_equal(got[2], 1);
+        if (d >= 260)
+            assert_int_equal(got[2], 0);
+    }
+    assert_true(inside >= 3 && outside >= 6);
+    json_decref(doc);
+    free(out);
+    if (plot) {
+        char png[600];
+        snprintf(png, sizeof(png), "%s/r.png", dir);
+        FILE *f = fopen(png, "rb");
+        assert_non_null(f);
+        unsigned char magic[4] = {0};
+        assert_int_equal(fread(magic, 1, 4, f), 4);
+        fclose(f);
+        assert_memory_equal(magic, "\x89PNG", 4);
+    }
+    /* the table: the path first (stderr), one row per run, then the depths */
+    out = run_eval(bin, dir, mpath, EVAL_ARGS, &status);
+    assert_int_equal(status, 0);
+    assert_non_null(strstr(out, "dense (no eviction)"));
+    assert_non_null(strstr(out, "1x (256)"));
+    assert_non_null(strstr(out, "by depth"));
+    free(out);
+    char errpath[600];
+    snprintf(errpath, sizeof(errpath), "%s/err.txt", dir);
+    FILE *f = fopen(errpath, "r");
+    char line[512];
+    bool path = false;
+    while (f && fgets(line, sizeof(line), f))
+        path = path || (strstr(line, "attention: fused paged kernel") && strstr(line, "rope"));
+    if (f)
+        fclose(f);
+    assert_true(path);
+    su_remove_dir(dir);
+}
+
+static void test_eval_retrieval_bad_options(void **state)
+{
+    (void)state;
+    const char *bin = kvd_bin();
+    if (!bin)
+        skip();
+    char dir[256], mpath[600];
+    write_model(dir, mpath, sizeof(mpath));
+    static const char *const bad[][2] = {
+        {"--task retrieval --key-len 11", "--key-len (1..10)"},
+        {"--task nope", "--task (retrieval|perplexity)"},
+        {"--task retrieval --lengths 1.5", "--lengths (whole multiples)"},
+        {"--task retrieval --depths 0,2", "--depths"},
+        {"--task retrieval --trials 0", "--trials"},
+        {"--lengths 1,2", "--file are required"},
+    };
+    char errpath[600];
+    snprintf(errpath, sizeof(errpath), "%s/err.txt", dir);
+    for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+        int status;
+        char *out = run_eval(bin, dir, mpath, bad[k][0], &status);
+        free(out);
+        assert_int_equal(status, 2);
+        FILE *f = fopen(errpath, "r");
+        char line[512] = "";
+        assert_non_null(f);
+        assert_non_null(fgets(line, sizeof(line), f));
+        fclose(f);
+        if (!strstr(line, bad[k][1]))
+            print_message("'%s': %s", bad[k][0], line);
+        assert_non_null(strstr(line, bad[k][1]));
+    }
+    su_remove_dir(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_preset_shape_is_fixed),
+        cmocka_unit_test(test_eval_retrieval_bad_options),
+        cmocka_unit_test(test_eval_retrieval_shape),
         cmocka_unit_test(test_copies_rope),
         cmocka_unit_test(test_copies_alibi),
         cmocka_unit_test(test_copies_t5),
