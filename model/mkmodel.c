@@ -385,7 +385,7 @@ static int vocab_build(struct mk_vocab *v, int n_vocab, const char *const *list,
  * ------------------------------------------------------------------------ */
 
 /* splitmix64: tiny, seedable, and good enough for weights. */
-static uint64_t rng_next(uint64_t *s)
+uint64_t mk_rng_next(uint64_t *s)
 {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -396,7 +396,7 @@ static uint64_t rng_next(uint64_t *s)
 /* Uniform in [-1, 1). */
 static float rng_unit(uint64_t *s)
 {
-    return (float)((double)(rng_next(s) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+    return (float)((double)(mk_rng_next(s) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
 }
 
 static uint64_t name_seed(uint64_t seed, const char *name)
@@ -405,7 +405,7 @@ static uint64_t name_seed(uint64_t seed, const char *name)
     for (const char *c = name; *c; c++)
         h = (h ^ (uint8_t)*c) * 1099511628211ULL;
     uint64_t s = seed ^ h;
-    rng_next(&s);
+    mk_rng_next(&s);
     return s;
 }
 

@@ -21,6 +21,9 @@ struct mk_vocab {
     int n, cap;
 };
 
+/* splitmix64: tiny, seedable, and good enough for weights and shuffles. */
+uint64_t mk_rng_next(uint64_t *s);
+
 /* The retrieval preset's words: every one is a whole-word piece of its
  * vocabulary (with its prefixes), and nothing else is (no n-gram fill). */
 extern const char *const mk_retrieval_words[];

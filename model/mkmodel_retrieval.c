@@ -265,15 +265,6 @@ int mk_retrieval_check(const struct model_mk_params *p, char *err, size_t errlen
  * Token codes
  * ------------------------------------------------------------------------ */
 
-/* splitmix64, for the shuffle of the degree-2 codewords. */
-static uint64_t mix_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 /*
  * The RM(2,4) codeword with linear part lin (4 bits: x0..x3) and quadratic
  * part quad (6 bits: x0x1, x0x2, x0x3, x1x2, x1x3, x2x3), as 16 bits: bit i
@@ -316,7 +307,7 @@ static void assign_codes(float *codes, bool *weak, const struct mk_vocab *v, uin
             quad_words[nq++] = rm_codeword(lin, quad);
     uint64_t s = seed ^ 0x5eed5eedULL;
     for (int i = nq - 1; i > 0; i--) {
-        int j = (int)(mix_next(&s) % (uint64_t)(i + 1));
+        int j = (int)(mk_rng_next(&s) % (uint64_t)(i + 1));
         unsigned t = quad_words[i];
         quad_words[i] = quad_words[j];
         quad_words[j] = t;
