@@ -476,6 +476,45 @@ static void test_bad_template_refused(void **state)
         fail_msg("output: %s", out);
 }
 
+/* [eviction] unit = token: the conversation is rendered whole and the
+ * policy (sink-window) evicts tokens; no message is left out. */
+static void test_unit_token(void **state)
+{
+    (void)state;
+    NEED_SERVER();
+    char model[600], set_tmpl[700];
+    const char *shared = getenv("KVD_SHARED");
+    snprintf(model, sizeof model, "%s/models/stories260K.gguf", shared ? shared : "../shared");
+    snprintf(set_tmpl, sizeof set_tmpl, "model.chat_template=%s", tmpl_path);
+    const char *args[] = {"--set", set_tmpl, "--set", "eviction.max_cache_tokens=128",
+                          "--set", "eviction.unit=token", "--set", "server.threads=1",
+                          "--set", "cache.memory=4MiB", "--set", "limits.max_tokens=16"};
+    struct su_proc tok;
+    memset(&tok, 0, sizeof tok);
+    assert_int_equal(su_serve(&tok, getenv("KVD_BIN"), model, args,
+                              (int)(sizeof args / sizeof args[0])),
+                     0);
+    json_t *msgs = json_pack("[o]", msg("system", "You are a storyteller."));
+    for (int i = 0; i < 12; i++) {
+        json_array_append_new(msgs, msg("user", "Tell me more of the story, please."));
+        json_array_append_new(msgs, msg("assistant", "Once upon a time there was a cat."));
+    }
+    json_array_append_new(msgs, msg("user", "And then?"));
+    int st;
+    json_t *v = su_post(tok.port, "/v1/chat/completions", "",
+                        json_pack("{s:O,s:i,s:f}", "messages", msgs, "max_tokens", 4,
+                                  "temperature", 0.0),
+                        &st);
+    assert_int_equal(st, 200);
+    json_t *kvd = json_object_get(json_object_get(v, "usage"), "kvd");
+    assert_int_equal(json_integer_value(json_object_get(kvd, "evicted_messages")), 0);
+    assert_true(json_integer_value(json_object_get(kvd, "evicted_tokens")) > 0);
+    assert_true(json_integer_value(json_object_get(kvd, "retained_tokens")) <= 128);
+    json_decref(v);
+    json_decref(msgs);
+    su_stop(&tok, SIGTERM, 10);
+}
+
 /* Run cmd (a shell command line), its stdout into out (NUL-terminated,
  * truncated to n - 1 bytes); returns its exit status or -1. */
 static int run(const char *cmd, char *out, size_t n)
@@ -556,7 +595,7 @@ int main(void)
         cmocka_unit_test(test_logprobs),       cmocka_unit_test(test_errors),
         cmocka_unit_test(test_apply_template), cmocka_unit_test(test_session),
         cmocka_unit_test(test_long_chat),      cmocka_unit_test(test_bad_template_refused),
-        cmocka_unit_test(test_openai_node),
+        cmocka_unit_test(test_unit_token),     cmocka_unit_test(test_openai_node),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
