@@ -688,6 +688,27 @@ static int get_top_n(srv_api *a, json_t *body, const char *key, int *out, struct
     return 1;
 }
 
+/*
+ * A non-streamed answer with log-probabilities is built whole before it is
+ * sent: tokens x (alternatives + 1) entries, each a JSON object of about a
+ * hundred bytes in memory. SRV_MAX_LOGPROB_ENTRIES bounds that before any
+ * work is done (4,096 tokens x 512 alternatives took 1.5 GB); a stream
+ * sends each token's entries as it goes and is not bounded here.
+ */
+static void check_logprob_work(const struct srv_req *r, bool stream, const char *param,
+                               struct verr *e)
+{
+    if (!r->want_logprobs || stream)
+        return;
+    long long entries = (long long)r->max_tokens * (r->n_top_logprobs + 1);
+    if (entries > SRV_MAX_LOGPROB_ENTRIES)
+        fail(e, param, "invalid_value",
+             "%d tokens with %d alternatives each make %lld log-probability entries; a "
+             "non-streamed answer may have at most %d (tokens x (alternatives + 1)): ask for "
+             "fewer tokens or alternatives, or stream",
+             r->max_tokens, r->n_top_logprobs, entries, SRV_MAX_LOGPROB_ENTRIES);
+}
+
 /* Check the prompt's size against the limits. */
 static void check_prompt(srv_api *a, struct srv_req *r, struct verr *e)
 {
@@ -808,6 +829,7 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_se
         r->want_logprobs = call->logprobs = true;
         r->n_top_logprobs = top;
     }
+    check_logprob_work(r, call->stream, "logprobs", e);
     get_bool(body, "return_tokens_as_token_ids", &call->id_tokens, e);
     if (get_str(body, "suffix", &s, e) > 0 && s[0])
         fail(e, "suffix", "unsupported", "suffix is not supported");
@@ -861,6 +883,7 @@ static struct srv_req *parse_llama(srv_api *a, json_t *body, const char *hdr_ses
         r->want_logprobs = call->logprobs = true;
         r->n_top_logprobs = top;
     }
+    check_logprob_work(r, call->stream, "n_probs", e);
     if (get_bool(body, "post_sampling_probs", &b, e) > 0 && b)
         fail(e, "post_sampling_probs", "unsupported",
              "post_sampling_probs is not supported: kvd reports the probabilities of the model's "
@@ -1128,6 +1151,7 @@ static struct srv_req *parse_chat(srv_api *a, json_t *body, const char *hdr_sess
         r->want_logprobs = call->logprobs = true;
         r->n_top_logprobs = top;
     }
+    check_logprob_work(r, call->stream, "top_logprobs", e);
     json_t *lb = field(body, "logit_bias");
     if (lb && (!json_is_object(lb) || json_object_size(lb) > 0))
         fail(e, "logit_bias", "unsupported", "logit_bias is not supported");

@@ -205,6 +205,9 @@ void srv_req_free(struct srv_req *r);                /* frees its arrays too */
 
 /* The most alternatives a request may ask for per sampled token. */
 #define SRV_MAX_TOP_LOGPROBS 1000
+/* The most log-probability entries, tokens x (alternatives + 1), of one
+ * non-streamed answer (400 beyond). */
+#define SRV_MAX_LOGPROB_ENTRIES (1 << 18)
 
 /*
  * One sampled token's log-probabilities: log-softmax of the model's raw

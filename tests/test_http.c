@@ -560,6 +560,52 @@ static void test_large_answer_slow_steady_reader(void **state)
     stop(&s);
 }
 
+/*
+ * Log-probabilities amplified: 4,096 tokens with 512 alternatives each,
+ * non-streamed, took 1.5 GB (the whole answer as one JSON tree). Beyond
+ * SRV_MAX_LOGPROB_ENTRIES the request is refused before any work, naming
+ * the cap, and the server's memory stays where it was; streamed, the same
+ * request is served (each event carries its own entries).
+ */
+static void test_logprob_answer_capped(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "server.threads=1"};
+    struct su_proc s = {0};
+    serve(&s, "logprob-cap", args, 2);
+    long rss0 = proc_rss_kb(s.pid);
+    static const char *const bodies[][2] = {
+        {"/completion", "{\"prompt\":\"Once upon a time\",\"n_predict\":4096,\"n_probs\":512,"
+                        "\"ignore_eos\":true}"},
+        {"/v1/completions", "{\"prompt\":\"Once\",\"max_tokens\":4096,\"logprobs\":100}"},
+        {"/v1/chat/completions", "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                                 "\"max_tokens\":4096,\"logprobs\":true,\"top_logprobs\":100}"},
+    };
+    for (int i = 0; i < 3; i++) {
+        struct resp r;
+        int st = http(s.port, "POST", bodies[i][0], NULL,
+                      bodies[i][1], &r);
+        if (st != 400)
+            print_message("%s: %d %s\n", bodies[i][0], st, r.body ? r.body : "");
+        assert_int_equal(st, 400);
+        assert_non_null(strstr(r.body, "at most 262144"));
+        resp_free(&r);
+    }
+    long rss1 = proc_rss_kb(s.pid);
+    print_message("RSS %ld -> %ld KiB\n", rss0, rss1);
+    assert_true(rss1 < rss0 + 16384);
+    /* Streamed, the same request is served. */
+    int fd = raw_connect(s.port, 0);
+    send_post(fd, "/completion", "",
+              "{\"prompt\":\"Once\",\"n_predict\":4096,\"n_probs\":512,\"stream\":true}");
+    char head[64] = "";
+    assert_true(recv(fd, head, sizeof(head) - 1, MSG_WAITALL) > 12);
+    assert_int_equal(strncmp(head, "HTTP/1.1 200", 12), 0);
+    close(fd);
+    stop(&s);
+}
+
 /* ------------------------------------------------------------------------
  * Conformance that a single-request case cannot show
  * ------------------------------------------------------------------------ */
@@ -617,6 +663,7 @@ int main(void)
         cmocka_unit_test(test_idle_connections_shed),
         cmocka_unit_test(test_slow_reader_closed),
         cmocka_unit_test(test_large_answer_slow_steady_reader),
+        cmocka_unit_test(test_logprob_answer_capped),
         cmocka_unit_test(test_upgrade_then_pipelined),
     };
     return cmocka_run_group_tests_name("http", tests, group_setup, group_teardown);
