@@ -330,4 +330,12 @@ int attn_reference(const struct attn_params *params, const struct attn_kv *kv,
 /* Describes the compiled SIMD path, e.g. "avx512" / "avx2" / "scalar". */
 const char *attn_simd_name(void);
 
+/*
+ * The path scoring q8_0 keys under schemes that do not rotate keys (none,
+ * ALiBi, T5), chosen at run time by the CPU: "avx512-vnni", "avx2" or
+ * "scalar" (8-bit integer dot products with a two-level query, see
+ * attn_q8.c). RoPE keys are dequantised and rotated by the tile path.
+ */
+const char *attn_q8_name(void);
+
 #endif /* KVD_ATTENTION_H */

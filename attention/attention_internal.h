@@ -234,6 +234,30 @@ struct attn_ops {
                     int head_dim);
 };
 
+/* --- scores against q8_0 keys in integers (attn_q8.c) ---------------------------- */
+
+/*
+ * A prepared query row quantised for q8_0 keys: per block b of 32 elements,
+ * q ~ d[b] * (254 * a1 + a2) with a1, a2 in [-127, 127] stored offset by
+ * 128 (u1 = a1 + 128, u2 = a2 + 128); d[b] is the block scale / 254.
+ */
+struct attn_q8row {
+    uint8_t *u1, *u2; /* [head_dim] */
+    float *d;         /* [head_dim / 32] */
+};
+
+/* Quantise one prepared query row (head_dim a multiple of 32) into out's arrays. */
+void attn_q8_query(const struct attn_q8row *out, const float *q, int head_dim);
+
+/* S[r][t] = q[r] . k_t for q8_0 key rows kp[t], t < nt, from the integer levels. */
+typedef void (*attn_qk_q8_fn)(float *S, const struct attn_q8row *q, int nrows,
+                              const void *const *kp, int nt, int head_dim);
+
+/* The best path the CPU runs (scalar when asked), its name in *name. */
+attn_qk_q8_fn attn_q8_select(bool scalar, const char **name);
+/* One path by name ("avx512-vnni", "avx2", "scalar"), NULL if this CPU lacks it (tests). */
+attn_qk_q8_fn attn_q8_path(const char *name);
+
 /* The SIMD table, or NULL when the build has no SIMD path (attn_simd.c). */
 const struct attn_ops *attn_simd_ops(void);
 

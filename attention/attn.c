@@ -39,11 +39,15 @@
  * are de-interleaved in rotated keys and prepared queries alike, so the
  * rotation always has the NeoX halves form.
  *
- * Quantised K/V (q8_0, q4_0): a tile's rows are dequantised once into f32
- * scratch and everything after - RoPE, scores, P.V - runs on those values,
- * so the kernel is exact to the dequantised cache whatever the position
- * scheme. Why rotate after dequantising rather than rotate the query per
- * key: RoPE turns a stored key k at position p into R(p)k, and
+ * Quantised K/V (q8_0, q4_0): values, and keys under RoPE or in q4_0, are
+ * dequantised once per tile into f32 scratch and everything after - RoPE,
+ * scores, P.V - runs on those values, so the kernel is exact to the
+ * dequantised cache whatever the position scheme. q8_0 keys that need no
+ * rotation (none, ALiBi, T5) are scored in 8-bit integers against the
+ * query quantised once per item in two levels (attn_q8.c: VNNI, AVX2 or
+ * scalar, chosen at run time), exact to about 2^-16 of the query.
+ * Why RoPE keys are rotated after dequantising rather than the query
+ * rotated per key: RoPE turns a stored key k at position p into R(p)k, and
  * q.R(p)k = (R(p)^T q).k, so an integer dot product on the stored int8 key
  * needs the query rotated back by each key's own angle and requantised -
  * O(head_dim) rotation and quantisation per key and per query row (a GQA
@@ -102,6 +106,9 @@ struct tscratch {
     float *vst;               /* [ATTN_TILE][head_dim] staged (converted) values; before
                                  them, a quantised key tile dequantised */
     struct attn_prefetch *pf; /* [1] rows of the next head or tile */
+    struct attn_q8row *q8;    /* [rows_max] the prepared queries quantised (q8_0 keys, no RoPE) */
+    uint8_t *q8_u1, *q8_u2;   /* [rows_max][head_dim] their levels */
+    float *q8_d;              /* [rows_max][head_dim / 32] their block scales */
     float *cs, *sn;           /* [ATTN_TILE][half] cos and sin of each key's angles */
     float *base_c, *base_s;   /* [half] angles at the cached 4096-block start */
     float *cur_c, *cur_s;     /* [half] ... plus 64 * hi */
@@ -141,6 +148,7 @@ struct attn_ctx {
     struct attn_params p;
     int32_t window; /* the current attn_run's kv->sliding_window */
     const struct attn_ops *ops;
+    attn_qk_q8_fn qk_q8; /* q8_0 keys without RoPE: integer scores */
     int n_threads;
     int group;     /* query heads per KV head */
     int rows_max;  /* rows one item may hold */
@@ -472,6 +480,10 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(kst, (size_t)ATTN_TILE * D);
     CARVE(vst, (size_t)ATTN_TILE * D);
     CARVE(pf, 1);
+    CARVE(q8, rows_max);
+    CARVE(q8_u1, (size_t)rows_max * D);
+    CARVE(q8_u2, (size_t)rows_max * D);
+    CARVE(q8_d, (size_t)rows_max * (D / ATTN_QK + 1));
     CARVE(cs, (size_t)ATTN_TILE * (half ? half : 1));
     CARVE(sn, (size_t)ATTN_TILE * (half ? half : 1));
     CARVE(base_c, half ? half : 1);
@@ -483,6 +495,10 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     if (mem) {
         w->base_block = -1;
         w->cur_hi = -1;
+        for (int r = 0; r < rows_max; r++)
+            w->q8[r] = (struct attn_q8row){.u1 = w->q8_u1 + (size_t)r * D,
+                                           .u2 = w->q8_u2 + (size_t)r * D,
+                                           .d = w->q8_d + (size_t)r * (D / ATTN_QK + 1)};
     }
     return off;
 }
@@ -504,6 +520,8 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
     ctx->p = *params;
     const struct attn_ops *simd = attn_simd_ops();
     ctx->ops = params->force_scalar || !simd ? &scalar_ops : simd;
+    const char *q8_name;
+    ctx->qk_q8 = attn_q8_select(params->force_scalar, &q8_name);
     ctx->n_threads = params->n_threads > 0 ? params->n_threads : omp_get_max_threads();
     if (ctx->n_threads < 1)
         ctx->n_threads = 1;
@@ -951,9 +969,24 @@ static int32_t load_tile(struct tscratch *w, const struct attn_kv *kv, const str
  * staged once (converted, rotated) when many rows reuse them, and rotated
  * in registers when few do.
  */
-static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
-                        int nt, const float *const *q, int rows_h, const struct attn_prefetch *pf)
+/* Whether q8_0 keys are scored in integers (no rotation to apply to them). */
+static bool int8_keys(const attn_ctx *ctx, const struct attn_kv *kv)
 {
+    return kv->k_type == ATTN_Q8_0 && !ctx->rot;
+}
+
+/* Quantise the prepared queries of rows [0, rows) for int8_keys scoring. */
+static void setup_q8(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int rows)
+{
+    if (int8_keys(ctx, kv))
+        for (int r = 0; r < rows; r++)
+            attn_q8_query(&w->q8[r], w->qrow[r], ctx->p.head_dim);
+}
+
+static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
+                        int nt, int r0, int rows_h, const struct attn_prefetch *pf)
+{
+    const float *const *q = w->qrow + r0;
     const int D = ctx->p.head_dim;
     const size_t krow = attn_row_bytes(kv->k_type, D), vrow = attn_row_bytes(kv->v_type, D);
     const uint8_t *kb = kv->base + kv->k_offset + (size_t)g * kv->page_tokens * krow;
@@ -963,6 +996,10 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
         w->vp[t] = vb + w->tok[t] + (size_t)w->slot[t] * vrow;
     }
     enum attn_type kt = kv->k_type;
+    if (int8_keys(ctx, kv)) {
+        ctx->qk_q8(w->S, w->q8 + r0, rows_h, w->kp, nt, D);
+        return;
+    }
     if (attn_type_blocked(kt)) {
         /* Quantised keys: dequantise the tile once (into vst, free until the
          * values), then rotate and score the f32 rows, exact to the stored values. */
@@ -1098,6 +1135,7 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     const struct attn_ops *ops = ctx->ops;
 
     setup_rows(ctx, w, sq, u->q0, u->nq, u->g0, u->ng);
+    setup_q8(ctx, w, kv, u->rows);
     for (int r = 0; r < u->rows; r++) {
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
@@ -1121,7 +1159,7 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
                 pf = prefetch_head(ctx, w->pf, w->tok, w->slot, kv, u->g0 + hh + 1, nt);
             else if (nt_next > 0)
                 pf = prefetch_head(ctx, w->pf, w->tok_next, w->slot_next, kv, u->g0, nt_next);
-            head_scores(ctx, w, kv, u->g0 + hh, nt, w->qrow + r0, rows_h, pf);
+            head_scores(ctx, w, kv, u->g0 + hh, nt, r0, rows_h, pf);
             for (int r = 0; r < rows_h; r++)
                 ops->softmax(w->S + (size_t)r * ATTN_TILE, nt, w->kpos, w->rpos[r0 + r],
                              &w->bias[r0 + r], &w->m[r0 + r], &w->l[r0 + r],
@@ -1217,6 +1255,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
             int nq = sq->n_q - q0 < qb ? sq->n_q - q0 : qb;
             int rows = nq * ctx->group;
             setup_rows(ctx, w, sq, q0, nq, g, 1);
+            setup_q8(ctx, w, kv, rows);
             int32_t qmax = 0;
             for (int r = 0; r < rows; r++) {
                 int h = g * ctx->group + r % ctx->group, qi = q0 + r / ctx->group;
@@ -1232,7 +1271,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
                     continue;
                 if (ctx->rot)
                     rope_tile(ctx, w, nt);
-                head_scores(ctx, w, kv, g, nt, w->qrow, rows, NULL);
+                head_scores(ctx, w, kv, g, nt, 0, rows, NULL);
                 float *mass = sq->mass + k0;
                 for (int r = 0; r < rows; r++) {
                     float *s = w->S + (size_t)r * ATTN_TILE;

@@ -797,13 +797,15 @@ static void describe_path(const struct eval_opts *o, const struct model_info *in
     fprintf(stderr,
             "kvd eval: %s (%s, %d layers, %d heads / %d kv heads, head dim %d)\n"
             "attention: fused paged kernel, %s, %d threads, K %s, V %s, position %s, page %d "
-            "tokens%s%s\n"
+            "tokens%s%s%s%s\n"
             "tokens: %d; training length %d (2x = %d, 4x = %d)\n",
             info->name, info->arch, info->n_layer, info->n_head, info->n_kv_head, info->head_dim,
             attn_simd_name(), o->threads ? o->threads : omp_get_max_threads(),
             kv_type_name(o->k_type), kv_type_name(o->v_type), pos_kind_name(info->pos),
-            o->page_tokens, o->kld ? "; KLD against K/V in " : "",
-            o->kld ? kv_type_name(o->kld_type) : "", n, train_len, 2 * train_len, 4 * train_len);
+            o->page_tokens,
+            o->k_type == KV_Q8_0 && info->pos != POS_ROPE ? "; q8_0 key scores: int8 " : "",
+            o->k_type == KV_Q8_0 && info->pos != POS_ROPE ? attn_q8_name() : "",
+            o->kld ? "; KLD against K/V in " : "", o->kld ? kv_type_name(o->kld_type) : "", n, train_len, 2 * train_len, 4 * train_len);
 }
 
 /*

@@ -1283,6 +1283,66 @@ static void test_kernel_quant_rows(void **state)
     }
 }
 
+/*
+ * The integer scores of q8_0 keys, on every path this CPU has, against
+ * f32 dot products of the dequantised keys: the two-level query leaves at
+ * most 2^-16 of each block's largest query element, so scores agree to
+ * about 1e-5 of their size. Head sizes with an odd block count (32, 96)
+ * take the tail of the two-block path.
+ */
+static void test_kernel_q8_scores(void **state)
+{
+    (void)state;
+    static const char *const paths[3] = {"avx512-vnni", "avx2", "scalar"};
+    const int dims[4] = {32, 64, 96, 256};
+    uint32_t seed = 4242;
+    float q[4][256], k[ATTN_TILE][256], S[4 * ATTN_TILE];
+    uint8_t rows[ATTN_TILE][8 * 34], u1[4][256], u2[4][256];
+    float d[4][8];
+    const void *kp[ATTN_TILE];
+    struct attn_q8row q8[4];
+    for (int di = 0; di < 4; di++) {
+        const int D = dims[di];
+        for (int r = 0; r < 4; r++) {
+            for (int i = 0; i < D; i++)
+                q[r][i] = (r == 3 ? 1e-3f : 0.2f) * rng_unit(&seed);
+            q8[r] = (struct attn_q8row){.u1 = u1[r], .u2 = u2[r], .d = d[r]};
+            attn_q8_query(&q8[r], q[r], D);
+        }
+        for (int t = 0; t < ATTN_TILE; t++) {
+            for (int i = 0; i < D; i++)
+                k[t][i] = (t % 5 == 0 ? 30.0f : 1.0f) * rng_unit(&seed);
+            attn_store_row(rows[t], k[t], D, ATTN_Q8_0);
+            attn_load_row(k[t], rows[t], D, ATTN_Q8_0); /* the values the cache holds */
+            kp[t] = rows[t];
+        }
+        for (int pi = 0; pi < 3; pi++) {
+            attn_qk_q8_fn fn = attn_q8_path(paths[pi]);
+            if (!fn) {
+                print_message("  q8_0 scores: %s not on this CPU\n", paths[pi]);
+                continue;
+            }
+            const int nt = ATTN_TILE - 3;
+            fn(S, q8, 4, kp, nt, D);
+            for (int r = 0; r < 4; r++)
+                for (int t = 0; t < nt; t++) {
+                    double want = 0, mag = 0;
+                    for (int i = 0; i < D; i++) {
+                        want += (double)q[r][i] * k[t][i];
+                        mag += fabs((double)q[r][i] * k[t][i]);
+                    }
+                    double got = S[r * ATTN_TILE + t];
+                    if (!(fabs(got - want) <= 2e-5 * mag + 1e-9))
+                        fail_msg("%s D=%d row %d key %d: %.9g, want %.9g (sum |q k| %.3g)",
+                                 paths[pi], D, r, t, got, want, mag);
+                }
+        }
+    }
+    assert_non_null(attn_q8_path("scalar"));
+    assert_null(attn_q8_path("neon"));
+    print_message("  q8_0 scores run on %s\n", attn_q8_name());
+}
+
 /* q8_0 / q4_0 with a head size that is no multiple of 32 is refused, naming both. */
 static void test_kernel_quant_refused(void **state)
 {
@@ -1481,6 +1541,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernel_grid_quant),
         cmocka_unit_test(test_kernel_quant_rows),
         cmocka_unit_test(test_kernel_quant_refused),
+        cmocka_unit_test(test_kernel_q8_scores),
         cmocka_unit_test(test_kernel_head_dims),
         cmocka_unit_test(test_kernel_mixed_batch),
         cmocka_unit_test(test_kernel_sliding_window),

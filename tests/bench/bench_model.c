@@ -23,6 +23,15 @@
  * decoder, bloom and mpt (GELU MLP of 2304 = as many weights as the SwiGLU
  * one of 1536), decoded at 4k context, each beside llama/RoPE's figure of
  * the same run. `bench_model arch` runs only this part.
+ *
+ * KV types: the SmolLM-like shape with q8_0 weights decoded at 4k, 16k, 64k
+ * and 128k tokens of context with K/V in f16, q8_0, q8_0/q4_0 (K/V) and
+ * q4_0, each beside the roofline for its own bytes (weights + the cache's
+ * K/V bytes per token). The context is synthetic K/V written through
+ * attn_store_row (quantised once, as the forward pass stores it), not a
+ * real prefill: 128k real tokens would take hours on two cores. At 64k and
+ * more the cache outweighs the weights, so decode should speed up roughly
+ * with the bytes a type saves. `bench_model kv` runs only this part.
  */
 #include <errno.h>
 #include <math.h>
@@ -108,7 +117,8 @@ static unsigned touch_weights(const model *m)
 }
 
 /* Append n tokens with synthetic K/V (small values, every byte written). */
-static int fill_context(kv_seq *seq, const model *m, enum kv_type kvt, int n)
+static int fill_context(kv_seq *seq, const model *m, enum kv_type k_type, enum kv_type v_type,
+                        int n)
 {
     int32_t ids[256];
     float row[1024];
@@ -131,10 +141,11 @@ static int fill_context(kv_seq *seq, const model *m, enum kv_type kvt, int n)
                         }
                         void *dst = v ? kv_seq_v(seq, l, h, first + i)
                                       : kv_seq_k(seq, l, h, first + i);
-                        if (kvt == KV_F32)
-                            memcpy(dst, row, sizeof(float) * (size_t)m->head_dim);
-                        else
+                        enum kv_type t = v ? v_type : k_type;
+                        if (t == KV_F16)
                             qt_f32_to_f16_row(row, dst, (size_t)m->head_dim);
+                        else
+                            attn_store_row(dst, row, m->head_dim, (enum attn_type)t);
                     }
         done += k;
     }
@@ -149,15 +160,17 @@ static int cmp_double(const void *a, const void *b)
 
 struct result {
     double prefill_tps, decode_tps, bytes_per_tok;
+    double decode_best_tps; /* the fastest decode step */
     double bw; /* bus bytes/s of a triad run just before the decode steps */
 };
 
-/* Prefill a chunk then decode n_decode tokens on top of ctx cached tokens. */
-static int run_case(const model *m, int ctx, int chunk, int n_decode, struct result *r)
+/* Prefill a chunk then decode n_decode tokens on top of ctx cached tokens,
+ * K and V stored in the given types. */
+static int run_case_typed(const model *m, int ctx, int chunk, int n_decode, enum kv_type k_type,
+                          enum kv_type v_type, struct result *r)
 {
-    const enum kv_type kvt = KV_F16;
     int total = ctx + 2 * chunk + n_decode + 2;
-    struct kv_cache_params cp = {.page_tokens = 16, .k_type = kvt, .v_type = kvt};
+    struct kv_cache_params cp = {.page_tokens = 16, .k_type = k_type, .v_type = v_type};
     model_kv_shape(m, &cp);
     size_t page = kv_cache_token_bytes(&cp) * 16;
     page = (page + 63) / 64 * 64;
@@ -178,7 +191,7 @@ static int run_case(const model *m, int ctx, int chunk, int n_decode, struct res
         fprintf(stderr, "setup: %s\n", err);
         goto out;
     }
-    if (fill_context(seq, m, kvt, ctx)) {
+    if (fill_context(seq, m, k_type, v_type, ctx)) {
         fprintf(stderr, "filling %d tokens of context failed\n", ctx);
         goto out;
     }
@@ -223,12 +236,12 @@ static int run_case(const model *m, int ctx, int chunk, int n_decode, struct res
     }
     qsort(dt, (size_t)n_decode, sizeof(double), cmp_double);
     double med = dt[n_decode / 2];
+    r->decode_best_tps = 1.0 / dt[0];
     free(dt);
     int kv_avg = ctx + 2 * chunk + 1 + n_decode / 2; /* cached tokens read per decode step */
     r->prefill_tps = chunk / best_prefill;
     r->decode_tps = 1.0 / med;
-    r->bytes_per_tok = weight_bytes(m) + (double)kv_avg * m->n_layer * 2.0 * m->kv_dim *
-                                             (double)kv_type_size(kvt);
+    r->bytes_per_tok = weight_bytes(m) + (double)kv_avg * (double)kv_cache_token_bytes(&cp);
     rc = 0;
 out:
     free(logits);
@@ -237,6 +250,11 @@ out:
     kv_seq_destroy(seq);
     kv_cache_destroy(cache);
     return rc;
+}
+
+static int run_case(const model *m, int ctx, int chunk, int n_decode, struct result *r)
+{
+    return run_case_typed(m, ctx, chunk, n_decode, KV_F16, KV_F16, r);
 }
 
 static void bench_model(const char *label, const char *path)
@@ -355,6 +373,80 @@ static void bench_arches(const char *dir)
     }
 }
 
+/*
+ * Decode at 4k..128k of context for each KV type on the SmolLM-like shape
+ * (q8_0 weights), beside each type's own roofline. Long contexts take
+ * fewer decode steps (each reads gigabytes) and a short prefill chunk.
+ */
+static void bench_kv_types(const char *dir)
+{
+    struct model_mk_params p;
+    model_mk_defaults(&p);
+    p.n_embd = 576;
+    p.n_layer = 30;
+    p.n_head = 9;
+    p.n_kv_head = 3;
+    p.n_ff = 1536;
+    p.n_vocab = 49152;
+    p.tied = true;
+    p.n_ctx_train = 2048;
+    p.type = GGML_TYPE_Q8_0;
+    char file[600], err[512];
+    snprintf(file, sizeof(file), "%s/smollm-shape-kv.gguf", dir);
+    if (model_mk_write(&p, file, err, sizeof(err))) {
+        fprintf(stderr, "mkmodel: %s\n", err);
+        return;
+    }
+    struct model_params mp = {.path = file};
+    model *m = model_load(&mp, err, sizeof(err));
+    if (!m) {
+        fprintf(stderr, "kv types: %s\n", err);
+        unlink(file);
+        return;
+    }
+    touch_weights(m);
+    static const struct {
+        enum kv_type k, v;
+        const char *name;
+    } types[] = {{KV_F16, KV_F16, "f16"},
+                 {KV_Q8_0, KV_Q8_0, "q8_0"},
+                 {KV_Q8_0, KV_Q4_0, "q8_0/q4_0"},
+                 {KV_Q4_0, KV_Q4_0, "q4_0"}};
+    static const int ctxs[] = {4096, 16384, 65536, 131072};
+    printf("\nKV types: smollm135M-shape, q8_0 weights (%.1f MB), K/V bytes per token in "
+           "parentheses;\ncontext is synthetic K/V stored as the forward pass stores it; decode is "
+           "the fastest of 6 steps (4 at 64k and more): on a shared machine the others wait on "
+           "other work\n",
+           weight_bytes(m) / 1e6);
+    printf("%-22s %7s %10s %9s %7s %10s %8s %9s\n", "K/V type", "ctx", "decode/s", "MB/token",
+           "GB/s", "roof tok/s", "of roof", "vs f16");
+    for (int c = 0; c < 4; c++) {
+        double f16_tps = 0.0;
+        for (int t = 0; t < 4; t++) {
+            struct kv_cache_params cp = {.k_type = types[t].k, .v_type = types[t].v};
+            model_kv_shape(m, &cp);
+            char label[48];
+            snprintf(label, sizeof(label), "%s (%zu B)", types[t].name, kv_cache_token_bytes(&cp));
+            struct result r;
+            int n_decode = ctxs[c] >= 65536 ? 4 : 6;
+            if (run_case_typed(m, ctxs[c], 8, n_decode, types[t].k, types[t].v, &r)) {
+                printf("%-22s %7d  (failed)\n", label, ctxs[c]);
+                continue;
+            }
+            if (t == 0)
+                f16_tps = r.decode_best_tps;
+            double roof = r.bw / r.bytes_per_tok;
+            printf("%-22s %7d %10.2f %9.1f %7.1f %10.2f %7.0f%% %8.2fx\n", label, ctxs[c],
+                   r.decode_best_tps, r.bytes_per_tok / 1e6, r.bw / 1e9, roof,
+                   100.0 * r.decode_best_tps / roof,
+                   f16_tps > 0 ? r.decode_best_tps / f16_tps : 0.0);
+            fflush(stdout);
+        }
+    }
+    model_free(m);
+    unlink(file);
+}
+
 int main(int argc, char **argv)
 {
     /* The OpenMP wait policy is the environment's, as for kvd itself:
@@ -362,6 +454,7 @@ int main(int argc, char **argv)
      * with other work OMP_WAIT_POLICY=passive keeps barriers from waiting
      * on descheduled spinners. Printed with the results. */
     bool arch_only = argc > 1 && !strcmp(argv[1], "arch");
+    bool kv_only = argc > 1 && !strcmp(argv[1], "kv");
     double t_start = now_s();
     double stream_bw = 0.0;
     double bw = triad_bandwidth(&stream_bw, (size_t)64 << 20);
@@ -384,8 +477,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "mkdtemp: %s\n", strerror(errno));
         return 1;
     }
-    if (arch_only) {
-        bench_arches(dir);
+    if (arch_only || kv_only) {
+        if (arch_only)
+            bench_arches(dir);
+        else
+            bench_kv_types(dir);
         rmdir(dir);
         return 0;
     }
@@ -431,6 +527,7 @@ int main(int argc, char **argv)
         unlink(file);
     }
     bench_arches(dir);
+    bench_kv_types(dir);
     rmdir(dir);
     printf("\n(mkmodel write time in parentheses; total %.0f s)\n", now_s() - t_start);
     return 0;
