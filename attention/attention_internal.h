@@ -1,14 +1,15 @@
 /*
- * attention_internal.h - what attn.c, attn_simd.c and attn_ref.c share.
+ * attention_internal.h - what the kernel files (attn*.c, kvtype.c) share.
  *
  * The fused kernel is split in two layers. attn.c plans the work (which
  * sequence, query block, KV heads and key range each OpenMP work item
  * covers), walks the key tiles, resolves page addresses and computes RoPE
  * angles per tile. The arithmetic on one tile - scores, the online-softmax
  * update, P.V, staging rotated keys - goes through a table of tile
- * operations (struct attn_ops): a portable scalar table in attn.c and a
- * SIMD table in attn_simd.c (AVX-512 or AVX2, whichever -march allowed).
- * Both tables compute the same thing; tests run both.
+ * operations (struct attn_ops): a portable scalar table in attn_scalar.c
+ * and a SIMD table in attn_simd.c (AVX-512 or AVX2, whichever -march
+ * allowed). Both tables compute the same thing; tests run both. Scores of
+ * q8_0 keys without RoPE take attn_q8.c's integer path instead.
  *
  * Not for use outside attention/.
  */
@@ -257,6 +258,9 @@ typedef void (*attn_qk_q8_fn)(float *S, const struct attn_q8row *q, int nrows,
 attn_qk_q8_fn attn_q8_select(bool scalar, const char **name);
 /* One path by name ("avx512-vnni", "avx2", "scalar"), NULL if this CPU lacks it (tests). */
 attn_qk_q8_fn attn_q8_path(const char *name);
+
+/* The portable table (attn_scalar.c). */
+extern const struct attn_ops attn_scalar_ops;
 
 /* The SIMD table, or NULL when the build has no SIMD path (attn_simd.c). */
 const struct attn_ops *attn_simd_ops(void);

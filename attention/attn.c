@@ -1,5 +1,5 @@
 /*
- * attn.c - the fused paged attention kernel: planning, tile loop, scalar ops.
+ * attn.c - the fused paged attention kernel: planning and the tile loop.
  *
  * For every query, out = softmax(q.k^T * scale + bias(pos_q, pos_k)) . v over
  * the sequence's cached keys, causal by position number. The keys stream
@@ -50,11 +50,10 @@
  * rotated per key: RoPE turns a stored key k at position p into R(p)k, and
  * q.R(p)k = (R(p)^T q).k, so an integer dot product on the stored int8 key
  * needs the query rotated back by each key's own angle and requantised -
- * O(head_dim) rotation and quantisation per key and per query row (a GQA
- * group of rows pays it once each), against one dequantise-and-rotate per
- * key shared by the whole group here. It would also add the query's 8-bit
- * rounding to every score. The bytes read from memory, which is what
- * bounds decode at long context, are the same either way.
+ * O(head_dim) rotation and quantisation per key and per query row (each
+ * row of a GQA group pays it), against one dequantise-and-rotate per key
+ * shared by the group here; the bytes read, which bound decode at long
+ * context, are the same either way.
  *
  * Memory: attn_create allocates the per-thread scratch (O(rows x (tile +
  * head_dim))) and the tables; attn_run grows the batch workspace (per-row
@@ -175,178 +174,6 @@ struct attn_ctx {
 
     size_t bytes; /* everything allocated */
     char err[192];
-};
-
-/* ------------------------------------------------------------------------
- * Scalar tile operations (the portable path)
- * ------------------------------------------------------------------------ */
-
-static void row_to_f32(float *dst, const void *row, int off, int n, enum attn_type type)
-{
-    switch (type) {
-    case ATTN_F32:
-        memcpy(dst, (const float *)row + off, sizeof(float) * (size_t)n);
-        return;
-    case ATTN_F16:
-        for (int i = 0; i < n; i++)
-            dst[i] = attn_f16_to_f32(((const uint16_t *)row)[off + i]);
-        return;
-    case ATTN_BF16:
-        for (int i = 0; i < n; i++)
-            dst[i] = attn_bf16_to_f32(((const uint16_t *)row)[off + i]);
-        return;
-    case ATTN_Q8_0:
-    case ATTN_Q4_0:
-        for (int i = 0; i < n; i++)
-            dst[i] = attn_load(row, off + i, type);
-        return;
-    }
-}
-
-/* Dot product with 8 interleaved partial sums (a compiler may map them to vector lanes). */
-static float dot_f32(const float *a, const float *b, int n)
-{
-    float part[8] = {0};
-    int d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (int j = 0; j < 8; j++)
-            part[j] += a[d + j] * b[d + j];
-    for (; d < n; d++)
-        part[0] += a[d] * b[d];
-    return ((part[0] + part[4]) + (part[1] + part[5])) +
-           ((part[2] + part[6]) + (part[3] + part[7]));
-}
-
-static void qk_scalar(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                      enum attn_type type, int D, const struct attn_prefetch *pf)
-{
-    (void)pf; /* the portable path leaves prefetching to the hardware */
-    float k[1024];
-    for (int t = 0; t < nt; t++) {
-        row_to_f32(k, kp[t], 0, D, type);
-        for (int r = 0; r < nrows; r++)
-            S[(size_t)r * ATTN_TILE + t] = dot_f32(q[r], k, D);
-    }
-}
-
-/* The score plus bias, or -inf when the key is hidden from the query. */
-static float biased(float s, int t, int nt, const int32_t *kpos, int32_t pos_q,
-                    const struct attn_bias *b)
-{
-    if (t >= nt || kpos[t] > pos_q || kpos[t] <= attn_window_floor(pos_q, b->window))
-        return -INFINITY;
-    if (b->kind == POS_ALIBI)
-        return s + b->slope * (float)(kpos[t] - pos_q);
-    if (b->kind == POS_T5) {
-        int32_t d = pos_q - kpos[t];
-        return s + b->t5[d < b->t5_n ? d : b->t5_n];
-    }
-    return s;
-}
-
-static void softmax_scalar(float *s, int nt, const int32_t *kpos, int32_t pos_q,
-                           const struct attn_bias *b, float *m, float *l, float *acc, int D)
-{
-    float mx = -INFINITY;
-    for (int t = 0; t < ATTN_TILE; t++) {
-        s[t] = biased(s[t], t, nt, kpos, pos_q, b);
-        mx = fmaxf(mx, s[t]);
-    }
-    float m_new = fmaxf(*m, mx);
-    if (m_new == -INFINITY) {
-        memset(s, 0, sizeof(float) * ATTN_TILE);
-        return;
-    }
-    if (m_new > *m) {
-        float alpha = expf(*m - m_new);
-        *l *= alpha;
-        for (int d = 0; d < D; d++)
-            acc[d] *= alpha;
-        *m = m_new;
-    }
-    float sum = 0.0f;
-    for (int t = 0; t < ATTN_TILE; t++) {
-        s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - m_new);
-        sum += s[t];
-    }
-    *l += sum;
-}
-
-static void probs_scalar(float *s, int nt, const int32_t *kpos, int32_t pos_q,
-                         const struct attn_bias *b, float m, float inv_l)
-{
-    for (int t = 0; t < ATTN_TILE; t++) {
-        float x = biased(s[t], t, nt, kpos, pos_q, b);
-        s[t] = x == -INFINITY ? 0.0f : expf(x - m) * inv_l;
-    }
-}
-
-static void pv_scalar(float *acc, int nrows, const float *P, const void *const *vp, int nt,
-                      enum attn_type type, int D)
-{
-    float v[1024];
-    for (int t = 0; t < nt; t++) {
-        row_to_f32(v, vp[t], 0, D, type);
-        for (int r = 0; r < nrows; r++) {
-            float p = P[(size_t)r * ATTN_TILE + t];
-            float *a = acc + (size_t)r * D;
-            for (int d = 0; d < D; d++)
-                a[d] += p * v[d];
-        }
-    }
-}
-
-static void stage_k_scalar(float *out, const void *const *kp, int nt, enum attn_type type, int D,
-                           int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
-                           int ld_cs)
-{
-    int half = rot / 2;
-    float k[1024];
-    for (int t = 0; t < nt; t++) {
-        float *o = out + (size_t)t * D;
-        const float *c = cs + (size_t)t * ld_cs, *s = sn + (size_t)t * ld_cs;
-        row_to_f32(k, kp[t], 0, D, type);
-        for (int i = 0; i < half; i++) {
-            float lo = pairing == POS_ROPE_NEOX ? k[i] : k[2 * i];
-            float hi = pairing == POS_ROPE_NEOX ? k[half + i] : k[2 * i + 1];
-            o[i] = lo * c[i] - hi * s[i];
-            o[half + i] = lo * s[i] + hi * c[i];
-        }
-        memcpy(o + rot, k + rot, sizeof(float) * (size_t)(D - rot));
-    }
-}
-
-static void qk_rope_scalar(float *S, const float *const *q, int nrows, const void *const *kp,
-                           int nt, enum attn_type type, int D, int rot,
-                           enum pos_rope_pairing pairing, const float *cs, const float *sn,
-                           int ld_cs, const struct attn_prefetch *pf)
-{
-    (void)pf;
-    float k[1024];
-    for (int t = 0; t < nt; t++) {
-        const void *one[1] = {kp[t]};
-        stage_k_scalar(k, one, 1, type, D, rot, pairing, cs + (size_t)t * ld_cs,
-                       sn + (size_t)t * ld_cs, ld_cs);
-        for (int r = 0; r < nrows; r++)
-            S[(size_t)r * ATTN_TILE + t] = dot_f32(q[r], k, D);
-    }
-}
-
-static void dequant_scalar(float *out, const void *const *rows, int nt, enum attn_type type, int D)
-{
-    for (int t = 0; t < nt; t++)
-        row_to_f32(out + (size_t)t * D, rows[t], 0, D, type);
-}
-
-static const struct attn_ops scalar_ops = {
-    .name = "scalar",
-    .qk = qk_scalar,
-    .qk_rope = qk_rope_scalar,
-    .softmax = softmax_scalar,
-    .probs = probs_scalar,
-    .pv = pv_scalar,
-    .stage_k = stage_k_scalar,
-    .dequant = dequant_scalar,
 };
 
 /* ------------------------------------------------------------------------
@@ -519,7 +346,7 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
     ctx->bytes = sizeof(*ctx);
     ctx->p = *params;
     const struct attn_ops *simd = attn_simd_ops();
-    ctx->ops = params->force_scalar || !simd ? &scalar_ops : simd;
+    ctx->ops = params->force_scalar || !simd ? &attn_scalar_ops : simd;
     const char *q8_name;
     ctx->qk_q8 = attn_q8_select(params->force_scalar, &q8_name);
     ctx->n_threads = params->n_threads > 0 ? params->n_threads : omp_get_max_threads();

@@ -4,7 +4,7 @@
  * One implementation written against a thin vector layer (vf, VL lanes)
  * that is either AVX-512 (16 lanes; F, BW, VL, DQ) or AVX2 + FMA + F16C
  * (8 lanes), chosen at build time by -march. Without either, this file
- * compiles to nothing and the kernel uses the scalar table in attn.c.
+ * compiles to nothing and the kernel uses the scalar table (attn_scalar.c).
  *
  * The central trick is in qk: a block of RB query rows x KB keys with
  * RB * KB = VL is accumulated in VL vector registers over head_dim, then
