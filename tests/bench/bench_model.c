@@ -373,6 +373,22 @@ static void bench_arches(const char *dir)
     }
 }
 
+/* The SmolLM-135M shape (llama, RoPE) in the given weight type. */
+static void smollm_shape(struct model_mk_params *p, enum ggml_type type)
+{
+    model_mk_defaults(p);
+    p->n_embd = 576;
+    p->n_layer = 30;
+    p->n_head = 9;
+    p->n_kv_head = 3;
+    p->n_ff = 1536;
+    p->n_vocab = 49152;
+    p->tied = true;
+    p->rope_theta = 10000.0f;
+    p->n_ctx_train = 2048;
+    p->type = type;
+}
+
 /*
  * Decode at 4k..128k of context for each KV type on the SmolLM-like shape
  * (q8_0 weights), beside each type's own roofline. Long contexts take
@@ -381,16 +397,7 @@ static void bench_arches(const char *dir)
 static void bench_kv_types(const char *dir)
 {
     struct model_mk_params p;
-    model_mk_defaults(&p);
-    p.n_embd = 576;
-    p.n_layer = 30;
-    p.n_head = 9;
-    p.n_kv_head = 3;
-    p.n_ff = 1536;
-    p.n_vocab = 49152;
-    p.tied = true;
-    p.n_ctx_train = 2048;
-    p.type = GGML_TYPE_Q8_0;
+    smollm_shape(&p, GGML_TYPE_Q8_0);
     char file[600], err[512];
     snprintf(file, sizeof(file), "%s/smollm-shape-kv.gguf", dir);
     if (model_mk_write(&p, file, err, sizeof(err))) {
@@ -502,17 +509,7 @@ int main(int argc, char **argv)
     } types[] = {{GGML_TYPE_F32, "f32"}, {GGML_TYPE_F16, "f16"}, {GGML_TYPE_Q8_0, "q8_0"}};
     for (int i = 0; i < 3; i++) {
         struct model_mk_params p;
-        model_mk_defaults(&p);
-        p.n_embd = 576;
-        p.n_layer = 30;
-        p.n_head = 9;
-        p.n_kv_head = 3;
-        p.n_ff = 1536;
-        p.n_vocab = 49152;
-        p.tied = true;
-        p.rope_theta = 10000.0f;
-        p.n_ctx_train = 2048;
-        p.type = types[i].type;
+        smollm_shape(&p, types[i].type);
         char file[600], err[512];
         snprintf(file, sizeof(file), "%s/smollm-shape-%s.gguf", dir, types[i].name);
         double g0 = now_s();
