@@ -26,8 +26,9 @@
  *
  * Connection slots: when max_connections are open, a new connection takes
  * the slot of the connection that has been idle (between requests, nothing
- * queued) the longest; only when none is idle does it get 503. The same
- * shedding frees a descriptor when accept() finds none left (EMFILE).
+ * queued) the longest; only when none is idle does it get 503. The slots
+ * are also capped by the open-files limit (conn_cap), so the shedding
+ * happens before accept() finds no descriptor left.
  *
  * Slow readers. An answer is judged by what the reader leaves untaken over
  * time, never by its size: while bytes wait in a connection's write queue,
@@ -47,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 
 #include <llhttp.h>
 #include <uv.h>
@@ -55,6 +57,9 @@
 
 #define READ_CHUNK 65536
 #define LINGER_MS 2000
+/* Descriptors kept for the daemon's own use (listener, loop, model, log,
+ * signals, spill files) when the open-files limit caps connections. */
+#define FD_RESERVE 24
 /* A reader with bytes waiting must take at least this much (or all that
  * waited) in every idle_timeout. */
 #define WRITE_MIN_PROGRESS 65536
@@ -936,6 +941,25 @@ static srv_conn *conn_new(srv_http *h)
     return c;
 }
 
+/*
+ * Connections that fit: max_connections, and no more than the open-files
+ * limit leaves after FD_RESERVE descriptors for the daemon itself. So a
+ * full house sheds an idle connection for a newcomer before accept() can
+ * fail with EMFILE (libuv then accepts and closes newcomers itself, and
+ * the server could answer nobody until an idle timeout freed a
+ * descriptor). The limit is read at each accept: it may be changed under
+ * a running process (prlimit).
+ */
+static int conn_cap(const srv_http *h)
+{
+    int cap = h->p.max_connections;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        rl.rlim_cur < (rlim_t)cap + FD_RESERVE)
+        cap = rl.rlim_cur > FD_RESERVE + 1 ? (int)(rl.rlim_cur - FD_RESERVE) : 1;
+    return cap;
+}
+
 /* The socket is open: start parsing, or refuse when every slot is busy. */
 static void conn_start(srv_conn *c)
 {
@@ -947,7 +971,7 @@ static void conn_start(srv_conn *c)
     c->parser.data = c;
     c->state = CONN_READING;
     start_reading(c);
-    if (h->n_conns - h->n_closing > h->p.max_connections && !shed_idle(h, c)) {
+    if (h->n_conns - h->n_closing > conn_cap(h) && !shed_idle(h, c)) {
         conn_fail(c, 503, "too many open connections; retry later");
         return;
     }

@@ -312,6 +312,90 @@ static void test_cut_short_reload_policy_none(void **state)
     assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
 }
 
+/* ------------------------------------------------------------------------
+ * Out of file descriptors
+ * ------------------------------------------------------------------------ */
+
+/* CPU seconds (user + system) the process has used. */
+static double cpu_seconds(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    char buf[2048];
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* after the command name */
+    unsigned long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+        return -1;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static int connect_port(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/*
+ * `ulimit -n 64` (set on the running server) and 80 idle clients, more
+ * than the descriptors allow. The server must not spin, must keep
+ * answering, and must recover fully once the clients leave. Before, libuv
+ * met EMFILE and closed every newcomer itself, /health included, until an
+ * idle timeout freed a descriptor; now the open-files limit caps the
+ * connection slots, and an idle connection is shed for each newcomer.
+ */
+static void test_fd_exhaustion(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "server.threads=1", "--set",
+                                       "server.max_connections=1000"};
+    struct su_proc p = {0};
+    snprintf(p.log, sizeof(p.log), "%s/fds.log", tmpdir);
+    assert_int_equal(su_serve(&p, kvd_bin, model_path, args, 4), 0);
+    struct rlimit lim = {64, 64};
+    assert_int_equal(prlimit(p.pid, RLIMIT_NOFILE, &lim, NULL), 0);
+    int fds[80];
+    for (int i = 0; i < 80; i++)
+        fds[i] = connect_port(p.port); /* the kernel's backlog accepts them all */
+    su_sleep_ms(500);
+    /* No busy loop: an idle server uses a few milliseconds of CPU in 2 s,
+     * one spinning on EMFILE all of it. */
+    double c0 = cpu_seconds(p.pid);
+    su_sleep_ms(2000);
+    double used = cpu_seconds(p.pid) - c0;
+    print_message("CPU while out of descriptors: %.2f s in 2 s\n", used);
+    assert_true(c0 >= 0 && used < 0.5);
+    /* Still answering meanwhile. */
+    struct su_resp r;
+    assert_int_equal(su_http(p.port, "GET", "/health", NULL, NULL, &r), 200);
+    su_resp_free(&r);
+    for (int i = 0; i < 80; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    /* Recovered: requests served, and both effects counted. */
+    for (int i = 0; i < 20; i++) {
+        assert_int_equal(su_http(p.port, "GET", "/health", NULL, NULL, &r), 200);
+        su_resp_free(&r);
+    }
+    assert_true(metric(p.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}") > 0);
+    print_message("accept failures: %g, idle connections shed: %g\n",
+                  metric(p.port, "kvd_http_connections_closed_total{reason=\"accept_failed\"}"),
+                  metric(p.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}"));
+    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+}
+
 /* ------------------------------------------------------------------------ */
 
 static int group_setup(void **state)
@@ -337,6 +421,7 @@ int main(void)
         cmocka_unit_test(test_api_key_file_too_long),
         cmocka_unit_test(test_cut_short_pool_full),
         cmocka_unit_test(test_cut_short_reload_policy_none),
+        cmocka_unit_test(test_fd_exhaustion),
     };
     return cmocka_run_group_tests_name("faults", tests, group_setup, group_teardown);
 }
