@@ -224,7 +224,9 @@ static int lex_number(struct lexer *lx)
     size_t k = 0;
     bool is_float = false;
     const char *s = lx->s;
-    while (lx->pos < lx->n && k < sizeof digits - 1) {
+    while (lx->pos < lx->n) {
+        if (k + 2 >= sizeof digits) /* room for an exponent's two chars and the NUL */
+            return lex_fail(lx, start, "number literal too long");
         char c = s[lx->pos];
         if (isdigit((unsigned char)c)) {
             digits[k++] = c;
@@ -247,8 +249,6 @@ static int lex_number(struct lexer *lx)
         lx->pos++;
     }
     digits[k] = 0;
-    if (k >= sizeof digits - 2)
-        return lex_fail(lx, start, "number literal too long");
     struct token *t = push(lx, is_float ? TK_FLOAT : TK_INT, start);
     char *end;
     if (is_float) {

@@ -550,6 +550,14 @@ static void test_runtime_errors(void **state)
     expect_error("{{ 5 | trim }}", NULL, "'trim' needs a string");
     expect_error("{{ [1, 'a'] | sort }}", NULL, "cannot be ordered");
     expect_error("{{ range(1, 2, 0) }}", NULL, "range step cannot be zero");
+    /* a long number (and one ending in an exponent at the buffer's edge) */
+    char num[300] = "{{ ";
+    memset(num + 3, '1', 200);
+    strcpy(num + 203, " }}");
+    expect_error(num, NULL, "1:4: number literal too long");
+    memset(num + 3, '1', 125);
+    strcpy(num + 128, "e+5 }}");
+    expect_error(num, NULL, "number literal too long");
     /* the context must be an object */
     char *out;
     struct tpl_error err;
