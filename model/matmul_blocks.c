@@ -86,7 +86,43 @@ static void rows_scalar(const struct mm_weight *w, const struct mm_xq *xa, float
 
 #ifdef MMB_X86
 
-#define AVX2_FN __attribute__((target("avx2,fma")))
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+/* An f16 at any alignment, as f32. */
+AVX2_FN static inline float f16_at(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/*
+ * Scales and mins of block b, as qt_block32_scales gives them: read here
+ * for the blocks of 32, whose scale (and min) lead the block, so the hot
+ * loop makes no call for them; the K formats' packed scales go through
+ * quant_blocks.c.
+ */
+AVX2_FN static inline void scales_avx2(enum ggml_type type, const uint8_t *row, int b, float *s,
+                                       float *mn)
+{
+    switch (type) {
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_1: {
+        const uint8_t *u = row + (type == GGML_TYPE_Q4_1 ? 20 : 24) * (size_t)b;
+        s[0] = s[1] = f16_at(u);
+        mn[0] = mn[1] = -f16_at(u + 2);
+        return;
+    }
+    case GGML_TYPE_Q5_0:
+    case GGML_TYPE_IQ4_NL:
+        s[0] = s[1] = f16_at(row + (type == GGML_TYPE_Q5_0 ? 22 : 18) * (size_t)b);
+        mn[0] = mn[1] = 0.0f;
+        return;
+    default:
+        qt_block32_scales(type, row, b, s, mn);
+        return;
+    }
+}
 
 AVX2_FN static inline float hsum8(__m256 v)
 {
@@ -186,7 +222,7 @@ AVX2_FN static void rows_avx2(const struct mm_weight *w, const struct mm_xq *xa,
                 acc[t] = _mm256_setzero_ps();
             for (int b = 0; b < nb; b++) {
                 struct block32 k;
-                qt_block32_scales(w->type, row, b, k.s, k.mn);
+                scales_avx2(w->type, row, b, k.s, k.mn);
                 __m256i wv = decode_avx2(w->type, row, b);
                 __m256i wabs = _mm256_sign_epi8(wv, wv);
                 __m256 sv =
@@ -230,7 +266,8 @@ static bool have_avx2(void)
     int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
     if (v < 0) {
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("f16c");
         __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
     }
     return v;
