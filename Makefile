@@ -48,7 +48,9 @@ CACHE_SRC  := $(wildcard cache/*.c)
 MODEL_SRC  := $(wildcard model/*.c)
 CONFIG_SRC := $(wildcard config/*.c)
 TEMPLATE_SRC := $(wildcard template/*.c)
-SERVER_SRC := $(filter-out server/main.c,$(wildcard server/*.c))
+SERVER_SRC := $(wildcard server/*.c)
+LOAD_SRC   := $(wildcard load/*.c)
+CLI_SRC    := $(filter-out cli/main.c,$(wildcard cli/*.c))
 LLHTTP_SRC := api.c http.c llhttp.c
 
 obj = $(patsubst %.c,$(BUILD)/%.o,$(1))
@@ -58,9 +60,11 @@ MODEL_OBJ  := $(call obj,$(MODEL_SRC))
 CONFIG_OBJ := $(call obj,$(CONFIG_SRC))
 TEMPLATE_OBJ := $(call obj,$(TEMPLATE_SRC))
 SERVER_OBJ := $(call obj,$(SERVER_SRC))
+LOAD_OBJ   := $(call obj,$(LOAD_SRC))
+CLI_OBJ    := $(call obj,$(CLI_SRC))
 LLHTTP_OBJ := $(patsubst %.c,$(BUILD)/llhttp/%.o,$(LLHTTP_SRC))
-ALL_OBJ    := $(SERVER_OBJ) $(MODEL_OBJ) $(TEMPLATE_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) $(CONFIG_OBJ) \
-              $(LLHTTP_OBJ)
+ALL_OBJ    := $(CLI_OBJ) $(LOAD_OBJ) $(SERVER_OBJ) $(MODEL_OBJ) $(TEMPLATE_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) \
+              $(CONFIG_OBJ) $(LLHTTP_OBJ)
 
 # What each test program links: its room and the rooms below it, so a room's
 # tests build even while another room is mid-change.
@@ -75,6 +79,7 @@ LINK_tokenizer := $(filter $(BUILD)/model/gguf%.o $(BUILD)/model/tokenizer%.o,$(
 LINK_quant     := $(filter $(BUILD)/model/quant%.o $(BUILD)/model/matmul%.o,$(MODEL_OBJ))
 LINK_sampler   := $(filter $(BUILD)/model/sampler%.o,$(MODEL_OBJ))
 LINK_arch      := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
+LINK_load      := $(LOAD_OBJ) $(CONFIG_OBJ) $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) $(LLHTTP_OBJ)
 
 TEST_SRC   := $(wildcard tests/test_*.c)
 TEST_NAMES := $(patsubst tests/test_%.c,%,$(TEST_SRC))
@@ -90,7 +95,7 @@ all: kvd
 kvd: $(BUILD)/kvd
 	ln -sf $(BUILD)/kvd kvd
 
-$(BUILD)/kvd: $(BUILD)/server/main.o $(ALL_OBJ)
+$(BUILD)/kvd: $(BUILD)/cli/main.o $(ALL_OBJ)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/%.o: %.c

@@ -22,7 +22,7 @@
  *   mpt            ALiBi with mpt.attention.max_alibi_bias, no biases,
  *                  optional mpt.attention.clamp_kqv.
  *
- * Internal to kvd (server/cmd_mkmodel.c, tests, benchmarks); not part of
+ * Internal to kvd (cli/cmd_mkmodel.c, tests, benchmarks); not part of
  * the public model API in model.h.
  */
 #ifndef KVD_MKMODEL_H

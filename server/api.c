@@ -44,7 +44,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "server/server_internal.h"
+#include "server/api.h"
+#include "server/chat_template.h"
+#include "server/log.h"
 
 /* Compact output; 15 significant digits print 0.95f's double as 0.95. */
 #define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))

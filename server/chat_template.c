@@ -14,7 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/server_internal.h"
+#include "model/model.h"
+#include "server/chat_template.h"
 
 char *srv_read_file(const char *path, size_t *len, char *err, size_t errlen)
 {

@@ -28,7 +28,9 @@
 
 #include <uv.h>
 
-#include "server/server_internal.h"
+#include "server/daemon.h"
+#include "server/log.h"
+#include "server/metrics.h"
 
 struct daemon {
     uv_loop_t loop;

@@ -53,7 +53,9 @@
 #include <llhttp.h>
 #include <uv.h>
 
-#include "server/server_internal.h"
+#include "server/api.h"
+#include "server/http.h"
+#include "server/log.h"
 
 #define READ_CHUNK 65536
 #define LINGER_MS 2000

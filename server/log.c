@@ -6,12 +6,14 @@
  * formats the whole line first and writes it with one fwrite, so lines
  * from the loop thread and the engine thread never interleave.
  */
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/time.h>
 #include <time.h>
 
-#include "server/server_internal.h"
+#include "server/log.h"
 
 /* Set by the loop thread (start, reload), read by both threads. */
 static atomic_int log_level = SRV_LOG_INFO;

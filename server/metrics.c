@@ -10,11 +10,13 @@
  * few comparisons and additions.
  */
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/server_internal.h"
+#include "server/metrics.h"
+#include "server/scheduler.h" /* enum srv_finish */
 
 #define MAX_BUCKETS 16
 #define MAX_STATUS 600

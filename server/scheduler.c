@@ -52,12 +52,14 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "server/server_internal.h"
+#include "server/log.h"
+#include "server/scheduler.h"
 
 /* ------------------------------------------------------------------------
  * Types

@@ -23,9 +23,9 @@
 
 #include <jansson.h>
 
+#include "load/client.h"
 #include "model/mkmodel.h"
 #include "model/model.h"
-#include "server/load.h"
 #include "tests/serve_util.h"
 
 #define N_VOCAB 512

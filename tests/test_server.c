@@ -41,10 +41,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cli/cli_internal.h"
 #include "config/config.h"
 #include "model/mkmodel.h"
 #include "model/model.h"
-#include "server/server_internal.h"
+#include "server/scheduler.h"
 #include "tests/http_client.h"
 
 /* ------------------------------------------------------------------------

@@ -27,8 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "model/mkmodel.h"
-#include "server/server.h"
 
 #define TOKENS 16
 

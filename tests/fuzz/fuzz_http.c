@@ -25,7 +25,9 @@
 
 #include <uv.h>
 
-#include "server/server_internal.h"
+#include "server/http.h"
+#include "server/log.h"
+#include "server/metrics.h"
 
 static uv_loop_t loop;
 static srv_http *http;

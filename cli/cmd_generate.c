@@ -19,10 +19,11 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "cli/cli.h"
+#include "cli/cli_internal.h"
+#include "config/args.h"
 #include "model/mkmodel.h"
 #include "model/model.h"
-#include "server/server.h"
-#include "server/server_internal.h"
 
 #define DEFAULT_MODEL_DIR "models"
 #define DEFAULT_MODEL "models/default.gguf"

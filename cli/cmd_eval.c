@@ -38,10 +38,11 @@
 
 #include <omp.h>
 
+#include "cli/cli.h"
+#include "cli/cli_internal.h"
+#include "cli/eval_retrieval.h"
+#include "config/args.h"
 #include "model/model.h"
-#include "server/eval_retrieval.h"
-#include "server/server.h"
-#include "server/server_internal.h"
 
 #define MAX_POLICIES 8
 #define MAX_SEGMENTS 32

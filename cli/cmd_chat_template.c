@@ -13,9 +13,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "cli/cli.h"
+#include "config/args.h"
 #include "model/model.h"
-#include "server/server.h"
-#include "server/server_internal.h"
+#include "server/chat_template.h"
 
 static void chat_template_usage(FILE *f)
 {

@@ -1,5 +1,5 @@
 /*
- * cli.c - strict parsing of command-line values.
+ * args.c - strict parsing of command-line values.
  *
  * atoi() turns "12abc" into 12 and "abc" into 0; an operator who mistypes
  * a flag deserves an error instead. Everything numeric on kvd's command
@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/server_internal.h"
+#include "config/args.h"
 
 int srv_parse_long(const char *s, long min, long max, long *out)
 {
@@ -52,30 +52,4 @@ bool srv_opt_value(int argc, char **argv, int *i, const char *cmd, const char *n
     *value = argv[*i + 1];
     *i += 2;
     return true;
-}
-
-bool srv_opt_kv_types(int argc, char **argv, int *i, const char *cmd, enum kv_type *k_type,
-                      enum kv_type *v_type, bool *bad)
-{
-    static const char *const names[] = {"--kv-type", "--k-type", "--v-type"};
-    for (int n = 0; n < 3; n++) {
-        const char *v = NULL;
-        if (!srv_opt_value(argc, argv, i, cmd, names[n], &v, bad))
-            continue;
-        enum kv_type t;
-        if (*bad)
-            return true;
-        if (kv_type_parse(v, &t)) {
-            fprintf(stderr, "kvd %s: %s wants f32, f16, bf16, q8_0 or q4_0, got '%s'\n", cmd,
-                    names[n], v);
-            *bad = true;
-            return true;
-        }
-        if (n != 2)
-            *k_type = t;
-        if (n != 1)
-            *v_type = t;
-        return true;
-    }
-    return false;
 }

@@ -41,9 +41,9 @@
 
 #include <jansson.h>
 
-#include "server/load.h"
-#include "server/server.h"
-#include "server/server_internal.h"
+#include "config/args.h"
+#include "load/client.h"
+#include "load/load.h"
 
 #define MAX_STEPS 64
 #define MAX_STATUS 8

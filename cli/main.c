@@ -8,7 +8,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "server/server.h"
+#include "cli/cli.h"
+#include "load/load.h"
 
 static int cmd_version(int argc, char **argv);
 static int cmd_help(int argc, char **argv);

@@ -1,14 +1,14 @@
 /*
- * load.h - the pieces of `kvd load` (internal to the server room).
+ * client.h - the HTTP client of `kvd load` (client.c).
  *
- * load_client.c is a small blocking HTTP/1.1 client over one keep-alive
+ * client.c is a small blocking HTTP/1.1 client over one keep-alive
  * connection, parsing responses with llhttp and handing body bytes to a
  * callback as they arrive, so streamed (SSE) completions can be timed token
  * by token. cmd_load.c drives scenarios with one thread per concurrent
  * client and reports latency and throughput per step.
  */
-#ifndef KVD_SERVER_LOAD_H
-#define KVD_SERVER_LOAD_H
+#ifndef KVD_LOAD_CLIENT_H
+#define KVD_LOAD_CLIENT_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -49,4 +49,4 @@ bool lc_is_loopback(const char *host);
 /* Monotonic seconds. */
 double lc_now(void);
 
-#endif /* KVD_SERVER_LOAD_H */
+#endif /* KVD_LOAD_CLIENT_H */

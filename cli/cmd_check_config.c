@@ -11,9 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/cli.h"
+#include "config/args.h"
 #include "config/config.h"
-#include "server/server.h"
-#include "server/server_internal.h"
 
 static void check_config_usage(FILE *f)
 {

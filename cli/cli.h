@@ -1,12 +1,12 @@
 /*
- * server.h - the kvd command: subcommands and the daemon.
+ * cli.h - the kvd command: main and its subcommands.
  *
  * main.c dispatches `kvd SUBCOMMAND ...` to one srv_cmd_* function per
  * subcommand. Each returns the process exit status: 0 success, 1 runtime
  * failure, 2 usage or input error. Only this room prints and exits.
  */
-#ifndef KVD_SERVER_H
-#define KVD_SERVER_H
+#ifndef KVD_CLI_H
+#define KVD_CLI_H
 
 #define KVD_VERSION "0.1.0"
 
@@ -20,11 +20,10 @@ struct srv_command {
 int srv_cmd_buckets(int argc, char **argv);
 int srv_cmd_chat_template(int argc, char **argv);
 int srv_cmd_check_config(int argc, char **argv);
-int srv_cmd_load(int argc, char **argv);
 int srv_cmd_eval(int argc, char **argv);
 int srv_cmd_generate(int argc, char **argv);
 int srv_cmd_mkmodel(int argc, char **argv);
 int srv_cmd_tokenize(int argc, char **argv);
 int srv_cmd_serve(int argc, char **argv);
 
-#endif /* KVD_SERVER_H */
+#endif /* KVD_CLI_H */

@@ -12,9 +12,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "cli/cli.h"
+#include "config/args.h"
 #include "model/model.h"
-#include "server/server.h"
-#include "server/server_internal.h"
 
 static void tokenize_usage(FILE *f)
 {

@@ -1,5 +1,5 @@
 /*
- * load_client.c - a blocking HTTP/1.1 client for `kvd load`.
+ * client.c - a blocking HTTP/1.1 client for `kvd load`.
  *
  * One connection per load thread, kept alive across requests. Responses
  * are parsed with llhttp (the same parser the server uses), and body bytes
@@ -22,7 +22,7 @@
 
 #include <llhttp.h>
 
-#include "server/load.h"
+#include "load/client.h"
 
 struct lc_conn {
     char host[256];

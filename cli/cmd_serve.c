@@ -23,9 +23,13 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
+#include "cli/cli_internal.h"
+#include "config/args.h"
 #include "config/config.h"
-#include "server/server.h"
-#include "server/server_internal.h"
+#include "server/chat_template.h"
+#include "server/daemon.h"
+#include "server/log.h"
 
 #define MAX_SETS 256
 

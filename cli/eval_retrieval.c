@@ -35,14 +35,14 @@
  * distance), and with --plot a PNG of accuracy against the key's distance.
  * The attention path is printed first by cmd_eval.c, as for perplexity.
  */
-#include "server/eval_retrieval.h"
+#include "cli/eval_retrieval.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/server_internal.h"
+#include "config/args.h"
 
 #define QUESTION "the secret code is"
 

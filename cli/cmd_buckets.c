@@ -12,8 +12,8 @@
 #include <string.h>
 
 #include "attention/attention.h"
-#include "server/server.h"
-#include "server/server_internal.h"
+#include "cli/cli.h"
+#include "config/args.h"
 
 struct buckets_opts {
     int num_buckets;

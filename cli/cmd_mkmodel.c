@@ -14,9 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/cli.h"
+#include "config/args.h"
 #include "model/mkmodel.h"
-#include "server/server.h"
-#include "server/server_internal.h"
 
 static void mkmodel_usage(FILE *f)
 {

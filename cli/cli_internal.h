@@ -1,0 +1,25 @@
+/*
+ * cli_internal.h - helpers shared by the subcommands only.
+ */
+#ifndef KVD_CLI_INTERNAL_H
+#define KVD_CLI_INTERNAL_H
+
+#include <stdbool.h>
+
+#include "cache/kv_cache.h"
+#include "config/config.h"
+
+/* The operator config mapped onto the cache's terms (cmd_serve.c); shared by
+ * `kvd serve` and `kvd eval` so both run exactly the configured policy. */
+enum kv_type srv_cfg_kv_type(enum cfg_kv_type t);
+void srv_cfg_policy(const struct cfg *c, struct kv_policy *out);
+
+/*
+ * The KV type options of generate and eval: --kv-type T (K and V),
+ * --k-type T, --v-type T, T one of f32, f16, bf16, q8_0, q4_0. Same
+ * contract as srv_opt_value; a bad type prints what is accepted and sets *bad.
+ */
+bool srv_opt_kv_types(int argc, char **argv, int *i, const char *cmd, enum kv_type *k_type,
+                      enum kv_type *v_type, bool *bad);
+
+#endif /* KVD_CLI_INTERNAL_H */
