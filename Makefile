@@ -71,7 +71,7 @@ ALL_OBJ    := $(CLI_OBJ) $(LOAD_OBJ) $(SERVER_OBJ) $(MODEL_OBJ) $(TEMPLATE_OBJ) 
 LINK_attention := $(ATTN_OBJ)
 LINK_cache     := $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_model     := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
-LINK_config    := $(CONFIG_OBJ)
+LINK_config    := $(CONFIG_OBJ) $(BUILD)/cli/wiring.o $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_template  := $(TEMPLATE_OBJ)
 # Model-room pieces with their own test programs (built before forward.c exists).
 LINK_gguf      := $(filter $(BUILD)/model/gguf%.o,$(MODEL_OBJ))

@@ -135,9 +135,31 @@ int kv_policy_parse_kind(const char *name, enum kv_policy_kind *out)
     return -EINVAL;
 }
 
-static int sink_pages(const struct kv_policy *p, int page_tokens)
+void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budget *out)
 {
-    return (int)(((int64_t)p->sink_tokens + page_tokens - 1) / page_tokens);
+    int64_t page = page_tokens > 0 ? page_tokens : 1;
+    int64_t max = p->max_cache_tokens, sinks = p->sink_tokens > 0 ? p->sink_tokens : 0;
+    *out = (struct kv_budget){
+        .window_room = max,
+        .window_tokens = p->window_tokens,
+        .need_tokens = 1,
+        .sequence_pages = (max > 0 ? (max + page - 1) / page : 0) + 1,
+    };
+    switch (p->kind) {
+    case KV_EVICT_SINK_WINDOW:
+        out->kept_tokens = (sinks + page - 1) / page * page; /* sinks are whole pages */
+        break;
+    case KV_EVICT_H2O:
+        out->kept_tokens = sinks + p->heavy_tokens; /* token-granular */
+        break;
+    default:
+        return; /* none: nothing kept, nothing evicted */
+    }
+    out->floor_tokens = out->kept_tokens + page;
+    out->window_room = max - out->floor_tokens;
+    if (p->window_tokens <= 0)
+        out->window_tokens = out->window_room > 0 ? out->window_room : 0;
+    out->need_tokens = out->floor_tokens + p->window_tokens;
 }
 
 int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_t errlen)
@@ -162,38 +184,35 @@ int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_
                "(got %d, %d, %d)",
                name, p->sink_tokens, p->window_tokens, p->heavy_tokens);
 
-    int64_t need = 1;
-    switch (p->kind) {
-    case KV_EVICT_NONE:
+    struct kv_budget b;
+    kv_policy_budget(p, page_tokens, &b);
+    if (p->max_cache_tokens >= b.need_tokens)
         return 0;
-    case KV_EVICT_SINK_WINDOW: {
-        int64_t sinks = (int64_t)sink_pages(p, page_tokens) * page_tokens;
-        need = sinks + p->window_tokens + page_tokens;
-        if (p->max_cache_tokens < need)
-            REJECT("eviction sink-window: max_cache_tokens %d is smaller than the sinks "
-                   "(%d tokens round up to %lld, whole %d-token pages) + window_tokens %d + "
-                   "one page %d: eviction could never free a page; need at least %lld",
-                   p->max_cache_tokens, p->sink_tokens, (long long)sinks, page_tokens,
-                   p->window_tokens, page_tokens, (long long)need);
-        return 0;
-    }
-    case KV_EVICT_H2O:
-        need = (int64_t)p->sink_tokens + p->window_tokens + p->heavy_tokens + page_tokens;
-        if (p->max_cache_tokens < need)
-            REJECT("eviction h2o: max_cache_tokens %d is smaller than sink_tokens %d + "
-                   "window_tokens %d + heavy_tokens %d + one page %d: an eviction step "
-                   "would free less than a page; need at least %lld",
-                   p->max_cache_tokens, p->sink_tokens, p->window_tokens, p->heavy_tokens,
-                   page_tokens, (long long)need);
-        return 0;
-    }
-    return 0;
+    if (p->kind == KV_EVICT_SINK_WINDOW)
+        REJECT("eviction sink-window: max_cache_tokens %d is smaller than the sinks "
+               "(%d tokens round up to %lld, whole %d-token pages) + window_tokens %d + "
+               "one page %d: eviction could never free a page; need at least %lld",
+               p->max_cache_tokens, p->sink_tokens, (long long)b.kept_tokens, page_tokens,
+               p->window_tokens, page_tokens, (long long)b.need_tokens);
+    REJECT("eviction h2o: max_cache_tokens %d is smaller than sink_tokens %d + "
+           "window_tokens %d + heavy_tokens %d + one page %d: an eviction step "
+           "would free less than a page; need at least %lld",
+           p->max_cache_tokens, p->sink_tokens, p->window_tokens, p->heavy_tokens, page_tokens,
+           (long long)b.need_tokens);
 #undef REJECT
 }
 
 /* ------------------------------------------------------------------------
  * Planning
  * ------------------------------------------------------------------------ */
+
+/* sink-window: the whole pages the sinks occupy (the budget's kept tokens). */
+static int sink_pages(const struct kv_policy *p, int page_tokens)
+{
+    struct kv_budget b;
+    kv_policy_budget(p, page_tokens, &b);
+    return (int)(b.kept_tokens / page_tokens);
+}
 
 /* sink-window: pages after the sinks lying wholly before the window. */
 static int evictable_pages(const kv_seq *s)

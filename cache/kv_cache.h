@@ -112,6 +112,13 @@ typedef struct kv_cache kv_cache; /* the pool + all sequences; one owner thread 
  * the empty string on a clean success), so the caller can log it.
  */
 kv_cache *kv_cache_create(const struct kv_cache_params *params, char *err, size_t errlen);
+/*
+ * The memory_bytes that give a pool of exactly n_pages pages of this shape
+ * (page_bytes * n_pages), for callers that size a pool by pages (`kvd
+ * eval`, `kvd generate`). Returns 0 for an invalid shape, n_pages < 1 or
+ * overflow.
+ */
+size_t kv_cache_memory_for(const struct kv_cache_params *params, int64_t n_pages);
 /* Unmap the pool. Sequences still alive are destroyed with it (their handles
  * become invalid). NULL is a no-op. */
 void kv_cache_destroy(kv_cache *cache);
@@ -200,11 +207,52 @@ struct kv_policy {
 };
 
 /*
+ * The budget a policy implies for a page size, worked out in one place:
+ * kv_policy_budget is the only function that does this arithmetic, and
+ * kv_policy_check, the config rules (through the hook the program wires,
+ * see config.h), the scheduler's n_keep, `kvd eval` and `kvd generate`
+ * all read it from there.
+ *
+ *   kept     what the policy keeps besides the window: the sinks rounded
+ *            up to whole pages (sink-window), sink + heavy tokens (h2o);
+ *   floor    kept + one page: a full sequence needs one page eviction
+ *            can free;
+ *   room     max_cache_tokens - floor: the largest window that fits;
+ *   need     floor + window_tokens: the smallest max_cache_tokens the
+ *            policy accepts (kv_policy_check's rule).
+ *
+ * "window_tokens = 0 fills the budget" is the convention of the operator's
+ * config and of `kvd generate`: window_tokens below is the window in effect
+ * under it. The cache itself takes a policy's window_tokens literally.
+ */
+struct kv_budget {
+    int64_t kept_tokens;    /* kept besides the window (0 for none) */
+    int64_t floor_tokens;   /* kept + one page (0 for none) */
+    int64_t window_room;    /* max_cache_tokens - floor_tokens; negative when the
+                               kept tokens alone leave no page to free */
+    int64_t window_tokens;  /* the window in effect: window_tokens when > 0, else
+                               window_room (0 if negative); none: as set */
+    int64_t need_tokens;    /* floor + window_tokens as set (1 for none) */
+    int64_t sequence_pages; /* pages one sequence can occupy at its full budget:
+                               ceil(max_cache_tokens / page_tokens) + 1 (eviction
+                               frees whole pages, so the first page, the sinks, and
+                               the last, being filled, may each be partly empty) */
+};
+
+/*
+ * Work out the budget of *p for pages of page_tokens tokens (values below
+ * 1 count as 1; kinds outside the enum as none). Never fails; the terms
+ * are exact in int64 for any int inputs.
+ */
+void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budget *out);
+
+/*
  * Validate a policy for a given page size. Returns 0, or -EINVAL with the
  * reason in err. Budgets must leave eviction something to free:
  *   none:        max_cache_tokens >= 1 (sinks, window and heavy are unused);
  *   sink-window: max_cache_tokens >= ceil(sink/page)*page + window + page;
- *   h2o:         max_cache_tokens >= sink + window + heavy + page.
+ *   h2o:         max_cache_tokens >= sink + window + heavy + page;
+ * that is, need_tokens of kv_policy_budget (the one statement of the rule).
  */
 int kv_policy_check(const struct kv_policy *policy, int page_tokens, char *err, size_t errlen);
 /* "none" | "sink-window" | "h2o". Returns 0, or -EINVAL with *out unchanged. */

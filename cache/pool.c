@@ -100,6 +100,38 @@ static bool mul_ok(size_t a, size_t b, size_t *out)
     return true;
 }
 
+/*
+ * The bytes of one page and of its parts: per layer a K block of
+ * n_kv_head * page_tokens rows of krow bytes and a V block of vrow-byte
+ * rows; page_bytes = n_layer * (K block + V block), rounded up to a cache
+ * line, every product checked. False on overflow or a type that cannot
+ * store head_dim. Shapes are validated by the caller.
+ */
+static bool page_size(const struct kv_cache_params *p, size_t *krow, size_t *vrow, size_t *kblock,
+                      size_t *vblock, size_t *page)
+{
+    *krow = kv_type_row_bytes(p->k_type, p->head_dim);
+    *vrow = kv_type_row_bytes(p->v_type, p->head_dim);
+    if (!*krow || !*vrow || !mul_ok(*krow, (size_t)p->page_tokens * (size_t)p->n_kv_head, kblock) ||
+        !mul_ok(*vrow, (size_t)p->page_tokens * (size_t)p->n_kv_head, vblock) ||
+        *kblock > SIZE_MAX - *vblock || !mul_ok(*kblock + *vblock, (size_t)p->n_layer, page) ||
+        *page > SIZE_MAX - KV_PAGE_ALIGN)
+        return false;
+    *page = (*page + KV_PAGE_ALIGN - 1) / KV_PAGE_ALIGN * KV_PAGE_ALIGN;
+    return true;
+}
+
+size_t kv_cache_memory_for(const struct kv_cache_params *p, int64_t n_pages)
+{
+    size_t krow, vrow, kblock, vblock, page, bytes;
+    if (n_pages < 1 || p->page_tokens < 1 || p->page_tokens > 65536 || p->n_layer < 1 ||
+        p->n_kv_head < 1 || p->head_dim < 1 ||
+        !page_size(p, &krow, &vrow, &kblock, &vblock, &page) ||
+        !mul_ok(page, (size_t)n_pages, &bytes))
+        return 0;
+    return bytes;
+}
+
 static void set_err(char *err, size_t errlen, const char *msg)
 {
     if (err && errlen)
@@ -153,19 +185,11 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
         }
     }
 
-    /* page_bytes = n_layer * n_kv_head * page_tokens * (krow + vrow),
-     * rounded up to a cache line, every product checked. */
-    size_t krow = kv_type_row_bytes(p->k_type, p->head_dim);
-    size_t vrow = kv_type_row_bytes(p->v_type, p->head_dim);
-    size_t kblock, vblock, page;
-    if (!mul_ok(krow, (size_t)p->page_tokens * (size_t)p->n_kv_head, &kblock) ||
-        !mul_ok(vrow, (size_t)p->page_tokens * (size_t)p->n_kv_head, &vblock) ||
-        kblock > SIZE_MAX - vblock || !mul_ok(kblock + vblock, (size_t)p->n_layer, &page) ||
-        page > SIZE_MAX - KV_PAGE_ALIGN) {
+    size_t krow, vrow, kblock, vblock, page;
+    if (!page_size(p, &krow, &vrow, &kblock, &vblock, &page)) {
         set_err(err, errlen, "kv cache: page size overflows");
         return NULL;
     }
-    page = (page + KV_PAGE_ALIGN - 1) / KV_PAGE_ALIGN * KV_PAGE_ALIGN;
 
     size_t n_pages = p->memory_bytes / page;
     if (n_pages < 1) {

@@ -9,7 +9,7 @@
 #include "cache/kv_cache.h"
 #include "config/config.h"
 
-/* The operator config mapped onto the cache's terms (cmd_serve.c); shared by
+/* The operator config mapped onto the cache's terms (wiring.c); shared by
  * `kvd serve` and `kvd eval` so both run exactly the configured policy. */
 enum kv_type srv_cfg_kv_type(enum cfg_kv_type t);
 void srv_cfg_policy(const struct cfg *c, struct kv_policy *out);
@@ -21,5 +21,9 @@ void srv_cfg_policy(const struct cfg *c, struct kv_policy *out);
  */
 bool srv_opt_kv_types(int argc, char **argv, int *i, const char *cmd, enum kv_type *k_type,
                       enum kv_type *v_type, bool *bad);
+
+/* The config hooks (wiring.c): main wires them before any subcommand runs,
+ * tests that call config/ before they call anything else. */
+extern const struct cfg_hooks srv_cfg_hooks;
 
 #endif /* KVD_CLI_INTERNAL_H */

@@ -170,10 +170,9 @@ static int parse_policy(const char *spec, int page_tokens, struct eval_policy *o
     p->sink_tokens = (int)a;
     p->window_tokens = (int)b;
     p->heavy_tokens = (int)c;
-    int sink_pages = (p->sink_tokens + page_tokens - 1) / page_tokens;
-    p->max_cache_tokens = p->kind == KV_EVICT_H2O
-                              ? p->sink_tokens + p->window_tokens + p->heavy_tokens + page_tokens
-                              : sink_pages * page_tokens + p->window_tokens + page_tokens;
+    struct kv_budget budget;
+    kv_policy_budget(p, page_tokens, &budget);
+    p->max_cache_tokens = (int)budget.need_tokens; /* the smallest the policy accepts */
     snprintf(out->label, sizeof(out->label), "%s", spec);
     return 0;
 }
@@ -379,23 +378,28 @@ static double seconds_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A cache with K and V in the given types big enough for `tokens` tokens
- * of one sequence (plus slack). NULL with the reason (a type the head size
- * cannot take, memory) in err. */
-static kv_cache *make_cache_typed(const struct evaluator *ev, int tokens, enum kv_type k_type,
-                                  enum kv_type v_type, char *err, size_t errlen)
+/* A cache with K and V in the given types that holds n_seqs sequences at a
+ * budget of `tokens` tokens each (the cache's own page count for a
+ * sequence). NULL with the reason (a type the head size cannot take,
+ * memory) in err. */
+static kv_cache *make_cache_typed(const struct evaluator *ev, int tokens, int n_seqs,
+                                  enum kv_type k_type, enum kv_type v_type, char *err,
+                                  size_t errlen)
 {
     struct kv_cache_params p = {.page_tokens = ev->o->page_tokens, .k_type = k_type,
                                 .v_type = v_type};
     model_kv_shape(ev->m, &p);
-    size_t pages = (size_t)(tokens + ev->o->page_tokens - 1) / (size_t)ev->o->page_tokens + 2;
-    p.memory_bytes = (pages + 1) * kv_cache_token_bytes(&p) * (size_t)ev->o->page_tokens + 4096;
+    struct kv_policy full = {.kind = KV_EVICT_NONE, .max_cache_tokens = tokens};
+    struct kv_budget b;
+    kv_policy_budget(&full, p.page_tokens, &b);
+    p.memory_bytes = kv_cache_memory_for(&p, b.sequence_pages * n_seqs);
     return kv_cache_create(&p, err, errlen);
 }
 
-static kv_cache *make_cache(const struct evaluator *ev, int tokens, char *err, size_t errlen)
+static kv_cache *make_cache(const struct evaluator *ev, int tokens, int n_seqs, char *err,
+                            size_t errlen)
 {
-    return make_cache_typed(ev, tokens, ev->o->k_type, ev->o->v_type, err, errlen);
+    return make_cache_typed(ev, tokens, n_seqs, ev->o->k_type, ev->o->v_type, err, errlen);
 }
 
 /* KL(P || Q) of the softmaxes of two logit rows, in double. */
@@ -436,7 +440,8 @@ static int twin_open(struct evaluator *ev, const struct kv_policy *policy, int b
     *tw = (struct twin){0};
     if (!ev->o->kld)
         return 0;
-    tw->cache = make_cache_typed(ev, budget, ev->o->kld_type, ev->o->kld_type, err, sizeof(err));
+    tw->cache =
+        make_cache_typed(ev, budget, 1, ev->o->kld_type, ev->o->kld_type, err, sizeof(err));
     tw->seq = tw->cache ? kv_seq_create(tw->cache, policy, true, err, sizeof(err)) : NULL;
     if (!tw->seq) {
         fprintf(stderr, "kvd eval: --kld-ref %s: %s\n", kv_type_name(ev->o->kld_type), err);
@@ -474,7 +479,7 @@ static int run_policy(struct evaluator *ev, const struct kv_policy *policy, cons
 {
     char err[256];
     int budget = policy->kind == KV_EVICT_NONE ? n : policy->max_cache_tokens;
-    kv_cache *cache = make_cache(ev, budget + (recompute ? budget : 0), err, sizeof(err));
+    kv_cache *cache = make_cache(ev, budget, recompute ? 2 : 1, err, sizeof(err));
     if (!cache) {
         fprintf(stderr, "kvd eval: cache: %s\n", err);
         return -1;
@@ -535,7 +540,7 @@ static int run_chunked(struct evaluator *ev, const int32_t *tokens, int n, int t
                        struct eval_run *run)
 {
     char err[256];
-    kv_cache *cache = make_cache(ev, train_len + 1, err, sizeof(err));
+    kv_cache *cache = make_cache(ev, train_len + 1, 1, err, sizeof(err));
     if (!cache) {
         fprintf(stderr, "kvd eval: cache: %s\n", err);
         return -1;

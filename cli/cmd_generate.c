@@ -304,13 +304,10 @@ int srv_cmd_generate(int argc, char **argv)
         o.ctx = info.n_ctx_train > 0 && info.n_ctx_train < 4096 ? info.n_ctx_train : 4096;
     o.policy.max_cache_tokens = o.ctx;
     int pt = o.page_tokens;
-    if (o.policy.kind == KV_EVICT_SINK_WINDOW && !o.window_set) {
-        int sink_pages = (o.policy.sink_tokens + pt - 1) / pt;
-        o.policy.window_tokens = o.ctx - sink_pages * pt - pt;
-    } else if (o.policy.kind == KV_EVICT_H2O && !o.window_set) {
-        o.policy.window_tokens =
-            o.ctx - o.policy.sink_tokens - o.policy.heavy_tokens - pt;
-    }
+    struct kv_budget budget;
+    kv_policy_budget(&o.policy, pt, &budget);
+    if (o.policy.kind != KV_EVICT_NONE && !o.window_set)
+        o.policy.window_tokens = (int)budget.window_room; /* fill the budget */
     if (kv_policy_check(&o.policy, pt, err, sizeof(err))) {
         fprintf(stderr, "kvd generate: %s\n", err);
         status = 2;
@@ -318,9 +315,7 @@ int srv_cmd_generate(int argc, char **argv)
     }
     struct kv_cache_params cp = {.page_tokens = pt, .k_type = o.k_type, .v_type = o.v_type};
     model_kv_shape(m, &cp);
-    size_t page_bytes = kv_cache_token_bytes(&cp) * (size_t)pt;
-    page_bytes = (page_bytes + 63) / 64 * 64;
-    cp.memory_bytes = page_bytes * (size_t)((o.ctx + pt - 1) / pt + 2);
+    cp.memory_bytes = kv_cache_memory_for(&cp, budget.sequence_pages);
     cache = kv_cache_create(&cp, err, sizeof(err));
     if (!cache) {
         fprintf(stderr, "kvd generate: cache: %s\n", err);

@@ -10,8 +10,8 @@
  * apply live and which wait for a restart.
  *
  * Derived values come from config/, never recomputed here: the eviction
- * window (cfg_window_tokens, which resolves window_tokens = 0 exactly as
- * the cache's kv_policy_check counts the budget) and the memory rule
+ * window (cfg_window_tokens, which reads the cache's own budget through the
+ * hook wiring.c installs) and the memory rule
  * (cfg_check_memory, with the model's real KV bytes per token, read once
  * at start by loading the model's header and shapes). The memory rule is
  * checked again on every reload, since max_cache_tokens applies live while
@@ -106,50 +106,6 @@ static int split_listen(const char *s, char *host, size_t hostlen, int *port)
         return -1;
     *port = (int)p;
     return 0;
-}
-
-enum kv_type srv_cfg_kv_type(enum cfg_kv_type t)
-{
-    switch (t) {
-    case CFG_KV_F32:
-        return KV_F32;
-    case CFG_KV_BF16:
-        return KV_BF16;
-    case CFG_KV_Q8_0:
-        return KV_Q8_0;
-    case CFG_KV_Q4_0:
-        return KV_Q4_0;
-    case CFG_KV_F16:
-    case CFG_KV_SAME: /* resolved by cfg_k_type / cfg_v_type before this */
-        break;
-    }
-    return KV_F16;
-}
-
-static enum kv_policy_kind map_policy(enum cfg_policy p)
-{
-    switch (p) {
-    case CFG_EVICT_NONE:
-        return KV_EVICT_NONE;
-    case CFG_EVICT_H2O:
-        return KV_EVICT_H2O;
-    default:
-        return KV_EVICT_SINK_WINDOW;
-    }
-}
-
-void srv_cfg_policy(const struct cfg *c, struct kv_policy *out)
-{
-    /* cfg_validate has checked this policy with kv_policy_check's formula;
-     * window_tokens = 0 is resolved by cfg_window_tokens alone. */
-    *out = (struct kv_policy){
-        .kind = map_policy(c->eviction.policy),
-        .max_cache_tokens = (int)c->eviction.max_cache_tokens,
-        .sink_tokens = (int)c->eviction.sink_tokens,
-        .window_tokens = (int)cfg_window_tokens(c),
-        .heavy_tokens = c->eviction.policy == CFG_EVICT_H2O ? (int)c->eviction.heavy_tokens : 0,
-        .renumber = c->eviction.positions == CFG_POS_RENUMBER,
-    };
 }
 
 /* The API key: inline, or the first line of api_key_file. Returns 0, or

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "cli/cli_internal.h"
+#include "config/config.h"
 #include "load/load.h"
 
 static int cmd_version(int argc, char **argv);
@@ -69,6 +71,7 @@ static void passive_openmp(char **argv)
 
 int main(int argc, char **argv)
 {
+    cfg_set_hooks(&srv_cfg_hooks);
     if (argc < 2) {
         cmd_help(0, NULL);
         return 2;

@@ -77,6 +77,10 @@ _Static_assert(CFG_KV_SAME == 5, "kv_side_names spells CFG_KV_SAME last");
 static const char *const policy_names[] = {"none", "sink-window", "h2o", NULL};
 static const char *const positions_names[] = {"renumber", "preserve", NULL};
 static const char *const unit_names[] = {"turn", "token", NULL};
+_Static_assert(sizeof(kv_type_names) / sizeof(kv_type_names[0]) == CFG_KV_TYPE_COUNT + 1 &&
+                   sizeof(policy_names) / sizeof(policy_names[0]) == CFG_EVICT_COUNT + 1 &&
+                   sizeof(positions_names) / sizeof(positions_names[0]) == CFG_POS_COUNT + 1,
+               "one spelling per enum value");
 static const char *const level_names[] = {"debug", "info", "warn", "error", NULL};
 static const char *const format_names[] = {"text", "json", NULL};
 
@@ -1074,53 +1078,63 @@ __attribute__((format(printf, 4, 5))) static void violation(struct rules *r, con
 }
 
 /*
- * The eviction budget, stated as the cache states it. This room may not
- * include cache/kv_cache.h, so the formula of kv_policy_check() (cache/
- * evict.c) is written out again here, and test_server.c checks over a grid
- * of settings that every config cfg_validate() accepts is one that
- * kv_policy_check() accepts:
+ * The eviction budget is the cache's (kv_policy_budget, reached through the
+ * hook the program wires: see config.h). The rules below compare its terms
+ * with the keys and word each violation at the keys and lines involved:
  *
- *   sink-window: ceil(sink_tokens / page_tokens) * page_tokens
- *                + window + page_tokens <= max_cache_tokens
- *                (sinks are kept as whole pages; a full sequence must have
- *                one page that eviction can free);
- *   h2o:         sink_tokens + window + heavy_tokens + page_tokens
- *                <= max_cache_tokens (token-granular; one eviction step
- *                frees at least a page's worth).
+ *   kept + one page <= max_cache_tokens        (floor_tokens)
+ *   kept + window + one page <= max_cache_tokens (need_tokens)
  *
- * kept_tokens() is the first term (what the policy keeps besides the
- * window), so both read: kept + window + one page <= max_cache_tokens.
  * Config asks a little more than the cache: the window, explicit or
  * automatic, is at least one page, and h2o keeps at least one heavy token.
+ * Should the cache refuse a policy these rules let through, its own reason
+ * is reported, so a config that passes here is one the cache accepts.
  */
-static int64_t kept_tokens(const struct cfg *c)
+static const struct cfg_hooks *hooks;
+
+void cfg_set_hooks(const struct cfg_hooks *h)
 {
-    int64_t page = c->cache.page_tokens, sinks = c->eviction.sink_tokens;
-    switch (c->eviction.policy) {
-    case CFG_EVICT_SINK_WINDOW:
-        return page > 0 ? (sinks + page - 1) / page * page : sinks;
-    case CFG_EVICT_H2O:
-        return sinks + c->eviction.heavy_tokens;
-    case CFG_EVICT_NONE:
-        break;
-    }
-    return 0;
+    hooks = h;
 }
 
-/* The kept_tokens() term in words: "sink_tokens 4 (line 9) as whole pages (16)",
+/* The hook's budget for c; without a hook, verdict -ENOSYS and no terms. */
+static void budget_of(const struct cfg *c, struct cfg_budget *b)
+{
+    if (hooks && hooks->budget) {
+        hooks->budget(c, b);
+        return;
+    }
+    *b = (struct cfg_budget){.window_tokens = c->eviction.window_tokens, .verdict = -ENOSYS};
+    fmt(b->why, sizeof(b->why), "no eviction budget hook is wired (cfg_set_hooks)");
+}
+
+/* The kept tokens in words: "sink_tokens 4 (line 9) as whole pages (16)",
  * "sink_tokens 48 (line 9)", or "sink_tokens 4 (line 9) + heavy_tokens 64 (line 10)"
  * (in parentheses when `group`, for a subtraction). */
-static void kept_words(const struct cfg *c, bool group, char *buf, size_t len)
+static void kept_words(const struct cfg *c, int64_t kept, bool group, char *buf, size_t len)
 {
     char ts[128], th[128];
     term(c, CFG_EVICTION_SINK_TOKENS, ts, sizeof(ts));
     term(c, CFG_EVICTION_HEAVY_TOKENS, th, sizeof(th));
     if (c->eviction.policy == CFG_EVICT_H2O)
         fmt(buf, len, group ? "(%s + %s)" : "%s + %s", ts, th);
-    else if (kept_tokens(c) != c->eviction.sink_tokens)
-        fmt(buf, len, "%s as whole pages (%" PRId64 ")", ts, kept_tokens(c));
+    else if (kept != c->eviction.sink_tokens)
+        fmt(buf, len, "%s as whole pages (%" PRId64 ")", ts, kept);
     else
         fmt(buf, len, "%s", ts);
+}
+
+/*
+ * The cache's word on the policy in effect, when the rules above found
+ * nothing: they state its formula, so this fires only if the two ever
+ * drift apart, and then the operator still gets an error, not a server
+ * that refuses to start (or a reload refused after check-config passed).
+ */
+static void cache_verdict(struct rules *r, const struct cfg_budget *b, int n_before)
+{
+    const int kp[] = {CFG_EVICTION_POLICY, CFG_EVICTION_MAX_CACHE_TOKENS};
+    if (r->n_errors == n_before && b->verdict != 0 && !skip_rule(r, kp, 2))
+        violation(r, kp, 2, "the cache refuses this policy: %s", b->why);
 }
 
 static void rules_eviction(struct rules *r)
@@ -1130,10 +1144,18 @@ static void rules_eviction(struct rules *r)
         return;
     bool h2o = c->eviction.policy == CFG_EVICT_H2O;
     int64_t max = c->eviction.max_cache_tokens, page = c->cache.page_tokens;
-    int64_t window = c->eviction.window_tokens, kept = kept_tokens(c);
+    int64_t window = c->eviction.window_tokens;
+    struct cfg_budget b;
+    budget_of(c, &b);
+    if (b.verdict == -ENOSYS) {
+        const int kp[] = {CFG_EVICTION_POLICY};
+        violation(r, kp, 1, "%s", b.why);
+        return;
+    }
+    int n_before = r->n_errors;
     char tk[300], tkg[304], tp[128], tm[128], tw[128];
-    kept_words(c, false, tk, sizeof(tk));
-    kept_words(c, true, tkg, sizeof(tkg));
+    kept_words(c, b.kept_tokens, false, tk, sizeof(tk));
+    kept_words(c, b.kept_tokens, true, tkg, sizeof(tkg));
     term(c, CFG_CACHE_PAGE_TOKENS, tp, sizeof(tp));
     term(c, CFG_EVICTION_MAX_CACHE_TOKENS, tm, sizeof(tm));
     term(c, CFG_EVICTION_WINDOW_TOKENS, tw, sizeof(tw));
@@ -1146,20 +1168,22 @@ static void rules_eviction(struct rules *r)
     /* The kept tokens must leave at least one page for eviction to free. */
     const int ka[] = {CFG_EVICTION_SINK_TOKENS, CFG_EVICTION_HEAVY_TOKENS,
                       CFG_EVICTION_MAX_CACHE_TOKENS, CFG_CACHE_PAGE_TOKENS, CFG_EVICTION_POLICY};
-    bool a_checked = !skip_rule(r, ka, 5), a_ok = a_checked && kept + page <= max;
+    bool a_checked = !skip_rule(r, ka, 5), a_ok = a_checked && b.floor_tokens <= max;
     if (a_checked && !a_ok)
-        violation(r, ka, 5, "%s + one page: %s = %" PRId64 " exceeds %s", tk, tp, kept + page, tm);
+        violation(r, ka, 5, "%s + one page: %s = %" PRId64 " exceeds %s", tk, tp, b.floor_tokens,
+                  tm);
 
     if (window == 0) {
         /* Automatic: the window is what the rest leaves (cfg_window_tokens). */
         const int kw[] = {CFG_EVICTION_WINDOW_TOKENS, CFG_EVICTION_MAX_CACHE_TOKENS,
                           CFG_EVICTION_SINK_TOKENS,   CFG_EVICTION_HEAVY_TOKENS,
                           CFG_CACHE_PAGE_TOKENS,      CFG_EVICTION_POLICY};
-        if (a_ok && !skip_rule(r, kw, 6) && max - kept - page < page)
+        if (a_ok && !skip_rule(r, kw, 6) && b.window_room < page)
             violation(r, kw, 6,
                       "window_tokens 0 (automatic) leaves %s - %s - one page: %s = %" PRId64
                       " tokens, less than one page",
-                      tm, tkg, tp, max - kept - page);
+                      tm, tkg, tp, b.window_room);
+        cache_verdict(r, &b, n_before);
         return;
     }
 
@@ -1170,9 +1194,10 @@ static void rules_eviction(struct rules *r)
     const int kc[] = {CFG_EVICTION_WINDOW_TOKENS, CFG_EVICTION_SINK_TOKENS,
                       CFG_EVICTION_HEAVY_TOKENS,  CFG_EVICTION_MAX_CACHE_TOKENS,
                       CFG_CACHE_PAGE_TOKENS,      CFG_EVICTION_POLICY};
-    if (a_ok && !skip_rule(r, kc, 6) && kept + window + page > max)
+    if (a_ok && !skip_rule(r, kc, 6) && b.need_tokens > max)
         violation(r, kc, 6, "%s + %s + one page: %s = %" PRId64 " exceeds %s", tw, tk, tp,
-                  kept + window + page, tm);
+                  b.need_tokens, tm);
+    cache_verdict(r, &b, n_before);
 }
 
 static void rules_t5(struct rules *r)
@@ -1260,10 +1285,9 @@ int64_t cfg_window_tokens(const struct cfg *c)
 {
     if (c->eviction.policy == CFG_EVICT_NONE)
         return c->eviction.window_tokens; /* unused: policy none never evicts */
-    if (c->eviction.window_tokens > 0)
-        return c->eviction.window_tokens;
-    int64_t w = c->eviction.max_cache_tokens - kept_tokens(c) - c->cache.page_tokens;
-    return w > 0 ? w : 0;
+    struct cfg_budget b;
+    budget_of(c, &b);
+    return b.window_tokens;
 }
 
 enum cfg_kv_type cfg_k_type(const struct cfg *c)
@@ -1278,8 +1302,9 @@ enum cfg_kv_type cfg_v_type(const struct cfg *c)
 
 int64_t cfg_sequence_pages(const struct cfg *c)
 {
-    int64_t page = c->cache.page_tokens;
-    return (c->eviction.max_cache_tokens + page - 1) / page + 1;
+    struct cfg_budget b;
+    budget_of(c, &b);
+    return b.sequence_pages;
 }
 
 int cfg_check_memory(const struct cfg *c, uint64_t kv_bytes_per_token, struct cfg_errors *errs)

@@ -23,7 +23,8 @@
  * to a caller-owned struct cfg_errors (source, line, key, message), keeps
  * going, and returns -EINVAL at the end if anything was wrong, in the way
  * jansson fills a json_error_t. This room depends on libc and libinih only,
- * and has no global state: calls on distinct structs may run on any thread.
+ * and has no global state but the hook table wired once at start
+ * (cfg_set_hooks): calls on distinct structs may run on any thread.
  */
 #ifndef KVD_CONFIG_H
 #define KVD_CONFIG_H
@@ -41,17 +42,20 @@ enum cfg_kv_type {
     CFG_KV_Q8_0,    /* GGUF q8_0: blocks of 32, 34 bytes (8.5 bits per element) */
     CFG_KV_Q4_0,    /* GGUF q4_0: blocks of 32, 18 bytes (4.5 bits per element) */
     CFG_KV_SAME,    /* k_type / v_type only: whatever kv_type says */
+    CFG_KV_TYPE_COUNT = CFG_KV_SAME /* element types proper (CFG_KV_SAME is none) */
 };
 
 enum cfg_policy {
     CFG_EVICT_NONE = 0,    /* never evict: a sequence ends at max_cache_tokens */
     CFG_EVICT_SINK_WINDOW, /* StreamingLLM: keep the first sink tokens and a recent window */
     CFG_EVICT_H2O,         /* sinks + heavy hitters by attention mass + recent window */
+    CFG_EVICT_COUNT
 };
 
 enum cfg_positions {
     CFG_POS_RENUMBER = 0, /* retained tokens renumbered 0..n-1 after eviction */
     CFG_POS_PRESERVE,     /* each token keeps the position it was first given */
+    CFG_POS_COUNT
 };
 
 enum cfg_evict_unit {
@@ -281,12 +285,13 @@ int cfg_set(struct cfg *c, const char *assignment, struct cfg_errors *errs);
 /*
  * The cross-key rules, all checked, every violation reported (at the
  * origin of the key the message is about):
- *   - with eviction on, the budget exactly as the cache's kv_policy_check
- *     counts it: kept + window + page_tokens <= max_cache_tokens, where
- *     kept is the sinks rounded up to whole pages (sink-window) or
- *     sink_tokens + heavy_tokens (h2o) and window is cfg_window_tokens();
- *     kept + one page <= max_cache_tokens is reported first on its own;
- *     the window, explicit or automatic, is at least one page;
+ *   - with eviction on, the budget as the cache counts it (struct
+ *     cfg_budget, from the hook the program wires): kept + window + one
+ *     page <= max_cache_tokens, where kept is the sinks rounded up to whole
+ *     pages (sink-window) or sink_tokens + heavy_tokens (h2o) and window is
+ *     cfg_window_tokens(); kept + one page <= max_cache_tokens is reported
+ *     first on its own; the window, explicit or automatic, is at least one
+ *     page; and should the cache still refuse the policy, its own reason;
  *   - h2o keeps at least one heavy token;
  *   - T5 overrides: both or neither of t5_num_buckets and t5_max_distance,
  *     num_buckets >= 4, max_distance > num_buckets/2 (the exact range of
@@ -302,28 +307,21 @@ int cfg_validate(const struct cfg *c, struct cfg_errors *errs);
 
 /*
  * The recent window the eviction policy keeps: window_tokens if set,
- * otherwise what fills the budget, the largest window cfg_validate allows:
- * max_cache_tokens - kept - page_tokens, where kept is the sinks rounded up
- * to whole pages (sink-window) or sink_tokens + heavy_tokens (h2o); 0 if
- * that is negative (cfg_validate rejects it). Policy none: window_tokens as
- * set (unused). The one place "0 = fill the budget" is resolved: `kvd serve`
- * hands this value to the cache.
+ * otherwise what fills the budget (the cache's window_room: the largest
+ * window cfg_validate allows); 0 if that is negative (cfg_validate rejects
+ * it). Policy none: window_tokens as set (unused). `kvd serve` hands this
+ * value to the cache.
  */
 int64_t cfg_window_tokens(const struct cfg *c);
 
-/* Bytes of one K or V element of the given type (2 or 4). */
 /* The element types K and V are stored in: k_type / v_type, or kv_type
  * where they say "kv_type". Never CFG_KV_SAME. */
 enum cfg_kv_type cfg_k_type(const struct cfg *c);
 enum cfg_kv_type cfg_v_type(const struct cfg *c);
 
-/*
- * Pages one sequence can occupy at its full budget: ceil(max_cache_tokens /
- * page_tokens) + 1. Tokens never exceed max_cache_tokens, but eviction
- * frees whole pages from the middle, so the first page (the sinks) and the
- * last (being filled) may each be partly empty; only those two can be, so
- * one extra page bounds the waste.
- */
+/* Pages one sequence can occupy at its full budget (the cache's
+ * sequence_pages: whole-page eviction may leave the first and the last page
+ * partly empty). */
 int64_t cfg_sequence_pages(const struct cfg *c);
 
 /*
@@ -335,6 +333,44 @@ int64_t cfg_sequence_pages(const struct cfg *c);
  * overflows).
  */
 int cfg_check_memory(const struct cfg *c, uint64_t kv_bytes_per_token, struct cfg_errors *errs);
+
+/* --- hooks: rules another room owns ------------------------------------------- */
+
+/*
+ * The eviction budget is the cache's arithmetic (cache/kv_cache.h,
+ * kv_policy_budget and kv_policy_check), and this room may not include the
+ * cache. As Redis's config table calls a key's validate hook, the rules and
+ * derived values above call one hook that the program wires in at start
+ * (cli/wiring.c, from main): given a config, it states the budget of its
+ * [eviction] keys and [cache] page_tokens in the cache's own terms, and the
+ * cache's verdict on the policy `kvd serve` would hand it. Config only
+ * words the violations, at the keys and lines involved; so `kvd
+ * check-config`, `kvd serve` and a SIGHUP reload give one answer from one
+ * computation.
+ */
+struct cfg_budget {
+    int64_t kept_tokens;    /* kept besides the window: sinks as whole pages, or sinks + heavy */
+    int64_t floor_tokens;   /* kept + one page */
+    int64_t window_room;    /* max_cache_tokens - floor_tokens: the largest window that fits */
+    int64_t window_tokens;  /* the window in effect (window_tokens, or 0 = window_room) */
+    int64_t need_tokens;    /* floor + window_tokens as set */
+    int64_t sequence_pages; /* pages of one sequence at its full budget */
+    int verdict;            /* 0 if the cache accepts the policy in effect, else < 0 */
+    char why[256];          /* the cache's reason when it refuses */
+};
+
+struct cfg_hooks {
+    /* Fill *out for c (policy none included). Called from any thread. */
+    void (*budget)(const struct cfg *c, struct cfg_budget *out);
+};
+
+/*
+ * Wire the hooks (the table is borrowed, and must outlive every config
+ * call). Set once, before any thread starts: the only state this room
+ * keeps. Without a budget hook cfg_validate refuses every config with
+ * eviction on, naming the missing hook.
+ */
+void cfg_set_hooks(const struct cfg_hooks *hooks);
 
 /* --- the key table --------------------------------------------------------------- */
 

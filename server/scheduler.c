@@ -628,11 +628,10 @@ static int request_policy(const srv_sched *s, const struct srv_req *req, struct 
         return 0;
     int page = s->p.page_tokens;
     pol->sink_tokens = req->n_keep < 0 ? req->n_prompt : req->n_keep;
-    int kept = pol->kind == KV_EVICT_SINK_WINDOW ? (pol->sink_tokens + page - 1) / page * page
-                                                 : pol->sink_tokens + pol->heavy_tokens;
-    int room = pol->max_cache_tokens - kept - page;
-    if (pol->window_tokens > room)
-        pol->window_tokens = room;
+    struct kv_budget b;
+    kv_policy_budget(pol, page, &b);
+    if (pol->window_tokens > b.window_room)
+        pol->window_tokens = (int)(b.window_room > 0 ? b.window_room : 0);
     if (pol->window_tokens < 1 || kv_policy_check(pol, page, err, errlen) != 0) {
         snprintf(err, errlen,
                  "n_keep = %d leaves no room to evict within max_cache_tokens = %d (pages of %d "
@@ -1250,9 +1249,10 @@ static bool engine_load(srv_sched *s)
         srv_log(SRV_LOG_WARN, "kv cache: %s", err);
     if (kv_policy_check(&s->lim.policy, s->p.page_tokens, err, sizeof(err)) != 0)
         goto out_cache;
-    /* The pool must hold one sequence at its full budget: eviction frees
-     * whole pages, so the first and the last page may be partly empty. */
-    long need = (s->lim.policy.max_cache_tokens + s->p.page_tokens - 1) / s->p.page_tokens + 1;
+    /* The pool must hold one sequence at its full budget. */
+    struct kv_budget budget;
+    kv_policy_budget(&s->lim.policy, s->p.page_tokens, &budget);
+    long need = (long)budget.sequence_pages;
     if (kv_cache_n_pages(s->cache) < need) {
         snprintf(err, sizeof(err),
                  "[cache] memory holds %d pages of %d tokens (%zu bytes each); one sequence at "

@@ -619,6 +619,99 @@ static void test_policy_check(void **state)
  * Sequences
  * ------------------------------------------------------------------------ */
 
+/*
+ * The budget, stated once by kv_policy_budget, over a grid: its terms are
+ * the formulas of kv_cache.h, kv_policy_check accepts exactly the budgets
+ * of at least need_tokens, and the window in effect for window_tokens = 0
+ * is the largest explicit window the check accepts.
+ */
+static void test_policy_budget(void **state)
+{
+    (void)state;
+    static const enum kv_policy_kind kinds[] = {KV_EVICT_NONE, KV_EVICT_SINK_WINDOW, KV_EVICT_H2O};
+    static const int pages[] = {1, 3, 16};
+    static const int sinks[] = {0, 1, 4, 16, 17};
+    static const int windows[] = {0, 1, 16, 40};
+    static const int heavies[] = {0, 5};
+    static const int maxes[] = {1, 16, 33, 64, 100};
+#define N_OF(a) (int)(sizeof(a) / sizeof((a)[0]))
+    char err[256];
+    for (int a = 0; a < N_OF(kinds); a++)
+        for (int g = 0; g < N_OF(pages); g++)
+            for (int si = 0; si < N_OF(sinks); si++)
+                for (int w = 0; w < N_OF(windows); w++)
+                    for (int h = 0; h < N_OF(heavies); h++)
+                        for (int m = 0; m < N_OF(maxes); m++) {
+                            int page = pages[g], max = maxes[m], sink = sinks[si];
+                            struct kv_policy p = {.kind = kinds[a],
+                                                  .max_cache_tokens = max,
+                                                  .sink_tokens = sink,
+                                                  .window_tokens = windows[w],
+                                                  .heavy_tokens = heavies[h]};
+                            struct kv_budget b;
+                            kv_policy_budget(&p, page, &b);
+                            assert_int_equal(b.sequence_pages, (max + page - 1) / page + 1);
+                            bool ok = kv_policy_check(&p, page, err, sizeof(err)) == 0;
+                            if (kinds[a] == KV_EVICT_NONE) {
+                                assert_int_equal(b.need_tokens, 1);
+                                assert_true(ok);
+                                continue;
+                            }
+                            int64_t kept = kinds[a] == KV_EVICT_H2O
+                                               ? sink + heavies[h]
+                                               : (sink + page - 1) / page * page;
+                            assert_int_equal(b.kept_tokens, kept);
+                            assert_int_equal(b.floor_tokens, kept + page);
+                            assert_int_equal(b.window_room, max - kept - page);
+                            assert_int_equal(b.need_tokens, kept + page + windows[w]);
+                            assert_int_equal(ok, max >= b.need_tokens);
+                            if (windows[w] > 0) {
+                                assert_int_equal(b.window_tokens, windows[w]);
+                                continue;
+                            }
+                            /* automatic: the largest window accepted */
+                            int64_t room = max - kept - page;
+                            assert_int_equal(b.window_tokens, room > 0 ? room : 0);
+                            if (room < 1)
+                                continue;
+                            p.window_tokens = (int)room;
+                            assert_int_equal(kv_policy_check(&p, page, err, sizeof(err)), 0);
+                            p.window_tokens = (int)room + 1;
+                            assert_int_equal(kv_policy_check(&p, page, err, sizeof(err)), -EINVAL);
+                        }
+#undef N_OF
+}
+
+/* kv_cache_memory_for: exactly the bytes of n pages of the shape. */
+static void test_memory_for(void **state)
+{
+    (void)state;
+    struct kv_cache_params p = {.page_tokens = 16, .n_layer = 2, .n_kv_head = 3, .head_dim = 32,
+                                .k_type = KV_Q8_0, .v_type = KV_F16};
+    char err[256];
+    for (int n = 1; n <= 9; n += 4) {
+        p.memory_bytes = kv_cache_memory_for(&p, n);
+        assert_true(p.memory_bytes > 0);
+        kv_cache *c = kv_cache_create(&p, err, sizeof(err));
+        assert_non_null(c);
+        assert_int_equal(kv_cache_n_pages(c), n);
+        assert_int_equal(p.memory_bytes, (size_t)n * kv_cache_page_bytes(c));
+        kv_cache_destroy(c);
+        p.memory_bytes -= 1; /* one byte short: a page less */
+        if (n > 1) {
+            c = kv_cache_create(&p, err, sizeof(err));
+            assert_non_null(c);
+            assert_int_equal(kv_cache_n_pages(c), n - 1);
+            kv_cache_destroy(c);
+        }
+    }
+    assert_int_equal(kv_cache_memory_for(&p, 0), 0);
+    p.head_dim = 20; /* q8_0 needs a multiple of 32 */
+    assert_int_equal(kv_cache_memory_for(&p, 4), 0);
+    p.head_dim = 32;
+    assert_int_equal(kv_cache_memory_for(&p, INT64_MAX / 2), 0);
+}
+
 static void test_append_basic(void **state)
 {
     (void)state;
@@ -1849,6 +1942,8 @@ int main(void)
         cmocka_unit_test(test_pool_lifo_and_check),
         cmocka_unit_test(test_mlock_optional),
         cmocka_unit_test(test_policy_check),
+        cmocka_unit_test(test_policy_budget),
+        cmocka_unit_test(test_memory_for),
         cmocka_unit_test(test_append_basic),
         cmocka_unit_test(test_none_refuses),
         cmocka_unit_test(test_sink_window_pages),

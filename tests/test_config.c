@@ -24,6 +24,7 @@
 
 #include <cmocka.h>
 
+#include "cli/cli_internal.h"
 #include "config/config.h"
 
 #define CASES "tests/cases/config"
@@ -590,6 +591,28 @@ static void test_precedence_and_origins(void **state)
  * derived values and the server-side memory check
  * ------------------------------------------------------------------------ */
 
+/* The budget is the cache's, reached through the hook main wires: without
+ * it, a config with eviction on is refused, the missing hook named. */
+static void test_budget_hook_required(void **state)
+{
+    (void)state;
+    struct cfg c;
+    cfg_defaults(&c);
+    struct cfg_errors *errs = new_errors();
+    cfg_set_hooks(NULL);
+    assert_int_equal(cfg_validate(&c, errs), -EINVAL);
+    assert_int_equal(errs->count, 1);
+    assert_non_null(strstr(errs->list[0].message, "hook"));
+    c.eviction.policy = CFG_EVICT_NONE;
+    cfg_errors_init(errs);
+    assert_int_equal(cfg_validate(&c, errs), 0);
+    cfg_set_hooks(&srv_cfg_hooks);
+    cfg_defaults(&c);
+    cfg_errors_init(errs);
+    assert_int_equal(cfg_validate(&c, errs), 0);
+    free(errs);
+}
+
 static void test_window_and_memory(void **state)
 {
     (void)state;
@@ -905,6 +928,7 @@ static void test_check_config_command(void **state)
 
 int main(void)
 {
+    cfg_set_hooks(&srv_cfg_hooks); /* the cache's budget, as kvd's main wires it */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sizes),
         cmocka_unit_test(test_durations),
@@ -943,6 +967,7 @@ int main(void)
         cmocka_unit_test(test_example_documents_every_key),
         cmocka_unit_test(test_table_defaults_canonical),
         cmocka_unit_test(test_precedence_and_origins),
+        cmocka_unit_test(test_budget_hook_required),
         cmocka_unit_test(test_window_and_memory),
         cmocka_unit_test(test_window_matches_budget_rule),
         cmocka_unit_test(test_reload_classes),

@@ -2543,6 +2543,7 @@ static int group_teardown(void **state)
 
 int main(void)
 {
+    cfg_set_hooks(&srv_cfg_hooks); /* the cache's budget, as kvd's main wires it */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_stop_scan),
         cmocka_unit_test(test_completion),

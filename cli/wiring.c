@@ -1,0 +1,81 @@
+/*
+ * wiring.c - what the program ties together: the operator's config, in
+ * config/'s terms, onto the cache's.
+ *
+ * config/ and cache/ do not know each other (config.h, "hooks"). The
+ * eviction budget is the cache's arithmetic, so the config rules reach it
+ * through the hook table here, wired by main before anything else runs:
+ * `kvd check-config`, `kvd serve` at start and on SIGHUP, and `kvd eval
+ * --config` all read one answer. The enum mappings exist only here, each
+ * a table indexed by the config value and checked at compile time to
+ * cover every value.
+ */
+#include <stdio.h>
+
+#include "cli/cli_internal.h"
+
+static const enum kv_type kv_types[] = {
+    [CFG_KV_F16] = KV_F16,   [CFG_KV_F32] = KV_F32,   [CFG_KV_BF16] = KV_BF16,
+    [CFG_KV_Q8_0] = KV_Q8_0, [CFG_KV_Q4_0] = KV_Q4_0,
+};
+static const enum kv_policy_kind policy_kinds[] = {
+    [CFG_EVICT_NONE] = KV_EVICT_NONE,
+    [CFG_EVICT_SINK_WINDOW] = KV_EVICT_SINK_WINDOW,
+    [CFG_EVICT_H2O] = KV_EVICT_H2O,
+};
+_Static_assert(sizeof(kv_types) / sizeof(kv_types[0]) == CFG_KV_TYPE_COUNT,
+               "every config KV type maps to a cache KV type");
+_Static_assert(sizeof(policy_kinds) / sizeof(policy_kinds[0]) == CFG_EVICT_COUNT,
+               "every config eviction policy maps to a cache policy");
+_Static_assert(CFG_POS_COUNT == 2, "positions map onto kv_policy.renumber (a bool)");
+
+/* t is an element type proper: cfg_k_type / cfg_v_type resolve CFG_KV_SAME. */
+enum kv_type srv_cfg_kv_type(enum cfg_kv_type t)
+{
+    return (unsigned)t < CFG_KV_TYPE_COUNT ? kv_types[t] : KV_F16;
+}
+
+/* The policy with window_tokens as the operator set it (0 = automatic). */
+static struct kv_policy policy_as_set(const struct cfg *c)
+{
+    return (struct kv_policy){
+        .kind = policy_kinds[c->eviction.policy],
+        .max_cache_tokens = (int)c->eviction.max_cache_tokens,
+        .sink_tokens = (int)c->eviction.sink_tokens,
+        .window_tokens = (int)c->eviction.window_tokens,
+        .heavy_tokens = c->eviction.policy == CFG_EVICT_H2O ? (int)c->eviction.heavy_tokens : 0,
+        .renumber = c->eviction.positions == CFG_POS_RENUMBER,
+    };
+}
+
+void srv_cfg_policy(const struct cfg *c, struct kv_policy *out)
+{
+    /* cfg_validate has had the cache check this very policy (the hook
+     * below); window_tokens = 0 is resolved by the cache's budget. */
+    *out = policy_as_set(c);
+    if (c->eviction.policy != CFG_EVICT_NONE)
+        out->window_tokens = (int)cfg_window_tokens(c);
+}
+
+/* The config hook: the cache's budget terms and its verdict on the policy
+ * `kvd serve` would hand it (window resolved). */
+static void budget_hook(const struct cfg *c, struct cfg_budget *out)
+{
+    struct kv_policy p = policy_as_set(c);
+    int page = (int)c->cache.page_tokens;
+    struct kv_budget b;
+    kv_policy_budget(&p, page, &b);
+    *out = (struct cfg_budget){
+        .kept_tokens = b.kept_tokens,
+        .floor_tokens = b.floor_tokens,
+        .window_room = b.window_room,
+        .window_tokens = b.window_tokens,
+        .need_tokens = b.need_tokens,
+        .sequence_pages = b.sequence_pages,
+    };
+    if (p.kind != KV_EVICT_NONE)
+        p.window_tokens = (int)b.window_tokens;
+    out->verdict = kv_policy_check(&p, page, out->why, sizeof(out->why));
+}
+
+const struct cfg_hooks srv_cfg_hooks = {.budget = budget_hook};
