@@ -33,6 +33,7 @@ struct kv_cache {
     struct kv_seq *seqs; /* doubly linked list of live sequences, newest first */
     int n_seqs, n_sessions;
     int32_t next_uid;
+    uint64_t births; /* sequences created so far (kv_seq.birth) */
 
     uint64_t evictions, tokens_evicted, sessions_dropped;
 };
@@ -51,6 +52,7 @@ struct kv_seq {
     bool session, pinned, dropped;
     bool drop_planned; /* LRU victim of the append being planned */
     uint64_t last_use; /* ms, from kv_seq_touch */
+    uint64_t birth;    /* creation order in the cache: the LRU's tie-break */
 
     /* Page table: page ids of logical pages 0..n_pages-1 at ptab[p_off..]. */
     int32_t *ptab;

@@ -324,6 +324,38 @@ int32_t kv_seq_next_pos(const kv_seq *seq);
  */
 int kv_seq_append(kv_seq *seq, const int32_t *tokens, int n, int *first);
 
+/*
+ * Reservation (reserve.c): slots for one engine step's new tokens, for
+ * every sequence of the batch, all or nothing. Each sequence appends its
+ * tokens (kv_seq_append: its policy evicts first, idle sessions may be
+ * dropped for pages); the forward pass then writes K and V into exactly
+ * these slots (logical indices first .. first + n_tokens - 1) and computes.
+ *
+ * Returns 0, or with *failed (may be NULL) the index of the sequence that
+ * could not be served: -EINVAL (a NULL sequence or tokens, n_tokens < 1);
+ * -ENOSPC its context is full under its policy (checked for every sequence
+ * before anything changes); -ENOMEM the pool cannot supply the pages, or a
+ * sequence of the batch lost its pages to another's append (running
+ * sessions should be pinned); -EOVERFLOW positions or history would pass
+ * INT32_MAX. On every error no sequence holds a token reserved by this
+ * call; what a policy evicted to make room stays evicted.
+ */
+struct kv_reservation {
+    kv_seq *seq;           /* in: the sequence */
+    const int32_t *tokens; /* in: [n_tokens] the new token ids (borrowed) */
+    int n_tokens;          /* in: >= 1 */
+    int first;             /* out: logical index of the first reserved slot */
+    /* private to reserve.c */
+    int hist0;
+    bool made, was_dropped;
+};
+
+int kv_reserve(struct kv_reservation *r, int n, int *failed);
+
+/* Take back the slots a successful kv_reserve made (the forward pass failed):
+ * each sequence is cut back to the history it had before. */
+void kv_reserve_undo(struct kv_reservation *r, int n);
+
 /* The K (V) row of retained token idx: head_dim elements in k_type (v_type),
  * kv_type_row_bytes of them. idx < n_tokens. */
 void *kv_seq_k(kv_seq *seq, int layer, int kv_head, int idx);
@@ -364,6 +396,11 @@ int kv_seq_history(const kv_seq *seq, const int32_t **ids);
 int kv_seq_truncate(kv_seq *seq, int n_hist);
 bool kv_seq_is_session(const kv_seq *seq);
 void kv_seq_touch(kv_seq *seq, uint64_t now_ms); /* last use time, passed in */
+uint64_t kv_seq_last_touch(const kv_seq *seq);   /* the time last touched (0: never) */
+/* The session LRU's one order, for the pool (idle sessions dropped for
+ * pages) and for the engine (max_sessions, the idle timeout) alike: a was
+ * touched before b, or at the same time and created before it. */
+bool kv_seq_lru_before(const kv_seq *a, const kv_seq *b);
 void kv_seq_pin(kv_seq *seq, bool busy);         /* pinned sessions are never dropped */
 /* True once LRU dropped this session: its pages, tokens and history are
  * gone. The flag stays until kv_seq_destroy. */

@@ -140,6 +140,7 @@ kv_seq *kv_seq_create(kv_cache *c, const struct kv_policy *policy, bool session,
     s->policy = *policy;
     s->session = session;
     s->uid = c->next_uid;
+    s->birth = c->births++;
     c->next_uid = c->next_uid == INT32_MAX ? 0 : c->next_uid + 1;
 
     s->next = c->seqs;
@@ -250,6 +251,14 @@ void kv_seq_touch(kv_seq *s, uint64_t now_ms)
 {
     s->last_use = now_ms;
 }
+uint64_t kv_seq_last_touch(const kv_seq *s)
+{
+    return s->last_use;
+}
+bool kv_seq_lru_before(const kv_seq *a, const kv_seq *b)
+{
+    return a->last_use < b->last_use || (a->last_use == b->last_use && a->birth < b->birth);
+}
 void kv_seq_pin(kv_seq *s, bool busy)
 {
     s->pinned = busy;
@@ -330,8 +339,7 @@ static int64_t plan_drops(kv_cache *c, const kv_seq *self, int64_t have, int64_t
         for (kv_seq *o = c->seqs; o; o = o->next) {
             if (o == self || !o->session || o->pinned || o->drop_planned || o->n_pages == 0)
                 continue;
-            /* The list is newest first, so `<=` prefers the older on a tie. */
-            if (!best || o->last_use <= best->last_use)
+            if (!best || kv_seq_lru_before(o, best))
                 best = o;
         }
         if (!best)

@@ -463,7 +463,7 @@ static int feed(struct evaluator *ev, kv_seq *seq, int32_t tok, int32_t next, bo
 {
     struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1,
                                 .logits = score ? ev->logits : NULL};
-    int rc = model_forward(ev->ctx, &b, 1, NULL);
+    int rc = model_reserve_forward(ev->ctx, &b, 1, NULL);
     if (rc == 0 && score)
         *loss = token_loss(ev->logits, ev->n_vocab, next);
     return rc;
@@ -497,7 +497,7 @@ static int run_policy(struct evaluator *ev, const struct kv_policy *policy, cons
             double k0 = seconds_now();
             struct model_batch_seq b = {.seq = tw.seq, .tokens = &tokens[t], .n_tokens = 1,
                                         .logits = ev->ref_logits};
-            rc = model_forward(ev->ctx, &b, 1, NULL);
+            rc = model_reserve_forward(ev->ctx, &b, 1, NULL);
             if (rc == 0)
                 run->kld[t + 1] = kl_divergence(ev->ref_logits, ev->logits, ev->n_vocab);
             t_twin += seconds_now() - k0;
@@ -511,7 +511,7 @@ static int run_policy(struct evaluator *ev, const struct kv_policy *policy, cons
         int k = kv_seq_n_tokens(seq);
         struct model_batch_seq b = {.seq = fresh, .tokens = kv_seq_tokens(seq), .n_tokens = k,
                                     .logits = ev->logits};
-        rc = fresh ? model_forward(ev->ctx, &b, 1, NULL) : -ENOMEM;
+        rc = fresh ? model_reserve_forward(ev->ctx, &b, 1, NULL) : -ENOMEM;
         if (rc == 0)
             recompute->loss[t + 1] = token_loss(ev->logits, ev->n_vocab, tokens[t + 1]);
         kv_seq_destroy(fresh);

@@ -356,7 +356,7 @@ int srv_cmd_generate(int argc, char **argv)
             .seq = seq, .tokens = hist + done, .n_tokens = chunk,
             .logits = done + chunk == n_prompt ? logits : NULL,
         };
-        int rc = model_forward(ctx, &b, 1, NULL);
+        int rc = model_reserve_forward(ctx, &b, 1, NULL);
         if (rc) {
             fprintf(stderr, "\nkvd generate: forward failed during prefill: %s\n", strerror(-rc));
             goto out;
@@ -382,7 +382,7 @@ int srv_cmd_generate(int argc, char **argv)
         if (n_gen == o.n_predict)
             break;
         struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = logits};
-        int rc = model_forward(ctx, &b, 1, NULL);
+        int rc = model_reserve_forward(ctx, &b, 1, NULL);
         if (rc == -ENOSPC) {
             stop_reason = "context full (policy none; use --ctx or --policy sink-window)";
             break;

@@ -74,9 +74,8 @@ struct model_ctx {
     int32_t *tok;          /* [T] token ids in batch order */
     int32_t *qpos;         /* [T] position of each new token */
     int *first;            /* [S] cache index of the sequence's first new token */
-    int *hist0;            /* [S] tokens appended to the sequence before this call */
-    bool *appended;        /* [S] whether kv_seq_append succeeded this call */
-    bool *was_dropped;     /* [S] kv_seq_dropped before this call */
+    struct kv_reservation *res;    /* [S] model_reserve_forward's reservation */
+    struct model_batch_seq *batch; /* [S] ... and its batch with the slots filled in */
     int *sel_seq;          /* [S] sequences that want logits, in batch order */
     int *sel_tok;          /* [S] the token index of each one's last token */
     int *mass_off;         /* [S] offset of the sequence's mass scratch, or -1 */
@@ -154,14 +153,13 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
     c->tok = malloc(T * sizeof(*c->tok));
     c->qpos = malloc(T * sizeof(*c->qpos));
     c->first = malloc(T * sizeof(*c->first));
-    c->hist0 = malloc(T * sizeof(*c->hist0));
-    c->appended = malloc(T * sizeof(*c->appended));
-    c->was_dropped = malloc(T * sizeof(*c->was_dropped));
+    c->res = malloc(T * sizeof(*c->res));
+    c->batch = malloc(T * sizeof(*c->batch));
     c->sel_seq = malloc(T * sizeof(*c->sel_seq));
     c->sel_tok = malloc(T * sizeof(*c->sel_tok));
     c->mass_off = malloc(T * sizeof(*c->mass_off));
     c->aseq = malloc(T * sizeof(*c->aseq));
-    if (!ok || !c->tok || !c->qpos || !c->first || !c->hist0 || !c->appended || !c->was_dropped ||
+    if (!ok || !c->tok || !c->qpos || !c->first || !c->res || !c->batch ||
         !c->sel_seq || !c->sel_tok || !c->mass_off || !c->aseq) {
         snprintf(err, errlen, "out of memory for a %d-token batch", max_batch_tokens);
         goto fail;
@@ -218,9 +216,8 @@ void model_ctx_destroy(model_ctx *c)
     free(c->tok);
     free(c->qpos);
     free(c->first);
-    free(c->hist0);
-    free(c->appended);
-    free(c->was_dropped);
+    free(c->res);
+    free(c->batch);
     free(c->sel_seq);
     free(c->sel_tok);
     free(c->mass_off);
@@ -390,24 +387,9 @@ static void store_kv(void *dst, const float *src, int n, enum kv_type type)
  * The forward
  * ------------------------------------------------------------------------ */
 
-/* Tokens appended to seq so far (its history length), for rolling back. */
-static int seq_hist_len(const kv_seq *seq)
-{
-    int n = kv_seq_n_tokens(seq);
-    return n > 0 ? kv_seq_hist_index(seq)[n - 1] + 1 : 0;
-}
-
-/* Undo this call's appends: cut each sequence back to its history before. */
-static void rollback(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
-{
-    for (int s = 0; s < n_seqs; s++)
-        if (c->appended[s])
-            kv_seq_truncate(seqs[s].seq, c->hist0[s]);
-}
-
 /* Validate the batch without touching anything. 0 or -EINVAL. */
 static int check_batch(const model_ctx *c, const struct model_batch_seq *seqs, int n_seqs,
-                       kv_cache **cache_out)
+                       bool reserved, kv_cache **cache_out)
 {
     const model *m = c->m;
     if (!seqs || n_seqs < 1)
@@ -431,6 +413,11 @@ static int check_batch(const model_ctx *c, const struct model_batch_seq *seqs, i
         for (int r = 0; r < s; r++)
             if (seqs[r].seq == b->seq)
                 return -EINVAL; /* a sequence appears once per batch */
+        /* The slots must be these tokens' reserved ones. */
+        if (reserved && (b->first < 0 || b->first > kv_seq_n_tokens(b->seq) - b->n_tokens ||
+            memcmp(kv_seq_tokens(b->seq) + b->first, b->tokens,
+                   sizeof(int32_t) * (size_t)b->n_tokens) != 0))
+            return -EINVAL;
     }
     struct kv_layout L;
     kv_cache_layout(cache, &L);
@@ -633,65 +620,20 @@ static void output_logits(model_ctx *c, const struct model_batch_seq *seqs, int 
     }
 }
 
-/*
- * Failure contract (model.h has the codes): -EINVAL and -ENOSPC are found
- * before anything changes. An error after appending began (-ENOMEM from the
- * pool, a session of the batch dropped by another's append, a kernel
- * error) removes this call's tokens again with kv_seq_truncate; what the
- * policy evicted to make room for them stays evicted.
- */
-int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, int *failed_seq)
+/* The cache transaction is the engine's (kv_reserve); this pass only
+ * writes K/V into the reserved slots and computes. */
+int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
 {
     const model *m = c->m;
     kv_cache *cache = NULL;
-    int rc = check_batch(c, seqs, n_seqs, &cache);
+    int rc = check_batch(c, seqs, n_seqs, true, &cache);
     if (rc)
         return rc;
-
-    /* Context full under the policy: refuse before changing anything. */
-    for (int s = 0; s < n_seqs; s++) {
-        if (seqs[s].n_tokens > kv_seq_max_append(seqs[s].seq)) {
-            if (failed_seq)
-                *failed_seq = s;
-            return -ENOSPC;
-        }
-    }
-
-    /* Append every sequence's tokens (evicting per policy); all layers'
-     * K/V slots of the new tokens exist after this. */
-    for (int s = 0; s < n_seqs; s++) {
-        c->appended[s] = false;
-        c->was_dropped[s] = kv_seq_dropped(seqs[s].seq);
-        c->hist0[s] = seq_hist_len(seqs[s].seq);
-    }
-    for (int s = 0; s < n_seqs; s++) {
-        rc = kv_seq_append(seqs[s].seq, seqs[s].tokens, seqs[s].n_tokens, &c->first[s]);
-        if (rc) {
-            rollback(c, seqs, n_seqs);
-            if (failed_seq)
-                *failed_seq = s;
-            return rc;
-        }
-        c->appended[s] = true;
-    }
-    /* An append may drop idle sessions to free pages; one of this batch
-     * (unpinned by the caller) would have lost what it just appended. A
-     * sequence dropped before this call is a fresh one again, its flag
-     * notwithstanding. */
-    for (int s = 0; s < n_seqs; s++) {
-        if ((kv_seq_dropped(seqs[s].seq) && !c->was_dropped[s]) ||
-            kv_seq_n_tokens(seqs[s].seq) < c->first[s] + seqs[s].n_tokens) {
-            rollback(c, seqs, n_seqs);
-            if (failed_seq)
-                *failed_seq = s;
-            return -ENOMEM;
-        }
-    }
+    for (int s = 0; s < n_seqs; s++)
+        c->first[s] = seqs[s].first;
     rc = prepare_mass(c, seqs, n_seqs);
-    if (rc) {
-        rollback(c, seqs, n_seqs);
+    if (rc)
         return rc;
-    }
 
     /* Token ids, positions and embeddings in batch order. */
     int T = 0;
@@ -721,11 +663,32 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs, 
     for (int l = 0; l < m->n_layer; l++) {
         int rows = l == m->n_layer - 1 && compact ? R : -1;
         rc = layer_forward(c, l, seqs, n_seqs, T, rows, cache, &kl);
-        if (rc) {
-            rollback(c, seqs, n_seqs);
+        if (rc)
             return rc;
-        }
     }
     output_logits(c, seqs, R, compact);
     return 0;
+}
+
+int model_reserve_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs,
+                          int *failed_seq)
+{
+    kv_cache *cache;
+    int rc = check_batch(c, seqs, n_seqs, false, &cache); /* nothing reserved for a bad batch */
+    if (rc)
+        return rc;
+    for (int s = 0; s < n_seqs; s++)
+        c->res[s] = (struct kv_reservation){
+            .seq = seqs[s].seq, .tokens = seqs[s].tokens, .n_tokens = seqs[s].n_tokens};
+    rc = kv_reserve(c->res, n_seqs, failed_seq);
+    if (rc)
+        return rc;
+    for (int s = 0; s < n_seqs; s++) {
+        c->batch[s] = seqs[s];
+        c->batch[s].first = c->res[s].first;
+    }
+    rc = model_forward(c, c->batch, n_seqs);
+    if (rc)
+        kv_reserve_undo(c->res, n_seqs);
+    return rc;
 }

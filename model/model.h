@@ -116,24 +116,35 @@ void model_ctx_destroy(model_ctx *ctx);
 
 /* One sequence's part of a batch. */
 struct model_batch_seq {
-    kv_seq *seq;            /* the sequence the tokens are appended to */
+    kv_seq *seq;            /* the sequence the tokens belong to */
     const int32_t *tokens;  /* [n_tokens] new tokens */
     int n_tokens;
+    int first;              /* logical index of the slot kv_reserve gave the first one */
     float *logits;          /* NULL, or [n_vocab]: logits after the last new token */
 };
 
 /*
- * Run the model over a batch. For every sequence, appends its tokens to its
- * cache (kv_seq_append: the sequence's policy evicts first when needed) and
- * computes the logits requested. Returns 0, or:
- *   -ENOSPC  a sequence's budget is full under policy none (context full);
- *            *failed_seq (if non-NULL) is its index, and no sequence of
- *            the batch was modified;
- *   -ENOMEM  the pool has no pages left even after eviction;
- *   -EINVAL  bad batch (token id outside the vocabulary, too many tokens).
+ * Run the model over a batch whose slots are reserved (kv_reserve, by the
+ * engine): for every sequence, write the K and V of its new tokens into
+ * slots first .. first + n_tokens - 1, attend over its cache, and compute
+ * the logits requested. The cache is not otherwise touched: no append, no
+ * eviction (H2O sequences accumulate attention mass). Returns 0, or
+ * -EINVAL for a bad batch (token id outside the vocabulary, too many
+ * tokens, slots that are not these tokens' reserved ones, another cache's
+ * shape), -ENOMEM for scratch, or a kernel error; the caller then takes
+ * the reservation back (kv_reserve_undo).
  */
-int model_forward(model_ctx *ctx, const struct model_batch_seq *seqs, int n_seqs,
-                  int *failed_seq);
+int model_forward(model_ctx *ctx, const struct model_batch_seq *seqs, int n_seqs);
+
+/*
+ * The one-call form for tools and tests that drive a model without the
+ * engine: kv_reserve for the batch (filling each entry's `first`), then
+ * model_forward, and kv_reserve_undo if that fails. Returns 0 or the code
+ * of the step that failed; *failed_seq (may be NULL) as kv_reserve sets
+ * it. A refused reservation leaves every sequence of the batch as it was.
+ */
+int model_reserve_forward(model_ctx *ctx, const struct model_batch_seq *seqs, int n_seqs,
+                          int *failed_seq);
 
 /* --- sampling ------------------------------------------------------------ */
 

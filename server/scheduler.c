@@ -8,7 +8,9 @@
  * only when the outbox goes from empty to non-empty (uv_async_send
  * coalesces anyway). The two mutexes are never held together.
  *
- * Every step runs ONE model_forward over a batch that holds one decode
+ * Every step reserves the batch's slots in the cache (kv_reserve: the
+ * policies evict, idle sessions may be dropped, or a sequence is refused)
+ * and then runs ONE model_forward over a batch that holds one decode
  * token for each running sequence that has finished its prompt, plus
  * prefill chunks of sequences still reading their prompt, oldest first, up
  * to step_tokens tokens in all. A long prompt is thus read a chunk per step
@@ -69,8 +71,6 @@ struct session {
     char *id;
     kv_seq *seq;
     struct run *busy;      /* the run using it, or NULL */
-    uint64_t last_used_ms; /* monotonic, for the idle timeout */
-    uint64_t last_use;     /* order of last use, for max_sessions (LRU) */
     int64_t last_used_unix_ms;
     struct session *next; /* hash chain */
 };
@@ -149,10 +149,10 @@ struct srv_sched {
     struct session **buckets;
     int n_buckets, n_sessions;
     struct model_batch_seq *batch; /* [max_running cap] */
+    struct kv_reservation *res;    /* [max_running cap] the batch's slots */
     struct run **batch_runs;
     int batch_cap;
     uint64_t last_sweep_ms;
-    uint64_t use_counter; /* session uses, for LRU order */
     srv_metrics *metrics;
 };
 
@@ -361,7 +361,7 @@ static struct session *session_create(srv_sched *s, const char *id, char *err, s
         struct session *lru = NULL;
         for (int i = 0; i < s->n_buckets; i++)
             for (struct session *x = s->buckets[i]; x; x = x->next)
-                if (!x->busy && (!lru || x->last_use < lru->last_use))
+                if (!x->busy && (!lru || kv_seq_lru_before(x->seq, lru->seq)))
                     lru = x;
         if (!lru) {
             snprintf(err, errlen, "all %d sessions (max_sessions) are busy", s->n_sessions);
@@ -409,9 +409,9 @@ static void sessions_sweep(srv_sched *s, uint64_t now_ms)
         struct session *x = s->buckets[i], *next;
         for (; x; x = next) {
             next = x->next;
-            if (!x->busy && now_ms - x->last_used_ms >= s->lim.session_idle_ms) {
-                srv_log(SRV_LOG_INFO, "session %s idle for %" PRIu64 " ms: freed", x->id,
-                        now_ms - x->last_used_ms);
+            uint64_t idle = now_ms - kv_seq_last_touch(x->seq);
+            if (!x->busy && idle >= s->lim.session_idle_ms) {
+                srv_log(SRV_LOG_INFO, "session %s idle for %" PRIu64 " ms: freed", x->id, idle);
                 session_remove(s, x);
             }
         }
@@ -516,10 +516,8 @@ static void run_free(srv_sched *s, struct run *r)
     if (r->sess) {
         uint64_t now = now_ns() / 1000000u;
         r->sess->busy = NULL;
-        r->sess->last_used_ms = now;
         r->sess->last_used_unix_ms = unix_ms();
-        r->sess->last_use = ++s->use_counter;
-        kv_seq_touch(r->seq, now);
+        kv_seq_touch(r->seq, now); /* the one LRU: the cache's */
         kv_seq_pin(r->seq, false);
     } else {
         kv_seq_destroy(r->seq);
@@ -1081,7 +1079,7 @@ static int build_batch(srv_sched *s)
         if (room < chunk)
             chunk = room;
         if (chunk <= 0)
-            chunk = 1; /* let model_forward report -ENOSPC for this sequence */
+            chunk = 1; /* let kv_reserve report -ENOSPC for this sequence */
         bool final = chunk == left;
         s->batch[n] = (struct model_batch_seq){.seq = r->seq,
                                                .tokens = r->req->prompt + r->n_fed,
@@ -1134,6 +1132,55 @@ static void fail_in_batch(srv_sched *s, struct run *r, int err)
     }
 }
 
+/*
+ * Reserve the batch's slots, taking out the sequences that cannot have
+ * theirs: the one whose context is full (or whose batch entry is bad), or,
+ * when the pool is short, the most recently admitted sequence, which
+ * yields to the older ones; each is failed or finished as fail_in_batch
+ * says. Fills each entry's `first`. Returns false when nothing is left.
+ */
+static bool reserve_batch(srv_sched *s, int *n)
+{
+    for (;;) {
+        for (int i = 0; i < *n; i++)
+            s->res[i] = (struct kv_reservation){.seq = s->batch[i].seq,
+                                                .tokens = s->batch[i].tokens,
+                                                .n_tokens = s->batch[i].n_tokens};
+        int failed = -1;
+        int rc = kv_reserve(s->res, *n, &failed);
+        if (rc == 0)
+            break;
+        int victim = failed >= 0 && failed < *n ? failed : *n - 1;
+        if (rc == -ENOMEM) {
+            /* the most recently admitted sequence of the batch yields */
+            victim = 0;
+            for (int i = 1; i < *n; i++)
+                if (s->batch_runs[i]->t_admit_ns >= s->batch_runs[victim]->t_admit_ns)
+                    victim = i;
+        }
+        struct run *r = s->batch_runs[victim];
+        srv_log(SRV_LOG_WARN, "request %" PRIu64 ": no room in the cache (%s)", r->req->id,
+                rc == -ENOSPC   ? "context full"
+                : rc == -ENOMEM ? "KV pool exhausted"
+                                : "error");
+        batch_remove(s, n, victim);
+        fail_in_batch(s, r, rc);
+        if (rc != -ENOSPC && rc != -ENOMEM) {
+            /* A bad batch is a bug in the engine: fail the whole batch. */
+            while (*n > 0) {
+                struct run *x = s->batch_runs[*n - 1];
+                batch_remove(s, n, *n - 1);
+                fail_in_batch(s, x, rc);
+            }
+        }
+        if (*n == 0)
+            return false;
+    }
+    for (int i = 0; i < *n; i++)
+        s->batch[i].first = s->res[i].first;
+    return true;
+}
+
 /* One engine step. Returns false when there was nothing to run. */
 static bool step(srv_sched *s, uint64_t t)
 {
@@ -1143,39 +1190,20 @@ static bool step(srv_sched *s, uint64_t t)
     if (n == 0)
         return false;
 
-    int rc;
-    for (;;) {
-        int failed = -1;
-        rc = model_forward(s->ctx, s->batch, n, &failed);
-        if (rc == 0)
-            break;
-        /* Take the culprit out (or, for a pool shortage, the youngest
-         * sequence) and run the rest. */
-        int victim = failed >= 0 && failed < n ? failed : n - 1;
-        if (rc == -ENOMEM) {
-            /* the most recently admitted sequence of the batch yields */
-            victim = 0;
-            for (int i = 1; i < n; i++)
-                if (s->batch_runs[i]->t_admit_ns >= s->batch_runs[victim]->t_admit_ns)
-                    victim = i;
+    if (!reserve_batch(s, &n))
+        return true;
+    int rc = model_forward(s->ctx, s->batch, n);
+    if (rc) {
+        /* A failed pass is a bug or a kernel error: take the slots back
+         * and fail the whole batch. */
+        kv_reserve_undo(s->res, n);
+        srv_log(SRV_LOG_WARN, "forward failed (%d): failing the batch", rc);
+        while (n > 0) {
+            struct run *x = s->batch_runs[n - 1];
+            batch_remove(s, &n, n - 1);
+            fail_in_batch(s, x, rc);
         }
-        struct run *r = s->batch_runs[victim];
-        srv_log(SRV_LOG_WARN, "request %" PRIu64 ": forward failed (%s)", r->req->id,
-                rc == -ENOSPC   ? "context full"
-                : rc == -ENOMEM ? "KV pool exhausted"
-                                : "error");
-        batch_remove(s, &n, victim);
-        fail_in_batch(s, r, rc);
-        if (rc != -ENOSPC && rc != -ENOMEM) {
-            /* A bad batch is a bug in the engine: fail the whole batch. */
-            while (n > 0) {
-                struct run *x = s->batch_runs[n - 1];
-                batch_remove(s, &n, n - 1);
-                fail_in_batch(s, x, rc);
-            }
-        }
-        if (n == 0)
-            return true;
+        return true;
     }
 
     int batch_tokens = 0;
@@ -1382,6 +1410,7 @@ srv_sched *srv_sched_create(const struct srv_sched_params *p, char *err, size_t 
      * the most any reload may allow (step_tokens bounds max_running). */
     s->batch_cap = max_step;
     s->batch = xcalloc((size_t)s->batch_cap, sizeof(*s->batch));
+    s->res = xcalloc((size_t)s->batch_cap, sizeof(*s->res));
     s->batch_runs = xcalloc((size_t)s->batch_cap, sizeof(*s->batch_runs));
     atomic_init(&s->ready_model, NULL);
     pthread_mutex_init(&s->in_mu, NULL);
@@ -1430,6 +1459,7 @@ void srv_sched_destroy(srv_sched *s)
         srv_event_free(ev);
     }
     free(s->batch);
+    free(s->res);
     free(s->batch_runs);
     free(s->eog);
     pthread_mutex_destroy(&s->in_mu);

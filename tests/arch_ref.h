@@ -163,7 +163,7 @@ AR_FN void logit_health(const char *path, double *sd, double *top)
     fill_tokens(t, 64, nv, 1);
     float *lg = malloc(sizeof(float) * nv);
     struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 64, .logits = lg};
-    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     double s = 0, s2 = 0, mx = -1e30;
     for (int i = 0; i < nv; i++) {
         assert_true(isfinite(lg[i]));
@@ -856,7 +856,7 @@ AR_FN float check_against_reference(const char *path, enum kv_type kvt, int thre
                                             .tokens = toks[s] + fed[s],
                                             .n_tokens = plan[step][s],
                                             .logits = step == 1 && s == 1 ? NULL : lg + s * nv};
-        assert_int_equal(model_forward(ctx, b, NS, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, b, NS, NULL), 0);
         for (int s = 0; s < NS; s++) {
             const int32_t *pos = kv_seq_positions(seq[s]);
             for (int i = 0; i < plan[step][s]; i++) {
@@ -926,7 +926,7 @@ AR_FN float evict_vs_reference(const char *path, bool renumber, enum kv_type kvt
     uint32_t st = seed;
     for (int fed = 0; fed < steps; fed++) {
         struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = lg};
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         int n = kv_seq_n_tokens(seq);
         const int32_t *hidx = kv_seq_hist_index(seq);
         const int32_t *pos = kv_seq_positions(seq);

@@ -166,7 +166,7 @@ static float logits_of(const char *path, float *lg)
     int32_t t[24];
     fill_tokens(t, 24, m->n_vocab, 5);
     struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 24, .logits = lg};
-    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     float mx = max_abs(lg, m->n_vocab);
     model_ctx_destroy(ctx);
     kv_seq_destroy(seq);
@@ -285,7 +285,7 @@ static void fresh_with_gap(model_ctx *ctx, kv_cache *cache, const int32_t *toks,
     struct kv_policy pol = sink_window(false);
     kv_seq *seq = make_seq(cache, &pol);
     struct model_batch_seq b = {.seq = seq, .tokens = toks, .n_tokens = s};
-    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     int32_t ids[16];
     for (int i = 0; i < 16; i++)
         ids[i] = 3 + i;
@@ -300,7 +300,7 @@ static void fresh_with_gap(model_ctx *ctx, kv_cache *cache, const int32_t *toks,
     assert_int_equal(kv_seq_next_pos(seq), p);
     b = (struct model_batch_seq){
         .seq = seq, .tokens = toks + s, .n_tokens = n - s, .logits = logits};
-    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     const int32_t *pos = kv_seq_positions(seq);
     for (int j = 0; j < n; j++)
         assert_int_equal(pos[j], j < s ? j : p + j - s);
@@ -329,7 +329,7 @@ static struct evict1 evict_one_layer(const char *path, bool renumber)
     float *lg = malloc(sizeof(float) * nv), *fr = malloc(sizeof(float) * nv);
     float *ref = malloc(sizeof(float) * nv);
     struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 20, .logits = lg};
-    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     struct evict1 e = {.min_other = INFINITY};
     int32_t pos0[32];
     for (int j = 0; j < 32; j++)
@@ -337,7 +337,7 @@ static struct evict1 evict_one_layer(const char *path, bool renumber)
     for (int i = 20; i < 100; i++) {
         b.tokens = t + i;
         b.n_tokens = 1;
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         int n = kv_seq_n_tokens(seq);
         const int32_t *pos = kv_seq_positions(seq);
         const int32_t *toks = kv_seq_tokens(seq);
@@ -350,7 +350,7 @@ static struct evict1 evict_one_layer(const char *path, bool renumber)
                                                                 .max_cache_tokens = 32,
                                                                 .renumber = true});
             struct model_batch_seq f = {.seq = fresh, .tokens = toks, .n_tokens = n, .logits = fr};
-            assert_int_equal(model_forward(ctx, &f, 1, NULL), 0);
+            assert_int_equal(model_reserve_forward(ctx, &f, 1, NULL), 0);
             float d = rel_diff(lg, fr, nv);
             e.worst_fresh = d > e.worst_fresh ? d : e.worst_fresh;
             kv_seq_destroy(fresh);
@@ -519,8 +519,8 @@ static void test_translation_invariance(void **state)
                     .seq = a, .tokens = t + from, .n_tokens = n, .logits = l0};
                 struct model_batch_seq bb = {
                     .seq = b, .tokens = t + from, .n_tokens = n, .logits = l1};
-                assert_int_equal(model_forward(ctx, &ba, 1, NULL), 0);
-                assert_int_equal(model_forward(ctx, &bb, 1, NULL), 0);
+                assert_int_equal(model_reserve_forward(ctx, &ba, 1, NULL), 0);
+                assert_int_equal(model_reserve_forward(ctx, &bb, 1, NULL), 0);
                 int nb = kv_seq_n_tokens(b);
                 assert_int_equal(kv_seq_positions(b)[0], c);
                 assert_int_equal(kv_seq_positions(b)[nb - 1], c + nb - 1);
@@ -593,11 +593,11 @@ static void test_t5_sign(void **state)
         kv_seq *seq = make_seq(cache, &h2o);
         if (way == 0) {
             struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 2};
-            assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+            assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         } else {
             for (int i = 0; i < 2; i++) {
                 struct model_batch_seq b = {.seq = seq, .tokens = t + i, .n_tokens = 1};
-                assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+                assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
             }
         }
         const float *mass = kv_seq_mass(seq);
@@ -699,9 +699,9 @@ static void test_no_materialised_bias(void **state)
         bool peak_ok = reset_peak_rss();
         long rss0 = proc_status_kb("VmRSS");
         struct model_batch_seq b = {.seq = seq, .tokens = chunk, .n_tokens = CHUNK, .logits = lg};
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         b = (struct model_batch_seq){.seq = seq, .tokens = chunk, .n_tokens = 1, .logits = lg};
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         long hwm = proc_status_kb("VmHWM");
         size_t attn1 = model_ctx_attn_bytes(ctx), all = model_ctx_bytes(ctx);
         for (int i = 0; i < m->n_vocab; i++)

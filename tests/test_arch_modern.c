@@ -153,7 +153,7 @@ static void test_parts_matter(void **state)
             model_ctx *ctx = make_ctx(ms[j], 40, 1);
             struct model_batch_seq bs = {
                 .seq = seq, .tokens = toks, .n_tokens = 40, .logits = ls[j]};
-            assert_int_equal(model_forward(ctx, &bs, 1, NULL), 0);
+            assert_int_equal(model_reserve_forward(ctx, &bs, 1, NULL), 0);
             model_ctx_destroy(ctx);
             kv_seq_destroy(seq);
             kv_cache_destroy(cache);

@@ -712,6 +712,74 @@ static void test_memory_for(void **state)
     assert_int_equal(kv_cache_memory_for(&p, INT64_MAX / 2), 0);
 }
 
+/*
+ * kv_reserve: one step's slots for a batch, all or nothing. A full context
+ * is found before anything changes; a pool shortage takes back what the
+ * earlier sequences of the batch reserved; undo takes back a success.
+ */
+static void test_reserve_all_or_nothing(void **state)
+{
+    (void)state;
+    /* 4 pages of 4 tokens. */
+    kv_cache *c = make_cache(4 * 4 * 2 * 1 * 1 * 8 * 4, 4, 1, 1, 8, KV_F32);
+    assert_int_equal(kv_cache_n_pages(c), 4);
+    struct kv_policy big = none_policy(64), small = none_policy(8);
+    char err[256];
+    kv_seq *a = kv_seq_create(c, &big, false, err, sizeof(err));
+    kv_seq *b = kv_seq_create(c, &small, false, err, sizeof(err));
+    assert_non_null(a);
+    assert_non_null(b);
+    int32_t t[16] = {0};
+    for (int i = 0; i < 16; i++)
+        t[i] = i;
+
+    struct kv_reservation r[2] = {{.seq = a, .tokens = t, .n_tokens = 3},
+                                  {.seq = b, .tokens = t, .n_tokens = 2}};
+    assert_int_equal(kv_reserve(r, 2, NULL), 0);
+    assert_int_equal(r[0].first, 0);
+    assert_int_equal(r[1].first, 0);
+    assert_int_equal(kv_seq_n_tokens(a), 3);
+    assert_int_equal(kv_seq_n_tokens(b), 2);
+
+    /* b's context (8 under none) cannot take 7 more: refused first, a untouched. */
+    int failed = -1;
+    r[0].n_tokens = 1;
+    r[1].n_tokens = 7;
+    assert_int_equal(kv_reserve(r, 2, &failed), -ENOSPC);
+    assert_int_equal(failed, 1);
+    assert_int_equal(kv_seq_n_tokens(a), 3);
+    assert_int_equal(kv_seq_n_tokens(b), 2);
+
+    /* The pool: a takes 9 more (3 pages in all), b then needs a 3rd page
+     * that is not there: a's 9 are taken back. */
+    r[0].n_tokens = 9;
+    r[1].n_tokens = 3;
+    failed = -1;
+    assert_int_equal(kv_reserve(r, 2, &failed), -ENOMEM);
+    assert_int_equal(failed, 1);
+    assert_int_equal(kv_seq_n_tokens(a), 3);
+    assert_int_equal(kv_seq_n_tokens(b), 2);
+    assert_int_equal(kv_cache_check(c, err, sizeof(err)), 0);
+
+    /* Undo after a success (the forward pass failed). */
+    r[0].n_tokens = 2;
+    r[1].n_tokens = 1;
+    assert_int_equal(kv_reserve(r, 2, NULL), 0);
+    assert_int_equal(r[0].first, 3);
+    assert_int_equal(r[1].first, 2);
+    kv_reserve_undo(r, 2);
+    assert_int_equal(kv_seq_n_tokens(a), 3);
+    assert_int_equal(kv_seq_n_tokens(b), 2);
+    assert_int_equal(kv_cache_check(c, err, sizeof(err)), 0);
+
+    r[1].n_tokens = 0;
+    assert_int_equal(kv_reserve(r, 2, &failed), -EINVAL);
+    assert_int_equal(failed, 1);
+    kv_seq_destroy(a);
+    kv_seq_destroy(b);
+    kv_cache_destroy(c);
+}
+
 static void test_append_basic(void **state)
 {
     (void)state;
@@ -1944,6 +2012,7 @@ int main(void)
         cmocka_unit_test(test_policy_check),
         cmocka_unit_test(test_policy_budget),
         cmocka_unit_test(test_memory_for),
+        cmocka_unit_test(test_reserve_all_or_nothing),
         cmocka_unit_test(test_append_basic),
         cmocka_unit_test(test_none_refuses),
         cmocka_unit_test(test_sink_window_pages),

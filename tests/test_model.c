@@ -242,7 +242,7 @@ static void test_forward_thread_invariant(void **state)
                 int n = to - done < 64 ? to - done : 64;
                 struct model_batch_seq b = {.seq = seq, .tokens = toks + done, .n_tokens = n,
                                             .logits = threads == 1 ? base[phase] : lg};
-                assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+                assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
                 done += n;
             }
             if (threads == 1)
@@ -286,14 +286,14 @@ static void test_forward_errors(void **state)
 
     struct model_batch_seq b[2] = {{.seq = a, .tokens = t, .n_tokens = 3, .logits = lg},
                                    {.seq = full, .tokens = t, .n_tokens = 6, .logits = NULL}};
-    assert_int_equal(model_forward(ctx, b, 2, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, b, 2, NULL), 0);
     assert_int_equal(kv_seq_n_tokens(a), 3);
     assert_int_equal(kv_seq_n_tokens(full), 6);
 
     /* -ENOSPC: the second sequence would pass its budget of 8. */
     b[1].n_tokens = 3;
     int failed = -1;
-    assert_int_equal(model_forward(ctx, b, 2, &failed), -ENOSPC);
+    assert_int_equal(model_reserve_forward(ctx, b, 2, &failed), -ENOSPC);
     assert_int_equal(failed, 1);
     assert_int_equal(kv_seq_n_tokens(a), 3);
     assert_int_equal(kv_seq_n_tokens(full), 6);
@@ -301,24 +301,34 @@ static void test_forward_errors(void **state)
     /* -EINVAL: token outside the vocabulary; too many tokens; a sequence twice. */
     int32_t bad = nv;
     struct model_batch_seq e1 = {.seq = a, .tokens = &bad, .n_tokens = 1};
-    assert_int_equal(model_forward(ctx, &e1, 1, NULL), -EINVAL);
+    assert_int_equal(model_reserve_forward(ctx, &e1, 1, NULL), -EINVAL);
     struct model_batch_seq e2 = {.seq = a, .tokens = t, .n_tokens = 17};
-    assert_int_equal(model_forward(ctx, &e2, 1, NULL), -EINVAL);
+    assert_int_equal(model_reserve_forward(ctx, &e2, 1, NULL), -EINVAL);
     struct model_batch_seq e3[2] = {{.seq = a, .tokens = t, .n_tokens = 1},
                                     {.seq = a, .tokens = t, .n_tokens = 1}};
-    assert_int_equal(model_forward(ctx, e3, 2, NULL), -EINVAL);
+    assert_int_equal(model_reserve_forward(ctx, e3, 2, NULL), -EINVAL);
     struct model_batch_seq e4 = {.seq = a, .tokens = t, .n_tokens = 0};
-    assert_int_equal(model_forward(ctx, &e4, 1, NULL), -EINVAL);
+    assert_int_equal(model_reserve_forward(ctx, &e4, 1, NULL), -EINVAL);
+    assert_int_equal(kv_seq_n_tokens(a), 3);
+
+    /* The pass itself writes only into reserved slots: slots that are not
+     * these tokens' (never reserved, or another token's) are refused, and
+     * nothing is appended. */
+    struct model_batch_seq u = {.seq = a, .tokens = t, .n_tokens = 1, .first = 3};
+    assert_int_equal(model_forward(ctx, &u, 1), -EINVAL);
+    u.first = 0;
+    u.tokens = &t[1]; /* slot 0 holds t[0] */
+    assert_int_equal(model_forward(ctx, &u, 1), -EINVAL);
     assert_int_equal(kv_seq_n_tokens(a), 3);
 
     /* The sequence still continues exactly as a fresh one would. */
     b[0].tokens = t + 3;
     b[0].n_tokens = 2;
-    assert_int_equal(model_forward(ctx, b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, b, 1, NULL), 0);
     kv_seq *fresh = make_seq(cache, &big);
     float *lg2 = malloc(sizeof(float) * nv);
     struct model_batch_seq f = {.seq = fresh, .tokens = t, .n_tokens = 5, .logits = lg2};
-    assert_int_equal(model_forward(ctx, &f, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &f, 1, NULL), 0);
     assert_true(max_abs_diff(lg, lg2, nv) < 1e-4f * max_abs(lg2, nv));
 
     /* A cache shaped for another model is refused. */
@@ -329,7 +339,7 @@ static void test_forward_errors(void **state)
     model *m3 = load_model(path2);
     model_ctx *ctx3 = make_ctx(m3, 4, 1);
     struct model_batch_seq g = {.seq = a, .tokens = t, .n_tokens = 1};
-    assert_int_equal(model_forward(ctx3, &g, 1, NULL), -EINVAL);
+    assert_int_equal(model_reserve_forward(ctx3, &g, 1, NULL), -EINVAL);
     assert_int_equal(kv_seq_n_tokens(a), 5);
     model_ctx_destroy(ctx3);
     model_free(m3);
@@ -369,13 +379,13 @@ static void test_forward_lru_drop(void **state)
     fill_tokens(t, 32, nv, 13);
     float *lg = malloc(sizeof(float) * nv), *fr = malloc(sizeof(float) * nv);
     struct model_batch_seq one = {.seq = a, .tokens = t, .n_tokens = 4};
-    assert_int_equal(model_forward(ctx, &one, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &one, 1, NULL), 0);
 
     /* A takes a second page, then B's 20 tokens need the pages A holds. */
     struct model_batch_seq batch[2] = {{.seq = a, .tokens = t + 4, .n_tokens = 1},
                                        {.seq = b, .tokens = t, .n_tokens = 20}};
     int failed = -1;
-    assert_int_equal(model_forward(ctx, batch, 2, &failed), -ENOMEM);
+    assert_int_equal(model_reserve_forward(ctx, batch, 2, &failed), -ENOMEM);
     assert_int_equal(failed, 0);
     assert_true(kv_seq_dropped(a));
     assert_int_equal(kv_seq_n_tokens(b), 0);
@@ -383,10 +393,10 @@ static void test_forward_lru_drop(void **state)
 
     /* The dropped session starts over and computes what a fresh one does. */
     one = (struct model_batch_seq){.seq = a, .tokens = t, .n_tokens = 6, .logits = lg};
-    assert_int_equal(model_forward(ctx, &one, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &one, 1, NULL), 0);
     assert_int_equal(kv_seq_n_tokens(a), 6);
     one = (struct model_batch_seq){.seq = b, .tokens = t, .n_tokens = 6, .logits = fr};
-    assert_int_equal(model_forward(ctx, &one, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &one, 1, NULL), 0);
     assert_memory_equal(lg, fr, sizeof(float) * nv);
     free(lg);
     free(fr);
@@ -411,7 +421,7 @@ static void test_forward_h2o_mass(void **state)
     int32_t t[48];
     fill_tokens(t, 48, m->n_vocab, 3);
     struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 10};
-    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     /* Each query's probabilities sum to 1 per head and layer. */
     const float *mass = kv_seq_mass(seq);
     double sum = 0;
@@ -424,7 +434,7 @@ static void test_forward_h2o_mass(void **state)
     for (int i = 10; i < 48; i++) {
         b.tokens = t + i;
         b.n_tokens = 1;
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     }
     assert_true(kv_seq_n_tokens(seq) <= 32);
 
@@ -436,8 +446,8 @@ static void test_forward_h2o_mass(void **state)
     float *l1 = malloc(sizeof(float) * m->n_vocab), *l2 = malloc(sizeof(float) * m->n_vocab);
     struct model_batch_seq hb[2] = {{.seq = h, .tokens = t, .n_tokens = 12, .logits = l1},
                                     {.seq = plain, .tokens = t, .n_tokens = 12, .logits = l2}};
-    assert_int_equal(model_forward(ctx, hb, 1, NULL), 0);
-    assert_int_equal(model_forward(ctx, hb + 1, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, hb, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, hb + 1, 1, NULL), 0);
     assert_true(max_abs_diff(l1, l2, m->n_vocab) <= 1e-5f * max_abs(l2, m->n_vocab));
     free(l1);
     free(l2);
@@ -476,13 +486,13 @@ static void test_evict_one_layer_equals_fresh(void **state)
     fill_tokens(t, 120, nv, 11);
     float *lg = malloc(sizeof(float) * nv), *fr = malloc(sizeof(float) * nv);
     struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 20, .logits = lg};
-    assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
     int checks = 0;
     float worst = 0;
     for (int i = 20; i < 120; i++) {
         b.tokens = t + i;
         b.n_tokens = 1;
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         int n = kv_seq_n_tokens(seq);
         const int32_t *pos = kv_seq_positions(seq);
         for (int j = 0; j < n; j++)
@@ -495,7 +505,7 @@ static void test_evict_one_layer_equals_fresh(void **state)
                                                             .renumber = true});
         struct model_batch_seq f = {.seq = fresh, .tokens = kv_seq_tokens(seq), .n_tokens = n,
                                     .logits = fr};
-        assert_int_equal(model_forward(ctx, &f, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &f, 1, NULL), 0);
         float e = max_abs_diff(lg, fr, nv) / max_abs(fr, nv);
         worst = e > worst ? e : worst;
         kv_seq_destroy(fresh);
@@ -555,7 +565,7 @@ static struct drift evict_vs_rerotating(const char *path, enum kv_type kvt, int 
     struct kv_stats ks = {0};
     while ((int)ks.evictions < target) {
         struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = lg};
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         int n = kv_seq_n_tokens(seq);
         const int32_t *hidx = kv_seq_hist_index(seq);
         const int32_t *pos = kv_seq_positions(seq);
@@ -717,7 +727,7 @@ static void greedy(model *m, const char *prompt, int n_gen, int n_batch, int pre
         for (int s = 0; s < n_batch; s++)
             b[s] = (struct model_batch_seq){.seq = seq[s], .tokens = ptoks + done, .n_tokens = n,
                                             .logits = lg + s * nv};
-        assert_int_equal(model_forward(ctx, b, n_batch, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, b, n_batch, NULL), 0);
     }
     for (int g = 0; g < n_gen; g++) {
         for (int s = 0; s < n_batch; s++) {
@@ -726,7 +736,7 @@ static void greedy(model *m, const char *prompt, int n_gen, int n_batch, int pre
             b[s] = (struct model_batch_seq){.seq = seq[s], .tokens = &cur[s], .n_tokens = 1,
                                             .logits = lg + s * nv};
         }
-        assert_int_equal(model_forward(ctx, b, n_batch, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, b, n_batch, NULL), 0);
     }
     for (int s = 1; s < n_batch; s++)
         assert_memory_equal(gen[0], gen[s], sizeof(int32_t) * n_gen);
@@ -841,11 +851,11 @@ static void test_stories_ctx128_identical(void **state)
         lg[k][0] = malloc(sizeof(float) * nv);
         lg[k][1] = malloc(sizeof(float) * nv);
         struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 190, .logits = lg[k][0]};
-        assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         for (int i = 190; i < 200; i++) {
             b = (struct model_batch_seq){.seq = seq, .tokens = t + i, .n_tokens = 1,
                                          .logits = lg[k][1]};
-            assert_int_equal(model_forward(ctx, &b, 1, NULL), 0);
+            assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         }
         model_ctx_destroy(ctx);
         kv_seq_destroy(seq);

@@ -201,7 +201,7 @@ static int run_case_typed(const model *m, int ctx, int chunk, int n_decode, enum
     /* One token first: faults the weights in and starts the threads. */
     int32_t tok = 3;
     struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = logits};
-    if (model_forward(mc, &b, 1, NULL))
+    if (model_reserve_forward(mc, &b, 1, NULL))
         goto out;
     /* Prefill: the better of two chunks in a row (the second sees chunk
      * more tokens of context, a small difference against ctx). */
@@ -210,7 +210,7 @@ static int run_case_typed(const model *m, int ctx, int chunk, int n_decode, enum
         double t0 = now_s();
         b = (struct model_batch_seq){.seq = seq, .tokens = toks, .n_tokens = chunk,
                                      .logits = logits};
-        if (model_forward(mc, &b, 1, NULL))
+        if (model_reserve_forward(mc, &b, 1, NULL))
             goto out;
         double t = now_s() - t0;
         best_prefill = t < best_prefill ? t : best_prefill;
@@ -228,7 +228,7 @@ static int run_case_typed(const model *m, int ctx, int chunk, int n_decode, enum
         /* (decode reads the cache as it grows; kv_avg below is the middle) */
         b = (struct model_batch_seq){.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = logits};
         double ts = now_s();
-        if (model_forward(mc, &b, 1, NULL)) {
+        if (model_reserve_forward(mc, &b, 1, NULL)) {
             free(dt);
             goto out;
         }
