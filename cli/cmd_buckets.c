@@ -85,8 +85,7 @@ static int parse_opts(int argc, char **argv, struct buckets_opts *o)
             o->bidirectional = true;
             i++;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            buckets_usage(stdout);
-            exit(0);
+            return 1; /* help: the caller prints it and succeeds */
         } else {
             fprintf(stderr, "kvd buckets: unknown option '%s'\n", argv[i]);
             return -1;
@@ -175,7 +174,12 @@ static void print_table(const struct buckets_opts *o)
 int srv_cmd_buckets(int argc, char **argv)
 {
     struct buckets_opts o;
-    if (parse_opts(argc, argv, &o))
+    int prc = parse_opts(argc, argv, &o);
+    if (prc > 0) {
+        buckets_usage(stdout);
+        return 0;
+    }
+    if (prc)
         return 2;
     char err[256];
     if (pos_t5_check(o.num_buckets, o.max_distance, o.bidirectional, err, sizeof(err))) {

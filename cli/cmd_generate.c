@@ -190,8 +190,7 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
             o->echo = false;
             i++;
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            generate_usage(stdout);
-            exit(0);
+            return 1; /* help: the caller prints it and succeeds */
         } else {
             fprintf(stderr, "kvd generate: unknown option '%s'\n", argv[i]);
             generate_usage(stderr);
@@ -242,7 +241,12 @@ static void emit(const char *s, int n)
 int srv_cmd_generate(int argc, char **argv)
 {
     struct gen_opts o;
-    if (parse_opts(argc, argv, &o))
+    int prc = parse_opts(argc, argv, &o);
+    if (prc > 0) {
+        generate_usage(stdout);
+        return 0;
+    }
+    if (prc)
         return 2;
     if (!o.model) {
         if (ensure_default_model())

@@ -231,13 +231,14 @@ static void log_eviction(const char *when, const struct cfg *c)
 
 /*
  * The memory rule needs the model's KV bytes per token. Load the model
- * (header, tensor table, tokenizer; the weights stay mapped and untouched),
- * take the shape the cache will get, free it; the engine loads it again
- * once the socket listens. Returns 0; 1 when the model cannot be loaded;
+ * (header, tensor table, tokenizer; the weights stay mapped and untouched)
+ * and take the shape the cache will get; the model then goes to the engine
+ * (*loaded, for sched.loaded), which does not load it again. Returns 0; 1
+ * when the model cannot be loaded;
  * 2 when the pool cannot hold one sequence at its full budget. Errors are
  * printed.
  */
-static int check_model_memory(struct serve_state *st, struct cfg_errors *errs)
+static int check_model_memory(struct serve_state *st, struct cfg_errors *errs, model **loaded)
 {
     const struct cfg *c = &st->running;
     struct model_params mp = {
@@ -267,7 +268,7 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs)
     struct kv_cache_params shape = {.k_type = srv_cfg_kv_type(cfg_k_type(c)),
                                     .v_type = srv_cfg_kv_type(cfg_v_type(c))};
     model_kv_shape(m, &shape);
-    model_free(m);
+    *loaded = m;
     st->kv_bytes_per_token = kv_cache_token_bytes(&shape);
     if (!st->kv_bytes_per_token) { /* a block type the head size cannot take */
         fprintf(stderr,
@@ -425,9 +426,11 @@ int srv_cmd_serve(int argc, char **argv)
                 errno == ENOENT ? " (make one with `kvd mkmodel`, or pass --model FILE)" : "");
         goto out;
     }
-    status = check_model_memory(st, errs);
-    if (status != 0)
+    status = check_model_memory(st, errs, &sc->sched.loaded);
+    if (status != 0) {
+        model_free(sc->sched.loaded);
         goto out;
+    }
     log_eviction("in effect", &st->running);
     sc->sched.max_step_tokens = sc->sched.limits.step_tokens;
     if (config)

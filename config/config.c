@@ -271,7 +271,7 @@ static const struct key_def keys[CFG_N_KEYS] = {
             "cap on a request's max_tokens, and its value when the request omits it"),
     [CFG_LIMITS_QUEUE_LENGTH] =
         INT("limits", "queue_length", limits.queue_length, "64", 0, 65536, "requests", LIVE,
-            "requests waiting for a batch slot; beyond it, 503; 0 = no waiting"),
+            "requests waiting for a batch slot; beyond it, 429 with Retry-After; 0 = no waiting"),
     [CFG_LIMITS_MAX_RUNNING] =
         INT("limits", "max_running", limits.max_running, "8", 1, 1024, "sequences", LIVE,
             "sequences decoded together in one engine batch"),

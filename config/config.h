@@ -183,7 +183,7 @@ struct cfg_limits {
     uint64_t write_buffer;      /* stream bytes left unread before generation pauses */
     int64_t max_prompt_tokens;  /* prompts longer than this are rejected (400) */
     int64_t max_tokens;         /* cap on a request's max_tokens */
-    int64_t queue_length;       /* requests waiting for a slot; beyond it, 503 */
+    int64_t queue_length;       /* requests waiting for a slot; beyond it, 429 */
     int64_t max_running;        /* sequences in one engine batch */
     int64_t step_tokens;        /* tokens per engine step (prefill chunks + decodes) */
 };

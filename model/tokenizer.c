@@ -633,10 +633,6 @@ int32_t tok_eos(const tok_vocab *v)
 {
     return v->eos;
 }
-int32_t tok_unk(const tok_vocab *v)
-{
-    return v->unk;
-}
 bool tok_add_bos(const tok_vocab *v)
 {
     return v->add_bos;
@@ -652,10 +648,6 @@ const char *tok_pre_name(const tok_vocab *v)
 const char *tok_warning(const tok_vocab *v)
 {
     return v->warning[0] ? v->warning : NULL;
-}
-size_t tok_max_piece(const tok_vocab *v)
-{
-    return v->max_piece;
 }
 
 bool tok_is_eog(const tok_vocab *v, int32_t id)

@@ -96,7 +96,6 @@ enum tok_kind tok_get_kind(const tok_vocab *v);
 int tok_n_vocab(const tok_vocab *v);
 int32_t tok_bos(const tok_vocab *v); /* -1 if the vocabulary has none */
 int32_t tok_eos(const tok_vocab *v); /* -1 if none */
-int32_t tok_unk(const tok_vocab *v); /* -1 if none */
 /* Whether prompts should start with BOS (tokenizer.ggml.add_bos_token;
  * default true for llama, false for gpt2) and BOS exists. */
 bool tok_add_bos(const tok_vocab *v);
@@ -168,8 +167,6 @@ int tok_split_words(const tok_vocab *v, const char *text, size_t len, size_t *st
  */
 int tok_piece(const tok_vocab *v, int32_t id, char *buf, size_t cap);
 
-/* Longest piece of any token, in bytes. */
-size_t tok_max_piece(const tok_vocab *v);
 
 /*
  * Streaming decoder state, in storage the caller provides (tok_stream_init,

@@ -46,6 +46,7 @@
 
 #include "server/api.h"
 #include "server/chat_template.h"
+#include "server/errors.h"
 #include "server/log.h"
 
 /* Compact output; 15 significant digits print 0.95f's double as 0.95. */
@@ -124,85 +125,6 @@ struct srv_api {
  * Errors and responses
  * ------------------------------------------------------------------------ */
 
-static const char *error_type(int status)
-{
-    switch (status) {
-    case 401:
-        return "authentication_error";
-    case 403:
-        return "permission_error";
-    case 404:
-        return "not_found_error";
-    case 408:
-        return "timeout_error";
-    case 409:
-        return "conflict_error";
-    case 429:
-        return "rate_limit_error";
-    case 500:
-        return "server_error";
-    case 503:
-        return "unavailable_error";
-    default:
-        return status >= 500 ? "server_error" : "invalid_request_error";
-    }
-}
-
-static const char *error_code(int status)
-{
-    switch (status) {
-    case 400:
-        return "invalid_request";
-    case 401:
-        return "invalid_api_key";
-    case 404:
-        return "not_found";
-    case 405:
-        return "method_not_allowed";
-    case 408:
-        return "request_timeout";
-    case 409:
-        return "session_busy";
-    case 413:
-        return "body_too_large";
-    case 414:
-        return "url_too_long";
-    case 429:
-        return "queue_full";
-    case 431:
-        return "headers_too_large";
-    case 503:
-        return "unavailable";
-    default:
-        return status >= 500 ? "server_error" : "invalid_request";
-    }
-}
-
-static char *error_json_code(int status, const char *message, const char *param, const char *code,
-                             size_t *len)
-{
-    json_t *e =
-        json_pack("{s:{s:s, s:s, s:o, s:s}}", "error", "message", message ? message : "", "type",
-                  error_type(status), "param", param ? json_string(param) : json_null(), "code",
-                  code ? code : error_code(status));
-    char *s = e ? json_dumps(e, JSON_COMPACT) : NULL;
-    json_decref(e);
-    if (!s) {
-        /* The message was not valid UTF-8 (or memory ran out). */
-        static const char fallback[] =
-            "{\"error\":{\"message\":\"error\",\"type\":\"server_error\",\"param\":null,"
-            "\"code\":\"server_error\"}}";
-        s = strdup(fallback);
-    }
-    *len = s ? strlen(s) : 0;
-    return s;
-}
-
-char *srv_api_error_json(int status, const char *message, const char *param, size_t *len)
-{
-    return error_json_code(status, message, param, NULL, len);
-}
-
 /* Answer an error (logged at debug; the client made it). */
 static void api_error_code(srv_conn *c, int status, const char *param, const char *code,
                            const char *extra, const char *fmt, ...)
@@ -217,7 +139,7 @@ static void api_error_code(srv_conn *c, int status, const char *param, const cha
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
     size_t len = 0;
-    char *body = error_json_code(status, msg, param, code, &len);
+    char *body = srv_error_json(status, msg, param, code, &len);
     srv_log(SRV_LOG_DEBUG, "api: %d %s", status, msg);
     srv_http_respond(c, status, "application/json", extra ? extra : "", body ? body : "",
                      body ? len : 0);
@@ -300,6 +222,18 @@ __attribute__((format(printf, 4, 5))) static int fail(struct verr *e, const char
     va_start(ap, fmt);
     vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
     va_end(ap);
+    return -1;
+}
+
+/* Memory ran out while reading the request: 503, and the server lives on. */
+static int oom(struct verr *e, const char *what)
+{
+    if (e->status)
+        return -1;
+    e->status = 503;
+    e->param[0] = '\0';
+    e->code = "out_of_memory";
+    snprintf(e->msg, sizeof(e->msg), "out of memory %s; retry later", what);
     return -1;
 }
 
@@ -405,7 +339,8 @@ struct toks {
     int n, cap;
 };
 
-static void toks_push(struct toks *t, const int32_t *ids, int n)
+/* Append ids; -1 (nothing appended) when memory runs out. */
+static int toks_push(struct toks *t, const int32_t *ids, int n)
 {
     if (t->n + n > t->cap) {
         int cap = t->cap ? t->cap : 64;
@@ -413,12 +348,13 @@ static void toks_push(struct toks *t, const int32_t *ids, int n)
             cap *= 2;
         int32_t *p = realloc(t->v, sizeof(int32_t) * (size_t)cap);
         if (!p)
-            abort();
+            return -1;
         t->v = p;
         t->cap = cap;
     }
     memcpy(t->v + t->n, ids, sizeof(int32_t) * (size_t)n);
     t->n += n;
+    return 0;
 }
 
 static int tokenize_into(srv_api *a, const char *text, size_t len, bool bos, struct toks *t,
@@ -427,13 +363,13 @@ static int tokenize_into(srv_api *a, const char *text, size_t len, bool bos, str
     int cap = (int)(len < 64 ? 64 : len + 8);
     int32_t *buf = malloc(sizeof(int32_t) * (size_t)cap);
     if (!buf)
-        return fail(e, "prompt", NULL, "out of memory tokenizing the prompt");
+        return oom(e, "tokenizing the prompt");
     int n = model_tokenize(a->m, text, len, bos, buf, cap);
     if (n > cap) {
         int32_t *b2 = realloc(buf, sizeof(int32_t) * (size_t)n);
         if (!b2) {
             free(buf);
-            return fail(e, "prompt", NULL, "out of memory tokenizing the prompt");
+            return oom(e, "tokenizing the prompt");
         }
         buf = b2;
         n = model_tokenize(a->m, text, len, bos, buf, n);
@@ -442,9 +378,9 @@ static int tokenize_into(srv_api *a, const char *text, size_t len, bool bos, str
         free(buf);
         return fail(e, "prompt", "invalid_value", "the prompt cannot be tokenized (error %d)", n);
     }
-    toks_push(t, buf, n);
+    int rc = toks_push(t, buf, n);
     free(buf);
-    return 0;
+    return rc ? oom(e, "reading the prompt") : 0;
 }
 
 static int push_token(srv_api *a, json_t *v, const char *param, struct toks *t, struct verr *e)
@@ -458,8 +394,7 @@ static int push_token(srv_api *a, json_t *v, const char *param, struct toks *t, 
         return fail(e, param, "invalid_token", "token id %lld is outside the vocabulary (0..%d)",
                     id, a->info.n_vocab - 1);
     int32_t x = (int32_t)id;
-    toks_push(t, &x, 1);
-    return 0;
+    return toks_push(t, &x, 1) ? oom(e, "reading the prompt") : 0;
 }
 
 /*
@@ -564,7 +499,7 @@ static int parse_stop(json_t *body, struct srv_req *r, struct verr *e)
                     MAX_STOP);
     r->stop = calloc(n ? n : 1, sizeof(char *));
     if (!r->stop)
-        abort();
+        return oom(e, "reading 'stop'");
     for (size_t i = 0; i < n; i++) {
         json_t *v = one ? one : json_array_get(s, i);
         if (!json_is_string(v))
@@ -577,7 +512,7 @@ static int parse_stop(json_t *body, struct srv_req *r, struct verr *e)
                         "stop strings must be 1..%d bytes without NUL characters", MAX_STOP_BYTES);
         r->stop[r->n_stop] = strdup(json_string_value(v));
         if (!r->stop[r->n_stop])
-            abort();
+            return oom(e, "reading 'stop'");
         r->n_stop++;
     }
     return 0;
@@ -642,7 +577,7 @@ static void parse_session(srv_api *a, json_t *body, const char *hdr, struct srv_
         sess = hdr;
     }
     if (sess && !e->status && (r->session = strdup(sess)) == NULL)
-        abort();
+        oom(e, "reading the session id");
 }
 
 /* Fields both shapes read the same way (hdr_session: the X-Session-Id
@@ -812,6 +747,10 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_se
                                     struct call *call, struct verr *e)
 {
     struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    if (!r) {
+        oom(e, "accepting the request");
+        return NULL;
+    }
     openai_sampling(a, r);
     const char *s;
     long long i;
@@ -851,6 +790,10 @@ static struct srv_req *parse_llama(srv_api *a, json_t *body, const char *hdr_ses
                                    struct call *call, struct verr *e)
 {
     struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    if (!r) {
+        oom(e, "accepting the request");
+        return NULL;
+    }
     model_sampling_defaults(&r->sampling); /* llama.cpp's defaults */
     r->sampling.seed = next_seed(a);
     long long i;
@@ -1134,6 +1077,10 @@ static struct srv_req *parse_chat(srv_api *a, json_t *body, const char *hdr_sess
                                   struct call *call, struct verr *e)
 {
     struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    if (!r) {
+        oom(e, "accepting the request");
+        return NULL;
+    }
     openai_sampling(a, r);
     r->max_tokens = a->p.default_max_tokens;
     call->max_tokens_given = field(body, "max_completion_tokens") || field(body, "max_tokens");
@@ -1230,6 +1177,23 @@ static void call_gone(void *owner)
         atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
 }
 
+/*
+ * Memory ran out assembling a non-streamed answer: answer 500 now (never a
+ * cut answer passed off as whole), stop the generation (the engine drops
+ * it at its next step, as for a client that left) and take no more text.
+ */
+static void call_out_of_memory(struct call *call)
+{
+    call->return_tokens = false;
+    if (call->req)
+        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+    if (call->conn) {
+        srv_conn *c = call->conn;
+        call->conn = NULL;
+        api_error_code(c, 500, NULL, "out_of_memory", NULL, "out of memory assembling the answer");
+    }
+}
+
 /* Backpressure from the connection: a reader that is behind pauses its
  * request's generation (the engine keeps its slot and cache). */
 static void call_pressure(void *owner, bool pause)
@@ -1246,7 +1210,7 @@ static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
 {
     struct call *call = calloc(1, sizeof(*call));
     if (!call)
-        abort();
+        return NULL;
     call->a = a;
     call->conn = c;
     call->kind = kind;
@@ -1589,9 +1553,12 @@ static void on_text(struct call *call, const struct srv_event *ev)
             call->cap_toks = call->cap_toks ? call->cap_toks * 2 : 64;
             while (call->cap_toks < call->n_toks + ev->n_tokens)
                 call->cap_toks *= 2;
-            call->toks = realloc(call->toks, sizeof(int32_t) * (size_t)call->cap_toks);
-            if (!call->toks)
-                abort();
+            int32_t *nt = realloc(call->toks, sizeof(int32_t) * (size_t)call->cap_toks);
+            if (!nt) {
+                call_out_of_memory(call);
+                return;
+            }
+            call->toks = nt;
         }
         memcpy(call->toks + call->n_toks, ev->tokens, sizeof(int32_t) * (size_t)ev->n_tokens);
         call->n_toks += ev->n_tokens;
@@ -1603,9 +1570,12 @@ static void on_text(struct call *call, const struct srv_event *ev)
             size_t cap = call->cap ? call->cap * 2 : 256;
             while (cap < call->len + ev->len + 1)
                 cap *= 2;
-            call->text = realloc(call->text, cap);
-            if (!call->text)
-                abort();
+            char *nt = realloc(call->text, cap);
+            if (!nt) {
+                call_out_of_memory(call);
+                return;
+            }
+            call->text = nt;
             call->cap = cap;
         }
         memcpy(call->text + call->len, ev->text, ev->len);
@@ -1857,7 +1827,7 @@ static void on_error(struct call *call, const struct srv_event *ev)
     }
     /* The stream has begun: the error is its last event. */
     size_t len = 0;
-    char *body = srv_api_error_json(ev->status, ev->message, NULL, &len);
+    char *body = srv_error_json(ev->status, ev->message, NULL, NULL, &len);
     if (body)
         sse_text(call, body, len);
     free(body);
@@ -1954,6 +1924,12 @@ static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req 
     if (!body)
         return;
     struct call *call = call_new(a, c, kind);
+    if (!call) {
+        json_decref(body);
+        api_error_code(c, 503, NULL, "out_of_memory", "Retry-After: 1\r\n",
+                       "out of memory accepting the request; retry later");
+        return;
+    }
     struct verr e = {0};
     const char *hdr = srv_http_header(req, "X-Session-Id");
     call->req = kind == CALL_LLAMA  ? parse_llama(a, body, hdr, call, &e)
@@ -1987,12 +1963,19 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
         return;
     }
     struct call *call = call_new(a, c, del ? CALL_SESSION_DELETE : CALL_SESSION_GET);
-    call->req = srv_req_new(del ? SRV_REQ_SESSION_DELETE : SRV_REQ_SESSION_INFO);
-    if (del)
+    if (call)
+        call->req = srv_req_new(del ? SRV_REQ_SESSION_DELETE : SRV_REQ_SESSION_INFO);
+    if (call && call->req)
+        call->req->session = strdup(id);
+    if (call && call->req && del)
         chat_sess_forget(a, id);
-    call->req->session = strdup(id);
-    if (!call->req->session)
-        abort();
+    if (!call || !call->req || !call->req->session) {
+        if (call)
+            call_free(call);
+        api_error_code(c, 503, NULL, "out_of_memory", "Retry-After: 1\r\n",
+                       "out of memory accepting the request; retry later");
+        return;
+    }
     call_submit(a, call);
 }
 

@@ -40,8 +40,4 @@ void srv_api_set_draining(srv_api *a, bool draining);
 int srv_api_in_flight(const srv_api *a);
 /* Cut every in-flight completion short (drain deadline). */
 void srv_api_abort_all(srv_api *a);
-/* An OpenAI-shaped error body (new, caller frees): {"error":{"message",
- * "type","param","code"}}; type and code follow from the status. */
-char *srv_api_error_json(int status, const char *message, const char *param, size_t *len);
-
 #endif /* KVD_SERVER_API_H */

@@ -220,6 +220,7 @@ int srv_serve_run(struct srv_serve_config *cfg)
     rc = uv_loop_init(&d.loop);
     if (rc < 0) {
         fprintf(stderr, "kvd serve: uv_loop_init: %s\n", uv_strerror(rc));
+        model_free(cfg->sched.loaded);
         return 1;
     }
     d.metrics = srv_metrics_create();

@@ -53,7 +53,7 @@
 #include <llhttp.h>
 #include <uv.h>
 
-#include "server/api.h"
+#include "server/errors.h"
 #include "server/http.h"
 #include "server/log.h"
 
@@ -797,7 +797,7 @@ static void conn_fail(srv_conn *c, int status, const char *msg)
     }
     c->close_after = true;
     size_t blen = 0;
-    char *body = srv_api_error_json(status, msg, NULL, &blen);
+    char *body = srv_error_json(status, msg, NULL, NULL, &blen);
     char head[512];
     int n = snprintf(head, sizeof(head),
                      "HTTP/1.1 %d %s\r\nServer: kvd\r\nContent-Type: application/json\r\n"
@@ -1135,11 +1135,6 @@ void srv_http_close(srv_http *h, void (*done)(void *ud), void *ud)
 void srv_http_destroy(srv_http *h)
 {
     free(h);
-}
-
-int srv_http_n_connections(const srv_http *h)
-{
-    return h->n_conns;
 }
 
 const char *srv_http_header(const struct srv_http_req *req, const char *name)

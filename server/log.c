@@ -27,17 +27,6 @@ void srv_log_setup(enum srv_log_level level, bool json)
     atomic_store(&log_json, json);
 }
 
-int srv_log_parse_level(const char *s, enum srv_log_level *out)
-{
-    for (int i = 0; i < 4; i++) {
-        if (!strcmp(s, level_names[i])) {
-            *out = (enum srv_log_level)i;
-            return 0;
-        }
-    }
-    return -1;
-}
-
 /* Append s to out as the inside of a JSON string. */
 static size_t json_escape(char *out, size_t cap, const char *s)
 {

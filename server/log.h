@@ -11,8 +11,6 @@ enum srv_log_level { SRV_LOG_DEBUG = 0, SRV_LOG_INFO, SRV_LOG_WARN, SRV_LOG_ERRO
 
 /* Set the threshold and the format (json: one JSON object per line). */
 void srv_log_setup(enum srv_log_level level, bool json);
-/* "debug" | "info" | "warn" | "error". Returns 0, or -1 with *out unchanged. */
-int srv_log_parse_level(const char *s, enum srv_log_level *out);
 /* Thread-safe: each call writes one whole line. */
 void srv_log(enum srv_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -186,7 +186,9 @@ static int64_t unix_ms(void)
 
 struct srv_req *srv_req_new(enum srv_req_kind kind)
 {
-    struct srv_req *r = xcalloc(1, sizeof(*r));
+    struct srv_req *r = calloc(1, sizeof(*r));
+    if (!r)
+        return NULL;
     r->kind = kind;
     r->stop_token = -1;
     atomic_init(&r->cancel, 0);
@@ -1251,7 +1253,8 @@ static bool step(srv_sched *s, uint64_t t)
 static bool engine_load(srv_sched *s)
 {
     char err[512] = "";
-    s->m = model_load(&s->p.model, err, sizeof(err));
+    s->m = s->p.loaded ? s->p.loaded : model_load(&s->p.model, err, sizeof(err));
+    s->p.loaded = NULL;
     if (!s->m)
         goto out_fail;
     struct model_info info;
@@ -1309,6 +1312,7 @@ out_cache:
     s->cache = NULL;
 out_model:
     model_free(s->m);
+    model_free(s->p.loaded); /* the engine thread never started */
     s->m = NULL;
 out_fail : {
     struct srv_event *ev = event_new(SRV_EV_FATAL, NULL);
@@ -1395,8 +1399,10 @@ static int check_limits(const struct srv_sched_limits *l, int page_tokens, int m
 srv_sched *srv_sched_create(const struct srv_sched_params *p, char *err, size_t errlen)
 {
     int max_step = p->max_step_tokens > 0 ? p->max_step_tokens : p->limits.step_tokens;
-    if (check_limits(&p->limits, p->page_tokens, max_step, err, errlen) != 0)
+    if (check_limits(&p->limits, p->page_tokens, max_step, err, errlen) != 0) {
+        model_free(p->loaded);
         return NULL;
+    }
     srv_sched *s = xcalloc(1, sizeof(*s));
     s->p = *p;
     s->p.max_step_tokens = max_step;

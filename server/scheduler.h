@@ -80,7 +80,7 @@ struct srv_req {
     struct srv_req *next; /* queue link (owned by whoever queues it) */
 };
 
-struct srv_req *srv_req_new(enum srv_req_kind kind); /* zeroed; aborts on OOM */
+struct srv_req *srv_req_new(enum srv_req_kind kind); /* zeroed; NULL on OOM */
 void srv_req_free(struct srv_req *r);                /* frees its arrays too */
 
 /* The most alternatives a request may ask for per sampled token. */
@@ -174,6 +174,10 @@ struct srv_sched_limits {
 
 struct srv_sched_params {
     struct model_params model;
+    model *loaded; /* NULL, or the model already loaded from `model` (kvd serve
+                      loads it once, to check the memory rule): the engine
+                      takes it (srv_sched_create frees it on failure) and
+                      does not load it again */
     size_t cache_memory; /* bytes of KV pages */
     int page_tokens;
     enum kv_type k_type, v_type; /* element types of K and V */
