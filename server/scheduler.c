@@ -37,7 +37,7 @@
  * Log-probabilities. A request that asks for them gets, in the text event
  * of each sampled token, the token's log-probability and its n most likely
  * alternatives': log-softmax of the logits the step computed, taken before
- * ignore_eos and the sampler change them (see lp_prepare). A token sampled
+ * ignore_eos and the sampler change them (see logprobs.c). A token sampled
  * last (max_tokens) is never fed, so with n_predict 1 a session's cache
  * holds exactly its prompt, as kvd eval's sequence does.
  *
@@ -61,7 +61,9 @@
 #include <time.h>
 
 #include "server/log.h"
+#include "server/logprobs.h"
 #include "server/scheduler.h"
+#include "server/stop.h"
 
 /* ------------------------------------------------------------------------
  * Types
@@ -91,13 +93,7 @@ struct run {
     int32_t *hist;    /* [n_prompt + max_tokens] prompt then generated ids */
     int n_hist;
     float *logits; /* [n_vocab] */
-    /* With logprobs (NULL otherwise): the step's logits as the model gave
-     * them (the sampler changes `logits` in place), their log-sum-exp, and
-     * the ids of the most likely tokens, most likely first. */
-    float *raw;     /* [n_vocab] */
-    int32_t *top;   /* [n_top] */
-    int n_top;      /* req->n_top_logprobs, at most n_vocab */
-    double raw_lse; /* log(sum(exp(raw))) */
+    struct srv_lp lp; /* with logprobs: the step's raw logits and top tokens */
     model_sampler *smp;
     model_detok *detok;
     char *hold; /* text not yet emitted (could start a stop string) */
@@ -215,51 +211,6 @@ void srv_event_free(struct srv_event *ev)
     free(ev->tokens);
     free(ev->lp);
     free(ev);
-}
-
-/* ------------------------------------------------------------------------
- * Stop strings
- * ------------------------------------------------------------------------ */
-
-int srv_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, size_t *at,
-                  size_t *safe)
-{
-    /* 1. The earliest complete occurrence of any stop string wins; at the
-     *    same offset, the longer string. */
-    int best = -1;
-    size_t best_at = 0;
-    for (int i = 0; i < n_stop; i++) {
-        size_t sl = strlen(stop[i]);
-        if (sl == 0 || sl > len)
-            continue;
-        const char *hit = memmem(text, len, stop[i], sl);
-        if (!hit)
-            continue;
-        size_t off = (size_t)(hit - text);
-        if (best < 0 || off < best_at || (off == best_at && sl > strlen(stop[best]))) {
-            best = i;
-            best_at = off;
-        }
-    }
-    if (best >= 0) {
-        *at = best_at;
-        return best;
-    }
-    /* 2. No match: hold back the longest tail that is a proper prefix of a
-     *    stop string. */
-    size_t hold = 0;
-    for (int i = 0; i < n_stop; i++) {
-        size_t sl = strlen(stop[i]);
-        size_t maxk = sl - 1 < len ? sl - 1 : len;
-        for (size_t k = maxk; k > hold; k--) {
-            if (!memcmp(text + len - k, stop[i], k)) {
-                hold = k;
-                break;
-            }
-        }
-    }
-    *safe = len - hold;
-    return -1;
 }
 
 /* ------------------------------------------------------------------------
@@ -528,8 +479,7 @@ static void run_free(srv_sched *s, struct run *r)
     model_detok_destroy(r->detok);
     free(r->hist);
     free(r->logits);
-    free(r->raw);
-    free(r->top);
+    srv_lp_free(&r->lp);
     free(r->hold);
     free(r);
 }
@@ -660,16 +610,8 @@ static struct run *run_admit(srv_sched *s, struct srv_req *req, uint64_t t)
     r->logits = malloc(sizeof(float) * (size_t)s->n_vocab);
     r->smp = model_sampler_create(&req->sampling, s->n_vocab);
     r->detok = model_detok_create(s->m);
-    if (req->want_logprobs) {
-        /* (the loop thread has bounded n_top_logprobs by the vocabulary) */
-        r->n_top = req->n_top_logprobs < s->n_vocab ? req->n_top_logprobs : s->n_vocab;
-        if (r->n_top < 0)
-            r->n_top = 0;
-        r->raw = malloc(sizeof(float) * (size_t)s->n_vocab);
-        r->top = malloc(sizeof(int32_t) * (size_t)(r->n_top + 1));
-    }
     if (!r->hist || !r->logits || !r->smp || !r->detok ||
-        (req->want_logprobs && (!r->raw || !r->top)))
+        (req->want_logprobs && srv_lp_init(&r->lp, req->n_top_logprobs, s->n_vocab) != 0))
         goto out_free;
     memcpy(r->hist, req->prompt, sizeof(int32_t) * (size_t)req->n_prompt);
     r->n_hist = req->n_prompt;
@@ -679,8 +621,7 @@ static struct run *run_admit(srv_sched *s, struct srv_req *req, uint64_t t)
         model_detok_destroy(r->detok);
         free(r->hist);
         free(r->logits);
-        free(r->raw);
-        free(r->top);
+        srv_lp_free(&r->lp);
         free(r);
         post_error(s, req, 400, "%s", err);
         return NULL;
@@ -737,113 +678,13 @@ out_free:
         model_detok_destroy(r->detok);
         free(r->hist);
         free(r->logits);
-        free(r->raw);
-        free(r->top);
+        srv_lp_free(&r->lp);
         free(r);
     }
 out_nomem:
     post_error(s, req, 503, "cannot start the request: %s",
                err[0] ? err : "out of memory for per-request state");
     return NULL;
-}
-
-/* ------------------------------------------------------------------------
- * Log-probabilities
- *
- * Reported for the logits the step computed anyway: before the sampler
- * changes them, lp_prepare copies them, takes their log-sum-exp in double
- * (as kvd eval scores a token, so both give the same numbers) and picks the
- * most likely tokens with a min-heap of n_top entries: O(n_vocab log n_top)
- * per token, no allocation. After sampling, lp_make turns the sampled token
- * and the heap into the event's srv_logprob (one allocation).
- * ------------------------------------------------------------------------ */
-
-/* Whether token a ranks above token b: the larger logit, then the lower id. */
-static inline bool ranks_above(const float *x, int32_t a, int32_t b)
-{
-    return x[a] > x[b] || (x[a] == x[b] && a < b);
-}
-
-/* Restore the min-heap (the lowest-ranked token at h[0]) below node i. */
-static void heap_down(const float *x, int32_t *h, int n, int i)
-{
-    for (;;) {
-        int l = 2 * i + 1, low = i;
-        if (l < n && ranks_above(x, h[low], h[l]))
-            low = l;
-        if (l + 1 < n && ranks_above(x, h[low], h[l + 1]))
-            low = l + 1;
-        if (low == i)
-            return;
-        int32_t t = h[i];
-        h[i] = h[low];
-        h[low] = t;
-        i = low;
-    }
-}
-
-static void lp_prepare(srv_sched *s, struct run *r)
-{
-    const int nv = s->n_vocab, k = r->n_top;
-    float *x = r->raw;
-    memcpy(x, r->logits, sizeof(float) * (size_t)nv);
-    /* log-sum-exp, shifted by the max */
-    float max = x[0];
-    for (int i = 1; i < nv; i++)
-        if (x[i] > max)
-            max = x[i];
-    double sum = 0;
-    for (int i = 0; i < nv; i++)
-        sum += exp((double)x[i] - max);
-    r->raw_lse = (double)max + log(sum);
-    /* top k: a min-heap of the best seen so far, then sorted in place
-     * (popping the lowest to the end leaves the best first) */
-    int32_t *h = r->top;
-    int n = 0;
-    for (int32_t i = 0; i < nv && k > 0; i++) {
-        if (n < k) {
-            h[n++] = i;
-            for (int c = n - 1; c > 0 && ranks_above(x, h[(c - 1) / 2], h[c]); c = (c - 1) / 2) {
-                int32_t t = h[c];
-                h[c] = h[(c - 1) / 2];
-                h[(c - 1) / 2] = t;
-            }
-        } else if (ranks_above(x, i, h[0])) {
-            h[0] = i;
-            heap_down(x, h, n, 0);
-        }
-    }
-    for (int m = n; m > 1; m--) {
-        int32_t t = h[0];
-        h[0] = h[m - 1];
-        h[m - 1] = t;
-        heap_down(x, h, m - 1, 0);
-    }
-}
-
-/* The event's record of token tok, whose text was piece[0..n) (new). */
-static struct srv_logprob *lp_make(const struct run *r, int32_t tok, const char *piece, size_t n)
-{
-    int k = r->n_top;
-    struct srv_logprob *lp =
-        malloc(sizeof(*lp) + (sizeof(double) + sizeof(int32_t)) * (size_t)k + n + 1);
-    if (!lp)
-        abort();
-    lp->top_logprobs = (double *)(lp + 1);
-    lp->top_ids = (int32_t *)(lp->top_logprobs + k);
-    lp->piece = (char *)(lp->top_ids + k);
-    lp->token = tok;
-    lp->logprob = (double)r->raw[tok] - r->raw_lse;
-    lp->n_top = k;
-    for (int i = 0; i < k; i++) {
-        lp->top_ids[i] = r->top[i];
-        lp->top_logprobs[i] = (double)r->raw[r->top[i]] - r->raw_lse;
-    }
-    if (n)
-        memcpy(lp->piece, piece, n);
-    lp->piece[n] = '\0';
-    lp->piece_len = n;
-    return lp;
 }
 
 /*
@@ -874,7 +715,7 @@ static bool run_take_token(srv_sched *s, struct run *r, int32_t tok, uint64_t t)
             r->hold_len += (size_t)n;
         }
         struct srv_logprob *lp =
-            r->req->want_logprobs ? lp_make(r, tok, tail, n > 0 ? (size_t)n : 0) : NULL;
+            r->req->want_logprobs ? srv_lp_make(&r->lp, tok, tail, n > 0 ? (size_t)n : 0) : NULL;
         size_t at = 0, safe = 0;
         int k = srv_stop_scan(r->hold, r->hold_len, r->req->stop, r->req->n_stop, &at, &safe);
         if (k >= 0) {
@@ -908,7 +749,7 @@ static bool run_take_token(srv_sched *s, struct run *r, int32_t tok, uint64_t t)
     }
     struct srv_logprob *lp =
         r->req->want_logprobs
-            ? lp_make(r, tok, r->hold ? r->hold + hold_before : "", r->hold_len - hold_before)
+            ? srv_lp_make(&r->lp, tok, r->hold ? r->hold + hold_before : "", r->hold_len - hold_before)
             : NULL;
     size_t at = 0, safe = 0;
     int k = srv_stop_scan(r->hold, r->hold_len, r->req->stop, r->req->n_stop, &at, &safe);
@@ -1235,8 +1076,9 @@ static bool step(srv_sched *s, uint64_t t)
         } else if (!r->sess) {
             r->appended += 1;
         }
+        /* before ignore_eos and the sampler change the logits */
         if (r->req->want_logprobs)
-            lp_prepare(s, r); /* before ignore_eos and the sampler change the logits */
+            srv_lp_prepare(&r->lp, r->logits, s->n_vocab);
         if (r->req->ignore_eos)
             for (int k = 0; k < s->n_eog; k++)
                 r->logits[s->eog[k]] = -INFINITY;

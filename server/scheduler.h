@@ -220,14 +220,6 @@ void srv_sched_wake(srv_sched *s);
 /* Requests waiting for admission (for Retry-After and tests). */
 int srv_sched_queue_depth(srv_sched *s);
 
-/*
- * Stop strings (scheduler.c, exposed for tests). Given the text held back
- * so far, find the earliest stop string occurring in it: returns its index
- * and sets *at to its offset. Otherwise returns -1 and sets *safe to the
- * number of leading bytes that no stop string can still start in (the rest
- * is a proper prefix of some stop string and must be held).
- */
-int srv_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, size_t *at,
-                  size_t *safe);
+#include "server/stop.h" /* srv_stop_scan, for the tests that include this header */
 
 #endif /* KVD_SERVER_SCHEDULER_H */
