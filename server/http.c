@@ -1137,6 +1137,11 @@ void srv_http_destroy(srv_http *h)
     free(h);
 }
 
+int srv_http_n_connections(const srv_http *h)
+{
+    return h->n_conns;
+}
+
 const char *srv_http_header(const struct srv_http_req *req, const char *name)
 {
     for (int i = 0; i < req->n_headers; i++)

@@ -63,6 +63,8 @@ void srv_http_drain(srv_http *h);
 /* Close every handle; `done` runs once all are closed. */
 void srv_http_close(srv_http *h, void (*done)(void *ud), void *ud);
 void srv_http_destroy(srv_http *h); /* after done */
+/* Open connections (the HTTP fuzzer waits for them to close). */
+int srv_http_n_connections(const srv_http *h);
 
 /* Case-insensitive header lookup; NULL when absent. */
 const char *srv_http_header(const struct srv_http_req *req, const char *name);

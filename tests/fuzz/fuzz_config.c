@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/cli_internal.h"
 #include "config/config.h"
 
 static struct cfg_errors errs; /* ~100 KB: not on the stack */
@@ -32,6 +33,7 @@ static void check_errors(const char *text, size_t len)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
+    cfg_set_hooks(&srv_cfg_hooks); /* the cache's budget, as kvd's main wires it */
     char *text = malloc(size + 1);
     if (!text)
         return 0;
