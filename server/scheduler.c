@@ -63,19 +63,12 @@
 #include "server/log.h"
 #include "server/logprobs.h"
 #include "server/scheduler.h"
+#include "server/sessions.h"
 #include "server/stop.h"
 
 /* ------------------------------------------------------------------------
  * Types
  * ------------------------------------------------------------------------ */
-
-struct session {
-    char *id;
-    kv_seq *seq;
-    struct run *busy;      /* the run using it, or NULL */
-    int64_t last_used_unix_ms;
-    struct session *next; /* hash chain */
-};
 
 enum run_phase { RUN_PREFILL, RUN_DECODE };
 
@@ -83,7 +76,7 @@ enum run_phase { RUN_PREFILL, RUN_DECODE };
 struct run {
     struct srv_req *req;
     kv_seq *seq;
-    struct session *sess; /* NULL without a session */
+    struct srv_session *sess; /* NULL without a session */
     enum run_phase phase;
     int n_fed;        /* prompt tokens in the cache (cached + prefilled) */
     int n_cached;     /* prompt tokens matched in the session's history */
@@ -142,8 +135,7 @@ struct srv_sched {
     struct srv_req *wait_head, *wait_tail; /* admitted FIFO */
     struct run *runs;                      /* admission order */
     int n_running;
-    struct session **buckets;
-    int n_buckets, n_sessions;
+    struct srv_sessions sessions; /* the session table (sessions.c) */
     struct model_batch_seq *batch; /* [max_running cap] */
     struct kv_reservation *res;    /* [max_running cap] the batch's slots */
     struct run **batch_runs;
@@ -265,137 +257,15 @@ struct srv_event *srv_sched_take_events(srv_sched *s)
 }
 
 /* ------------------------------------------------------------------------
- * Sessions (engine thread only)
+ * Session requests (the table is sessions.c)
  * ------------------------------------------------------------------------ */
-
-static uint32_t hash_str(const char *s)
-{
-    uint32_t h = 2166136261u; /* FNV-1a */
-    for (; *s; s++)
-        h = (h ^ (uint8_t)*s) * 16777619u;
-    return h;
-}
-
-static struct session *session_find(srv_sched *s, const char *id)
-{
-    for (struct session *x = s->buckets[hash_str(id) & (uint32_t)(s->n_buckets - 1)]; x;
-         x = x->next)
-        if (!strcmp(x->id, id))
-            return x;
-    return NULL;
-}
-
-static void session_rehash(srv_sched *s)
-{
-    int nb = s->n_buckets * 2;
-    struct session **b = xcalloc((size_t)nb, sizeof(*b));
-    for (int i = 0; i < s->n_buckets; i++) {
-        struct session *x = s->buckets[i], *next;
-        for (; x; x = next) {
-            next = x->next;
-            uint32_t k = hash_str(x->id) & (uint32_t)(nb - 1);
-            x->next = b[k];
-            b[k] = x;
-        }
-    }
-    free(s->buckets);
-    s->buckets = b;
-    s->n_buckets = nb;
-}
-
-static void session_remove(srv_sched *s, struct session *x);
-
-/* A new session with an empty sequence; NULL (err filled) when the cache
- * cannot create one. */
-static struct session *session_create(srv_sched *s, const char *id, char *err, size_t errlen)
-{
-    /* At the session limit, the least recently used idle session goes. */
-    while (s->n_sessions >= s->lim.max_sessions) {
-        struct session *lru = NULL;
-        for (int i = 0; i < s->n_buckets; i++)
-            for (struct session *x = s->buckets[i]; x; x = x->next)
-                if (!x->busy && (!lru || kv_seq_lru_before(x->seq, lru->seq)))
-                    lru = x;
-        if (!lru) {
-            snprintf(err, errlen, "all %d sessions (max_sessions) are busy", s->n_sessions);
-            return NULL;
-        }
-        srv_log(SRV_LOG_INFO, "session %s dropped: max_sessions (%d) reached", lru->id,
-                s->lim.max_sessions);
-        session_remove(s, lru);
-    }
-    kv_seq *seq = kv_seq_create(s->cache, &s->lim.policy, true, err, errlen);
-    if (!seq)
-        return NULL;
-    if (s->n_sessions + 1 > s->n_buckets)
-        session_rehash(s);
-    struct session *x = xcalloc(1, sizeof(*x));
-    x->id = strdup(id);
-    if (!x->id)
-        abort();
-    x->seq = seq;
-    uint32_t k = hash_str(id) & (uint32_t)(s->n_buckets - 1);
-    x->next = s->buckets[k];
-    s->buckets[k] = x;
-    s->n_sessions++;
-    return x;
-}
-
-static void session_remove(srv_sched *s, struct session *x)
-{
-    struct session **pp = &s->buckets[hash_str(x->id) & (uint32_t)(s->n_buckets - 1)];
-    while (*pp != x)
-        pp = &(*pp)->next;
-    *pp = x->next;
-    kv_seq_destroy(x->seq);
-    free(x->id);
-    free(x);
-    s->n_sessions--;
-}
-
-/* Free sessions idle longer than the limit (never busy ones). */
-static void sessions_sweep(srv_sched *s, uint64_t now_ms)
-{
-    if (!s->lim.session_idle_ms)
-        return;
-    for (int i = 0; i < s->n_buckets; i++) {
-        struct session *x = s->buckets[i], *next;
-        for (; x; x = next) {
-            next = x->next;
-            uint64_t idle = now_ms - kv_seq_last_touch(x->seq);
-            if (!x->busy && idle >= s->lim.session_idle_ms) {
-                srv_log(SRV_LOG_INFO, "session %s idle for %" PRIu64 " ms: freed", x->id, idle);
-                session_remove(s, x);
-            }
-        }
-    }
-}
-
-static void session_describe(const struct session *x, struct srv_session_info *out)
-{
-    out->found = true;
-    out->busy = x->busy != NULL;
-    out->dropped = kv_seq_dropped(x->seq);
-    out->history_tokens = kv_seq_history(x->seq, NULL);
-    out->retained_tokens = kv_seq_n_tokens(x->seq);
-    out->renumber = kv_seq_policy(x->seq)->renumber;
-    out->last_used_ms = x->last_used_unix_ms;
-    out->policy = *kv_seq_policy(x->seq);
-    kv_cache *c = kv_seq_cache(x->seq);
-    struct kv_layout l;
-    kv_cache_layout(c, &l);
-    out->k_type = l.k_type;
-    out->v_type = l.v_type;
-    out->kv_pages = kv_seq_n_pages(x->seq);
-    out->kv_bytes = (uint64_t)out->kv_pages * l.page_bytes;
-}
 
 static void handle_session_request(srv_sched *s, struct srv_req *r)
 {
     struct srv_event *ev = event_new(SRV_EV_DONE, r);
-    struct session *x = session_find(s, r->session);
+    struct srv_session *x = srv_sessions_find(&s->sessions, r->session);
     if (x)
-        session_describe(x, &ev->session);
+        srv_session_describe(x, &ev->session);
     if (x && r->kind == SRV_REQ_SESSION_DELETE) {
         if (x->busy) {
             free(ev);
@@ -403,7 +273,7 @@ static void handle_session_request(srv_sched *s, struct srv_req *r)
                        r->session);
             return;
         }
-        session_remove(s, x);
+        srv_sessions_remove(&s->sessions, x);
     }
     post(s, ev);
 }
@@ -422,7 +292,7 @@ static void publish_gauges(srv_sched *s)
     g.queue_depth = s->n_waiting;
     pthread_mutex_unlock(&s->in_mu);
     g.running = s->n_running;
-    g.sessions = s->n_sessions;
+    g.sessions = s->sessions.n;
     if (s->cache) {
         struct kv_stats st;
         kv_cache_stats(s->cache, &st);
@@ -628,9 +498,10 @@ static struct run *run_admit(srv_sched *s, struct srv_req *req, uint64_t t)
     }
 
     if (req->session && s->lim.max_sessions > 0) {
-        struct session *x = session_find(s, req->session);
+        struct srv_session *x = srv_sessions_find(&s->sessions, req->session);
         if (!x)
-            x = session_create(s, req->session, err, sizeof(err));
+            x = srv_sessions_create(&s->sessions, s->cache, &s->lim.policy, s->lim.max_sessions,
+                                    req->session, err, sizeof(err));
         if (!x)
             goto out_free;
         /* Match the prompt against the history; keep the common prefix,
@@ -802,9 +673,7 @@ static bool pull_inbox(srv_sched *s, bool block, uint64_t wait_ms)
     if (dirty) {
         s->lim = l;
         /* Every session follows the new policy from its next eviction. */
-        for (int i = 0; i < s->n_buckets; i++)
-            for (struct session *x = s->buckets[i]; x; x = x->next)
-                kv_seq_set_policy(x->seq, &l.policy);
+        srv_sessions_set_policy(&s->sessions, &l.policy);
         for (struct run *r = s->runs; r; r = r->next)
             if (!r->sess)
                 kv_seq_set_policy(r->seq, &l.policy);
@@ -884,7 +753,7 @@ static void admit(srv_sched *s, uint64_t t)
          q = next) {
         next = q->next;
         if (q->session) {
-            struct session *x = session_find(s, q->session);
+            struct srv_session *x = srv_sessions_find(&s->sessions, q->session);
             if (x && x->busy) {
                 prev = q;
                 continue;
@@ -1177,7 +1046,7 @@ static void *engine_main(void *arg)
         uint64_t t = now_ns();
         uint64_t t_ms = t / 1000000u;
         if (t_ms - s->last_sweep_ms >= 1000) {
-            sessions_sweep(s, t_ms);
+            srv_sessions_sweep(&s->sessions, t_ms, s->lim.session_idle_ms);
             s->last_sweep_ms = t_ms;
         }
         busy = step(s, t);
@@ -1252,8 +1121,7 @@ srv_sched *srv_sched_create(const struct srv_sched_params *p, char *err, size_t 
     s->lim = p->limits;
     s->queue_length = p->limits.queue_length;
     s->max_running_pub = p->limits.max_running;
-    s->n_buckets = 64;
-    s->buckets = xcalloc((size_t)s->n_buckets, sizeof(*s->buckets));
+    srv_sessions_init(&s->sessions);
     /* The batch holds at most one entry per running sequence; size it for
      * the most any reload may allow (step_tokens bounds max_running). */
     s->batch_cap = max_step;
@@ -1295,10 +1163,7 @@ void srv_sched_destroy(srv_sched *s)
         pthread_mutex_unlock(&s->in_mu);
         pthread_join(s->thread, NULL);
     }
-    for (int i = 0; i < s->n_buckets; i++)
-        while (s->buckets[i])
-            session_remove(s, s->buckets[i]);
-    free(s->buckets);
+    srv_sessions_deinit(&s->sessions);
     model_ctx_destroy(s->ctx);
     kv_cache_destroy(s->cache);
     model_free(s->m);
