@@ -319,7 +319,7 @@ static int feed(const struct eval_ret_in *in, kv_seq *seq, const int32_t *tok, i
         }
         struct model_batch_seq b = {
             .seq = seq, .tokens = tok + at, .n_tokens = k, .logits = at + k == n ? logits : NULL};
-        int rc = model_forward(in->ctx, &b, 1, NULL);
+        int rc = model_reserve_forward(in->ctx, &b, 1, NULL);
         if (rc) {
             fprintf(stderr, "kvd eval: forward failed (%d)\n", rc);
             return rc;

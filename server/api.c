@@ -1685,7 +1685,7 @@ static void on_cut(struct call *call, const struct srv_event *ev)
                                              : json_text(call->text ? call->text : "", call->len));
         json_object_set_new(v, "error",
                             json_pack("{s:s, s:s, s:n, s:s}", "message", msg, "type",
-                                      error_type(503), "param", "code", code));
+                                      srv_error_type(503), "param", "code", code));
         if (!call->stream) {
             respond_json(call->conn, 200, v);
             return;
@@ -1697,7 +1697,7 @@ static void on_cut(struct call *call, const struct srv_event *ev)
         return;
     } else {
         size_t len = 0;
-        char *body = error_json_code(503, msg, NULL, code, &len);
+        char *body = srv_error_json(503, msg, NULL, code, &len);
         stream_start(call);
         if (body)
             sse_text(call, body, len);

@@ -13,7 +13,7 @@
 
 #include "server/errors.h"
 
-static const char *error_type(int status)
+const char *srv_error_type(int status)
 {
     switch (status) {
     case 401:
@@ -72,7 +72,7 @@ char *srv_error_json(int status, const char *message, const char *param, const c
 {
     json_t *e =
         json_pack("{s:{s:s, s:s, s:o, s:s}}", "error", "message", message ? message : "", "type",
-                  error_type(status), "param", param ? json_string(param) : json_null(), "code",
+                  srv_error_type(status), "param", param ? json_string(param) : json_null(), "code",
                   code ? code : error_code(status));
     char *s = e ? json_dumps(e, JSON_COMPACT) : NULL;
     json_decref(e);

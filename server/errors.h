@@ -18,4 +18,8 @@
 char *srv_error_json(int status, const char *message, const char *param, const char *code,
                      size_t *len);
 
+/* The OpenAI error type of a status: "invalid_request_error",
+ * "rate_limit_error", "unavailable_error", ... */
+const char *srv_error_type(int status);
+
 #endif /* KVD_SERVER_ERRORS_H */

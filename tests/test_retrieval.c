@@ -83,7 +83,7 @@ static void feed_text(struct session *s, const char *text, bool first)
                                     .tokens = t + at,
                                     .n_tokens = k,
                                     .logits = at + k == n ? s->logits : NULL};
-        assert_int_equal(model_forward(s->ctx, &b, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(s->ctx, &b, 1, NULL), 0);
     }
     free(t);
 }
@@ -96,7 +96,7 @@ static int32_t next_token(struct session *s)
         if (s->logits[v] > s->logits[best])
             best = v;
     struct model_batch_seq b = {.seq = s->seq, .tokens = &best, .n_tokens = 1, .logits = s->logits};
-    assert_int_equal(model_forward(s->ctx, &b, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(s->ctx, &b, 1, NULL), 0);
     return best;
 }
 
