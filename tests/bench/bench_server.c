@@ -28,6 +28,8 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "cli/cli_internal.h"
+#include "config/config.h"
 #include "model/mkmodel.h"
 
 #define TOKENS 16
@@ -334,6 +336,7 @@ int main(int argc, char **argv)
         execv("/proc/self/exe", argv); /* on failure, carry on */
     }
     signal(SIGPIPE, SIG_IGN);
+    cfg_set_hooks(&srv_cfg_hooks); /* the cache's budget, as kvd's main wires it */
     char dir[] = "/tmp/kvd-bench-server-XXXXXX";
     if (!mkdtemp(dir)) {
         perror("mkdtemp");
