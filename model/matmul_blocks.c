@@ -34,6 +34,7 @@
 #include "model/quant.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define MMB_X86 1
 #endif
@@ -259,6 +260,16 @@ AVX2_FN static void rows_avx2(const struct mm_weight *w, const struct mm_xq *xa,
 /* -1: not yet looked at; 0: plain C; 1: AVX2. */
 static int cached = -1;
 
+#ifdef MMB_X86
+/* F16C from CPUID leaf 1 itself: clang's __builtin_cpu_supports does not
+ * know the "f16c" feature string (the fuzz build uses clang). */
+static bool have_f16c(void)
+{
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
 static bool have_avx2(void)
 {
 #ifdef MMB_X86
@@ -266,8 +277,7 @@ static bool have_avx2(void)
     int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
     if (v < 0) {
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-            __builtin_cpu_supports("f16c");
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c();
         __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
     }
     return v;

@@ -615,6 +615,11 @@ int32_t model_eos(const model *m)
     return tok_eos(m->tok);
 }
 
+int32_t model_unk(const model *m)
+{
+    return tok_unk(m->tok);
+}
+
 const char *model_token_text(const model *m, int32_t id, size_t *len)
 {
     return tok_token_text(m->tok, id, len);

@@ -79,6 +79,7 @@ bool model_add_bos(const model *m);   /* whether prompts start with BOS */
 int32_t model_bos(const model *m);
 bool model_is_eog(const model *m, int32_t token); /* end of generation (EOS, EOT) */
 int32_t model_eos(const model *m);   /* -1 if the vocabulary has none */
+int32_t model_unk(const model *m);   /* the unknown token, -1 if none */
 /* A token's text as the vocabulary stores it ("<s>", "<|im_end|>"), borrowed;
  * NULL outside the vocabulary. For control tokens this is the text chat
  * templates write as bos_token / eos_token. */

@@ -633,6 +633,10 @@ int32_t tok_eos(const tok_vocab *v)
 {
     return v->eos;
 }
+int32_t tok_unk(const tok_vocab *v)
+{
+    return v->unk;
+}
 bool tok_add_bos(const tok_vocab *v)
 {
     return v->add_bos;

@@ -96,6 +96,10 @@ enum tok_kind tok_get_kind(const tok_vocab *v);
 int tok_n_vocab(const tok_vocab *v);
 int32_t tok_bos(const tok_vocab *v); /* -1 if the vocabulary has none */
 int32_t tok_eos(const tok_vocab *v); /* -1 if none */
+/* The unknown token (tokenizer.ggml.unknown_token_id), -1 if none: what a
+ * byte-level BPE vocabulary without a character for some byte encodes that
+ * byte as, so such a text does not come back from the ids. */
+int32_t tok_unk(const tok_vocab *v);
 /* Whether prompts should start with BOS (tokenizer.ggml.add_bos_token;
  * default true for llama, false for gpt2) and BOS exists. */
 bool tok_add_bos(const tok_vocab *v);

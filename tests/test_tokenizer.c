@@ -409,6 +409,19 @@ static void test_vocab_starcoder(void **state)
 {
     (void)state;
     run_vocab(&(struct vocab_case){"starcoder", TOK_KIND_BPE, "starcoder"});
+    /* starcoder has no token for GPT-2's character of byte 0xF1: that byte
+     * becomes the vocabulary's unknown token (id 0), which tok_unk names so
+     * that a caller can tell the text will not come back from the ids. */
+    char path[1024];
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-starcoder.gguf", shared_dir());
+    tok_vocab *v = load_path(path);
+    assert_non_null(v);
+    assert_int_equal(tok_unk(v), 0);
+    int32_t ids[16];
+    int n = enc(v, "\xf1\x9f\x98\x80H", ids, 16);
+    assert_true(n >= 2);
+    assert_int_equal(ids[0], tok_unk(v));
+    tok_free(v);
 }
 
 static void test_vocab_falcon(void **state)
