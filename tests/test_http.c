@@ -381,7 +381,9 @@ static void test_bad_input_matrix(void **state)
         run_case(s.port, &cases[k % n]);
     struct baseline b1 = baseline_of(&s);
     double deadline = su_now() + 15; /* lingering closes end within seconds */
-    while (b1.fds != b0.fds && su_now() < deadline) {
+    /* At most the baseline's: a connection of the first pass may still have
+     * been closing when b0 was taken, so fewer is fine; more is a leak. */
+    while (b1.fds > b0.fds && su_now() < deadline) {
         su_sleep_ms(100);
         b1 = baseline_of(&s);
     }
@@ -389,7 +391,7 @@ static void test_bad_input_matrix(void **state)
                   "queue %g -> %g\n",
                   b0.rss_kb, b1.rss_kb, b0.fds, b1.fds, b0.pages_free, b1.pages_free, b0.queue,
                   b1.queue);
-    assert_int_equal(b1.fds, b0.fds);
+    assert_true(b1.fds <= b0.fds);
     assert_true(b1.pages_free == b0.pages_free);
     assert_true(b1.queue == 0);
     /* Allocator slack, not growth: 1,000 requests that leaked even 4 KiB
