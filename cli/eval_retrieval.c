@@ -286,9 +286,12 @@ static int run_open(const struct eval_ret_in *in, const struct kv_policy *policy
     struct kv_cache_params p = {.page_tokens = in->page_tokens, .k_type = in->k_type,
                                 .v_type = in->v_type};
     model_kv_shape(in->m, &p);
-    size_t tok_bytes = kv_cache_token_bytes(&p);
-    size_t pages = (size_t)(tokens + in->page_tokens - 1) / (size_t)in->page_tokens + 4;
-    p.memory_bytes = pages * tok_bytes * (size_t)in->page_tokens + 4096;
+    /* The pages one sequence can occupy holding `tokens`: the cache's own
+     * budget says how many (as for kvd eval's perplexity runs). */
+    struct kv_policy full = {.kind = KV_EVICT_NONE, .max_cache_tokens = tokens};
+    struct kv_budget b;
+    kv_policy_budget(&full, p.page_tokens, &b);
+    p.memory_bytes = kv_cache_memory_for(&p, b.sequence_pages);
     r->cache = kv_cache_create(&p, err, sizeof(err));
     r->seq = r->cache ? kv_seq_create(r->cache, policy, true, err, sizeof(err)) : NULL;
     if (!r->seq) {
