@@ -2,7 +2,7 @@
  * config.h - kvd's operator configuration: one INI file, defaults, overrides,
  * validation and reload classification.
  *
- * The central idea is Redis's standardConfig: one table (config.c) lists
+ * The central idea is Redis's standardConfig: one table (keys.c) lists
  * every key with its section, type, default, bounds, unit, one line of
  * documentation and whether a running server may apply a change to it. That
  * table alone drives parsing, the built-in defaults, the dump that
