@@ -29,6 +29,10 @@
  * It targets only the address it is given and refuses anything but
  * loopback unless --allow-remote is passed: a load tester should never be
  * one typo away from loading someone else's server.
+ *
+ * This file runs the steps: prompts, client threads, reading answers and
+ * aggregating them; the options are options.c's, the table and the output
+ * files report.c's.
  */
 #include <math.h>
 #include <pthread.h>
@@ -41,39 +45,9 @@
 
 #include <jansson.h>
 
-#include "config/args.h"
 #include "load/client.h"
 #include "load/load.h"
-
-#define MAX_STEPS 64
-#define MAX_STATUS 8
-#define MAX_CLIENTS 1024
-
-/* Status recorded for a 200 stream that ended with an error event. */
-#define STATUS_STREAM_ERROR (-1)
-
-enum scenario { SC_FIXED, SC_SWEEP, SC_SESSION };
-
-struct load_opts {
-    char host[256];
-    int port;
-    enum scenario scenario;
-    int prompt_tokens;
-    int contexts[MAX_STEPS];
-    int n_contexts;
-    int turns, turn_tokens;
-    int concurrency;
-    double rate;     /* requests/s; 0 = as fast as the clients go */
-    int requests;    /* per step; 0 = bounded by the duration only */
-    double duration; /* per step, seconds; 0 = bounded by requests only */
-    int max_tokens;
-    bool stream;
-    const char *endpoint; /* /v1/completions or /completion */
-    const char *file;     /* text to tokenize for prompts */
-    const char *csv, *json, *plot;
-    const char *api_key;
-    double timeout; /* seconds a request may take */
-};
+#include "load/load_internal.h"
 
 /* One request's measurements. */
 struct sample {
@@ -85,20 +59,6 @@ struct sample {
     int cached;     /* prompt tokens the server had cached, or -1 */
     float *gaps;    /* [n_gaps] seconds between token events (owned) */
     int n_gaps, cap_gaps;
-};
-
-struct step_result {
-    int context; /* prompt tokens of this step (mean sent, for sessions) */
-    int n_ok, n_err;
-    int status_code[MAX_STATUS], status_count[MAX_STATUS];
-    double wall;
-    double rps, out_tps;
-    double ttft[4], itl[4], e2e[4]; /* mean, p50, p90, p99 (seconds) */
-    long n_ttft, n_itl;             /* how many values each summarises */
-    double cached;                  /* mean cached prompt tokens (-1 unknown) */
-    long out_tokens;
-    double rss_mb;     /* peak while the step ran (NaN unknown) */
-    double pages_used; /* peak KV pages used (NaN unknown) */
 };
 
 struct load_run;
@@ -126,178 +86,6 @@ struct load_run {
     struct sample *samples;
     int n_samples, cap_samples;
 };
-
-/* ------------------------------------------------------------------------
- * Options
- * ------------------------------------------------------------------------ */
-
-static void load_usage(FILE *f)
-{
-    fprintf(f, "usage: kvd load [--url http://127.0.0.1:8080] [--scenario fixed|sweep|session]\n"
-               "  --prompt-tokens N     fixed: prompt length (default 512)\n"
-               "  --contexts A,B,...    sweep: prompt lengths (default 512,1024,2048,4096)\n"
-               "  --turns T             session: turns per client (default 8)\n"
-               "  --turn-tokens N       session: tokens each turn adds (default 256)\n"
-               "  --concurrency C       clients in parallel (default 4)\n"
-               "  --rate R              pace to R requests/s (default: unpaced)\n"
-               "  --requests N          requests per step (default 16; a session step is one\n"
-               "                        turn per client)\n"
-               "  --duration SECONDS    per step; with --requests, whichever ends first\n"
-               "  --max-tokens M        tokens generated per request (default 16)\n"
-               "  --no-stream           non-streamed responses (TTFT = end-to-end, no ITL)\n"
-               "  --endpoint PATH       /v1/completions (default) or /completion\n"
-               "  --file TEXT           text whose tokens make the prompts\n"
-               "  --timeout SECONDS     longest a request may take (default 600)\n"
-               "  --csv F --json F --plot F.png   write results (plot needs gnuplot)\n"
-               "  --api-key KEY         sent as Authorization: Bearer KEY\n"
-               "  --allow-remote        allow a non-loopback address\n");
-}
-
-static int parse_contexts(const char *s, struct load_opts *o)
-{
-    o->n_contexts = 0;
-    char buf[1024];
-    if (strlen(s) >= sizeof(buf))
-        return -1;
-    snprintf(buf, sizeof(buf), "%s", s);
-    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
-         tok = strtok_r(NULL, ",", &save)) {
-        long v;
-        if (o->n_contexts == MAX_STEPS || srv_parse_long(tok, 1, 1 << 24, &v))
-            return -1;
-        o->contexts[o->n_contexts++] = (int)v;
-    }
-    return o->n_contexts ? 0 : -1;
-}
-
-static int bad_value(const char *name, const char *v)
-{
-    fprintf(stderr, "kvd load: invalid value for %s: '%s'\n", name, v ? v : "");
-    return -1;
-}
-
-/* Parse argv into o. Returns 0, or -1 having said why (exit status 2). */
-static int parse_opts(int argc, char **argv, struct load_opts *o, bool *help)
-{
-    const char *url = "http://127.0.0.1:8080";
-    bool allow_remote = false, bad = false, requests_given = false;
-    *o = (struct load_opts){.scenario = SC_FIXED,
-                            .prompt_tokens = 512,
-                            .turns = 8,
-                            .turn_tokens = 256,
-                            .concurrency = 4,
-                            .requests = 16,
-                            .max_tokens = 16,
-                            .stream = true,
-                            .endpoint = "/v1/completions",
-                            .timeout = 600};
-    parse_contexts("512,1024,2048,4096", o);
-    for (int i = 1; i < argc && !bad;) {
-        const char *v = NULL;
-        long n;
-        double d;
-#define OPT(name) srv_opt_value(argc, argv, &i, "load", name, &v, &bad)
-        if (OPT("--url")) {
-            url = v;
-        } else if (OPT("--scenario")) {
-            if (bad)
-                break;
-            if (!strcmp(v, "fixed"))
-                o->scenario = SC_FIXED;
-            else if (!strcmp(v, "sweep"))
-                o->scenario = SC_SWEEP;
-            else if (!strcmp(v, "session"))
-                o->scenario = SC_SESSION;
-            else
-                return bad_value("--scenario (fixed|sweep|session)", v);
-        } else if (OPT("--prompt-tokens")) {
-            if (bad || srv_parse_long(v, 1, 1 << 24, &n))
-                return bad_value("--prompt-tokens", v);
-            o->prompt_tokens = (int)n;
-        } else if (OPT("--contexts")) {
-            if (bad || parse_contexts(v, o))
-                return bad_value("--contexts (up to 64 lengths, e.g. 512,2048,8192)", v);
-        } else if (OPT("--turns")) {
-            if (bad || srv_parse_long(v, 1, MAX_STEPS, &n))
-                return bad_value("--turns (1..64)", v);
-            o->turns = (int)n;
-        } else if (OPT("--turn-tokens")) {
-            if (bad || srv_parse_long(v, 1, 1 << 20, &n))
-                return bad_value("--turn-tokens", v);
-            o->turn_tokens = (int)n;
-        } else if (OPT("--concurrency")) {
-            if (bad || srv_parse_long(v, 1, MAX_CLIENTS, &n))
-                return bad_value("--concurrency (1..1024)", v);
-            o->concurrency = (int)n;
-        } else if (OPT("--rate")) {
-            if (bad || srv_parse_double(v, 0.001, 1e6, &d))
-                return bad_value("--rate", v);
-            o->rate = d;
-        } else if (OPT("--requests")) {
-            if (bad || srv_parse_long(v, 1, 1000000, &n))
-                return bad_value("--requests", v);
-            o->requests = (int)n;
-            requests_given = true;
-        } else if (OPT("--duration")) {
-            if (bad || srv_parse_double(v, 0.1, 86400, &d))
-                return bad_value("--duration (seconds)", v);
-            o->duration = d;
-        } else if (OPT("--max-tokens")) {
-            if (bad || srv_parse_long(v, 1, 1 << 20, &n))
-                return bad_value("--max-tokens", v);
-            o->max_tokens = (int)n;
-        } else if (OPT("--endpoint")) {
-            if (bad || (strcmp(v, "/v1/completions") && strcmp(v, "/completion")))
-                return bad_value("--endpoint (/v1/completions or /completion)", v);
-            o->endpoint = v;
-        } else if (OPT("--file")) {
-            o->file = v;
-        } else if (OPT("--timeout")) {
-            if (bad || srv_parse_double(v, 0.1, 86400, &d))
-                return bad_value("--timeout (seconds)", v);
-            o->timeout = d;
-        } else if (OPT("--csv")) {
-            o->csv = v;
-        } else if (OPT("--json")) {
-            o->json = v;
-        } else if (OPT("--plot")) {
-            if (!bad && strpbrk(v, "'\n\\"))
-                return bad_value("--plot (a path without quotes or backslashes)", v);
-            o->plot = v;
-        } else if (OPT("--api-key")) {
-            if (!bad && strpbrk(v, "\r\n"))
-                return bad_value("--api-key", "(contains a line break)");
-            o->api_key = v;
-        } else if (!strcmp(argv[i], "--no-stream")) {
-            o->stream = false;
-            i++;
-        } else if (!strcmp(argv[i], "--allow-remote")) {
-            allow_remote = true;
-            i++;
-        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            *help = true;
-            return 0;
-        } else {
-            fprintf(stderr, "kvd load: unknown option '%s' (try --help)\n", argv[i]);
-            return -1;
-        }
-#undef OPT
-    }
-    if (bad)
-        return -1;
-    if (o->duration > 0 && !requests_given)
-        o->requests = 0; /* the duration alone bounds the step */
-    if (lc_parse_url(url, o->host, sizeof(o->host), &o->port))
-        return bad_value("--url (http://HOST:PORT)", url);
-    if (!allow_remote && !lc_is_loopback(o->host)) {
-        fprintf(stderr,
-                "kvd load: refusing non-loopback address %s: pass --allow-remote to load a "
-                "server on another machine\n",
-                o->host);
-        return -1;
-    }
-    return 0;
-}
 
 /* ------------------------------------------------------------------------
  * Prompts
@@ -899,170 +687,6 @@ static int run_step(struct load_run *run, struct client *clients, struct lc_conn
     return started == n_clients ? 0 : -1;
 }
 
-/* ------------------------------------------------------------------------
- * Output
- * ------------------------------------------------------------------------ */
-
-static void print_header(void)
-{
-    printf("%8s %7s %5s %4s %8s %9s | %-31s | %-31s | %-31s | %8s %6s\n", "", "", "", "", "", "",
-           "     time to first token (ms)", "     inter-token latency (ms)",
-           "     end-to-end latency (ms)", "", "");
-    printf("%8s %7s %5s %4s %8s %9s | %7s %7s %7s %7s | %7s %7s %7s %7s | %7s %7s %7s %7s | %8s "
-           "%6s\n",
-           "context", "cached", "ok", "err", "req/s", "out tok/s", "mean", "p50", "p90", "p99",
-           "mean", "p50", "p90", "p99", "mean", "p50", "p90", "p99", "rss MiB", "pages");
-}
-
-static const char *status_note(int code)
-{
-    return code == 0                     ? " (no answer: connection failed or timed out)"
-           : code == STATUS_STREAM_ERROR ? " (error event inside a 200 answer)"
-                                         : "";
-}
-
-static void print_row(const struct step_result *r)
-{
-    char cached[16];
-    if (r->cached >= 0)
-        snprintf(cached, sizeof(cached), "%.0f", r->cached);
-    else
-        snprintf(cached, sizeof(cached), "-");
-    printf("%8d %7s %5d %4d %8.2f %9.1f |", r->context, cached, r->n_ok, r->n_err, r->rps,
-           r->out_tps);
-    const double *groups[3] = {r->ttft, r->itl, r->e2e};
-    const long counts[3] = {r->n_ttft, r->n_itl, r->n_ok};
-    for (int g = 0; g < 3; g++) {
-        for (int k = 0; k < 4; k++) {
-            if (counts[g] == 0) /* e.g. no inter-token gaps without streaming */
-                printf(" %7s", "-");
-            else
-                printf(" %7.*f", g == 1 ? 2 : 1, groups[g][k] * 1e3);
-        }
-        printf(" |");
-    }
-    printf(" %8.1f %6.0f\n", r->rss_mb, r->pages_used);
-    for (int k = 0; k < MAX_STATUS && r->status_count[k]; k++)
-        printf("         errors: status %d x %d%s\n", r->status_code[k], r->status_count[k],
-               status_note(r->status_code[k]));
-}
-
-static int write_csv(const char *path, const struct step_result *res, int n)
-{
-    FILE *f = fopen(path, "w");
-    if (!f)
-        return -1;
-    fprintf(f, "context,cached_tokens,ok,errors,wall_s,req_per_s,out_tokens,out_tok_per_s,"
-               "ttft_mean_ms,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_mean_ms,itl_p50_ms,"
-               "itl_p90_ms,itl_p99_ms,e2e_mean_ms,e2e_p50_ms,e2e_p90_ms,e2e_p99_ms,rss_mib,"
-               "kv_pages_used,errors_by_status\n");
-    for (int i = 0; i < n; i++) {
-        const struct step_result *r = &res[i];
-        fprintf(f, "%d,%.1f,%d,%d,%.3f,%.3f,%ld,%.2f", r->context, r->cached, r->n_ok, r->n_err,
-                r->wall, r->rps, r->out_tokens, r->out_tps);
-        const double *groups[3] = {r->ttft, r->itl, r->e2e};
-        for (int g = 0; g < 3; g++)
-            for (int k = 0; k < 4; k++)
-                fprintf(f, ",%.3f", groups[g][k] * 1e3);
-        fprintf(f, ",%.1f,%.0f,", isnan(r->rss_mb) ? -1.0 : r->rss_mb,
-                isnan(r->pages_used) ? -1.0 : r->pages_used);
-        for (int k = 0; k < MAX_STATUS && r->status_count[k]; k++) /* "503:2 0:1" */
-            fprintf(f, "%s%d:%d", k ? " " : "", r->status_code[k], r->status_count[k]);
-        fprintf(f, "\n");
-    }
-    return fclose(f);
-}
-
-static json_t *stats_json(const double v[4])
-{
-    return json_pack("{s:f,s:f,s:f,s:f}", "mean", v[0] * 1e3, "p50", v[1] * 1e3, "p90", v[2] * 1e3,
-                     "p99", v[3] * 1e3);
-}
-
-static const char *scenario_name(enum scenario s)
-{
-    return s == SC_FIXED ? "fixed" : s == SC_SWEEP ? "sweep" : "session";
-}
-
-static int write_json(const char *path, const struct load_opts *o, const struct step_result *res,
-                      int n)
-{
-    json_t *steps = json_array();
-    for (int i = 0; i < n; i++) {
-        const struct step_result *r = &res[i];
-        json_t *errs = json_object();
-        for (int k = 0; k < MAX_STATUS && r->status_count[k]; k++) {
-            char code[16];
-            snprintf(code, sizeof(code), "%d", r->status_code[k]);
-            json_object_set_new(errs, code, json_integer(r->status_count[k]));
-        }
-        json_array_append_new(
-            steps, json_pack("{s:i,s:f,s:i,s:i,s:f,s:f,s:I,s:f,s:o,s:o,s:o,s:o,s:f,s:f}", "context",
-                             r->context, "cached_tokens", r->cached, "ok", r->n_ok, "errors",
-                             r->n_err, "wall_s", r->wall, "requests_per_s", r->rps, "output_tokens",
-                             (json_int_t)r->out_tokens, "output_tokens_per_s", r->out_tps,
-                             "ttft_ms", stats_json(r->ttft), "itl_ms", stats_json(r->itl), "e2e_ms",
-                             stats_json(r->e2e), "errors_by_status", errs, "rss_mib",
-                             isnan(r->rss_mb) ? -1.0 : r->rss_mb, "kv_pages_used",
-                             isnan(r->pages_used) ? -1.0 : r->pages_used));
-    }
-    json_t *doc =
-        json_pack("{s:s,s:s,s:i,s:i,s:f,s:f,s:i,s:b,s:o}", "scenario", scenario_name(o->scenario),
-                  "endpoint", o->endpoint, "concurrency", o->concurrency, "requests_per_step",
-                  o->requests, "duration_s", o->duration, "rate", o->rate, "max_tokens",
-                  o->max_tokens, "stream", o->stream, "steps", steps);
-    int rc = doc ? json_dump_file(doc, path, JSON_INDENT(2)) : -1;
-    json_decref(doc);
-    return rc;
-}
-
-/* Latency (top) and output throughput (bottom) against context length,
- * drawn by gnuplot. The path has no quote (checked with the options). */
-static int write_plot(const char *path, const struct load_opts *o, const struct step_result *res,
-                      int n)
-{
-    FILE *g = popen("gnuplot 2>/dev/null", "w");
-    if (!g)
-        return -1;
-    fprintf(g, "set terminal pngcairo size 1000,760 noenhanced\nset output '%s'\n", path);
-    fprintf(g,
-            "set multiplot layout 2,1 title 'kvd load: %s, %d clients, %d tokens out'\n"
-            "set logscale x 2\nset xlabel 'context (prompt tokens)'\nset grid\n"
-            "set key right bottom\nset logscale y 10\nset ylabel 'latency (ms)'\n",
-            scenario_name(o->scenario), o->concurrency, o->max_tokens);
-    fprintf(g, "plot '-' using 1:2 with linespoints title 'ttft p50', "
-               "'-' using 1:2 with linespoints title 'ttft p99', "
-               "'-' using 1:2 with linespoints title 'itl p50', "
-               "'-' using 1:2 with linespoints title 'e2e p50', "
-               "'-' using 1:2 with linespoints title 'e2e p99'\n");
-    for (int s = 0; s < 5; s++) {
-        for (int i = 0; i < n; i++) {
-            const struct step_result *r = &res[i];
-            double v = s == 0   ? r->ttft[1]
-                       : s == 1 ? r->ttft[3]
-                       : s == 2 ? r->itl[1]
-                       : s == 3 ? r->e2e[1]
-                                : r->e2e[3];
-            fprintf(g, "%d %f\n", r->context, v * 1e3);
-        }
-        fprintf(g, "e\n");
-    }
-    /* throughput falls by orders of magnitude over a long sweep: log scale,
-     * unless a step had none (a log axis cannot show zero) */
-    bool all_positive = true;
-    for (int i = 0; i < n; i++)
-        all_positive = all_positive && res[i].out_tps > 0;
-    fprintf(g,
-            "%s\nset ylabel 'output tokens/s'\n%s\n"
-            "plot '-' using 1:2 with linespoints title 'output tokens/s'\n",
-            all_positive ? "set logscale y 10" : "unset logscale y",
-            all_positive ? "set key right top" : "set yrange [0:*]");
-    for (int i = 0; i < n; i++)
-        fprintf(g, "%d %f\n", res[i].context, res[i].out_tps);
-    fprintf(g, "e\nunset multiplot\n");
-    return pclose(g) == 0 ? 0 : -1;
-}
-
 /* ------------------------------------------------------------------------ */
 
 static int steps_of(const struct load_opts *o, int *ctx)
@@ -1082,34 +706,11 @@ static int steps_of(const struct load_opts *o, int *ctx)
     return 0;
 }
 
-static int write_outputs(const struct load_opts *o, const struct step_result *res, int n)
-{
-    int rc = 0;
-    if (o->csv && write_csv(o->csv, res, n)) {
-        fprintf(stderr, "kvd load: cannot write %s\n", o->csv);
-        rc = 1;
-    }
-    if (o->json && write_json(o->json, o, res, n)) {
-        fprintf(stderr, "kvd load: cannot write %s\n", o->json);
-        rc = 1;
-    }
-    if (o->plot) {
-        if (write_plot(o->plot, o, res, n)) {
-            fprintf(stderr, "kvd load: gnuplot failed writing %s (is gnuplot-nox installed?)\n",
-                    o->plot);
-            rc = 1;
-        } else {
-            printf("plot: %s\n", o->plot);
-        }
-    }
-    return rc;
-}
-
 int srv_cmd_load(int argc, char **argv)
 {
     struct load_opts o;
     bool help = false;
-    if (parse_opts(argc, argv, &o, &help))
+    if (load_parse_opts(argc, argv, &o, &help))
         return 2;
     if (help) {
         load_usage(stdout);
@@ -1152,7 +753,7 @@ int srv_cmd_load(int argc, char **argv)
         }
     }
     printf("kvd load: %s:%d %s, scenario %s, %d clients, ", o.host, o.port, o.endpoint,
-           scenario_name(o.scenario), o.concurrency);
+           load_scenario_name(o.scenario), o.concurrency);
     if (o.scenario == SC_SESSION)
         printf("%d turns of +%d tokens", o.turns, o.turn_tokens);
     else if (o.requests > 0 && o.duration > 0)
@@ -1168,7 +769,7 @@ int srv_cmd_load(int argc, char **argv)
         printf("note: %s returns no token ids, so answers are not fed back into the "
                "conversation (use --endpoint /completion for that)\n",
                o.endpoint);
-    print_header();
+    load_print_header();
     fflush(stdout);
     long total_ok = 0;
     for (int s = 0; s < n_steps; s++) {
@@ -1178,12 +779,12 @@ int srv_cmd_load(int argc, char **argv)
         res[s].context = ctx[s];
         if (run_step(&run, clients, ctl, auth[0] ? auth : NULL, label, &res[s]))
             fprintf(stderr, "kvd load: could not start every client thread\n");
-        print_row(&res[s]);
+        load_print_row(&res[s]);
         fflush(stdout);
         total_ok += res[s].n_ok;
         done++;
     }
-    rc = write_outputs(&o, res, done);
+    rc = load_write_outputs(&o, res, done);
     if (total_ok == 0) {
         fprintf(stderr, "kvd load: no request succeeded\n");
         rc = 1;
