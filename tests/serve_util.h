@@ -1,12 +1,13 @@
 /*
  * serve_util.h - processes and plain HTTP for the tests that run the real
  * `kvd serve` (and HAProxy, and `kvd load`) as child processes:
- * test_cluster.c, test_load.c, test_arch.c and test_eval.c.
+ * test_cluster.c, test_load.c, test_arch.c, test_eval.c, and through
+ * serve_fixture.h the server, lifecycle, logprobs, http and faults tests.
  *
  * Every child runs in its own process group, so a kill reaches whatever it
  * started too; every wait has a deadline; every socket has a timeout. The
  * HTTP client sends one request per connection ("Connection: close") and
- * reads to the end, which is all these tests need (test_server.c has the
+ * reads to the end, which is all these tests need (http_client.h has the
  * client that tests keep-alive, pipelining and chunking).
  *
  * Include after <cmocka.h>. The functions are static and may go unused in
@@ -16,6 +17,7 @@
 #define KVD_TESTS_SERVE_UTIL_H
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -255,6 +257,97 @@ SU_FN json_t *su_post(int port, const char *path, const char *headers, json_t *b
     return v;
 }
 
+/* --- metrics and process state ---------------------------------------------- */
+
+/* A metric's value: the first /metrics sample whose name, labels included,
+ * is exactly `name` ("NAME VALUE"), or -1 when absent or unreachable. */
+SU_FN double su_metric(int port, const char *name)
+{
+    struct su_resp r;
+    double v = -1;
+    if (su_http(port, "GET", "/metrics", NULL, NULL, &r) == 200) {
+        size_t nl = strlen(name);
+        for (const char *l = r.body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+            if (!strncmp(l, name, nl) && l[nl] == ' ') {
+                v = strtod(l + nl + 1, NULL);
+                break;
+            }
+    }
+    su_resp_free(&r);
+    return v;
+}
+
+/* Wait until su_metric(name) == want (up to 20 s); says so when it never does. */
+SU_FN bool su_wait_metric(int port, const char *name, double want)
+{
+    double deadline = su_now() + 20;
+    while (su_now() < deadline) {
+        if (su_metric(port, name) == want)
+            return true;
+        su_sleep_ms(20);
+    }
+    print_message("metric %s never reached %g (last %g)\n", name, want, su_metric(port, name));
+    return false;
+}
+
+/* Wait until su_metric(name) >= want (up to `seconds`). */
+SU_FN bool su_wait_metric_at_least(int port, const char *name, double want, double seconds)
+{
+    double deadline = su_now() + seconds;
+    while (su_now() < deadline) {
+        if (su_metric(port, name) >= want)
+            return true;
+        su_sleep_ms(50);
+    }
+    print_message("%s stayed below %g (now %g)\n", name, want, su_metric(port, name));
+    return false;
+}
+
+/* A process's resident set (VmRSS) in KiB, or -1. */
+SU_FN long su_rss_kb(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    long kb = -1;
+    while (fgets(line, sizeof(line), f))
+        if (!strncmp(line, "VmRSS:", 6))
+            kb = atol(line + 6);
+    fclose(f);
+    return kb;
+}
+
+/* A process's open file descriptors, or -1. */
+SU_FN int su_fds(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    if (!d)
+        return -1;
+    int n = 0;
+    for (struct dirent *de; (de = readdir(d));)
+        n += de->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/* Some line of the file at `path` (a log) contains `text`. */
+SU_FN bool su_file_has(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    char line[4096];
+    bool found = false;
+    while (!found && fgets(line, sizeof(line), f))
+        found = strstr(line, text) != NULL;
+    fclose(f);
+    return found;
+}
+
 /* --- processes --------------------------------------------------------------- */
 
 struct su_proc {
@@ -360,24 +453,13 @@ SU_FN int su_stop(struct su_proc *p, int sig, double timeout_s)
 }
 
 /*
- * `kvd serve --model M --listen 127.0.0.1:0 ARGS...`: reads the port from
- * its first stdout line and waits until /health answers 200 (30 s at
- * most). Returns 0, or -1 with the log shown and the process gone.
+ * Start a `kvd serve` command line (argv NULL-terminated, listening on
+ * 127.0.0.1:0): reads the port from its first stdout line and waits until
+ * /health answers 200 (30 s at most). Returns 0, or -1 with the log shown
+ * and the process gone.
  */
-SU_FN int su_serve(struct su_proc *p, const char *kvd_bin, const char *model_path,
-                   const char *const *args, int n_args)
+SU_FN int su_serve_argv(struct su_proc *p, const char *const *argv)
 {
-    const char *argv[64];
-    int argc = 0;
-    argv[argc++] = kvd_bin;
-    argv[argc++] = "serve";
-    argv[argc++] = "--model";
-    argv[argc++] = model_path;
-    argv[argc++] = "--listen";
-    argv[argc++] = "127.0.0.1:0";
-    for (int i = 0; i < n_args && argc < 63; i++)
-        argv[argc++] = args[i];
-    argv[argc] = NULL;
     int fd;
     if (su_spawn(p, (char *const *)argv, &fd))
         return -1;
@@ -408,6 +490,24 @@ SU_FN int su_serve(struct su_proc *p, const char *kvd_bin, const char *model_pat
     su_dump_log(p);
     su_stop(p, SIGKILL, 5);
     return -1;
+}
+
+/* `kvd serve --model M --listen 127.0.0.1:0 ARGS...`, as su_serve_argv. */
+SU_FN int su_serve(struct su_proc *p, const char *kvd_bin, const char *model_path,
+                   const char *const *args, int n_args)
+{
+    const char *argv[64];
+    int argc = 0;
+    argv[argc++] = kvd_bin;
+    argv[argc++] = "serve";
+    argv[argc++] = "--model";
+    argv[argc++] = model_path;
+    argv[argc++] = "--listen";
+    argv[argc++] = "127.0.0.1:0";
+    for (int i = 0; i < n_args && argc < 63; i++)
+        argv[argc++] = args[i];
+    argv[argc] = NULL;
+    return su_serve_argv(p, argv);
 }
 
 #endif /* KVD_TESTS_SERVE_UTIL_H */

@@ -18,54 +18,12 @@
 #include <cmocka.h>
 
 #include <dirent.h>
-#include <pthread.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <sys/resource.h>
 
 #include "model/mkmodel.h"
-#include "tests/http_client.h"
-#include "tests/serve_util.h"
-
-static const char *kvd_bin;
-static char tmpdir[256];
-static char model_path[512];
-
-#define SKIP_WITHOUT_KVD()                                                                         \
-    do {                                                                                           \
-        if (!kvd_bin) {                                                                            \
-            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
-            skip();                                                                                \
-        }                                                                                          \
-    } while (0)
-
-/* Run kvd with argv (NULL-terminated, without the binary) and its stderr
- * in `log`; returns the exit status, -1 if it had to be killed after
- * timeout_s. */
-static int run_kvd(const char *const *args, const char *log, double timeout_s)
-{
-    const char *argv[32];
-    int n = 0;
-    argv[n++] = kvd_bin;
-    for (int i = 0; args[i] && n < 31; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
-    struct su_proc p = {0};
-    snprintf(p.log, sizeof(p.log), "%s", log);
-    assert_int_equal(su_spawn(&p, (char *const *)argv, NULL), 0);
-    return su_wait(&p, timeout_s);
-}
-
-static bool file_has(const char *path, const char *text)
-{
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return false;
-    char buf[8192];
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    return strstr(buf, text) != NULL;
-}
+#include "tests/serve_fixture.h"
 
 /* ------------------------------------------------------------------------
  * Small inputs that used to be taken without bound
@@ -79,12 +37,12 @@ static void test_tokenize_file_not_regular(void **state)
     SKIP_WITHOUT_KVD();
     char log[600];
     snprintf(log, sizeof(log), "%s/tokenize.log", tmpdir);
-    const char *const dev[] = {"tokenize", "--model", model_path, "--file", "/dev/zero", NULL};
-    assert_int_equal(run_kvd(dev, log, 20), 1);
-    assert_true(file_has(log, "/dev/zero is not a regular file"));
-    const char *const dir[] = {"tokenize", "--model", model_path, "--file", tmpdir, NULL};
-    assert_int_equal(run_kvd(dir, log, 20), 1);
-    assert_true(file_has(log, "is not a regular file"));
+    const char *const dev[] = {"tokenize", "--model", model_path, "--file", "/dev/zero"};
+    assert_int_equal(run_kvd(dev, (int)(sizeof(dev) / sizeof(dev[0])), log, 20), 1);
+    assert_true(su_file_has(log, "/dev/zero is not a regular file"));
+    const char *const dir[] = {"tokenize", "--model", model_path, "--file", tmpdir};
+    assert_int_equal(run_kvd(dir, (int)(sizeof(dir) / sizeof(dir[0])), log, 20), 1);
+    assert_true(su_file_has(log, "is not a regular file"));
     /* A regular file is still tokenized. */
     char text[600];
     snprintf(text, sizeof(text), "%s/text.txt", tmpdir);
@@ -92,8 +50,8 @@ static void test_tokenize_file_not_regular(void **state)
     assert_non_null(f);
     fputs("Once upon a time", f);
     fclose(f);
-    const char *const ok[] = {"tokenize", "--model", model_path, "--file", text, NULL};
-    assert_int_equal(run_kvd(ok, log, 20), 0);
+    const char *const ok[] = {"tokenize", "--model", model_path, "--file", text};
+    assert_int_equal(run_kvd(ok, (int)(sizeof(ok) / sizeof(ok[0])), log, 20), 0);
 }
 
 /* An api_key_file whose key is longer than a key may be (255 bytes) was
@@ -114,11 +72,11 @@ static void test_api_key_file_too_long(void **state)
     assert_non_null(f);
     fprintf(f, "%s\n", key);
     fclose(f);
-    const char *const args[] = {"serve", "--model", model_path, "--listen", "127.0.0.1:0",
-                                "--set", set, NULL};
-    int rc = run_kvd(args, log, 30);
+    const char *const args[] = {"serve",       "--model", model_path, "--listen",
+                                "127.0.0.1:0", "--set",   set};
+    int rc = run_kvd(args, (int)(sizeof(args) / sizeof(args[0])), log, 30);
     assert_true(rc != 0 && rc != -1);
-    assert_true(file_has(log, "the key is longer than 255 bytes"));
+    assert_true(su_file_has(log, "the key is longer than 255 bytes"));
 
     /* 255 bytes: served, and only the whole key is accepted. */
     key[255] = '\0';
@@ -144,23 +102,6 @@ static void test_api_key_file_too_long(void **state)
 /* ------------------------------------------------------------------------
  * Generations the server cuts short say so
  * ------------------------------------------------------------------------ */
-
-/* A metric's value from /metrics (exact sample name), or -1. */
-static double metric(int port, const char *name)
-{
-    struct su_resp r;
-    double v = -1;
-    if (su_http(port, "GET", "/metrics", NULL, NULL, &r) == 200) {
-        size_t nl = strlen(name);
-        for (const char *l = r.body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
-            if (!strncmp(l, name, nl) && l[nl] == ' ') {
-                v = atof(l + nl + 1);
-                break;
-            }
-    }
-    su_resp_free(&r);
-    return v;
-}
 
 struct gen_arg {
     int port;
@@ -189,9 +130,10 @@ static void test_cut_short_pool_full(void **state)
     SKIP_WITHOUT_KVD();
     /* f32 K/V: 512 bytes a token, so the 1 MiB pool holds 2048 tokens;
      * four sequences of up to 1024 need twice that. */
-    static const char *const args[] = {"--set", "cache.memory=1MiB", "--set", "cache.kv_type=f32",
-                                       "--set", "eviction.max_cache_tokens=1024", "--set",
-                                       "server.threads=1"};
+    static const char *const args[] = {"--set", "cache.memory=1MiB",
+                                       "--set", "cache.kv_type=f32",
+                                       "--set", "eviction.max_cache_tokens=1024",
+                                       "--set", "server.threads=1"};
     struct su_proc p = {0};
     snprintf(p.log, sizeof(p.log), "%s/pool.log", tmpdir);
     assert_int_equal(su_serve(&p, kvd_bin, model_path, args, 8), 0);
@@ -244,7 +186,7 @@ static void test_cut_short_pool_full(void **state)
     print_message("%d cut short, %d whole, %d refused before their first token\n", cut, whole,
                   refused);
     assert_true(cut >= 1);
-    assert_int_equal(metric(p.port, "kvd_requests_cut_short_total{reason=\"kv_pool_full\"}"),
+    assert_int_equal(su_metric(p.port, "kvd_requests_cut_short_total{reason=\"kv_pool_full\"}"),
                      cut);
     assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
 }
@@ -253,8 +195,9 @@ static void write_conf(const char *path, const char *policy)
 {
     FILE *f = fopen(path, "w");
     assert_non_null(f);
-    fprintf(f, "[cache]\nmemory = 2MiB\n[eviction]\npolicy = %s\nmax_cache_tokens = 128\n"
-               "[limits]\nmax_tokens = 100000\n[server]\nthreads = 1\n",
+    fprintf(f,
+            "[cache]\nmemory = 2MiB\n[eviction]\npolicy = %s\nmax_cache_tokens = 128\n"
+            "[limits]\nmax_tokens = 100000\n[server]\nthreads = 1\n",
             policy);
     fclose(f);
 }
@@ -308,7 +251,7 @@ static void test_cut_short_reload_policy_none(void **state)
     hc_close(&c);
     assert_true(done);
     assert_non_null(strstr(last, "cut_short_policy_none"));
-    assert_int_equal(metric(p.port, "kvd_requests_cut_short_total{reason=\"policy_none\"}"), 1);
+    assert_int_equal(su_metric(p.port, "kvd_requests_cut_short_total{reason=\"policy_none\"}"), 1);
     assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
 }
 
@@ -389,10 +332,10 @@ static void test_fd_exhaustion(void **state)
         assert_int_equal(su_http(p.port, "GET", "/health", NULL, NULL, &r), 200);
         su_resp_free(&r);
     }
-    assert_true(metric(p.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}") > 0);
+    assert_true(su_metric(p.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}") > 0);
     print_message("accept failures: %g, idle connections shed: %g\n",
-                  metric(p.port, "kvd_http_connections_closed_total{reason=\"accept_failed\"}"),
-                  metric(p.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}"));
+                  su_metric(p.port, "kvd_http_connections_closed_total{reason=\"accept_failed\"}"),
+                  su_metric(p.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}"));
     assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
 }
 
@@ -401,17 +344,13 @@ static void test_fd_exhaustion(void **state)
 static int group_setup(void **state)
 {
     (void)state;
-    signal(SIGPIPE, SIG_IGN);
-    kvd_bin = getenv("KVD_BIN");
-    if (kvd_bin && !*kvd_bin)
-        kvd_bin = NULL;
-    return su_scratch_model("faults", 11, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path));
+    return sf_setup("faults", 11, false);
 }
 
 static int group_teardown(void **state)
 {
     (void)state;
-    return su_remove_dir(tmpdir);
+    return sf_teardown();
 }
 
 int main(void)

@@ -29,99 +29,11 @@
 
 #include "model/mkmodel.h"
 #include "model/model.h"
-#include "tests/http_client.h"
-#include "tests/serve_util.h"
-
-static const char *kvd_bin;
-static char tmpdir[256];
-static char model_path[512];
-
-#define SKIP_WITHOUT_KVD()                                                                         \
-    do {                                                                                           \
-        if (!kvd_bin) {                                                                            \
-            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
-            skip();                                                                                \
-        }                                                                                          \
-    } while (0)
+#include "tests/serve_fixture.h"
 
 /* ------------------------------------------------------------------------
- * Helpers: servers, metrics, process state
+ * Helpers: raw connections
  * ------------------------------------------------------------------------ */
-
-static void serve(struct su_proc *p, const char *name, const char *const *args, int n_args)
-{
-    snprintf(p->log, sizeof(p->log), "%s/%s.log", tmpdir, name);
-    assert_int_equal(su_serve(p, kvd_bin, model_path, args, n_args), 0);
-}
-
-static void stop(struct su_proc *p)
-{
-    int rc = su_stop(p, SIGTERM, 30);
-    if (rc != 0)
-        su_dump_log(p);
-    assert_int_equal(rc, 0);
-}
-
-/* A metric's value (the first sample whose name, labels included, is
- * exactly `name`), or -1 when absent. */
-static double metric(int port, const char *name)
-{
-    struct resp r;
-    if (http(port, "GET", "/metrics", NULL, NULL, &r) != 200) {
-        resp_free(&r);
-        return -1;
-    }
-    double v = -1;
-    size_t nl = strlen(name);
-    for (const char *l = r.body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
-        if (!strncmp(l, name, nl) && l[nl] == ' ') {
-            v = atof(l + nl + 1);
-            break;
-        }
-    resp_free(&r);
-    return v;
-}
-
-static bool wait_metric_at_least(int port, const char *name, double want, double seconds)
-{
-    double deadline = su_now() + seconds;
-    while (su_now() < deadline) {
-        if (metric(port, name) >= want)
-            return true;
-        su_sleep_ms(50);
-    }
-    print_message("%s stayed below %g (now %g)\n", name, want, metric(port, name));
-    return false;
-}
-
-static long proc_rss_kb(pid_t pid)
-{
-    char path[64], line[256];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return -1;
-    long kb = -1;
-    while (fgets(line, sizeof(line), f))
-        if (!strncmp(line, "VmRSS:", 6))
-            kb = atol(line + 6);
-    fclose(f);
-    return kb;
-}
-
-static int proc_fds(pid_t pid)
-{
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-    DIR *d = opendir(path);
-    if (!d)
-        return -1;
-    int n = 0;
-    for (struct dirent *de; (de = readdir(d));)
-        n += de->d_name[0] != '.';
-    closedir(d);
-    return n;
-}
 
 /* A connection to the server; rcvbuf > 0 shrinks the receive buffer first
  * (so a client that stops reading holds back little). */
@@ -225,13 +137,13 @@ static char *expand_case(const char *src, size_t *out_len)
 
 struct hcase {
     char name[256];
-    int expect;            /* status */
-    char type[64];         /* error type, or "" */
-    char message[256];     /* a fragment of the error message, or "" */
-    char header[8][256];   /* "Name: value" the answer must carry */
+    int expect;          /* status */
+    char type[64];       /* error type, or "" */
+    char message[256];   /* a fragment of the error message, or "" */
+    char header[8][256]; /* "Name: value" the answer must carry */
     int n_header;
-    bool no_body;          /* a HEAD request: the answer has no body */
-    char *req;             /* the raw request */
+    bool no_body; /* a HEAD request: the answer has no body */
+    char *req;    /* the raw request */
     size_t req_len;
 };
 
@@ -333,9 +245,9 @@ struct baseline {
 
 static struct baseline baseline_of(const struct su_proc *p)
 {
-    return (struct baseline){proc_rss_kb(p->pid), proc_fds(p->pid),
-                             metric(p->port, "kvd_kv_pages_free"),
-                             metric(p->port, "kvd_queue_depth")};
+    return (struct baseline){su_rss_kb(p->pid), su_fds(p->pid),
+                             su_metric(p->port, "kvd_kv_pages_free"),
+                             su_metric(p->port, "kvd_queue_depth")};
 }
 
 static void test_bad_input_matrix(void **state)
@@ -399,7 +311,7 @@ static void test_bad_input_matrix(void **state)
      * (su_spawn) fills first; its leak check at exit covers that case. */
     long slack_kb = getenv("ASAN_OPTIONS") ? 2048 + 8192 : 2048;
     assert_true(b1.rss_kb <= b0.rss_kb + slack_kb);
-    stop(&s);
+    server_stop(&s);
     for (int i = 0; i < n; i++)
         free(cases[i].req);
 }
@@ -414,8 +326,9 @@ static void test_body_deadline(void **state)
 {
     (void)state;
     SKIP_WITHOUT_KVD();
-    static const char *const args[] = {"--set", "limits.body_timeout=1s", "--set",
-                                       "limits.idle_timeout=5s", "--set", "server.threads=1"};
+    static const char *const args[] = {"--set", "limits.body_timeout=1s",
+                                       "--set", "limits.idle_timeout=5s",
+                                       "--set", "server.threads=1"};
     struct su_proc s = {0};
     serve(&s, "body-deadline", args, 6);
     struct hc h;
@@ -439,9 +352,9 @@ static void test_body_deadline(void **state)
     print_message("dribbled body: %d after %.1f s\n", status, su_now() - t0);
     assert_int_equal(status, 408);
     hc_close(&h);
-    assert_int_equal(metric(s.port, "kvd_http_connections_closed_total{reason=\"body_timeout\"}"),
-                     1);
-    stop(&s);
+    assert_int_equal(
+        su_metric(s.port, "kvd_http_connections_closed_total{reason=\"body_timeout\"}"), 1);
+    server_stop(&s);
 }
 
 /* With every slot held by idle keep-alive connections, a new one takes the
@@ -450,8 +363,9 @@ static void test_idle_connections_shed(void **state)
 {
     (void)state;
     SKIP_WITHOUT_KVD();
-    static const char *const args[] = {"--set", "server.max_connections=4", "--set",
-                                       "limits.idle_timeout=1h", "--set", "server.threads=1"};
+    static const char *const args[] = {"--set", "server.max_connections=4",
+                                       "--set", "limits.idle_timeout=1h",
+                                       "--set", "server.threads=1"};
     struct su_proc s = {0};
     serve(&s, "shed", args, 6);
     int idle[4];
@@ -467,12 +381,12 @@ static void test_idle_connections_shed(void **state)
         struct pollfd p = {idle[i], POLLIN, 0};
         assert_int_equal(poll(&p, 1, 0), 0);
     }
-    assert_true(metric(s.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}") >= 1);
+    assert_true(su_metric(s.port, "kvd_http_connections_closed_total{reason=\"shed_idle\"}") >= 1);
     /* A busy connection (mid-request) is never shed: with three idle and
      * one busy, new connections go on being served. */
     for (int i = 0; i < 4; i++)
         close(idle[i]);
-    stop(&s);
+    server_stop(&s);
 }
 
 /*
@@ -485,12 +399,12 @@ static void test_slow_reader_closed(void **state)
 {
     (void)state;
     SKIP_WITHOUT_KVD();
-    static const char *const args[] = {"--set", "limits.write_buffer=64KiB", "--set",
-                                       "limits.idle_timeout=2s",  "--set",
-                                       "limits.max_tokens=4096",  "--set", "server.threads=1"};
+    static const char *const args[] = {
+        "--set", "limits.write_buffer=64KiB", "--set", "limits.idle_timeout=2s",
+        "--set", "limits.max_tokens=4096",    "--set", "server.threads=1"};
     struct su_proc s = {0};
     serve(&s, "slow-reader", args, 8);
-    long rss0 = proc_rss_kb(s.pid);
+    long rss0 = su_rss_kb(s.pid);
     int fd = raw_connect(s.port, 4096);
     /* Every token with 200 alternatives: ~10 KiB of SSE per token. */
     const char *body = "{\"prompt\":\"Once upon a time\",\"max_tokens\":4000,\"logprobs\":200,"
@@ -498,16 +412,16 @@ static void test_slow_reader_closed(void **state)
     send_post(fd, "/v1/completions", "", body);
     /* Never read. The server stays responsive meanwhile. */
     assert_int_equal(http_status_simple(s.port, "/health"), 200);
-    assert_true(wait_metric_at_least(
+    assert_true(su_wait_metric_at_least(
         s.port, "kvd_http_connections_closed_total{reason=\"slow_reader\"}", 1, 30));
-    long rss1 = proc_rss_kb(s.pid);
+    long rss1 = su_rss_kb(s.pid);
     print_message("RSS %ld -> %ld KiB while the stream was stalled\n", rss0, rss1);
     assert_true(closed_within(fd, 10));
     close(fd);
     /* Its request ended (cancelled), so the slot is free again. */
-    assert_true(wait_metric_at_least(s.port, "kvd_requests_cancelled_total", 1, 10));
+    assert_true(su_wait_metric_at_least(s.port, "kvd_requests_cancelled_total", 1, 10));
     assert_int_equal(http_status_simple(s.port, "/health"), 200);
-    stop(&s);
+    server_stop(&s);
 }
 
 /*
@@ -519,8 +433,9 @@ static void test_large_answer_slow_steady_reader(void **state)
 {
     (void)state;
     SKIP_WITHOUT_KVD();
-    static const char *const args[] = {"--set", "limits.write_buffer=64KiB", "--set",
-                                       "limits.idle_timeout=2s", "--set", "server.threads=1"};
+    static const char *const args[] = {"--set", "limits.write_buffer=64KiB",
+                                       "--set", "limits.idle_timeout=2s",
+                                       "--set", "server.threads=1"};
     struct su_proc s = {0};
     serve(&s, "large-answer", args, 6);
     int fd = raw_connect(s.port, 16384);
@@ -557,9 +472,9 @@ static void test_large_answer_slow_steady_reader(void **state)
     assert_string_equal(json_string_value(json_object_get(v, "stop_type")), "limit");
     json_decref(v);
     free(buf);
-    assert_int_equal(metric(s.port, "kvd_http_connections_closed_total{reason=\"slow_reader\"}"),
+    assert_int_equal(su_metric(s.port, "kvd_http_connections_closed_total{reason=\"slow_reader\"}"),
                      0);
-    stop(&s);
+    server_stop(&s);
 }
 
 /*
@@ -576,7 +491,7 @@ static void test_logprob_answer_capped(void **state)
     static const char *const args[] = {"--set", "server.threads=1"};
     struct su_proc s = {0};
     serve(&s, "logprob-cap", args, 2);
-    long rss0 = proc_rss_kb(s.pid);
+    long rss0 = su_rss_kb(s.pid);
     static const char *const bodies[][2] = {
         {"/completion", "{\"prompt\":\"Once upon a time\",\"n_predict\":4096,\"n_probs\":512,"
                         "\"ignore_eos\":true}"},
@@ -586,15 +501,14 @@ static void test_logprob_answer_capped(void **state)
     };
     for (int i = 0; i < 3; i++) {
         struct resp r;
-        int st = http(s.port, "POST", bodies[i][0], NULL,
-                      bodies[i][1], &r);
+        int st = http(s.port, "POST", bodies[i][0], NULL, bodies[i][1], &r);
         if (st != 400)
             print_message("%s: %d %s\n", bodies[i][0], st, r.body ? r.body : "");
         assert_int_equal(st, 400);
         assert_non_null(strstr(r.body, "at most 262144"));
         resp_free(&r);
     }
-    long rss1 = proc_rss_kb(s.pid);
+    long rss1 = su_rss_kb(s.pid);
     print_message("RSS %ld -> %ld KiB\n", rss0, rss1);
     assert_true(rss1 < rss0 + 16384);
     /* Streamed, the same request is served. */
@@ -605,7 +519,7 @@ static void test_logprob_answer_capped(void **state)
     assert_true(recv(fd, head, sizeof(head) - 1, MSG_WAITALL) > 12);
     assert_int_equal(strncmp(head, "HTTP/1.1 200", 12), 0);
     close(fd);
-    stop(&s);
+    server_stop(&s);
 }
 
 /* ------------------------------------------------------------------------
@@ -636,7 +550,7 @@ static void test_upgrade_then_pipelined(void **state)
     assert_non_null(strstr(r.body, "\"data\""));
     resp_free(&r);
     hc_close(&h);
-    stop(&s);
+    server_stop(&s);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -644,17 +558,13 @@ static void test_upgrade_then_pipelined(void **state)
 static int group_setup(void **state)
 {
     (void)state;
-    signal(SIGPIPE, SIG_IGN);
-    kvd_bin = getenv("KVD_BIN");
-    if (kvd_bin && !*kvd_bin)
-        kvd_bin = NULL;
-    return su_scratch_model("http", 7, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path));
+    return sf_setup("http", 7, false);
 }
 
 static int group_teardown(void **state)
 {
     (void)state;
-    return su_remove_dir(tmpdir);
+    return sf_teardown();
 }
 
 int main(void)
