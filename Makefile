@@ -70,6 +70,7 @@ ALL_OBJ    := $(CLI_OBJ) $(LOAD_OBJ) $(SERVER_OBJ) $(MODEL_OBJ) $(TEMPLATE_OBJ) 
 # tests build even while another room is mid-change.
 LINK_attention := $(ATTN_OBJ)
 LINK_cache     := $(CACHE_OBJ) $(ATTN_OBJ)
+LINK_cache_invariants := $(LINK_cache)
 LINK_model     := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_config    := $(CONFIG_OBJ) $(BUILD)/cli/wiring.o $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_template  := $(TEMPLATE_OBJ)
