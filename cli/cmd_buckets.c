@@ -60,13 +60,17 @@ static int parse_opts(int argc, char **argv, struct buckets_opts *o)
         const char *v = NULL;
         long n;
         if (srv_opt_value(argc, argv, &i, "buckets", "--num-buckets", &v, &bad)) {
-            if (!bad && srv_parse_long(v, 1, 1 << 20, &n)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_long(v, 1, 1 << 20, &n)) {
                 fprintf(stderr, "kvd buckets: --num-buckets wants an integer, got '%s'\n", v);
                 return -1;
             }
             o->num_buckets = (int)n;
         } else if (srv_opt_value(argc, argv, &i, "buckets", "--max-distance", &v, &bad)) {
-            if (!bad && srv_parse_long(v, 1, 1L << 30, &n)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_long(v, 1, 1L << 30, &n)) {
                 fprintf(stderr, "kvd buckets: --max-distance wants a positive integer, got '%s'\n",
                         v);
                 return -1;

@@ -118,7 +118,9 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
             if (!bad && parse_int_opt(v, "-n", 0, 1 << 24, &o->n_predict))
                 return -1;
         } else if (srv_opt_value(argc, argv, &i, "generate", "--temp", &v, &bad)) {
-            if (!bad && srv_parse_double(v, 0.0, 100.0, &x)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_double(v, 0.0, 100.0, &x)) {
                 fprintf(stderr, "kvd generate: --temp wants a number in [0, 100], got '%s'\n", v);
                 return -1;
             }
@@ -127,7 +129,9 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
             if (!bad && parse_int_opt(v, "--top-k", 0, 1 << 24, &o->sampling.top_k))
                 return -1;
         } else if (srv_opt_value(argc, argv, &i, "generate", "--top-p", &v, &bad)) {
-            if (!bad && srv_parse_double(v, 0.0, 1.0, &x)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_double(v, 0.0, 1.0, &x)) {
                 fprintf(stderr, "kvd generate: --top-p wants a number in [0, 1], got '%s'\n", v);
                 return -1;
             }
@@ -171,7 +175,9 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
             if (!bad && parse_int_opt(v, "--batch", 1, 65536, &o->batch))
                 return -1;
         } else if (srv_opt_value(argc, argv, &i, "generate", "--alibi-max-bias", &v, &bad)) {
-            if (!bad && srv_parse_double(v, 1e-3, 1024.0, &x)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_double(v, 1e-3, 1024.0, &x)) {
                 fprintf(stderr, "kvd generate: --alibi-max-bias wants a number in [0.001, 1024], "
                         "got '%s'\n", v);
                 return -1;

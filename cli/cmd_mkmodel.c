@@ -116,14 +116,18 @@ int srv_cmd_mkmodel(int argc, char **argv)
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--position", &v, &bad)) {
             p.position = v;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--alibi-max-bias", &v, &bad)) {
-            if (!bad && srv_parse_double(v, 1e-3, 1024.0, &x)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_double(v, 1e-3, 1024.0, &x)) {
                 fprintf(stderr, "kvd mkmodel: --alibi-max-bias wants a number in [0.001, 1024], "
                         "got '%s'\n", v);
                 return 2;
             }
             p.alibi_max_bias = (float)x;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--clamp-kqv", &v, &bad)) {
-            if (!bad && srv_parse_double(v, 0.0, 1e6, &x)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_double(v, 0.0, 1e6, &x)) {
                 fprintf(stderr, "kvd mkmodel: --clamp-kqv wants a number >= 0, got '%s'\n", v);
                 return 2;
             }
@@ -135,7 +139,9 @@ int srv_cmd_mkmodel(int argc, char **argv)
                 return 2;
             }
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--rope-theta", &v, &bad)) {
-            if (!bad && srv_parse_double(v, 1e-3, 1e12, &x)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_double(v, 1e-3, 1e12, &x)) {
                 fprintf(stderr, "kvd mkmodel: --rope-theta wants a positive number, got '%s'\n", v);
                 return 2;
             }
@@ -143,7 +149,9 @@ int srv_cmd_mkmodel(int argc, char **argv)
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--rope-scaling", &v, &bad)) {
             p.rope_scaling = v;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--rope-factor", &v, &bad)) {
-            if (!bad && srv_parse_double(v, 1e-3, 1e6, &x)) {
+            if (bad) /* the option lacks its value: said, and the loop ends */
+                break;
+            if (srv_parse_double(v, 1e-3, 1e6, &x)) {
                 fprintf(stderr, "kvd mkmodel: --rope-factor wants a positive number, got '%s'\n",
                         v);
                 return 2;
