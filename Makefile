@@ -8,6 +8,8 @@
 #   make bench      build and run the benchmarks in tests/bench/
 #   make fuzz       build the libFuzzer targets in tests/fuzz/ and run each
 #                   FUZZ_SECONDS (default 60) under ASan + UBSan
+#   make soak       an hour (SOAK_SECONDS) of mixed traffic against kvd serve,
+#                   sampled into build/soak/soak.csv and .png; fails on a leak
 #   make format     clang-format every source file
 #   make clean
 #
@@ -90,7 +92,7 @@ BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
 BENCH_BIN  := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
 .PHONY: all deps run test asan bench format clean tests benches deploy-deps deploy-check \
-        fuzz fuzzers
+        fuzz fuzzers soak
 all: kvd
 
 kvd: $(BUILD)/kvd
@@ -187,6 +189,15 @@ fuzz:
 	      -rss_limit_mb=2048 -print_final_stats=1 $$dict corpus/$$n ../tests/fuzz/corpus/$$n $$seeds \
 	      > fuzz_$$n.log 2>&1; rc=$$?; tail -n 20 fuzz_$$n.log; exit $$rc ) || exit 1; \
 	done
+
+# --- soak ----------------------------------------------------------------------
+# Not in `make test` or CI: tests/soak.sh runs kvd serve under kvd load for
+# SOAK_SECONDS, samples RSS, descriptors, KV pages, queue depth and sessions
+# into build/soak/soak.csv, plots them (soak.png), prints each series' drift
+# and fails on a growing RSS, or a server that does not return to rest.
+SOAK_SECONDS ?= 3600
+soak: kvd
+	KVD_BIN=$(BUILD)/kvd KVD_SHARED=$(SHARED) SOAK_SECONDS=$(SOAK_SECONDS) sh tests/soak.sh
 
 # --- setup and run -----------------------------------------------------------------
 DEPS_CMD ?= $(MAKE) --no-print-directory install-packages PACKAGES="$(DEB_PACKAGES)"
