@@ -154,7 +154,9 @@ bench: benches
 # (tests/fuzz/NAME.dict) when there is one; new
 # inputs go to build-fuzz/corpus/NAME/, never into the tree. A crash stops
 # the run, leaving the input in build-fuzz/crash-*. Tokenizer targets read
-# the vocabularies in $(SHARED)/vocab (KVD_SHARED).
+# the vocabularies in $(SHARED)/vocab (KVD_SHARED). The fuzz_route_*
+# targets run the real kvd serve on a thread of the fuzzer and post each
+# input to their route over loopback (tests/fuzz/route_fuzz.h).
 FUZZ_CC      ?= clang
 FUZZ_SECONDS ?= 60
 FUZZ_BUILD   := build-fuzz
