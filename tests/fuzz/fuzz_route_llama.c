@@ -7,14 +7,6 @@
  */
 #include "tests/fuzz/route_fuzz.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    route_start();
-    return 0;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     route_post("/completion", data, size);

@@ -20,7 +20,8 @@
  *   - a 200 JSON body parses, and every SSE "data:" line of a 200 stream is
  *     JSON or [DONE], and a stream ends with [DONE] (llama.cpp: an event
  *     with "stop": true) or an error event.
- * Include from exactly one fuzz_route_*.c, which defines
+ * Include from exactly one fuzz_route_*.c: this header defines
+ * LLVMFuzzerInitialize (the server starts there), the target defines
  * LLVMFuzzerTestOneInput with route_post()/route_request().
  */
 #ifndef KVD_FUZZ_ROUTE_FUZZ_H
@@ -332,6 +333,15 @@ static int route_request(const char *method, const char *path, const char *heade
 static __attribute__((unused)) int route_post(const char *path, const uint8_t *body, size_t n)
 {
     return route_request("POST", path, "", body, n);
+}
+
+/* libFuzzer's start: the server, once. */
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc;
+    (void)argv;
+    route_start();
+    return 0;
 }
 
 #endif /* KVD_FUZZ_ROUTE_FUZZ_H */
