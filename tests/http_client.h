@@ -1,6 +1,6 @@
 /*
  * http_client.h - a tiny HTTP/1.1 client over plain sockets for the tests
- * that talk to a live `kvd serve` byte by byte (test_server.c, test_http.c):
+ * that talk to a live `kvd serve` byte by byte (through serve_fixture.h):
  * keep-alive, pipelining, chunked and close-delimited bodies, HEAD. Every
  * socket has a 60 s timeout. The functions are static and may go unused.
  */
