@@ -55,13 +55,18 @@ LOAD_SRC   := $(wildcard load/*.c)
 CLI_SRC    := $(filter-out cli/main.c,$(wildcard cli/*.c))
 LLHTTP_SRC := api.c http.c llhttp.c
 
+# The web page's files (server/web/), embedded in the binary: mkassets (a
+# build tool in C) writes them into one generated C file.
+WEB_FILES  := $(sort $(wildcard server/web/*.html server/web/*.css server/web/*.js))
+WEB_OBJ    := $(BUILD)/gen/web_assets.o
+
 obj = $(patsubst %.c,$(BUILD)/%.o,$(1))
 ATTN_OBJ   := $(call obj,$(ATTN_SRC))
 CACHE_OBJ  := $(call obj,$(CACHE_SRC))
 MODEL_OBJ  := $(call obj,$(MODEL_SRC))
 CONFIG_OBJ := $(call obj,$(CONFIG_SRC))
 TEMPLATE_OBJ := $(call obj,$(TEMPLATE_SRC))
-SERVER_OBJ := $(call obj,$(SERVER_SRC))
+SERVER_OBJ := $(call obj,$(SERVER_SRC)) $(WEB_OBJ)
 LOAD_OBJ   := $(call obj,$(LOAD_SRC))
 CLI_OBJ    := $(call obj,$(CLI_SRC))
 LLHTTP_OBJ := $(patsubst %.c,$(BUILD)/llhttp/%.o,$(LLHTTP_SRC))
@@ -103,6 +108,16 @@ $(BUILD)/kvd: $(BUILD)/cli/main.o $(ALL_OBJ)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/gen/mkassets: server/web/mkassets.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -O1 -Wall -Wextra $(if $(WERROR),-Werror) -o $@ $<
+
+$(BUILD)/gen/web_assets.c: $(BUILD)/gen/mkassets $(WEB_FILES)
+	$(BUILD)/gen/mkassets $@ $(WEB_FILES)
+
+$(BUILD)/gen/web_assets.o: $(BUILD)/gen/web_assets.c server/web.h
 	$(CC) $(CPPFLAGS) $(CFLAGS) -c -o $@ $<
 
 # llhttp is compiled into the build from Debian's sources, as Debian's own

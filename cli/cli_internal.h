@@ -22,6 +22,11 @@ void srv_cfg_policy(const struct cfg *c, struct kv_policy *out);
 bool srv_opt_kv_types(int argc, char **argv, int *i, const char *cmd, enum kv_type *k_type,
                       enum kv_type *v_type, bool *bad);
 
+/* The effective config with each key's origin as JSON, what `kvd
+ * check-config` prints (config_view.c; new string, NULL when memory runs
+ * out). The API key's value is never in it. */
+char *srv_config_view_json(const struct cfg *c);
+
 /* The config hooks (wiring.c): main wires them before any subcommand runs,
  * tests that call config/ before they call anything else. */
 extern const struct cfg_hooks srv_cfg_hooks;

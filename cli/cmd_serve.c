@@ -41,6 +41,8 @@ struct serve_state {
     const char *sets[MAX_SETS + 2];
     int n_sets;
     char api_key[CFG_KEY_MAX + CFG_PATH_MAX];
+    char *config_json; /* what GET /v1/config shows for `running` (owned) */
+    char *staged_json; /* ... for a reload that passed, until the next one */
 };
 
 static void serve_usage(FILE *f)
@@ -343,6 +345,9 @@ static int serve_reload(const char *path, struct srv_serve_config *out, void *ud
     }
     snprintf(staged_key, sizeof(staged_key), "%s", tmp.api_key);
     out->api.api_key = staged_key; /* copied by srv_api_set_params */
+    free(st->staged_json);
+    st->staged_json = srv_config_view_json(&st->pending);
+    out->api.config_json = st->staged_json; /* copied by srv_api_set_params */
     /* Restart-only values stay as running (cfg_reload kept them). */
     rc = 0;
 out:
@@ -432,6 +437,8 @@ int srv_cmd_serve(int argc, char **argv)
         goto out;
     }
     log_eviction("in effect", &st->running);
+    st->config_json = srv_config_view_json(&st->running);
+    sc->api.config_json = st->config_json;
     sc->sched.max_step_tokens = sc->sched.limits.step_tokens;
     if (config)
         snprintf(sc->config_path, sizeof(sc->config_path), "%s", config);
@@ -440,6 +447,10 @@ int srv_cmd_serve(int argc, char **argv)
     sc->reload_ud = st;
     status = srv_serve_run(sc);
 out:
+    if (st) {
+        free(st->config_json);
+        free(st->staged_json);
+    }
     free(st);
     free(errs);
     free(sc);

@@ -48,6 +48,8 @@
 #include "server/chat_template.h"
 #include "server/errors.h"
 #include "server/log.h"
+#include "server/route_map.h"
+#include "server/web.h"
 
 /* Compact output; 15 significant digits print 0.95f's double as 0.95. */
 #define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
@@ -55,7 +57,14 @@
 #define MAX_STOP 16
 #define MAX_STOP_BYTES 512
 
-enum call_kind { CALL_OPENAI, CALL_LLAMA, CALL_CHAT, CALL_SESSION_GET, CALL_SESSION_DELETE };
+enum call_kind {
+    CALL_OPENAI,
+    CALL_LLAMA,
+    CALL_CHAT,
+    CALL_SESSION_GET,
+    CALL_SESSION_DELETE,
+    CALL_SESSION_MAP
+};
 
 /* One accepted request waiting for the engine (loop thread only). */
 struct call {
@@ -119,6 +128,7 @@ struct srv_api {
     int32_t eot_token;      /* the template's end of turn as a control token, or -1 */
     struct chat_sess *chat_sess; /* most recently used first */
     int n_chat_sess;
+    char *config_json; /* GET /v1/config (owned), or NULL */
 };
 
 /* ------------------------------------------------------------------------
@@ -1712,6 +1722,10 @@ static void on_done(struct call *call, const struct srv_event *ev)
 {
     if (!call->conn)
         return;
+    if (call->kind == CALL_SESSION_MAP) {
+        srv_map_respond(call->conn, ev, call->req->session);
+        return;
+    }
     if (call->kind == CALL_SESSION_GET || call->kind == CALL_SESSION_DELETE) {
         const struct srv_session_info *si = &ev->session;
         if (!si->found) {
@@ -1945,8 +1959,16 @@ static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req 
 }
 
 static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *id,
-                          bool del)
+                          enum call_kind kind)
 {
+    bool del = kind == CALL_SESSION_DELETE;
+    struct srv_map_opts map = {0};
+    char param[64], msg[256];
+    if (kind == CALL_SESSION_MAP &&
+        srv_map_parse_query(req->query, &map, param, sizeof(param), msg, sizeof(msg)) != 0) {
+        api_error(c, 400, param, "%s: %s", param, msg);
+        return;
+    }
     if (!session_id_ok(id, (size_t)a->p.max_session_id)) {
         api_error(c, 400, "session", "bad session id: 1..%d characters of A-Z a-z 0-9 . _ : -",
                   a->p.max_session_id);
@@ -1962,11 +1984,15 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
         api_error(c, 503, NULL, "the model is loading");
         return;
     }
-    struct call *call = call_new(a, c, del ? CALL_SESSION_DELETE : CALL_SESSION_GET);
+    struct call *call = call_new(a, c, kind);
     if (call)
-        call->req = srv_req_new(del ? SRV_REQ_SESSION_DELETE : SRV_REQ_SESSION_INFO);
-    if (call && call->req)
+        call->req = srv_req_new(del                        ? SRV_REQ_SESSION_DELETE
+                                : kind == CALL_SESSION_MAP ? SRV_REQ_SESSION_MAP
+                                                           : SRV_REQ_SESSION_INFO);
+    if (call && call->req) {
         call->req->session = strdup(id);
+        call->req->map = map;
+    }
     if (call && call->req && del)
         chat_sess_forget(a, id);
     if (!call || !call->req || !call->req->session) {
@@ -2163,6 +2189,19 @@ static void route_metrics(srv_api *a, srv_conn *c)
     free(all);
 }
 
+/* GET /v1/config: the effective config with each key's origin, as `kvd
+ * check-config` prints it (the daemon's program renders it at start and on
+ * each reload; the API key's value never appears). */
+static void route_config(srv_api *a, srv_conn *c)
+{
+    if (!a->config_json) {
+        api_error(c, 404, NULL, "this server was started without a config to show");
+        return;
+    }
+    srv_http_respond(c, 200, "application/json", "Cache-Control: no-store\r\n", a->config_json,
+                     strlen(a->config_json));
+}
+
 /* Constant-time comparison of the bearer token. */
 static bool auth_ok(srv_api *a, const struct srv_http_req *req)
 {
@@ -2202,11 +2241,27 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         R_TOKENIZE,
         R_DETOKENIZE,
         R_CHAT,
-        R_APPLY_TEMPLATE
+        R_APPLY_TEMPLATE,
+        R_SESSION_MAP,
+        R_CONFIG
     } r = R_NONE;
     const char *allow = NULL;
     const char *sess = NULL;
-    if (!strcmp(path, "/health")) {
+    char map_id[256];
+    /* The page's files: no data in them, so no key (web.h). */
+    const struct srv_web_asset *asset = srv_web_find(path);
+    if (asset) {
+        srv_web_respond(c, req, asset);
+        return;
+    }
+    if (!strcmp(path, "/v1/config")) {
+        r = R_CONFIG;
+        allow = "GET, HEAD";
+    } else if (srv_map_path(path, map_id, sizeof(map_id))) {
+        r = R_SESSION_MAP;
+        allow = "GET, HEAD";
+        sess = map_id;
+    } else if (!strcmp(path, "/health")) {
         r = R_HEALTH;
         allow = "GET, HEAD";
     } else if (!strcmp(path, "/metrics")) {
@@ -2282,7 +2337,13 @@ void srv_api_handle(void *ud, srv_conn *c, const struct srv_http_req *req)
         route_models(a, c);
         break;
     case R_SESSION:
-        route_session(a, c, req, sess, del);
+        route_session(a, c, req, sess, del ? CALL_SESSION_DELETE : CALL_SESSION_GET);
+        break;
+    case R_SESSION_MAP:
+        route_session(a, c, req, sess, CALL_SESSION_MAP);
+        break;
+    case R_CONFIG:
+        route_config(a, c);
         break;
     case R_TOKENIZE:
         route_tokenize(a, c, req);
@@ -2323,6 +2384,12 @@ void srv_api_set_params(srv_api *a, const struct srv_api_params *p)
     if (!a->chat) /* the template is chosen at load: a reload changes it only on restart */
         snprintf(a->chat_path, sizeof(a->chat_path), "%s", p->chat_template ? p->chat_template : "");
     a->p.chat_template = NULL;
+    char *cj = p->config_json ? strdup(p->config_json) : NULL;
+    if (cj || !p->config_json) { /* out of memory: the old one stays */
+        free(a->config_json);
+        a->config_json = cj;
+    }
+    a->p.config_json = NULL;
 }
 
 void srv_api_destroy(srv_api *a)
@@ -2337,6 +2404,7 @@ void srv_api_destroy(srv_api *a)
     model_detok_destroy(a->piece_detok);
     free(a->piece_buf);
     tpl_chat_destroy(a->chat);
+    free(a->config_json);
     while (a->chat_sess) {
         struct chat_sess *x = a->chat_sess;
         a->chat_sess = x->next;

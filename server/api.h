@@ -24,6 +24,8 @@ struct srv_api_params {
     int max_session_id;      /* longest session id accepted */
     const char *chat_template; /* [model] chat_template, or NULL/"" (copied) */
     bool chat_turns;           /* [eviction] unit = turn: chat turns leave whole */
+    const char *config_json;   /* GET /v1/config's answer: the effective config, each key
+                                  with its origin (copied; NULL = 404) */
 };
 
 srv_api *srv_api_create(srv_sched *sched, srv_metrics *metrics, const struct srv_api_params *p);

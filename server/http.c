@@ -194,6 +194,8 @@ static const char *status_text(int status)
         return "Continue";
     case 200:
         return "OK";
+    case 304:
+        return "Not Modified";
     case 400:
         return "Bad Request";
     case 401:

@@ -202,6 +202,7 @@ void srv_event_free(struct srv_event *ev)
     free(ev->text);
     free(ev->tokens);
     free(ev->lp);
+    srv_cache_map_free(ev->map);
     free(ev);
 }
 
@@ -266,6 +267,8 @@ static void handle_session_request(srv_sched *s, struct srv_req *r)
     struct srv_session *x = srv_sessions_find(&s->sessions, r->session);
     if (x)
         srv_session_describe(x, &ev->session);
+    if (x && r->kind == SRV_REQ_SESSION_MAP)
+        ev->map = srv_cache_map_build(x->seq, s->m, &r->map);
     if (x && r->kind == SRV_REQ_SESSION_DELETE) {
         if (x->busy) {
             free(ev);

@@ -13,6 +13,7 @@
 
 #include "cache/kv_cache.h"
 #include "model/model.h"
+#include "server/cache_map.h"
 #include "server/metrics.h"
 
 typedef struct srv_sched srv_sched;
@@ -21,6 +22,7 @@ enum srv_req_kind {
     SRV_REQ_COMPLETION,     /* generate */
     SRV_REQ_SESSION_INFO,   /* describe req->session */
     SRV_REQ_SESSION_DELETE, /* free req->session */
+    SRV_REQ_SESSION_MAP,    /* map req->session's cache (cache_map.h) */
 };
 
 /* Why a completion ended. */
@@ -72,6 +74,7 @@ struct srv_req {
                              (struct srv_logprob in its TEXT event) */
     int n_top_logprobs;   /* ... with this many most likely tokens
                              (0..min(n_vocab, SRV_MAX_TOP_LOGPROBS)) */
+    struct srv_map_opts map; /* SRV_REQ_SESSION_MAP: ranges and text */
     uint64_t t_submit_ns; /* monotonic, set by srv_sched_submit */
     atomic_int cancel;    /* 0, SRV_CANCEL_CLIENT or SRV_CANCEL_ABORT */
     atomic_bool paused;   /* its reader is behind: decode nothing for it until the
@@ -155,6 +158,8 @@ struct srv_event {
     int stop_index;                  /* DONE with SRV_FINISH_STOP: which stop string */
     struct srv_usage usage;          /* DONE */
     struct srv_session_info session; /* DONE for session requests */
+    struct srv_cache_map *map;       /* DONE for a found session's map (owned), NULL
+                                        when memory ran out */
     int status;                      /* ERROR: HTTP status */
     char message[600];               /* ERROR, FATAL */
     struct srv_event *next;
