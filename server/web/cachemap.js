@@ -170,6 +170,13 @@ async function refresh() {
       "Cache map: " + e.message);
     return;
   }
+  // Unchanged since the last poll: leave the drawing (and a hovered range) alone.
+  const same = prev && prev.id === m.id && JSON.stringify(prev) === JSON.stringify(m);
+  $("map-svg").dataset.updated = String(Date.now());
+  if (same) {
+    if (currentView === "map" && /^Evicted/.test($("status").textContent)) setStatus("");
+    return;
+  }
   let fresh = null;
   if (prev && prev.id === m.id && m.evicted_tokens > prev.evicted_tokens) {
     fresh = { start: 0, end: m.tokens };
@@ -184,7 +191,6 @@ async function refresh() {
   animateTo(m, prev && prev.id === m.id ? prev.tokens : m.tokens, fresh);
   prev = m;
   $("map-svg").dataset.tokens = m.tokens;
-  $("map-svg").dataset.updated = String(Date.now());
 }
 
 function schedule() {
