@@ -38,7 +38,7 @@ static int setup(void **state)
         print_message("KVD_BIN unset: skipping the end-to-end map tests\n");
         return 0;
     }
-    const char *common[] = {"--set", "auth.api_key=" KEY, "--set", "server.threads=1",
+    const char *common[] = {"--set", ("auth.api_key=" KEY), "--set", "server.threads=1",
                             "--set", "cache.memory=8MiB", "--set", "cache.page_tokens=16"};
     const char *a[24], *b[24];
     int n = 0;
