@@ -62,7 +62,7 @@ struct kv_seq {
     int32_t *pos;  /* position number */
     int32_t *ids;  /* token id */
     int32_t *hidx; /* history index */
-    float *mass;   /* accumulated attention mass (h2o) */
+    float *mass;   /* score of a scored policy (kv_seq_mass; evict_scored.c) */
     int t_off, n_tokens, t_cap;
 
     /* h2o scratch, capacity t_cap. */
@@ -109,6 +109,15 @@ int kv_evict_plan(const kv_seq *seq, int target);
  * in renumber mode, counts. Cannot fail. Returns tokens evicted.
  */
 int kv_evict_apply(kv_seq *seq, int keep);
+
+/* --- evict_scored.c ---------------------------------------------------- */
+
+/*
+ * The score that ranks middle token i (logical index, lo <= i < hi, the
+ * middle) in a scored policy's eviction step: larger is kept. snapkv
+ * max-pools its observation over pool_tokens neighbours inside [lo, hi).
+ */
+float kv_evict_score(const kv_seq *seq, int i, int lo, int hi);
 
 /* --- seq.c ------------------------------------------------------------- */
 

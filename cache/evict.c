@@ -84,6 +84,9 @@
  * mass moved with it; the bytes are never changed, only their address. The
  * pages past the new end go back to the pool.
  *
+ * tova, knorm and snapkv have h2o's shape and step and differ only in the
+ * score that ranks the middle: see evict_scored.c.
+ *
  * ---------------------------------------------------------------------------
  * Positions
  * ---------------------------------------------------------------------------
@@ -113,6 +116,9 @@ static const char *const kind_names[] = {
     [KV_EVICT_NONE] = "none",
     [KV_EVICT_SINK_WINDOW] = "sink-window",
     [KV_EVICT_H2O] = "h2o",
+    [KV_EVICT_TOVA] = "tova",
+    [KV_EVICT_KNORM] = "knorm",
+    [KV_EVICT_SNAPKV] = "snapkv",
 };
 
 const char *kv_policy_kind_name(enum kv_policy_kind kind)
@@ -149,11 +155,10 @@ void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budg
     case KV_EVICT_SINK_WINDOW:
         out->kept_tokens = (sinks + page - 1) / page * page; /* sinks are whole pages */
         break;
-    case KV_EVICT_H2O:
-        out->kept_tokens = sinks + p->heavy_tokens; /* token-granular */
-        break;
     default:
-        return; /* none: nothing kept, nothing evicted */
+        if (!kv_policy_scored(p->kind))
+            return; /* none: nothing kept, nothing evicted */
+        out->kept_tokens = sinks + p->heavy_tokens; /* token-granular */
     }
     out->floor_tokens = out->kept_tokens + page;
     out->window_room = max - out->floor_tokens;
@@ -183,6 +188,9 @@ int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_
         REJECT("eviction %s: sink_tokens, window_tokens and heavy_tokens must be >= 0 "
                "(got %d, %d, %d)",
                name, p->sink_tokens, p->window_tokens, p->heavy_tokens);
+    if (p->kind == KV_EVICT_SNAPKV && (p->observe_tokens < 1 || p->pool_tokens < 1))
+        REJECT("eviction snapkv: observe_tokens and pool_tokens must be >= 1 (got %d, %d)",
+               p->observe_tokens, p->pool_tokens);
 
     struct kv_budget b;
     kv_policy_budget(p, page_tokens, &b);
@@ -194,10 +202,10 @@ int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_
                "one page %d: eviction could never free a page; need at least %lld",
                p->max_cache_tokens, p->sink_tokens, (long long)b.kept_tokens, page_tokens,
                p->window_tokens, page_tokens, (long long)b.need_tokens);
-    REJECT("eviction h2o: max_cache_tokens %d is smaller than sink_tokens %d + "
+    REJECT("eviction %s: max_cache_tokens %d is smaller than sink_tokens %d + "
            "window_tokens %d + heavy_tokens %d + one page %d: an eviction step "
            "would free less than a page; need at least %lld",
-           p->max_cache_tokens, p->sink_tokens, p->window_tokens, p->heavy_tokens, page_tokens,
+           name, p->max_cache_tokens, p->sink_tokens, p->window_tokens, p->heavy_tokens, page_tokens,
            (long long)b.need_tokens);
 #undef REJECT
 }
@@ -225,7 +233,7 @@ static int evictable_pages(const kv_seq *s)
     return k > 0 ? k : 0;
 }
 
-/* h2o: tokens kept when it evicts. */
+/* Scored policies: tokens kept when they evict. */
 static int h2o_keep(const kv_seq *s)
 {
     int64_t keep =
@@ -235,12 +243,12 @@ static int h2o_keep(const kv_seq *s)
 
 int kv_evict_floor(const kv_seq *s)
 {
+    if (kv_policy_scored(s->policy.kind))
+        return h2o_keep(s);
     switch (s->policy.kind) {
     case KV_EVICT_SINK_WINDOW:
         return s->n_tokens - evictable_pages(s) * s->cache->layout.page_tokens;
-    case KV_EVICT_H2O:
-        return h2o_keep(s);
-    case KV_EVICT_NONE:
+    default:
         break;
     }
     return s->n_tokens;
@@ -252,15 +260,15 @@ int kv_evict_plan(const kv_seq *s, int target)
         return s->n_tokens;
     if (target < 0 || kv_evict_floor(s) > target)
         return -1;
+    if (kv_policy_scored(s->policy.kind))
+        return h2o_keep(s); /* one step down to the floor */
     switch (s->policy.kind) {
     case KV_EVICT_SINK_WINDOW: {
         int pt = s->cache->layout.page_tokens;
         int pages = (s->n_tokens - target + pt - 1) / pt; /* fewest whole pages */
         return s->n_tokens - pages * pt;
     }
-    case KV_EVICT_H2O:
-        return h2o_keep(s); /* one step down to the floor */
-    case KV_EVICT_NONE:
+    default:
         break;
     }
     return -1;
@@ -340,7 +348,8 @@ static void move_token_bytes(kv_seq *s, int dst, int src)
         }
 }
 
-/* Keep sinks, window and the `keep - sinks - window` heaviest middle tokens;
+/* Keep sinks, window and the `keep - sinks - window` middle tokens of the
+ * highest score (kv_evict_score: h2o's mass, or another policy's score);
  * compact the survivors in order and free the pages past the end. */
 static void evict_h2o(kv_seq *s, int keep)
 {
@@ -355,9 +364,8 @@ static void evict_h2o(kv_seq *s, int keep)
     uint8_t *kp = s->keep;
     memset(kp, 1, (size_t)n);
     int m = 0;
-    const float *mass = s->mass + s->t_off;
     for (int i = mid_lo; i < mid_hi; i++) {
-        s->rank[m++] = (struct kv_rank){.mass = mass[i], .idx = i};
+        s->rank[m++] = (struct kv_rank){.mass = kv_evict_score(s, i, mid_lo, mid_hi), .idx = i};
         kp[i] = 0;
     }
     qsort(s->rank, (size_t)m, sizeof(s->rank[0]), rank_cmp);
@@ -397,12 +405,13 @@ int kv_evict_apply(kv_seq *s, int keep)
         evict_pages(s, (before - keep) / pt);
         break;
     }
-    case KV_EVICT_H2O:
-        evict_h2o(s, keep);
-        break;
     case KV_EVICT_NONE:
         assert(!"policy none never evicts");
         return 0;
+    default:
+        assert(kv_policy_scored(s->policy.kind));
+        evict_h2o(s, keep);
+        break;
     }
     if (s->policy.renumber)
         renumber(s);

@@ -39,7 +39,8 @@
  * tokens, so at least window_tokens recent tokens survive every eviction.
  * h2o is token-granular: it keeps exactly the first sink_tokens tokens, the
  * last window_tokens tokens and the heavy_tokens middle tokens with the
- * largest accumulated attention mass, compacting the survivors towards the
+ * largest accumulated attention mass (tova, knorm and snapkv likewise, by
+ * their own scores), compacting the survivors towards the
  * front of the sequence (their bytes are copied whole, never changed).
  *
  * Threading: one engine thread owns a kv_cache and every sequence in it. No
@@ -195,16 +196,35 @@ int kv_cache_check(const kv_cache *cache, char *err, size_t errlen);
  * Eviction policies
  * ------------------------------------------------------------------------ */
 
-enum kv_policy_kind { KV_EVICT_NONE = 0, KV_EVICT_SINK_WINDOW, KV_EVICT_H2O };
+/*
+ * The scored policies (h2o, tova, knorm, snapkv) share one shape, [sinks |
+ * heavy_tokens middle tokens by score | window], and one eviction step;
+ * they differ in the per-token score (evict_scored.c: the essay).
+ */
+enum kv_policy_kind {
+    KV_EVICT_NONE = 0,
+    KV_EVICT_SINK_WINDOW,
+    KV_EVICT_H2O,    /* score: attention mass accumulated over every query */
+    KV_EVICT_TOVA,   /* score: attention mass from the latest query only */
+    KV_EVICT_KNORM,  /* score: the key's L2 norm, from the unrotated key at append */
+    KV_EVICT_SNAPKV, /* score: mass from a prompt chunk's last observe_tokens queries,
+                        max-pooled over pool_tokens neighbours; decode keeps it */
+};
 
 struct kv_policy {
     enum kv_policy_kind kind;
     int max_cache_tokens; /* retained-token budget of one sequence, >= 1 */
     int sink_tokens;      /* kept at the start (sink-window rounds up to pages) */
     int window_tokens;    /* recent tokens kept */
-    int heavy_tokens;     /* h2o only: middle tokens kept by attention mass */
+    int heavy_tokens;     /* scored policies only: middle tokens kept by score */
+    int observe_tokens;   /* snapkv only: last queries of a prompt chunk observed, >= 1 */
+    int pool_tokens;      /* snapkv only: max-pool width over neighbours, >= 1 (1 = none) */
+    bool knorm_smallest;  /* knorm only: evict the smallest norms (default: the largest) */
     bool renumber;        /* true: positions = renumber; false: preserve */
 };
+
+/* Whether kind ranks middle tokens by a score (h2o, tova, knorm, snapkv). */
+bool kv_policy_scored(enum kv_policy_kind kind);
 
 /*
  * The budget a policy implies for a page size, worked out in one place:
@@ -214,7 +234,7 @@ struct kv_policy {
  * all read it from there.
  *
  *   kept     what the policy keeps besides the window: the sinks rounded
- *            up to whole pages (sink-window), sink + heavy tokens (h2o);
+ *            up to whole pages (sink-window), sink + heavy tokens (scored);
  *   floor    kept + one page: a full sequence needs one page eviction
  *            can free;
  *   room     max_cache_tokens - floor: the largest window that fits;
@@ -251,11 +271,13 @@ void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budg
  * reason in err. Budgets must leave eviction something to free:
  *   none:        max_cache_tokens >= 1 (sinks, window and heavy are unused);
  *   sink-window: max_cache_tokens >= ceil(sink/page)*page + window + page;
- *   h2o:         max_cache_tokens >= sink + window + heavy + page;
+ *   scored:      max_cache_tokens >= sink + window + heavy + page
+ *                (snapkv also: observe_tokens >= 1, pool_tokens >= 1);
  * that is, need_tokens of kv_policy_budget (the one statement of the rule).
  */
 int kv_policy_check(const struct kv_policy *policy, int page_tokens, char *err, size_t errlen);
-/* "none" | "sink-window" | "h2o". Returns 0, or -EINVAL with *out unchanged. */
+/* "none" | "sink-window" | "h2o" | "tova" | "knorm" | "snapkv". Returns 0, or
+ * -EINVAL with *out unchanged. */
 int kv_policy_parse_kind(const char *name, enum kv_policy_kind *out);
 const char *kv_policy_kind_name(enum kv_policy_kind kind);
 
@@ -302,7 +324,7 @@ int32_t kv_seq_next_pos(const kv_seq *seq);
 /*
  * Make room for and append n tokens (ids in tokens[0..n)). In order:
  *   1. if n_tokens + n > max_cache_tokens, the policy evicts (whole pages
- *      for sink-window, down to sinks + window + heavy for h2o);
+ *      for sink-window, down to sinks + window + heavy for the scored ones);
  *   2. if the pool is still short of pages, idle sessions are dropped whole,
  *      least recently touched first (never pinned ones, never non-session
  *      sequences, never this one);
@@ -377,9 +399,30 @@ int kv_seq_max_append(const kv_seq *seq);
  */
 int kv_seq_evict(kv_seq *seq, int n_needed);
 
-/* H2O: add the attention mass the kernel reported for each retained token
- * (mass[0..n_tokens)) to the per-token accumulators. */
+/*
+ * Scores (evict_scored.c). kv_seq_mass returns each retained token's score:
+ * attention mass (h2o: accumulated; tova: the latest step's; snapkv: the
+ * latest prompt chunk's observation) or the signed key norm (knorm).
+ *
+ * The forward pass, at the start of a call that computes n_q new queries of
+ * the sequence, asks kv_seq_mass_queries how many of the call's LAST queries
+ * the kernel should report mass for (0: none; h2o: n_q; tova: 1; snapkv:
+ * min(observe_tokens, n_q) when n_q >= 2, else 0). The policies that score
+ * by the latest queries alone (tova, snapkv) forget the previous scores
+ * here, so the call's layers then add up a fresh score. Returns 0 for
+ * n_q < 1.
+ */
+int kv_seq_mass_queries(kv_seq *seq, int n_q);
+/* Add the attention mass the kernel reported for each retained token
+ * (mass[0..n_tokens)) to its score (once per layer). */
 void kv_seq_add_mass(kv_seq *seq, const float *mass);
+/* Whether the policy scores keys by their norm (knorm): the forward then
+ * reports every new key through kv_seq_add_key_norm. */
+bool kv_seq_wants_key_norms(const kv_seq *seq);
+/* knorm: add the L2 norm of k[0..head_dim) (one layer and KV head of
+ * retained token idx, unrotated, as the model produced it) to the token's
+ * score, averaged over layers and KV heads; no-op for other policies. */
+void kv_seq_add_key_norm(kv_seq *seq, int idx, const float *k, int head_dim);
 
 /* Sessions: the ids of every token appended (evicted ones included) since
  * creation, a drop or a truncation; *ids may be NULL. Returns the length;

@@ -191,6 +191,8 @@ int kv_seq_set_policy(kv_seq *s, const struct kv_policy *policy)
 {
     if (kv_policy_check(policy, s->cache->layout.page_tokens, NULL, 0) < 0)
         return -EINVAL;
+    if (policy->kind != s->policy.kind && s->n_tokens > 0) /* scores mean another thing now */
+        memset(s->mass + s->t_off, 0, sizeof(float) * (size_t)s->n_tokens);
     s->policy = *policy;
     return 0;
 }
@@ -297,15 +299,6 @@ int kv_seq_max_append(const kv_seq *s)
 {
     int room = s->policy.max_cache_tokens - kv_evict_floor(s);
     return room > 0 ? room : 0;
-}
-
-void kv_seq_add_mass(kv_seq *s, const float *mass)
-{
-    if (s->n_tokens == 0)
-        return;
-    float *acc = s->mass + s->t_off;
-    for (int i = 0; i < s->n_tokens; i++)
-        acc[i] += mass[i];
 }
 
 /* ------------------------------------------------------------------------

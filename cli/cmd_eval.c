@@ -40,6 +40,7 @@
 
 #include "cli/cli.h"
 #include "cli/cli_internal.h"
+#include "cli/eval_policy.h"
 #include "cli/eval_retrieval.h"
 #include "config/args.h"
 #include "model/model.h"
@@ -68,6 +69,7 @@ struct eval_opts {
     int train_len;      /* 0 = from metadata */
     int recompute_max;  /* tokens the recompute baseline covers */
     int page_tokens;
+    int budget;         /* --budget: max_cache_tokens of every --policy; 0 = each its smallest */
     enum kv_type k_type, v_type;
     bool kld;                      /* --kld-ref given */
     enum kv_type kld_type;         /* K and V type of the twin reference sequence */
@@ -103,11 +105,7 @@ static void eval_usage(FILE *f)
             "  --config FILE        run the policy of FILE's [eviction] (and its [cache]\n"
             "                       page_tokens and K/V types) first\n"
             "  --set S.K=V          repeatable override of the config, as for kvd serve\n"
-            "  --policy SPEC        repeatable; SPEC is one of\n"
-            "                         sink-window:SINK:WINDOW[:preserve]\n"
-            "                         window:WINDOW[:preserve]   (no sinks)\n"
-            "                         h2o:SINK:WINDOW:HEAVY[:preserve]\n"
-            "                       (default sink-window:4:252)\n"
+            "%s"
             "  --baseline NAME      repeatable: dense, chunked, recompute\n"
             "  --tokens N           score the first N tokens (default: all)\n"
             "  --start T            begin at the text's token T (a fresh BOS first)\n"
@@ -126,55 +124,13 @@ static void eval_usage(FILE *f)
             "  --plot OUT.png       per-segment perplexity against position (gnuplot),\n"
             "                       or retrieval accuracy against the key's distance\n"
             "%s",
-            srv_eval_ret_usage);
+            srv_eval_policy_usage, srv_eval_ret_usage);
 }
 
 static int bad_opt(const char *name, const char *v)
 {
     fprintf(stderr, "kvd eval: invalid value for %s: '%s'\n", name, v ? v : "");
     return -1;
-}
-
-/* Parse a policy SPEC (see usage) into a kv_policy with the smallest budget
- * the policy accepts for the page size. */
-static int parse_policy(const char *spec, int page_tokens, struct eval_policy *out)
-{
-    char buf[64];
-    snprintf(buf, sizeof(buf), "%s", spec);
-    char *fields[6];
-    int nf = 0;
-    for (char *save = NULL, *t = strtok_r(buf, ":", &save); t && nf < 6;
-         t = strtok_r(NULL, ":", &save))
-        fields[nf++] = t;
-    if (nf == 0)
-        return -1;
-    struct kv_policy *p = &out->p;
-    *p = (struct kv_policy){.renumber = true};
-    if (!strcmp(fields[nf - 1], "preserve") || !strcmp(fields[nf - 1], "renumber")) {
-        p->renumber = !strcmp(fields[nf - 1], "renumber");
-        nf--;
-    }
-    long a = 0, b = 0, c = 0;
-    const long lim = 1 << 24;
-    if (!strcmp(fields[0], "sink-window") && nf == 3 && !srv_parse_long(fields[1], 0, lim, &a) &&
-        !srv_parse_long(fields[2], 1, lim, &b)) {
-        p->kind = KV_EVICT_SINK_WINDOW;
-    } else if (!strcmp(fields[0], "window") && nf == 2 && !srv_parse_long(fields[1], 1, lim, &b)) {
-        p->kind = KV_EVICT_SINK_WINDOW;
-    } else if (!strcmp(fields[0], "h2o") && nf == 4 && !srv_parse_long(fields[1], 0, lim, &a) &&
-               !srv_parse_long(fields[2], 1, lim, &b) && !srv_parse_long(fields[3], 0, lim, &c)) {
-        p->kind = KV_EVICT_H2O;
-    } else {
-        return -1;
-    }
-    p->sink_tokens = (int)a;
-    p->window_tokens = (int)b;
-    p->heavy_tokens = (int)c;
-    struct kv_budget budget;
-    kv_policy_budget(p, page_tokens, &budget);
-    p->max_cache_tokens = (int)budget.need_tokens; /* the smallest the policy accepts */
-    snprintf(out->label, sizeof(out->label), "%s", spec);
-    return 0;
 }
 
 static int parse_segments(const char *s, struct eval_opts *o)
@@ -221,7 +177,7 @@ static int config_policy(struct eval_opts *o)
     o->v_type = srv_cfg_kv_type(cfg_v_type(c));
     snprintf(ep->label, sizeof(ep->label), "config (%s %d+%d%s, %s)",
              kv_policy_kind_name(ep->p.kind), ep->p.sink_tokens, ep->p.window_tokens,
-             ep->p.kind == KV_EVICT_H2O ? "+heavy" : "",
+             kv_policy_scored(ep->p.kind) ? "+heavy" : "",
              ep->p.renumber ? "renumber" : "preserve");
     rc = 0;
 out:
@@ -283,6 +239,10 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
             if (bad || srv_parse_long(v, 2, 1 << 24, &n))
                 return bad_opt("--recompute-tokens", v);
             o->recompute_max = (int)n;
+        } else if (OPT("--budget")) {
+            if (bad || srv_parse_long(v, 1, 1 << 24, &n))
+                return bad_opt("--budget", v);
+            o->budget = (int)n;
         } else if (OPT("--page-tokens")) {
             if (bad || srv_parse_long(v, 1, 4096, &n))
                 return bad_opt("--page-tokens", v);
@@ -332,13 +292,12 @@ static int parse_opts(int argc, char **argv, struct eval_opts *o, bool *help)
         return bad_opt("--policy (at most 8 with the config's)", specs[0]);
     for (int k = 0; k < n_specs; k++) {
         struct eval_policy *ep = &o->policies[o->n_policies];
-        if (parse_policy(specs[k], o->page_tokens, ep))
-            return bad_opt("--policy (see kvd eval --help)", specs[k]);
         char err[256];
-        if (kv_policy_check(&ep->p, o->page_tokens, err, sizeof(err))) {
+        if (srv_eval_parse_policy(specs[k], o->page_tokens, o->budget, &ep->p, err, sizeof(err))) {
             fprintf(stderr, "kvd eval: policy %s: %s\n", specs[k], err);
             return -1;
         }
+        snprintf(ep->label, sizeof(ep->label), "%s", specs[k]);
         o->n_policies++;
     }
     return 0;

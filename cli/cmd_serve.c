@@ -228,7 +228,8 @@ static void log_eviction(const char *when, const struct cfg *c)
         when, c->file[0] ? c->file : "no file: built-in defaults", policy,
         (long long)c->eviction.max_cache_tokens, (long long)c->eviction.sink_tokens,
         (long long)cfg_window_tokens(c), on && c->eviction.window_tokens == 0 ? " (automatic)" : "",
-        (long long)(c->eviction.policy == CFG_EVICT_H2O ? c->eviction.heavy_tokens : 0), positions);
+        (long long)(cfg_policy_scored(c->eviction.policy) ? c->eviction.heavy_tokens : 0),
+        positions);
 }
 
 /*

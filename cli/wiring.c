@@ -22,6 +22,9 @@ static const enum kv_policy_kind policy_kinds[] = {
     [CFG_EVICT_NONE] = KV_EVICT_NONE,
     [CFG_EVICT_SINK_WINDOW] = KV_EVICT_SINK_WINDOW,
     [CFG_EVICT_H2O] = KV_EVICT_H2O,
+    [CFG_EVICT_TOVA] = KV_EVICT_TOVA,
+    [CFG_EVICT_KNORM] = KV_EVICT_KNORM,
+    [CFG_EVICT_SNAPKV] = KV_EVICT_SNAPKV,
 };
 _Static_assert(sizeof(kv_types) / sizeof(kv_types[0]) == CFG_KV_TYPE_COUNT,
                "every config KV type maps to a cache KV type");
@@ -43,7 +46,10 @@ static struct kv_policy policy_as_set(const struct cfg *c)
         .max_cache_tokens = (int)c->eviction.max_cache_tokens,
         .sink_tokens = (int)c->eviction.sink_tokens,
         .window_tokens = (int)c->eviction.window_tokens,
-        .heavy_tokens = c->eviction.policy == CFG_EVICT_H2O ? (int)c->eviction.heavy_tokens : 0,
+        .heavy_tokens = cfg_policy_scored(c->eviction.policy) ? (int)c->eviction.heavy_tokens : 0,
+        .observe_tokens = (int)c->eviction.observe_tokens,
+        .pool_tokens = (int)c->eviction.pool_tokens,
+        .knorm_smallest = c->eviction.knorm_evict == CFG_KNORM_SMALLEST,
         .renumber = c->eviction.positions == CFG_POS_RENUMBER,
     };
 }

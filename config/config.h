@@ -49,8 +49,24 @@ enum cfg_policy {
     CFG_EVICT_NONE = 0,    /* never evict: a sequence ends at max_cache_tokens */
     CFG_EVICT_SINK_WINDOW, /* StreamingLLM: keep the first sink tokens and a recent window */
     CFG_EVICT_H2O,         /* sinks + heavy hitters by attention mass + recent window */
+    CFG_EVICT_TOVA,        /* ... middle kept by the latest query's attention */
+    CFG_EVICT_KNORM,       /* ... middle kept by key norm (the largest evicted) */
+    CFG_EVICT_SNAPKV,      /* ... middle kept by a prompt's last queries, pooled */
     CFG_EVICT_COUNT
 };
+
+enum cfg_knorm_evict {
+    CFG_KNORM_LARGEST = 0, /* evict the largest key norms (the paper's finding) */
+    CFG_KNORM_SMALLEST,    /* evict the smallest */
+};
+
+/* Whether a policy keeps heavy_tokens middle tokens by a score (h2o, tova,
+ * knorm, snapkv): the one list config, the wiring and the logs read. */
+static inline bool cfg_policy_scored(enum cfg_policy p)
+{
+    return p == CFG_EVICT_H2O || p == CFG_EVICT_TOVA || p == CFG_EVICT_KNORM ||
+           p == CFG_EVICT_SNAPKV;
+}
 
 enum cfg_positions {
     CFG_POS_RENUMBER = 0, /* retained tokens renumbered 0..n-1 after eviction */
@@ -99,6 +115,9 @@ enum cfg_key {
     CFG_EVICTION_SINK_TOKENS,
     CFG_EVICTION_WINDOW_TOKENS,
     CFG_EVICTION_HEAVY_TOKENS,
+    CFG_EVICTION_OBSERVE_TOKENS,
+    CFG_EVICTION_POOL_TOKENS,
+    CFG_EVICTION_KNORM_EVICT,
     CFG_EVICTION_POSITIONS,
     CFG_EVICTION_UNIT,
     CFG_EVICTION_SESSION_IDLE_TIMEOUT,
@@ -165,7 +184,10 @@ struct cfg_eviction {
     int64_t max_cache_tokens; /* tokens one sequence may hold in the cache */
     int64_t sink_tokens;      /* first tokens never evicted */
     int64_t window_tokens;    /* recent tokens kept; 0 = fill the budget, see cfg_window_tokens() */
-    int64_t heavy_tokens;     /* h2o: heavy-hitter tokens kept */
+    int64_t heavy_tokens;     /* scored policies: middle tokens kept by score */
+    int64_t observe_tokens;   /* snapkv: a prompt chunk's last queries observed */
+    int64_t pool_tokens;      /* snapkv: max-pool width over neighbours */
+    enum cfg_knorm_evict knorm_evict; /* knorm: which end of the norms leaves */
     enum cfg_positions positions;     /* position numbers after eviction */
     enum cfg_evict_unit unit;         /* what leaves first in chat requests */
     uint64_t session_idle_timeout_ms; /* drop a session idle this long; 0 = only when the pool is
@@ -288,11 +310,11 @@ int cfg_set(struct cfg *c, const char *assignment, struct cfg_errors *errs);
  *   - with eviction on, the budget as the cache counts it (struct
  *     cfg_budget, from the hook the program wires): kept + window + one
  *     page <= max_cache_tokens, where kept is the sinks rounded up to whole
- *     pages (sink-window) or sink_tokens + heavy_tokens (h2o) and window is
+ *     pages (sink-window) or sink_tokens + heavy_tokens (scored) and window is
  *     cfg_window_tokens(); kept + one page <= max_cache_tokens is reported
  *     first on its own; the window, explicit or automatic, is at least one
  *     page; and should the cache still refuse the policy, its own reason;
- *   - h2o keeps at least one heavy token;
+ *   - a scored policy (h2o, tova, knorm, snapkv) keeps at least one heavy token;
  *   - T5 overrides: both or neither of t5_num_buckets and t5_max_distance,
  *     num_buckets >= 4, max_distance > num_buckets/2 (the exact range of
  *     causal buckets: Hugging Face's formula is undefined otherwise);

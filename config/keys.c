@@ -36,7 +36,9 @@ static const char *const kv_type_names[] = {"f16", "f32", "bf16", "q8_0", "q4_0"
 /* k_type / v_type: the same spellings, and "kv_type" for the shorthand's value */
 static const char *const kv_side_names[] = {"f16", "f32", "bf16", "q8_0", "q4_0", "kv_type", NULL};
 _Static_assert(CFG_KV_SAME == 5, "kv_side_names spells CFG_KV_SAME last");
-static const char *const policy_names[] = {"none", "sink-window", "h2o", NULL};
+static const char *const policy_names[] = {"none", "sink-window", "h2o", "tova",
+                                           "knorm", "snapkv", NULL};
+static const char *const knorm_names[] = {"largest", "smallest", NULL};
 static const char *const positions_names[] = {"renumber", "preserve", NULL};
 static const char *const unit_names[] = {"turn", "token", NULL};
 _Static_assert(sizeof(kv_type_names) / sizeof(kv_type_names[0]) == CFG_KV_TYPE_COUNT + 1 &&
@@ -49,6 +51,7 @@ static const char *const format_names[] = {"text", "json", NULL};
 _Static_assert(sizeof(enum cfg_kv_type) == sizeof(int) && sizeof(enum cfg_policy) == sizeof(int) &&
                    sizeof(enum cfg_positions) == sizeof(int) &&
                    sizeof(enum cfg_evict_unit) == sizeof(int) &&
+                   sizeof(enum cfg_knorm_evict) == sizeof(int) &&
                    sizeof(enum cfg_log_level) == sizeof(int) &&
                    sizeof(enum cfg_log_format) == sizeof(int),
                "enum fields are stored as int");
@@ -187,11 +190,20 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
             "first tokens of a sequence that are never evicted"),
     [CFG_EVICTION_WINDOW_TOKENS] =
         INT("eviction", "window_tokens", eviction.window_tokens, "0", 0, 1 << 24, "tokens", LIVE,
-            "most recent tokens kept; 0 = what the budget leaves after the sinks (h2o: and heavy "
-            "tokens) and one page"),
+            "most recent tokens kept; 0 = what the budget leaves after the sinks (scored policies: "
+            "and heavy tokens) and one page"),
     [CFG_EVICTION_HEAVY_TOKENS] =
         INT("eviction", "heavy_tokens", eviction.heavy_tokens, "1024", 0, 1 << 24, "tokens", LIVE,
-            "h2o only: tokens kept for their accumulated attention mass"),
+            "h2o, tova, knorm, snapkv: middle tokens kept by the policy's score"),
+    [CFG_EVICTION_OBSERVE_TOKENS] =
+        INT("eviction", "observe_tokens", eviction.observe_tokens, "32", 1, 1 << 20, "tokens",
+            LIVE, "snapkv only: last queries of a prompt chunk whose attention scores the middle"),
+    [CFG_EVICTION_POOL_TOKENS] =
+        INT("eviction", "pool_tokens", eviction.pool_tokens, "7", 1, 1024, "tokens", LIVE,
+            "snapkv only: a token's score is the max over this many neighbours (1 = none)"),
+    [CFG_EVICTION_KNORM_EVICT] =
+        ENUM("eviction", "knorm_evict", eviction.knorm_evict, "largest", knorm_names, LIVE,
+             "knorm only: which keys leave first, those of the largest or the smallest L2 norm"),
     [CFG_EVICTION_POSITIONS] =
         ENUM("eviction", "positions", eviction.positions, "renumber", positions_names, LIVE,
              "position numbers after eviction: renumber 0..n-1, or preserve the first ones"),

@@ -87,7 +87,8 @@ __attribute__((format(printf, 4, 5))) static void violation(struct rules *r, con
  *   kept + window + one page <= max_cache_tokens (need_tokens)
  *
  * Config asks a little more than the cache: the window, explicit or
- * automatic, is at least one page, and h2o keeps at least one heavy token.
+ * automatic, is at least one page, and a scored policy (h2o, tova, knorm,
+ * snapkv) keeps at least one heavy token.
  * Should the cache refuse a policy these rules let through, its own reason
  * is reported, so a config that passes here is one the cache accepts.
  */
@@ -117,7 +118,7 @@ static void kept_words(const struct cfg *c, int64_t kept, bool group, char *buf,
     char ts[128], th[128];
     term(c, CFG_EVICTION_SINK_TOKENS, ts, sizeof(ts));
     term(c, CFG_EVICTION_HEAVY_TOKENS, th, sizeof(th));
-    if (c->eviction.policy == CFG_EVICT_H2O)
+    if (cfg_policy_scored(c->eviction.policy))
         cfg_fmt(buf, len, group ? "(%s + %s)" : "%s + %s", ts, th);
     else if (kept != c->eviction.sink_tokens)
         cfg_fmt(buf, len, "%s as whole pages (%" PRId64 ")", ts, kept);
@@ -143,7 +144,7 @@ static void rules_eviction(struct rules *r)
     const struct cfg *c = r->c;
     if (c->eviction.policy == CFG_EVICT_NONE)
         return;
-    bool h2o = c->eviction.policy == CFG_EVICT_H2O;
+    bool scored = cfg_policy_scored(c->eviction.policy);
     int64_t max = c->eviction.max_cache_tokens, page = c->cache.page_tokens;
     int64_t window = c->eviction.window_tokens;
     struct cfg_budget b;
@@ -161,10 +162,14 @@ static void rules_eviction(struct rules *r)
     term(c, CFG_EVICTION_MAX_CACHE_TOKENS, tm, sizeof(tm));
     term(c, CFG_EVICTION_WINDOW_TOKENS, tw, sizeof(tw));
 
-    /* h2o without heavy hitters is sink-window under another name. */
+    /* A scored policy without heavy tokens is sink-window under another name. */
     const int kh[] = {CFG_EVICTION_HEAVY_TOKENS, CFG_EVICTION_POLICY};
-    if (h2o && c->eviction.heavy_tokens == 0 && !skip_rule(r, kh, 2))
-        violation(r, kh, 2, "policy h2o needs heavy_tokens >= 1 (or use policy sink-window)");
+    if (scored && c->eviction.heavy_tokens == 0 && !skip_rule(r, kh, 2)) {
+        char tpol[64];
+        cfg_format_value(c, CFG_EVICTION_POLICY, tpol, sizeof(tpol));
+        violation(r, kh, 2, "policy %s needs heavy_tokens >= 1 (or use policy sink-window)",
+                  tpol);
+    }
 
     /* The kept tokens must leave at least one page for eviction to free. */
     const int ka[] = {CFG_EVICTION_SINK_TOKENS, CFG_EVICTION_HEAVY_TOKENS,

@@ -79,9 +79,10 @@ struct model_ctx {
     int *sel_seq;          /* [S] sequences that want logits, in batch order */
     int *sel_tok;          /* [S] the token index of each one's last token */
     int *mass_off;         /* [S] offset of the sequence's mass scratch, or -1 */
+    int *mass_q;           /* [S] its last queries the mass counts (kv_seq_mass_queries) */
     struct attn_seq *aseq; /* [S] */
 
-    float *mass;     /* H2O: attention mass per key, per H2O sequence */
+    float *mass;     /* attention mass per key, per sequence whose policy scores by it */
     size_t mass_cap; /* floats */
 };
 
@@ -158,9 +159,10 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
     c->sel_seq = malloc(T * sizeof(*c->sel_seq));
     c->sel_tok = malloc(T * sizeof(*c->sel_tok));
     c->mass_off = malloc(T * sizeof(*c->mass_off));
+    c->mass_q = malloc(T * sizeof(*c->mass_q));
     c->aseq = malloc(T * sizeof(*c->aseq));
     if (!ok || !c->tok || !c->qpos || !c->first || !c->res || !c->batch ||
-        !c->sel_seq || !c->sel_tok || !c->mass_off || !c->aseq) {
+        !c->sel_seq || !c->sel_tok || !c->mass_off || !c->mass_q || !c->aseq) {
         snprintf(err, errlen, "out of memory for a %d-token batch", max_batch_tokens);
         goto fail;
     }
@@ -221,6 +223,7 @@ void model_ctx_destroy(model_ctx *c)
     free(c->sel_seq);
     free(c->sel_tok);
     free(c->mass_off);
+    free(c->mass_q);
     free(c->aseq);
     free(c->mass);
     free(c);
@@ -427,13 +430,16 @@ static int check_batch(const model_ctx *c, const struct model_batch_seq *seqs, i
     return 0;
 }
 
-/* Make sure the H2O mass scratch holds every H2O sequence's keys. */
+/* Ask each sequence's policy which of its queries' attention mass it wants
+ * (the cache decides: kv_seq_mass_queries) and make sure the mass scratch
+ * holds the keys of every sequence that wants some. */
 static int prepare_mass(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
 {
     size_t need = 0;
     for (int s = 0; s < n_seqs; s++) {
         c->mass_off[s] = -1;
-        if (kv_seq_policy(seqs[s].seq)->kind == KV_EVICT_H2O) {
+        c->mass_q[s] = kv_seq_mass_queries(seqs[s].seq, seqs[s].n_tokens);
+        if (c->mass_q[s] > 0) {
             c->mass_off[s] = (int)need;
             need += (size_t)kv_seq_n_tokens(seqs[s].seq);
         }
@@ -505,8 +511,10 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         kv_seq *seq = seqs[s].seq;
         for (int i = 0; i < seqs[s].n_tokens; i++, t++) {
             for (int h = 0; h < m->n_kv_head; h++) {
-                store_kv(kv_seq_k(seq, l, h, c->first[s] + i),
-                         c->k + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->k_type);
+                const float *k = c->k + (size_t)t * m->kv_dim + (size_t)h * hd;
+                store_kv(kv_seq_k(seq, l, h, c->first[s] + i), k, hd, kl->k_type);
+                if (kv_seq_wants_key_norms(seq))
+                    kv_seq_add_key_norm(seq, c->first[s] + i, k, hd);
                 store_kv(kv_seq_v(seq, l, h, c->first[s] + i),
                          c->v + (size_t)t * m->kv_dim + (size_t)h * hd, hd, kl->v_type);
             }
@@ -543,17 +551,25 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     t = 0;
     for (int s = 0; s < n_seqs && R < 0; s++) {
         kv_seq *seq = seqs[s].seq;
-        c->aseq[n_aseq++] = (struct attn_seq){
-            .page_table = kv_seq_page_table(seq),
-            .pos = kv_seq_positions(seq),
-            .n_kv = kv_seq_n_tokens(seq),
-            .n_q = seqs[s].n_tokens,
-            .q_pos = c->qpos + t,
-            .q = c->q + (size_t)t * m->q_dim,
-            .out = c->att + (size_t)t * m->q_dim,
-            .mass = c->mass_off[s] >= 0 ? c->mass + c->mass_off[s] : NULL,
-        };
-        t += seqs[s].n_tokens;
+        /* A policy that wants the mass of the last mass_q queries only gets
+         * them as a sequence of their own (the earlier queries, without
+         * mass, as another): causality is by position, so the split
+         * changes no output. */
+        int n_q = seqs[s].n_tokens, n_mass = c->mass_q[s] > 0 ? c->mass_q[s] : n_q;
+        for (int part = n_mass < n_q ? 0 : 1; part < 2; part++) {
+            int q0 = part ? n_q - n_mass : 0, nq = part ? n_mass : n_q - n_mass;
+            c->aseq[n_aseq++] = (struct attn_seq){
+                .page_table = kv_seq_page_table(seq),
+                .pos = kv_seq_positions(seq),
+                .n_kv = kv_seq_n_tokens(seq),
+                .n_q = nq,
+                .q_pos = c->qpos + t + q0,
+                .q = c->q + (size_t)(t + q0) * m->q_dim,
+                .out = c->att + (size_t)(t + q0) * m->q_dim,
+                .mass = part && c->mass_off[s] >= 0 ? c->mass + c->mass_off[s] : NULL,
+            };
+        }
+        t += n_q;
     }
     for (int r = 0; r < R; r++) {
         kv_seq *seq = seqs[c->sel_seq[r]].seq;
@@ -652,7 +668,7 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
         norm_rows(m, c->x, c->x, m->tok_norm, m->tok_norm_b, T);
 
     /* The last layer runs compacted to the rows that need logits, unless a
-     * sequence collects H2O mass (which counts every query). */
+     * sequence collects attention mass (h2o counts every query). */
     int R = select_rows(c, seqs, n_seqs);
     bool compact = true;
     for (int s = 0; s < n_seqs; s++)

@@ -142,6 +142,7 @@ CASE_TEST(duplicate_key)
 CASE_TEST(cross_key)
 CASE_TEST(cross_key_window)
 CASE_TEST(cross_key_h2o)
+CASE_TEST(scored_policies)
 CASE_TEST(cross_key_once)
 CASE_TEST(cross_key_sink_pages)
 CASE_TEST(cross_key_auto_window)
@@ -948,6 +949,7 @@ int main(void)
         cmocka_unit_test(test_case_cross_key),
         cmocka_unit_test(test_case_cross_key_window),
         cmocka_unit_test(test_case_cross_key_h2o),
+        cmocka_unit_test(test_case_scored_policies),
         cmocka_unit_test(test_case_cross_key_once),
         cmocka_unit_test(test_case_cross_key_sink_pages),
         cmocka_unit_test(test_case_cross_key_auto_window),

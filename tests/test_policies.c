@@ -1,0 +1,916 @@
+/*
+ * test_policies.c - the scored eviction policies beyond h2o: tova, knorm,
+ * snapkv (cache/evict_scored.c), and their wiring through the forward pass,
+ * the config and `kvd eval --policy`.
+ *
+ *   1. each policy keeps what it claims: tova the tokens the latest query
+ *      attends to most (and, in a constructed case, not what h2o keeps),
+ *      knorm the keys of smallest norm (or largest), snapkv the pooled
+ *      observation of a prompt chunk's last queries, fixed while decoding
+ *      and rescored when a later prompt appends;
+ *   2. accounting: a randomized run of every policy against a plain model
+ *      of the selection, the pool checked after every append and free at
+ *      the end;
+ *   3. equivalence at the kernel: attention over an evicted, renumbered
+ *      cache equals attention over a fresh cache of exactly the survivors
+ *      within 1e-6 (RoPE and ALiBi);
+ *   4. the forward reports the mass each policy asks for (tova: the last
+ *      query's, equal to what h2o gains in the same step; snapkv: the last
+ *      observe_tokens queries; knorm: none, the key norms instead) and its
+ *      logits are those of a sequence without a policy;
+ *   5. config and `kvd eval --policy` spell and check every policy.
+ */
+#include <errno.h>
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "attention/attention.h"
+#include "cache/cache_internal.h"
+#include "cli/cli_internal.h"
+#include "cli/eval_policy.h"
+#include "model/mkmodel.h"
+#include "model/model_internal.h"
+#include "model/quant.h"
+#include "tests/arch_ref.h"
+#include "tests/serve_util.h"
+
+/* ------------------------------------------------------------------------
+ * Helpers
+ * ------------------------------------------------------------------------ */
+
+static uint32_t rng_next(uint32_t *s)
+{
+    *s = *s * 1664525u + 1013904223u;
+    return *s >> 8;
+}
+
+/* A bare cache (no model): n_layer x n_kv_head heads of head_dim f32. */
+static kv_cache *bare_cache(int pt, int n_layer, int n_kv_head, int head_dim)
+{
+    struct kv_cache_params p = {.memory_bytes = 4u << 20,
+                                .page_tokens = pt,
+                                .n_layer = n_layer,
+                                .n_kv_head = n_kv_head,
+                                .head_dim = head_dim,
+                                .k_type = KV_F32,
+                                .v_type = KV_F32};
+    char err[256];
+    kv_cache *c = kv_cache_create(&p, err, sizeof(err));
+    if (!c)
+        print_message("kv_cache_create: %s\n", err);
+    assert_non_null(c);
+    return c;
+}
+
+static struct kv_policy scored(enum kv_policy_kind kind, int max, int sink, int window, int heavy)
+{
+    return (struct kv_policy){.kind = kind,
+                              .max_cache_tokens = max,
+                              .sink_tokens = sink,
+                              .window_tokens = window,
+                              .heavy_tokens = heavy,
+                              .observe_tokens = 32,
+                              .pool_tokens = 1,
+                              .renumber = true};
+}
+
+static void append_ids(kv_seq *s, int32_t first_id, int n)
+{
+    for (int i = 0; i < n; i++) {
+        int32_t id = first_id + i;
+        assert_int_equal(kv_seq_append(s, &id, 1, NULL), 0);
+    }
+}
+
+static bool holds(const kv_seq *s, int32_t id)
+{
+    for (int i = 0; i < kv_seq_n_tokens(s); i++)
+        if (kv_seq_tokens(s)[i] == id)
+            return true;
+    return false;
+}
+
+static void assert_cache_ok(const kv_cache *c)
+{
+    char err[256];
+    int rc = kv_cache_check(c, err, sizeof(err));
+    if (rc)
+        print_message("kv_cache_check: %s\n", err);
+    assert_int_equal(rc, 0);
+}
+
+/* One forward call's worth of mass as the forward reports it: the policy
+ * says how many queries count, then each "layer" adds mass[]. */
+static int report_mass(kv_seq *s, int n_q, const float *mass, int layers)
+{
+    int k = kv_seq_mass_queries(s, n_q);
+    if (k > 0)
+        for (int l = 0; l < layers; l++)
+            kv_seq_add_mass(s, mass);
+    return k;
+}
+
+/* ------------------------------------------------------------------------
+ * Names, budgets, checks
+ * ------------------------------------------------------------------------ */
+
+static void test_names_and_budget(void **state)
+{
+    (void)state;
+    const char *names[] = {"tova", "knorm", "snapkv"};
+    const enum kv_policy_kind kinds[] = {KV_EVICT_TOVA, KV_EVICT_KNORM, KV_EVICT_SNAPKV};
+    for (int i = 0; i < 3; i++) {
+        enum kv_policy_kind k = KV_EVICT_NONE;
+        assert_int_equal(kv_policy_parse_kind(names[i], &k), 0);
+        assert_int_equal(k, kinds[i]);
+        assert_string_equal(kv_policy_kind_name(k), names[i]);
+        assert_true(kv_policy_scored(k));
+
+        struct kv_policy p = scored(k, 100, 4, 20, 30);
+        struct kv_budget b;
+        kv_policy_budget(&p, 16, &b);
+        assert_int_equal(b.kept_tokens, 34); /* token-granular: sinks + heavy */
+        assert_int_equal(b.need_tokens, 34 + 16 + 20);
+        char err[256];
+        assert_int_equal(kv_policy_check(&p, 16, err, sizeof(err)), 0);
+        p.max_cache_tokens = 69;
+        assert_int_equal(kv_policy_check(&p, 16, err, sizeof(err)), -EINVAL);
+        assert_non_null(strstr(err, names[i])); /* the message names the policy */
+    }
+    assert_false(kv_policy_scored(KV_EVICT_NONE));
+    assert_false(kv_policy_scored(KV_EVICT_SINK_WINDOW));
+
+    char err[256];
+    struct kv_policy p = scored(KV_EVICT_SNAPKV, 100, 4, 20, 30);
+    p.observe_tokens = 0;
+    assert_int_equal(kv_policy_check(&p, 16, err, sizeof(err)), -EINVAL);
+    assert_non_null(strstr(err, "observe_tokens"));
+    p.observe_tokens = 8;
+    p.pool_tokens = 0;
+    assert_int_equal(kv_policy_check(&p, 16, err, sizeof(err)), -EINVAL);
+    /* tova ignores the snapkv sizes. */
+    p.kind = KV_EVICT_TOVA;
+    assert_int_equal(kv_policy_check(&p, 16, err, sizeof(err)), 0);
+}
+
+/* ------------------------------------------------------------------------
+ * 1. What each policy keeps
+ * ------------------------------------------------------------------------ */
+
+/*
+ * sinks 2, window 4, heavy 4, pages of 4: 14 tokens fill the budget and
+ * the middle is tokens 2..9. An early step attends strongly to 2..5, the
+ * latest step weakly to 6..9. h2o (accumulated) keeps 2..5; tova (the
+ * latest query) keeps 6..9.
+ */
+static void test_tova_keeps_latest_not_accumulated(void **state)
+{
+    (void)state;
+    kv_cache *c = bare_cache(4, 1, 1, 8);
+    struct kv_policy pt = scored(KV_EVICT_TOVA, 14, 2, 4, 4), ph = pt;
+    ph.kind = KV_EVICT_H2O;
+    kv_seq *tova = kv_seq_create(c, &pt, false, NULL, 0);
+    kv_seq *h2o = kv_seq_create(c, &ph, false, NULL, 0);
+    assert_non_null(tova);
+    assert_non_null(h2o);
+    append_ids(tova, 100, 14);
+    append_ids(h2o, 100, 14);
+
+    float early[14] = {0}, late[14] = {0};
+    for (int i = 2; i < 6; i++)
+        early[i] = 10.0f;
+    for (int i = 6; i < 10; i++)
+        late[i] = 1.0f;
+    /* The policy decides how many queries the kernel scores. */
+    assert_int_equal(report_mass(tova, 5, early, 2), 1);
+    assert_int_equal(report_mass(h2o, 5, early, 2), 5);
+    assert_int_equal(report_mass(tova, 1, late, 2), 1);
+    assert_int_equal(report_mass(h2o, 1, late, 2), 1);
+    /* tova's score is the latest step's alone (2 layers). */
+    assert_true(kv_seq_mass(tova)[2] == 0.0f && kv_seq_mass(tova)[7] == 2.0f);
+    assert_true(kv_seq_mass(h2o)[2] == 20.0f && kv_seq_mass(h2o)[7] == 2.0f);
+
+    append_ids(tova, 114, 1);
+    append_ids(h2o, 114, 1);
+    assert_int_equal(kv_seq_n_tokens(tova), 2 + 4 + 4 + 1);
+    for (int32_t id = 102; id < 106; id++) {
+        assert_false(holds(tova, id));
+        assert_true(holds(h2o, id));
+    }
+    for (int32_t id = 106; id < 110; id++) {
+        assert_true(holds(tova, id));
+        assert_false(holds(h2o, id));
+    }
+    for (int32_t id = 100; id < 102; id++) /* sinks */
+        assert_true(holds(tova, id) && holds(h2o, id));
+    for (int32_t id = 110; id < 115; id++) /* window and the new token */
+        assert_true(holds(tova, id) && holds(h2o, id));
+    /* Scores travel with their tokens. */
+    assert_true(kv_seq_mass(tova)[2] == 2.0f);
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+}
+
+/* Write token idx's keys with norm `norm` in every layer and head (f32),
+ * report them as the forward does. */
+static void write_key_norm(kv_seq *s, int idx, float norm, int layers, int heads, int hd)
+{
+    for (int l = 0; l < layers; l++)
+        for (int h = 0; h < heads; h++) {
+            float *k = kv_seq_k(s, l, h, idx);
+            for (int d = 0; d < hd; d++)
+                k[d] = 0.0f;
+            k[(l + h) % hd] = (h % 2 ? -1.0f : 1.0f) * norm * (float)(1 + l); /* varies per head */
+            kv_seq_add_key_norm(s, idx, k, hd);
+        }
+}
+
+static void run_knorm(bool smallest)
+{
+    const int L = 2, H = 2, D = 8;
+    kv_cache *c = bare_cache(4, L, H, D);
+    struct kv_policy p = scored(KV_EVICT_KNORM, 14, 2, 4, 4);
+    p.knorm_smallest = smallest;
+    kv_seq *s = kv_seq_create(c, &p, false, NULL, 0);
+    assert_non_null(s);
+    assert_true(kv_seq_wants_key_norms(s));
+    /* Norms: middle tokens 2..9 get 8, 1, 7, 2, 6, 3, 5, 4. */
+    static const float norms[14] = {9, 9, 8, 1, 7, 2, 6, 3, 5, 4, 9, 9, 9, 9};
+    for (int i = 0; i < 14; i++) {
+        int32_t id = 200 + i;
+        int first;
+        assert_int_equal(kv_seq_append(s, &id, 1, &first), 0);
+        write_key_norm(s, first, norms[i], L, H, D);
+    }
+    /* The score is the mean norm over layers and heads (layer l scales by
+     * 1 + l: mean factor 1.5), negated unless the smallest go. */
+    float want = 1.5f * norms[3];
+    assert_true(fabsf(kv_seq_mass(s)[3] - (smallest ? want : -want)) < 1e-5f);
+    /* knorm asks the kernel for no mass at all. */
+    assert_int_equal(kv_seq_mass_queries(s, 7), 0);
+    assert_int_equal(kv_seq_mass_queries(s, 1), 0);
+    assert_true(fabsf(kv_seq_mass(s)[3] - (smallest ? want : -want)) < 1e-5f);
+
+    int32_t id = 214;
+    assert_int_equal(kv_seq_append(s, &id, 1, NULL), 0);
+    /* largest evicted: keep norms 1, 2, 3, 4 (ids 203, 205, 207, 209);
+     * smallest evicted: keep 8, 7, 6, 5 (ids 202, 204, 206, 208). */
+    for (int i = 2; i < 10; i++) {
+        bool small_norm = norms[i] <= 4;
+        assert_int_equal(holds(s, 200 + i), smallest ? !small_norm : small_norm);
+    }
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+}
+
+static void test_knorm_evicts_largest_or_smallest(void **state)
+{
+    (void)state;
+    run_knorm(false);
+    run_knorm(true);
+    /* Other policies ignore key norms. */
+    kv_cache *c = bare_cache(4, 1, 1, 4);
+    struct kv_policy p = scored(KV_EVICT_TOVA, 14, 2, 4, 4);
+    kv_seq *s = kv_seq_create(c, &p, false, NULL, 0);
+    append_ids(s, 1, 1);
+    float k[4] = {3, 4, 0, 0};
+    assert_false(kv_seq_wants_key_norms(s));
+    kv_seq_add_key_norm(s, 0, k, 4);
+    assert_true(kv_seq_mass(s)[0] == 0.0f);
+    kv_cache_destroy(c);
+}
+
+/*
+ * snapkv: sinks 2, window 4, heavy 3, pool 3, observe 3, pages of 4,
+ * budget 13. A 12-token prompt chunk observes (mass on token 5 alone);
+ * pooling keeps 4, 5, 6 together. Decoding observes nothing: decoded
+ * tokens slide through the window and leave oldest first while 4, 5, 6
+ * stay. A later prompt chunk rescores everything.
+ */
+static void test_snapkv_observe_pool_decode_reappend(void **state)
+{
+    (void)state;
+    kv_cache *c = bare_cache(4, 1, 1, 8);
+    struct kv_policy p = scored(KV_EVICT_SNAPKV, 13, 2, 4, 3);
+    p.observe_tokens = 3;
+    p.pool_tokens = 3;
+    kv_seq *s = kv_seq_create(c, &p, true, NULL, 0);
+    assert_non_null(s);
+    int32_t prompt[12];
+    for (int i = 0; i < 12; i++)
+        prompt[i] = 300 + i;
+    assert_int_equal(kv_seq_append(s, prompt, 12, NULL), 0);
+    float mass[16] = {0};
+    mass[5] = 4.0f;
+    mass[9] = 1.0f; /* in the prompt's window now, in the middle later */
+    assert_int_equal(report_mass(s, 12, mass, 1), 3); /* the last 3 queries */
+    assert_int_equal(report_mass(s, 20, mass, 0), 3); /* capped by observe_tokens */
+    assert_true(kv_seq_mass(s)[5] == 0.0f);          /* ... and it forgot */
+    assert_int_equal(report_mass(s, 12, mass, 1), 3);
+
+    /* Pooling (white box): a neighbour of the peak scores the peak. */
+    assert_true(kv_evict_score(s, 4, 2, 10) == 4.0f);
+    assert_true(kv_evict_score(s, 6, 2, 10) == 4.0f);
+    assert_true(kv_evict_score(s, 3, 2, 10) == 0.0f);
+    assert_true(kv_evict_score(s, 8, 2, 10) == 1.0f); /* 9 is a neighbour */
+
+    /* Decode: one token per call, nothing observed, the scores stay. */
+    for (int step = 0; step < 10; step++) {
+        int32_t id = 400 + step;
+        assert_int_equal(kv_seq_append(s, &id, 1, NULL), 0);
+        assert_int_equal(report_mass(s, 1, mass, 1), 0);
+        assert_true(holds(s, 304) && holds(s, 305) && holds(s, 306));
+        /* The window is the last 4 appended. */
+        for (int w = 0; w < 4 && step - w >= 0; w++)
+            assert_true(holds(s, 400 + step - w));
+        assert_true(holds(s, 300) && holds(s, 301));
+        assert_true(kv_seq_n_tokens(s) <= 13);
+    }
+    /* Decoded tokens past the window were evicted oldest first: the ones
+     * still held besides the window are the newest. */
+    assert_false(holds(s, 400));
+    assert_false(holds(s, 303) || holds(s, 307) || holds(s, 310));
+
+    /* A later request appends its prompt: the observation starts over and
+     * the next eviction follows it (a decoded token wins, with its
+     * neighbours in the text). */
+    int32_t next[4] = {500, 501, 502, 503};
+    assert_int_equal(kv_seq_append(s, next, 2, NULL), 0);
+    int n = kv_seq_n_tokens(s);
+    float m2[16] = {0};
+    const int32_t *ids = kv_seq_tokens(s);
+    int at = -1;
+    for (int i = 0; i < n; i++)
+        if (ids[i] == 406)
+            at = i;
+    assert_true(at >= 2);
+    m2[at] = 5.0f;
+    assert_int_equal(report_mass(s, 2, m2, 1), 2);
+    assert_int_equal(kv_seq_append(s, next + 2, 2, NULL), 0);
+    assert_true(holds(s, 405) && holds(s, 406) && holds(s, 407)); /* pooled */
+    assert_false(holds(s, 305)); /* the old selection lost its score */
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+}
+
+/* A reload that changes the kind starts the scores afresh. */
+static void test_policy_change_resets_scores(void **state)
+{
+    (void)state;
+    kv_cache *c = bare_cache(4, 1, 1, 8);
+    struct kv_policy p = scored(KV_EVICT_H2O, 14, 2, 4, 4);
+    kv_seq *s = kv_seq_create(c, &p, false, NULL, 0);
+    append_ids(s, 1, 6);
+    float mass[6] = {1, 2, 3, 4, 5, 6};
+    report_mass(s, 6, mass, 1);
+    p.sink_tokens = 1; /* same kind (n_keep): the scores stay */
+    assert_int_equal(kv_seq_set_policy(s, &p), 0);
+    assert_true(kv_seq_mass(s)[5] == 6.0f);
+    p.kind = KV_EVICT_TOVA;
+    assert_int_equal(kv_seq_set_policy(s, &p), 0);
+    assert_true(kv_seq_mass(s)[5] == 0.0f);
+    kv_cache_destroy(c);
+}
+
+/* ------------------------------------------------------------------------
+ * 2. Accounting against a plain model
+ * ------------------------------------------------------------------------ */
+
+#define ACC_MAX 512
+
+struct mirror {
+    struct kv_policy pol;
+    int32_t id[ACC_MAX];
+    int32_t hx[ACC_MAX]; /* place in the text (history index) */
+    float score[ACC_MAX];
+    int n, appended;
+};
+
+/* The model's score of middle token i (snapkv pools over its retained
+ * neighbours in the text, the slow way). */
+static float m_score(const struct mirror *m, int i, int lo, int hi)
+{
+    float best = m->score[i];
+    if (m->pol.kind != KV_EVICT_SNAPKV)
+        return best;
+    int r = m->pol.pool_tokens / 2;
+    for (int j = i - r; j <= i + r; j++)
+        if (j >= lo && j < hi && abs(m->hx[j] - m->hx[i]) <= r && m->score[j] > best)
+            best = m->score[j];
+    return best;
+}
+
+/* The model's eviction: keep sinks, window and the heavy best (ties to the
+ * later token) of the middle. */
+static void m_evict(struct mirror *m)
+{
+    int n = m->n, sinks = m->pol.sink_tokens < n ? m->pol.sink_tokens : n;
+    int window = m->pol.window_tokens < n - sinks ? m->pol.window_tokens : n - sinks;
+    int lo = sinks, hi = n - window;
+    bool keep[ACC_MAX];
+    float ps[ACC_MAX];
+    for (int i = 0; i < n; i++) {
+        keep[i] = i < lo || i >= hi;
+        ps[i] = i >= lo && i < hi ? m_score(m, i, lo, hi) : 0;
+    }
+    for (int r = 0; r < m->pol.heavy_tokens && r < hi - lo; r++) {
+        int best = -1;
+        for (int i = lo; i < hi; i++)
+            if (!keep[i] && (best < 0 || ps[i] >= ps[best]))
+                best = i; /* >=: the later of equals */
+        keep[best] = true;
+    }
+    int d = 0;
+    for (int i = 0; i < n; i++)
+        if (keep[i]) {
+            m->id[d] = m->id[i];
+            m->hx[d] = m->hx[i];
+            m->score[d++] = m->score[i];
+        }
+    m->n = d;
+}
+
+static void test_accounting_stress(void **state)
+{
+    (void)state;
+    const int pt = 4, L = 2, H = 2, D = 4;
+    kv_cache *c = bare_cache(pt, L, H, D);
+    struct mirror ms[3] = {
+        {.pol = scored(KV_EVICT_TOVA, 60, 3, 10, 20)},
+        {.pol = scored(KV_EVICT_KNORM, 57, 0, 13, 17)},
+        {.pol = scored(KV_EVICT_SNAPKV, 70, 4, 9, 25)},
+    };
+    ms[2].pol.pool_tokens = 5;
+    ms[2].pol.observe_tokens = 4;
+    kv_seq *seq[3];
+    for (int k = 0; k < 3; k++) {
+        seq[k] = kv_seq_create(c, &ms[k].pol, k == 2, NULL, 0);
+        assert_non_null(seq[k]);
+    }
+    uint32_t rng = 12345;
+    int32_t next_id = 1;
+    int evictions = 0;
+    for (int op = 0; op < 1500; op++) {
+        int k = (int)(rng_next(&rng) % 3);
+        struct mirror *m = &ms[k];
+        kv_seq *s = seq[k];
+        int n = 1 + (int)(rng_next(&rng) % 6);
+        if (n > kv_seq_max_append(s))
+            n = kv_seq_max_append(s);
+        int32_t ids[8];
+        for (int i = 0; i < n; i++)
+            ids[i] = next_id++;
+        int first;
+        assert_int_equal(kv_seq_append(s, ids, n, &first), 0);
+        if (m->n + n > m->pol.max_cache_tokens) {
+            m_evict(m);
+            evictions++;
+        }
+        for (int i = 0; i < n; i++) {
+            m->id[m->n] = ids[i];
+            m->hx[m->n] = m->appended++;
+            m->score[m->n++] = 0.0f;
+        }
+        /* The forward: key norms at append, then mass as the policy asks. */
+        for (int i = 0; i < n; i++)
+            for (int l = 0; l < L; l++)
+                for (int h = 0; h < H; h++) {
+                    float *kr = kv_seq_k(s, l, h, first + i);
+                    for (int d = 0; d < D; d++)
+                        kr[d] = (float)(rng_next(&rng) % 2001) / 1000.0f - 1.0f;
+                    kv_seq_add_key_norm(s, first + i, kr, D);
+                    if (m->pol.kind == KV_EVICT_KNORM) { /* the same float steps */
+                        double ss = 0;
+                        for (int d = 0; d < D; d++)
+                            ss += (double)kr[d] * kr[d];
+                        m->score[m->n - n + i] += (float)-(sqrt(ss) / ((double)L * H));
+                    }
+                }
+        float mass[ACC_MAX];
+        for (int i = 0; i < m->n; i++) /* coarse values: ties happen */
+            mass[i] = (float)(rng_next(&rng) % 4);
+        int want = m->pol.kind == KV_EVICT_TOVA ? 1
+                   : m->pol.kind == KV_EVICT_SNAPKV && n >= 2 ? (n < 4 ? n : 4)
+                                                               : 0;
+        assert_int_equal(report_mass(s, n, mass, L), want);
+        if (want > 0)
+            for (int i = 0; i < m->n; i++)
+                m->score[i] = mass[i] + mass[i]; /* forgot, then L = 2 layers */
+
+        /* The cache agrees with the model, token for token. */
+        assert_int_equal(kv_seq_n_tokens(s), m->n);
+        assert_true(m->n <= m->pol.max_cache_tokens);
+        assert_int_equal(kv_seq_n_pages(s), (m->n + pt - 1) / pt);
+        for (int i = 0; i < m->n; i++) {
+            assert_int_equal(kv_seq_tokens(s)[i], m->id[i]);
+            assert_int_equal(kv_seq_positions(s)[i], i);
+            assert_true(kv_seq_mass(s)[i] == m->score[i]);
+        }
+        if (op % 50 == 0)
+            assert_cache_ok(c);
+    }
+    assert_true(evictions > 100);
+    struct kv_stats st;
+    kv_cache_stats(c, &st);
+    assert_true(st.evictions >= (uint64_t)evictions);
+    for (int k = 0; k < 3; k++)
+        kv_seq_destroy(seq[k]);
+    kv_cache_stats(c, &st);
+    assert_int_equal(st.pages_free, st.pages_total);
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+}
+
+/* ------------------------------------------------------------------------
+ * 3. Equivalence at the kernel
+ * ------------------------------------------------------------------------ */
+
+enum { EQ_HEADS = 4, EQ_KV_HEADS = 2, EQ_DIM = 16, EQ_PT = 4 };
+
+/* K and V of token `id`: a function of the id alone. */
+static void write_token_kv(kv_seq *s, int idx, int32_t id)
+{
+    for (int h = 0; h < EQ_KV_HEADS; h++) {
+        float *k = kv_seq_k(s, 0, h, idx), *v = kv_seq_v(s, 0, h, idx);
+        uint32_t r = (uint32_t)id * 2654435761u + (uint32_t)h * 40503u + 1u;
+        for (int d = 0; d < EQ_DIM; d++) {
+            k[d] = (float)(rng_next(&r) % 2001) / 1000.0f - 1.0f;
+            v[d] = (float)(rng_next(&r) % 2001) / 1000.0f - 1.0f;
+        }
+        kv_seq_add_key_norm(s, idx, k, EQ_DIM);
+    }
+}
+
+static struct attn_kv attn_kv_of(kv_cache *c)
+{
+    struct kv_layout l;
+    kv_cache_layout(c, &l);
+    return (struct attn_kv){.base = l.base,
+                            .page_bytes = l.page_bytes,
+                            .k_offset = kv_layout_k_offset(&l, 0),
+                            .v_offset = kv_layout_v_offset(&l, 0),
+                            .page_tokens = l.page_tokens,
+                            .k_type = ATTN_F32,
+                            .v_type = ATTN_F32};
+}
+
+/* The last token's query over s at positions pos (NULL: its own), by the
+ * fused kernel (out[0]) and the reference (out[1]). */
+static void attend_last(const struct attn_params *P, kv_cache *c, kv_seq *s, const int32_t *pos,
+                        const float *q, float out[2][EQ_HEADS * EQ_DIM])
+{
+    struct attn_kv kv = attn_kv_of(c);
+    int n = kv_seq_n_tokens(s);
+    if (!pos)
+        pos = kv_seq_positions(s);
+    int32_t q_pos = pos[n - 1];
+    struct attn_seq sq = {.page_table = kv_seq_page_table(s),
+                          .pos = pos,
+                          .n_kv = n,
+                          .n_q = 1,
+                          .q_pos = &q_pos,
+                          .q = q,
+                          .out = out[0]};
+    char err[256];
+    attn_ctx *ctx = attn_create(P, err, sizeof(err));
+    assert_non_null(ctx);
+    assert_int_equal(attn_run(ctx, &kv, &sq, 1), 0);
+    attn_destroy(ctx);
+    sq.out = out[1];
+    assert_int_equal(attn_reference(P, &kv, &sq, 1), 0);
+}
+
+static double max_diff(const float *a, const float *b, int n)
+{
+    double m = 0;
+    for (int i = 0; i < n; i++)
+        m = fabs((double)a[i] - b[i]) > m ? fabs((double)a[i] - b[i]) : m;
+    return m;
+}
+
+static void run_equivalence(const struct attn_params *P, struct kv_policy pol)
+{
+    kv_cache *c = bare_cache(EQ_PT, 1, EQ_KV_HEADS, EQ_DIM);
+    kv_seq *s = kv_seq_create(c, &pol, false, NULL, 0);
+    assert_non_null(s);
+    uint32_t rng = 77;
+    int32_t id = 1000;
+    while (id < 1120) {
+        /* prompt-like chunks and single tokens, as the engine feeds them */
+        int n = rng_next(&rng) % 3 == 0 ? 2 + (int)(rng_next(&rng) % 3) : 1;
+        if (n > kv_seq_max_append(s))
+            n = kv_seq_max_append(s);
+        int32_t ids[8];
+        for (int i = 0; i < n; i++)
+            ids[i] = id++;
+        int first;
+        assert_int_equal(kv_seq_append(s, ids, n, &first), 0);
+        for (int i = 0; i < n; i++)
+            write_token_kv(s, first + i, ids[i]);
+        float mass[256];
+        for (int i = 0; i < kv_seq_n_tokens(s); i++)
+            mass[i] = (float)(rng_next(&rng) % 1000) / 100.0f;
+        report_mass(s, n, mass, 1);
+    }
+    struct kv_stats st;
+    kv_cache_stats(c, &st);
+    assert_true(st.evictions >= 3);
+    int n = kv_seq_n_tokens(s);
+    int32_t hist_pos[256];
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(kv_seq_positions(s)[i], i);
+        hist_pos[i] = kv_seq_hist_index(s)[i];
+    }
+
+    /* The fresh cache: exactly the survivors, in order, at 0..n-1. */
+    kv_cache *fc = bare_cache(EQ_PT, 1, EQ_KV_HEADS, EQ_DIM);
+    struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = 1000, .renumber = true};
+    kv_seq *pad = kv_seq_create(fc, &none, false, NULL, 0); /* other page ids */
+    int32_t pid = -1;
+    assert_int_equal(kv_seq_append(pad, &pid, 1, NULL), 0);
+    kv_seq *f = kv_seq_create(fc, &none, false, NULL, 0);
+    for (int i = 0; i < n; i++) {
+        int first;
+        int32_t t = kv_seq_tokens(s)[i];
+        assert_int_equal(kv_seq_append(f, &t, 1, &first), 0);
+        write_token_kv(f, first, t);
+    }
+    float q[EQ_HEADS * EQ_DIM];
+    for (int i = 0; i < EQ_HEADS * EQ_DIM; i++)
+        q[i] = (float)(rng_next(&rng) % 2001) / 1000.0f - 1.0f;
+    float oe[2][EQ_HEADS * EQ_DIM], of[2][EQ_HEADS * EQ_DIM], op[2][EQ_HEADS * EQ_DIM];
+    attend_last(P, c, s, NULL, q, oe);
+    attend_last(P, fc, f, NULL, q, of);
+    attend_last(P, c, s, hist_pos, q, op); /* the check can fail: gaps differ */
+    for (int k = 0; k < 2; k++) {
+        assert_true(max_diff(oe[k], of[k], EQ_HEADS * EQ_DIM) <= 1e-6);
+        assert_true(max_diff(op[k], of[k], EQ_HEADS * EQ_DIM) > 1e-4);
+    }
+    kv_cache_destroy(fc);
+    kv_cache_destroy(c);
+}
+
+static void run_equivalence_all(const struct attn_params *P)
+{
+    struct kv_policy snap = scored(KV_EVICT_SNAPKV, 40, 2, 8, 12);
+    snap.observe_tokens = 2;
+    snap.pool_tokens = 3;
+    struct kv_policy small = scored(KV_EVICT_KNORM, 32, 3, 7, 9);
+    small.knorm_smallest = true;
+    run_equivalence(P, scored(KV_EVICT_TOVA, 30, 2, 8, 6));
+    run_equivalence(P, scored(KV_EVICT_KNORM, 32, 3, 7, 9));
+    run_equivalence(P, small);
+    run_equivalence(P, snap);
+}
+
+static struct attn_params eq_params(void)
+{
+    return (struct attn_params){.n_head = EQ_HEADS,
+                                .n_kv_head = EQ_KV_HEADS,
+                                .head_dim = EQ_DIM,
+                                .scale = 0.25f,
+                                .n_threads = 1};
+}
+
+static void test_equivalence_rope(void **state)
+{
+    (void)state;
+    struct attn_params P = eq_params();
+    P.pos = (struct pos_scheme){.kind = POS_ROPE,
+                                .rope_theta = 10000.0f,
+                                .rope_dims = EQ_DIM,
+                                .rope_pairing = POS_ROPE_NEOX,
+                                .rope_freq_scale = 1.0f};
+    run_equivalence_all(&P);
+}
+
+static void test_equivalence_alibi(void **state)
+{
+    (void)state;
+    struct attn_params P = eq_params();
+    float slopes[EQ_HEADS];
+    assert_int_equal(pos_alibi_slopes(slopes, EQ_HEADS, 8.0f), 0);
+    P.pos = (struct pos_scheme){.kind = POS_ALIBI, .alibi_slopes = slopes};
+    run_equivalence_all(&P);
+}
+
+/* ------------------------------------------------------------------------
+ * 4. Through the forward pass
+ * ------------------------------------------------------------------------ */
+
+static int group_setup(void **state)
+{
+    (void)state;
+    return tmp_dir_create("policies");
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    return tmp_dir_remove();
+}
+
+static double sum_of(const float *x, int n)
+{
+    double s = 0;
+    for (int i = 0; i < n; i++)
+        s += x[i];
+    return s;
+}
+
+static void test_forward_reports_what_each_policy_asks(void **state)
+{
+    (void)state;
+    struct model_mk_params mp = su_small_model(96, 300, 11);
+    char path[512];
+    write_model(&mp, "pol.gguf", path, sizeof(path));
+    model *m = load_model(path);
+    kv_cache *cache = make_cache(m, KV_F32, 4, 256);
+    model_ctx *ctx = make_ctx(m, 64, 2);
+    const int nv = m->n_vocab, heads = m->n_head * m->n_layer;
+    int32_t t[24];
+    fill_tokens(t, 24, nv, 9);
+
+    struct kv_policy ph = scored(KV_EVICT_H2O, 40, 2, 8, 8);
+    struct kv_policy pt = ph, pk = ph, ps = ph, none = policy_none(40);
+    pt.kind = KV_EVICT_TOVA;
+    pk.kind = KV_EVICT_KNORM;
+    ps.kind = KV_EVICT_SNAPKV;
+    ps.observe_tokens = 3;
+    kv_seq *h = make_seq(cache, &ph), *tv = make_seq(cache, &pt), *kn = make_seq(cache, &pk);
+    kv_seq *sn = make_seq(cache, &ps), *pl = make_seq(cache, &none);
+    float *lg[5];
+    for (int i = 0; i < 5; i++)
+        lg[i] = malloc(sizeof(float) * (size_t)nv);
+    kv_seq *all[5] = {h, tv, kn, sn, pl};
+
+    /* A 10-token prefill, all five in one batch. */
+    struct model_batch_seq b[5];
+    for (int i = 0; i < 5; i++)
+        b[i] = (struct model_batch_seq){.seq = all[i], .tokens = t, .n_tokens = 10,
+                                        .logits = lg[i]};
+    assert_int_equal(model_reserve_forward(ctx, b, 5, NULL), 0);
+    /* The split queries change no output. */
+    for (int i = 0; i < 4; i++)
+        assert_true(max_abs_diff(lg[i], lg[4], nv) <= 1e-5f * max_abs(lg[4], nv));
+    /* Each query's probabilities sum to 1 per head and layer. */
+    assert_true(fabs(sum_of(kv_seq_mass(h), 10) - 10.0 * heads) < 1e-3);
+    assert_true(fabs(sum_of(kv_seq_mass(tv), 10) - 1.0 * heads) < 1e-3);
+    assert_true(fabs(sum_of(kv_seq_mass(sn), 10) - 3.0 * heads) < 1e-3);
+    for (int i = 0; i < 10; i++)
+        assert_true(kv_seq_mass(kn)[i] < 0.0f); /* minus a mean key norm */
+    float kn_before = kv_seq_mass(kn)[3], sn_before[10];
+    memcpy(sn_before, kv_seq_mass(sn), sizeof(sn_before));
+
+    /* One decode step: tova's score is exactly what h2o gains in it. */
+    float h_before[11] = {0};
+    memcpy(h_before, kv_seq_mass(h), sizeof(float) * 10);
+    for (int i = 0; i < 5; i++)
+        b[i] = (struct model_batch_seq){.seq = all[i], .tokens = t + 10, .n_tokens = 1,
+                                        .logits = lg[i]};
+    assert_int_equal(model_reserve_forward(ctx, b, 5, NULL), 0);
+    for (int i = 0; i < 11; i++)
+        assert_true(fabsf(kv_seq_mass(tv)[i] - (kv_seq_mass(h)[i] - h_before[i])) < 1e-5f);
+    /* snapkv observes no decode step; knorm's scores are the keys' own. */
+    assert_memory_equal(kv_seq_mass(sn), sn_before, sizeof(sn_before));
+    assert_true(kv_seq_mass(sn)[10] == 0.0f);
+    assert_true(kv_seq_mass(kn)[3] == kn_before && kv_seq_mass(kn)[10] < 0.0f);
+    for (int i = 0; i < 4; i++)
+        assert_true(max_abs_diff(lg[i], lg[4], nv) <= 1e-5f * max_abs(lg[4], nv));
+
+    for (int i = 0; i < 5; i++) {
+        kv_seq_destroy(all[i]);
+        free(lg[i]);
+    }
+    model_ctx_destroy(ctx);
+    kv_cache_destroy(cache);
+    model_free(m);
+}
+
+/* ------------------------------------------------------------------------
+ * 5. Config and kvd eval --policy
+ * ------------------------------------------------------------------------ */
+
+static void test_config_selects_each_policy(void **state)
+{
+    (void)state;
+    cfg_set_hooks(&srv_cfg_hooks);
+    struct cfg_errors *errs = malloc(sizeof(*errs));
+    assert_non_null(errs);
+    static const struct {
+        const char *text;
+        enum kv_policy_kind kind;
+        bool smallest;
+    } cases[] = {
+        {"[eviction]\npolicy = tova\nheavy_tokens = 64\n", KV_EVICT_TOVA, false},
+        {"[eviction]\npolicy = knorm\nknorm_evict = smallest\n", KV_EVICT_KNORM, true},
+        {"[eviction]\npolicy = snapkv\nobserve_tokens = 16\npool_tokens = 5\n", KV_EVICT_SNAPKV,
+         false},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct cfg c;
+        cfg_defaults(&c);
+        cfg_errors_init(errs);
+        assert_int_equal(cfg_load_string(&c, cases[i].text, "pol.conf", errs), 0);
+        assert_int_equal(cfg_validate(&c, errs), 0);
+        struct kv_policy p;
+        srv_cfg_policy(&c, &p);
+        assert_int_equal(p.kind, cases[i].kind);
+        assert_int_equal(p.knorm_smallest, cases[i].smallest);
+        assert_true(p.heavy_tokens >= 1);
+        if (p.kind == KV_EVICT_SNAPKV)
+            assert_true(p.observe_tokens == 16 && p.pool_tokens == 5);
+        char err[256] = "";
+        int rc = kv_policy_check(&p, (int)c.cache.page_tokens, err, sizeof(err));
+        if (rc)
+            print_message("%s\n", err);
+        assert_int_equal(rc, 0);
+    }
+    /* Reload: a policy change is live. */
+    struct cfg a, b, next;
+    cfg_defaults(&a);
+    cfg_defaults(&b);
+    cfg_errors_init(errs);
+    assert_int_equal(cfg_load_string(&a, cases[0].text, "a.conf", errs), 0);
+    assert_int_equal(cfg_load_string(&b, cases[2].text, "b.conf", errs), 0);
+    struct cfg_diff d;
+    assert_int_equal(cfg_reload(&a, &b, &next, &d, errs), 0);
+    assert_true(d.n_live >= 1 && d.n_restart == 0);
+    assert_int_equal(next.eviction.policy, CFG_EVICT_SNAPKV);
+    /* Errors name the file, the line and the key. */
+    cfg_defaults(&a);
+    cfg_errors_init(errs);
+    assert_int_equal(
+        cfg_load_string(&a, "[eviction]\npolicy = tova\nheavy_tokens = 0\n", "bad.conf", errs), 0);
+    assert_int_equal(cfg_validate(&a, errs), -EINVAL);
+    char line[512];
+    cfg_error_format(&errs->list[0], line, sizeof(line));
+    assert_non_null(strstr(line, "bad.conf:3"));
+    assert_non_null(strstr(line, "heavy_tokens"));
+    assert_non_null(strstr(line, "policy tova"));
+    free(errs);
+}
+
+static void test_eval_policy_specs(void **state)
+{
+    (void)state;
+    struct kv_policy p;
+    char err[256];
+    assert_int_equal(srv_eval_parse_policy("tova:4:32:64", 16, 0, &p, err, sizeof(err)), 0);
+    assert_int_equal(p.kind, KV_EVICT_TOVA);
+    assert_int_equal(p.max_cache_tokens, 4 + 64 + 16 + 32); /* the smallest it accepts */
+    assert_int_equal(srv_eval_parse_policy("knorm:4:32:64:smallest:preserve", 16, 0, &p, err,
+                                           sizeof(err)),
+                     0);
+    assert_true(p.kind == KV_EVICT_KNORM && p.knorm_smallest && !p.renumber);
+    assert_int_equal(srv_eval_parse_policy("snapkv:4:32:64:8:3", 16, 0, &p, err, sizeof(err)), 0);
+    assert_true(p.observe_tokens == 8 && p.pool_tokens == 3);
+    assert_int_equal(srv_eval_parse_policy("snapkv:4:32:64", 16, 0, &p, err, sizeof(err)), 0);
+    assert_true(p.observe_tokens == 32 && p.pool_tokens == 7);
+    /* --budget: every policy at the same max, window 0 = what is left. */
+    assert_int_equal(srv_eval_parse_policy("tova:4:0:64", 16, 512, &p, err, sizeof(err)), 0);
+    assert_true(p.max_cache_tokens == 512 && p.window_tokens == 512 - 4 - 64 - 16);
+    assert_int_equal(srv_eval_parse_policy("sink-window:4:0", 16, 512, &p, err, sizeof(err)), 0);
+    assert_true(p.max_cache_tokens == 512 && p.window_tokens == 512 - 16 - 16);
+    assert_int_equal(srv_eval_parse_policy("window:64", 16, 0, &p, err, sizeof(err)), 0);
+    assert_true(p.kind == KV_EVICT_SINK_WINDOW && p.sink_tokens == 0);
+    /* Refused, with the reason. */
+    const char *bad[] = {"tova:4:32",       "knorm:4:32:64:middle", "snapkv:4:32:64:0",
+                         "h2o:4:32:64:1",   "lru:4:32",             "tova:4:0:64",
+                         "sink-window:4:x", "none:4:4",             ""};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        err[0] = '\0';
+        assert_int_equal(srv_eval_parse_policy(bad[i], 16, 0, &p, err, sizeof(err)), -1);
+        assert_true(err[0] != '\0');
+    }
+    /* A budget below what the policy keeps is the cache's refusal. */
+    assert_int_equal(srv_eval_parse_policy("tova:4:0:600", 16, 512, &p, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "tova"));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_names_and_budget),
+        cmocka_unit_test(test_tova_keeps_latest_not_accumulated),
+        cmocka_unit_test(test_knorm_evicts_largest_or_smallest),
+        cmocka_unit_test(test_snapkv_observe_pool_decode_reappend),
+        cmocka_unit_test(test_policy_change_resets_scores),
+        cmocka_unit_test(test_accounting_stress),
+        cmocka_unit_test(test_equivalence_rope),
+        cmocka_unit_test(test_equivalence_alibi),
+        cmocka_unit_test(test_forward_reports_what_each_policy_asks),
+        cmocka_unit_test(test_config_selects_each_policy),
+        cmocka_unit_test(test_eval_policy_specs),
+    };
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}
