@@ -21,6 +21,10 @@
  *   snapkv  attention mass from the last observe_tokens queries of the
  *           latest prompt chunk, max-pooled over pool_tokens neighbours.
  *
+ * A reload that changes the policy keeps the scores (the next observation
+ * of tova or snapkv replaces them, h2o adds to them), except that moving to
+ * or from knorm resets them: a norm and a mass do not compare.
+ *
  * The token set is shared by every layer and KV head, so every score is
  * summed (mass) or averaged (norm) over layers and heads. A page holds all
  * layers and KV heads of its tokens (kv_cache.h), so a token a single head

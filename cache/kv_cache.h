@@ -300,7 +300,8 @@ void kv_seq_destroy(kv_seq *seq);
 
 /*
  * Replace the policy (config reload). It takes effect at the next eviction:
- * positions already assigned stay until then. Returns 0, or -EINVAL with
+ * positions already assigned stay until then. Scores stay, except that
+ * moving to or from knorm (norms, not masses) resets them to 0. Returns 0, or -EINVAL with
  * nothing changed if the policy fails kv_policy_check.
  */
 int kv_seq_set_policy(kv_seq *seq, const struct kv_policy *policy);

@@ -191,7 +191,10 @@ int kv_seq_set_policy(kv_seq *s, const struct kv_policy *policy)
 {
     if (kv_policy_check(policy, s->cache->layout.page_tokens, NULL, 0) < 0)
         return -EINVAL;
-    if (policy->kind != s->policy.kind && s->n_tokens > 0) /* scores mean another thing now */
+    /* Key norms and attention masses do not mix: moving to or from knorm
+     * starts the scores afresh (evict_scored.c). */
+    bool knorm_was = s->policy.kind == KV_EVICT_KNORM, knorm_is = policy->kind == KV_EVICT_KNORM;
+    if (knorm_was != knorm_is && s->n_tokens > 0)
         memset(s->mass + s->t_off, 0, sizeof(float) * (size_t)s->n_tokens);
     s->policy = *policy;
     return 0;

@@ -362,7 +362,8 @@ static void test_snapkv_observe_pool_decode_reappend(void **state)
     kv_cache_destroy(c);
 }
 
-/* A reload that changes the kind starts the scores afresh. */
+/* A reload to or from knorm starts the scores afresh (norms and masses do
+ * not mix); between the mass policies they carry over. */
 static void test_policy_change_resets_scores(void **state)
 {
     (void)state;
@@ -376,6 +377,14 @@ static void test_policy_change_resets_scores(void **state)
     assert_int_equal(kv_seq_set_policy(s, &p), 0);
     assert_true(kv_seq_mass(s)[5] == 6.0f);
     p.kind = KV_EVICT_TOVA;
+    assert_int_equal(kv_seq_set_policy(s, &p), 0);
+    assert_true(kv_seq_mass(s)[5] == 6.0f);
+    p.kind = KV_EVICT_KNORM;
+    assert_int_equal(kv_seq_set_policy(s, &p), 0);
+    assert_true(kv_seq_mass(s)[5] == 0.0f);
+    float k[8] = {3, 4};
+    kv_seq_add_key_norm(s, 5, k, 8);
+    p.kind = KV_EVICT_SNAPKV;
     assert_int_equal(kv_seq_set_policy(s, &p), 0);
     assert_true(kv_seq_mass(s)[5] == 0.0f);
     kv_cache_destroy(c);
