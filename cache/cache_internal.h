@@ -36,6 +36,7 @@ struct kv_cache {
     uint64_t births; /* sequences created so far (kv_seq.birth) */
 
     uint64_t evictions, tokens_evicted, sessions_dropped;
+    uint64_t turns_evicted, turn_cuts; /* turns.c */
 };
 
 /* One scratch entry of h2o's selection. */
@@ -75,6 +76,11 @@ struct kv_seq {
     /* Sessions: every appended id, [n_appended] (capacity h_cap). */
     int32_t *hist;
     int h_cap;
+
+    /* Turn table (turns.c): evictable turns in history order. */
+    struct kv_turn *turns;
+    int n_turns, turns_cap;
+    int turn_low; /* leave down to this many tokens once turns must go */
 };
 
 /* --- pool.c ------------------------------------------------------------ */
@@ -110,6 +116,12 @@ int kv_evict_plan(const kv_seq *seq, int target);
  */
 int kv_evict_apply(kv_seq *seq, int keep);
 
+/* Renumber the retained tokens 0..n-1 and continue at n (renumber mode). */
+void kv_evict_renumber(kv_seq *seq);
+/* Copy retained token src (its K and V rows, every layer and head, and its
+ * position, id, history index and mass) to logical slot dst < src. */
+void kv_evict_move_token(kv_seq *seq, int dst, int src);
+
 /* --- evict_scored.c ---------------------------------------------------- */
 
 /*
@@ -118,6 +130,25 @@ int kv_evict_apply(kv_seq *seq, int keep);
  * max-pools its observation over pool_tokens neighbours inside [lo, hi).
  */
 float kv_evict_score(const kv_seq *seq, int i, int lo, int hi);
+
+/* --- turns.c ----------------------------------------------------------- */
+
+/*
+ * The questions kv_seq_append, kv_seq_evict and kv_seq_max_append ask
+ * before they make room, answered for a sequence with a turn table (whole
+ * turns first, the policy's tokens when turns cannot do it) and passed
+ * straight to the kv_evict_* functions for one without. plan and apply
+ * have kv_evict_plan's and kv_evict_apply's contracts; max_append is the
+ * largest append whole turns can make room for, or, when they can make
+ * none, the policy's.
+ */
+int kv_room_plan(const kv_seq *seq, int target);
+int kv_room_apply(kv_seq *seq, int keep);
+int kv_room_max_append(const kv_seq *seq);
+/* kv_seq_truncate's part: drop the turns reaching past n_hist. */
+void kv_turns_truncate(kv_seq *seq, int n_hist);
+/* Remove the table and its memory (drop, destroy). */
+void kv_turns_clear(kv_seq *seq);
 
 /* --- seq.c ------------------------------------------------------------- */
 

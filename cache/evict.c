@@ -278,7 +278,7 @@ int kv_evict_plan(const kv_seq *s, int target)
  * Execution
  * ------------------------------------------------------------------------ */
 
-static void renumber(kv_seq *s)
+void kv_evict_renumber(kv_seq *s)
 {
     int32_t *pos = s->pos + s->t_off;
     for (int i = 0; i < s->n_tokens; i++)
@@ -348,6 +348,12 @@ static void move_token_bytes(kv_seq *s, int dst, int src)
         }
 }
 
+void kv_evict_move_token(kv_seq *s, int dst, int src)
+{
+    move_token_bytes(s, dst, src);
+    move_token_meta(s, dst, src, 1);
+}
+
 /* Keep sinks, window and the `keep - sinks - window` middle tokens of the
  * highest score (kv_evict_score: h2o's mass, or another policy's score);
  * compact the survivors in order and free the pages past the end. */
@@ -377,10 +383,8 @@ static void evict_h2o(kv_seq *s, int keep)
     for (int i = 0; i < n; i++) {
         if (!kp[i])
             continue;
-        if (i != d) {
-            move_token_bytes(s, d, i);
-            move_token_meta(s, d, i, 1);
-        }
+        if (i != d)
+            kv_evict_move_token(s, d, i);
         d++;
     }
     assert(d == keep);
@@ -414,7 +418,7 @@ int kv_evict_apply(kv_seq *s, int keep)
         break;
     }
     if (s->policy.renumber)
-        renumber(s);
+        kv_evict_renumber(s);
     s->cache->evictions++;
     s->cache->tokens_evicted += (uint64_t)(before - s->n_tokens);
     return before - s->n_tokens;

@@ -177,6 +177,8 @@ struct kv_stats {
     uint64_t evictions;        /* eviction steps that removed at least one token */
     uint64_t tokens_evicted;   /* tokens removed by eviction (not by free, drop or truncate) */
     uint64_t sessions_dropped; /* sessions dropped whole by LRU */
+    uint64_t turns_evicted;    /* whole turns evicted in place (turns.c) */
+    uint64_t turn_cuts;        /* evictions that had to cut into turns (turns.c) */
     int sequences;             /* live sequences, sessions included */
     int sessions;              /* live sequences created as sessions */
 };
@@ -388,7 +390,9 @@ void *kv_seq_v(kv_seq *seq, int layer, int kv_head, int idx);
  * with enough free pages in the pool. */
 bool kv_seq_has_room(const kv_seq *seq, int n);
 /* The largest n kv_seq_append can accept under the policy now (evicting as
- * the policy allows), the pool aside. The scheduler's prefill chunk bound. */
+ * the policy allows), the pool aside. The scheduler's prefill chunk bound.
+ * With a turn table (kv_seq_set_turns): the largest n whole turns can make
+ * room for, or the policy's when they can make none. */
 int kv_seq_max_append(const kv_seq *seq);
 
 /*
@@ -449,5 +453,64 @@ void kv_seq_pin(kv_seq *seq, bool busy);         /* pinned sessions are never dr
 /* True once LRU dropped this session: its pages, tokens and history are
  * gone. The flag stays until kv_seq_destroy. */
 bool kv_seq_dropped(const kv_seq *seq);
+
+/* ------------------------------------------------------------------------
+ * Turns (turns.c): eviction that keeps a conversation's structure
+ * ------------------------------------------------------------------------ */
+
+/*
+ * One turn of a conversation a sequence holds: a user message and the
+ * messages that answer it, as a run of history indices. A chat engine
+ * tells the cache where its turns lie; the cache then evicts whole turns
+ * instead of tokens (see turns.c).
+ */
+struct kv_turn {
+    int32_t hist_start; /* history index of the turn's first token, >= 0 */
+    int32_t n_tokens;   /* its tokens: history indices hist_start .. hist_start+n_tokens-1, >= 1 */
+    int32_t n_messages; /* messages the turn holds (for the caller's accounting), >= 0 */
+};
+
+/*
+ * Give the sequence a turn table (copied): the turns it may give up, in
+ * history order, not overlapping. Tokens outside every turn (the system
+ * prompt, the tool definitions, the last user turn, the generation prompt,
+ * the answer being written) are pinned. A turn may lie beyond the tokens
+ * appended so far; it becomes evictable once all of its tokens have been
+ * appended. n = 0 (turns may then be NULL) removes the table: the policy
+ * evicts tokens again.
+ *
+ * While a sequence has a table, making room (kv_seq_append, kv_seq_evict,
+ * kv_reserve) evicts whole turns oldest first, whatever the policy's kind
+ * (under none the table is the only eviction), in place: the survivors'
+ * K and V bytes move down over the gap, never change; positions renumber
+ * or stay as the policy says. Once turns must leave, they leave until at
+ * most low_tokens tokens remain (when the turns allow; values outside
+ * 1..max_cache_tokens mean max_cache_tokens: only what is needed), so the
+ * compaction's cost is spread over the tokens appended after it. When
+ * evicting every evictable turn still would not make the room, the policy
+ * evicts tokens as it would without a table and kv_stats.turn_cuts counts
+ * it: the one case where a turn is cut, never a silent one.
+ *
+ * kv_seq_truncate drops the turns that reach past the cut; a drop (LRU)
+ * or kv_seq_destroy removes the table.
+ *
+ * Returns 0; -EINVAL with the reason in err and the old table kept (a
+ * negative start, a turn of no tokens, a negative message count, turns out
+ * of order or overlapping, n < 0, turns NULL with n > 0); -ENOMEM with the
+ * old table kept.
+ */
+int kv_seq_set_turns(kv_seq *seq, const struct kv_turn *turns, int n, int low_tokens, char *err,
+                     size_t errlen);
+
+/* What became of a sequence's turn table, counted from the cache. */
+struct kv_turn_state {
+    int turns;            /* turns in the table */
+    int turns_evicted;    /* of them, appended whole and now wholly gone */
+    int messages_evicted; /* the messages of those */
+    int turns_cut;        /* partly gone: the policy cut them (kv_stats.turn_cuts) */
+};
+
+/* Fill *out, O(turns log tokens). A sequence without a table reports zeros. */
+void kv_seq_turn_state(const kv_seq *seq, struct kv_turn_state *out);
 
 #endif /* KVD_KV_CACHE_H */

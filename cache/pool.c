@@ -333,6 +333,8 @@ void kv_cache_stats(const kv_cache *c, struct kv_stats *out)
         .evictions = c->evictions,
         .tokens_evicted = c->tokens_evicted,
         .sessions_dropped = c->sessions_dropped,
+        .turns_evicted = c->turns_evicted,
+        .turn_cuts = c->turn_cuts,
         .sequences = c->n_seqs,
         .sessions = c->n_sessions,
     };

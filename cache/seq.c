@@ -160,6 +160,7 @@ void kv_seq_release_all(kv_seq *s)
     s->n_tokens = s->t_off = 0;
     s->n_appended = 0;
     s->next_pos = 0;
+    kv_turns_clear(s);
 }
 
 void kv_seq_destroy(kv_seq *s)
@@ -300,8 +301,7 @@ bool kv_seq_has_room(const kv_seq *s, int n)
 
 int kv_seq_max_append(const kv_seq *s)
 {
-    int room = s->policy.max_cache_tokens - kv_evict_floor(s);
-    return room > 0 ? room : 0;
+    return kv_room_max_append(s);
 }
 
 /* ------------------------------------------------------------------------
@@ -315,10 +315,10 @@ int kv_seq_evict(kv_seq *s, int n_needed)
     int target = s->policy.max_cache_tokens - n_needed;
     if (s->n_tokens <= target)
         return 0;
-    int keep = kv_evict_plan(s, target);
+    int keep = kv_room_plan(s, target);
     if (keep < 0)
         return -ENOSPC;
-    return kv_evict_apply(s, keep);
+    return kv_room_apply(s, keep);
 }
 
 /*
@@ -392,7 +392,7 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
     /* 1. The budget: how far must the policy shrink us? */
     int keep = s->n_tokens;
     if ((int64_t)s->n_tokens + n > max) {
-        keep = kv_evict_plan(s, max - n);
+        keep = kv_room_plan(s, max - n);
         if (keep < 0)
             return -ENOSPC;
     }
@@ -407,7 +407,7 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
     /* 3. ...and only then does this sequence shrink below its budget. */
     if (need > have) {
         int64_t target = have * pt - n;
-        int shrunk = target >= 0 && target < keep ? kv_evict_plan(s, (int)target) : -1;
+        int shrunk = target >= 0 && target < keep ? kv_room_plan(s, (int)target) : -1;
         if (shrunk < 0) {
             unmark_drops(c);
             return -ENOMEM;
@@ -427,7 +427,7 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
 
     /* Nothing can fail from here on. */
     drop_marked(c);
-    kv_evict_apply(s, keep);
+    kv_room_apply(s, keep);
     assert(s->n_tokens == keep);
 
     int new_pages = kv_pages_for(c, (int64_t)keep + n) - s->n_pages;
@@ -477,6 +477,7 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
     if (s->n_tokens == 0) { /* nothing retained: only the history moves */
         s->next_pos = s->policy.renumber ? 0 : n_hist;
         s->n_appended = n_hist;
+        kv_turns_truncate(s, n_hist);
         return 0;
     }
     const int32_t *hidx = s->hidx + s->t_off, *pos = s->pos + s->t_off;
@@ -506,5 +507,6 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
     s->n_pages = pages;
     s->n_tokens = keep;
     s->n_appended = n_hist;
+    kv_turns_truncate(s, n_hist);
     return 0;
 }
