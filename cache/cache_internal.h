@@ -152,6 +152,9 @@ void kv_turns_clear(kv_seq *seq);
 
 /* --- seq.c ------------------------------------------------------------- */
 
+/* Keep the first n retained tokens: n_tokens = n and the pages past them
+ * go back to the pool. */
+void kv_seq_cut_to(kv_seq *seq, int n);
 /* Release every page and token of seq (drop, destroy); keeps capacity. */
 void kv_seq_release_all(kv_seq *seq);
 

@@ -359,7 +359,6 @@ void kv_evict_move_token(kv_seq *s, int dst, int src)
  * compact the survivors in order and free the pages past the end. */
 static void evict_h2o(kv_seq *s, int keep)
 {
-    kv_cache *c = s->cache;
     int n = s->n_tokens;
     int sinks = s->policy.sink_tokens < n ? s->policy.sink_tokens : n;
     int window = s->policy.window_tokens < n - sinks ? s->policy.window_tokens : n - sinks;
@@ -388,13 +387,7 @@ static void evict_h2o(kv_seq *s, int keep)
         d++;
     }
     assert(d == keep);
-    s->n_tokens = d;
-
-    /* Give back the pages past the new end. */
-    int pages = kv_pages_for(c, d);
-    for (int j = pages; j < s->n_pages; j++)
-        kv_pool_release(c, s->ptab[s->p_off + j], s->uid);
-    s->n_pages = pages;
+    kv_seq_cut_to(s, d); /* give back the pages past the new end */
 }
 
 int kv_evict_apply(kv_seq *s, int keep)

@@ -152,6 +152,15 @@ kv_seq *kv_seq_create(kv_cache *c, const struct kv_policy *policy, bool session,
     return s;
 }
 
+void kv_seq_cut_to(kv_seq *s, int n)
+{
+    int pages = kv_pages_for(s->cache, n);
+    for (int j = pages; j < s->n_pages; j++)
+        kv_pool_release(s->cache, s->ptab[s->p_off + j], s->uid);
+    s->n_pages = pages;
+    s->n_tokens = n;
+}
+
 void kv_seq_release_all(kv_seq *s)
 {
     for (int j = 0; j < s->n_pages; j++)
@@ -473,7 +482,6 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
 {
     if (n_hist < 0 || n_hist > s->n_appended)
         return -EINVAL;
-    kv_cache *c = s->cache;
     if (s->n_tokens == 0) { /* nothing retained: only the history moves */
         s->next_pos = s->policy.renumber ? 0 : n_hist;
         s->n_appended = n_hist;
@@ -501,11 +509,7 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
     else
         s->next_pos = keep > 0 ? pos[keep - 1] + (n_hist - hidx[keep - 1]) : n_hist;
 
-    int pages = kv_pages_for(c, keep);
-    for (int j = pages; j < s->n_pages; j++)
-        kv_pool_release(c, s->ptab[s->p_off + j], s->uid);
-    s->n_pages = pages;
-    s->n_tokens = keep;
+    kv_seq_cut_to(s, keep);
     s->n_appended = n_hist;
     kv_turns_truncate(s, n_hist);
     return 0;

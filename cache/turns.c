@@ -272,12 +272,7 @@ static int evict_turns(kv_seq *s, int keep)
     for (int j = src; j < before; j++)
         kv_evict_move_token(s, d++, j);
     assert(d == keep);
-    s->n_tokens = keep;
-
-    int pages = kv_pages_for(c, keep);
-    for (int j = pages; j < s->n_pages; j++)
-        kv_pool_release(c, s->ptab[s->p_off + j], s->uid);
-    s->n_pages = pages;
+    kv_seq_cut_to(s, keep);
     if (s->policy.renumber)
         kv_evict_renumber(s);
     c->evictions++;
