@@ -595,6 +595,12 @@ int model_tokenize_special(const model *m, const char *text, size_t len, bool ad
     return tok_encode_special(m->tok, text, len, add_bos, out, max);
 }
 
+int model_tokenize_continuation(const model *m, const char *text, size_t len, int32_t *out,
+                                int max)
+{
+    return tok_encode_continuation(m->tok, text, len, out, max);
+}
+
 bool model_add_bos(const model *m)
 {
     return tok_add_bos(m->tok);

@@ -75,6 +75,10 @@ int model_tokenize(const model *m, const char *text, size_t len, bool add_bos, i
  * template, never for user text. */
 int model_tokenize_special(const model *m, const char *text, size_t len, bool add_bos,
                            int32_t *out, int max);
+/* model_tokenize_special for text that continues earlier text (no BOS, no
+ * space prefix at its start; see tok_encode_continuation). */
+int model_tokenize_continuation(const model *m, const char *text, size_t len, int32_t *out,
+                                int max);
 bool model_add_bos(const model *m);   /* whether prompts start with BOS */
 int32_t model_bos(const model *m);
 bool model_is_eog(const model *m, int32_t token); /* end of generation (EOS, EOT) */

@@ -702,7 +702,7 @@ static int encode_run(const tok_vocab *v, const char *s, size_t len, bool after_
 }
 
 static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, bool special,
-                  int32_t *out, int max)
+                  bool continuation, int32_t *out, int max)
 {
     if (!v || (!text && len > 0) || max < 0 || (!out && max > 0))
         return -EINVAL;
@@ -716,7 +716,7 @@ static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos
      * runs of text between them.
      * Like llama.cpp, SPM puts a space before every run that follows a
      * special token or starts the text. */
-    bool after_special = true;
+    bool after_special = !continuation;
     size_t run = 0;
     int rc;
     const struct tok_whole *w = &v->whole[special];
@@ -748,13 +748,19 @@ static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos
 int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, int32_t *out,
                int max)
 {
-    return encode(v, text, len, add_bos, false, out, max);
+    return encode(v, text, len, add_bos, false, false, out, max);
 }
 
 int tok_encode_special(const tok_vocab *v, const char *text, size_t len, bool add_bos,
                        int32_t *out, int max)
 {
-    return encode(v, text, len, add_bos, true, out, max);
+    return encode(v, text, len, add_bos, true, false, out, max);
+}
+
+int tok_encode_continuation(const tok_vocab *v, const char *text, size_t len, int32_t *out,
+                            int max)
+{
+    return encode(v, text, len, false, true, true, out, max);
 }
 
 int tok_split_words(const tok_vocab *v, const char *text, size_t len, size_t *starts, int max)

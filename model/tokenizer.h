@@ -147,6 +147,13 @@ int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, i
  * "<s>") become those tokens, as a rendered chat template needs. */
 int tok_encode_special(const tok_vocab *v, const char *text, size_t len, bool add_bos,
                        int32_t *out, int max);
+/* tok_encode_special for text that continues earlier text: no BOS, and
+ * its first run is not the start of a text (SPM puts no space before it).
+ * Where the tokenization of A + B is that of A followed by this of B, B
+ * starts at a token boundary: how a chat engine checks that the spans of
+ * a conversation's messages can be kept and dropped whole. */
+int tok_encode_continuation(const tok_vocab *v, const char *text, size_t len, int32_t *out,
+                            int max);
 
 /*
  * The pre-tokenizer alone, for tests and diagnostics: cuts text into the

@@ -289,10 +289,12 @@ int tpl_chat_render(const tpl_chat *c, const json_t *messages, const json_t *too
 
 /* --- turn-aware fitting --- */
 
-/* The droppable turns of msgs: indices of their first messages in
- * starts[0..n), each turn running to the next start (or to `end`, where
- * the pinned last user turn begins). Returns n. */
-static int find_turns(const json_t *msgs, int *starts, int *end)
+bool tpl_chat_is_system(const char *role)
+{
+    return role && (!strcmp(role, "system") || !strcmp(role, "developer"));
+}
+
+int tpl_chat_find_turns(const json_t *msgs, int *starts, int *end)
 {
     int n_msgs = (int)json_array_size(msgs), last_user = -1, n = 0;
     for (int i = 0; i < n_msgs; i++) {
@@ -309,10 +311,8 @@ static int find_turns(const json_t *msgs, int *starts, int *end)
     return n;
 }
 
-/* msgs without the messages of turns [0, d) (system messages inside them
- * stay: they are pinned). New array; *dropped counts what left. */
-static json_t *without_turns(const json_t *msgs, const int *starts, int n_turns, int end, int d,
-                             int *dropped)
+json_t *tpl_chat_without_turns(const json_t *msgs, const int *starts, int n_turns, int end,
+                               int d, int *dropped)
 {
     json_t *kept = json_array();
     int from = d > 0 ? starts[0] : 0, to = d == 0 ? 0 : d < n_turns ? starts[d] : end;
@@ -320,7 +320,7 @@ static json_t *without_turns(const json_t *msgs, const int *starts, int n_turns,
     for (int i = 0; i < (int)json_array_size(msgs); i++) {
         json_t *m = json_array_get(msgs, i);
         const char *role = json_string_value(json_object_get(m, "role"));
-        if (i >= from && i < to && !(role && !strcmp(role, "system"))) {
+        if (i >= from && i < to && !tpl_chat_is_system(role)) {
             (*dropped)++;
             continue;
         }
@@ -345,7 +345,7 @@ struct fit_try {
  * *text (freed first) when keep is set. */
 static int fit_try(const struct fit_try *f, int d, char **text, size_t *len, int *dropped)
 {
-    json_t *kept = without_turns(f->msgs, f->starts, f->n_turns, f->end, d, dropped);
+    json_t *kept = tpl_chat_without_turns(f->msgs, f->starts, f->n_turns, f->end, d, dropped);
     char *out = NULL;
     size_t n = 0;
     int rc = render_raw(f->c, kept, f->tools, f->agp, f->now, &out, &n, f->err);
@@ -389,7 +389,7 @@ int tpl_chat_fit(const tpl_chat *c, const json_t *messages, const json_t *tools,
     struct fit_try f = {.c = c, .msgs = msgs, .tools = tools, .agp = add_generation_prompt,
                         .now = now, .starts = starts, .count = count, .ctx = count_ctx,
                         .err = err};
-    f.n_turns = find_turns(msgs, starts, &f.end);
+    f.n_turns = tpl_chat_find_turns(msgs, starts, &f.end);
     if (min_drop > f.n_turns)
         min_drop = f.n_turns; /* a shorter conversation than the session's */
     if (min_drop < 0)

@@ -172,6 +172,48 @@ int tpl_chat_fit(const tpl_chat *c, const json_t *messages, const json_t *tools,
                  int (*count)(const char *text, size_t len, void *ctx), void *count_ctx,
                  char **out, size_t *out_len, struct tpl_fit *fit, struct tpl_error *err);
 
+/*
+ * A conversation's rendering cut at its turns (chat_turns.c), for a cache
+ * that drops whole turns in place and must still hold what the template
+ * renders for the messages it keeps.
+ *
+ * The messages are taken with their `drop` oldest turns left out (turns
+ * and pinned messages as tpl_chat_fit defines them) and rendered with the
+ * generation prompt as
+ *
+ *     head | turn 1 | ... | turn n | tail
+ *
+ * head: what the template writes for the system and developer messages
+ * (and the tools) before the first droppable turn; turn i: the i-th
+ * droppable turn; tail: the last user turn, what follows it and the
+ * generation prompt. The cut is checked, never assumed: the head rendered
+ * alone, the head with each turn alone and the head with the tail must
+ * give exactly these bytes, and leaving out the first turn must give the
+ * same text without it. A template that folds the system prompt into a
+ * turn, renders a turn differently by its place, or puts a system message
+ * inside the conversation is not separable.
+ *
+ * Returns 0: separable, out filled (a conversation without droppable
+ * turns has n_turns 0 and head_len = len); 1: rendered but not
+ * separable, out->text holds the whole rendering, n_turns is 0 and
+ * out->why says why; -1: the conversation cannot be rendered (err
+ * filled, out empty). Free out with tpl_turns_free in every case.
+ */
+struct tpl_turns {
+    char *text;           /* the whole rendering, NUL-terminated (new) */
+    size_t len;           /* its bytes */
+    size_t head_len;      /* bytes of the head */
+    int n_turns;          /* droppable turns */
+    size_t *turn_end;     /* [n_turns] byte offset just past each turn (new) */
+    int *turn_messages;   /* [n_turns] messages in each turn (new) */
+    int dropped_messages; /* messages of the `drop` turns left out */
+    char why[240];        /* not separable: why */
+};
+
+int tpl_chat_turns(const tpl_chat *c, const json_t *messages, const json_t *tools, int drop,
+                   time_t now, struct tpl_turns *out, struct tpl_error *err);
+void tpl_turns_free(struct tpl_turns *t);
+
 /* Format err as "LINE:COL: MESSAGE" (or MESSAGE when it has no place) into
  * buf; returns buf. */
 const char *tpl_error_string(const struct tpl_error *err, char *buf, size_t len);

@@ -273,4 +273,19 @@ void tpl_register_namespace(struct render *r, json_t *ns);
 /* time of the current render (strftime_now) */
 time_t rnow(const struct render *r);
 
+/* ------------------------------------------------------------------------
+ * Chat turns (chat.c), shared with chat_turns.c
+ * ------------------------------------------------------------------------ */
+
+/* A system or developer role (NULL is neither). */
+bool tpl_chat_is_system(const char *role);
+/* The droppable turns of msgs: indices of their first messages in
+ * starts[0..n) (room for one per message), each turn running to the next
+ * start (or to `end`, where the pinned last user turn begins). Returns n. */
+int tpl_chat_find_turns(const json_t *msgs, int *starts, int *end);
+/* msgs without the messages of turns [0, d) (system and developer
+ * messages inside them stay: they are pinned). New array; *dropped counts
+ * what left. */
+json_t *tpl_chat_without_turns(const json_t *msgs, const int *starts, int n_turns, int end,
+                               int d, int *dropped);
 #endif

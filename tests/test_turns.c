@@ -8,11 +8,18 @@
  *   - positions renumber or stay as the policy says;
  *   - the low-water mark, open turns (not yet appended whole), the cut
  *     fallback (counted), truncation, drops and a bad table;
- *   - a randomized run whose every state keeps the rules.
+ *   - a randomized run whose every state keeps the rules;
+ *   - the guarantee that matters to a chat client: a conversation cut at
+ *     its turns (tpl_chat_turns, srv_chat_turns_tokenize), fed to a
+ *     sequence that must evict, retains exactly the tokens of the
+ *     template's rendering of the messages it kept, for every separable
+ *     template of tests/cases/templates; the others are named unseparable
+ *     with a reason (Llama 2 folds the system prompt into the first turn).
  *
  * White-box where it helps (cache_internal.h for kv_cache_check's partner
  * state).
  */
+#include <dirent.h>
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -26,6 +33,9 @@
 
 #include "cache/cache_internal.h"
 #include "cache/kv_cache.h"
+#include "model/model.h"
+#include "server/chat_turns.h"
+#include "template/template.h"
 
 /* ------------------------------------------------------------------------
  * Helpers
@@ -396,6 +406,221 @@ static void test_long_conversation(void **state)
     kv_cache_destroy(c);
 }
 
+
+/* ------------------------------------------------------------------------
+ * The retained tokens are the rendering of the retained messages
+ * ------------------------------------------------------------------------ */
+
+static const char *shared_dir(void)
+{
+    const char *s = getenv("KVD_SHARED");
+    return s && *s ? s : "../shared";
+}
+
+static char *read_text(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    if (buf) {
+        buf[n] = 0;
+        *len = (size_t)n;
+    }
+    return buf;
+}
+
+/* A conversation: a system prompt, `turns` user/assistant pairs of varied
+ * lengths, and a last user message. */
+static json_t *conversation(int turns)
+{
+    json_t *msgs = json_array();
+    json_array_append_new(msgs, json_pack("{s:s,s:s}", "role", "system", "content",
+                                          "You are a terse assistant. Answer in one line."));
+    static const char *const words[] = {"tell", "me", "about", "the", "sea", "and", "why",
+                                        "ships", "float", "on", "it", "today"};
+    for (int t = 0; t <= turns; t++) {
+        char u[200] = "", a[200] = "";
+        for (int w = 0; w < 3 + (t * 7) % 11; w++) {
+            strcat(u, words[(t + w) % 12]);
+            strcat(u, " ");
+        }
+        snprintf(a, sizeof a, "Answer %d: %s", t, u);
+        json_array_append_new(msgs, json_pack("{s:s,s:s}", "role", "user", "content", u));
+        if (t < turns)
+            json_array_append_new(msgs,
+                                  json_pack("{s:s,s:s}", "role", "assistant", "content", a));
+    }
+    return msgs;
+}
+
+/*
+ * Feed the cut prompt to a session sequence whose budget forces turns out
+ * (in chunks, as an engine prefills), then compare what it retains with the
+ * tokenization of the rendering of the messages it kept. Returns the turns
+ * evicted.
+ */
+static int check_retained_is_rendering(const model *m, const tpl_chat *chat, const json_t *msgs,
+                                       const struct srv_chat_turns *p, const char *name)
+{
+    int pinned = p->n_ids;
+    for (int i = 0; i < p->n_turns; i++)
+        pinned -= p->turns[i].n_tokens;
+    kv_cache *c = make_cache(16, (pinned + p->n_ids) / 16 + 8);
+    kv_seq *s = make_seq(c, KV_EVICT_SINK_WINDOW, pinned + (p->n_ids - pinned) / 3 + 32, true);
+    char err[256];
+    assert_int_equal(kv_seq_set_turns(s, p->turns, p->n_turns, 0, err, sizeof(err)), 0);
+    for (int at = 0; at < p->n_ids;) {
+        int chunk = p->n_ids - at < 13 ? p->n_ids - at : 13;
+        if (chunk > kv_seq_max_append(s))
+            chunk = kv_seq_max_append(s);
+        assert_true(chunk > 0);
+        assert_int_equal(kv_seq_append(s, p->ids + at, chunk, NULL), 0);
+        at += chunk;
+    }
+    struct kv_turn_state st;
+    kv_seq_turn_state(s, &st);
+    assert_int_equal(st.turns_cut, 0);
+    assert_true(st.turns_evicted > 0);
+
+    /* the messages kept: all but the first turns_evicted turns */
+    json_t *kept = json_array();
+    int turn = -1;
+    for (size_t i = 0; i < json_array_size(msgs); i++) {
+        json_t *msg = json_array_get(msgs, i);
+        if (!strcmp(json_string_value(json_object_get(msg, "role")), "user"))
+            turn++;
+        if (turn < 0 || turn >= st.turns_evicted)
+            json_array_append(kept, msg);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    struct tpl_error e;
+    assert_int_equal(tpl_chat_render(chat, kept, NULL, true, 0, &text, &len, &e), 0);
+    int n = model_tokenize_special(m, text, len, model_add_bos(m), NULL, 0);
+    int32_t *want = malloc(sizeof(int32_t) * (size_t)n);
+    assert_int_equal(model_tokenize_special(m, text, len, model_add_bos(m), want, n), n);
+    if (kv_seq_n_tokens(s) != n)
+        fail_msg("%s: %d tokens retained, the rendering of the %zu kept messages has %d", name,
+                 kv_seq_n_tokens(s), json_array_size(kept), n);
+    const int32_t *got = kv_seq_tokens(s);
+    for (int i = 0; i < n; i++)
+        if (got[i] != want[i])
+            fail_msg("%s: retained token %d is %d, the rendering's is %d", name, i, got[i],
+                     want[i]);
+    free(want);
+    free(text);
+    json_decref(kept);
+    kv_seq_destroy(s);
+    kv_cache_destroy(c);
+    return st.turns_evicted;
+}
+
+static void test_retained_tokens_are_the_rendering(void **state)
+{
+    (void)state;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-phi-3.gguf", shared_dir());
+    char err[512];
+    struct model_params mp = {.path = path, .vocab_only = true};
+    model *m = model_load(&mp, err, sizeof err);
+    if (!m) {
+        print_message("%s absent (%s): set KVD_SHARED to the shared data folder\n", path, err);
+        skip();
+    }
+    /* With the phi-3 vocabulary, whose control tokens are phi-3's: other
+     * families' markers are plain text to it, and a cut between two of
+     * them may not be a token boundary (counted as not separable, with
+     * the token where the two tokenizations part). */
+    static const char *const separable[] = {"chatml-openhermes", "qwen2.5", "zephyr",
+                                            "granite-3.0", "vicuna", "deepseek-coder",
+                                            "openchat", NULL};
+    /* the system prompt folded into the first turn (llama-2, mistral-v0.2,
+     * and the system-less gemma and phi-3-mini); the latest assistant
+     * message rendered apart (qwen3); a generation header written whatever
+     * add_generation_prompt says (this llama-3 variant) */
+    static const char *const not_separable[] = {"llama-2", "mistral-v0.2", "gemma",
+                                                "phi-3-mini", "qwen3", "llama-3", NULL};
+    json_t *msgs = conversation(12);
+    DIR *d = NULL;
+    snprintf(path, sizeof path, "tests/cases/templates/models");
+    d = opendir(path);
+    assert_non_null(d);
+    struct dirent *de;
+    int n_sep = 0, n_not = 0;
+    while ((de = readdir(d))) {
+        size_t nl = strlen(de->d_name);
+        if (nl < 7 || strcmp(de->d_name + nl - 6, ".jinja"))
+            continue;
+        char name[256], file[1300];
+        snprintf(name, sizeof name, "%.*s", (int)(nl - 6), de->d_name);
+        snprintf(file, sizeof file, "%s/%s", path, de->d_name);
+        size_t len = 0;
+        char *src = read_text(file, &len);
+        assert_non_null(src);
+        size_t bl = 0, el = 0;
+        const char *bos = model_token_text(m, model_bos(m), &bl);
+        const char *eos = model_token_text(m, model_eos(m), &el);
+        char bb[64], eb[64];
+        snprintf(bb, sizeof bb, "%.*s", (int)bl, bos ? bos : "");
+        snprintf(eb, sizeof eb, "%.*s", (int)el, eos ? eos : "");
+        struct tpl_chat_params cp = {.bos_token = bb, .eos_token = eb,
+                                     .strip_bos = model_add_bos(m)};
+        struct tpl_error e;
+        tpl_chat *chat = tpl_chat_create(src, len, &cp, &e);
+        free(src);
+        if (!chat)
+            fail_msg("%s: %s", name, e.msg);
+        struct tpl_turns t;
+        int rc = tpl_chat_turns(chat, msgs, NULL, 0, 0, &t, &e);
+        char why[300] = "";
+        struct srv_chat_turns p = {0};
+        if (rc == 0 && t.n_turns > 0)
+            rc = srv_chat_turns_tokenize(m, &t, &p, why, sizeof why);
+        else if (rc == 1)
+            snprintf(why, sizeof why, "%s", t.why);
+        bool want_sep = false, want_not = false;
+        for (int i = 0; separable[i]; i++)
+            want_sep |= !strcmp(name, separable[i]);
+        for (int i = 0; not_separable[i]; i++)
+            want_not |= !strcmp(name, not_separable[i]);
+        if (rc == 0 && t.n_turns > 0) {
+            assert_int_equal(t.n_turns, 12);
+            int gone = check_retained_is_rendering(m, chat, msgs, &p, name);
+            print_message("%-20s separable: %d of 12 turns evicted in place, the rest is its "
+                          "rendering\n",
+                          name, gone);
+            n_sep++;
+            if (want_not)
+                fail_msg("%s was expected not to be separable", name);
+        } else {
+            if (rc < 0)
+                fail_msg("%s: cannot render: %s", name, e.msg);
+            print_message("%-20s not separable: %s\n", name, why);
+            assert_true(why[0] != 0);
+            n_not++;
+            if (want_sep)
+                fail_msg("%s was expected to be separable", name);
+        }
+        srv_chat_turns_free(&p);
+        tpl_turns_free(&t);
+        tpl_chat_destroy(chat);
+    }
+    closedir(d);
+    print_message("%d templates separable, %d not\n", n_sep, n_not);
+    assert_true(n_sep >= 7 && n_not >= 6);
+    json_decref(msgs);
+    model_free(m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -405,6 +630,7 @@ int main(void)
         cmocka_unit_test(test_cut_is_counted),
         cmocka_unit_test(test_table_rules),
         cmocka_unit_test(test_long_conversation),
+        cmocka_unit_test(test_retained_tokens_are_the_rendering),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
