@@ -41,6 +41,12 @@ TESTLIBS := -lcmocka
 DEB_PACKAGES := gcc make pkg-config libuv1-dev libjansson-dev node-llhttp \
                 libcmocka-dev libinih-dev libpcre2-dev curl gnuplot-nox haproxy \
                 clang libclang-rt-14-dev libomp-14-dev
+# The browser tests (tests/test_web.c): Debian's chromium, and node + npm
+# for puppeteer-core (npm installs it into $(BUILD)/artefacts at test time).
+# A node or npm already on PATH (another packaging of Node.js) is used as it
+# is: Debian's npm package would conflict with it.
+DEB_PACKAGES += chromium $(if $(shell command -v node 2>/dev/null),,nodejs) \
+                $(if $(shell command -v npm 2>/dev/null),,npm)
 # What `make deploy-check` needs (haproxy is also in DEB_PACKAGES for the tests).
 DEPLOY_PACKAGES := haproxy python3-yaml systemd
 
@@ -143,7 +149,8 @@ tests: $(TEST_BIN) $(BUILD)/kvd
 test:
 	@$(MAKE) --no-print-directory deps
 	@$(MAKE) --no-print-directory $(patsubst %,$(BUILD)/tests/test_%,$(TESTS)) $(BUILD)/kvd
-	@KVD_BIN=$(BUILD)/kvd KVD_SHARED=$(SHARED) sh tests/run.sh $(patsubst %,$(BUILD)/tests/test_%,$(TESTS))
+	@KVD_BIN=$(BUILD)/kvd KVD_SHARED=$(SHARED) KVD_ARTEFACTS=$(BUILD)/artefacts \
+	  sh tests/run.sh $(patsubst %,$(BUILD)/tests/test_%,$(TESTS))
 
 asan:
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \

@@ -60,6 +60,7 @@ export function onViewChange(fn) { listeners.push(fn); }
 export let currentView = "playground";
 
 function selectView(name, focus) {
+  if (name !== currentView) setStatus(""); // a message belongs to the view that said it
   currentView = name;
   for (const [k, v] of Object.entries(views)) {
     const on = k === name;

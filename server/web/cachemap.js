@@ -166,6 +166,7 @@ async function refresh() {
     const res = await api("/v1/sessions/" + encodeURIComponent(id) + "/map");
     m = await res.json();
   } catch (e) {
+    if (currentView !== "map") return;
     setStatus(e.status === 404 ? "No session '" + id + "' yet: chat in the playground first." :
       "Cache map: " + e.message);
     return;

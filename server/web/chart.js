@@ -6,7 +6,7 @@ const W = 300, H = 100;
 
 export class Chart {
   // title; series: [{name, unit}]; keep: samples kept.
-  constructor(parent, id, title, series, keep = 120) {
+  constructor(parent, id, title, series, keep = 60) {
     this.series = series;
     this.keep = keep;
     this.data = series.map(() => []);
@@ -62,9 +62,13 @@ export class Chart {
     });
     this.max.textContent = "max " + fmt(top);
     const last = this.data.map((d) => d[d.length - 1]);
-    this.values.textContent = this.series
-      .map((s, i) => s.name + " " + (last[i] === null || last[i] === undefined ? "–" : fmt(last[i]) + (s.unit || "")))
-      .join(" · ");
+    this.values.textContent = "";
+    this.series.forEach((s, i) => {
+      const span = document.createElement("span");
+      span.className = "key s" + i; // the line's colour, as a swatch before the name
+      span.textContent = s.name + " " + (last[i] === null || last[i] === undefined ? "–" : fmt(last[i]) + (s.unit || ""));
+      this.values.append(span, " ");
+    });
     this.fig.dataset.samples = String(this.data[0].length);
     this.fig.dataset.last = JSON.stringify(last);
   }
