@@ -56,6 +56,7 @@ CACHE_SRC  := $(wildcard cache/*.c)
 MODEL_SRC  := $(wildcard model/*.c)
 CONFIG_SRC := $(wildcard config/*.c)
 TEMPLATE_SRC := $(wildcard template/*.c)
+ENGINE_SRC := $(wildcard engine/*.c)
 SERVER_SRC := $(wildcard server/*.c)
 LOAD_SRC   := $(wildcard load/*.c)
 CLI_SRC    := $(filter-out cli/main.c,$(wildcard cli/*.c))
@@ -72,11 +73,12 @@ CACHE_OBJ  := $(call obj,$(CACHE_SRC))
 MODEL_OBJ  := $(call obj,$(MODEL_SRC))
 CONFIG_OBJ := $(call obj,$(CONFIG_SRC))
 TEMPLATE_OBJ := $(call obj,$(TEMPLATE_SRC))
+ENGINE_OBJ := $(call obj,$(ENGINE_SRC))
 SERVER_OBJ := $(call obj,$(SERVER_SRC)) $(WEB_OBJ)
 LOAD_OBJ   := $(call obj,$(LOAD_SRC))
 CLI_OBJ    := $(call obj,$(CLI_SRC))
 LLHTTP_OBJ := $(patsubst %.c,$(BUILD)/llhttp/%.o,$(LLHTTP_SRC))
-ALL_OBJ    := $(CLI_OBJ) $(LOAD_OBJ) $(SERVER_OBJ) $(MODEL_OBJ) $(TEMPLATE_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) \
+ALL_OBJ    := $(CLI_OBJ) $(LOAD_OBJ) $(SERVER_OBJ) $(ENGINE_OBJ) $(MODEL_OBJ) $(TEMPLATE_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) \
               $(CONFIG_OBJ) $(LLHTTP_OBJ)
 
 # What each test program links: its room and the rooms below it, so a room's

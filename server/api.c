@@ -7,7 +7,7 @@
  * tokenized here (the model is immutable once loaded, and doing it on the
  * loop thread answers "prompt too long" and "token id outside the
  * vocabulary" before anything is queued, and keeps the engine's steps for
- * the model), and it leaves as a plain struct srv_req. The engine answers
+ * the model), and it leaves as a plain struct engine_req. The engine answers
  * with events; srv_api_pump turns them into a JSON body, or into Server-Sent
  * Events as they come for streams.
  *
@@ -70,7 +70,7 @@ enum call_kind {
 struct call {
     srv_api *a;
     srv_conn *conn;      /* NULL once the client left */
-    struct srv_req *req; /* owned; freed at the final event */
+    struct engine_req *req; /* owned; freed at the final event */
     enum call_kind kind;
     bool stream;
     bool include_usage; /* OpenAI stream_options.include_usage */
@@ -495,7 +495,7 @@ static int parse_prompt(srv_api *a, json_t *body, bool mixed, struct toks *t, st
 }
 
 /* stop: a string or an array of strings. */
-static int parse_stop(json_t *body, struct srv_req *r, struct verr *e)
+static int parse_stop(json_t *body, struct engine_req *r, struct verr *e)
 {
     json_t *s = field(body, "stop");
     if (!s)
@@ -560,7 +560,7 @@ static uint64_t next_seed(srv_api *a)
  * NULL when absent), or both when they agree. Sets r->session (new) or
  * records the first problem in e.
  */
-static void parse_session(srv_api *a, json_t *body, const char *hdr, struct srv_req *r,
+static void parse_session(srv_api *a, json_t *body, const char *hdr, struct engine_req *r,
                           struct verr *e)
 {
     const char *sess = NULL;
@@ -592,7 +592,7 @@ static void parse_session(srv_api *a, json_t *body, const char *hdr, struct srv_
 
 /* Fields both shapes read the same way (hdr_session: the X-Session-Id
  * header or NULL). */
-static void parse_common(srv_api *a, json_t *body, const char *hdr_session, struct srv_req *r,
+static void parse_common(srv_api *a, json_t *body, const char *hdr_session, struct engine_req *r,
                          struct verr *e)
 {
     double d;
@@ -616,7 +616,7 @@ static void parse_common(srv_api *a, json_t *body, const char *hdr_session, stru
 
 /*
  * How many alternatives per token (OpenAI logprobs, llama.cpp n_probs): an
- * integer in 0..min(n_vocab, SRV_MAX_TOP_LOGPROBS). Returns 1 if present, 0
+ * integer in 0..min(n_vocab, ENGINE_MAX_TOP_LOGPROBS). Returns 1 if present, 0
  * if absent or null, -1 bad.
  */
 static int get_top_n(srv_api *a, json_t *body, const char *key, int *out, struct verr *e)
@@ -625,12 +625,12 @@ static int get_top_n(srv_api *a, json_t *body, const char *key, int *out, struct
     int rc = get_int(body, key, INT64_MIN, INT64_MAX, &n, e);
     if (rc <= 0)
         return rc;
-    int lim = a->info.n_vocab < SRV_MAX_TOP_LOGPROBS ? a->info.n_vocab : SRV_MAX_TOP_LOGPROBS;
+    int lim = a->info.n_vocab < ENGINE_MAX_TOP_LOGPROBS ? a->info.n_vocab : ENGINE_MAX_TOP_LOGPROBS;
     if (n < 0 || n > lim)
         return fail(e, key, "invalid_value",
                     "'%s' must be between 0 and %d (the vocabulary has %d tokens; kvd returns at "
                     "most %d alternatives per token) (got %lld)",
-                    key, lim, a->info.n_vocab, SRV_MAX_TOP_LOGPROBS, n);
+                    key, lim, a->info.n_vocab, ENGINE_MAX_TOP_LOGPROBS, n);
     *out = (int)n;
     return 1;
 }
@@ -638,26 +638,26 @@ static int get_top_n(srv_api *a, json_t *body, const char *key, int *out, struct
 /*
  * A non-streamed answer with log-probabilities is built whole before it is
  * sent: tokens x (alternatives + 1) entries, each a JSON object of about a
- * hundred bytes in memory. SRV_MAX_LOGPROB_ENTRIES bounds that before any
+ * hundred bytes in memory. ENGINE_MAX_LOGPROB_ENTRIES bounds that before any
  * work is done (4,096 tokens x 512 alternatives took 1.5 GB); a stream
  * sends each token's entries as it goes and is not bounded here.
  */
-static void check_logprob_work(const struct srv_req *r, bool stream, const char *param,
+static void check_logprob_work(const struct engine_req *r, bool stream, const char *param,
                                struct verr *e)
 {
     if (!r->want_logprobs || stream)
         return;
     long long entries = (long long)r->max_tokens * (r->n_top_logprobs + 1);
-    if (entries > SRV_MAX_LOGPROB_ENTRIES)
+    if (entries > ENGINE_MAX_LOGPROB_ENTRIES)
         fail(e, param, "invalid_value",
              "%d tokens with %d alternatives each make %lld log-probability entries; a "
              "non-streamed answer may have at most %d (tokens x (alternatives + 1)): ask for "
              "fewer tokens or alternatives, or stream",
-             r->max_tokens, r->n_top_logprobs, entries, SRV_MAX_LOGPROB_ENTRIES);
+             r->max_tokens, r->n_top_logprobs, entries, ENGINE_MAX_LOGPROB_ENTRIES);
 }
 
 /* Check the prompt's size against the limits. */
-static void check_prompt(srv_api *a, struct srv_req *r, struct verr *e)
+static void check_prompt(srv_api *a, struct engine_req *r, struct verr *e)
 {
     if (r->n_prompt == 0) {
         fail(e, "prompt", "invalid_value", "the prompt is empty");
@@ -683,7 +683,7 @@ static void check_prompt(srv_api *a, struct srv_req *r, struct verr *e)
  * are recorded in e.
  */
 static void parse_tail(srv_api *a, json_t *body, const char *hdr_session, bool mixed,
-                       struct srv_req *r, struct verr *e)
+                       struct engine_req *r, struct verr *e)
 {
     parse_common(a, body, hdr_session, r, e);
     if (e->status)
@@ -699,7 +699,7 @@ static void parse_tail(srv_api *a, json_t *body, const char *hdr_session, bool m
 }
 
 /* OpenAI's defaults: plain sampling at temperature 1, a fresh seed. */
-static void openai_sampling(srv_api *a, struct srv_req *r)
+static void openai_sampling(srv_api *a, struct engine_req *r)
 {
     model_sampling_defaults(&r->sampling);
     r->sampling.temperature = 1.0f;
@@ -711,7 +711,7 @@ static void openai_sampling(srv_api *a, struct srv_req *r)
 }
 
 /* r->max_tokens from body[key] (the configured default when absent). */
-static int parse_max_tokens(srv_api *a, json_t *body, const char *key, struct srv_req *r,
+static int parse_max_tokens(srv_api *a, json_t *body, const char *key, struct engine_req *r,
                             struct verr *e)
 {
     long long i = 0;
@@ -727,7 +727,7 @@ static int parse_max_tokens(srv_api *a, json_t *body, const char *key, struct sr
 
 /* The fields OpenAI's completion and chat routes share: n, seed, stream,
  * stream_options, user. */
-static void parse_openai_shared(json_t *body, struct srv_req *r, struct call *call,
+static void parse_openai_shared(json_t *body, struct engine_req *r, struct call *call,
                                 struct verr *e)
 {
     long long i;
@@ -753,10 +753,10 @@ static void parse_openai_shared(json_t *body, struct srv_req *r, struct call *ca
         return;
 }
 
-static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_session,
+static struct engine_req *parse_openai(srv_api *a, json_t *body, const char *hdr_session,
                                     struct call *call, struct verr *e)
 {
-    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    struct engine_req *r = engine_req_new(ENGINE_REQ_COMPLETION);
     if (!r) {
         oom(e, "accepting the request");
         return NULL;
@@ -790,16 +790,16 @@ static struct srv_req *parse_openai(srv_api *a, json_t *body, const char *hdr_se
     parse_tail(a, body, hdr_session, false, r, e);
 out:
     if (e->status) {
-        srv_req_free(r);
+        engine_req_free(r);
         return NULL;
     }
     return r;
 }
 
-static struct srv_req *parse_llama(srv_api *a, json_t *body, const char *hdr_session,
+static struct engine_req *parse_llama(srv_api *a, json_t *body, const char *hdr_session,
                                    struct call *call, struct verr *e)
 {
-    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    struct engine_req *r = engine_req_new(ENGINE_REQ_COMPLETION);
     if (!r) {
         oom(e, "accepting the request");
         return NULL;
@@ -846,7 +846,7 @@ static struct srv_req *parse_llama(srv_api *a, json_t *body, const char *hdr_ses
     parse_tail(a, body, hdr_session, true, r, e);
 out:
     if (e->status) {
-        srv_req_free(r);
+        engine_req_free(r);
         return NULL;
     }
     r->want_tokens = call->return_tokens;
@@ -1000,7 +1000,7 @@ static int check_messages(json_t *msgs, struct verr *e)
  * control tokens). Fits it to the budget with chat_turns, recording the
  * turns left out (and, for a session, remembering them).
  */
-static int chat_prompt(srv_api *a, json_t *body, struct srv_req *r, struct call *call,
+static int chat_prompt(srv_api *a, json_t *body, struct engine_req *r, struct call *call,
                        struct verr *e)
 {
     json_t *msgs = field(body, "messages"), *tools = field(body, "tools");
@@ -1069,7 +1069,7 @@ static int chat_prompt(srv_api *a, json_t *body, struct srv_req *r, struct call 
 
 /* Stop at the template's end of turn: as a token when it is one (control
  * tokens print no text), else as a stop string. */
-static void chat_stop(srv_api *a, struct srv_req *r)
+static void chat_stop(srv_api *a, struct engine_req *r)
 {
     const char *eot = tpl_chat_end_of_turn(a->chat);
     if (a->eot_token >= 0) {
@@ -1083,10 +1083,10 @@ static void chat_stop(srv_api *a, struct srv_req *r)
     }
 }
 
-static struct srv_req *parse_chat(srv_api *a, json_t *body, const char *hdr_session,
+static struct engine_req *parse_chat(srv_api *a, json_t *body, const char *hdr_session,
                                   struct call *call, struct verr *e)
 {
-    struct srv_req *r = srv_req_new(SRV_REQ_COMPLETION);
+    struct engine_req *r = engine_req_new(ENGINE_REQ_COMPLETION);
     if (!r) {
         oom(e, "accepting the request");
         return NULL;
@@ -1130,7 +1130,7 @@ static struct srv_req *parse_chat(srv_api *a, json_t *body, const char *hdr_sess
     check_prompt(a, r, e);
 out:
     if (e->status) {
-        srv_req_free(r);
+        engine_req_free(r);
         return NULL;
     }
     return r;
@@ -1184,7 +1184,7 @@ static void call_gone(void *owner)
     struct call *call = owner;
     call->conn = NULL;
     if (call->req)
-        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+        atomic_store(&call->req->cancel, ENGINE_CANCEL_CLIENT);
 }
 
 /*
@@ -1196,7 +1196,7 @@ static void call_out_of_memory(struct call *call)
 {
     call->return_tokens = false;
     if (call->req)
-        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+        atomic_store(&call->req->cancel, ENGINE_CANCEL_CLIENT);
     if (call->conn) {
         srv_conn *c = call->conn;
         call->conn = NULL;
@@ -1233,7 +1233,7 @@ static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
 
 static void call_free(struct call *call)
 {
-    srv_req_free(call->req);
+    engine_req_free(call->req);
     free(call->text);
     free(call->toks);
     json_decref(call->settings);
@@ -1285,33 +1285,33 @@ static void call_end(srv_api *a, struct call *call)
  * Answers
  * ------------------------------------------------------------------------ */
 
-static const char *openai_finish(enum srv_finish f)
+static const char *openai_finish(enum engine_finish f)
 {
     switch (f) {
-    case SRV_FINISH_EOG:
-    case SRV_FINISH_STOP:
+    case ENGINE_FINISH_EOG:
+    case ENGINE_FINISH_STOP:
         return "stop";
     default:
         return "length";
     }
 }
 
-static const char *llama_stop_type(enum srv_finish f)
+static const char *llama_stop_type(enum engine_finish f)
 {
     switch (f) {
-    case SRV_FINISH_EOG:
+    case ENGINE_FINISH_EOG:
         return "eos";
-    case SRV_FINISH_STOP:
+    case ENGINE_FINISH_STOP:
         return "word";
-    case SRV_FINISH_LENGTH:
-    case SRV_FINISH_CONTEXT:
+    case ENGINE_FINISH_LENGTH:
+    case ENGINE_FINISH_CONTEXT:
         return "limit";
     default:
         return "none";
     }
 }
 
-static json_t *usage_json(const struct srv_usage *u)
+static json_t *usage_json(const struct engine_usage *u)
 {
     return json_pack("{s:i, s:i, s:i, s:{s:i}, s:{s:i, s:i, s:i}}", "prompt_tokens",
                      u->prompt_tokens, "completion_tokens", u->completion_tokens, "total_tokens",
@@ -1321,7 +1321,7 @@ static json_t *usage_json(const struct srv_usage *u)
 }
 
 /* A chat answer's usage: the completion's, with the messages left out. */
-static json_t *chat_usage(struct call *call, const struct srv_usage *u)
+static json_t *chat_usage(struct call *call, const struct engine_usage *u)
 {
     json_t *v = usage_json(u);
     json_object_set_new(json_object_get(v, "kvd"), "evicted_messages",
@@ -1329,7 +1329,7 @@ static json_t *chat_usage(struct call *call, const struct srv_usage *u)
     return v;
 }
 
-static json_t *timings_json(const struct srv_usage *u)
+static json_t *timings_json(const struct engine_usage *u)
 {
     int pn = u->prompt_tokens - u->cached_tokens;
     int gn = u->completion_tokens;
@@ -1456,7 +1456,7 @@ static json_t *openai_lp_new(void)
  * likely one keeps it, and a U+0000 in a name is written U+FFFD there
  * (many JSON parsers refuse it in a key). text_offset counts code points
  * of the completion. */
-static void openai_lp_add(struct call *call, json_t *obj, const struct srv_logprob *lp)
+static void openai_lp_add(struct call *call, json_t *obj, const struct engine_logprob *lp)
 {
     json_array_append_new(json_object_get(obj, "tokens"),
                           token_name(call, lp->token, lp->piece, lp->piece_len));
@@ -1494,7 +1494,7 @@ static void openai_lp_add(struct call *call, json_t *obj, const struct srv_logpr
 }
 
 /* llama.cpp's completion_probabilities entry for one token (new). */
-static json_t *llama_prob(struct call *call, const struct srv_logprob *lp)
+static json_t *llama_prob(struct call *call, const struct engine_logprob *lp)
 {
     json_t *top = json_array();
     for (int i = 0; i < lp->n_top; i++)
@@ -1529,7 +1529,7 @@ static json_t *name_bytes(const json_t *name)
 /* One entry of a chat completion's logprobs.content (new): the sampled
  * token and the top_logprobs alternatives, each with token, logprob and
  * bytes. */
-static json_t *chat_lp_entry(struct call *call, const struct srv_logprob *lp)
+static json_t *chat_lp_entry(struct call *call, const struct engine_logprob *lp)
 {
     json_t *top = json_array();
     for (int i = 0; i < lp->n_top; i++) {
@@ -1556,7 +1556,7 @@ static void chat_role_chunk(struct call *call)
                               NULL, NULL));
 }
 
-static void on_text(struct call *call, const struct srv_event *ev)
+static void on_text(struct call *call, const struct engine_event *ev)
 {
     if (call->return_tokens && ev->n_tokens > 0) {
         if (call->n_toks + ev->n_tokens > call->cap_toks) {
@@ -1636,19 +1636,19 @@ static void on_text(struct call *call, const struct srv_event *ev)
     }
 }
 
-static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t *content)
+static json_t *llama_final(struct call *call, const struct engine_event *ev, json_t *content)
 {
-    const struct srv_usage *u = &ev->usage;
+    const struct engine_usage *u = &ev->usage;
     const char *word =
-        ev->finish == SRV_FINISH_STOP && ev->stop_index >= 0 ? call->req->stop[ev->stop_index] : "";
+        ev->finish == ENGINE_FINISH_STOP && ev->stop_index >= 0 ? call->req->stop[ev->stop_index] : "";
     json_t *v = json_pack(
         "{s:o, s:i, s:i, s:b, s:s, s:i, s:i, s:i, s:b, s:s, s:b, s:b, s:b, s:s, s:o, s:o, "
         "s:{s:i, s:i, s:i}}",
         "content", content, "id_slot", 0, "index", 0, "stop", 1, "model", call->a->model_name,
         "tokens_predicted", u->completion_tokens, "tokens_evaluated", u->prompt_tokens,
         "tokens_cached", u->cached_tokens, "truncated", 0, "stop_type", llama_stop_type(ev->finish),
-        "stopped_eos", ev->finish == SRV_FINISH_EOG, "stopped_word", ev->finish == SRV_FINISH_STOP,
-        "stopped_limit", ev->finish == SRV_FINISH_LENGTH || ev->finish == SRV_FINISH_CONTEXT,
+        "stopped_eos", ev->finish == ENGINE_FINISH_EOG, "stopped_word", ev->finish == ENGINE_FINISH_STOP,
+        "stopped_limit", ev->finish == ENGINE_FINISH_LENGTH || ev->finish == ENGINE_FINISH_CONTEXT,
         "stopping_word", word, "timings", timings_json(u), "generation_settings",
         call->settings ? json_incref(call->settings) : json_object(), "kvd", "cached_tokens",
         u->cached_tokens, "evicted_tokens", u->evicted_tokens, "retained_tokens",
@@ -1675,18 +1675,18 @@ static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t
  * event where the finish chunk would be; llama.cpp's gets stop_type "none"
  * with an "error" object. Counted in kvd_requests_cut_short_total.
  */
-static void on_cut(struct call *call, const struct srv_event *ev)
+static void on_cut(struct call *call, const struct engine_event *ev)
 {
     srv_metrics_cut(call->a->metrics, (int)ev->finish);
-    const char *code = ev->finish == SRV_FINISH_ABORT  ? "cut_short_shutdown"
-                       : ev->finish == SRV_FINISH_POOL ? "cut_short_kv_cache_full"
+    const char *code = ev->finish == ENGINE_FINISH_ABORT  ? "cut_short_shutdown"
+                       : ev->finish == ENGINE_FINISH_POOL ? "cut_short_kv_cache_full"
                                                        : "cut_short_policy_none";
     char msg[400];
     snprintf(msg, sizeof(msg), "the answer was cut short after %d tokens: %s",
              ev->usage.completion_tokens,
-             ev->finish == SRV_FINISH_ABORT
+             ev->finish == ENGINE_FINISH_ABORT
                  ? "the server is shutting down and its drain deadline passed"
-             : ev->finish == SRV_FINISH_POOL
+             : ev->finish == ENGINE_FINISH_POOL
                  ? "the KV cache ran out of pages (eviction and idle sessions gave none back)"
                  : "a reload switched eviction to policy none and the sequence's cache is full");
     if (call->kind == CALL_LLAMA) {
@@ -1718,7 +1718,7 @@ static void on_cut(struct call *call, const struct srv_event *ev)
         srv_http_stream_end(call->conn);
 }
 
-static void on_done(struct call *call, const struct srv_event *ev)
+static void on_done(struct call *call, const struct engine_event *ev)
 {
     if (!call->conn)
         return;
@@ -1727,7 +1727,7 @@ static void on_done(struct call *call, const struct srv_event *ev)
         return;
     }
     if (call->kind == CALL_SESSION_GET || call->kind == CALL_SESSION_DELETE) {
-        const struct srv_session_info *si = &ev->session;
+        const struct engine_session_info *si = &ev->session;
         if (!si->found) {
             api_error(call->conn, 404, "session", "no session '%s'", call->req->session);
             return;
@@ -1758,13 +1758,13 @@ static void on_done(struct call *call, const struct srv_event *ev)
                       si->kv_pages, "bytes", (json_int_t)si->kv_bytes));
         return;
     }
-    if (ev->finish == SRV_FINISH_CANCEL)
+    if (ev->finish == ENGINE_FINISH_CANCEL)
         return;
-    if (srv_finish_cut(ev->finish)) {
+    if (engine_finish_cut(ev->finish)) {
         on_cut(call, ev);
         return;
     }
-    const struct srv_usage *u = &ev->usage;
+    const struct engine_usage *u = &ev->usage;
     if (call->stream && call->kind == CALL_CHAT) {
         stream_start(call);
         chat_role_chunk(call);
@@ -1829,7 +1829,7 @@ static void on_done(struct call *call, const struct srv_event *ev)
     }
 }
 
-static void on_error(struct call *call, const struct srv_event *ev)
+static void on_error(struct call *call, const struct engine_event *ev)
 {
     if (!call->conn)
         return;
@@ -1854,10 +1854,10 @@ static void on_error(struct call *call, const struct srv_event *ev)
 bool srv_api_pump(srv_api *a, char *err, size_t errlen)
 {
     bool ok = true;
-    for (struct srv_event *ev = srv_sched_take_events(a->sched), *next; ev; ev = next) {
+    for (struct engine_event *ev = srv_sched_take_events(a->sched), *next; ev; ev = next) {
         next = ev->next;
         switch (ev->kind) {
-        case SRV_EV_READY:
+        case ENGINE_EV_READY:
             a->m = srv_sched_model(a->sched);
             model_get_info(a->m, &a->info);
             snprintf(a->model_name, sizeof(a->model_name), "%s", a->info.name);
@@ -1865,23 +1865,23 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
             a->ready_time = (int64_t)time(NULL);
             srv_log(SRV_LOG_INFO, "ready: serving model '%s'", a->model_name);
             break;
-        case SRV_EV_FATAL:
+        case ENGINE_EV_FATAL:
             snprintf(err, errlen, "%s", ev->message);
             ok = false;
             break;
-        case SRV_EV_TEXT:
+        case ENGINE_EV_TEXT:
             on_text(ev->req->owner, ev);
             break;
-        case SRV_EV_DONE:
+        case ENGINE_EV_DONE:
             on_done(ev->req->owner, ev);
             call_end(a, ev->req->owner);
             break;
-        case SRV_EV_ERROR:
+        case ENGINE_EV_ERROR:
             on_error(ev->req->owner, ev);
             call_end(a, ev->req->owner);
             break;
         }
-        srv_event_free(ev);
+        engine_event_free(ev);
     }
     return ok;
 }
@@ -1962,7 +1962,7 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
                           enum call_kind kind)
 {
     bool del = kind == CALL_SESSION_DELETE;
-    struct srv_map_opts map = {0};
+    struct engine_map_opts map = {0};
     char param[64], msg[256];
     if (kind == CALL_SESSION_MAP &&
         srv_map_parse_query(req->query, &map, param, sizeof(param), msg, sizeof(msg)) != 0) {
@@ -1986,9 +1986,9 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
     }
     struct call *call = call_new(a, c, kind);
     if (call)
-        call->req = srv_req_new(del                        ? SRV_REQ_SESSION_DELETE
-                                : kind == CALL_SESSION_MAP ? SRV_REQ_SESSION_MAP
-                                                           : SRV_REQ_SESSION_INFO);
+        call->req = engine_req_new(del                        ? ENGINE_REQ_SESSION_DELETE
+                                : kind == CALL_SESSION_MAP ? ENGINE_REQ_SESSION_MAP
+                                                           : ENGINE_REQ_SESSION_INFO);
     if (call && call->req) {
         call->req->session = strdup(id);
         call->req->map = map;
@@ -2428,6 +2428,6 @@ void srv_api_abort_all(srv_api *a)
     for (struct call *call = a->calls; call; call = call->next)
         if (call->req) {
             int expected = 0;
-            atomic_compare_exchange_strong(&call->req->cancel, &expected, SRV_CANCEL_ABORT);
+            atomic_compare_exchange_strong(&call->req->cancel, &expected, ENGINE_CANCEL_ABORT);
         }
 }

@@ -34,7 +34,7 @@ void srv_api_set_params(srv_api *a, const struct srv_api_params *p);
 /* The srv_http_handler. */
 void srv_api_handle(void *ud, srv_conn *conn, const struct srv_http_req *req);
 /* Take the engine's events and answer the requests they belong to.
- * Returns false if a SRV_EV_FATAL arrived (message in err). */
+ * Returns false if a ENGINE_EV_FATAL arrived (message in err). */
 bool srv_api_pump(srv_api *a, char *err, size_t errlen);
 /* Draining: new completions get 503, /health says so. */
 void srv_api_set_draining(srv_api *a, bool draining);

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "server/metrics.h"
-#include "server/scheduler.h" /* enum srv_finish */
+#include "engine/engine.h" /* enum engine_finish */
 
 #define MAX_BUCKETS 16
 #define MAX_STATUS 600
@@ -133,9 +133,9 @@ void srv_metrics_conn(srv_metrics *m, enum srv_conn_event e)
 void srv_metrics_cut(srv_metrics *m, int f)
 {
     pthread_mutex_lock(&m->mu);
-    if (f == SRV_FINISH_ABORT)
+    if (f == ENGINE_FINISH_ABORT)
         m->cut_drain++;
-    else if (f == SRV_FINISH_POOL)
+    else if (f == ENGINE_FINISH_POOL)
         m->cut_pool++;
     else
         m->cut_policy++;

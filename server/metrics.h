@@ -54,7 +54,7 @@ enum srv_conn_event {
 };
 void srv_metrics_conn(srv_metrics *m, enum srv_conn_event e);
 /* A completion the server cut short (kvd_requests_cut_short_total{reason});
- * f is one of the srv_finish_cut finishes. */
+ * f is one of the engine_finish_cut finishes. */
 void srv_metrics_cut(srv_metrics *m, int f);
 void srv_metrics_config(srv_metrics *m, uint64_t generation, bool last_ok, int64_t when_unix_s);
 /* The exposition text (new, caller frees); NULL when out of memory. */

@@ -5,7 +5,7 @@
  *   GET /v1/sessions/ID/map?ranges=N&text=0|1
  *
  * The request crosses to the engine like GET /v1/sessions/ID (the engine
- * owns the sequences) and comes back with a struct srv_cache_map, built
+ * owns the sequences) and comes back with a struct engine_cache_map, built
  * there from the cache's own arrays (cache_map.c). This file reads the
  * query, and turns the map into the answer:
  *
@@ -25,7 +25,7 @@
  * tokens' original places, positions the numbers the retained ones carry
  * now, cache their logical indices in the cache and pages the logical
  * pages those fall in. The size is bounded before anything is rendered
- * (srv_map_json_bound against SRV_MAP_MAX_BYTES).
+ * (srv_map_json_bound against ENGINE_MAP_MAX_BYTES).
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -61,7 +61,7 @@ bool srv_map_path(const char *path, char *id, size_t idlen)
 
 /* One "name=value" of the query, value parsed; -EINVAL with the reason. */
 static int query_param(const char *name, size_t nlen, const char *val, size_t vlen,
-                       struct srv_map_opts *o, char *msg, size_t mlen)
+                       struct engine_map_opts *o, char *msg, size_t mlen)
 {
     char v[32];
     if (vlen >= sizeof(v)) {
@@ -74,9 +74,9 @@ static int query_param(const char *name, size_t nlen, const char *val, size_t vl
         char *end;
         errno = 0;
         long n = strtol(v, &end, 10);
-        if (!vlen || *end || errno || n < SRV_MAP_MIN_RANGES || n > SRV_MAP_MAX_RANGES) {
+        if (!vlen || *end || errno || n < ENGINE_MAP_MIN_RANGES || n > ENGINE_MAP_MAX_RANGES) {
             snprintf(msg, mlen, "ranges must be an integer in [%d, %d], not '%s'",
-                     SRV_MAP_MIN_RANGES, SRV_MAP_MAX_RANGES, v);
+                     ENGINE_MAP_MIN_RANGES, ENGINE_MAP_MAX_RANGES, v);
             return -EINVAL;
         }
         o->max_ranges = (int)n;
@@ -94,10 +94,10 @@ static int query_param(const char *name, size_t nlen, const char *val, size_t vl
     return -EINVAL;
 }
 
-int srv_map_parse_query(const char *query, struct srv_map_opts *out, char *param, size_t plen,
+int srv_map_parse_query(const char *query, struct engine_map_opts *out, char *param, size_t plen,
                         char *msg, size_t mlen)
 {
-    out->max_ranges = SRV_MAP_DEFAULT_RANGES;
+    out->max_ranges = ENGINE_MAP_DEFAULT_RANGES;
     out->text = true;
     for (const char *p = query ? query : ""; *p;) {
         size_t len = strcspn(p, "&");
@@ -118,7 +118,7 @@ int srv_map_parse_query(const char *query, struct srv_map_opts *out, char *param
     return 0;
 }
 
-size_t srv_map_json_bound(const struct srv_cache_map *map)
+size_t srv_map_json_bound(const struct engine_cache_map *map)
 {
     return HEAD_JSON_BYTES + 6 * 256 /* the id, escaped */ +
            (size_t)map->n_ranges * RANGE_JSON_BYTES + 6 * map->text_bytes +
@@ -154,19 +154,19 @@ static json_t *text_json(const char *s, size_t n)
     return v;
 }
 
-static json_t *range_json(const struct srv_cache_map *map, const struct srv_map_range *r)
+static json_t *range_json(const struct engine_cache_map *map, const struct engine_map_range *r)
 {
     json_t *text = r->text ? text_json(r->text, r->text_len) : NULL;
     int pt = map->page_tokens > 0 ? map->page_tokens : 1;
     return json_pack("{s:i, s:i, s:s, s:i, s:o, s:o, s:o, s:o, s:b}", "start", r->start, "end",
-                     r->end, "kind", srv_map_kind_name(r->kind), "retained", r->retained,
+                     r->end, "kind", engine_map_kind_name(r->kind), "retained", r->retained,
                      "positions", pair_or_null(r->pos_first, r->pos_last), "cache",
                      pair_or_null(r->first, r->last), "pages",
                      pair_or_null(r->first < 0 ? -1 : r->first / pt, r->last / pt), "text",
                      text ? text : json_null(), "text_elided", r->text_elided);
 }
 
-json_t *srv_map_json(const struct srv_cache_map *map, const struct srv_session_info *info,
+json_t *srv_map_json(const struct engine_cache_map *map, const struct engine_session_info *info,
                      const char *id)
 {
     json_t *ranges = json_array();
@@ -218,7 +218,7 @@ static void respond_error(srv_conn *c, int status, const char *param, const char
     free(body);
 }
 
-void srv_map_respond(srv_conn *c, const struct srv_event *ev, const char *id)
+void srv_map_respond(srv_conn *c, const struct engine_event *ev, const char *id)
 {
     if (!ev->session.found) {
         respond_error(c, 404, "session", "no session '%s'", id);
@@ -229,9 +229,9 @@ void srv_map_respond(srv_conn *c, const struct srv_event *ev, const char *id)
         return;
     }
     size_t bound = srv_map_json_bound(ev->map);
-    if (bound > SRV_MAP_MAX_BYTES) {
+    if (bound > ENGINE_MAP_MAX_BYTES) {
         respond_error(c, 500, NULL, "the map of '%s' could reach %zu bytes, over the %u limit", id,
-                      bound, SRV_MAP_MAX_BYTES);
+                      bound, ENGINE_MAP_MAX_BYTES);
         return;
     }
     json_t *v = srv_map_json(ev->map, &ev->session, id);

@@ -480,7 +480,7 @@ static void test_large_answer_slow_steady_reader(void **state)
 /*
  * Log-probabilities amplified: 4,096 tokens with 512 alternatives each,
  * non-streamed, took 1.5 GB (the whole answer as one JSON tree). Beyond
- * SRV_MAX_LOGPROB_ENTRIES the request is refused before any work, naming
+ * ENGINE_MAX_LOGPROB_ENTRIES the request is refused before any work, naming
  * the cap, and the server's memory stays where it was; streamed, the same
  * request is served (each event carries its own entries).
  */

@@ -51,6 +51,7 @@
 #include "model/mkmodel.h"
 #include "model/model.h"
 #include "server/scheduler.h"
+#include "engine/engine_internal.h" /* engine_stop_scan */
 #include "tests/serve_fixture.h"
 
 /* The /metrics text (new), or NULL. */
@@ -269,22 +270,22 @@ static void test_stop_scan(void **state)
     char *stops[] = {"END", "\n\n", "abc"};
     size_t at = 99, safe = 99;
     /* no stop: everything safe */
-    assert_int_equal(srv_stop_scan("hello", 5, stops, 3, &at, &safe), -1);
+    assert_int_equal(engine_stop_scan("hello", 5, stops, 3, &at, &safe), -1);
     assert_int_equal(safe, 5);
     /* a tail that could start a stop string is held */
-    assert_int_equal(srv_stop_scan("helloEN", 7, stops, 3, &at, &safe), -1);
+    assert_int_equal(engine_stop_scan("helloEN", 7, stops, 3, &at, &safe), -1);
     assert_int_equal(safe, 5);
-    assert_int_equal(srv_stop_scan("hello\n", 6, stops, 3, &at, &safe), -1);
+    assert_int_equal(engine_stop_scan("hello\n", 6, stops, 3, &at, &safe), -1);
     assert_int_equal(safe, 5);
-    assert_int_equal(srv_stop_scan("xab", 3, stops, 3, &at, &safe), -1);
+    assert_int_equal(engine_stop_scan("xab", 3, stops, 3, &at, &safe), -1);
     assert_int_equal(safe, 1);
     /* complete: the earliest one wins */
-    assert_int_equal(srv_stop_scan("x\n\nyEND", 7, stops, 3, &at, &safe), 1);
+    assert_int_equal(engine_stop_scan("x\n\nyEND", 7, stops, 3, &at, &safe), 1);
     assert_int_equal(at, 1);
-    assert_int_equal(srv_stop_scan("ENDabc", 6, stops, 3, &at, &safe), 0);
+    assert_int_equal(engine_stop_scan("ENDabc", 6, stops, 3, &at, &safe), 0);
     assert_int_equal(at, 0);
     /* no stop strings at all */
-    assert_int_equal(srv_stop_scan("abc", 3, NULL, 0, &at, &safe), -1);
+    assert_int_equal(engine_stop_scan("abc", 3, NULL, 0, &at, &safe), -1);
     assert_int_equal(safe, 3);
 }
 

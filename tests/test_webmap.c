@@ -411,14 +411,14 @@ static void test_map_bound(void **state)
             mass[i] = (float)(kv_seq_hist_index(seq)[i] % 2);
         kv_seq_add_mass(seq, mass);
     }
-    struct srv_map_opts o = {.max_ranges = SRV_MAP_MAX_RANGES, .text = true};
-    struct srv_cache_map *map = srv_cache_map_build(seq, m, &o);
+    struct engine_map_opts o = {.max_ranges = ENGINE_MAP_MAX_RANGES, .text = true};
+    struct engine_cache_map *map = engine_cache_map_build(seq, m, &o);
     assert_non_null(map);
     /* every retained token is in a range with its own position */
     const int32_t *hist = kv_seq_hist_index(seq), *pos = kv_seq_positions(seq);
     int n = kv_seq_n_tokens(seq), seen = 0;
     for (int k = 0; k < map->n_ranges; k++) {
-        const struct srv_map_range *r = &map->ranges[k];
+        const struct engine_map_range *r = &map->ranges[k];
         for (int i = r->first; r->first >= 0 && i <= r->last; i++, seen++) {
             assert_true(hist[i] >= r->start && hist[i] < r->end);
             assert_int_equal(pos[i], r->pos_first + (i - r->first));
@@ -427,43 +427,43 @@ static void test_map_bound(void **state)
     assert_int_equal(seen, n);
     assert_false(map->coalesced);
     assert_true(map->n_runs > 40);
-    struct srv_session_info info = {0};
+    struct engine_session_info info = {0};
     json_t *v = srv_map_json(map, &info, "bound");
     char *s = json_dumps(v, JSON_COMPACT);
     assert_true(strlen(s) <= srv_map_json_bound(map));
-    assert_true(srv_map_json_bound(map) <= SRV_MAP_MAX_BYTES);
+    assert_true(srv_map_json_bound(map) <= ENGINE_MAP_MAX_BYTES);
     free(s);
     json_decref(v);
     int runs = map->n_runs;
-    srv_cache_map_free(map);
+    engine_cache_map_free(map);
     /* more runs than asked for: equal slices, covering the history, the
      * retained tokens counted */
     o.max_ranges = 16;
-    map = srv_cache_map_build(seq, m, &o);
+    map = engine_cache_map_build(seq, m, &o);
     assert_non_null(map);
     assert_true(map->coalesced);
     assert_int_equal(map->n_runs, runs);
     assert_int_equal(map->n_ranges, 16);
     int at = 0, kept = 0, mixed = 0;
     for (int k = 0; k < map->n_ranges; k++) {
-        const struct srv_map_range *r = &map->ranges[k];
+        const struct engine_map_range *r = &map->ranges[k];
         assert_int_equal(r->start, at);
         at = r->end;
         kept += r->retained;
-        mixed += r->kind == SRV_MAP_MIXED;
-        assert_true(r->kind != SRV_MAP_MIXED ||
+        mixed += r->kind == ENGINE_MAP_MIXED;
+        assert_true(r->kind != ENGINE_MAP_MIXED ||
                     (r->retained > 0 && r->retained < r->end - r->start));
         assert_non_null(r->text);
     }
     assert_int_equal(at, kv_seq_history(seq, NULL));
     assert_int_equal(kept, n);
     assert_true(mixed > 0);
-    srv_cache_map_free(map);
+    engine_cache_map_free(map);
     /* the largest map a request can ask for stays under the limit */
-    struct srv_cache_map worst = {.n_ranges = SRV_MAP_MAX_RANGES,
-                                  .text_bytes = SRV_MAP_TEXT_BUDGET,
-                                  .n_page_ids = SRV_MAP_MAX_PAGE_IDS};
-    assert_true(srv_map_json_bound(&worst) <= SRV_MAP_MAX_BYTES);
+    struct engine_cache_map worst = {.n_ranges = ENGINE_MAP_MAX_RANGES,
+                                  .text_bytes = ENGINE_MAP_TEXT_BUDGET,
+                                  .n_page_ids = ENGINE_MAP_MAX_PAGE_IDS};
+    assert_true(srv_map_json_bound(&worst) <= ENGINE_MAP_MAX_BYTES);
     kv_seq_destroy(seq);
     kv_cache_destroy(cache);
     model_free(m);
@@ -472,10 +472,10 @@ static void test_map_bound(void **state)
 static void test_query(void **state)
 {
     (void)state;
-    struct srv_map_opts o;
+    struct engine_map_opts o;
     char param[64], msg[256];
     assert_int_equal(srv_map_parse_query("", &o, param, sizeof param, msg, sizeof msg), 0);
-    assert_int_equal(o.max_ranges, SRV_MAP_DEFAULT_RANGES);
+    assert_int_equal(o.max_ranges, ENGINE_MAP_DEFAULT_RANGES);
     assert_true(o.text);
     assert_int_equal(srv_map_parse_query("ranges=16&text=0", &o, param, 64, msg, 256), 0);
     assert_int_equal(o.max_ranges, 16);

@@ -9,10 +9,10 @@
  */
 #include <string.h>
 
-#include "server/stop.h"
+#include "engine/engine_internal.h"
 
-int srv_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, size_t *at,
-                  size_t *safe)
+int engine_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, size_t *at,
+                     size_t *safe)
 {
     /* 1. The earliest complete occurrence of any stop string wins; at the
      *    same offset, the longer string. */

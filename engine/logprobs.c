@@ -2,20 +2,20 @@
  * logprobs.c - the log-probabilities a completion reports per token.
  *
  * Reported for the logits the step computed anyway: before the sampler
- * changes them, srv_lp_prepare copies them, takes their log-sum-exp in double
+ * changes them, engine_lp_prepare copies them, takes their log-sum-exp in double
  * (as kvd eval scores a token, so both give the same numbers) and picks the
  * most likely tokens with a min-heap of n_top entries: O(n_vocab log n_top)
- * per token, no allocation. After sampling, srv_lp_make turns the sampled token
- * and the heap into the event's srv_logprob (one allocation).
+ * per token, no allocation. After sampling, engine_lp_make turns the sampled token
+ * and the heap into the event's engine_logprob (one allocation).
  */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/logprobs.h"
+#include "engine/engine_internal.h"
 
-int srv_lp_init(struct srv_lp *lp, int n_top, int n_vocab)
+int engine_lp_init(struct engine_lp *lp, int n_top, int n_vocab)
 {
     /* (the loop thread has bounded n_top_logprobs by the vocabulary) */
     lp->n_top = n_top < n_vocab ? n_top : n_vocab;
@@ -26,7 +26,7 @@ int srv_lp_init(struct srv_lp *lp, int n_top, int n_vocab)
     return lp->raw && lp->top ? 0 : -ENOMEM;
 }
 
-void srv_lp_free(struct srv_lp *lp)
+void engine_lp_free(struct engine_lp *lp)
 {
     free(lp->raw);
     free(lp->top);
@@ -58,7 +58,7 @@ static void heap_down(const float *x, int32_t *h, int n, int i)
     }
 }
 
-void srv_lp_prepare(struct srv_lp *lp, const float *logits, int n_vocab)
+void engine_lp_prepare(struct engine_lp *lp, const float *logits, int n_vocab)
 {
     const int nv = n_vocab, k = lp->n_top;
     float *x = lp->raw;
@@ -97,13 +97,14 @@ void srv_lp_prepare(struct srv_lp *lp, const float *logits, int n_vocab)
     }
 }
 
-struct srv_logprob *srv_lp_make(const struct srv_lp *st, int32_t tok, const char *piece, size_t n)
+struct engine_logprob *engine_lp_make(const struct engine_lp *st, int32_t tok, const char *piece,
+                                      size_t n)
 {
     int k = st->n_top;
-    struct srv_logprob *lp =
+    struct engine_logprob *lp =
         malloc(sizeof(*lp) + (sizeof(double) + sizeof(int32_t)) * (size_t)k + n + 1);
     if (!lp)
-        abort();
+        return NULL;
     lp->top_logprobs = (double *)(lp + 1);
     lp->top_ids = (int32_t *)(lp->top_logprobs + k);
     lp->piece = (char *)(lp->top_ids + k);

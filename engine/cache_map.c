@@ -25,8 +25,8 @@
  * is cut instead into max_ranges equal slices of its history, each saying
  * how many of its tokens are retained ("mixed" when some are and some are
  * not). Text is decoded from both ends of a range, at most
- * SRV_MAP_TEXT_TOKENS tokens and SRV_MAP_TEXT_RANGE_BYTES bytes each, into
- * one buffer of at most SRV_MAP_TEXT_BUDGET bytes; ranges past the budget
+ * ENGINE_MAP_TEXT_TOKENS tokens and ENGINE_MAP_TEXT_RANGE_BYTES bytes each, into
+ * one buffer of at most ENGINE_MAP_TEXT_BUDGET bytes; ranges past the budget
  * carry no text. The work is O(retained tokens + ranges x text tokens),
  * whatever the session's length.
  */
@@ -34,22 +34,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/cache_map.h"
+#include "engine/cache_map.h"
 
-const char *srv_map_kind_name(enum srv_map_kind k)
+const char *engine_map_kind_name(enum engine_map_kind k)
 {
     switch (k) {
-    case SRV_MAP_EVICTED:
+    case ENGINE_MAP_EVICTED:
         return "evicted";
-    case SRV_MAP_SINK:
+    case ENGINE_MAP_SINK:
         return "sink";
-    case SRV_MAP_RETAINED:
+    case ENGINE_MAP_RETAINED:
         return "retained";
-    case SRV_MAP_HEAVY:
+    case ENGINE_MAP_HEAVY:
         return "heavy";
-    case SRV_MAP_WINDOW:
+    case ENGINE_MAP_WINDOW:
         return "window";
-    case SRV_MAP_MIXED:
+    case ENGINE_MAP_MIXED:
         return "mixed";
     }
     return "unknown";
@@ -62,15 +62,15 @@ struct walk {
     int n;               /* retained tokens */
     int history;         /* history length */
     int sinks, window;   /* logical [0, sinks) are sinks, [n - window, n) the window */
-    enum srv_map_kind middle;
+    enum engine_map_kind middle;
 };
 
-static enum srv_map_kind kind_at(const struct walk *w, int i)
+static enum engine_map_kind kind_at(const struct walk *w, int i)
 {
     if (i < w->sinks)
-        return SRV_MAP_SINK;
+        return ENGINE_MAP_SINK;
     if (i >= w->n - w->window)
-        return SRV_MAP_WINDOW;
+        return ENGINE_MAP_WINDOW;
     return w->middle;
 }
 
@@ -79,7 +79,7 @@ static enum srv_map_kind kind_at(const struct walk *w, int i)
  * after it is logical index *i; advances both past it. Returns false at
  * the end of the history.
  */
-static bool next_run(const struct walk *w, int *h, int *i, struct srv_map_range *out)
+static bool next_run(const struct walk *w, int *h, int *i, struct engine_map_range *out)
 {
     if (*h >= w->history)
         return false;
@@ -87,7 +87,7 @@ static bool next_run(const struct walk *w, int *h, int *i, struct srv_map_range 
     out->start = *h;
     if (*i < w->n && w->hist[*i] == *h) {
         int a = *i, b = a;
-        enum srv_map_kind k = kind_at(w, a);
+        enum engine_map_kind k = kind_at(w, a);
         while (b + 1 < w->n && w->hist[b + 1] == w->hist[b] + 1 && w->pos[b + 1] == w->pos[b] + 1 &&
                kind_at(w, b + 1) == k)
             b++;
@@ -101,7 +101,7 @@ static bool next_run(const struct walk *w, int *h, int *i, struct srv_map_range 
         *i = b + 1;
     } else {
         out->end = *i < w->n ? w->hist[*i] : w->history;
-        out->kind = SRV_MAP_EVICTED;
+        out->kind = ENGINE_MAP_EVICTED;
         out->first = out->last = out->pos_first = out->pos_last = -1;
     }
     *h = out->end;
@@ -110,13 +110,13 @@ static bool next_run(const struct walk *w, int *h, int *i, struct srv_map_range 
 
 /* Slice s of k equal slices of the history: its retained tokens counted,
  * its kind the part most of them play (mixed when some were evicted). */
-static void slice(const struct walk *w, int s, int k, int *i, struct srv_map_range *out)
+static void slice(const struct walk *w, int s, int k, int *i, struct engine_map_range *out)
 {
     memset(out, 0, sizeof(*out));
     out->start = (int32_t)((int64_t)w->history * s / k);
     out->end = (int32_t)((int64_t)w->history * (s + 1) / k);
     out->first = out->last = out->pos_first = out->pos_last = -1;
-    int count[SRV_MAP_MIXED + 1] = {0};
+    int count[ENGINE_MAP_MIXED + 1] = {0};
     while (*i < w->n && w->hist[*i] < out->end) {
         if (out->first < 0) {
             out->first = *i;
@@ -128,14 +128,14 @@ static void slice(const struct walk *w, int s, int k, int *i, struct srv_map_ran
         out->retained++;
         (*i)++;
     }
-    out->kind = SRV_MAP_EVICTED;
+    out->kind = ENGINE_MAP_EVICTED;
     if (out->retained == out->end - out->start) {
-        out->kind = SRV_MAP_SINK;
-        for (int c = SRV_MAP_SINK; c <= SRV_MAP_WINDOW; c++)
+        out->kind = ENGINE_MAP_SINK;
+        for (int c = ENGINE_MAP_SINK; c <= ENGINE_MAP_WINDOW; c++)
             if (count[c] > count[out->kind])
-                out->kind = (enum srv_map_kind)c;
+                out->kind = (enum engine_map_kind)c;
     } else if (out->retained > 0) {
-        out->kind = SRV_MAP_MIXED;
+        out->kind = ENGINE_MAP_MIXED;
     }
 }
 
@@ -178,18 +178,18 @@ static void append(struct textbuf *t, const char *s)
 
 /* The text of range r from the history ids, into t (nothing once t is
  * nearly full). Returns 0 or -ENOMEM. */
-static int range_text(const model *m, const int32_t *ids, struct srv_map_range *r,
+static int range_text(const model *m, const int32_t *ids, struct engine_map_range *r,
                       struct textbuf *t)
 {
-    if (t->cap - t->len < SRV_MAP_TEXT_RANGE_BYTES)
+    if (t->cap - t->len < ENGINE_MAP_TEXT_RANGE_BYTES)
         return 0;
     size_t at = t->len;
-    int n = r->end - r->start, T = SRV_MAP_TEXT_TOKENS;
+    int n = r->end - r->start, T = ENGINE_MAP_TEXT_TOKENS;
     int rc;
     if (n <= 2 * T) {
-        rc = decode_part(m, ids + r->start, n, SRV_MAP_TEXT_RANGE_BYTES, t);
+        rc = decode_part(m, ids + r->start, n, ENGINE_MAP_TEXT_RANGE_BYTES, t);
     } else {
-        size_t half = (SRV_MAP_TEXT_RANGE_BYTES - 8) / 2;
+        size_t half = (ENGINE_MAP_TEXT_RANGE_BYTES - 8) / 2;
         rc = decode_part(m, ids + r->start, T, half, t);
         append(t, " \xE2\x80\xA6 "); /* " … " */
         if (rc == 0)
@@ -202,7 +202,7 @@ static int range_text(const model *m, const int32_t *ids, struct srv_map_range *
 }
 
 /* The walk's parts from the sequence's policy and the cache's budget. */
-static void walk_init(struct walk *w, const kv_seq *seq, struct srv_cache_map *map)
+static void walk_init(struct walk *w, const kv_seq *seq, struct engine_cache_map *map)
 {
     const struct kv_policy *p = kv_seq_policy(seq);
     struct kv_budget b;
@@ -217,15 +217,15 @@ static void walk_init(struct walk *w, const kv_seq *seq, struct srv_cache_map *m
     int64_t window = p->kind == KV_EVICT_NONE ? 0 : b.window_tokens;
     w->sinks = (int)(sinks < w->n ? sinks : w->n);
     w->window = (int)(window < w->n - w->sinks ? window : w->n - w->sinks);
-    w->middle = p->kind == KV_EVICT_H2O ? SRV_MAP_HEAVY : SRV_MAP_RETAINED;
+    w->middle = p->kind == KV_EVICT_H2O ? ENGINE_MAP_HEAVY : ENGINE_MAP_RETAINED;
     map->sink_tokens = w->sinks;
     map->window_tokens = w->window;
 }
 
-struct srv_cache_map *srv_cache_map_build(const kv_seq *seq, const model *m,
-                                          const struct srv_map_opts *opts)
+struct engine_cache_map *engine_cache_map_build(const kv_seq *seq, const model *m,
+                                          const struct engine_map_opts *opts)
 {
-    struct srv_cache_map *map = calloc(1, sizeof(*map));
+    struct engine_cache_map *map = calloc(1, sizeof(*map));
     if (!map)
         return NULL;
     kv_cache *cache = kv_seq_cache(seq);
@@ -239,7 +239,7 @@ struct srv_cache_map *srv_cache_map_build(const kv_seq *seq, const model *m,
     map->history_tokens = w.history;
     map->retained_tokens = w.n;
 
-    if (map->n_pages > 0 && map->n_pages <= SRV_MAP_MAX_PAGE_IDS) {
+    if (map->n_pages > 0 && map->n_pages <= ENGINE_MAP_MAX_PAGE_IDS) {
         map->page_ids = malloc((size_t)map->n_pages * sizeof(int32_t));
         if (!map->page_ids)
             goto out_free;
@@ -248,7 +248,7 @@ struct srv_cache_map *srv_cache_map_build(const kv_seq *seq, const model *m,
     }
 
     /* Count the runs, then keep them or slice the history. */
-    struct srv_map_range r;
+    struct engine_map_range r;
     int h = 0, i = 0;
     while (next_run(&w, &h, &i, &r))
         map->n_runs++;
@@ -270,8 +270,8 @@ struct srv_cache_map *srv_cache_map_build(const kv_seq *seq, const model *m,
     const int32_t *ids = NULL;
     kv_seq_history(seq, &ids);
     if (opts->text && ids && map->n_ranges > 0) {
-        size_t need = (size_t)map->n_ranges * SRV_MAP_TEXT_RANGE_BYTES;
-        struct textbuf t = {.cap = need < SRV_MAP_TEXT_BUDGET ? need : SRV_MAP_TEXT_BUDGET};
+        size_t need = (size_t)map->n_ranges * ENGINE_MAP_TEXT_RANGE_BYTES;
+        struct textbuf t = {.cap = need < ENGINE_MAP_TEXT_BUDGET ? need : ENGINE_MAP_TEXT_BUDGET};
         t.buf = malloc(t.cap);
         if (!t.buf)
             goto out_free;
@@ -284,11 +284,11 @@ struct srv_cache_map *srv_cache_map_build(const kv_seq *seq, const model *m,
     return map;
 
 out_free:
-    srv_cache_map_free(map);
+    engine_cache_map_free(map);
     return NULL;
 }
 
-void srv_cache_map_free(struct srv_cache_map *map)
+void engine_cache_map_free(struct engine_cache_map *map)
 {
     if (!map)
         return;

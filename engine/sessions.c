@@ -10,24 +10,13 @@
  * sequence), the same order in which the pool drops idle sessions when it
  * runs short of pages: one LRU, owned by the cache. Engine thread only.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/log.h"
-#include "server/sessions.h"
-
-/* Bookkeeping: running out here is not a request's failure to answer. */
-static void *xcalloc(size_t n, size_t size)
-{
-    void *p = calloc(n, size);
-    if (!p) {
-        fprintf(stderr, "kvd: out of memory (%zu bytes)\n", n * size);
-        abort();
-    }
-    return p;
-}
+#include "engine/engine_internal.h"
 
 static uint32_t hash_str(const char *s)
 {
@@ -37,37 +26,45 @@ static uint32_t hash_str(const char *s)
     return h;
 }
 
-void srv_sessions_init(struct srv_sessions *t)
+int engine_sessions_init(struct engine_sessions *t, const struct engine_hooks *hooks)
 {
     t->n = 0;
     t->n_buckets = 64;
-    t->buckets = xcalloc((size_t)t->n_buckets, sizeof(*t->buckets));
+    t->hooks = hooks;
+    t->buckets = calloc((size_t)t->n_buckets, sizeof(*t->buckets));
+    return t->buckets ? 0 : -ENOMEM;
 }
 
-void srv_sessions_deinit(struct srv_sessions *t)
+void engine_sessions_deinit(struct engine_sessions *t)
 {
+    if (!t->buckets)
+        return;
     for (int i = 0; i < t->n_buckets; i++)
         while (t->buckets[i])
-            srv_sessions_remove(t, t->buckets[i]);
+            engine_sessions_remove(t, t->buckets[i]);
     free(t->buckets);
     t->buckets = NULL;
 }
 
-struct srv_session *srv_sessions_find(const struct srv_sessions *t, const char *id)
+struct engine_session *engine_sessions_find(const struct engine_sessions *t, const char *id)
 {
-    for (struct srv_session *x = t->buckets[hash_str(id) & (uint32_t)(t->n_buckets - 1)]; x;
+    for (struct engine_session *x = t->buckets[hash_str(id) & (uint32_t)(t->n_buckets - 1)]; x;
          x = x->next)
         if (!strcmp(x->id, id))
             return x;
     return NULL;
 }
 
-static void rehash(struct srv_sessions *t)
+/* Double the buckets; out of memory, the table stays as it is (longer
+ * chains, still correct). */
+static void rehash(struct engine_sessions *t)
 {
     int nb = t->n_buckets * 2;
-    struct srv_session **b = xcalloc((size_t)nb, sizeof(*b));
+    struct engine_session **b = calloc((size_t)nb, sizeof(*b));
+    if (!b)
+        return;
     for (int i = 0; i < t->n_buckets; i++) {
-        struct srv_session *x = t->buckets[i], *next;
+        struct engine_session *x = t->buckets[i], *next;
         for (; x; x = next) {
             next = x->next;
             uint32_t k = hash_str(x->id) & (uint32_t)(nb - 1);
@@ -80,31 +77,31 @@ static void rehash(struct srv_sessions *t)
     t->n_buckets = nb;
 }
 
-struct srv_session *srv_sessions_create(struct srv_sessions *t, kv_cache *cache,
-                                        const struct kv_policy *policy, int max_sessions,
-                                        const char *id, char *err, size_t errlen)
+struct engine_session *engine_sessions_create(struct engine_sessions *t, kv_cache *cache,
+                                              const struct kv_policy *policy, int max_sessions,
+                                              const char *id, char *err, size_t errlen)
 {
     /* At the session limit, the least recently used idle session goes. */
     while (t->n >= max_sessions) {
-        struct srv_session *lru = NULL;
+        struct engine_session *lru = NULL;
         for (int i = 0; i < t->n_buckets; i++)
-            for (struct srv_session *x = t->buckets[i]; x; x = x->next)
+            for (struct engine_session *x = t->buckets[i]; x; x = x->next)
                 if (!x->busy && (!lru || kv_seq_lru_before(x->seq, lru->seq)))
                     lru = x;
         if (!lru) {
             snprintf(err, errlen, "all %d sessions (max_sessions) are busy", t->n);
             return NULL;
         }
-        srv_log(SRV_LOG_INFO, "session %s dropped: max_sessions (%d) reached", lru->id,
-                max_sessions);
-        srv_sessions_remove(t, lru);
+        engine_log(t->hooks, ENGINE_LOG_INFO, "session %s dropped: max_sessions (%d) reached",
+                   lru->id, max_sessions);
+        engine_sessions_remove(t, lru);
     }
     kv_seq *seq = kv_seq_create(cache, policy, true, err, errlen);
     if (!seq)
         return NULL;
     if (t->n + 1 > t->n_buckets)
         rehash(t);
-    struct srv_session *x = calloc(1, sizeof(*x));
+    struct engine_session *x = calloc(1, sizeof(*x));
     if (x)
         x->id = strdup(id);
     if (!x || !x->id) {
@@ -121,9 +118,9 @@ struct srv_session *srv_sessions_create(struct srv_sessions *t, kv_cache *cache,
     return x;
 }
 
-void srv_sessions_remove(struct srv_sessions *t, struct srv_session *x)
+void engine_sessions_remove(struct engine_sessions *t, struct engine_session *x)
 {
-    struct srv_session **pp = &t->buckets[hash_str(x->id) & (uint32_t)(t->n_buckets - 1)];
+    struct engine_session **pp = &t->buckets[hash_str(x->id) & (uint32_t)(t->n_buckets - 1)];
     while (*pp != x)
         pp = &(*pp)->next;
     *pp = x->next;
@@ -133,31 +130,42 @@ void srv_sessions_remove(struct srv_sessions *t, struct srv_session *x)
     t->n--;
 }
 
-void srv_sessions_sweep(struct srv_sessions *t, uint64_t now_ms, uint64_t idle_ms)
+void engine_sessions_sweep(struct engine_sessions *t, uint64_t now_ms, uint64_t idle_ms)
 {
     if (!idle_ms)
         return;
     for (int i = 0; i < t->n_buckets; i++) {
-        struct srv_session *x = t->buckets[i], *next;
+        struct engine_session *x = t->buckets[i], *next;
         for (; x; x = next) {
             next = x->next;
             uint64_t idle = now_ms - kv_seq_last_touch(x->seq);
             if (!x->busy && idle >= idle_ms) {
-                srv_log(SRV_LOG_INFO, "session %s idle for %" PRIu64 " ms: freed", x->id, idle);
-                srv_sessions_remove(t, x);
+                engine_log(t->hooks, ENGINE_LOG_INFO, "session %s idle for %" PRIu64 " ms: freed",
+                           x->id, idle);
+                engine_sessions_remove(t, x);
             }
         }
     }
 }
 
-void srv_sessions_set_policy(struct srv_sessions *t, const struct kv_policy *policy)
+void engine_sessions_set_policy(struct engine_sessions *t, const struct kv_policy *policy)
 {
     for (int i = 0; i < t->n_buckets; i++)
-        for (struct srv_session *x = t->buckets[i]; x; x = x->next)
+        for (struct engine_session *x = t->buckets[i]; x; x = x->next)
             kv_seq_set_policy(x->seq, policy);
 }
 
-void srv_session_describe(const struct srv_session *x, struct srv_session_info *out)
+int engine_sessions_idle_pages(const struct engine_sessions *t)
+{
+    int n = 0;
+    for (int i = 0; i < t->n_buckets; i++)
+        for (struct engine_session *x = t->buckets[i]; x; x = x->next)
+            if (!x->busy)
+                n += kv_seq_n_pages(x->seq);
+    return n;
+}
+
+void engine_session_describe(const struct engine_session *x, struct engine_session_info *out)
 {
     out->found = true;
     out->busy = x->busy != NULL;

@@ -1,0 +1,195 @@
+/*
+ * engine_internal.h - what the engine's files share (never included from
+ * outside the room, except by white-box tests): the engine and run
+ * structs, the session table (sessions.c), stop strings (stop.c),
+ * log-probabilities (logprobs.c), and the calls between engine.c (lifecycle,
+ * submission, events), run.c (one request's life) and step.c (one step).
+ * Everything here runs on the engine's one thread.
+ */
+#ifndef KVD_ENGINE_INTERNAL_H
+#define KVD_ENGINE_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/engine.h"
+
+/* ------------------------------------------------------------------------
+ * Sessions (sessions.c)
+ *
+ * A session is a named sequence kept between requests. Which idle session
+ * goes first, at max_sessions or under pool pressure, is the cache's one
+ * LRU order (kv_seq_lru_before); when, is the engine's: max_sessions at
+ * creation and the idle timeout in the sweep.
+ * ------------------------------------------------------------------------ */
+
+struct run;
+
+struct engine_session {
+    char *id;
+    kv_seq *seq;
+    struct run *busy; /* the run using it, or NULL */
+    int64_t last_used_unix_ms;
+    struct engine_session *next; /* hash chain */
+};
+
+/* An open hash table, grown by doubling (caller-provided storage). */
+struct engine_sessions {
+    struct engine_session **buckets;
+    int n_buckets;
+    int n;                            /* sessions */
+    const struct engine_hooks *hooks; /* for the log lines of drops */
+};
+
+/* 0, or -ENOMEM (nothing to free). */
+int engine_sessions_init(struct engine_sessions *t, const struct engine_hooks *hooks);
+/* Remove every session (their sequences are destroyed). */
+void engine_sessions_deinit(struct engine_sessions *t);
+
+struct engine_session *engine_sessions_find(const struct engine_sessions *t, const char *id);
+/*
+ * A new session with an empty sequence under `policy`. At max_sessions the
+ * least recently used idle session is dropped first (logged). Returns NULL
+ * with the reason in err when every session is busy, the cache cannot
+ * create the sequence or memory runs out (nothing changed but the drops).
+ */
+struct engine_session *engine_sessions_create(struct engine_sessions *t, kv_cache *cache,
+                                              const struct kv_policy *policy, int max_sessions,
+                                              const char *id, char *err, size_t errlen);
+/* Unlink x and destroy its sequence. */
+void engine_sessions_remove(struct engine_sessions *t, struct engine_session *x);
+/* Free sessions idle (untouched) for idle_ms or longer, never busy ones;
+ * idle_ms 0 = never. */
+void engine_sessions_sweep(struct engine_sessions *t, uint64_t now_ms, uint64_t idle_ms);
+/* Every session follows `policy` from its next eviction (a reload). */
+void engine_sessions_set_policy(struct engine_sessions *t, const struct kv_policy *policy);
+/* Idle sessions (no request running on them): what the pool can take back. */
+int engine_sessions_idle_pages(const struct engine_sessions *t);
+/* What GET /v1/sessions/{id} reports. */
+void engine_session_describe(const struct engine_session *x, struct engine_session_info *out);
+
+/* ------------------------------------------------------------------------
+ * Stop strings (stop.c)
+ * ------------------------------------------------------------------------ */
+
+/*
+ * Given the text held back so far, find the earliest stop string occurring
+ * in it: returns its index and sets *at to its offset. Otherwise returns -1
+ * and sets *safe to the number of leading bytes that no stop string can
+ * still start in (the rest is a proper prefix of some stop string and must
+ * be held).
+ */
+int engine_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, size_t *at,
+                     size_t *safe);
+
+/* ------------------------------------------------------------------------
+ * Log-probabilities (logprobs.c)
+ * ------------------------------------------------------------------------ */
+
+/* One request's state (zeroed = none asked for). */
+struct engine_lp {
+    float *raw;     /* [n_vocab] the step's logits as the model gave them */
+    int32_t *top;   /* [n_top + 1] the most likely ids, most likely first */
+    int n_top;      /* alternatives asked for, at most n_vocab */
+    double raw_lse; /* log(sum(exp(raw))) */
+};
+
+/* Room for n_top alternatives over n_vocab logits: 0, or -ENOMEM (free with
+ * engine_lp_free either way). */
+int engine_lp_init(struct engine_lp *lp, int n_top, int n_vocab);
+void engine_lp_free(struct engine_lp *lp);
+/* Take the step's logits (copied, before ignore_eos and the sampler change
+ * them): their log-sum-exp in double and the top n_top, O(n_vocab log n_top). */
+void engine_lp_prepare(struct engine_lp *lp, const float *logits, int n_vocab);
+/* The TEXT event's record of the sampled token tok, whose text was
+ * piece[0..n) (new; one allocation, free the struct only); NULL when out
+ * of memory. */
+struct engine_logprob *engine_lp_make(const struct engine_lp *lp, int32_t tok, const char *piece,
+                                      size_t n);
+
+/* ------------------------------------------------------------------------
+ * The engine and its runs
+ * ------------------------------------------------------------------------ */
+
+enum run_phase { RUN_PREFILL, RUN_DECODE };
+
+/* One admitted request: a sequence being prefilled or decoded. */
+struct run {
+    struct engine_req *req;
+    kv_seq *seq;
+    struct engine_session *sess; /* NULL without a session */
+    enum run_phase phase;
+    int n_fed;        /* prompt tokens in the cache (cached + prefilled) */
+    int n_cached;     /* prompt tokens matched in the session's history */
+    int32_t next_tok; /* DECODE: the token to feed this step */
+    int n_gen;        /* tokens sampled */
+    int appended;     /* tokens appended to seq by this run (non-sessions) */
+    int32_t *hist;    /* [n_prompt + max_tokens] prompt then generated ids */
+    int n_hist;
+    float *logits;       /* [n_vocab] */
+    struct engine_lp lp; /* with logprobs: the step's raw logits and top tokens */
+    model_sampler *smp;
+    model_detok *detok;
+    char *hold; /* text not yet emitted (could start a stop string) */
+    size_t hold_len, hold_cap;
+    uint64_t t_admit_ns, t_first_ns, t_last_ns;
+    int batch_slot;         /* index in this step's batch, or -1 */
+    bool admitted_evicting; /* admitted under a policy that evicts (a full cache
+                               later means a reload switched it to none) */
+    struct run *next;
+};
+
+struct engine {
+    struct engine_params p; /* p.limits is the configured limits at creation */
+    struct engine_limits lim;
+    model *m;
+    model_ctx *ctx;
+    kv_cache *cache;
+    int n_vocab;
+    int32_t *eog; /* end-of-generation ids (for ignore_eos) */
+    int n_eog;
+    struct engine_req *wait_head, *wait_tail; /* submitted completions, FIFO */
+    int n_waiting;
+    struct run *runs; /* admission order */
+    int n_running;
+    struct engine_sessions sessions;
+    struct model_batch_seq *batch; /* [batch_cap] */
+    struct kv_reservation *res;    /* [batch_cap] the batch's slots */
+    struct run **batch_runs;       /* [batch_cap] */
+    int batch_cap;
+    struct engine_event *ev_head, *ev_tail; /* posted, not yet taken */
+};
+
+/* engine.c: events. post takes ev (NULL is ignored). */
+void engine_post(engine *e, struct engine_event *ev);
+/* The request's final event, taken from its reserve (engine_req_new):
+ * never NULL for a request that has not ended yet. */
+struct engine_event *engine_final_event(struct engine_req *req, enum engine_event_kind kind);
+/* Post the request's final error event. */
+void engine_post_error(engine *e, struct engine_req *req, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void engine_post_verror(engine *e, struct engine_req *req, int status, const char *fmt, va_list ap);
+/* A log line through the host's hook (nothing without one). */
+void engine_log(const struct engine_hooks *h, enum engine_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+uint64_t engine_now_ns(void);
+
+/* run.c: one request's life. */
+struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t);
+/* A token was sampled: true if the run ended (and was freed). */
+bool engine_run_take_token(engine *e, struct run *r, int32_t tok, uint64_t t);
+/* Post the final DONE event and free the run. */
+void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int stop_index);
+/* Post a final error and free the run. */
+void engine_run_fail(engine *e, struct run *r, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Send whatever text is held back (no stop string can end it any more);
+ * false when that failed (out of memory) and the run was failed with 503. */
+bool engine_run_flush(engine *e, struct run *r);
+
+/* step.c: one step. */
+bool engine_do_step(engine *e, uint64_t t);
+
+#endif /* KVD_ENGINE_INTERNAL_H */

@@ -1,0 +1,413 @@
+/*
+ * run.c - one request's life in the engine: admitted into a sequence,
+ * fed, sampled, turned into text, ended.
+ *
+ * Admission gives a request its sequence. A request naming a session
+ * continues that session's sequence: its prompt is compared with the
+ * session's token history, the matching prefix is kept (cached_tokens),
+ * the rest of the history is truncated and only the unmatched suffix is
+ * prefilled. At least the prompt's last token is always fed so the step
+ * has logits to sample from. Without a session the sequence is the
+ * request's own and is freed at its end. A session used by a running
+ * request is pinned (the pool's LRU never drops it).
+ *
+ * Text. Sampled ids go through the model's streaming detokenizer, which
+ * yields only whole UTF-8 characters, then through the stop-string
+ * matcher (stop.c), which holds back any tail that could still become a
+ * stop string and cuts the text before a stop string when one completes.
+ * So stop strings are found across token boundaries and never emitted.
+ *
+ * Log-probabilities. A request that asks for them gets, in the text event
+ * of each sampled token, the token's log-probability and its n most likely
+ * alternatives' (logprobs.c). A token sampled last (max_tokens) is never
+ * fed, so with max_tokens 1 a session's cache holds exactly its prompt, as
+ * kvd eval's sequence does.
+ *
+ * Memory. Everything a run needs is allocated at admission except its
+ * text: when the held text, an event or a log-probability record cannot
+ * be allocated, that request fails with 503 (what it already received
+ * stays sent) and every other request goes on.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine/engine_internal.h"
+
+static int64_t unix_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void observe(engine *e, enum engine_obs what, double v)
+{
+    if (e->p.hooks.observe)
+        e->p.hooks.observe(e->p.hooks.ud, what, v);
+}
+
+/* ------------------------------------------------------------------------
+ * The end of a run
+ * ------------------------------------------------------------------------ */
+
+static void run_usage(const struct run *r, struct engine_usage *u, uint64_t t_end)
+{
+    u->prompt_tokens = r->req->n_prompt;
+    u->completion_tokens = r->n_gen;
+    u->cached_tokens = r->n_cached;
+    u->retained_tokens = r->seq ? kv_seq_n_tokens(r->seq) : 0;
+    int seen = r->sess ? kv_seq_history(r->seq, NULL) : r->appended;
+    u->evicted_tokens = seen > u->retained_tokens ? seen - u->retained_tokens : 0;
+    uint64_t t_first = r->t_first_ns ? r->t_first_ns : t_end;
+    u->prompt_ms = (double)(t_first - r->t_admit_ns) / 1e6;
+    u->gen_ms = (double)(t_end - t_first) / 1e6;
+}
+
+/* Free a run's own state (not its sequence or session). */
+static void run_state_free(struct run *r)
+{
+    model_sampler_destroy(r->smp);
+    model_detok_destroy(r->detok);
+    free(r->hist);
+    free(r->logits);
+    engine_lp_free(&r->lp);
+    free(r->hold);
+    free(r);
+}
+
+/* Remove r from the running list and free it: its sequence goes back to
+ * the pool unless it belongs to a session. */
+static void run_free(engine *e, struct run *r)
+{
+    struct run **pp = &e->runs;
+    while (*pp && *pp != r)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = r->next;
+    e->n_running--;
+    if (r->sess) {
+        r->sess->busy = NULL;
+        r->sess->last_used_unix_ms = unix_ms();
+        kv_seq_touch(r->seq, engine_now_ns() / 1000000u); /* the one LRU: the cache's */
+        kv_seq_pin(r->seq, false);
+    } else {
+        kv_seq_destroy(r->seq);
+    }
+    run_state_free(r);
+}
+
+void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int stop_index)
+{
+    uint64_t t = engine_now_ns();
+    struct engine_event *ev = engine_final_event(r->req, ENGINE_EV_DONE);
+    if (ev) {
+        ev->finish = finish;
+        ev->stop_index = stop_index;
+        run_usage(r, &ev->usage, t);
+    }
+    if (e->p.hooks.finished)
+        e->p.hooks.finished(e->p.hooks.ud, finish, (uint64_t)(r->n_fed - r->n_cached),
+                            (uint64_t)r->n_cached, (uint64_t)r->n_gen);
+    engine_log(&e->p.hooks, ENGINE_LOG_DEBUG,
+               "request %" PRIu64 " done: %d prompt (%d cached), %d generated, finish %d",
+               r->req->id, r->req->n_prompt, r->n_cached, r->n_gen, (int)finish);
+    engine_post(e, ev);
+    run_free(e, r);
+}
+
+void engine_run_fail(engine *e, struct run *r, int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    engine_post_verror(e, r->req, status, fmt, ap);
+    va_end(ap);
+    run_free(e, r);
+}
+
+/* ------------------------------------------------------------------------
+ * Text
+ * ------------------------------------------------------------------------ */
+
+/* Append n bytes to the held text: 0, or -ENOMEM (nothing changed). */
+static int hold_append(struct run *r, const char *bytes, size_t n)
+{
+    if (n == 0)
+        return 0;
+    if (r->hold_len + n + 1 > r->hold_cap) {
+        size_t cap = r->hold_cap ? r->hold_cap * 2 : 256;
+        while (cap < r->hold_len + n + 1)
+            cap *= 2;
+        char *p = realloc(r->hold, cap);
+        if (!p)
+            return -ENOMEM;
+        r->hold = p;
+        r->hold_cap = cap;
+    }
+    memcpy(r->hold + r->hold_len, bytes, n);
+    r->hold_len += n;
+    return 0;
+}
+
+/* Out of memory for r's text: fail it (what it already received stays
+ * sent; the client sees the error, never a cut answer as a finish). */
+static void fail_nomem(engine *e, struct run *r)
+{
+    engine_log(&e->p.hooks, ENGINE_LOG_WARN, "request %" PRIu64 ": out of memory for its text",
+               r->req->id);
+    engine_run_fail(e, r, 503, "out of memory for the request's text; retry later");
+}
+
+/*
+ * Emit the first n held bytes (whatever no stop string can claim any
+ * more), with the sampled ids and the sampled token's log-probabilities (lp,
+ * new or NULL; taken either way). Returns false when out of memory: r was
+ * failed and freed.
+ */
+static bool emit_text(engine *e, struct run *r, size_t n, const int32_t *toks, int n_toks,
+                      struct engine_logprob *lp)
+{
+    if (n == 0 && n_toks == 0 && !lp)
+        return true;
+    struct engine_event *ev = engine_event_new(ENGINE_EV_TEXT, r->req);
+    if (!ev)
+        goto out_nomem;
+    ev->lp = lp;
+    lp = NULL;
+    ev->text = malloc(n + 1);
+    if (!ev->text)
+        goto out_nomem;
+    if (n > 0) /* with logprobs, an event may carry no text (and hold be NULL) */
+        memcpy(ev->text, r->hold, n);
+    ev->text[n] = '\0';
+    ev->len = n;
+    if (n_toks > 0) {
+        ev->tokens = malloc(sizeof(int32_t) * (size_t)n_toks);
+        if (!ev->tokens)
+            goto out_nomem;
+        memcpy(ev->tokens, toks, sizeof(int32_t) * (size_t)n_toks);
+        ev->n_tokens = n_toks;
+    }
+    if (n > 0) {
+        memmove(r->hold, r->hold + n, r->hold_len - n);
+        r->hold_len -= n;
+    }
+    engine_post(e, ev);
+    return true;
+
+out_nomem:
+    free(lp);
+    engine_event_free(ev);
+    fail_nomem(e, r);
+    return false;
+}
+
+bool engine_run_flush(engine *e, struct run *r)
+{
+    return emit_text(e, r, r->hold_len, NULL, 0, NULL);
+}
+
+/* ------------------------------------------------------------------------
+ * Admission
+ * ------------------------------------------------------------------------ */
+
+/*
+ * The policy of a request: the configured one, with llama.cpp's n_keep as
+ * the sinks when given (the window shrinks to leave eviction a page).
+ * Returns 0, or -EINVAL with the reason in err.
+ */
+static int request_policy(const engine *e, const struct engine_req *req, struct kv_policy *pol,
+                          char *err, size_t errlen)
+{
+    *pol = e->lim.policy;
+    if (req->n_keep == 0 || pol->kind == KV_EVICT_NONE)
+        return 0;
+    int page = e->p.page_tokens;
+    pol->sink_tokens = req->n_keep < 0 ? req->n_prompt : req->n_keep;
+    struct kv_budget b;
+    kv_policy_budget(pol, page, &b);
+    if (pol->window_tokens > b.window_room)
+        pol->window_tokens = (int)(b.window_room > 0 ? b.window_room : 0);
+    if (pol->window_tokens < 1 || kv_policy_check(pol, page, err, errlen) != 0) {
+        snprintf(err, errlen,
+                 "n_keep = %d leaves no room to evict within max_cache_tokens = %d (pages of %d "
+                 "tokens)",
+                 pol->sink_tokens, pol->max_cache_tokens, page);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* Continue the session x: keep the history's prefix that matches the
+ * prompt (never the whole prompt: its last token is fed for logits). */
+static void attach_session(struct run *r, struct engine_session *x, const struct kv_policy *pol)
+{
+    const struct engine_req *req = r->req;
+    const int32_t *h;
+    int n_h = kv_seq_history(x->seq, &h);
+    int n = 0;
+    while (n < n_h && n < req->n_prompt && h[n] == req->prompt[n])
+        n++;
+    if (n == req->n_prompt)
+        n--;
+    if (n < n_h && kv_seq_truncate(x->seq, n) != 0) {
+        /* Cannot cut there: start the session over. */
+        kv_seq_truncate(x->seq, 0);
+        n = 0;
+    }
+    kv_seq_set_policy(x->seq, pol); /* n_keep, or back to the configured policy */
+    r->sess = x;
+    r->seq = x->seq;
+    r->n_cached = n;
+    r->n_fed = n;
+    x->busy = r;
+    kv_seq_pin(x->seq, true);
+}
+
+/*
+ * Admit req (already out of the waiting FIFO) into a new run at the end of
+ * the running list. Returns the run, or NULL after posting the request's
+ * error (400 for an n_keep that leaves no room, 503 out of memory or
+ * sessions): it is then done.
+ */
+struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
+{
+    char err[256] = "";
+    int status = 503;
+    struct run *r = calloc(1, sizeof(*r));
+    if (!r)
+        goto out_fail;
+    r->req = req;
+    r->t_admit_ns = t;
+    r->batch_slot = -1;
+    r->hist = malloc(sizeof(int32_t) * ((size_t)req->n_prompt + (size_t)req->max_tokens + 1));
+    r->logits = malloc(sizeof(float) * (size_t)e->n_vocab);
+    r->smp = model_sampler_create(&req->sampling, e->n_vocab);
+    r->detok = model_detok_create(e->m);
+    if (!r->hist || !r->logits || !r->smp || !r->detok ||
+        (req->want_logprobs && engine_lp_init(&r->lp, req->n_top_logprobs, e->n_vocab) != 0))
+        goto out_free;
+    memcpy(r->hist, req->prompt, sizeof(int32_t) * (size_t)req->n_prompt);
+    r->n_hist = req->n_prompt;
+    struct kv_policy pol;
+    if (request_policy(e, req, &pol, err, sizeof(err)) != 0) {
+        status = 400;
+        goto out_free;
+    }
+    if (req->session && e->lim.max_sessions > 0) {
+        struct engine_session *x = engine_sessions_find(&e->sessions, req->session);
+        if (!x)
+            x = engine_sessions_create(&e->sessions, e->cache, &e->lim.policy, e->lim.max_sessions,
+                                       req->session, err, sizeof(err));
+        if (!x)
+            goto out_free;
+        attach_session(r, x, &pol);
+    } else {
+        r->seq = kv_seq_create(e->cache, &pol, false, err, sizeof(err));
+        if (!r->seq)
+            goto out_free;
+    }
+    r->admitted_evicting = pol.kind != KV_EVICT_NONE;
+    r->phase = RUN_PREFILL;
+    struct run **pp = &e->runs;
+    while (*pp)
+        pp = &(*pp)->next;
+    *pp = r;
+    e->n_running++;
+    return r;
+
+out_free:
+    run_state_free(r);
+out_fail:
+    if (status == 400)
+        engine_post_error(e, req, 400, "%s", err);
+    else
+        engine_post_error(e, req, 503, "cannot start the request: %s",
+                          err[0] ? err : "out of memory for per-request state");
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------
+ * Tokens
+ * ------------------------------------------------------------------------ */
+
+/* The run sampled an end-of-generation token: flush what is held (it
+ * cannot complete a stop string any more) and finish. */
+static void take_eog(engine *e, struct run *r, int32_t tok)
+{
+    char tail[64];
+    int n = model_detok_flush(r->detok, tail, sizeof(tail));
+    if (n > 0 && hold_append(r, tail, (size_t)n) != 0) {
+        fail_nomem(e, r);
+        return;
+    }
+    struct engine_logprob *lp = NULL;
+    if (r->req->want_logprobs && !(lp = engine_lp_make(&r->lp, tok, tail, n > 0 ? (size_t)n : 0))) {
+        fail_nomem(e, r);
+        return;
+    }
+    size_t at = 0, safe = 0;
+    int k = engine_stop_scan(r->hold, r->hold_len, r->req->stop, r->req->n_stop, &at, &safe);
+    if (!emit_text(e, r, k >= 0 ? at : r->hold_len, NULL, 0, lp))
+        return;
+    engine_run_finish(e, r, k >= 0 ? ENGINE_FINISH_STOP : ENGINE_FINISH_EOG, k);
+}
+
+/*
+ * A token was sampled for r: record it, turn it into text, look for stop
+ * strings, and decide whether r goes on. Returns true if r ended (and was
+ * freed).
+ */
+bool engine_run_take_token(engine *e, struct run *r, int32_t tok, uint64_t t)
+{
+    if (r->n_gen == 0)
+        observe(e, ENGINE_OBS_TTFT, (double)(t - r->req->t_submit_ns) / 1e9);
+    else
+        observe(e, ENGINE_OBS_ITL, (double)(t - r->t_last_ns) / 1e9);
+    if (r->n_gen == 0)
+        r->t_first_ns = t;
+    r->t_last_ns = t;
+
+    if (model_is_eog(e->m, tok) || tok == r->req->stop_token) {
+        take_eog(e, r, tok);
+        return true;
+    }
+
+    r->n_gen++;
+    r->hist[r->n_hist++] = tok;
+    size_t hold_before = r->hold_len; /* the token's text starts here */
+    char piece[1024];
+    int n = model_detok_push(r->detok, tok, piece, sizeof(piece));
+    bool last = r->n_gen >= r->req->max_tokens;
+    int rc = n > 0 ? hold_append(r, piece, (size_t)n) : 0;
+    if (rc == 0 && last) {
+        n = model_detok_flush(r->detok, piece, sizeof(piece));
+        rc = n > 0 ? hold_append(r, piece, (size_t)n) : 0;
+    }
+    struct engine_logprob *lp = NULL;
+    if (rc == 0 && r->req->want_logprobs &&
+        !(lp = engine_lp_make(&r->lp, tok, r->hold ? r->hold + hold_before : "",
+                              r->hold_len - hold_before)))
+        rc = -ENOMEM;
+    if (rc != 0) {
+        fail_nomem(e, r);
+        return true;
+    }
+    size_t at = 0, safe = 0;
+    int k = engine_stop_scan(r->hold, r->hold_len, r->req->stop, r->req->n_stop, &at, &safe);
+    const int32_t *toks = r->req->want_tokens ? &tok : NULL;
+    int n_toks = r->req->want_tokens ? 1 : 0;
+    if (!emit_text(e, r, k >= 0 ? at : last ? r->hold_len : safe, toks, n_toks, lp))
+        return true;
+    if (k >= 0 || last) {
+        engine_run_finish(e, r, k >= 0 ? ENGINE_FINISH_STOP : ENGINE_FINISH_LENGTH, k);
+        return true;
+    }
+    r->phase = RUN_DECODE;
+    r->next_tok = tok;
+    return false;
+}

@@ -1,0 +1,294 @@
+/*
+ * step.c - one engine step: cancel, admit, batch, reserve, forward, sample.
+ *
+ * Every step runs ONE model_forward over a batch that holds one decode
+ * token for each running sequence that has finished its prompt, plus
+ * prefill chunks of sequences still reading their prompt, oldest first, up
+ * to step_tokens tokens in all. A long prompt is thus read a chunk per step
+ * while the streams already running keep producing a token per step
+ * (chunked prefill). Admission is FIFO into at most max_running sequences.
+ *
+ * Before the forward, the batch's slots are reserved in the cache
+ * (kv_reserve, all or nothing): the policies evict, idle sessions may be
+ * dropped, or a sequence is refused; a refused sequence leaves the batch
+ * and ends as its state says (fail_in_batch), the rest go on.
+ *
+ * Determinism. Each request has its own sampler seeded from the request;
+ * what a sequence computes does not depend on what else is in the batch,
+ * so the same request with the same seed gives the same text alone or
+ * batched.
+ *
+ * Cancellation. A request's cancel flag is read at the start of every
+ * step; its sequence is dropped (pages back to the pool) and its final
+ * event posted.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "engine/engine_internal.h"
+
+/* Unlink q from the waiting FIFO (prev is the one before it, or NULL). */
+static void waiting_remove(engine *e, struct engine_req *prev, struct engine_req *q)
+{
+    if (prev)
+        prev->next = q->next;
+    else
+        e->wait_head = q->next;
+    if (e->wait_tail == q)
+        e->wait_tail = prev;
+    q->next = NULL;
+    e->n_waiting--;
+}
+
+static enum engine_finish cancel_finish(int c)
+{
+    return c == ENGINE_CANCEL_CLIENT ? ENGINE_FINISH_CANCEL : ENGINE_FINISH_ABORT;
+}
+
+/* Drop cancelled requests, waiting or running. */
+static void drop_cancelled(engine *e)
+{
+    struct engine_req *prev = NULL;
+    for (struct engine_req *q = e->wait_head, *next; q; q = next) {
+        next = q->next;
+        int c = atomic_load(&q->cancel);
+        if (!c) {
+            prev = q;
+            continue;
+        }
+        waiting_remove(e, prev, q);
+        struct engine_event *ev = engine_final_event(q, ENGINE_EV_DONE);
+        if (ev) {
+            ev->finish = cancel_finish(c);
+            ev->usage.prompt_tokens = q->n_prompt;
+            engine_post(e, ev);
+        }
+    }
+    for (struct run *r = e->runs, *next; r; r = next) {
+        next = r->next;
+        int c = atomic_load(&r->req->cancel);
+        if (!c)
+            continue;
+        if (c == ENGINE_CANCEL_ABORT && !engine_run_flush(e, r))
+            continue; /* failed and freed */
+        engine_run_finish(e, r, cancel_finish(c), -1);
+    }
+}
+
+/* FIFO admission up to max_running; a request whose session is busy keeps
+ * its place and lets later ones pass. */
+static void admit(engine *e, uint64_t t)
+{
+    struct engine_req *prev = NULL;
+    for (struct engine_req *q = e->wait_head, *next; q && e->n_running < e->lim.max_running;
+         q = next) {
+        next = q->next;
+        if (q->session) {
+            struct engine_session *x = engine_sessions_find(&e->sessions, q->session);
+            if (x && x->busy) {
+                prev = q;
+                continue;
+            }
+        }
+        waiting_remove(e, prev, q);
+        engine_run_admit(e, q, t);
+    }
+}
+
+/* Build the batch: decode tokens first (not for a request whose reader is
+ * behind: it keeps its slot and its cache and resumes when `paused` is
+ * cleared), then prefill chunks in admission order, within step_tokens.
+ * Returns the number of entries. */
+static int build_batch(engine *e)
+{
+    int n = 0, budget = e->lim.step_tokens;
+    for (struct run *r = e->runs; r; r = r->next) {
+        r->batch_slot = -1;
+        if (r->phase == RUN_DECODE && budget > 0 && n < e->batch_cap &&
+            !atomic_load(&r->req->paused)) {
+            e->batch[n] = (struct model_batch_seq){
+                .seq = r->seq, .tokens = &r->next_tok, .n_tokens = 1, .logits = r->logits};
+            e->batch_runs[n] = r;
+            r->batch_slot = n++;
+            budget--;
+        }
+    }
+    for (struct run *r = e->runs; r && budget > 0; r = r->next) {
+        if (r->phase != RUN_PREFILL || n >= e->batch_cap)
+            continue;
+        int left = r->req->n_prompt - r->n_fed;
+        int chunk = left < budget ? left : budget;
+        int room = kv_seq_max_append(r->seq);
+        if (room < chunk)
+            chunk = room;
+        if (chunk <= 0)
+            chunk = 1; /* let kv_reserve report -ENOSPC for this sequence */
+        bool final = chunk == left;
+        e->batch[n] = (struct model_batch_seq){.seq = r->seq,
+                                               .tokens = r->req->prompt + r->n_fed,
+                                               .n_tokens = chunk,
+                                               .logits = final ? r->logits : NULL};
+        e->batch_runs[n] = r;
+        r->batch_slot = n++;
+        budget -= chunk;
+    }
+    return n;
+}
+
+static void batch_remove(engine *e, int *n, int i)
+{
+    for (int j = i; j + 1 < *n; j++) {
+        e->batch[j] = e->batch[j + 1];
+        e->batch_runs[j] = e->batch_runs[j + 1];
+        e->batch_runs[j]->batch_slot = j;
+    }
+    (*n)--;
+}
+
+/*
+ * A sequence of the batch cannot go on: end it as its state says. What it
+ * generated is sent, but a generation the engine cut (the pool ran out of
+ * pages; a reload took away the eviction it was admitted under) ends with
+ * a finish that says so, never as if the request's own limit was reached.
+ */
+static void fail_in_batch(engine *e, struct run *r, int err)
+{
+    if (err == -ENOSPC) {
+        if (r->phase == RUN_DECODE) {
+            if (engine_run_flush(e, r))
+                engine_run_finish(
+                    e, r, r->admitted_evicting ? ENGINE_FINISH_POLICY : ENGINE_FINISH_CONTEXT, -1);
+        } else {
+            engine_run_fail(e, r, 400,
+                            "the prompt (%d tokens) does not fit the context: %d tokens are kept "
+                            "per sequence under eviction policy none",
+                            r->req->n_prompt, kv_seq_policy(r->seq)->max_cache_tokens);
+        }
+    } else if (err == -ENOMEM) {
+        if (r->n_gen > 0) {
+            if (engine_run_flush(e, r))
+                engine_run_finish(e, r, ENGINE_FINISH_POOL, -1);
+        } else {
+            engine_run_fail(e, r, 503, "the KV cache is full; retry later");
+        }
+    } else {
+        engine_run_fail(e, r, 500, "model error %d", err);
+    }
+}
+
+/* Take every entry out of the batch and fail it with err. */
+static void fail_batch(engine *e, int *n, int err)
+{
+    while (*n > 0) {
+        struct run *x = e->batch_runs[*n - 1];
+        batch_remove(e, n, *n - 1);
+        fail_in_batch(e, x, err);
+    }
+}
+
+/*
+ * Reserve the batch's slots, taking out the sequences that cannot have
+ * theirs: the one whose context is full (or whose batch entry is bad), or,
+ * when the pool is short, the most recently admitted sequence, which
+ * yields to the older ones; each is failed or finished as fail_in_batch
+ * says. Fills each entry's `first`. Returns false when nothing is left.
+ */
+static bool reserve_batch(engine *e, int *n)
+{
+    for (;;) {
+        for (int i = 0; i < *n; i++)
+            e->res[i] = (struct kv_reservation){.seq = e->batch[i].seq,
+                                                .tokens = e->batch[i].tokens,
+                                                .n_tokens = e->batch[i].n_tokens};
+        int failed = -1;
+        int rc = kv_reserve(e->res, *n, &failed);
+        if (rc == 0)
+            break;
+        int victim = failed >= 0 && failed < *n ? failed : *n - 1;
+        if (rc == -ENOMEM) {
+            /* the most recently admitted sequence of the batch yields */
+            victim = 0;
+            for (int i = 1; i < *n; i++)
+                if (e->batch_runs[i]->t_admit_ns >= e->batch_runs[victim]->t_admit_ns)
+                    victim = i;
+        }
+        struct run *r = e->batch_runs[victim];
+        engine_log(&e->p.hooks, ENGINE_LOG_WARN, "request %" PRIu64 ": no room in the cache (%s)",
+                   r->req->id,
+                   rc == -ENOSPC   ? "context full"
+                   : rc == -ENOMEM ? "KV pool exhausted"
+                                   : "error");
+        batch_remove(e, n, victim);
+        fail_in_batch(e, r, rc);
+        if (rc != -ENOSPC && rc != -ENOMEM)
+            fail_batch(e, n, rc); /* a bad batch is a bug in the engine */
+        if (*n == 0)
+            return false;
+    }
+    for (int i = 0; i < *n; i++)
+        e->batch[i].first = e->res[i].first;
+    return true;
+}
+
+/* After the forward: advance each entry, sample where the prompt is read. */
+static void sample_batch(engine *e, int n, uint64_t t_done)
+{
+    /* Sample in batch order; a run may be freed meanwhile, but the batch
+     * arrays hold each entry until the next step. */
+    for (int i = 0; i < n; i++) {
+        struct run *r = e->batch_runs[i];
+        const struct model_batch_seq *b = &e->batch[i];
+        if (r->phase == RUN_PREFILL) {
+            r->n_fed += b->n_tokens;
+            if (!r->sess)
+                r->appended += b->n_tokens;
+            if (r->n_fed < r->req->n_prompt)
+                continue;
+            if (r->req->max_tokens == 0) {
+                engine_run_finish(e, r, ENGINE_FINISH_LENGTH, -1);
+                continue;
+            }
+        } else if (!r->sess) {
+            r->appended += 1;
+        }
+        /* before ignore_eos and the sampler change the logits */
+        if (r->req->want_logprobs)
+            engine_lp_prepare(&r->lp, r->logits, e->n_vocab);
+        if (r->req->ignore_eos)
+            for (int k = 0; k < e->n_eog; k++)
+                r->logits[e->eog[k]] = -INFINITY;
+        int32_t tok = model_sample(r->smp, r->logits, r->hist, r->n_hist);
+        engine_run_take_token(e, r, tok, t_done);
+    }
+}
+
+bool engine_do_step(engine *e, uint64_t t)
+{
+    drop_cancelled(e);
+    admit(e, t);
+    int n = build_batch(e);
+    if (n == 0)
+        return false;
+    if (!reserve_batch(e, &n))
+        return true;
+    int rc = model_forward(e->ctx, e->batch, n);
+    if (rc) {
+        /* A failed pass is a bug or a kernel error: take the slots back
+         * and fail the whole batch. */
+        kv_reserve_undo(e->res, n);
+        engine_log(&e->p.hooks, ENGINE_LOG_WARN, "forward failed (%d): failing the batch", rc);
+        fail_batch(e, &n, rc);
+        return true;
+    }
+    int batch_tokens = 0;
+    for (int i = 0; i < n; i++)
+        batch_tokens += e->batch[i].n_tokens;
+    if (e->p.hooks.observe) {
+        e->p.hooks.observe(e->p.hooks.ud, ENGINE_OBS_BATCH_SEQS, n);
+        e->p.hooks.observe(e->p.hooks.ud, ENGINE_OBS_BATCH_TOKENS, batch_tokens);
+    }
+    sample_batch(e, n, engine_now_ns());
+    return true;
+}
