@@ -2,11 +2,12 @@
  * cmd_eval.c - `kvd eval`: what an eviction policy costs in quality.
  *
  * The text is tokenized once (BOS only at the start) and streamed token by
- * token through the real cache and the real fused kernel, exactly as one
- * growing session in `kvd serve` is: model_forward appends each token to a
- * sequence whose policy evicts from the middle when the budget is full.
- * After each token the logits give the loss of the next one; perplexity is
- * reported per segment of positions and overall.
+ * token through the engine `kvd serve` runs (engine/engine.h), exactly as
+ * one growing session there is: a scoring request (ENGINE_LOGITS_EACH)
+ * feeds one token per step to a session whose policy evicts from the
+ * middle when the budget is full, and hands back the logits after each
+ * token, which give the loss of the next one; perplexity is reported per
+ * segment of positions and overall.
  *
  * Baselines run in the same process, over the same tokens:
  *   dense      no eviction at all (the model's own behaviour past its
@@ -43,6 +44,7 @@
 #include "cli/eval_policy.h"
 #include "cli/eval_retrieval.h"
 #include "config/args.h"
+#include "engine/engine.h"
 #include "model/model.h"
 
 #define MAX_POLICIES 8
@@ -323,10 +325,8 @@ static double token_loss(const float *logits, int n_vocab, int32_t target)
 /* Everything one scoring pass needs. */
 struct evaluator {
     const model *m;
-    model_ctx *ctx;
+    model_ctx *ctx; /* the retrieval task's (eval_retrieval.c) */
     int n_vocab;
-    float *logits;
-    float *ref_logits; /* with --kld-ref: the twin sequence's */
     const struct eval_opts *o;
 };
 
@@ -335,30 +335,6 @@ static double seconds_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* A cache with K and V in the given types that holds n_seqs sequences at a
- * budget of `tokens` tokens each (the cache's own page count for a
- * sequence). NULL with the reason (a type the head size cannot take,
- * memory) in err. */
-static kv_cache *make_cache_typed(const struct evaluator *ev, int tokens, int n_seqs,
-                                  enum kv_type k_type, enum kv_type v_type, char *err,
-                                  size_t errlen)
-{
-    struct kv_cache_params p = {.page_tokens = ev->o->page_tokens, .k_type = k_type,
-                                .v_type = v_type};
-    model_kv_shape(ev->m, &p);
-    struct kv_policy full = {.kind = KV_EVICT_NONE, .max_cache_tokens = tokens};
-    struct kv_budget b;
-    kv_policy_budget(&full, p.page_tokens, &b);
-    p.memory_bytes = kv_cache_memory_for(&p, b.sequence_pages * n_seqs);
-    return kv_cache_create(&p, err, errlen);
-}
-
-static kv_cache *make_cache(const struct evaluator *ev, int tokens, int n_seqs, char *err,
-                            size_t errlen)
-{
-    return make_cache_typed(ev, tokens, n_seqs, ev->o->k_type, ev->o->v_type, err, errlen);
 }
 
 /* KL(P || Q) of the softmaxes of two logit rows, in double. */
@@ -382,146 +358,249 @@ static double kl_divergence(const float *p_logits, const float *q_logits, int n)
     return kl > 0 ? kl : 0; /* rounding can leave -1e-17 for equal rows */
 }
 
-/*
- * The twin of a policy run for --kld-ref: the same policy over a cache in
- * the reference type, fed the same tokens. Each step feeds it the token
- * just fed to the run's sequence and stores KL(P_ref || P) for the next one.
- */
-struct twin {
-    kv_cache *cache;
-    kv_seq *seq;
+/* ------------------------------------------------------------------------
+ * Scoring through the engine
+ *
+ * Every pass is a request to the engine `kvd serve` runs (engine/engine.h)
+ * whose prompt is the text to score and which asks for the logits after
+ * its prompt tokens (ENGINE_LOGITS_EACH: fed one token per step, so the
+ * policy evicts token by token, as a session grown one token per request
+ * does). A policy's pass is a session, as in the daemon; its pool holds
+ * that one sequence at its budget.
+ * ------------------------------------------------------------------------ */
+
+/* The session id of a policy's pass. */
+#define EVAL_SESSION "eval"
+
+/* An engine whose pool holds one sequence at policy's budget, K/V in the
+ * given types, forward capacity `step` tokens; NULL with the reason printed. */
+static engine *eval_engine(const struct evaluator *ev, const struct kv_policy *policy,
+                           enum kv_type k_type, enum kv_type v_type, int step, bool session)
+{
+    struct kv_cache_params shape = {.page_tokens = ev->o->page_tokens, .k_type = k_type,
+                                    .v_type = v_type};
+    model_kv_shape(ev->m, &shape);
+    struct kv_budget b;
+    kv_policy_budget(policy, shape.page_tokens, &b);
+    struct engine_params p = {
+        .m = ev->m,
+        .cache_memory = kv_cache_memory_for(&shape, b.sequence_pages),
+        .page_tokens = shape.page_tokens,
+        .k_type = k_type,
+        .v_type = v_type,
+        .n_threads = ev->o->threads,
+        .limits = {.policy = *policy, .max_running = 1, .step_tokens = step,
+                   .max_sessions = session ? 1 : 0},
+    };
+    char err[512];
+    engine *e = engine_create(&p, err, sizeof(err));
+    if (!e)
+        fprintf(stderr, "kvd eval: %s\n", err);
+    return e;
+}
+
+/* One scoring request on its engine, with the events taken but not yet
+ * handed out. */
+struct scorer {
+    engine *eng;
+    struct engine_req *req;
+    struct engine_event *pending; /* taken from the engine, in order */
+    bool ended;
+    char err[640]; /* why it ended early (an ERROR event, or the engine idle) */
+    double seconds; /* spent in its engine's steps */
 };
 
-static int twin_open(struct evaluator *ev, const struct kv_policy *policy, int budget,
-                     struct twin *tw)
+/*
+ * Submit tokens[0..n) on eng as a scoring request (a session when session
+ * is set), wanting the logits `want` says. Returns 0, or -1 with the
+ * reason printed (nothing submitted).
+ */
+static int scorer_open(struct scorer *s, engine *eng, const int32_t *tokens, int n,
+                       enum engine_logits want, bool session)
 {
-    char err[256];
-    *tw = (struct twin){0};
-    if (!ev->o->kld)
-        return 0;
-    tw->cache =
-        make_cache_typed(ev, budget, 1, ev->o->kld_type, ev->o->kld_type, err, sizeof(err));
-    tw->seq = tw->cache ? kv_seq_create(tw->cache, policy, true, err, sizeof(err)) : NULL;
-    if (!tw->seq) {
-        fprintf(stderr, "kvd eval: --kld-ref %s: %s\n", kv_type_name(ev->o->kld_type), err);
-        kv_cache_destroy(tw->cache);
+    *s = (struct scorer){.eng = eng};
+    s->req = engine_req_new(ENGINE_REQ_COMPLETION);
+    if (s->req) {
+        s->req->prompt = malloc(sizeof(int32_t) * (size_t)n);
+        s->req->session = session ? strdup(EVAL_SESSION) : NULL;
+    }
+    if (!s->req || !s->req->prompt || (session && !s->req->session)) {
+        fprintf(stderr, "kvd eval: out of memory\n");
+        engine_req_free(s->req);
+        s->req = NULL;
         return -1;
     }
+    memcpy(s->req->prompt, tokens, sizeof(int32_t) * (size_t)n);
+    s->req->n_prompt = n;
+    s->req->max_tokens = 0; /* score the prompt, generate nothing */
+    s->req->logits = want;
+    model_sampling_defaults(&s->req->sampling);
+    engine_submit(eng, s->req);
     return 0;
 }
 
-static void twin_close(struct twin *tw)
+/* The next LOGITS event of the request (new, caller frees), stepping its
+ * engine as needed; NULL when the request ended first (s->err says why
+ * if it failed). */
+static struct engine_event *scorer_next(struct scorer *s)
 {
-    kv_seq_destroy(tw->seq);
-    kv_cache_destroy(tw->cache);
+    for (;;) {
+        while (s->pending) {
+            struct engine_event *ev = s->pending;
+            s->pending = ev->next;
+            ev->next = NULL;
+            if (ev->kind == ENGINE_EV_LOGITS)
+                return ev;
+            if (ev->kind == ENGINE_EV_ERROR)
+                snprintf(s->err, sizeof(s->err), "%s", ev->message);
+            if (ev->kind == ENGINE_EV_DONE || ev->kind == ENGINE_EV_ERROR)
+                s->ended = true;
+            engine_event_free(ev);
+        }
+        if (s->ended)
+            return NULL;
+        double t0 = seconds_now();
+        bool worked = engine_step(s->eng, (uint64_t)(t0 * 1e9));
+        s->seconds += seconds_now() - t0;
+        s->pending = engine_take_events(s->eng);
+        if (!worked && !s->pending) {
+            snprintf(s->err, sizeof(s->err), "the engine stopped with the request open");
+            s->ended = true;
+        }
+    }
 }
 
-/* Feed one token to seq and return its logits' loss for `next` (or 0). */
-static int feed(struct evaluator *ev, kv_seq *seq, int32_t tok, int32_t next, bool score,
-                double *loss)
+/* Step the request to its end and free it: 0, or -1 when it failed (the
+ * reason printed, under `label`). */
+static int scorer_close(struct scorer *s, const char *label)
 {
-    struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1,
-                                .logits = score ? ev->logits : NULL};
-    int rc = model_reserve_forward(ev->ctx, &b, 1, NULL);
-    if (rc == 0 && score)
-        *loss = token_loss(ev->logits, ev->n_vocab, next);
+    for (struct engine_event *ev; s->req && (ev = scorer_next(s));)
+        engine_event_free(ev); /* logits nobody reads: a failed pass */
+    int rc = s->err[0] ? -1 : 0;
+    if (rc)
+        fprintf(stderr, "kvd eval: %s under %s\n", s->err, label);
+    engine_req_free(s->req);
+    s->req = NULL;
     return rc;
 }
 
 /*
- * Stream tokens[0..n) through one sequence under `policy`. If recompute is
- * non-NULL, also score each next token by a fresh forward over exactly the
- * retained tokens (positions 0..k-1), up to o->recompute_max tokens.
+ * The logits after retained[0..k) fed fresh at positions 0..k-1 in one
+ * forward (the gold standard a cache with eviction approximates), scored
+ * for `next`. 0, or -1 (printed).
+ */
+static int recompute_loss(engine *rc_eng, const int32_t *retained, int k, int32_t next,
+                          const struct evaluator *ev, double *loss, double *secs)
+{
+    struct scorer s;
+    if (scorer_open(&s, rc_eng, retained, k, ENGINE_LOGITS_LAST, false))
+        return -1;
+    struct engine_event *lg = scorer_next(&s);
+    if (lg)
+        *loss = token_loss(lg->logits, ev->n_vocab, next);
+    engine_event_free(lg);
+    int rc = scorer_close(&s, "recompute");
+    *secs += s.seconds;
+    return lg ? rc : -1;
+}
+
+/*
+ * Stream tokens[0..n) through one session under `policy`, scoring each
+ * next token from the logits after it. With --kld-ref, a twin engine in
+ * the reference K/V type runs the same request in lockstep and each
+ * token's KL(P_ref || P) is kept. If recompute is non-NULL, each next
+ * token is also scored by a fresh forward over exactly the tokens the
+ * session retains (positions 0..k-1), up to o->recompute_max tokens.
  */
 static int run_policy(struct evaluator *ev, const struct kv_policy *policy, const int32_t *tokens,
                       int n, struct eval_run *run, struct eval_run *recompute)
 {
-    char err[256];
-    int budget = policy->kind == KV_EVICT_NONE ? n : policy->max_cache_tokens;
-    kv_cache *cache = make_cache(ev, budget, recompute ? 2 : 1, err, sizeof(err));
-    if (!cache) {
-        fprintf(stderr, "kvd eval: cache: %s\n", err);
-        return -1;
-    }
-    kv_seq *seq = kv_seq_create(cache, policy, true, err, sizeof(err));
-    struct twin tw;
-    int rc = seq ? twin_open(ev, policy, budget, &tw) : -1;
-    if (!seq)
-        tw = (struct twin){0};
-    run->has_kld = tw.seq != NULL;
-    double t0 = seconds_now(), t_recompute = 0, t_twin = 0;
+    const struct eval_opts *o = ev->o;
+    int budget = policy->max_cache_tokens;
+    struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = budget};
+    engine *main_eng = eval_engine(ev, policy, o->k_type, o->v_type, 1, true);
+    engine *twin_eng =
+        main_eng && o->kld ? eval_engine(ev, policy, o->kld_type, o->kld_type, 1, true) : NULL;
+    engine *rc_eng =
+        main_eng && recompute ? eval_engine(ev, &none, o->k_type, o->v_type, budget, false) : NULL;
+    struct scorer s = {0}, tw = {0};
+    int rc = !main_eng || (o->kld && !twin_eng) || (recompute && !rc_eng) ? -1 : 0;
+    if (rc == 0)
+        rc = scorer_open(&s, main_eng, tokens, n - 1, ENGINE_LOGITS_EACH, true);
+    if (rc == 0 && twin_eng && scorer_open(&tw, twin_eng, tokens, n - 1, ENGINE_LOGITS_EACH, true))
+        rc = -1;
+    run->has_kld = twin_eng != NULL;
+    double t_recompute = 0;
     for (int t = 0; rc == 0 && t < n - 1; t++) {
-        rc = feed(ev, seq, tokens[t], tokens[t + 1], true, &run->loss[t + 1]);
-        if (rc == 0 && tw.seq) {
-            double k0 = seconds_now();
-            struct model_batch_seq b = {.seq = tw.seq, .tokens = &tokens[t], .n_tokens = 1,
-                                        .logits = ev->ref_logits};
-            rc = model_reserve_forward(ev->ctx, &b, 1, NULL);
-            if (rc == 0)
-                run->kld[t + 1] = kl_divergence(ev->ref_logits, ev->logits, ev->n_vocab);
-            t_twin += seconds_now() - k0;
+        struct engine_event *lg = scorer_next(&s);
+        struct engine_event *ref = lg && tw.req ? scorer_next(&tw) : NULL;
+        if (!lg || (tw.req && !ref)) {
+            rc = -1;
+        } else {
+            run->loss[t + 1] = token_loss(lg->logits, ev->n_vocab, tokens[t + 1]);
+            if (ref)
+                run->kld[t + 1] = kl_divergence(ref->logits, lg->logits, ev->n_vocab);
         }
-        if (rc || !recompute || t + 1 >= ev->o->recompute_max)
+        engine_event_free(lg);
+        engine_event_free(ref);
+        if (rc || !recompute || t + 1 >= o->recompute_max)
             continue;
-        /* gold standard: the retained tokens alone, fresh, at 0..k-1 */
-        double r0 = seconds_now();
-        struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = budget};
-        kv_seq *fresh = kv_seq_create(cache, &none, false, err, sizeof(err));
-        int k = kv_seq_n_tokens(seq);
-        struct model_batch_seq b = {.seq = fresh, .tokens = kv_seq_tokens(seq), .n_tokens = k,
-                                    .logits = ev->logits};
-        rc = fresh ? model_reserve_forward(ev->ctx, &b, 1, NULL) : -ENOMEM;
-        if (rc == 0)
-            recompute->loss[t + 1] = token_loss(ev->logits, ev->n_vocab, tokens[t + 1]);
-        kv_seq_destroy(fresh);
+        int k;
+        const int32_t *kept = engine_session_tokens(main_eng, EVAL_SESSION, &k);
+        rc = kept ? recompute_loss(rc_eng, kept, k, tokens[t + 1], ev, &recompute->loss[t + 1],
+                                   &t_recompute)
+                  : -1;
         recompute->n = t + 2;
-        t_recompute += seconds_now() - r0;
     }
-    run->seconds = seconds_now() - t0 - t_recompute - t_twin;
+    if (scorer_close(&s, run->label) || (tw.req && scorer_close(&tw, run->label)))
+        rc = -1;
+    run->seconds = s.seconds;
     if (recompute)
         recompute->seconds = t_recompute;
     run->n = n;
-    struct kv_stats st;
-    kv_cache_stats(cache, &st);
-    run->pages_used = st.pages_used;
-    run->evictions = st.evictions;
-    run->evicted = st.tokens_evicted;
-    if (rc)
-        fprintf(stderr, "kvd eval: forward failed (%d) under %s\n", rc, run->label);
-    twin_close(&tw);
-    kv_seq_destroy(seq);
-    kv_cache_destroy(cache);
+    if (main_eng) {
+        struct engine_stats st;
+        engine_get_stats(main_eng, &st);
+        run->pages_used = st.kv.pages_used;
+        run->evictions = st.kv.evictions;
+        run->evicted = st.kv.tokens_evicted;
+    }
+    engine_destroy(rc_eng);
+    engine_destroy(twin_eng);
+    engine_destroy(main_eng);
     return rc;
 }
 
-/* Independent chunks of train_len tokens, each fed after a fresh BOS. */
+/* Independent chunks of train_len tokens, each fed after a fresh BOS: one
+ * request per chunk, prompt [BOS, chunk without its last token]. */
 static int run_chunked(struct evaluator *ev, const int32_t *tokens, int n, int train_len,
                        struct eval_run *run)
 {
-    char err[256];
-    kv_cache *cache = make_cache(ev, train_len + 1, 1, err, sizeof(err));
-    if (!cache) {
-        fprintf(stderr, "kvd eval: cache: %s\n", err);
-        return -1;
-    }
     struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = train_len + 1};
-    double t0 = seconds_now();
-    int rc = 0;
+    engine *eng = eval_engine(ev, &none, ev->o->k_type, ev->o->v_type, 1, false);
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)(train_len + 1));
+    int rc = eng && prompt ? 0 : -1;
+    double secs = 0;
     for (int start = 1; rc == 0 && start < n; start += train_len) {
         int end = start + train_len < n ? start + train_len : n;
-        kv_seq *seq = kv_seq_create(cache, &none, false, err, sizeof(err));
-        if (!seq) {
+        prompt[0] = tokens[0];
+        memcpy(prompt + 1, tokens + start, sizeof(int32_t) * (size_t)(end - 1 - start));
+        struct scorer s;
+        if (scorer_open(&s, eng, prompt, end - start, ENGINE_LOGITS_EACH, false)) {
             rc = -1;
             break;
         }
-        rc = feed(ev, seq, tokens[0], tokens[start], true, &run->loss[start]);
-        for (int t = start; rc == 0 && t < end - 1; t++)
-            rc = feed(ev, seq, tokens[t], tokens[t + 1], true, &run->loss[t + 1]);
-        kv_seq_destroy(seq);
+        /* the logits after prompt[p] predict tokens[start + p] */
+        for (struct engine_event *lg; (lg = scorer_next(&s)); engine_event_free(lg))
+            run->loss[start + lg->position] =
+                token_loss(lg->logits, ev->n_vocab, tokens[start + lg->position]);
+        rc = scorer_close(&s, run->label);
+        secs += s.seconds;
     }
-    run->seconds = seconds_now() - t0;
+    run->seconds = secs;
     run->n = n;
-    kv_cache_destroy(cache);
+    free(prompt);
+    engine_destroy(eng);
     return rc;
 }
 
@@ -861,12 +940,10 @@ int srv_cmd_eval(int argc, char **argv)
     }
     bool text_ok = tokens || (o.ret.on && !o.file);
     ev.ctx = text_ok ? model_ctx_create(m, budget, o.threads, err, sizeof(err)) : NULL;
-    ev.logits = malloc(sizeof(float) * (size_t)info.n_vocab);
-    ev.ref_logits = malloc(sizeof(float) * (size_t)info.n_vocab);
     struct eval_run runs[MAX_POLICIES + MAX_BASELINES];
     memset(runs, 0, sizeof(runs));
     int n_runs = 0, rc = 0, ref = -1;
-    if (!text_ok || !ev.ctx || !ev.logits || !ev.ref_logits) {
+    if (!text_ok || !ev.ctx) {
         if (text_ok && !ev.ctx)
             fprintf(stderr, "kvd eval: %s\n", err);
         rc = 1;
@@ -937,8 +1014,6 @@ out:
         free(runs[k].loss);
         free(runs[k].kld);
     }
-    free(ev.logits);
-    free(ev.ref_logits);
     model_ctx_destroy(ev.ctx);
     free(tokens);
     model_free(m);

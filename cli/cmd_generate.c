@@ -1,11 +1,14 @@
 /*
  * cmd_generate.c - `kvd generate`: offline text generation from a prompt.
  *
- * The same engine pieces as the daemon, in one process and one sequence:
- * load the model, make a paged cache sized for --ctx tokens with the chosen
- * eviction policy, prefill the prompt in chunks, then decode one token at a
- * time, streaming each complete UTF-8 character to stdout as it is sampled.
- * Throughput of prefill and decode goes to stderr, so stdout is only text.
+ * The daemon's engine (engine/engine.h), in one process for one request:
+ * load the model, create an engine whose pool holds one sequence at --ctx
+ * tokens under the chosen eviction policy, submit the prompt, and step the
+ * engine until the request ends, streaming each piece of text (whole UTF-8
+ * characters) to stdout as the engine posts it. Prefill in --batch chunks,
+ * decoding, sampling and detokenization are the engine's, so a greedy
+ * completion is the text `kvd serve` gives for the same prompt. Throughput
+ * of prefill and decode goes to stderr, so stdout is only text.
  *
  * Without --model it uses models/default.gguf, writing that default model
  * (kvd mkmodel --preset retrieval, as `make run` does) first if the file
@@ -22,6 +25,7 @@
 #include "cli/cli.h"
 #include "cli/cli_internal.h"
 #include "config/args.h"
+#include "engine/engine.h"
 #include "model/mkmodel.h"
 #include "model/model.h"
 
@@ -32,8 +36,8 @@ struct gen_opts {
     const char *model;
     const char *prompt;
     int n_predict;
-    int ctx;       /* cache budget of the sequence in tokens; 0 = from the model */
-    int batch;     /* prefill chunk */
+    int ctx;   /* cache budget of the sequence in tokens; 0 = from the model */
+    int batch; /* prefill chunk */
     int threads;
     int page_tokens;
     enum kv_type k_type, v_type;
@@ -74,11 +78,11 @@ static void generate_usage(FILE *f)
             DEFAULT_MODEL);
 }
 
-static double now_s(void)
+static uint64_t now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 static int parse_int_opt(const char *v, const char *name, long min, long max, int *out)
@@ -244,6 +248,54 @@ static void emit(const char *s, int n)
     }
 }
 
+/* How the engine ended the request. */
+struct gen_result {
+    bool failed; /* an ERROR event: status and message */
+    int status;
+    char message[600];
+    enum engine_finish finish; /* DONE */
+    struct engine_usage usage;
+};
+
+/*
+ * Drive the engine until req ends, streaming its text to stdout as the
+ * engine posts it: the same admission, chunked prefill, reservation,
+ * sampling and detokenization as `kvd serve`, for one request.
+ */
+static void run_engine(engine *eng, struct engine_req *req, struct gen_result *res)
+{
+    *res = (struct gen_result){0};
+    engine_submit(eng, req);
+    for (bool ended = false; !ended;) {
+        bool worked = engine_step(eng, now_ns());
+        struct engine_event *ev = engine_take_events(eng), *next;
+        if (!worked && !ev) {
+            /* nothing ran and nothing ended: a bug, never a hang */
+            res->failed = true;
+            res->status = 500;
+            snprintf(res->message, sizeof(res->message),
+                     "the engine stopped with the request open");
+            return;
+        }
+        for (; ev; ev = next) {
+            next = ev->next;
+            if (ev->kind == ENGINE_EV_TEXT) {
+                emit(ev->text, (int)ev->len);
+            } else if (ev->kind == ENGINE_EV_DONE) {
+                res->finish = ev->finish;
+                res->usage = ev->usage;
+                ended = true;
+            } else if (ev->kind == ENGINE_EV_ERROR) {
+                res->failed = true;
+                res->status = ev->status;
+                snprintf(res->message, sizeof(res->message), "%s", ev->message);
+                ended = true;
+            }
+            engine_event_free(ev);
+        }
+    }
+}
+
 int srv_cmd_generate(int argc, char **argv)
 {
     struct gen_opts o;
@@ -270,25 +322,25 @@ int srv_cmd_generate(int argc, char **argv)
     }
     struct model_info info;
     model_get_info(m, &info);
-    fprintf(stderr, "kvd generate: loaded %s: arch %s, positions %s, %s weights, dim %d, "
-            "%d layers, %d heads (%d kv), vocab %d\n", info.name, info.arch,
-            pos_kind_name(info.pos), info.weight_type, info.n_embd, info.n_layer, info.n_head,
-            info.n_kv_head, info.n_vocab);
+    fprintf(stderr,
+            "kvd generate: loaded %s: arch %s, positions %s, %s weights, dim %d, "
+            "%d layers, %d heads (%d kv), vocab %d\n",
+            info.name, info.arch, pos_kind_name(info.pos), info.weight_type, info.n_embd,
+            info.n_layer, info.n_head, info.n_kv_head, info.n_vocab);
     fprintf(stderr, "kvd generate: attention %s, K %s, V %s%s%s\n", attn_simd_name(),
             kv_type_name(o.k_type), kv_type_name(o.v_type),
             o.k_type == KV_Q8_0 && info.pos != POS_ROPE ? ", q8_0 key scores: int8 " : "",
             o.k_type == KV_Q8_0 && info.pos != POS_ROPE ? attn_q8_name() : "");
 
     int status = 1;
-    kv_cache *cache = NULL;
-    kv_seq *seq = NULL;
-    model_ctx *ctx = NULL;
-    model_sampler *smp = NULL;
-    model_detok *detok = NULL;
-    int32_t *hist = NULL;
-    float *logits = NULL;
+    engine *eng = NULL;
+    struct engine_req *req = engine_req_new(ENGINE_REQ_COMPLETION);
+    if (!req) {
+        fprintf(stderr, "kvd generate: out of memory\n");
+        goto out;
+    }
 
-    /* Prompt tokens; the history array also receives generated tokens. */
+    /* Prompt tokens (BOS as the model says). */
     size_t plen = strlen(o.prompt);
     bool bos = model_add_bos(m);
     int n_prompt = model_tokenize(m, o.prompt, plen, bos, NULL, 0);
@@ -301,15 +353,18 @@ int srv_cmd_generate(int argc, char **argv)
         status = 2;
         goto out;
     }
-    hist = malloc(sizeof(int32_t) * ((size_t)n_prompt + (size_t)o.n_predict));
-    logits = malloc(sizeof(float) * (size_t)info.n_vocab);
-    if (!hist || !logits) {
+    req->prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    if (!req->prompt) {
         fprintf(stderr, "kvd generate: out of memory\n");
         goto out;
     }
-    model_tokenize(m, o.prompt, plen, bos, hist, n_prompt);
+    model_tokenize(m, o.prompt, plen, bos, req->prompt, n_prompt);
+    req->n_prompt = n_prompt;
+    req->max_tokens = o.n_predict;
+    req->sampling = o.sampling;
 
-    /* The cache: one sequence with a budget of ctx tokens. */
+    /* The engine: one sequence with a budget of ctx tokens, a pool that
+     * holds it at its full budget, prefill chunks of --batch tokens. */
     if (o.ctx == 0)
         o.ctx = info.n_ctx_train > 0 && info.n_ctx_train < 4096 ? info.n_ctx_train : 4096;
     o.policy.max_cache_tokens = o.ctx;
@@ -325,116 +380,60 @@ int srv_cmd_generate(int argc, char **argv)
     }
     struct kv_cache_params cp = {.page_tokens = pt, .k_type = o.k_type, .v_type = o.v_type};
     model_kv_shape(m, &cp);
-    cp.memory_bytes = kv_cache_memory_for(&cp, budget.sequence_pages);
-    cache = kv_cache_create(&cp, err, sizeof(err));
-    if (!cache) {
-        fprintf(stderr, "kvd generate: cache: %s\n", err);
-        goto out;
-    }
-    seq = kv_seq_create(cache, &o.policy, false, err, sizeof(err));
-    if (!seq) {
-        fprintf(stderr, "kvd generate: %s\n", err);
-        goto out;
-    }
     int max_batch = o.batch < n_prompt ? o.batch : n_prompt;
-    ctx = model_ctx_create(m, max_batch, o.threads, err, sizeof(err));
-    smp = model_sampler_create(&o.sampling, info.n_vocab);
-    detok = model_detok_create(m);
-    if (!ctx || !smp || !detok) {
-        fprintf(stderr, "kvd generate: %s\n", !ctx ? err : "out of memory");
+    struct engine_params ep = {
+        .m = m,
+        .cache_memory = kv_cache_memory_for(&cp, budget.sequence_pages),
+        .page_tokens = pt,
+        .k_type = o.k_type,
+        .v_type = o.v_type,
+        .n_threads = o.threads,
+        .limits = {.policy = o.policy, .max_running = 1, .step_tokens = max_batch},
+    };
+    eng = engine_create(&ep, err, sizeof(err));
+    if (!eng) {
+        fprintf(stderr, "kvd generate: %s\n", err);
         goto out;
     }
     if (o.echo)
         emit(o.prompt, (int)plen);
 
-    /* Prefill in chunks the policy can take. */
-    double t0 = now_s();
-    int done = 0;
-    const char *stop_reason = NULL;
-    while (done < n_prompt) {
-        int room = kv_seq_max_append(seq);
-        int chunk = n_prompt - done;
-        if (chunk > max_batch)
-            chunk = max_batch;
-        if (chunk > room)
-            chunk = room;
-        if (chunk < 1) {
-            stop_reason = "the prompt does not fit in the context (--ctx, --policy)";
-            break;
-        }
-        struct model_batch_seq b = {
-            .seq = seq, .tokens = hist + done, .n_tokens = chunk,
-            .logits = done + chunk == n_prompt ? logits : NULL,
-        };
-        int rc = model_reserve_forward(ctx, &b, 1, NULL);
-        if (rc) {
-            fprintf(stderr, "\nkvd generate: forward failed during prefill: %s\n", strerror(-rc));
-            goto out;
-        }
-        done += chunk;
-    }
-    double t1 = now_s();
-
-    /* Decode. */
-    int n_gen = 0, n_hist = n_prompt;
-    char text[1024];
-    while (!stop_reason && n_gen < o.n_predict) {
-        int32_t tok = model_sample(smp, logits, hist, n_hist);
-        hist[n_hist++] = tok;
-        n_gen++;
-        if (model_is_eog(m, tok)) {
-            stop_reason = "end of text";
-            break;
-        }
-        int w = model_detok_push(detok, tok, text, sizeof(text));
-        if (w > 0)
-            emit(text, w);
-        if (n_gen == o.n_predict)
-            break;
-        struct model_batch_seq b = {.seq = seq, .tokens = &tok, .n_tokens = 1, .logits = logits};
-        int rc = model_reserve_forward(ctx, &b, 1, NULL);
-        if (rc == -ENOSPC) {
-            stop_reason = "context full (policy none; use --ctx or --policy sink-window)";
-            break;
-        }
-        if (rc) {
-            fprintf(stderr, "\nkvd generate: forward failed: %s\n", strerror(-rc));
-            goto out;
-        }
-    }
-    int w = model_detok_flush(detok, text, sizeof(text));
-    emit(text, w);
+    struct gen_result res;
+    run_engine(eng, req, &res);
     printf("\n");
     fflush(stdout);
-    double t2 = now_s();
 
-    struct kv_stats ks;
-    kv_cache_stats(cache, &ks);
+    struct engine_stats st;
+    engine_get_stats(eng, &st);
     fprintf(stderr, "kvd generate: %s (%s, %s positions, %s), kv %s/%s, policy %s, positions %s\n",
-            info.name, info.arch, pos_kind_name(info.pos), info.weight_type,
-            kv_type_name(o.k_type), kv_type_name(o.v_type), kv_policy_kind_name(o.policy.kind),
+            info.name, info.arch, pos_kind_name(info.pos), info.weight_type, kv_type_name(o.k_type),
+            kv_type_name(o.v_type), kv_policy_kind_name(o.policy.kind),
             o.policy.renumber ? "renumber" : "preserve");
-    fprintf(stderr, "  prefill: %d tokens in %.3f s (%.1f tokens/s)\n", done, t1 - t0,
-            t1 > t0 ? done / (t1 - t0) : 0.0);
+    double t_prefill = res.usage.prompt_ms / 1e3, t_decode = res.usage.gen_ms / 1e3;
+    int done = res.failed ? 0 : n_prompt;
+    fprintf(stderr, "  prefill: %d tokens in %.3f s (%.1f tokens/s)\n", done, t_prefill,
+            t_prefill > 0 ? done / t_prefill : 0.0);
     /* The first sampled token needs no forward; decode forwards = n_gen - 1. */
+    int n_gen = res.usage.completion_tokens + (res.finish == ENGINE_FINISH_EOG);
     int n_fwd = n_gen > 0 ? n_gen - 1 : 0;
-    fprintf(stderr, "  decode:  %d tokens in %.3f s (%.1f tokens/s)\n", n_gen, t2 - t1,
-            t2 > t1 && n_fwd > 0 ? n_fwd / (t2 - t1) : 0.0);
+    fprintf(stderr, "  decode:  %d tokens in %.3f s (%.1f tokens/s)\n", n_gen, t_decode,
+            t_decode > 0 && n_fwd > 0 ? n_fwd / t_decode : 0.0);
     fprintf(stderr, "  cache: %d tokens retained, %llu evicted in %llu evictions\n",
-            kv_seq_n_tokens(seq), (unsigned long long)ks.tokens_evicted,
-            (unsigned long long)ks.evictions);
-    if (stop_reason)
-        fprintf(stderr, "  stopped: %s\n", stop_reason);
-    status = done < n_prompt ? 2 : 0;
+            res.usage.retained_tokens, (unsigned long long)st.kv.tokens_evicted,
+            (unsigned long long)st.kv.evictions);
+    const char *why = res.failed                            ? res.message
+                      : res.finish == ENGINE_FINISH_EOG     ? "end of text"
+                      : res.finish == ENGINE_FINISH_CONTEXT ? "context full (policy none; use "
+                                                              "--ctx or --policy sink-window)"
+                      : res.finish == ENGINE_FINISH_LENGTH  ? NULL
+                                                            : "cut short";
+    if (why)
+        fprintf(stderr, "  stopped: %s\n", why);
+    status = res.failed ? (res.status == 400 ? 2 : 1) : 0;
 
 out:
-    model_detok_destroy(detok);
-    model_sampler_destroy(smp);
-    model_ctx_destroy(ctx);
-    kv_seq_destroy(seq);
-    kv_cache_destroy(cache);
-    free(hist);
-    free(logits);
+    engine_destroy(eng);
+    engine_req_free(req);
     model_free(m);
     return status;
 }

@@ -83,6 +83,7 @@ void engine_event_free(struct engine_event *ev)
     free(ev->tokens);
     free(ev->lp);
     engine_cache_map_free(ev->map);
+    free(ev->logits);
     free(ev);
 }
 
@@ -348,6 +349,13 @@ int engine_submit(engine *e, struct engine_req *r)
 bool engine_step(engine *e, uint64_t now_ns)
 {
     return engine_do_step(e, now_ns);
+}
+
+const int32_t *engine_session_tokens(const engine *e, const char *id, int *n)
+{
+    struct engine_session *x = engine_sessions_find(&e->sessions, id);
+    *n = x ? kv_seq_n_tokens(x->seq) : 0;
+    return x ? kv_seq_tokens(x->seq) : NULL;
 }
 
 void engine_sweep(engine *e, uint64_t now_ms)

@@ -75,6 +75,16 @@ static inline bool engine_finish_cut(enum engine_finish f)
     return f == ENGINE_FINISH_ABORT || f == ENGINE_FINISH_POOL || f == ENGINE_FINISH_POLICY;
 }
 
+/* Which logits a request wants back as ENGINE_EV_LOGITS events (kvd eval
+ * scores a text by them; the daemon never asks). */
+enum engine_logits {
+    ENGINE_LOGITS_NONE = 0, /* none */
+    ENGINE_LOGITS_LAST,     /* after the prompt's last token (one event) */
+    ENGINE_LOGITS_EACH,     /* after every prompt token: the prompt is fed one token
+                               per step, as a session grown one token per request
+                               would be, so eviction runs token by token */
+};
+
 /* cancel values */
 #define ENGINE_CANCEL_CLIENT 1 /* the client disconnected */
 #define ENGINE_CANCEL_ABORT 2  /* shutdown deadline */
@@ -115,6 +125,7 @@ struct engine_req {
     int n_top_logprobs;            /* ... with this many most likely tokens
                                       (0..min(n_vocab, ENGINE_MAX_TOP_LOGPROBS)) */
     struct engine_map_opts map;    /* ENGINE_REQ_SESSION_MAP: ranges and text */
+    enum engine_logits logits;     /* forced-continuation scoring (ENGINE_EV_LOGITS) */
     uint64_t t_submit_ns;          /* monotonic; the host's submission time (TTFT) */
     atomic_int cancel;             /* 0, ENGINE_CANCEL_CLIENT or ENGINE_CANCEL_ABORT: set by
                                       any thread, acted on at the start of the next step */
@@ -160,9 +171,10 @@ struct engine_logprob {
 };
 
 enum engine_event_kind {
-    ENGINE_EV_TEXT,  /* generated text (and ids) of a running request */
-    ENGINE_EV_DONE,  /* final: finish reason, usage (or session info) */
-    ENGINE_EV_ERROR, /* final: status + message, nothing (more) generated */
+    ENGINE_EV_TEXT,   /* generated text (and ids) of a running request */
+    ENGINE_EV_LOGITS, /* a request's logits after prompt[position] (req->logits) */
+    ENGINE_EV_DONE,   /* final: finish reason, usage (or session info) */
+    ENGINE_EV_ERROR,  /* final: status + message, nothing (more) generated */
     /* Posted by a host that loads the model itself (the daemon's engine
      * thread), never by the engine: */
     ENGINE_EV_READY, /* the model is loaded; req NULL */
@@ -203,6 +215,8 @@ struct engine_event {
     int n_tokens;
     struct engine_logprob *lp;          /* TEXT with want_logprobs: the token sampled
                                            (an end-of-generation one too), else NULL */
+    float *logits;                      /* LOGITS: [n_vocab] the model's raw logits */
+    int position;                       /* LOGITS: the prompt index they follow */
     enum engine_finish finish;          /* DONE */
     int stop_index;                     /* DONE with ENGINE_FINISH_STOP: which stop string */
     struct engine_usage usage;          /* DONE */
@@ -255,7 +269,7 @@ struct engine_hooks {
 };
 
 struct engine_params {
-    model *m;            /* borrowed: loaded, outlives the engine */
+    const model *m;      /* borrowed: loaded, outlives the engine */
     size_t cache_memory; /* bytes of KV pages */
     int page_tokens;
     enum kv_type k_type, v_type; /* element types of K and V */
@@ -298,6 +312,10 @@ int engine_submit(engine *e, struct engine_req *r);
  * or nothing is waiting.
  */
 bool engine_step(engine *e, uint64_t now_ns);
+/* The token ids retained in session id's cache, oldest first (borrowed,
+ * valid until the next engine call), or NULL when there is no such session;
+ * *n their count. */
+const int32_t *engine_session_tokens(const engine *e, const char *id, int *n);
 /* Free sessions idle longer than limits.session_idle_ms (now in ms on
  * the cache's touch clock, the monotonic one). */
 void engine_sweep(engine *e, uint64_t now_ms);

@@ -144,7 +144,7 @@ struct run {
 struct engine {
     struct engine_params p; /* p.limits is the configured limits at creation */
     struct engine_limits lim;
-    model *m;
+    const model *m;
     model_ctx *ctx;
     kv_cache *cache;
     int n_vocab;

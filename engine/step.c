@@ -26,6 +26,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "engine/engine_internal.h"
 
@@ -120,6 +121,9 @@ static int build_batch(engine *e)
             continue;
         int left = r->req->n_prompt - r->n_fed;
         int chunk = left < budget ? left : budget;
+        bool each = r->req->logits == ENGINE_LOGITS_EACH;
+        if (each)
+            chunk = 1; /* logits after every prompt token */
         int room = kv_seq_max_append(r->seq);
         if (room < chunk)
             chunk = room;
@@ -129,7 +133,7 @@ static int build_batch(engine *e)
         e->batch[n] = (struct model_batch_seq){.seq = r->seq,
                                                .tokens = r->req->prompt + r->n_fed,
                                                .n_tokens = chunk,
-                                               .logits = final ? r->logits : NULL};
+                                               .logits = final || each ? r->logits : NULL};
         e->batch_runs[n] = r;
         r->batch_slot = n++;
         budget -= chunk;
@@ -232,6 +236,28 @@ static bool reserve_batch(engine *e, int *n)
     return true;
 }
 
+/* Post the logits a scoring request asked for (after prompt[n_fed - 1]).
+ * False when out of memory: r was failed (503) and freed. */
+static bool post_logits(engine *e, struct run *r)
+{
+    enum engine_logits want = r->req->logits;
+    if (want == ENGINE_LOGITS_NONE || (want == ENGINE_LOGITS_LAST && r->n_fed < r->req->n_prompt))
+        return true;
+    struct engine_event *ev = engine_event_new(ENGINE_EV_LOGITS, r->req);
+    float *x = malloc(sizeof(float) * (size_t)e->n_vocab);
+    if (!ev || !x) {
+        free(ev);
+        free(x);
+        engine_run_fail(e, r, 503, "out of memory for the request's logits; retry later");
+        return false;
+    }
+    memcpy(x, r->logits, sizeof(float) * (size_t)e->n_vocab);
+    ev->logits = x;
+    ev->position = r->n_fed - 1;
+    engine_post(e, ev);
+    return true;
+}
+
 /* After the forward: advance each entry, sample where the prompt is read. */
 static void sample_batch(engine *e, int n, uint64_t t_done)
 {
@@ -244,6 +270,8 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
             r->n_fed += b->n_tokens;
             if (!r->sess)
                 r->appended += b->n_tokens;
+            if (b->logits && !post_logits(e, r))
+                continue;
             if (r->n_fed < r->req->n_prompt)
                 continue;
             if (r->req->max_tokens == 0) {

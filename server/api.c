@@ -1872,6 +1872,8 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
         case ENGINE_EV_TEXT:
             on_text(ev->req->owner, ev);
             break;
+        case ENGINE_EV_LOGITS: /* never asked for by the API */
+            break;
         case ENGINE_EV_DONE:
             on_done(ev->req->owner, ev);
             call_end(a, ev->req->owner);
