@@ -180,6 +180,9 @@ uint64_t engine_now_ns(void);
 struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t);
 /* A token was sampled: true if the run ended (and was freed). */
 bool engine_run_take_token(engine *e, struct run *r, int32_t tok, uint64_t t);
+/* Give the run's pages back and put its request at the head of the queue
+ * (it has sent nothing yet: it is admitted again when pages allow). */
+void engine_run_requeue(engine *e, struct run *r);
 /* Post the final DONE event and free the run. */
 void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int stop_index);
 /* Post a final error and free the run. */

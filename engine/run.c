@@ -101,6 +101,19 @@ static void run_free(engine *e, struct run *r)
     run_state_free(r);
 }
 
+void engine_run_requeue(engine *e, struct run *r)
+{
+    struct engine_req *req = r->req;
+    engine_log(&e->p.hooks, ENGINE_LOG_DEBUG,
+               "request %" PRIu64 ": no pages for its prompt yet; back to the queue", req->id);
+    run_free(e, r);
+    req->next = e->wait_head;
+    e->wait_head = req;
+    if (!e->wait_tail)
+        e->wait_tail = req;
+    e->n_waiting++;
+}
+
 void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int stop_index)
 {
     uint64_t t = engine_now_ns();

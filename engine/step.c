@@ -78,23 +78,96 @@ static void drop_cancelled(engine *e)
     }
 }
 
-/* FIFO admission up to max_running; a request whose session is busy keeps
- * its place and lets later ones pass. */
+/*
+ * Admission by free pages.
+ *
+ * A request is admitted when the pool can hold its prompt: the pages its
+ * sequence needs for the prompt (within the policy's budget, plus a page
+ * for the first decode token and an eviction's granularity) must be
+ * covered by the free pages plus what idle sessions can give back (the
+ * pool drops them, least recently used first, when it runs short), less
+ * what the sequences already admitted will still take: the rest of their
+ * prompts and the next decode token of each. Otherwise the request waits
+ * in the queue, in order, until finished requests give pages back; the
+ * host bounds the queue (the daemon answers 429 past queue_length). A
+ * request that cannot fit even in an empty pool is refused at once (503).
+ *
+ * Generation beyond the prompt is not reserved ahead (a long max_tokens
+ * would otherwise hold pages it may never use): when decoding outgrows the
+ * pool, the youngest sequence yields (fail_in_batch), and one that has not
+ * produced a token yet goes back to the head of the queue instead of
+ * failing.
+ */
+
+/* Pages a sequence holding `tokens` tokens takes under pol: the budget's
+ * per-sequence pages for min(tokens, the budget). */
+static int pages_for(const engine *e, const struct kv_policy *pol, int tokens)
+{
+    struct kv_policy p = {.kind = KV_EVICT_NONE,
+                          .max_cache_tokens =
+                              tokens < pol->max_cache_tokens ? tokens : pol->max_cache_tokens};
+    struct kv_budget b;
+    kv_policy_budget(&p, e->p.page_tokens, &b);
+    return (int)b.sequence_pages;
+}
+
+/* Pages the admitted sequences will still take: the rest of each prompt,
+ * one page for each decode. */
+static int pages_promised(const engine *e)
+{
+    int n = 0;
+    for (const struct run *r = e->runs; r; r = r->next) {
+        int have = kv_seq_n_pages(r->seq);
+        int need = r->phase == RUN_PREFILL
+                       ? pages_for(e, kv_seq_policy(r->seq), r->req->n_prompt) - have
+                       : 1;
+        n += need > 0 ? need : 0;
+    }
+    return n;
+}
+
+/*
+ * Whether q's prompt fits now (see above); *never when it cannot fit even
+ * in an empty pool. x is q's session (NULL for none): its pages are its own
+ * already and not the pool's to give back.
+ */
+static bool fits(const engine *e, const struct engine_req *q, const struct engine_session *x,
+                 bool *never)
+{
+    int own = x && !kv_seq_dropped(x->seq) ? kv_seq_n_pages(x->seq) : 0;
+    int need = pages_for(e, &e->lim.policy, q->n_prompt) - own;
+    struct kv_stats st;
+    kv_cache_stats(e->cache, &st);
+    *never = need > st.pages_total - own;
+    int give_back = engine_sessions_idle_pages(&e->sessions) - own;
+    return need <= st.pages_free + give_back - pages_promised(e);
+}
+
+/* Admission in order, up to max_running and the pages above; a request
+ * whose session is busy keeps its place and lets later ones pass. */
 static void admit(engine *e, uint64_t t)
 {
     struct engine_req *prev = NULL;
     for (struct engine_req *q = e->wait_head, *next; q && e->n_running < e->lim.max_running;
          q = next) {
         next = q->next;
-        if (q->session) {
-            struct engine_session *x = engine_sessions_find(&e->sessions, q->session);
-            if (x && x->busy) {
-                prev = q;
-                continue;
-            }
+        struct engine_session *x =
+            q->session ? engine_sessions_find(&e->sessions, q->session) : NULL;
+        if (x && x->busy) {
+            prev = q;
+            continue;
         }
+        bool never = false;
+        if (!fits(e, q, x, &never) && !never)
+            break; /* wait for pages, in order */
         waiting_remove(e, prev, q);
-        engine_run_admit(e, q, t);
+        if (never)
+            engine_post_error(e, q, 503,
+                              "the prompt (%d tokens) cannot fit the KV pool (%d pages of %d "
+                              "tokens) even when empty",
+                              q->n_prompt, kv_cache_n_pages(e->cache), e->p.page_tokens);
+        else
+            engine_run_admit(e, q, t);
     }
 }
 
@@ -174,6 +247,8 @@ static void fail_in_batch(engine *e, struct run *r, int err)
         if (r->n_gen > 0) {
             if (engine_run_flush(e, r))
                 engine_run_finish(e, r, ENGINE_FINISH_POOL, -1);
+        } else if (e->n_running > 1) {
+            engine_run_requeue(e, r); /* nothing sent yet: wait for pages again */
         } else {
             engine_run_fail(e, r, 503, "the KV cache is full; retry later");
         }
