@@ -185,6 +185,7 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .max_session_id = 128,
         .chat_template = c->model.chat_template,
         .chat_turns = c->eviction.unit == CFG_UNIT_TURN,
+        .engine_stall_ms = c->limits.engine_stall_timeout_ms,
     };
     o->sched.model = (struct model_params){
         .path = c->model.path,

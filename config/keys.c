@@ -253,6 +253,11 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
     [CFG_LIMITS_STEP_TOKENS] =
         INT("limits", "step_tokens", limits.step_tokens, "512", 1, 1 << 20, "tokens", LIVE,
             "tokens per engine step: decodes first, prompts fill the rest in chunks"),
+    [CFG_LIMITS_ENGINE_STALL_TIMEOUT] =
+        DURATION("limits", "engine_stall_timeout", limits.engine_stall_timeout_ms, "2m", 0, DAY,
+                 LIVE,
+                 "an engine step running longer than this makes /health answer 503 (stalled) "
+                 "while the server still answers; 0 = never"),
     /* [auth] */
     [CFG_AUTH_API_KEY] =
         STRING("auth", "api_key", auth.api_key, "", LIVE, true, NULL,

@@ -2142,12 +2142,27 @@ static void route_models(srv_api *a, srv_conn *c)
     respond_json(c, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
 }
 
+/* Whether the engine thread has been in one step longer than the
+ * configured engine_stall_timeout (the reason in msg). */
+static bool engine_stalled(srv_api *a, char *msg, size_t len)
+{
+    uint64_t busy = srv_sched_busy_ms(a->sched);
+    if (!a->p.engine_stall_ms || busy <= a->p.engine_stall_ms)
+        return false;
+    snprintf(msg, len, "the engine has been in one step for %" PRIu64 " ms (engine_stall_timeout %" PRIu64 " ms)",
+             busy, a->p.engine_stall_ms);
+    return true;
+}
+
 static void route_health(srv_api *a, srv_conn *c)
 {
+    char msg[160];
     if (a->draining)
         api_error_code(c, 503, NULL, "draining", NULL, "the server is shutting down");
     else if (!a->m)
         api_error_code(c, 503, NULL, "loading", NULL, "the model is loading");
+    else if (engine_stalled(a, msg, sizeof(msg)))
+        api_error_code(c, 503, NULL, "engine_stalled", NULL, msg);
     else
         respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
 }

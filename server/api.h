@@ -26,6 +26,7 @@ struct srv_api_params {
     bool chat_turns;           /* [eviction] unit = turn: chat turns leave whole */
     const char *config_json;   /* GET /v1/config's answer: the effective config, each key
                                   with its origin (copied; NULL = 404) */
+    uint64_t engine_stall_ms;  /* /health: 503 when an engine step runs longer (0 = never) */
 };
 
 srv_api *srv_api_create(srv_sched *sched, srv_metrics *metrics, const struct srv_api_params *p);

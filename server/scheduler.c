@@ -13,6 +13,13 @@
  * otherwise when a request, a reload, a resumed reader or the once-a-second
  * session sweep wakes it.
  *
+ * Heartbeat. The thread stores the time before each wait for work and
+ * after each step; the readiness route asks how long it has been busy
+ * since (srv_sched_busy_ms) and says "not ready" when a step has run
+ * longer than [limits] engine_stall_timeout, while the loop thread goes on
+ * answering. KVD_FAULT_ENGINE_STALL_MS (for that test only, logged when
+ * set) makes every step with work sleep that long.
+ *
  * The queue limit is applied here, at submission on the loop thread
  * (beyond the free sequence slots, queue_length requests may wait; the API
  * answers 429 past that), from counts the engine thread publishes under
@@ -56,6 +63,13 @@ struct srv_sched {
     /* Published once by the engine thread before ENGINE_EV_READY. */
     _Atomic(const model *) ready_model;
 
+    /* The heartbeat: the engine thread stores the monotonic time (ms) before
+     * each wait for work and after each step; `idle` is set while it waits.
+     * Read by the loop thread's readiness check (srv_sched_busy_ms). */
+    _Atomic uint64_t beat_ms;
+    atomic_bool idle;
+    uint64_t fault_stall_ms; /* test hook: sleep this long in each busy step */
+
     /* Engine thread only. */
     model *m;
     engine *eng;
@@ -68,6 +82,11 @@ static uint64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void beat(srv_sched *s)
+{
+    atomic_store(&s->beat_ms, now_ns() / 1000000u);
 }
 
 /* ------------------------------------------------------------------------
@@ -192,8 +211,10 @@ static void publish(srv_sched *s)
  * engine must stop. */
 static bool pull_inbox(srv_sched *s, bool block, uint64_t wait_ms)
 {
+    beat(s);
     pthread_mutex_lock(&s->in_mu);
     if (block && !s->in_head && !s->stop && !s->limits_dirty && !s->woken) {
+        atomic_store(&s->idle, true);
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_sec += (time_t)(wait_ms / 1000);
@@ -214,6 +235,8 @@ static bool pull_inbox(srv_sched *s, bool block, uint64_t wait_ms)
     struct engine_limits l = s->next_limits;
     s->limits_dirty = false;
     pthread_mutex_unlock(&s->in_mu);
+    beat(s); /* busy from here until the next beat */
+    atomic_store(&s->idle, false);
 
     char err[256];
     if (dirty && engine_set_limits(s->eng, &l, err, sizeof(err)) != 0)
@@ -289,6 +312,12 @@ static void *engine_main(void *arg)
             s->last_sweep_ms = t_ms;
         }
         busy = engine_step(s->eng, t);
+        if (busy && s->fault_stall_ms) {
+            struct timespec ts = {(time_t)(s->fault_stall_ms / 1000),
+                                  (long)(s->fault_stall_ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL); /* a step that hangs (KVD_FAULT_ENGINE_STALL_MS) */
+        }
+        beat(s);
         post_list(s, engine_take_events(s->eng));
         publish(s);
     }
@@ -336,6 +365,17 @@ srv_sched *srv_sched_create(const struct srv_sched_params *p, char *err, size_t 
     s->queue_length = p->limits.queue_length;
     s->max_running_pub = p->limits.max_running;
     atomic_init(&s->ready_model, NULL);
+    atomic_init(&s->beat_ms, now_ns() / 1000000u);
+    atomic_init(&s->idle, true);
+    /* Fault injection for the stalled-engine test: never silent. */
+    const char *stall = getenv("KVD_FAULT_ENGINE_STALL_MS");
+    if (stall && *stall) {
+        s->fault_stall_ms = strtoull(stall, NULL, 10);
+        srv_log(SRV_LOG_WARN,
+                "fault injection: every engine step with work stalls %" PRIu64
+                " ms (KVD_FAULT_ENGINE_STALL_MS)",
+                s->fault_stall_ms);
+    }
     pthread_mutex_init(&s->in_mu, NULL);
     pthread_cond_init(&s->in_cv, NULL);
     pthread_mutex_init(&s->out_mu, NULL);
@@ -440,6 +480,14 @@ int srv_sched_set_limits(srv_sched *s, const struct engine_limits *l, char *err,
     pthread_cond_signal(&s->in_cv);
     pthread_mutex_unlock(&s->in_mu);
     return 0;
+}
+
+uint64_t srv_sched_busy_ms(srv_sched *s)
+{
+    if (atomic_load(&s->idle))
+        return 0;
+    uint64_t now = now_ns() / 1000000u, b = atomic_load(&s->beat_ms);
+    return now > b ? now - b : 0;
 }
 
 /* Lock rule: takes in_mu only. */

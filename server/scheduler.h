@@ -63,6 +63,9 @@ const model *srv_sched_model(srv_sched *s);
 int srv_sched_set_limits(srv_sched *s, const struct engine_limits *l, char *err, size_t errlen);
 /* Wake the engine for a request whose `paused` was just cleared. */
 void srv_sched_wake(srv_sched *s);
+/* How long (ms) the engine thread has been in its current step since its
+ * last heartbeat; 0 while it waits for work. Thread-safe (atomics). */
+uint64_t srv_sched_busy_ms(srv_sched *s);
 /* Requests waiting for admission (for Retry-After and tests). */
 int srv_sched_queue_depth(srv_sched *s);
 

@@ -1,0 +1,375 @@
+/*
+ * test_engine.c - the engine (engine/engine.h) driven directly, as kvd
+ * generate and kvd eval drive it, and through `kvd serve` where the
+ * behaviour is the daemon's: admission by free pages, the stalled-engine
+ * readiness check.
+ *
+ * In-process tests build a small model in a scratch folder and step an
+ * engine by hand; the serve tests start the real binary (KVD_BIN, set by
+ * `make test`) and skip without it.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <jansson.h>
+#include <pthread.h>
+
+#include "engine/engine.h"
+#include "model/mkmodel.h"
+#include "model/model.h"
+#include "tests/serve_util.h"
+
+static const char *kvd_bin;
+static char tmpdir[256];
+static char model_path[512];
+static model *mdl;
+
+#define SKIP_WITHOUT_KVD()                                                                         \
+    do {                                                                                           \
+        if (!kvd_bin) {                                                                            \
+            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
+            skip();                                                                                \
+        }                                                                                          \
+    } while (0)
+
+/* ------------------------------------------------------------------------
+ * In-process: the engine stepped by hand
+ * ------------------------------------------------------------------------ */
+
+/* An engine over the scratch model: f32 K/V in pages of 16 tokens, a pool
+ * of `pages` pages, policy none at `budget` tokens. */
+static engine *small_engine(int pages, int budget, int max_running, int step_tokens)
+{
+    struct kv_cache_params shape = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
+    model_kv_shape(mdl, &shape);
+    struct engine_params p = {
+        .m = mdl,
+        .cache_memory = kv_cache_memory_for(&shape, pages),
+        .page_tokens = 16,
+        .k_type = KV_F32,
+        .v_type = KV_F32,
+        .n_threads = 1,
+        .limits = {.policy = {.kind = KV_EVICT_NONE, .max_cache_tokens = budget},
+                   .max_running = max_running,
+                   .step_tokens = step_tokens},
+    };
+    char err[512];
+    engine *e = engine_create(&p, err, sizeof(err));
+    if (!e)
+        fail_msg("engine_create: %s", err);
+    return e;
+}
+
+/* A completion of n_prompt token ids (1, 2, ...) generating max_tokens. */
+static struct engine_req *completion(int n_prompt, int max_tokens)
+{
+    struct engine_req *r = engine_req_new(ENGINE_REQ_COMPLETION);
+    assert_non_null(r);
+    r->prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    assert_non_null(r->prompt);
+    for (int i = 0; i < n_prompt; i++)
+        r->prompt[i] = 1 + i % 200;
+    r->n_prompt = n_prompt;
+    r->max_tokens = max_tokens;
+    r->ignore_eos = true;
+    model_sampling_defaults(&r->sampling);
+    r->sampling.temperature = 0;
+    return r;
+}
+
+/* What the events of a run said, per request (index = req->id). */
+struct tally {
+    int done[8], errors[8], texts[8], logits[8];
+    int status[8];
+    enum engine_finish finish[8];
+    int positions[8][64];
+};
+
+static void take(engine *e, struct tally *t)
+{
+    for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
+        next = ev->next;
+        int i = (int)ev->req->id;
+        switch (ev->kind) {
+        case ENGINE_EV_TEXT:
+            t->texts[i]++;
+            break;
+        case ENGINE_EV_LOGITS:
+            if (t->logits[i] < 64)
+                t->positions[i][t->logits[i]] = ev->position;
+            t->logits[i]++;
+            break;
+        case ENGINE_EV_DONE:
+            t->done[i]++;
+            t->finish[i] = ev->finish;
+            break;
+        case ENGINE_EV_ERROR:
+            t->errors[i]++;
+            t->status[i] = ev->status;
+            break;
+        default:
+            fail_msg("unexpected event kind %d", (int)ev->kind);
+        }
+        engine_event_free(ev);
+    }
+}
+
+/*
+ * Admission by free pages: a pool of 24 pages and three prompts of 150
+ * tokens (11 pages each with the decode page) cannot all be admitted at
+ * once. The third waits (never more than two run) and then runs to its
+ * own finish; nobody gets 503.
+ */
+static void test_admission_waits_for_pages(void **state)
+{
+    (void)state;
+    engine *e = small_engine(24, 256, 4, 512);
+    struct engine_req *r[3];
+    for (int i = 0; i < 3; i++) {
+        r[i] = completion(150, 4);
+        r[i]->id = (uint64_t)i;
+        assert_int_equal(engine_submit(e, r[i]), 0);
+    }
+    struct tally t = {0};
+    int most = 0, steps = 0;
+    bool third_waited = false;
+    while (t.done[0] + t.done[1] + t.done[2] + t.errors[0] + t.errors[1] + t.errors[2] < 3) {
+        assert_true(engine_step(e, su_now() * 1e9));
+        struct engine_stats st;
+        engine_get_stats(e, &st);
+        most = st.running > most ? st.running : most;
+        if (steps == 0 && st.waiting == 1)
+            third_waited = true;
+        take(e, &t);
+        assert_true(++steps < 1000);
+    }
+    for (int i = 0; i < 3; i++) {
+        if (t.errors[i])
+            fail_msg("request %d failed with %d", i, t.status[i]);
+        assert_int_equal(t.done[i], 1);
+        assert_int_equal(t.finish[i], ENGINE_FINISH_LENGTH);
+    }
+    print_message("at most %d running of 3, the third waited: %s, %d steps\n", most,
+                  third_waited ? "yes" : "no", steps);
+    assert_int_equal(most, 2);
+    assert_true(third_waited);
+    struct engine_stats st;
+    engine_get_stats(e, &st);
+    assert_int_equal(st.kv.pages_used, 0);
+    for (int i = 0; i < 3; i++)
+        engine_req_free(r[i]);
+    engine_destroy(e);
+}
+
+/*
+ * Logits for scoring: ENGINE_LOGITS_EACH posts the logits after every
+ * prompt token, positions 0..n-1 in order, fed one token per step;
+ * ENGINE_LOGITS_LAST posts one, after the last.
+ */
+static void test_logits_events(void **state)
+{
+    (void)state;
+    engine *e = small_engine(16, 128, 2, 64);
+    struct engine_req *each = completion(20, 0), *last = completion(20, 0);
+    each->id = 0;
+    each->logits = ENGINE_LOGITS_EACH;
+    last->id = 1;
+    last->logits = ENGINE_LOGITS_LAST;
+    engine_submit(e, each);
+    engine_submit(e, last);
+    struct tally t = {0};
+    int steps = 0;
+    while (t.done[0] + t.done[1] < 2 && steps++ < 100) {
+        engine_step(e, su_now() * 1e9);
+        take(e, &t);
+    }
+    assert_int_equal(t.done[0], 1);
+    assert_int_equal(t.done[1], 1);
+    assert_int_equal(t.logits[0], 20);
+    for (int i = 0; i < 20; i++)
+        assert_int_equal(t.positions[0][i], i);
+    assert_int_equal(t.logits[1], 1);
+    assert_int_equal(t.positions[1][0], 19);
+    assert_int_equal(steps, 20); /* one prompt token per step */
+    engine_req_free(each);
+    engine_req_free(last);
+    engine_destroy(e);
+}
+
+/* ------------------------------------------------------------------------
+ * Through kvd serve
+ * ------------------------------------------------------------------------ */
+
+struct gen_arg {
+    int port;
+    json_t *body; /* stolen by the thread */
+    int status;
+    json_t *answer;
+};
+
+static void *gen_thread(void *p)
+{
+    struct gen_arg *g = p;
+    g->answer = su_post(g->port, "/completion", NULL, g->body, &g->status);
+    return NULL;
+}
+
+/* A prompt of about n tokens for the scratch model. */
+static char *long_prompt(int words)
+{
+    char *s = malloc((size_t)words * 6 + 1);
+    assert_non_null(s);
+    s[0] = '\0';
+    for (int i = 0; i < words; i++)
+        strcat(s, i % 2 ? " time" : " once");
+    return s;
+}
+
+/*
+ * Issue 14, defect 4: with a pool that holds about three of eight
+ * concurrent long prompts, every request used to be admitted at once and
+ * the youngest ones were refused with 503 "the KV cache is full". Now they
+ * wait in the queue for pages and all eight answer 200 with their own
+ * finish.
+ */
+static void test_serve_full_pool_queues(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    /* f32 K/V of the scratch model: 512 bytes a token, so 1 MiB holds
+     * 2048 tokens (128 pages of 16). */
+    static const char *const args[] = {"--set", "cache.memory=1MiB",
+                                       "--set", "cache.kv_type=f32",
+                                       "--set", "eviction.max_cache_tokens=1024",
+                                       "--set", "limits.max_running=8",
+                                       "--set", "server.threads=1"};
+    struct su_proc p = {0};
+    snprintf(p.log, sizeof(p.log), "%s/pool.log", tmpdir);
+    assert_int_equal(su_serve(&p, kvd_bin, model_path, args, 10), 0);
+    char *prompt = long_prompt(400);
+    enum { N = 8 };
+    struct gen_arg g[N];
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        g[i] = (struct gen_arg){
+            .port = p.port,
+            .body = json_pack("{s:s, s:i, s:b}", "prompt", prompt, "n_predict", 8, "ignore_eos", 1),
+        };
+        assert_int_equal(pthread_create(&th[i], NULL, gen_thread, &g[i]), 0);
+    }
+    int ok = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        if (g[i].status != 200)
+            print_message("request %d: status %d: %s\n", i, g[i].status,
+                          json_string_value(
+                              json_object_get(json_object_get(g[i].answer, "error"), "message")));
+        ok += g[i].status == 200;
+        if (g[i].status == 200)
+            assert_int_equal(json_integer_value(json_object_get(g[i].answer, "tokens_predicted")),
+                             8);
+        json_decref(g[i].answer);
+    }
+    print_message("%d of %d long prompts answered 200 through a pool of ~3\n", ok, N);
+    assert_int_equal(ok, N);
+    free(prompt);
+    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+}
+
+static int get_status(int port, const char *path, char *code, size_t len)
+{
+    struct su_resp r;
+    int st = su_http(port, "GET", path, NULL, NULL, &r);
+    json_t *v = r.body ? json_loads(r.body, 0, NULL) : NULL;
+    const char *c = json_string_value(json_object_get(json_object_get(v, "error"), "code"));
+    snprintf(code, len, "%s", c ? c : "");
+    json_decref(v);
+    su_resp_free(&r);
+    return st;
+}
+
+/*
+ * Issue 14's stalled engine: with every step made to hang 3 s
+ * (KVD_FAULT_ENGINE_STALL_MS) and engine_stall_timeout 1s, /health says
+ * 503 engine_stalled while a request is inside the step, yet the loop
+ * keeps answering (/metrics 200 meanwhile); when the step ends the request
+ * completes and /health is 200 again.
+ */
+static void test_serve_stalled_engine_not_ready(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "limits.engine_stall_timeout=1s"};
+    struct su_proc p = {0};
+    snprintf(p.log, sizeof(p.log), "%s/stall.log", tmpdir);
+    setenv("KVD_FAULT_ENGINE_STALL_MS", "3000", 1);
+    int rc = su_serve(&p, kvd_bin, model_path, args, 2);
+    unsetenv("KVD_FAULT_ENGINE_STALL_MS");
+    assert_int_equal(rc, 0);
+    char code[64];
+    assert_int_equal(get_status(p.port, "/health", code, sizeof(code)), 200);
+
+    struct gen_arg g = {.port = p.port,
+                        .body = json_pack("{s:s, s:i}", "prompt", "Once upon", "n_predict", 1)};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, gen_thread, &g), 0);
+    bool stalled = false;
+    double t0 = su_now();
+    while (!stalled && su_now() - t0 < 10) {
+        stalled = get_status(p.port, "/health", code, sizeof(code)) == 503 &&
+                  !strcmp(code, "engine_stalled");
+        if (stalled) {
+            /* the loop thread answers meanwhile */
+            assert_int_equal(get_status(p.port, "/metrics", code, sizeof(code)), 200);
+        }
+        su_sleep_ms(100);
+    }
+    print_message("stalled seen after %.1f s\n", su_now() - t0);
+    assert_true(stalled);
+    pthread_join(th, NULL);
+    assert_int_equal(g.status, 200);
+    json_decref(g.answer);
+    assert_int_equal(get_status(p.port, "/health", code, sizeof(code)), 200);
+    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static int group_setup(void **state)
+{
+    (void)state;
+    signal(SIGPIPE, SIG_IGN);
+    kvd_bin = getenv("KVD_BIN");
+    if (kvd_bin && !*kvd_bin)
+        kvd_bin = NULL;
+    if (su_scratch_model("engine", 11, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path)))
+        return -1;
+    char err[512];
+    struct model_params mp = {.path = model_path};
+    mdl = model_load(&mp, err, sizeof(err));
+    if (!mdl)
+        fprintf(stderr, "model_load: %s\n", err);
+    return mdl ? 0 : -1;
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    model_free(mdl);
+    return su_remove_dir(tmpdir);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_admission_waits_for_pages),
+        cmocka_unit_test(test_logits_events),
+        cmocka_unit_test(test_serve_full_pool_queues),
+        cmocka_unit_test(test_serve_stalled_engine_not_ready),
+    };
+    return cmocka_run_group_tests_name("engine", tests, group_setup, group_teardown);
+}
