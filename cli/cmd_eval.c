@@ -325,7 +325,7 @@ static double token_loss(const float *logits, int n_vocab, int32_t target)
 /* Everything one scoring pass needs. */
 struct evaluator {
     const model *m;
-    model_ctx *ctx; /* the retrieval task's (eval_retrieval.c) */
+    model_ctx *ctx; /* the up-front check that the kernel takes the model's shape */
     int n_vocab;
     const struct eval_opts *o;
 };
@@ -883,7 +883,7 @@ static int run_retrieval(const struct eval_opts *o, const struct evaluator *ev,
         longest = o->ret.mult[k] > longest ? o->ret.mult[k] : longest;
     describe_path(o, info, longest * train_len, train_len);
     struct eval_ret_in in = {
-        .m = ev->m, .ctx = ev->ctx, .max_batch = budget, .r = &o->ret, .rows = rows,
+        .m = ev->m, .n_threads = o->threads, .max_batch = budget, .r = &o->ret, .rows = rows,
         .n_rows = n_rows, .train_len = train_len, .page_tokens = o->page_tokens,
         .k_type = o->k_type, .v_type = o->v_type, .text = tokens ? tokens + 1 : NULL, .n_text = tokens ? n - 1 : 0,
         .json = o->json, .plot = o->plot,
@@ -939,7 +939,9 @@ int srv_cmd_eval(int argc, char **argv)
         return 2;
     }
     bool text_ok = tokens || (o.ret.on && !o.file);
-    ev.ctx = text_ok ? model_ctx_create(m, budget, o.threads, err, sizeof(err)) : NULL;
+    /* A shape the fused kernel cannot take is refused here, once, with the
+     * shape named (each pass's engine would refuse it too). */
+    ev.ctx = text_ok ? model_ctx_create(m, 1, o.threads, err, sizeof(err)) : NULL;
     struct eval_run runs[MAX_POLICIES + MAX_BASELINES];
     memset(runs, 0, sizeof(runs));
     int n_runs = 0, rc = 0, ref = -1;

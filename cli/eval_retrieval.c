@@ -24,7 +24,8 @@
  * Every policy and baseline of `kvd eval` runs, one row each:
  *   a policy   the prompt is prefilled through one sequence under the
  *              policy (evicting as it goes, as a session in kvd serve),
- *              then the answer is decoded greedily in the same sequence;
+ *              then the answer is decoded greedily in the same sequence:
+ *              one request to the engine kvd serve runs (engine/engine.h);
  *   dense      the same with no eviction;
  *   chunked    only the last training-length chunk of the prompt, after a
  *              fresh BOS (what a model limited to its training length sees);
@@ -43,6 +44,7 @@
 #include <string.h>
 
 #include "config/args.h"
+#include "engine/engine.h"
 
 #define QUESTION "the secret code is"
 
@@ -270,106 +272,123 @@ static int make_prompt(const struct task *tk, int len, double depth, uint64_t se
 }
 
 /* ------------------------------------------------------------------------
- * Runs
+ * Runs: each case is a request to the engine `kvd serve` runs
+ * (engine/engine.h), on an engine whose pool holds one sequence at the
+ * row's budget and whose steps take up to max_batch tokens (the prompt is
+ * prefilled in chunks, evicting as it goes, as a session's would be)
  * ------------------------------------------------------------------------ */
 
-/* A sequence under `policy` in its own cache, room for `tokens`. */
-struct run {
-    kv_cache *cache;
-    kv_seq *seq;
+/* What one request on an engine gave: its generated ids, its usage, the
+ * tokens its session retains (when it ran as a session). */
+struct outcome {
+    int32_t ids[16]; /* generated (the key is at most 10 digits) */
+    int n_ids;
+    struct engine_usage usage;
 };
 
-static int run_open(const struct eval_ret_in *in, const struct kv_policy *policy, int tokens,
-                    struct run *r)
+/* An engine for a sequence under policy, room for its budget. */
+static engine *case_engine(const struct eval_ret_in *in, const struct kv_policy *policy,
+                           bool session)
 {
-    char err[256];
-    struct kv_cache_params p = {.page_tokens = in->page_tokens, .k_type = in->k_type,
-                                .v_type = in->v_type};
-    model_kv_shape(in->m, &p);
-    /* The pages one sequence can occupy holding `tokens`: the cache's own
-     * budget says how many (as for kvd eval's perplexity runs). */
-    struct kv_policy full = {.kind = KV_EVICT_NONE, .max_cache_tokens = tokens};
+    struct kv_cache_params shape = {
+        .page_tokens = in->page_tokens, .k_type = in->k_type, .v_type = in->v_type};
+    model_kv_shape(in->m, &shape);
+    /* the pages one sequence can occupy: the cache's own budget says */
     struct kv_budget b;
-    kv_policy_budget(&full, p.page_tokens, &b);
-    p.memory_bytes = kv_cache_memory_for(&p, b.sequence_pages);
-    r->cache = kv_cache_create(&p, err, sizeof(err));
-    r->seq = r->cache ? kv_seq_create(r->cache, policy, true, err, sizeof(err)) : NULL;
-    if (!r->seq) {
-        fprintf(stderr, "kvd eval: cache: %s\n", err);
-        kv_cache_destroy(r->cache);
+    kv_policy_budget(policy, shape.page_tokens, &b);
+    struct engine_params p = {
+        .m = in->m,
+        .cache_memory = kv_cache_memory_for(&shape, b.sequence_pages),
+        .page_tokens = shape.page_tokens,
+        .k_type = in->k_type,
+        .v_type = in->v_type,
+        .n_threads = in->n_threads,
+        .limits = {.policy = *policy,
+                   .max_running = 1,
+                   .step_tokens = in->max_batch,
+                   .max_sessions = session ? 1 : 0},
+    };
+    char err[512];
+    engine *e = engine_create(&p, err, sizeof(err));
+    if (!e)
+        fprintf(stderr, "kvd eval: %s\n", err);
+    return e;
+}
+
+/*
+ * Prefill tok[0..n) on eng and generate up to max_tokens greedily (a
+ * session when `session`); what came back in out. 0, or -1 with the reason
+ * printed.
+ */
+static int run_request(engine *eng, const int32_t *tok, int n, int max_tokens, bool session,
+                       struct outcome *out)
+{
+    *out = (struct outcome){0};
+    struct engine_req *req = engine_req_new(ENGINE_REQ_COMPLETION);
+    if (req) {
+        req->prompt = malloc(sizeof(int32_t) * (size_t)n);
+        req->session = session ? strdup("retrieval") : NULL;
+    }
+    if (!req || !req->prompt || (session && !req->session)) {
+        fprintf(stderr, "kvd eval: out of memory\n");
+        engine_req_free(req);
         return -1;
     }
-    return 0;
-}
-
-static void run_close(struct run *r)
-{
-    kv_seq_destroy(r->seq);
-    kv_cache_destroy(r->cache);
-}
-
-/* Feed tok[0..n) in chunks; the last token's logits into logits. */
-static int feed(const struct eval_ret_in *in, kv_seq *seq, const int32_t *tok, int n, float *logits)
-{
-    for (int at = 0, k; at < n; at += k) {
-        /* at most a batch, and at most what the policy can make room for */
-        int room = kv_seq_max_append(seq);
-        k = n - at < in->max_batch ? n - at : in->max_batch;
-        k = k < room ? k : room;
-        if (k < 1) {
-            fprintf(stderr, "kvd eval: the sequence is full (policy none and no room)\n");
-            return -1;
+    memcpy(req->prompt, tok, sizeof(int32_t) * (size_t)n);
+    req->n_prompt = n;
+    req->max_tokens = max_tokens;
+    req->want_tokens = true;
+    model_sampling_defaults(&req->sampling);
+    req->sampling.temperature = 0; /* greedy: the most likely token, the lower id on ties */
+    engine_submit(eng, req);
+    int rc = 1; /* until the final event */
+    while (rc == 1) {
+        bool worked = engine_step(eng, 0);
+        struct engine_event *ev = engine_take_events(eng), *next;
+        if (!worked && !ev) {
+            fprintf(stderr, "kvd eval: the engine stopped with the request open\n");
+            rc = -1;
         }
-        struct model_batch_seq b = {
-            .seq = seq, .tokens = tok + at, .n_tokens = k, .logits = at + k == n ? logits : NULL};
-        int rc = model_reserve_forward(in->ctx, &b, 1, NULL);
-        if (rc) {
-            fprintf(stderr, "kvd eval: forward failed (%d)\n", rc);
-            return rc;
+        for (; ev; ev = next) {
+            next = ev->next;
+            for (int i = 0; i < ev->n_tokens && out->n_ids < 16; i++)
+                out->ids[out->n_ids++] = ev->tokens[i];
+            if (ev->kind == ENGINE_EV_DONE) {
+                out->usage = ev->usage;
+                rc = 0;
+            } else if (ev->kind == ENGINE_EV_ERROR) {
+                fprintf(stderr, "kvd eval: %s\n", ev->message);
+                rc = -1;
+            }
+            engine_event_free(ev);
         }
     }
-    return 0;
-}
-
-/* Greedy continuation against the key: whether every token matches. */
-static int answer(const struct eval_ret_in *in, kv_seq *seq, float *logits, int n_vocab,
-                  const struct ids *key, bool *correct)
-{
-    *correct = true;
-    for (int k = 0; k < key->n && *correct; k++) {
-        int32_t best = 0;
-        for (int v = 1; v < n_vocab; v++)
-            if (logits[v] > logits[best])
-                best = v;
-        *correct = best == key->v[k];
-        if (*correct && k + 1 < key->n && feed(in, seq, &best, 1, logits))
-            return -1;
-    }
-    return 0;
-}
-
-/* Prefill tok[0..n) under policy (none: dense) and answer. */
-static int run_tokens(const struct eval_ret_in *in, const struct kv_policy *policy,
-                      const int32_t *tok, int n, const struct ids *key, float *logits, int n_vocab,
-                      bool *correct, uint64_t *evicted)
-{
-    struct kv_policy dense = {.kind = KV_EVICT_NONE, .max_cache_tokens = n + key->n + 1};
-    const struct kv_policy *p = policy->kind == KV_EVICT_NONE ? &dense : policy;
-    struct run r;
-    if (run_open(in, p, p->max_cache_tokens, &r))
-        return -1;
-    int rc = feed(in, r.seq, tok, n, logits);
-    if (!rc)
-        rc = answer(in, r.seq, logits, n_vocab, key, correct);
-    const int32_t *hist;
-    *evicted += (uint64_t)(kv_seq_history(r.seq, &hist) - kv_seq_n_tokens(r.seq));
-    run_close(&r);
+    engine_req_free(req);
     return rc;
 }
 
+/* Prefill tok[0..n) under policy (none: dense), answer greedily: whether
+ * the continuation is exactly the key. */
+static int run_tokens(const struct eval_ret_in *in, const struct kv_policy *policy,
+                      const int32_t *tok, int n, const struct ids *key, bool *correct,
+                      uint64_t *evicted)
+{
+    struct kv_policy dense = {.kind = KV_EVICT_NONE, .max_cache_tokens = n + key->n + 1};
+    const struct kv_policy *p = policy->kind == KV_EVICT_NONE ? &dense : policy;
+    engine *eng = case_engine(in, p, false);
+    struct outcome out;
+    int rc = eng ? run_request(eng, tok, n, key->n, false, &out) : -1;
+    engine_destroy(eng);
+    if (rc)
+        return rc;
+    *correct = out.n_ids == key->n && !memcmp(out.ids, key->v, sizeof(int32_t) * (size_t)key->n);
+    *evicted += (uint64_t)out.usage.evicted_tokens;
+    return 0;
+}
+
 /* Row `row` on prompt p. */
-static int run_case(const struct task *tk, int row, const struct prompt *p, float *logits,
-                    int n_vocab, bool *correct, uint64_t *evicted)
+static int run_case(const struct task *tk, int row, const struct prompt *p, bool *correct,
+                    uint64_t *evicted)
 {
     const struct eval_ret_in *in = tk->in;
     const struct eval_ret_row *rw = &in->rows[row];
@@ -381,24 +400,24 @@ static int run_case(const struct task *tk, int row, const struct prompt *p, floa
         t[0] = tk->bos;
         memcpy(t + 1, p->tok + p->n - keep, sizeof(int32_t) * (size_t)keep);
         struct kv_policy none = {.kind = KV_EVICT_NONE};
-        int rc = run_tokens(in, &none, t, keep + 1, &p->key, logits, n_vocab, correct, evicted);
+        int rc = run_tokens(in, &none, t, keep + 1, &p->key, correct, evicted);
         free(t);
         return rc;
     }
     if (rw->baseline == 3) { /* recompute: what row 0's policy retained, fresh */
-        struct run r;
-        if (run_open(in, &in->rows[0].policy, in->rows[0].policy.max_cache_tokens, &r))
-            return -1;
-        int rc = feed(in, r.seq, p->tok, p->n, logits);
-        if (!rc) {
+        engine *eng = case_engine(in, &in->rows[0].policy, true);
+        struct outcome out;
+        int rc = eng ? run_request(eng, p->tok, p->n, 0, true, &out) : -1;
+        int n_kept = 0;
+        const int32_t *kept = rc ? NULL : engine_session_tokens(eng, "retrieval", &n_kept);
+        if (kept) {
             struct kv_policy none = {.kind = KV_EVICT_NONE};
-            rc = run_tokens(in, &none, kv_seq_tokens(r.seq), kv_seq_n_tokens(r.seq), &p->key,
-                            logits, n_vocab, correct, evicted);
+            rc = run_tokens(in, &none, kept, n_kept, &p->key, correct, evicted);
         }
-        run_close(&r);
-        return rc;
+        engine_destroy(eng);
+        return kept ? rc : -1;
     }
-    return run_tokens(in, &rw->policy, p->tok, p->n, &p->key, logits, n_vocab, correct, evicted);
+    return run_tokens(in, &rw->policy, p->tok, p->n, &p->key, correct, evicted);
 }
 
 /* ------------------------------------------------------------------------
@@ -565,9 +584,8 @@ int srv_eval_retrieval(const struct eval_ret_in *in)
     s.distance = calloc((size_t)(s.n_mult * s.n_depth), sizeof(int));
     s.len = calloc((size_t)s.n_mult, sizeof(int));
     s.evicted = calloc((size_t)s.n_rows, sizeof(uint64_t));
-    float *logits = malloc(sizeof(float) * (size_t)info.n_vocab);
     int rc = setup(in, &tk);
-    if (!s.correct || !s.distance || !s.len || !s.evicted || !logits)
+    if (!s.correct || !s.distance || !s.len || !s.evicted)
         rc = -1;
     for (int mi = 0; mi < r->n_mult && !rc; mi++) {
         s.len[mi] = r->mult[mi] * in->train_len;
@@ -584,7 +602,7 @@ int srv_eval_retrieval(const struct eval_ret_in *in)
                 dist += p.distance;
                 for (int row = 0; row < in->n_rows && !rc; row++) {
                     bool ok = false;
-                    rc = run_case(&tk, row, &p, logits, info.n_vocab, &ok, &s.evicted[row]);
+                    rc = run_case(&tk, row, &p, &ok, &s.evicted[row]);
                     *cell(&s, row, mi, di) += ok;
                 }
                 free(p.tok);
@@ -614,6 +632,5 @@ int srv_eval_retrieval(const struct eval_ret_in *in)
     free(s.distance);
     free(s.len);
     free(s.evicted);
-    free(logits);
     return rc ? 1 : 0;
 }

@@ -47,8 +47,8 @@ struct eval_ret_row {
 /* What the task runs on (borrowed). */
 struct eval_ret_in {
     const model *m;
-    model_ctx *ctx;
-    int max_batch; /* tokens per model_forward call (ctx's limit) */
+    int n_threads; /* OpenMP threads of a step (0 = default) */
+    int max_batch; /* tokens per engine step (prefill chunk) */
     const struct eval_ret_opts *r;
     const struct eval_ret_row *rows;
     int n_rows;
