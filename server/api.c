@@ -349,9 +349,13 @@ struct toks {
     int n, cap;
 };
 
-/* Append ids; -1 (nothing appended) when memory runs out. */
+/* Append ids; -1 (nothing appended) when memory runs out. Nothing to
+ * append is done at once: t->v may still be NULL (an empty /tokenize
+ * content), and NULL + 0 is undefined. */
 static int toks_push(struct toks *t, const int32_t *ids, int n)
 {
+    if (n == 0)
+        return 0;
     if (t->n + n > t->cap) {
         int cap = t->cap ? t->cap : 64;
         while (cap < t->n + n)
