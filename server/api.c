@@ -2166,7 +2166,7 @@ static void route_health(srv_api *a, srv_conn *c)
     else if (!a->m)
         api_error_code(c, 503, NULL, "loading", NULL, "the model is loading");
     else if (engine_stalled(a, msg, sizeof(msg)))
-        api_error_code(c, 503, NULL, "engine_stalled", NULL, msg);
+        api_error_code(c, 503, NULL, "engine_stalled", NULL, "%s", msg);
     else
         respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
 }
