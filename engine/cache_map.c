@@ -13,15 +13,16 @@
  *
  * The part a retained token plays comes from the budget the cache states
  * for its policy (kv_policy_budget): sink-window keeps its sinks as whole
- * pages, so the first kept_tokens logical tokens are sinks; h2o keeps
- * exactly sink_tokens; the last window_tokens (the window in effect) are the
+ * pages, so the first kept_tokens logical tokens are sinks; the scored
+ * policies (h2o, tova, knorm, snapkv: kv_policy_scored) keep exactly
+ * sink_tokens; the last window_tokens (the window in effect) are the
  * window. What lies between is, under sink-window, what eviction takes next
- * ("retained"), and under h2o what it kept for its attention mass, along
- * with tokens that left the window since the last eviction and have not
- * been scored against the others yet ("heavy").
+ * ("retained"), and under a scored policy what eviction kept for its score,
+ * along with tokens that left the window since the last eviction and have
+ * not been ranked against the others yet ("heavy").
  *
  * Bounds. The runs are counted before anything is allocated; a session
- * with more than opts->max_ranges of them (h2o's scattered heavy hitters)
+ * with more than opts->max_ranges of them (a scored policy's scattered keeps)
  * is cut instead into max_ranges equal slices of its history, each saying
  * how many of its tokens are retained ("mixed" when some are and some are
  * not). Text is decoded from both ends of a range, at most
@@ -211,13 +212,12 @@ static void walk_init(struct walk *w, const kv_seq *seq, struct engine_cache_map
     w->pos = kv_seq_positions(seq);
     w->n = kv_seq_n_tokens(seq);
     w->history = kv_seq_history(seq, NULL);
-    int64_t sinks = p->kind == KV_EVICT_SINK_WINDOW ? b.kept_tokens
-                    : p->kind == KV_EVICT_H2O       ? p->sink_tokens
-                                                    : 0;
+    bool scored = kv_policy_scored(p->kind);
+    int64_t sinks = p->kind == KV_EVICT_SINK_WINDOW ? b.kept_tokens : scored ? p->sink_tokens : 0;
     int64_t window = p->kind == KV_EVICT_NONE ? 0 : b.window_tokens;
     w->sinks = (int)(sinks < w->n ? sinks : w->n);
     w->window = (int)(window < w->n - w->sinks ? window : w->n - w->sinks);
-    w->middle = p->kind == KV_EVICT_H2O ? ENGINE_MAP_HEAVY : ENGINE_MAP_RETAINED;
+    w->middle = scored ? ENGINE_MAP_HEAVY : ENGINE_MAP_RETAINED;
     map->sink_tokens = w->sinks;
     map->window_tokens = w->window;
 }

@@ -46,8 +46,8 @@ enum engine_map_kind {
     ENGINE_MAP_RETAINED,    /* retained between the sinks and the window, not yet
                             chosen by eviction (sink-window evicts these next;
                             policy none keeps everything here) */
-    ENGINE_MAP_HEAVY,       /* h2o: retained between the sinks and the window by
-                            their attention mass */
+    ENGINE_MAP_HEAVY,       /* a scored policy (h2o, tova, knorm, snapkv): retained
+                               between the sinks and the window by its score */
     ENGINE_MAP_WINDOW,      /* the recent window */
     ENGINE_MAP_MIXED,       /* a coarse slice holding retained and evicted tokens */
 };

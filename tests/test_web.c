@@ -10,9 +10,10 @@
  * the cache map of a session pushed past its budget draws the evicted
  * range where GET /v1/sessions/{id} puts it, and follows a new eviction;
  * the server view's charts take new samples under `kvd load` and show the
- * config with origins; the layout fits a phone; nothing is fetched from
- * elsewhere. Screenshots of each view go to KVD_ARTEFACTS (build/artefacts
- * under `make test`).
+ * config with origins; the layout fits a phone; every control has an
+ * accessible name and the tabs and the map's ranges work from the
+ * keyboard; nothing is fetched from elsewhere. Screenshots of each view go to KVD_ARTEFACTS
+ * (build/artefacts under `make test`).
  *
  * Skips with a message when chromium, node or npm is absent, when npm
  * cannot reach its registry, or when ../shared (KVD_SHARED) or KVD_BIN is
@@ -194,6 +195,12 @@ static void test_phone(void **state)
     expect("phone_layout");
 }
 
+static void test_accessible(void **state)
+{
+    (void)state;
+    expect("accessible_names_and_keys");
+}
+
 static void test_same_origin(void **state)
 {
     (void)state;
@@ -205,7 +212,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_auth_prompt), cmocka_unit_test(test_chat_streams),
         cmocka_unit_test(test_cache_map),   cmocka_unit_test(test_server_view),
-        cmocka_unit_test(test_phone),       cmocka_unit_test(test_same_origin),
+        cmocka_unit_test(test_phone),       cmocka_unit_test(test_accessible),
+        cmocka_unit_test(test_same_origin),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

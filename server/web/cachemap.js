@@ -61,7 +61,7 @@ function summary(m) {
     ["pages", m.pages.count + " × " + m.pages.page_tokens], ["positions", m.positions],
     ["next position", m.next_position],
     ["policy", e.policy + (e.policy === "none" ? "" : " (sinks " + m.sinks + ", window " + m.window +
-      (e.policy === "h2o" ? ", heavy " + e.heavy_tokens : "") + ")")],
+      (e.heavy_tokens && e.policy !== "sink-window" ? ", heavy " + e.heavy_tokens : "") + ")")],
     ["budget", e.max_cache_tokens + " tokens"],
   ];
   if (m.busy) items.push(["state", "generating"]);

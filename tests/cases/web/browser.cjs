@@ -252,6 +252,34 @@ async function main() {
     await phone.close();
   });
 
+  await check("accessible_names_and_keys", async () => {
+    // every control the accessibility tree exposes has a name, in each view
+    for (const tab of ["#tab-playground", "#tab-map", "#tab-server"]) {
+      await page.click(tab);
+      await sleep(200);
+      const tree = await page.accessibility.snapshot({ interestingOnly: true });
+      const unnamed = [];
+      const walk = (n) => {
+        if (["button", "textbox", "spinbutton", "checkbox", "tab", "combobox"].includes(n.role) && !(n.name || "").trim())
+          unnamed.push(n.role);
+        (n.children || []).forEach(walk);
+      };
+      walk(tree);
+      assert(unnamed.length === 0, tab + ": controls without a name: " + unnamed.join(", "));
+    }
+    // the tabs follow the arrow keys; a range of the map takes the focus and shows its text
+    await page.focus("#tab-server");
+    await page.keyboard.press("ArrowRight");
+    assert(await page.evaluate(() => document.activeElement.id) === "tab-playground", "ArrowRight from the last tab");
+    await page.keyboard.press("ArrowRight");
+    assert(await page.evaluate(() => !document.getElementById("view-map").hidden), "ArrowRight did not open the map");
+    await page.waitForSelector("#map-svg g.range");
+    await page.focus("#map-form button[type=submit]");
+    await page.keyboard.press("Tab");
+    assert(await page.evaluate(() => document.activeElement.classList.contains("range")), "Tab does not reach the map");
+    assert(await page.$eval("#map-tip", (t) => !t.hidden && t.textContent.length > 0), "focus shows no text");
+  });
+
   await check("same_origin_only", async () => {
     const other = requests.filter((u) => !u.startsWith(origin) && !u.startsWith("data:"));
     assert(other.length === 0, "requests elsewhere or page errors: " + other.join(", "));
