@@ -8,6 +8,7 @@
 
 #include "cache/kv_cache.h"
 #include "config/config.h"
+#include "engine/engine.h"
 
 /* The operator config mapped onto the cache's terms (wiring.c); shared by
  * `kvd serve` and `kvd eval` so both run exactly the configured policy. */
@@ -26,6 +27,21 @@ bool srv_opt_kv_types(int argc, char **argv, int *i, const char *cmd, enum kv_ty
  * check-config` prints (config_view.c; new string, NULL when memory runs
  * out). The API key's value is never in it. */
 char *srv_config_view_json(const struct cfg *c);
+
+/* An engine for one sequence at a time (one_engine.c): a pool that holds
+ * one sequence at policy's budget, K/V in the given types, steps of
+ * step_tokens, room for one session when `session`. NULL with the reason
+ * in err. */
+struct srv_one_engine_params {
+    const model *m;
+    const struct kv_policy *policy;
+    int page_tokens;
+    enum kv_type k_type, v_type;
+    int n_threads;   /* 0 = default */
+    int step_tokens; /* prefill chunk (1: one token per step) */
+    bool session;    /* the request runs as a session (it outlives the request) */
+};
+engine *srv_one_engine(const struct srv_one_engine_params *p, char *err, size_t errlen);
 
 /* The config hooks (wiring.c): main wires them before any subcommand runs,
  * tests that call config/ before they call anything else. */

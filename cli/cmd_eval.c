@@ -377,23 +377,16 @@ static double kl_divergence(const float *p_logits, const float *q_logits, int n)
 static engine *eval_engine(const struct evaluator *ev, const struct kv_policy *policy,
                            enum kv_type k_type, enum kv_type v_type, int step, bool session)
 {
-    struct kv_cache_params shape = {.page_tokens = ev->o->page_tokens, .k_type = k_type,
-                                    .v_type = v_type};
-    model_kv_shape(ev->m, &shape);
-    struct kv_budget b;
-    kv_policy_budget(policy, shape.page_tokens, &b);
-    struct engine_params p = {
-        .m = ev->m,
-        .cache_memory = kv_cache_memory_for(&shape, b.sequence_pages),
-        .page_tokens = shape.page_tokens,
-        .k_type = k_type,
-        .v_type = v_type,
-        .n_threads = ev->o->threads,
-        .limits = {.policy = *policy, .max_running = 1, .step_tokens = step,
-                   .max_sessions = session ? 1 : 0},
-    };
+    struct srv_one_engine_params p = {.m = ev->m,
+                                      .policy = policy,
+                                      .page_tokens = ev->o->page_tokens,
+                                      .k_type = k_type,
+                                      .v_type = v_type,
+                                      .n_threads = ev->o->threads,
+                                      .step_tokens = step,
+                                      .session = session};
     char err[512];
-    engine *e = engine_create(&p, err, sizeof(err));
+    engine *e = srv_one_engine(&p, err, sizeof(err));
     if (!e)
         fprintf(stderr, "kvd eval: %s\n", err);
     return e;

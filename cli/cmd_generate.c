@@ -378,19 +378,14 @@ int srv_cmd_generate(int argc, char **argv)
         status = 2;
         goto out;
     }
-    struct kv_cache_params cp = {.page_tokens = pt, .k_type = o.k_type, .v_type = o.v_type};
-    model_kv_shape(m, &cp);
-    int max_batch = o.batch < n_prompt ? o.batch : n_prompt;
-    struct engine_params ep = {
-        .m = m,
-        .cache_memory = kv_cache_memory_for(&cp, budget.sequence_pages),
-        .page_tokens = pt,
-        .k_type = o.k_type,
-        .v_type = o.v_type,
-        .n_threads = o.threads,
-        .limits = {.policy = o.policy, .max_running = 1, .step_tokens = max_batch},
-    };
-    eng = engine_create(&ep, err, sizeof(err));
+    struct srv_one_engine_params ep = {.m = m,
+                                       .policy = &o.policy,
+                                       .page_tokens = pt,
+                                       .k_type = o.k_type,
+                                       .v_type = o.v_type,
+                                       .n_threads = o.threads,
+                                       .step_tokens = o.batch < n_prompt ? o.batch : n_prompt};
+    eng = srv_one_engine(&ep, err, sizeof(err));
     if (!eng) {
         fprintf(stderr, "kvd generate: %s\n", err);
         goto out;

@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/cli_internal.h"
 #include "config/args.h"
 #include "engine/engine.h"
 
@@ -290,26 +291,16 @@ struct outcome {
 static engine *case_engine(const struct eval_ret_in *in, const struct kv_policy *policy,
                            bool session)
 {
-    struct kv_cache_params shape = {
-        .page_tokens = in->page_tokens, .k_type = in->k_type, .v_type = in->v_type};
-    model_kv_shape(in->m, &shape);
-    /* the pages one sequence can occupy: the cache's own budget says */
-    struct kv_budget b;
-    kv_policy_budget(policy, shape.page_tokens, &b);
-    struct engine_params p = {
-        .m = in->m,
-        .cache_memory = kv_cache_memory_for(&shape, b.sequence_pages),
-        .page_tokens = shape.page_tokens,
-        .k_type = in->k_type,
-        .v_type = in->v_type,
-        .n_threads = in->n_threads,
-        .limits = {.policy = *policy,
-                   .max_running = 1,
-                   .step_tokens = in->max_batch,
-                   .max_sessions = session ? 1 : 0},
-    };
+    struct srv_one_engine_params p = {.m = in->m,
+                                      .policy = policy,
+                                      .page_tokens = in->page_tokens,
+                                      .k_type = in->k_type,
+                                      .v_type = in->v_type,
+                                      .n_threads = in->n_threads,
+                                      .step_tokens = in->max_batch,
+                                      .session = session};
     char err[512];
-    engine *e = engine_create(&p, err, sizeof(err));
+    engine *e = srv_one_engine(&p, err, sizeof(err));
     if (!e)
         fprintf(stderr, "kvd eval: %s\n", err);
     return e;

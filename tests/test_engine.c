@@ -19,22 +19,8 @@
 #include <pthread.h>
 
 #include "engine/engine.h"
-#include "model/mkmodel.h"
 #include "model/model.h"
-#include "tests/serve_util.h"
-
-static const char *kvd_bin;
-static char tmpdir[256];
-static char model_path[512];
-static model *mdl;
-
-#define SKIP_WITHOUT_KVD()                                                                         \
-    do {                                                                                           \
-        if (!kvd_bin) {                                                                            \
-            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
-            skip();                                                                                \
-        }                                                                                          \
-    } while (0)
+#include "tests/serve_fixture.h"
 
 /* ------------------------------------------------------------------------
  * In-process: the engine stepped by hand
@@ -45,9 +31,9 @@ static model *mdl;
 static engine *small_engine(int pages, int budget, int max_running, int step_tokens)
 {
     struct kv_cache_params shape = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
-    model_kv_shape(mdl, &shape);
+    model_kv_shape(lib_model, &shape);
     struct engine_params p = {
-        .m = mdl,
+        .m = lib_model,
         .cache_memory = kv_cache_memory_for(&shape, pages),
         .page_tokens = 16,
         .k_type = KV_F32,
@@ -247,9 +233,8 @@ static void test_serve_full_pool_queues(void **state)
                                        "--set", "eviction.max_cache_tokens=1024",
                                        "--set", "limits.max_running=8",
                                        "--set", "server.threads=1"};
-    struct su_proc p = {0};
-    snprintf(p.log, sizeof(p.log), "%s/pool.log", tmpdir);
-    assert_int_equal(su_serve(&p, kvd_bin, model_path, args, 10), 0);
+    struct su_proc p;
+    serve(&p, "pool", args, 10);
     char *prompt = long_prompt(400);
     enum { N = 8 };
     struct gen_arg g[N];
@@ -277,7 +262,7 @@ static void test_serve_full_pool_queues(void **state)
     print_message("%d of %d long prompts answered 200 through a pool of ~3\n", ok, N);
     assert_int_equal(ok, N);
     free(prompt);
-    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+    server_stop(&p);
 }
 
 static int get_status(int port, const char *path, char *code, size_t len)
@@ -304,10 +289,9 @@ static void test_serve_stalled_engine_not_ready(void **state)
     (void)state;
     SKIP_WITHOUT_KVD();
     static const char *const args[] = {"--set", "limits.engine_stall_timeout=1s"};
-    struct su_proc p = {0};
-    snprintf(p.log, sizeof(p.log), "%s/stall.log", tmpdir);
+    struct su_proc p;
     setenv("KVD_FAULT_ENGINE_STALL_MS", "3000", 1);
-    int rc = su_serve(&p, kvd_bin, model_path, args, 2);
+    int rc = server_start_named(&p, "stall", args, 2);
     unsetenv("KVD_FAULT_ENGINE_STALL_MS");
     assert_int_equal(rc, 0);
     char code[64];
@@ -334,7 +318,7 @@ static void test_serve_stalled_engine_not_ready(void **state)
     assert_int_equal(g.status, 200);
     json_decref(g.answer);
     assert_int_equal(get_status(p.port, "/health", code, sizeof(code)), 200);
-    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+    server_stop(&p);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -342,25 +326,13 @@ static void test_serve_stalled_engine_not_ready(void **state)
 static int group_setup(void **state)
 {
     (void)state;
-    signal(SIGPIPE, SIG_IGN);
-    kvd_bin = getenv("KVD_BIN");
-    if (kvd_bin && !*kvd_bin)
-        kvd_bin = NULL;
-    if (su_scratch_model("engine", 11, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path)))
-        return -1;
-    char err[512];
-    struct model_params mp = {.path = model_path};
-    mdl = model_load(&mp, err, sizeof(err));
-    if (!mdl)
-        fprintf(stderr, "model_load: %s\n", err);
-    return mdl ? 0 : -1;
+    return sf_setup("engine", 11, true);
 }
 
 static int group_teardown(void **state)
 {
     (void)state;
-    model_free(mdl);
-    return su_remove_dir(tmpdir);
+    return sf_teardown();
 }
 
 int main(void)
