@@ -223,7 +223,7 @@ static void walk_init(struct walk *w, const kv_seq *seq, struct engine_cache_map
 }
 
 struct engine_cache_map *engine_cache_map_build(const kv_seq *seq, const model *m,
-                                          const struct engine_map_opts *opts)
+                                                const struct engine_map_opts *opts)
 {
     struct engine_cache_map *map = calloc(1, sizeof(*map));
     if (!map)

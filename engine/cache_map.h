@@ -36,8 +36,8 @@
 #define ENGINE_MAP_TEXT_TOKENS 48           /* text of at most this many tokens from each end */
 #define ENGINE_MAP_TEXT_RANGE_BYTES 1536    /* ... and at most this many bytes per range */
 #define ENGINE_MAP_TEXT_BUDGET (256 * 1024) /* bytes of text in one map */
-#define ENGINE_MAP_MAX_PAGE_IDS 4096        /* page ids listed (a longer page table is counted only) */
-#define ENGINE_MAP_MAX_BYTES (8u << 20)     /* the response's size limit (checked before rendering) */
+#define ENGINE_MAP_MAX_PAGE_IDS 4096    /* page ids listed (a longer page table is counted only) */
+#define ENGINE_MAP_MAX_BYTES (8u << 20) /* the response's size limit (checked before rendering) */
 
 /* What a range of the history is. */
 enum engine_map_kind {
@@ -92,7 +92,7 @@ struct engine_cache_map {
     int n_runs;              /* exact runs before coalescing */
     int n_ranges;
     struct engine_map_range *ranges; /* [n_ranges] in history order, covering it */
-    char *text_buf;               /* the ranges' text */
+    char *text_buf;                  /* the ranges' text */
     size_t text_bytes;
 };
 
@@ -102,7 +102,7 @@ struct engine_cache_map {
  * when memory runs out (the caller answers 503).
  */
 struct engine_cache_map *engine_cache_map_build(const kv_seq *seq, const model *m,
-                                          const struct engine_map_opts *opts);
+                                                const struct engine_map_opts *opts);
 void engine_cache_map_free(struct engine_cache_map *map);
 
 #endif /* KVD_ENGINE_CACHE_MAP_H */

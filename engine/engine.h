@@ -115,6 +115,8 @@ struct engine_req {
     int n_stop;
     char *session;                 /* session id, or NULL */
     bool want_tokens;              /* report generated ids in text events */
+    bool want_evictions;           /* report ENGINE_EV_EVICTED after each step in which
+                                      the request's sequence lost tokens to eviction */
     bool ignore_eos;               /* never sample an end-of-generation token */
     int32_t stop_token;            /* -1, or a token that ends generation like EOS (a chat
                                       template's end-of-turn control token) */
@@ -171,10 +173,11 @@ struct engine_logprob {
 };
 
 enum engine_event_kind {
-    ENGINE_EV_TEXT,   /* generated text (and ids) of a running request */
-    ENGINE_EV_LOGITS, /* a request's logits after prompt[position] (req->logits) */
-    ENGINE_EV_DONE,   /* final: finish reason, usage (or session info) */
-    ENGINE_EV_ERROR,  /* final: status + message, nothing (more) generated */
+    ENGINE_EV_TEXT,    /* generated text (and ids) of a running request */
+    ENGINE_EV_LOGITS,  /* a request's logits after prompt[position] (req->logits) */
+    ENGINE_EV_EVICTED, /* the request's sequence lost tokens this step (want_evictions) */
+    ENGINE_EV_DONE,    /* final: finish reason, usage (or session info) */
+    ENGINE_EV_ERROR,   /* final: status + message, nothing (more) generated */
     /* Posted by a host that loads the model itself (the daemon's engine
      * thread), never by the engine: */
     ENGINE_EV_READY, /* the model is loaded; req NULL */
@@ -217,6 +220,8 @@ struct engine_event {
                                            (an end-of-generation one too), else NULL */
     float *logits;                      /* LOGITS: [n_vocab] the model's raw logits */
     int position;                       /* LOGITS: the prompt index they follow */
+    int evicted;                        /* EVICTED: tokens evicted by this step;
+                                           usage.evicted_tokens and .retained_tokens: so far */
     enum engine_finish finish;          /* DONE */
     int stop_index;                     /* DONE with ENGINE_FINISH_STOP: which stop string */
     struct engine_usage usage;          /* DONE */

@@ -126,6 +126,7 @@ struct run {
     int32_t next_tok; /* DECODE: the token to feed this step */
     int n_gen;        /* tokens sampled */
     int appended;     /* tokens appended to seq by this run (non-sessions) */
+    int evicted;      /* tokens of its history evicted so far (want_evictions) */
     int32_t *hist;    /* [n_prompt + max_tokens] prompt then generated ids */
     int n_hist;
     float *logits;       /* [n_vocab] */

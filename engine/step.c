@@ -333,6 +333,28 @@ static bool post_logits(engine *e, struct run *r)
     return true;
 }
 
+/* Report the tokens r's sequence lost in this step (want_evictions). False
+ * when out of memory: r was failed (503) and freed. */
+static bool post_evicted(engine *e, struct run *r)
+{
+    int retained = kv_seq_n_tokens(r->seq);
+    int seen = r->sess ? kv_seq_history(r->seq, NULL) : r->appended;
+    int evicted = seen > retained ? seen - retained : 0;
+    if (!r->req->want_evictions || evicted <= r->evicted)
+        return true;
+    struct engine_event *ev = engine_event_new(ENGINE_EV_EVICTED, r->req);
+    if (!ev) {
+        engine_run_fail(e, r, 503, "out of memory for the request's events; retry later");
+        return false;
+    }
+    ev->evicted = evicted - r->evicted;
+    ev->usage.evicted_tokens = evicted;
+    ev->usage.retained_tokens = retained;
+    r->evicted = evicted;
+    engine_post(e, ev);
+    return true;
+}
+
 /* After the forward: advance each entry, sample where the prompt is read. */
 static void sample_batch(engine *e, int n, uint64_t t_done)
 {
@@ -345,7 +367,7 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
             r->n_fed += b->n_tokens;
             if (!r->sess)
                 r->appended += b->n_tokens;
-            if (b->logits && !post_logits(e, r))
+            if (!post_evicted(e, r) || (b->logits && !post_logits(e, r)))
                 continue;
             if (r->n_fed < r->req->n_prompt)
                 continue;
@@ -353,8 +375,11 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
                 engine_run_finish(e, r, ENGINE_FINISH_LENGTH, -1);
                 continue;
             }
-        } else if (!r->sess) {
-            r->appended += 1;
+        } else {
+            if (!r->sess)
+                r->appended += 1;
+            if (!post_evicted(e, r))
+                continue;
         }
         /* before ignore_eos and the sampler change the logits */
         if (r->req->want_logprobs)

@@ -1877,6 +1877,7 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
             on_text(ev->req->owner, ev);
             break;
         case ENGINE_EV_LOGITS: /* never asked for by the API */
+        case ENGINE_EV_EVICTED:
             break;
         case ENGINE_EV_DONE:
             on_done(ev->req->owner, ev);

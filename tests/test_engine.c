@@ -27,8 +27,9 @@
  * ------------------------------------------------------------------------ */
 
 /* An engine over the scratch model: f32 K/V in pages of 16 tokens, a pool
- * of `pages` pages, policy none at `budget` tokens. */
-static engine *small_engine(int pages, int budget, int max_running, int step_tokens)
+ * of `pages` pages, policy pol (NULL: none at `budget` tokens). */
+static engine *policy_engine(int pages, int budget, int max_running, int step_tokens,
+                             const struct kv_policy *pol)
 {
     struct kv_cache_params shape = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
     model_kv_shape(lib_model, &shape);
@@ -39,7 +40,9 @@ static engine *small_engine(int pages, int budget, int max_running, int step_tok
         .k_type = KV_F32,
         .v_type = KV_F32,
         .n_threads = 1,
-        .limits = {.policy = {.kind = KV_EVICT_NONE, .max_cache_tokens = budget},
+        .limits = {.policy =
+                       pol ? *pol
+                           : (struct kv_policy){.kind = KV_EVICT_NONE, .max_cache_tokens = budget},
                    .max_running = max_running,
                    .step_tokens = step_tokens},
     };
@@ -48,6 +51,11 @@ static engine *small_engine(int pages, int budget, int max_running, int step_tok
     if (!e)
         fail_msg("engine_create: %s", err);
     return e;
+}
+
+static engine *small_engine(int pages, int budget, int max_running, int step_tokens)
+{
+    return policy_engine(pages, budget, max_running, step_tokens, NULL);
 }
 
 /* A completion of n_prompt token ids (1, 2, ...) generating max_tokens. */
@@ -70,6 +78,8 @@ static struct engine_req *completion(int n_prompt, int max_tokens)
 /* What the events of a run said, per request (index = req->id). */
 struct tally {
     int done[8], errors[8], texts[8], logits[8];
+    int evicted_events[8], evicted_sum[8], evicted_last[8]; /* EVICTED: count, sum, running total */
+    int usage_evicted[8];                                   /* DONE's usage.evicted_tokens */
     int status[8];
     enum engine_finish finish[8];
     int positions[8][64];
@@ -89,9 +99,17 @@ static void take(engine *e, struct tally *t)
                 t->positions[i][t->logits[i]] = ev->position;
             t->logits[i]++;
             break;
+        case ENGINE_EV_EVICTED:
+            t->evicted_events[i]++;
+            t->evicted_sum[i] += ev->evicted;
+            assert_true(ev->evicted > 0);
+            assert_int_equal(ev->usage.evicted_tokens, t->evicted_last[i] + ev->evicted);
+            t->evicted_last[i] = ev->usage.evicted_tokens;
+            break;
         case ENGINE_EV_DONE:
             t->done[i]++;
             t->finish[i] = ev->finish;
+            t->usage_evicted[i] = ev->usage.evicted_tokens;
             break;
         case ENGINE_EV_ERROR:
             t->errors[i]++;
@@ -183,6 +201,47 @@ static void test_logits_events(void **state)
     assert_int_equal(steps, 20); /* one prompt token per step */
     engine_req_free(each);
     engine_req_free(last);
+    engine_destroy(e);
+}
+
+/*
+ * Eviction events: under sink-window (4 sinks, a 32-token window) a
+ * 200-token prompt and 40 generated tokens evict as they go; each
+ * ENGINE_EV_EVICTED says what that step evicted and the total so far, and
+ * the totals add up to the final usage. A request that does not ask gets
+ * none.
+ */
+static void test_eviction_events(void **state)
+{
+    (void)state;
+    struct kv_policy pol = {
+        .kind = KV_EVICT_SINK_WINDOW, .sink_tokens = 4, .window_tokens = 32, .renumber = true};
+    struct kv_budget b;
+    kv_policy_budget(&pol, 16, &b);
+    pol.max_cache_tokens = (int)b.need_tokens;
+    engine *e = policy_engine(32, 0, 2, 64, &pol);
+    struct engine_req *want = completion(200, 40), *quiet = completion(200, 40);
+    want->id = 0;
+    want->want_evictions = true;
+    quiet->id = 1;
+    engine_submit(e, want);
+    engine_submit(e, quiet);
+    struct tally t = {0};
+    for (int steps = 0; t.done[0] + t.done[1] < 2 && steps < 500; steps++) {
+        engine_step(e, su_now() * 1e9);
+        take(e, &t);
+    }
+    assert_int_equal(t.done[0], 1);
+    assert_int_equal(t.done[1], 1);
+    print_message("%d eviction events, %d tokens evicted (usage %d)\n", t.evicted_events[0],
+                  t.evicted_sum[0], t.usage_evicted[0]);
+    assert_true(t.evicted_events[0] > 1);
+    assert_int_equal(t.evicted_sum[0], t.usage_evicted[0]);
+    assert_true(t.usage_evicted[0] >= 200 + 40 - 1 - pol.max_cache_tokens);
+    assert_int_equal(t.evicted_events[1], 0);
+    assert_int_equal(t.usage_evicted[1], t.usage_evicted[0]); /* same work, same eviction */
+    engine_req_free(want);
+    engine_req_free(quiet);
     engine_destroy(e);
 }
 
@@ -340,6 +399,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_admission_waits_for_pages),
         cmocka_unit_test(test_logits_events),
+        cmocka_unit_test(test_eviction_events),
         cmocka_unit_test(test_serve_full_pool_queues),
         cmocka_unit_test(test_serve_stalled_engine_not_ready),
     };
