@@ -40,6 +40,7 @@
 #include "model/mkmodel.h"
 #include "model/model_internal.h"
 #include "model/quant.h"
+#include "engine/cache_map.h"
 #include "tests/arch_ref.h"
 #include "tests/serve_util.h"
 
@@ -805,6 +806,34 @@ static void test_forward_reports_what_each_policy_asks(void **state)
     model_free(m);
 }
 
+/* The session map (GET /v1/sessions/ID/map) shows a scored policy's sinks
+ * as sinks and its middle as kept by score. */
+static void test_session_map_names_scored_parts(void **state)
+{
+    (void)state;
+    const enum kv_policy_kind kinds[] = {KV_EVICT_TOVA, KV_EVICT_KNORM, KV_EVICT_SNAPKV};
+    for (int k = 0; k < 3; k++) {
+        kv_cache *c = bare_cache(4, 1, 1, 8);
+        struct kv_policy p = scored(kinds[k], 14, 2, 4, 4);
+        kv_seq *s = kv_seq_create(c, &p, true, NULL, 0);
+        append_ids(s, 1, 20); /* evicted twice */
+        struct engine_map_opts o = {.max_ranges = ENGINE_MAP_DEFAULT_RANGES, .text = false};
+        struct engine_cache_map *map = engine_cache_map_build(s, NULL, &o);
+        assert_non_null(map);
+        assert_int_equal(map->sink_tokens, 2);
+        assert_int_equal(map->window_tokens, 4);
+        assert_int_equal(map->ranges[0].kind, ENGINE_MAP_SINK);
+        assert_int_equal(map->ranges[0].end, 2);
+        bool heavy = false;
+        for (int r = 0; r < map->n_ranges; r++)
+            heavy = heavy || map->ranges[r].kind == ENGINE_MAP_HEAVY;
+        assert_true(heavy);
+        assert_int_equal(map->ranges[map->n_ranges - 1].kind, ENGINE_MAP_WINDOW);
+        engine_cache_map_free(map);
+        kv_cache_destroy(c);
+    }
+}
+
 /* ------------------------------------------------------------------------
  * 5. Config and kvd eval --policy
  * ------------------------------------------------------------------------ */
@@ -918,6 +947,7 @@ int main(void)
         cmocka_unit_test(test_equivalence_rope),
         cmocka_unit_test(test_equivalence_alibi),
         cmocka_unit_test(test_forward_reports_what_each_policy_asks),
+        cmocka_unit_test(test_session_map_names_scored_parts),
         cmocka_unit_test(test_config_selects_each_policy),
         cmocka_unit_test(test_eval_policy_specs),
     };
