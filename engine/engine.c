@@ -61,6 +61,7 @@ void engine_req_free(struct engine_req *r)
         free(r->stop[i]);
     free(r->stop);
     free(r->session);
+    free(r->turns);
     free(r->final_ev);
     free(r);
 }

@@ -122,6 +122,13 @@ struct engine_req {
                                       template's end-of-turn control token) */
     int n_keep;                    /* llama.cpp n_keep: 0 = the configured sinks;
                                       > 0 sink tokens; -1 the whole prompt */
+    struct kv_turn *turns;         /* a chat on a session under [eviction] unit = turn: the
+                                      prompt's droppable turns as spans of prompt indices,
+                                      given to the session's sequence (kv_seq_set_turns)
+                                      so that whole turns leave it in place (owned; NULL:
+                                      the sequence evicts tokens) */
+    int n_turns;
+    int turn_low_tokens;           /* kv_seq_set_turns's low-water mark */
     bool want_logprobs;            /* report every sampled token's log-probability
                                       (struct engine_logprob in its TEXT event) */
     int n_top_logprobs;            /* ... with this many most likely tokens
@@ -190,6 +197,11 @@ struct engine_usage {
     int cached_tokens;     /* prompt tokens found in the session's history, not prefilled */
     int evicted_tokens;    /* tokens of this sequence's history no longer in the cache */
     int retained_tokens;   /* tokens in the cache at the end */
+    int evicted_messages;  /* with turns: messages of the request's turns the cache
+                              evicted in place (whole turns), this request or before */
+    int evicted_messages_now; /* ... of them, during this request */
+    int turns_cut;         /* with turns: turns the policy had to cut (the answer
+                              outgrew what whole turns could make room for) */
     double prompt_ms;      /* admission to first token (prefill) */
     double gen_ms;         /* first token to the end */
 };

@@ -139,6 +139,7 @@ struct run {
     int batch_slot;         /* index in this step's batch, or -1 */
     bool admitted_evicting; /* admitted under a policy that evicts (a full cache
                                later means a reload switched it to none) */
+    int turn_msgs0; /* with turns: messages already evicted in place at admission */
     struct run *next;
 };
 

@@ -63,6 +63,13 @@ static void run_usage(const struct run *r, struct engine_usage *u, uint64_t t_en
     u->retained_tokens = r->seq ? kv_seq_n_tokens(r->seq) : 0;
     int seen = r->sess ? kv_seq_history(r->seq, NULL) : r->appended;
     u->evicted_tokens = seen > u->retained_tokens ? seen - u->retained_tokens : 0;
+    if (r->seq && r->req->n_turns > 0) {
+        struct kv_turn_state ts;
+        kv_seq_turn_state(r->seq, &ts);
+        u->evicted_messages = ts.messages_evicted;
+        u->evicted_messages_now = ts.messages_evicted - r->turn_msgs0;
+        u->turns_cut = ts.turns_cut;
+    }
     uint64_t t_first = r->t_first_ns ? r->t_first_ns : t_end;
     u->prompt_ms = (double)(t_first - r->t_admit_ns) / 1e6;
     u->gen_ms = (double)(t_end - t_first) / 1e6;
@@ -122,6 +129,12 @@ void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int 
         ev->finish = finish;
         ev->stop_index = stop_index;
         run_usage(r, &ev->usage, t);
+        if (ev->usage.turns_cut > 0)
+            engine_log(&e->p.hooks, ENGINE_LOG_WARN,
+                       "request %" PRIu64 ": whole turns could not make room (the answer "
+                       "outgrew what the pinned messages leave of max_cache_tokens); the "
+                       "eviction policy cut %d turn(s)",
+                       r->req->id, ev->usage.turns_cut);
     }
     if (e->p.hooks.finished)
         e->p.hooks.finished(e->p.hooks.ud, finish, (uint64_t)(r->n_fed - r->n_cached),
@@ -256,8 +269,11 @@ static int request_policy(const engine *e, const struct engine_req *req, struct 
 }
 
 /* Continue the session x: keep the history's prefix that matches the
- * prompt (never the whole prompt: its last token is fed for logits). */
-static void attach_session(struct run *r, struct engine_session *x, const struct kv_policy *pol)
+ * prompt (never the whole prompt: its last token is fed for logits), and
+ * give its sequence the request's turns (or none: a completion evicts
+ * tokens). Returns 0, or -1 with the reason in err and x left unused. */
+static int attach_session(struct run *r, struct engine_session *x, const struct kv_policy *pol,
+                          char *err, size_t errlen)
 {
     const struct engine_req *req = r->req;
     const int32_t *h;
@@ -273,12 +289,18 @@ static void attach_session(struct run *r, struct engine_session *x, const struct
         n = 0;
     }
     kv_seq_set_policy(x->seq, pol); /* n_keep, or back to the configured policy */
+    if (kv_seq_set_turns(x->seq, req->turns, req->n_turns, req->turn_low_tokens, err, errlen))
+        return -1;
+    struct kv_turn_state ts;
+    kv_seq_turn_state(x->seq, &ts);
+    r->turn_msgs0 = ts.messages_evicted;
     r->sess = x;
     r->seq = x->seq;
     r->n_cached = n;
     r->n_fed = n;
     x->busy = r;
     kv_seq_pin(x->seq, true);
+    return 0;
 }
 
 /*
@@ -318,7 +340,8 @@ struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
                                        req->session, err, sizeof(err));
         if (!x)
             goto out_free;
-        attach_session(r, x, &pol);
+        if (attach_session(r, x, &pol, err, sizeof(err)) != 0)
+            goto out_free;
     } else {
         r->seq = kv_seq_create(e->cache, &pol, false, err, sizeof(err));
         if (!r->seq)

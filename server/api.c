@@ -46,6 +46,7 @@
 
 #include "server/api.h"
 #include "server/chat_template.h"
+#include "server/chat_turns.h"
 #include "server/errors.h"
 #include "server/log.h"
 #include "server/route_map.h"
@@ -90,6 +91,11 @@ struct call {
     size_t lp_chars;  /* OpenAI text_offset of the next token, in code points */
     bool role_sent;       /* chat stream: the first chunk (delta.role) went out */
     int evicted_messages; /* chat: messages of the conversation not in the prompt */
+    const char *turn_eviction; /* chat, unit = turn: "in_place" or "rerender" */
+    char turn_fallback[240];   /* chat on a session: why its turns were rendered
+                                  again instead of evicted in place ("" if they were not) */
+    int cut_tokens;            /* chat: tokens cut from the middle of a last turn larger
+                                  than the window */
     bool max_tokens_given; /* chat: the request set max_tokens / max_completion_tokens */
     struct call *prev, *next;
 };
@@ -99,6 +105,7 @@ struct call {
 struct chat_sess {
     char *id;
     int dropped_turns, dropped_messages;
+    bool fallback_logged; /* its first fallback to rendering was logged */
     struct chat_sess *next;
 };
 #define MAX_CHAT_SESSIONS 4096
@@ -999,10 +1006,122 @@ static int check_messages(json_t *msgs, struct verr *e)
     return 0;
 }
 
+/* Tokenize a rendering into r->prompt (control tokens parsed). */
+static int chat_tokenize(srv_api *a, const char *text, size_t len, struct engine_req *r,
+                         struct verr *e)
+{
+    int n = model_tokenize_special(a->m, text, len, model_add_bos(a->m), NULL, 0);
+    int32_t *ids = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
+    if (n <= 0 || !ids ||
+        model_tokenize_special(a->m, text, len, model_add_bos(a->m), ids, n) != n) {
+        free(ids);
+        return fail(e, "messages", "invalid_value", "the rendered conversation cannot be tokenized");
+    }
+    r->prompt = ids;
+    r->n_prompt = n;
+    return 0;
+}
+
+static int chat_render_error(struct tpl_error *te, struct verr *e)
+{
+    char msg[400];
+    tpl_error_string(te, msg, sizeof(msg));
+    return fail(e, "messages", "invalid_value",
+                "the chat template cannot render these messages: %s", msg);
+}
+
+/*
+ * A session under unit = turn: the whole conversation goes to the engine
+ * with its turns' spans, and the cache drops turns in place as it needs
+ * room, so the session's history keeps matching and only the new turn is
+ * prefilled. What a session's first request could not fit is left out by
+ * rendering (nothing is cached yet), and that decision stays. Returns 0
+ * (done), -1 (error in e), or 1 (take the fitting path: the turns cannot
+ * be dropped in place, the reason recorded in the call and logged once
+ * per session; or the pinned part alone is over budget).
+ */
+static int chat_in_place(srv_api *a, json_t *msgs, json_t *tools, struct engine_req *r,
+                         struct call *call, int budget, struct verr *e)
+{
+    struct chat_sess *x = chat_sess_find(a, r->session);
+    struct tpl_error te;
+    int drop = x ? x->dropped_turns : 0;
+    time_t now = time(NULL);
+    if (!x) {
+        char *text = NULL;
+        size_t len = 0;
+        struct tpl_fit fit;
+        if (tpl_chat_fit(a->chat, msgs, tools, true, now, budget, budget, 0, chat_count, a,
+                         &text, &len, &fit, &te) < 0)
+            return 1; /* the fitting path reports it (or cuts the last turn) */
+        free(text);
+        drop = fit.dropped_turns;
+    }
+    struct srv_chat_in_place ip;
+    char why[240] = "";
+    int rc = srv_chat_in_place(a->m, a->chat, msgs, tools, drop, now, budget,
+                               a->p.max_prompt_tokens, &ip, why, sizeof(why), &te);
+    if (rc < 0)
+        return chat_render_error(&te, e);
+    if (rc == 2)
+        return 1;
+    if (rc == 1) {
+        snprintf(call->turn_fallback, sizeof(call->turn_fallback), "%s", why);
+        srv_metrics_turn_fallback(a->metrics);
+        if (!x || !x->fallback_logged)
+            srv_log(SRV_LOG_WARN,
+                    "chat session '%s': turns are rendered again, not evicted in place: %s",
+                    r->session, why);
+        return 1;
+    }
+    r->prompt = ip.p.ids;
+    r->n_prompt = ip.p.n_ids;
+    r->turns = ip.p.turns;
+    r->n_turns = ip.p.n_turns;
+    r->turn_low_tokens = budget;
+    call->turn_eviction = "in_place";
+    call->evicted_messages = ip.dropped_messages;
+    if (!x)
+        srv_metrics_evicted_messages(a->metrics, false, (uint64_t)ip.dropped_messages);
+    chat_sess_set(a, r->session, drop, ip.dropped_messages);
+    return 0;
+}
+
+/*
+ * The last turn alone is larger than the budget: cut it from its middle,
+ * keeping its header (srv_chat_cut_last_turn). Returns 0 or -1 (e).
+ */
+static int chat_cut(srv_api *a, json_t *msgs, json_t *tools, struct engine_req *r,
+                    struct call *call, int budget, struct verr *e)
+{
+    char why[300];
+    struct tpl_error te;
+    int32_t *ids = NULL;
+    int n = 0, cut = 0;
+    te.msg[0] = 0;
+    if (srv_chat_cut_last_turn(a->m, a->chat, msgs, tools, time(NULL), budget, &ids, &n, &cut,
+                               why, sizeof(why), &te) < 0) {
+        if (te.msg[0])
+            return chat_render_error(&te, e);
+        return fail(e, "messages", "context_length_exceeded", "%s", why);
+    }
+    srv_log(SRV_LOG_INFO,
+            "chat request: the last user message is larger than the window; %d tokens cut "
+            "from its middle (its header and the system prompt kept)",
+            cut);
+    r->prompt = ids;
+    r->n_prompt = n;
+    call->cut_tokens = cut;
+    return 0;
+}
+
 /*
  * Render the request's conversation into r->prompt (tokenized with its
- * control tokens). Fits it to the budget with chat_turns, recording the
- * turns left out (and, for a session, remembering them).
+ * control tokens). With unit = turn: a session keeps its turns in the
+ * cache and drops them in place (chat_in_place); otherwise, or when the
+ * template does not allow it, the conversation is fitted by rendering
+ * (tpl_chat_fit), recording the turns left out (and, for a session,
+ * remembering them); a last turn larger than the budget is cut.
  */
 static int chat_prompt(srv_api *a, json_t *body, struct engine_req *r, struct call *call,
                        struct verr *e)
@@ -1032,43 +1151,38 @@ static int chat_prompt(srv_api *a, json_t *body, struct engine_req *r, struct ca
                         "max_tokens (%d) leaves no room for the conversation in "
                         "max_cache_tokens (%d)",
                         r->max_tokens, a->p.policy.max_cache_tokens);
+        if (r->session && (rc = chat_in_place(a, msgs, tools, r, call, budget, e)) <= 0)
+            return rc;
+        call->turn_eviction = "rerender";
         struct chat_sess *x = r->session ? chat_sess_find(a, r->session) : NULL;
         int min_drop = x ? x->dropped_turns : 0, before = x ? x->dropped_messages : 0;
+        if (x && call->turn_fallback[0])
+            x->fallback_logged = true;
         struct tpl_fit fit;
         rc = tpl_chat_fit(a->chat, msgs, tools, true, time(NULL), budget, budget / 2, min_drop,
                           chat_count, a, &text, &len, &fit, &te);
         if (rc == 0) {
             call->evicted_messages = fit.dropped_messages;
             if (fit.dropped_turns > min_drop || !r->session)
-                srv_metrics_evicted_messages(a->metrics,
+                srv_metrics_evicted_messages(a->metrics, false,
                                              (uint64_t)(fit.dropped_messages -
                                                         (r->session ? before : 0)));
-            if (r->session)
+            if (r->session) {
                 chat_sess_set(a, r->session, fit.dropped_turns, fit.dropped_messages);
+                if (call->turn_fallback[0])
+                    chat_sess_find(a, r->session)->fallback_logged = true;
+            }
+        } else if (strstr(te.msg, "with every earlier turn left out")) {
+            return chat_cut(a, msgs, tools, r, call, budget, e);
         }
     } else {
         rc = tpl_chat_render(a->chat, msgs, tools, true, time(NULL), &text, &len, &te);
     }
-    if (rc < 0) {
-        char msg[400];
-        tpl_error_string(&te, msg, sizeof(msg));
-        bool budget = strstr(msg, "with every earlier turn left out") != NULL;
-        return fail(e, "messages", budget ? "context_length_exceeded" : "invalid_value",
-                    "%s%s", budget ? "" : "the chat template cannot render these messages: ",
-                    msg);
-    }
-    int n = model_tokenize_special(a->m, text, len, model_add_bos(a->m), NULL, 0);
-    int32_t *ids = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
-    if (n <= 0 || !ids ||
-        model_tokenize_special(a->m, text, len, model_add_bos(a->m), ids, n) != n) {
-        free(ids);
-        free(text);
-        return fail(e, "messages", "invalid_value", "the rendered conversation cannot be tokenized");
-    }
+    if (rc < 0)
+        return chat_render_error(&te, e);
+    rc = chat_tokenize(a, text, len, r, e);
     free(text);
-    r->prompt = ids;
-    r->n_prompt = n;
-    return 0;
+    return rc;
 }
 
 /* Stop at the template's end of turn: as a token when it is one (control
@@ -1327,9 +1441,15 @@ static json_t *usage_json(const struct engine_usage *u)
 /* A chat answer's usage: the completion's, with the messages left out. */
 static json_t *chat_usage(struct call *call, const struct engine_usage *u)
 {
-    json_t *v = usage_json(u);
-    json_object_set_new(json_object_get(v, "kvd"), "evicted_messages",
-                        json_integer(call->evicted_messages));
+    json_t *v = usage_json(u), *kvd = json_object_get(v, "kvd");
+    json_object_set_new(kvd, "evicted_messages",
+                        json_integer(call->evicted_messages + u->evicted_messages));
+    if (call->turn_eviction)
+        json_object_set_new(kvd, "turn_eviction", json_string(call->turn_eviction));
+    if (call->turn_fallback[0])
+        json_object_set_new(kvd, "turn_eviction_fallback", json_string(call->turn_fallback));
+    if (call->cut_tokens)
+        json_object_set_new(kvd, "cut_tokens", json_integer(call->cut_tokens));
     return v;
 }
 
@@ -1880,6 +2000,9 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
         case ENGINE_EV_EVICTED:
             break;
         case ENGINE_EV_DONE:
+            /* whole turns a session's cache evicted in place */
+            srv_metrics_evicted_messages(a->metrics, true,
+                                         (uint64_t)ev->usage.evicted_messages_now);
             on_done(ev->req->owner, ev);
             call_end(a, ev->req->owner);
             break;

@@ -58,7 +58,8 @@ struct hist {
 struct srv_metrics {
     pthread_mutex_t mu;
     uint64_t status[MAX_STATUS];
-    uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled, evicted_messages;
+    uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled;
+    uint64_t evicted_in_place, evicted_rerender, turn_fallbacks;
     uint64_t conn_events[SRV_CONN_EVENT_COUNT];
     uint64_t cut_drain, cut_pool, cut_policy;
     struct hist hist[SRV_HIST_COUNT];
@@ -114,12 +115,24 @@ void srv_metrics_cancelled(srv_metrics *m)
     pthread_mutex_unlock(&m->mu);
 }
 
-void srv_metrics_evicted_messages(srv_metrics *m, uint64_t n)
+void srv_metrics_evicted_messages(srv_metrics *m, bool in_place, uint64_t n)
 {
     if (!m || !n)
         return;
     pthread_mutex_lock(&m->mu);
-    m->evicted_messages += n;
+    if (in_place)
+        m->evicted_in_place += n;
+    else
+        m->evicted_rerender += n;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_turn_fallback(srv_metrics *m)
+{
+    if (!m)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->turn_fallbacks++;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -245,10 +258,17 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
     render_counter(&b, "kvd_generated_tokens_total", "Tokens generated.", c.generated_tokens);
     render_counter(&b, "kvd_requests_cancelled_total",
                    "Requests whose client disconnected before the end.", c.cancelled);
-    render_counter(&b, "kvd_chat_evicted_messages_total",
-                   "Chat messages left out of prompts, whole turns at a time ([eviction] unit = "
-                   "turn).",
-                   c.evicted_messages);
+    tb_printf(&b, "# HELP kvd_chat_evicted_messages_total Chat messages evicted whole turns at "
+                  "a time ([eviction] unit = turn): in place from a session's cache, or left "
+                  "out of a rendering.\n# TYPE kvd_chat_evicted_messages_total counter\n"
+                  "kvd_chat_evicted_messages_total{how=\"in_place\"} %llu\n"
+                  "kvd_chat_evicted_messages_total{how=\"rerender\"} %llu\n",
+              (unsigned long long)c.evicted_in_place, (unsigned long long)c.evicted_rerender);
+    render_counter(&b, "kvd_chat_turn_fallbacks_total",
+                   "Chat requests on a session whose turns could not be evicted in place (the "
+                   "template or tokenizer does not cut at turns, or the conversation passes "
+                   "max_prompt_tokens): rendered again instead, the reason logged and in usage.",
+                   c.turn_fallbacks);
     tb_printf(&b, "# HELP kvd_requests_cut_short_total Completions the server cut short "
                   "(answered as an error, never as a normal finish), by reason.\n"
                   "# TYPE kvd_requests_cut_short_total counter\n"

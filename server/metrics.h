@@ -40,8 +40,11 @@ void srv_metrics_tokens(srv_metrics *m, uint64_t prompt, uint64_t cached, uint64
 void srv_metrics_observe(srv_metrics *m, enum srv_hist h, double value);
 void srv_metrics_engine(srv_metrics *m, const struct srv_engine_gauges *g);
 void srv_metrics_cancelled(srv_metrics *m);
-/* Chat messages left out of prompts by turn-aware fitting. */
-void srv_metrics_evicted_messages(srv_metrics *m, uint64_t n);
+/* Chat messages evicted whole turns at a time: in place from a session's
+ * cache (the engine), or left out of a rendering (turn-aware fitting). */
+void srv_metrics_evicted_messages(srv_metrics *m, bool in_place, uint64_t n);
+/* A chat request on a session rendered again instead of evicting in place. */
+void srv_metrics_turn_fallback(srv_metrics *m);
 
 /* Connections the HTTP layer ended or could not take, by reason
  * (kvd_http_connections_closed_total{reason}). */

@@ -258,14 +258,16 @@ static void test_errors(void **state)
                  400, "max_completion_tokens", "exceeds the limit");
     expect_error(json_pack("{s:[o],s:i}", "messages", msg("user", "x"), "stream", 3), 400, "stream",
                  "");
-    /* a conversation whose pinned part (here one huge user turn) cannot fit */
+    /* a conversation whose pinned part cannot fit even with the last user
+     * message's text cut away (here a huge system prompt; a huge user turn
+     * alone is cut: test_huge_turn_cut) */
     char big[12000];
     memset(big, 'a', sizeof big - 1);
     for (size_t i = 0; i + 1 < sizeof big; i += 2)
         big[i] = ' ';
     big[sizeof big - 1] = 0;
-    expect_error(json_pack("{s:[o]}", "messages", msg("user", big)), 400, "messages",
-                 "with every earlier turn left out");
+    expect_error(json_pack("{s:[o,o]}", "messages", msg("system", big), msg("user", "hi")), 400,
+                 "messages", "without the last user message's text");
 }
 
 static void test_apply_template(void **state)
@@ -374,16 +376,21 @@ static int rendered_tokens(json_t *msgs)
     return n;
 }
 
-/* 200 turns through one session with a 1024-token budget: whole turns
- * leave, the system prompt stays, no token is evicted inside a turn, and
- * each prompt is exactly the template's rendering of the messages kept. */
+/*
+ * 200 turns through one session with a 1024-token budget: whole turns
+ * leave the cache in place (turn_eviction "in_place"), the system prompt
+ * stays, no request re-prefills what the session had cached (each one's
+ * cached tokens cover the whole previous request), and what the session
+ * retains is the template's rendering of the messages kept plus the
+ * answer fed so far.
+ */
 static void test_long_chat(void **state)
 {
     (void)state;
     NEED_SERVER();
     const char *sys = "You are a storyteller. Keep every answer short.";
     json_t *msgs = json_pack("[o]", msg("system", sys));
-    int last_evicted = 0, evictions = 0, max_retained = 0;
+    int last_evicted = 0, steps = 0, max_retained = 0, reprefills = 0, prev_prompt = 0;
     for (int turn = 0; turn < 200; turn++) {
         char q[64];
         snprintf(q, sizeof q, "Tell me part %d of the story.", turn);
@@ -397,25 +404,34 @@ static void test_long_chat(void **state)
         json_t *u = json_object_get(v, "usage"), *kvd = json_object_get(u, "kvd");
         int evicted = (int)json_integer_value(json_object_get(kvd, "evicted_messages"));
         int prompt = (int)json_integer_value(json_object_get(u, "prompt_tokens"));
+        int cached = (int)json_integer_value(json_object_get(kvd, "cached_tokens"));
         int retained = (int)json_integer_value(json_object_get(kvd, "retained_tokens"));
-        /* the cache never had to cut tokens: turns left whole, before */
-        assert_int_equal(json_integer_value(json_object_get(kvd, "evicted_tokens")), 0);
+        int completion = (int)json_integer_value(json_object_get(u, "completion_tokens"));
+        const char *how = json_string_value(json_object_get(kvd, "turn_eviction"));
+        if (!how || strcmp(how, "in_place"))
+            fail_msg("turn %d: turn_eviction %s (%s)", turn, how ? how : "absent",
+                     json_string_value(json_object_get(kvd, "turn_eviction_fallback")));
         assert_true(evicted >= last_evicted);
         assert_true(evicted % 2 == 0); /* user + assistant: whole turns */
         if (evicted > last_evicted)
-            evictions++;
+            steps++;
+        if (cached < prev_prompt) /* the session's cache was not reused whole */
+            reprefills++;
+        prev_prompt = prompt;
         last_evicted = evicted;
         if (retained > max_retained)
             max_retained = retained;
-        /* the prompt is the rendering of: the system prompt + the turns kept */
+        /* the cache holds the rendering of: the system prompt + the turns
+         * kept, then the answer's tokens fed (all but the last sampled) */
         if (turn % 25 == 24 || turn == 199) {
             json_t *kept = json_pack("[o]", msg("system", sys));
             for (size_t i = 1 + (size_t)evicted; i < json_array_size(msgs); i++)
                 json_array_append(kept, json_array_get(msgs, i));
-            int want = rendered_tokens(kept);
-            if (want != prompt)
-                fail_msg("turn %d: prompt %d tokens, rendering of the kept messages %d", turn,
-                         prompt, want);
+            int want = rendered_tokens(kept) + completion - 1;
+            if (want != retained)
+                fail_msg("turn %d: %d tokens retained; the rendering of the %zu kept messages "
+                         "and the answer fed make %d",
+                         turn, retained, json_array_size(kept), want);
             json_decref(kept);
         }
         const char *answer =
@@ -424,26 +440,112 @@ static void test_long_chat(void **state)
         json_array_append_new(msgs, msg("assistant", answer));
         json_decref(v);
         if (turn % 50 == 49) /* memory stays flat: printed, not asserted */
-            print_message("turn %3d: conversation %zu messages, %d left out; KV pages used %.0f; "
+            print_message("turn %3d: conversation %zu messages, %d evicted; KV pages used %.0f; "
                           "RSS %.1f MiB\n",
                           turn + 1, json_array_size(msgs), evicted, metric("kvd_kv_pages_used"),
                           metric("process_resident_memory_bytes") / 1048576.0);
     }
-    print_message("200 turns: %d messages left out in %d eviction steps; at most %d tokens "
-                  "cached (budget 1024)\n",
-                  last_evicted, evictions, max_retained);
+    print_message("200 turns: %d messages evicted in place in %d steps; %d re-prefills; at "
+                  "most %d tokens cached (budget 1024)\n",
+                  last_evicted, steps, reprefills, max_retained);
     assert_true(last_evicted > 300);
     assert_true(max_retained <= 1024);
-    assert_true(evictions < 40); /* the low-water mark: not one per turn */
+    assert_int_equal(reprefills, 0);
     json_decref(msgs);
     /* the metric counted them */
+    double in_place = metric("kvd_chat_evicted_messages_total{how=\"in_place\"}");
+    assert_true(in_place >= last_evicted);
+}
+
+/*
+ * A last user turn larger than the whole window is cut from its middle:
+ * the prompt is exactly the budget (max_cache_tokens less max_tokens), the
+ * tokens cut are reported, and the answer is a normal one.
+ */
+static void test_huge_turn_cut(void **state)
+{
+    (void)state;
+    NEED_SERVER();
+    char big[12000] = "";
+    for (int i = 0; i < 300; i++)
+        strcat(big, "a cat sat. ");
+    json_t *msgs = json_pack("[o,o]", msg("system", "You are a storyteller."), msg("user", big));
+    int full = rendered_tokens(msgs);
+    assert_true(full > 1024);
+    int st;
+    json_t *v = chat(json_pack("{s:O,s:i,s:f}", "messages", msgs, "max_tokens", 12,
+                               "temperature", 0.0),
+                     &st);
+    assert_int_equal(st, 200);
+    json_t *u = json_object_get(v, "usage"), *kvd = json_object_get(u, "kvd");
+    assert_int_equal(json_integer_value(json_object_get(u, "prompt_tokens")), 1024 - 12);
+    int cut = (int)json_integer_value(json_object_get(kvd, "cut_tokens"));
+    /* the pieces are tokenized apart (header, text, end), so the count may
+     * differ from the whole rendering's by a token at each edge */
+    assert_true(cut >= full - (1024 - 12) - 2 && cut <= full - (1024 - 12) + 2);
+    json_decref(v);
+    json_decref(msgs);
+}
+
+/*
+ * A template that folds the system prompt into the first user turn cannot
+ * drop turns in place: a session falls back to rendering again, loudly
+ * (usage names why; the fallback metric counts it), and still answers.
+ */
+static void test_turn_fallback(void **state)
+{
+    (void)state;
+    NEED_SERVER();
+    static const char folded[] =
+        "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- if loop.index0 == 1 -%}"
+        "{{ '[INST] <<SYS>>' + messages[0]['content'] + '<</SYS>> ' + m['content'] + "
+        "' [/INST]' }}{%- else -%}{{ '[INST] ' + m['content'] + ' [/INST]' }}{%- endif -%}"
+        "{%- elif m['role'] == 'assistant' -%}{{ ' ' + m['content'] + ' </s>' }}{%- endif -%}"
+        "{%- endfor -%}";
+    char path[600], model[600], set_tmpl[700];
+    snprintf(path, sizeof path, "/tmp/kvd-test-chat-fold-%d.jinja", (int)getpid());
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(folded, f);
+    fclose(f);
+    const char *shared = getenv("KVD_SHARED");
+    snprintf(model, sizeof model, "%s/models/stories260K.gguf", shared ? shared : "../shared");
+    snprintf(set_tmpl, sizeof set_tmpl, "model.chat_template=%s", path);
+    const char *args[] = {"--set", set_tmpl, "--set", "eviction.max_cache_tokens=256",
+                          "--set", "server.threads=1", "--set", "cache.memory=4MiB",
+                          "--set", "limits.max_tokens=16"};
+    struct su_proc fb;
+    memset(&fb, 0, sizeof fb);
+    assert_int_equal(su_serve(&fb, getenv("KVD_BIN"), model, args,
+                              (int)(sizeof args / sizeof args[0])),
+                     0);
+    json_t *msgs = json_pack("[o]", msg("system", "You are a storyteller."));
+    for (int i = 0; i < 3; i++) {
+        json_array_append_new(msgs, msg("user", "Tell me more of the story, please."));
+        json_array_append_new(msgs, msg("assistant", "Once upon a time there was a cat."));
+    }
+    json_array_append_new(msgs, msg("user", "And then?"));
+    int st;
+    json_t *v = su_post(fb.port, "/v1/chat/completions", "",
+                        json_pack("{s:O,s:i,s:f,s:s}", "messages", msgs, "max_tokens", 4,
+                                  "temperature", 0.0, "session", "fold"),
+                        &st);
+    assert_int_equal(st, 200);
+    json_t *kvd = json_object_get(json_object_get(v, "usage"), "kvd");
+    assert_string_equal(json_string_value(json_object_get(kvd, "turn_eviction")), "rerender");
+    const char *why = json_string_value(json_object_get(kvd, "turn_eviction_fallback"));
+    assert_non_null(why);
+    assert_non_null(strstr(why, "system"));
+    json_decref(v);
     struct su_resp r;
-    assert_int_equal(su_http(srv.port, "GET", "/metrics", NULL, NULL, &r), 200);
-    const char *name = "\nkvd_chat_evicted_messages_total ";
-    const char *m = strstr(r.body, name);
+    assert_int_equal(su_http(fb.port, "GET", "/metrics", NULL, NULL, &r), 200);
+    const char *m = strstr(r.body, "\nkvd_chat_turn_fallbacks_total ");
     assert_non_null(m);
-    assert_true(atoi(m + strlen(name)) >= last_evicted);
+    assert_int_equal(atoi(m + strlen("\nkvd_chat_turn_fallbacks_total ")), 1);
     su_resp_free(&r);
+    json_decref(msgs);
+    su_stop(&fb, SIGTERM, 10);
+    unlink(path);
 }
 
 /* An operator's template that cannot be rendered stops kvd serve at start,
@@ -594,7 +696,8 @@ int main(void)
         cmocka_unit_test(test_shape),          cmocka_unit_test(test_stream),
         cmocka_unit_test(test_logprobs),       cmocka_unit_test(test_errors),
         cmocka_unit_test(test_apply_template), cmocka_unit_test(test_session),
-        cmocka_unit_test(test_long_chat),      cmocka_unit_test(test_bad_template_refused),
+        cmocka_unit_test(test_long_chat),      cmocka_unit_test(test_huge_turn_cut),
+        cmocka_unit_test(test_turn_fallback),  cmocka_unit_test(test_bad_template_refused),
         cmocka_unit_test(test_unit_token),     cmocka_unit_test(test_openai_node),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

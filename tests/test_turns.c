@@ -14,7 +14,9 @@
  *     sequence that must evict, retains exactly the tokens of the
  *     template's rendering of the messages it kept, for every separable
  *     template of tests/cases/templates; the others are named unseparable
- *     with a reason (Llama 2 folds the system prompt into the first turn).
+ *     with a reason (Llama 2 folds the system prompt into the first turn);
+ *   - a last turn larger than the window is cut from its middle, its
+ *     header and its end kept.
  *
  * White-box where it helps (cache_internal.h for kv_cache_check's partner
  * state).
@@ -621,6 +623,99 @@ static void test_retained_tokens_are_the_rendering(void **state)
     model_free(m);
 }
 
+/* Tokens of text[0..len) as a prompt start (first) or a continuation (new). */
+static int32_t *tokens_of(const model *m, const char *text, size_t len, bool first, int *n)
+{
+    *n = first ? model_tokenize_special(m, text, len, model_add_bos(m), NULL, 0)
+               : model_tokenize_continuation(m, text, len, NULL, 0);
+    int32_t *v = malloc(sizeof(int32_t) * (size_t)(*n + 1));
+    assert_int_equal(first ? model_tokenize_special(m, text, len, model_add_bos(m), v, *n)
+                           : model_tokenize_continuation(m, text, len, v, *n),
+                     *n);
+    return v;
+}
+
+/*
+ * A last user turn larger than the window is cut from the middle of its
+ * text: the prompt is the budget exactly, and begins with the tokens of
+ * everything before the text (the system prompt, the turn's role header)
+ * and ends with everything after it (the end of the turn, the generation
+ * prompt). A system prompt alone over the budget is refused, naming both.
+ */
+static void test_huge_last_turn_is_cut(void **state)
+{
+    (void)state;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-phi-3.gguf", shared_dir());
+    char err[512];
+    struct model_params mp = {.path = path, .vocab_only = true};
+    model *m = model_load(&mp, err, sizeof err);
+    if (!m) {
+        print_message("%s absent (%s): set KVD_SHARED to the shared data folder\n", path, err);
+        skip();
+    }
+    size_t len = 0;
+    char *src = read_text("tests/cases/templates/models/chatml-openhermes.jinja", &len);
+    assert_non_null(src);
+    struct tpl_chat_params cp = {.bos_token = "<s>", .eos_token = "</s>",
+                                 .strip_bos = model_add_bos(m)};
+    struct tpl_error e;
+    tpl_chat *chat = tpl_chat_create(src, len, &cp, &e);
+    free(src);
+    assert_non_null(chat);
+    char big[6000] = "";
+    for (int i = 0; i < 400; i++)
+        strcat(big, i % 2 ? "sea " : "ship ");
+    json_t *msgs = json_pack("[{s:s,s:s},{s:s,s:s},{s:s,s:s},{s:s,s:s}]", "role", "system",
+                             "content", "Be brief.", "role", "user", "content", "hello",
+                             "role", "assistant", "content", "hi", "role", "user", "content",
+                             big);
+    int32_t *ids = NULL;
+    int n = 0, cut = 0;
+    char why[300];
+    assert_int_equal(srv_chat_cut_last_turn(m, chat, msgs, NULL, 0, 120, &ids, &n, &cut, why,
+                                            sizeof why, &e),
+                     0);
+    assert_int_equal(n, 120);
+    /* the pinned rendering: the earlier turn left out */
+    json_t *pinned = json_pack("[O,O]", json_array_get(msgs, 0), json_array_get(msgs, 3));
+    char *text = NULL;
+    assert_int_equal(tpl_chat_render(chat, pinned, NULL, true, 0, &text, &len, &e), 0);
+    const char *at = strstr(text, "ship sea");
+    assert_non_null(at);
+    size_t a = (size_t)(at - text), b = a + strlen(big) - 1; /* the template trims */
+    int n_pre, n_mid, n_post;
+    int32_t *pre = tokens_of(m, text, a, true, &n_pre);
+    int32_t *mid = tokens_of(m, text + a, b - a, false, &n_mid);
+    int32_t *post = tokens_of(m, text + b, len - b, false, &n_post);
+    assert_int_equal(cut, n_mid - (120 - n_pre - n_post));
+    assert_memory_equal(ids, pre, sizeof(int32_t) * (size_t)n_pre);
+    assert_memory_equal(ids + n - n_post, post, sizeof(int32_t) * (size_t)n_post);
+    int head = (120 - n_pre - n_post + 1) / 2;
+    assert_memory_equal(ids + n_pre, mid, sizeof(int32_t) * (size_t)head); /* the text's start */
+    assert_memory_equal(ids + n - n_post - (120 - n_pre - n_post - head),
+                        mid + n_mid - (120 - n_pre - n_post - head),
+                        sizeof(int32_t) * (size_t)(120 - n_pre - n_post - head)); /* its end */
+    free(pre);
+    free(mid);
+    free(post);
+    free(text);
+    free(ids);
+    json_decref(pinned);
+
+    /* the system prompt alone is over the budget: refused, naming both */
+    json_t *sysbig = json_pack("[{s:s,s:s},{s:s,s:s}]", "role", "system", "content", big, "role",
+                               "user", "content", "hi");
+    assert_int_equal(srv_chat_cut_last_turn(m, chat, sysbig, NULL, 0, 120, &ids, &n, &cut, why,
+                                            sizeof why, &e),
+                     -1);
+    assert_non_null(strstr(why, "the budget is 120"));
+    json_decref(sysbig);
+    json_decref(msgs);
+    tpl_chat_destroy(chat);
+    model_free(m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -631,6 +726,7 @@ int main(void)
         cmocka_unit_test(test_table_rules),
         cmocka_unit_test(test_long_conversation),
         cmocka_unit_test(test_retained_tokens_are_the_rendering),
+        cmocka_unit_test(test_huge_last_turn_is_cut),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
