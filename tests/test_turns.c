@@ -33,56 +33,29 @@
 
 #include <cmocka.h>
 
-#include "cache/cache_internal.h"
-#include "cache/kv_cache.h"
+#include "tests/cache_model.h"
 #include "model/model.h"
 #include "server/chat_turns.h"
 #include "template/template.h"
 
 /* ------------------------------------------------------------------------
- * Helpers
+ * Helpers (cache_model.h: token contents, constructors)
  * ------------------------------------------------------------------------ */
 
-static uint32_t mix(uint32_t a, uint32_t b)
+static kv_cache *turn_cache(int pt, int pages)
 {
-    uint32_t h = a * 0x9e3779b1u ^ (b + 0x7f4a7c15u + (a << 6) + (a >> 2));
-    h ^= h >> 16;
-    h *= 0x85ebca6bu;
-    h ^= h >> 13;
-    return h;
+    struct kv_cache_params p = {.page_tokens = pt, .n_layer = 2, .n_kv_head = 2, .head_dim = 8,
+                                .k_type = KV_F32, .v_type = KV_F16};
+    return make_cache2(kv_cache_memory_for(&p, pages), pt, 2, 2, 8, KV_F32, KV_F16);
 }
 
-/* The byte a token with history index hidx has at byte b of a row. */
-static uint8_t row_byte(int32_t hidx, int layer, int head, int v, size_t b)
+/* A session under a policy of `kind` (sinks 4, window 8). */
+static kv_seq *turn_seq(kv_cache *c, enum kv_policy_kind kind, int max, bool renumber)
 {
-    return (uint8_t)(mix(mix((uint32_t)hidx, (uint32_t)(layer * 31 + head * 7 + v)),
-                         (uint32_t)b) >> 24);
-}
-
-static kv_cache *make_cache(int pt, int pages)
-{
-    struct kv_cache_params p = {
-        .page_tokens = pt, .n_layer = 2, .n_kv_head = 2, .head_dim = 8, .k_type = KV_F32,
-        .v_type = KV_F16};
-    p.memory_bytes = kv_cache_memory_for(&p, pages);
-    char err[256];
-    kv_cache *c = kv_cache_create(&p, err, sizeof(err));
-    if (!c)
-        print_message("kv_cache_create: %s\n", err);
-    assert_non_null(c);
-    return c;
-}
-
-static kv_seq *make_seq(kv_cache *c, enum kv_policy_kind kind, int max, bool renumber)
-{
-    struct kv_policy pol = {.kind = kind, .max_cache_tokens = max, .sink_tokens = 4,
-                            .window_tokens = 8, .renumber = renumber};
-    char err[256];
-    kv_seq *s = kv_seq_create(c, &pol, true, err, sizeof(err));
-    if (!s)
-        print_message("kv_seq_create: %s\n", err);
-    assert_non_null(s);
-    return s;
+    struct kv_policy pol = kind == KV_EVICT_NONE ? none_policy(max)
+                                                 : sink_window(max, 4, 8, renumber);
+    pol.renumber = renumber;
+    return make_seq(c, pol, true);
 }
 
 /* Append n tokens (ids 1000 + history index) and write their rows. */
@@ -100,14 +73,7 @@ static int append(kv_seq *s, int n)
         return rc;
     const int32_t *hidx = kv_seq_hist_index(s);
     for (int i = first; i < first + n; i++)
-        for (int layer = 0; layer < l.n_layer; layer++)
-            for (int h = 0; h < l.n_kv_head; h++)
-                for (int v = 0; v < 2; v++) {
-                    uint8_t *row = v ? kv_seq_v(s, layer, h, i) : kv_seq_k(s, layer, h, i);
-                    size_t len = v ? l.v_row_bytes : l.k_row_bytes;
-                    for (size_t b = 0; b < len; b++)
-                        row[b] = row_byte(hidx[i], layer, h, v, b);
-                }
+        fill_token(s, &l, i, (uint32_t)hidx[i]); /* the row's bytes follow its history index */
     return 0;
 }
 
@@ -120,21 +86,10 @@ static void check_bytes(kv_seq *s)
     const int32_t *hidx = kv_seq_hist_index(s), *ids = kv_seq_tokens(s);
     for (int i = 0; i < kv_seq_n_tokens(s); i++) {
         assert_int_equal(ids[i], 1000 + hidx[i]);
-        for (int layer = 0; layer < l.n_layer; layer++)
-            for (int h = 0; h < l.n_kv_head; h++)
-                for (int v = 0; v < 2; v++) {
-                    const uint8_t *row = v ? kv_seq_v(s, layer, h, i) : kv_seq_k(s, layer, h, i);
-                    size_t len = v ? l.v_row_bytes : l.k_row_bytes;
-                    for (size_t b = 0; b < len; b++)
-                        if (row[b] != row_byte(hidx[i], layer, h, v, b))
-                            fail_msg("token %d (history %d) layer %d head %d %s byte %zu "
-                                     "changed",
-                                     i, hidx[i], layer, h, v ? "V" : "K", b);
-                }
+        if (!token_intact(s, &l, i, (uint32_t)hidx[i]))
+            fail_msg("token %d (history %d): its K/V bytes changed", i, hidx[i]);
     }
-    char err[256];
-    if (kv_cache_check(kv_seq_cache(s), err, sizeof(err)) != 0)
-        fail_msg("kv_cache_check: %s", err);
+    assert_cache_ok(kv_seq_cache(s));
 }
 
 /* The retained history indices equal want[0..n). */
@@ -175,8 +130,8 @@ static void set_turns(kv_seq *s, const struct kv_turn *t, int n, int low)
 static void test_oldest_turn_leaves_whole(void **state)
 {
     (void)state;
-    kv_cache *c = make_cache(4, 64);
-    kv_seq *s = make_seq(c, KV_EVICT_SINK_WINDOW, 40, true);
+    kv_cache *c = turn_cache(4, 64);
+    kv_seq *s = turn_seq(c, KV_EVICT_SINK_WINDOW, 40, true);
     struct kv_turn t[] = {{6, 7, 2}, {13, 9, 2}, {22, 5, 3}};
     assert_int_equal(append(s, 35), 0);
     set_turns(s, t, 3, 0);
@@ -222,8 +177,8 @@ static void test_oldest_turn_leaves_whole(void **state)
 static void test_positions_preserved(void **state)
 {
     (void)state;
-    kv_cache *c = make_cache(4, 64);
-    kv_seq *s = make_seq(c, KV_EVICT_SINK_WINDOW, 40, false);
+    kv_cache *c = turn_cache(4, 64);
+    kv_seq *s = turn_seq(c, KV_EVICT_SINK_WINDOW, 40, false);
     struct kv_turn t[] = {{6, 7, 2}, {13, 9, 2}};
     assert_int_equal(append(s, 30), 0);
     set_turns(s, t, 2, 0);
@@ -243,8 +198,8 @@ static void test_positions_preserved(void **state)
 static void test_low_water_and_open_turns(void **state)
 {
     (void)state;
-    kv_cache *c = make_cache(4, 64);
-    kv_seq *s = make_seq(c, KV_EVICT_NONE, 60, true);
+    kv_cache *c = turn_cache(4, 64);
+    kv_seq *s = turn_seq(c, KV_EVICT_NONE, 60, true);
     struct kv_turn t[] = {{4, 10, 2}, {14, 10, 2}, {24, 10, 2}, {34, 10, 2}, {50, 20, 2}};
     assert_int_equal(append(s, 44), 0);
     set_turns(s, t, 5, 30);
@@ -273,8 +228,8 @@ static void test_low_water_and_open_turns(void **state)
 static void test_cut_is_counted(void **state)
 {
     (void)state;
-    kv_cache *c = make_cache(4, 64);
-    kv_seq *s = make_seq(c, KV_EVICT_SINK_WINDOW, 40, true);
+    kv_cache *c = turn_cache(4, 64);
+    kv_seq *s = turn_seq(c, KV_EVICT_SINK_WINDOW, 40, true);
     struct kv_turn t[] = {{8, 6, 2}};
     assert_int_equal(append(s, 36), 0);
     set_turns(s, t, 1, 0);
@@ -291,7 +246,7 @@ static void test_cut_is_counted(void **state)
     check_bytes(s);
 
     /* policy none cannot cut: the append is refused, nothing changed */
-    kv_seq *x = make_seq(c, KV_EVICT_NONE, 40, true);
+    kv_seq *x = turn_seq(c, KV_EVICT_NONE, 40, true);
     assert_int_equal(append(x, 36), 0);
     set_turns(x, t, 1, 0);
     assert_int_equal(append(x, 12), -ENOSPC);
@@ -307,8 +262,8 @@ static void test_cut_is_counted(void **state)
 static void test_table_rules(void **state)
 {
     (void)state;
-    kv_cache *c = make_cache(4, 64);
-    kv_seq *s = make_seq(c, KV_EVICT_NONE, 40, true);
+    kv_cache *c = turn_cache(4, 64);
+    kv_seq *s = turn_seq(c, KV_EVICT_NONE, 40, true);
     char err[256];
     struct kv_turn good[] = {{4, 6, 2}, {10, 6, 2}};
     set_turns(s, good, 2, 0);
@@ -338,7 +293,7 @@ static void test_table_rules(void **state)
     /* an LRU drop takes the table with the pages */
     set_turns(s, good, 2, 0);
     kv_seq_pin(s, false);
-    kv_seq *big = make_seq(c, KV_EVICT_NONE, 64 * 4, true);
+    kv_seq *big = turn_seq(c, KV_EVICT_NONE, 64 * 4, true);
     assert_int_equal(append(big, 64 * 4 - 4), 0);
     assert_true(kv_seq_dropped(s));
     kv_seq_turn_state(s, &st);
@@ -359,8 +314,8 @@ static void test_table_rules(void **state)
 static void test_long_conversation(void **state)
 {
     (void)state;
-    kv_cache *c = make_cache(16, 40);
-    kv_seq *s = make_seq(c, KV_EVICT_SINK_WINDOW, 256, true);
+    kv_cache *c = turn_cache(16, 40);
+    kv_seq *s = turn_seq(c, KV_EVICT_SINK_WINDOW, 256, true);
     uint32_t rng = 12345;
     enum { TURNS = 400 };
     struct kv_turn *t = calloc(TURNS, sizeof(*t));
@@ -476,8 +431,8 @@ static int check_retained_is_rendering(const model *m, const tpl_chat *chat, con
     int pinned = p->n_ids;
     for (int i = 0; i < p->n_turns; i++)
         pinned -= p->turns[i].n_tokens;
-    kv_cache *c = make_cache(16, (pinned + p->n_ids) / 16 + 8);
-    kv_seq *s = make_seq(c, KV_EVICT_SINK_WINDOW, pinned + (p->n_ids - pinned) / 3 + 32, true);
+    kv_cache *c = turn_cache(16, (pinned + p->n_ids) / 16 + 8);
+    kv_seq *s = turn_seq(c, KV_EVICT_SINK_WINDOW, pinned + (p->n_ids - pinned) / 3 + 32, true);
     char err[256];
     assert_int_equal(kv_seq_set_turns(s, p->turns, p->n_turns, 0, err, sizeof(err)), 0);
     for (int at = 0; at < p->n_ids;) {
