@@ -680,7 +680,9 @@ static void check_prompt(srv_api *a, struct engine_req *r, struct verr *e)
              a->p.max_prompt_tokens);
         return;
     }
-    if (a->p.policy.kind == KV_EVICT_NONE && r->n_prompt > a->p.policy.max_cache_tokens)
+    /* (a chat prompt with turns makes room by dropping them in place) */
+    if (a->p.policy.kind == KV_EVICT_NONE && r->n_turns == 0 &&
+        r->n_prompt > a->p.policy.max_cache_tokens)
         fail(e, "prompt", "context_length_exceeded",
              "the prompt has %d tokens; a sequence holds at most %d (max_cache_tokens) under "
              "eviction policy none",
