@@ -481,9 +481,9 @@ static int check_retained_is_rendering(const model *m, const tpl_chat *chat, con
     return st.turns_evicted;
 }
 
-static void test_retained_tokens_are_the_rendering(void **state)
+/* The phi-3 vocabulary from the shared folder (skips the test without it). */
+static model *phi3_vocab(void)
 {
-    (void)state;
     char path[1024];
     snprintf(path, sizeof path, "%s/vocab/ggml-vocab-phi-3.gguf", shared_dir());
     char err[512];
@@ -493,6 +493,13 @@ static void test_retained_tokens_are_the_rendering(void **state)
         print_message("%s absent (%s): set KVD_SHARED to the shared data folder\n", path, err);
         skip();
     }
+    return m;
+}
+
+static void test_retained_tokens_are_the_rendering(void **state)
+{
+    (void)state;
+    model *m = phi3_vocab();
     /* With the phi-3 vocabulary, whose control tokens are phi-3's: other
      * families' markers are plain text to it, and a cut between two of
      * them may not be a token boundary (counted as not separable, with
@@ -507,9 +514,8 @@ static void test_retained_tokens_are_the_rendering(void **state)
     static const char *const not_separable[] = {"llama-2", "mistral-v0.2", "gemma",
                                                 "phi-3-mini", "qwen3", "llama-3", NULL};
     json_t *msgs = conversation(12);
-    DIR *d = NULL;
-    snprintf(path, sizeof path, "tests/cases/templates/models");
-    d = opendir(path);
+    const char *path = "tests/cases/templates/models";
+    DIR *d = opendir(path);
     assert_non_null(d);
     struct dirent *de;
     int n_sep = 0, n_not = 0;
@@ -600,15 +606,7 @@ static int32_t *tokens_of(const model *m, const char *text, size_t len, bool fir
 static void test_huge_last_turn_is_cut(void **state)
 {
     (void)state;
-    char path[1024];
-    snprintf(path, sizeof path, "%s/vocab/ggml-vocab-phi-3.gguf", shared_dir());
-    char err[512];
-    struct model_params mp = {.path = path, .vocab_only = true};
-    model *m = model_load(&mp, err, sizeof err);
-    if (!m) {
-        print_message("%s absent (%s): set KVD_SHARED to the shared data folder\n", path, err);
-        skip();
-    }
+    model *m = phi3_vocab();
     size_t len = 0;
     char *src = read_text("tests/cases/templates/models/chatml-openhermes.jinja", &len);
     assert_non_null(src);
