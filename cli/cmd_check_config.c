@@ -5,15 +5,79 @@
  * either prints the effective configuration, each key with where its value
  * came from, and exits 0, or prints every error, one per line as
  * FILE:LINE: message, and exits 2. The output of a valid configuration is
- * itself a config file that loads to the same values.
+ * itself a config file that loads to the same values. It ends with the
+ * layout the eviction policy gives one session and what a session costs:
+ * in pages always, in bytes when [model] path names a model that loads.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/kv_cache.h"
 #include "cli/cli.h"
+#include "cli/cli_internal.h"
 #include "config/args.h"
 #include "config/config.h"
+#include "model/model.h"
+
+/* K and V bytes of one token for the config's model and KV types; 0 with
+ * the reason in why when there is no model to ask. */
+static uint64_t model_token_bytes(const struct cfg *c, char *why, size_t len)
+{
+    if (!c->model.path[0]) {
+        snprintf(why, len, "set [model] path to see it in bytes");
+        return 0;
+    }
+    struct model_params mp = {.path = c->model.path};
+    model *m = model_load(&mp, why, len);
+    if (!m)
+        return 0;
+    struct kv_cache_params shape = {.k_type = srv_cfg_kv_type(cfg_k_type(c)),
+                                    .v_type = srv_cfg_kv_type(cfg_v_type(c))};
+    model_kv_shape(m, &shape);
+    model_free(m);
+    uint64_t bytes = kv_cache_token_bytes(&shape);
+    if (!bytes)
+        snprintf(why, len, "the KV types cannot store the model's head_dim %d", shape.head_dim);
+    return bytes;
+}
+
+/*
+ * What the policy keeps of one sequence, in the cache's own terms (the
+ * budget is kv_policy_budget's, through the same policy serve builds), e.g.
+ * [4 sinks | up to 3840 middle by h2o | 252 window], then one session's
+ * pages and, with a model, its bytes.
+ */
+static void print_layout(const struct cfg *c)
+{
+    struct kv_policy p;
+    srv_cfg_policy(c, &p);
+    struct kv_budget b;
+    kv_policy_budget(&p, (int)c->cache.page_tokens, &b);
+    const char *name = kv_policy_kind_name(p.kind);
+    if (p.kind == KV_EVICT_NONE)
+        printf("\n# retained layout (none): [every token up to %d; nothing is evicted]\n",
+               p.max_cache_tokens);
+    else if (kv_policy_scored(p.kind))
+        printf("\n# retained layout (%s): [%d sinks | up to %d middle by %s | %d window]\n", name,
+               p.sink_tokens, p.heavy_tokens, name, p.window_tokens);
+    else
+        printf("\n# retained layout (%s): [%d sinks, kept as %lld tokens of whole pages | "
+               "%d window]\n",
+               name, p.sink_tokens, (long long)b.kept_tokens, p.window_tokens);
+    long long pages = (long long)b.sequence_pages, page = (long long)c->cache.page_tokens;
+    char why[512];
+    uint64_t bytes = model_token_bytes(c, why, sizeof(why));
+    if (bytes)
+        printf("# one session: at most %d tokens in %lld pages of %lld tokens = %.2f MiB "
+               "(%llu bytes a token)\n",
+               p.max_cache_tokens, pages, page, (double)bytes * page * pages / (1 << 20),
+               (unsigned long long)bytes);
+    else
+        printf("# one session: at most %d tokens in %lld pages of %lld tokens (bytes: %s)\n",
+               p.max_cache_tokens, pages, page, why);
+}
 
 static void check_config_usage(FILE *f)
 {
@@ -94,6 +158,7 @@ int srv_cmd_check_config(int argc, char **argv)
     if (c->eviction.policy != CFG_EVICT_NONE)
         printf("\n# eviction window in effect: %lld tokens%s\n", (long long)cfg_window_tokens(c),
                c->eviction.window_tokens ? "" : " (window_tokens = 0: the rest of the budget)");
+    print_layout(c);
     status = 0;
 
 out_free:

@@ -897,6 +897,30 @@ static void test_check_config_command(void **state)
     assert_non_null(strstr(out, "; command line"));
     assert_non_null(strstr(out, "; " EXAMPLE ":"));
     assert_non_null(strstr(out, "memory = 512MiB"));
+    /* The layout the policy gives a session, in the cache's terms. */
+    assert_non_null(strstr(out, "# retained layout (sink-window): [4 sinks, kept as 32 tokens"));
+    assert_non_null(strstr(out, "# one session: at most 4096 tokens in 129 pages of 32 tokens"));
+    snprintf(cmd, sizeof(cmd),
+             "'%s' check-config " EXAMPLE " --set eviction.policy=h2o "
+             "--set eviction.heavy_tokens=512 2>&1",
+             bin);
+    assert_int_equal(run(cmd, out, sizeof(out)), 0);
+    assert_non_null(strstr(out, "# retained layout (h2o): [4 sinks | up to 512 middle by h2o | "
+                                "3564 window]"));
+    /* With a model, what a session costs in bytes (stories260K: 5 layers,
+     * 4 KV heads of 16, f16 K and V: 640 bytes a token). */
+    const char *shared = getenv("KVD_SHARED");
+    if (shared && *shared) {
+        snprintf(cmd, sizeof(cmd),
+                 "'%s' check-config " EXAMPLE " --set model.path='%s/models/stories260K.gguf' "
+                 "2>&1",
+                 bin, shared);
+        if (run(cmd, out, sizeof(out)) == 0 && !strstr(out, "cannot open"))
+            assert_non_null(strstr(out, "in 257 pages of 16 tokens = 2.51 MiB (640 bytes a token)"));
+        else
+            print_message("%s/models/stories260K.gguf absent: the bytes line is not checked\n",
+                          shared);
+    }
 
     /* Invalid: exit 2, every error on stderr, one per line. */
     snprintf(cmd, sizeof(cmd), "'%s' check-config " CASES "/cross_key.conf 2>&1 >/dev/null", bin);
