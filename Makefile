@@ -84,6 +84,7 @@ ALL_OBJ    := $(CLI_OBJ) $(LOAD_OBJ) $(SERVER_OBJ) $(ENGINE_OBJ) $(MODEL_OBJ) $(
 # What each test program links: its room and the rooms below it, so a room's
 # tests build even while another room is mid-change.
 LINK_attention := $(ATTN_OBJ)
+LINK_posenc    := $(ATTN_OBJ)
 LINK_cache     := $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_cache_invariants := $(LINK_cache)
 LINK_model     := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
