@@ -280,6 +280,9 @@ struct attn_params {
     int head_dim;          /* elements per head, 1..1024 */
     float scale;           /* logit scale, usually 1/sqrt(head_dim); > 0 */
     struct pos_scheme pos; /* position scheme (RoPE, ALiBi, T5 or none) */
+    float softcap;         /* 0, or every score q.k * scale becomes softcap * tanh(score /
+                              softcap) before bias and masks (Gemma 2's attention logit
+                              soft-capping, in the tile loop: attn_softcap.c); finite */
     int n_threads;         /* OpenMP threads; 0 = the runtime's default */
     bool force_scalar;     /* run the portable scalar path even where a SIMD path
                               was compiled (tests compare both) */
@@ -329,6 +332,10 @@ int attn_reference(const struct attn_params *params, const struct attn_kv *kv,
 
 /* Describes the compiled SIMD path, e.g. "avx512" / "avx2" / "scalar". */
 const char *attn_simd_name(void);
+
+/* The tile path attn_create picks for a context with this softcap (not
+ * forced scalar): attn_simd_name(), or it followed by "+softcap". */
+const char *attn_path_name(float softcap);
 
 /*
  * The path scoring q8_0 keys under schemes that do not rotate keys (none,

@@ -153,6 +153,8 @@ struct attn_bias {
     const float *t5;
     int t5_n;
     int32_t window; /* 0, or keys with pos_k <= pos_q - window are hidden too */
+    float softcap;  /* 0, or the row's scores were capped to softcap * tanh(s / softcap)
+                       before the bias (attn_softcap.c; the base tables ignore it) */
 };
 
 /* The last hidden position below a query at pos_q for a window (INT32_MIN
@@ -258,6 +260,14 @@ typedef void (*attn_qk_q8_fn)(float *S, const struct attn_q8row *q, int nrows,
 attn_qk_q8_fn attn_q8_select(bool scalar, const char **name);
 /* One path by name ("avx512-vnni", "avx2", "scalar"), NULL if this CPU lacks it (tests). */
 attn_qk_q8_fn attn_q8_path(const char *name);
+
+/*
+ * base itself when softcap is 0, else a table that runs base's operations
+ * with every score row capped (cap * tanh(s / cap), the cap taken from the
+ * row's attn_bias) before softmax and probs (attn_softcap.c). Static
+ * tables: never freed.
+ */
+const struct attn_ops *attn_softcap_ops(const struct attn_ops *base, float softcap);
 
 /* The portable table (attn_scalar.c). */
 extern const struct attn_ops attn_scalar_ops;

@@ -188,15 +188,14 @@ static size_t align_up(size_t n, size_t a)
 /* Bookkeeping allocation tracked in ctx->bytes; NULL on failure. */
 static void *ctx_alloc(attn_ctx *ctx, size_t bytes)
 {
-    void *p = aligned_alloc(CACHE_LINE, align_up(bytes ? bytes : 1, CACHE_LINE));
-    if (p)
-        ctx->bytes += align_up(bytes ? bytes : 1, CACHE_LINE);
+    size_t n = align_up(bytes ? bytes : 1, CACHE_LINE);
+    void *p = aligned_alloc(CACHE_LINE, n);
+    ctx->bytes += p ? n : 0;
     return p;
 }
 
-static void fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void fail(char *err, size_t errlen, const char *fmt, ...)
+static __attribute__((format(printf, 3, 4))) void fail(char *err, size_t errlen, const char *fmt,
+                                                       ...)
 {
     if (!err || !errlen)
         return;
@@ -221,8 +220,10 @@ static int check_params(const struct attn_params *p, char *err, size_t errlen)
         fail(err, errlen, "head_dim %d is outside 1..1024", p->head_dim);
         return -EINVAL;
     }
-    if (!(p->scale > 0.0f) || !isfinite(p->scale)) {
-        fail(err, errlen, "scale %g must be positive and finite", (double)p->scale);
+    if (!(p->scale > 0.0f) || !isfinite(p->scale) || !(p->softcap >= 0.0f) ||
+        !isfinite(p->softcap)) {
+        fail(err, errlen, "scale %g must be positive, softcap %g >= 0", (double)p->scale,
+             (double)p->softcap);
         return -EINVAL;
     }
     if (p->n_threads < 0 || p->n_threads > 1024) {
@@ -346,9 +347,9 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
     ctx->bytes = sizeof(*ctx);
     ctx->p = *params;
     const struct attn_ops *simd = attn_simd_ops();
-    ctx->ops = params->force_scalar || !simd ? &attn_scalar_ops : simd;
-    const char *q8_name;
-    ctx->qk_q8 = attn_q8_select(params->force_scalar, &q8_name);
+    ctx->ops = attn_softcap_ops(params->force_scalar || !simd ? &attn_scalar_ops : simd,
+                                params->softcap);
+    ctx->qk_q8 = attn_q8_select(params->force_scalar, &(const char *){NULL}); /* name unused */
     ctx->n_threads = params->n_threads > 0 ? params->n_threads : omp_get_max_threads();
     if (ctx->n_threads < 1)
         ctx->n_threads = 1;
@@ -460,8 +461,7 @@ static int grow(attn_ctx *ctx, void **buf, size_t *cap, size_t n, size_t elt)
     if (!p)
         return -ENOMEM;
     free(*buf);
-    ctx->bytes -= align_up(*cap * elt, CACHE_LINE) * (*cap > 0);
-    ctx->bytes += align_up(n * elt, CACHE_LINE);
+    ctx->bytes += align_up(n * elt, CACHE_LINE) - align_up(*cap * elt, CACHE_LINE) * (*cap > 0);
     *buf = p;
     *cap = n;
     return 0;
@@ -471,9 +471,8 @@ static int grow(attn_ctx *ctx, void **buf, size_t *cap, size_t n, size_t elt)
  * Validation and planning
  * ------------------------------------------------------------------------ */
 
-static int run_fail(attn_ctx *ctx, int code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int run_fail(attn_ctx *ctx, int code, const char *fmt, ...)
+static __attribute__((format(printf, 3, 4))) int run_fail(attn_ctx *ctx, int code, const char *fmt,
+                                                         ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -878,7 +877,7 @@ static const struct attn_prefetch *prefetch_head(const attn_ctx *ctx, struct att
 /* The bias of query head h. */
 static struct attn_bias head_bias(const attn_ctx *ctx, int h)
 {
-    struct attn_bias b = {.kind = POS_NONE, .window = ctx->window};
+    struct attn_bias b = {.kind = POS_NONE, .window = ctx->window, .softcap = ctx->p.softcap};
     if (ctx->p.pos.kind == POS_ALIBI) {
         b.kind = POS_ALIBI;
         b.slope = ctx->p.pos.alibi_slopes[h];

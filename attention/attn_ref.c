@@ -145,7 +145,10 @@ int attn_reference(const struct attn_params *p, const struct attn_kv *kv,
                         bias = ps->t5_table[(size_t)h * ps->t5_num_buckets +
                                             pos_t5_bucket(offset, ps->t5_bidirectional,
                                                           ps->t5_num_buckets, ps->t5_max_distance)];
-                    score[i] = dot * p->scale + bias;
+                    double sc = dot * p->scale;
+                    if (p->softcap > 0.0f) /* Gemma 2: the score capped before the bias */
+                        sc = p->softcap * tanh(sc / p->softcap);
+                    score[i] = sc + bias;
                     mx = score[i] > mx ? score[i] : mx;
                 }
 

@@ -837,7 +837,7 @@ static void describe_path(const struct eval_opts *o, const struct model_info *in
             "tokens%s%s%s%s\n"
             "tokens: %d; training length %d (2x = %d, 4x = %d)\n",
             info->name, info->arch, info->n_layer, info->n_head, info->n_kv_head, info->head_dim,
-            attn_simd_name(), o->threads ? o->threads : omp_get_max_threads(),
+            attn_path_name(info->attn_softcap), o->threads ? o->threads : omp_get_max_threads(),
             kv_type_name(o->k_type), kv_type_name(o->v_type), pos_kind_name(info->pos),
             o->page_tokens,
             o->k_type == KV_Q8_0 && info->pos != POS_ROPE ? "; q8_0 key scores: int8 " : "",

@@ -4,8 +4,8 @@
  * The model is a pure function of the options and the seed (see
  * model/mkmodel.h); it is what `make run` serves when no model is given and
  * what tests and benchmarks build their fixtures from. Any GGUF reader can
- * open it: llama.cpp's metadata keys and tensor names (llama, qwen2, bloom,
- * mpt). Without --arch it is a llama model with RoPE, the default of
+ * open it: llama.cpp's metadata keys and tensor names (llama, qwen2, qwen3,
+ * bloom, mpt, gemma2, gemma3). Without --arch it is a llama model with RoPE, the default of
  * `make run`; --position alibi|t5 gives a llama-shaped model with an
  * offset-only bias instead (kvd's own kvd.position.* metadata).
  */
@@ -28,7 +28,8 @@ static void mkmodel_usage(FILE *f)
             "  --preset retrieval  computed weights that copy what followed an earlier\n"
             "                    occurrence of the current context (with --position;\n"
             "                    only --ctx and --seed may be given besides)\n"
-            "  --arch A          llama, qwen2, qwen3, bloom or mpt (default %s)\n"
+            "  --arch A          llama, qwen2, qwen3, bloom, mpt, gemma2 or gemma3\n"
+            "                    (default %s)\n"
             "  --position P      rope, alibi or t5 (default: rope for llama/qwen2,\n"
             "                    alibi for bloom/mpt, which run only alibi)\n"
             "  --alibi-max-bias F  ALiBi slopes' max_bias (default 8; bloom: always 8)\n"
@@ -38,6 +39,7 @@ static void mkmodel_usage(FILE *f)
             "  --dim N           model width (default %d)\n"
             "  --layers N        transformer blocks (default %d)\n"
             "  --heads N         query heads (default %d)\n"
+            "  --head-dim N      elements per head (default: dim / heads; Gemma: 256)\n"
             "  --kv-heads N      key/value heads, dividing heads (default %d)\n"
             "  --ff N            feed-forward width (default %d)\n"
             "  --vocab N         vocabulary size, >= 260 (default %d)\n"
@@ -46,7 +48,12 @@ static void mkmodel_usage(FILE *f)
             "  --rope-scaling S  none, linear or yarn, with --rope-factor F and\n"
             "                    (yarn) --rope-orig-ctx N\n"
             "  --rope-freqs      write Llama 3.1's rope_freqs.weight (llama3 scaling)\n"
-            "  --sliding-window N  every layer attends to the last N positions (Mistral)\n"
+            "  --sliding-window N  every layer attends to the last N positions (Mistral;\n"
+            "                    Gemma: the local layers; gemma3 needs it)\n"
+            "  --attn-softcap F, --final-softcap F  gemma2: the soft-caps written\n"
+            "                    (default: none written, the loader's 50 and 30 apply)\n"
+            "  --rope-theta-swa F  gemma3: the local layers' RoPE base (default: none\n"
+            "                    written, 10000 applies)\n"
             "  --ctx N           context_length written to the metadata (default %d)\n"
             "  --tied            no output.weight: logits from the token embedding\n"
             "                    (bloom is always tied)\n"
@@ -82,8 +89,27 @@ int srv_cmd_mkmodel(int argc, char **argv)
             {"--t5-max-distance", &p.t5_max_distance, 1, 1 << 20},
             {"--rope-orig-ctx", &p.rope_orig_ctx, 1, INT32_MAX},
             {"--sliding-window", &p.sliding_window, 1, INT32_MAX},
+            {"--head-dim", &p.head_dim, 2, 1024},
         };
         bool matched = false;
+        struct {
+            const char *name;
+            float *dst;
+        } floats[] = {{"--attn-softcap", &p.attn_softcap},
+                      {"--final-softcap", &p.final_softcap},
+                      {"--rope-theta-swa", &p.rope_theta_swa}};
+        for (size_t k = 0; k < sizeof(floats) / sizeof(floats[0]) && !matched; k++) {
+            if (srv_opt_value(argc, argv, &i, "mkmodel", floats[k].name, &v, &bad)) {
+                matched = true;
+                if (!bad && srv_parse_double(v, 1e-3, 1e12, &x)) {
+                    fprintf(stderr, "kvd mkmodel: %s wants a positive number, got '%s'\n",
+                            floats[k].name, v);
+                    return 2;
+                }
+                *floats[k].dst = (float)x;
+                shape_opt = shape_opt ? shape_opt : floats[k].name;
+            }
+        }
         for (size_t k = 0; k < sizeof(ints) / sizeof(ints[0]) && !matched; k++) {
             if (srv_opt_value(argc, argv, &i, "mkmodel", ints[k].name, &v, &bad)) {
                 matched = true;
@@ -221,9 +247,9 @@ int srv_cmd_mkmodel(int argc, char **argv)
                p.n_kv_head);
         return 0;
     }
-    int hd = p.n_embd / p.n_head;
+    int hd = model_mk_head_dim(&p);
     bool gelu = !strcmp(p.arch, "bloom") || !strcmp(p.arch, "mpt");
-    bool tied = p.tied || !strcmp(p.arch, "bloom");
+    bool tied = p.tied || !strcmp(p.arch, "bloom") || !strncmp(p.arch, "gemma", 5);
     long long params = (long long)p.n_embd * p.n_vocab * (tied ? 1 : 2) +
                        (long long)p.n_layer *
                            ((long long)p.n_embd * (p.n_head + 2 * p.n_kv_head) * hd +

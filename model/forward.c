@@ -16,14 +16,18 @@
  *   att = attention over each sequence's cache        [T][n_head*head_dim]
  *         (the fused kernel rotates q and cached k by their positions, or
  *         adds the ALiBi / T5 bias of pos_k - pos_q)
- *   x += att Wo^T (+bo)
+ *   x += att Wo^T (+bo)                   (Gemma: RMSNorm'd first, post_attention_norm)
  *   xb = Norm(x)
  *   x += (silu(xb Wgate^T) * (xb Wup^T)) Wdown^T               SwiGLU, or
- *   x += gelu(xb Wup^T + b_up) Wdown^T + b_down                 GELU MLP
+ *   x += gelu(xb Wup^T + b_up) Wdown^T + b_down                 GELU MLP, or
+ *   x += RMSNorm((gelu(xb Wgate^T) * (xb Wup^T)) Wdown^T)       Gemma (post_ffw_norm)
  *
- * BLOOM also normalises the embedding (LayerNorm) before the first layer.
- * Then the final norm and the output matrix for only the tokens whose
- * logits were asked for.
+ * BLOOM also normalises the embedding (LayerNorm) before the first layer;
+ * Gemma scales it by sqrt(n_embd). Then the final norm and the output
+ * matrix for only the tokens whose logits were asked for (Gemma 2 caps
+ * them: 30 tanh(z / 30)). Each layer has its own sliding window (0: none)
+ * and, for Gemma 3's local layers, its own RoPE: those run on a second
+ * attention context; Gemma 2's attention soft-cap is the context's.
  *
  * Keys go into the cache before rotation (ARCHITECTURE.md Invariant 2), so
  * evicting and renumbering positions never touches them: the kernel rotates
@@ -54,7 +58,8 @@ struct model_ctx {
     const model *m;
     int max_tokens; /* tokens per call, all sequences together */
     int n_threads;  /* OpenMP threads of matmuls and attention (0 = default) */
-    attn_ctx *attn;
+    attn_ctx *attn;       /* every layer's kernel context, but ... */
+    attn_ctx *attn_local; /* ... the local_rope layers' (their own RoPE), or NULL */
 
     /* Activations; T = tokens of the current call. */
     float *x;      /* [T][n_embd] residual stream */
@@ -127,13 +132,20 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
         .n_head = m->n_head,
         .n_kv_head = m->n_kv_head,
         .head_dim = m->head_dim,
-        .scale = m->attn_logit_mul / sqrtf((float)m->head_dim),
+        .scale = m->attn_logit_mul * m->attn_scale,
         .pos = m->pos,
+        .softcap = m->attn_softcap,
         .n_threads = n_threads,
     };
     char why[256];
     c->attn = attn_create(&ap, why, sizeof(why));
-    if (!c->attn) {
+    bool local = false;
+    for (int l = 0; l < m->n_layer; l++)
+        local = local || m->layers[l].local_rope;
+    ap.pos = m->pos_local;
+    if (c->attn && local)
+        c->attn_local = attn_create(&ap, why, sizeof(why));
+    if (!c->attn || (local && !c->attn_local)) {
         snprintf(err, errlen, "attention: %s", why);
         goto fail;
     }
@@ -204,6 +216,7 @@ void model_ctx_destroy(model_ctx *c)
     if (!c)
         return;
     attn_destroy(c->attn);
+    attn_destroy(c->attn_local);
     free(c->x);
     free(c->xb);
     free(c->q);
@@ -238,12 +251,12 @@ size_t model_ctx_bytes(const model_ctx *c)
                          2 * (size_t)m->n_ff) +
                     rows * ((size_t)m->n_embd + (size_t)m->n_vocab) + c->mass_cap;
     size_t ints = T * 9 * sizeof(int32_t) + T * 2 * sizeof(bool) + T * sizeof(struct attn_seq);
-    return floats * sizeof(float) + ints + c->scratch_bytes + attn_workspace_bytes(c->attn);
+    return floats * sizeof(float) + ints + c->scratch_bytes + model_ctx_attn_bytes(c);
 }
 
 size_t model_ctx_attn_bytes(const model_ctx *c)
 {
-    return attn_workspace_bytes(c->attn);
+    return attn_workspace_bytes(c->attn) + attn_workspace_bytes(c->attn_local);
 }
 
 /* ------------------------------------------------------------------------
@@ -347,6 +360,24 @@ static void gelu(float *hb, size_t n, enum model_act act, int n_threads)
             hb[i] = 0.5f * x * (1.0f + erff(x * 0.70710678f));
         }
     }
+}
+
+/* hb = gelu_tanh(hb) * hb2, elementwise over n values (Gemma's gated MLP). */
+static void geglu(float *restrict hb, const float *restrict hb2, size_t n, int n_threads)
+{
+    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float x = hb[i];
+        hb[i] = 0.5f * x * (1.0f + tanhf(0.79788456f * x * (1.0f + 0.044715f * x * x))) * hb2[i];
+    }
+}
+
+/* x = c * tanh(x / c) over n values: Gemma 2's final logit soft-cap; c = 0: nothing. */
+static void softcap_rows(float *x, size_t n, float c)
+{
+    for (size_t i = 0; c > 0.0f && i < n; i++)
+        x[i] = c * tanhf(x[i] / c);
 }
 
 /* hb = silu(hb) * hb2, elementwise over n values. */
@@ -545,7 +576,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         .k_type = (enum attn_type)kl->k_type,
         .v_type = (enum attn_type)kl->v_type,
         .n_pages = kv_cache_n_pages(cache),
-        .sliding_window = m->sliding_window,
+        .sliding_window = L->sliding_window,
     };
     int n_aseq = 0;
     t = 0;
@@ -583,7 +614,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
             .out = c->att + (size_t)r * m->q_dim,
         };
     }
-    int rc = attn_run(c->attn, &kv, c->aseq, n_aseq);
+    int rc = attn_run(L->local_rope ? c->attn_local : c->attn, &kv, c->aseq, n_aseq);
     if (rc)
         return rc;
     for (int s = 0; s < n_seqs && R < 0; s++)
@@ -593,14 +624,19 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     /* Output projection and residual. */
     mm_matmul_scratch(c->xb, &L->wo, c->att, rows, nt, c->scratch);
     add_bias(c->xb, L->bo, rows, d);
+    if (L->attn_post_norm) /* Gemma: the attention output normalised before the residual */
+        norm_rows(m, c->xb, c->xb, L->attn_post_norm, NULL, rows);
     add_rows(c->x, c->xb, (size_t)rows * d);
 
-    /* Feed-forward: SwiGLU, or a GELU MLP with biases. */
+    /* Feed-forward: SwiGLU, GELU-gated (Gemma), or a GELU MLP with biases. */
     norm_rows(m, c->xb, c->x, L->ffn_norm, L->ffn_norm_b, rows);
-    if (m->act == MODEL_ACT_SWIGLU) {
+    if (m->act == MODEL_ACT_SWIGLU || m->act == MODEL_ACT_GEGLU) {
         mm_matmul_scratch(c->hb, &L->gate, c->xb, rows, nt, c->scratch);
         mm_matmul_scratch(c->hb2, &L->up, c->xb, rows, nt, c->scratch);
-        swiglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+        if (m->act == MODEL_ACT_SWIGLU)
+            swiglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+        else
+            geglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
     } else {
         mm_matmul_scratch(c->hb, &L->up, c->xb, rows, nt, c->scratch);
         add_bias(c->hb, L->b_up, rows, m->n_ff);
@@ -608,6 +644,8 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     }
     mm_matmul_scratch(c->xb, &L->down, c->hb, rows, nt, c->scratch);
     add_bias(c->xb, L->b_down, rows, d);
+    if (L->ffn_post_norm)
+        norm_rows(m, c->xb, c->xb, L->ffn_post_norm, NULL, rows);
     add_rows(c->x, c->xb, (size_t)rows * d);
     return 0;
 }
@@ -630,6 +668,7 @@ static void output_logits(model_ctx *c, const struct model_batch_seq *seqs, int 
                      m->output_norm_b);
         }
         mm_matmul_scratch(c->lg, &m->output, c->xo, n, c->n_threads, c->scratch);
+        softcap_rows(c->lg, (size_t)n * m->n_vocab, m->final_softcap);
         for (int i = 0; i < n; i++)
             memcpy(seqs[c->sel_seq[r0 + i]].logits, c->lg + (size_t)i * m->n_vocab,
                    sizeof(float) * (size_t)m->n_vocab);
@@ -664,6 +703,8 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
     for (int t = 0; t < T; t++)
         qt_dequantize_row(m->tok_embd.type, emb + (size_t)c->tok[t] * m->tok_embd.row_bytes,
                           c->x + (size_t)t * m->n_embd, m->n_embd);
+    for (size_t i = 0; m->emb_scale != 1.0f && i < (size_t)T * m->n_embd; i++)
+        c->x[i] *= m->emb_scale; /* Gemma: times sqrt(n_embd) */
     if (m->tok_norm) /* BLOOM's word_embeddings_layernorm */
         norm_rows(m, c->x, c->x, m->tok_norm, m->tok_norm_b, T);
 

@@ -95,6 +95,16 @@ static bool is_qwen3(const struct model_mk_params *p)
     return !strcmp(p->arch, "qwen3");
 }
 
+static bool is_gemma(const struct model_mk_params *p)
+{
+    return !strcmp(p->arch, "gemma2") || !strcmp(p->arch, "gemma3");
+}
+
+int model_mk_head_dim(const struct model_mk_params *p)
+{
+    return p->head_dim ? p->head_dim : p->n_embd / p->n_head;
+}
+
 /* BLOOM and MPT: LayerNorm, fused QKV, GELU MLP, ALiBi. */
 static bool is_bloom_family(const struct model_mk_params *p)
 {
@@ -126,9 +136,24 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
         return -EINVAL;                                                                            \
     } while (0)
     if (!p->arch || (strcmp(p->arch, "llama") && strcmp(p->arch, "qwen2") &&
-                     strcmp(p->arch, "qwen3") && strcmp(p->arch, "bloom") && strcmp(p->arch, "mpt")))
-        BAD("arch must be llama, qwen2, qwen3, bloom or mpt (got '%s')",
+                     strcmp(p->arch, "qwen3") && strcmp(p->arch, "bloom") &&
+                     strcmp(p->arch, "mpt") && !is_gemma(p)))
+        BAD("arch must be llama, qwen2, qwen3, bloom, mpt, gemma2 or gemma3 (got '%s')",
             p->arch ? p->arch : "(null)");
+    if (is_gemma(p) && (strcmp(model_mk_position(p), "rope") || p->rope_freqs ||
+                        (p->rope_scaling && !strcmp(p->rope_scaling, "yarn"))))
+        BAD("%s is RoPE without rope_freqs or YaRN", p->arch);
+    if (!strcmp(p->arch, "gemma3") && p->sliding_window < 1)
+        BAD("gemma3 needs a sliding window (got %d)", p->sliding_window);
+    if ((p->attn_softcap != 0.0f || p->final_softcap != 0.0f) && strcmp(p->arch, "gemma2"))
+        BAD("soft-caps are gemma2 options (arch %s)", p->arch);
+    if (!(p->attn_softcap >= 0.0f && p->final_softcap >= 0.0f && p->rope_theta_swa >= 0.0f) ||
+        !isfinite(p->attn_softcap) || !isfinite(p->final_softcap) || !isfinite(p->rope_theta_swa))
+        BAD("soft-caps and the local rope base are >= 0");
+    if (p->rope_theta_swa != 0.0f && strcmp(p->arch, "gemma3"))
+        BAD("a local rope base is a gemma3 option (arch %s)", p->arch);
+    if (p->head_dim < 0 || p->head_dim > 1024 || (p->head_dim && is_bloom_family(p)))
+        BAD("head dim must be in [0, 1024], and 0 for bloom/mpt (got %d)", p->head_dim);
     if (p->preset && strcmp(p->preset, "retrieval"))
         BAD("preset must be retrieval (got '%s')", p->preset);
     if (p->preset && mk_retrieval_check(p, err, errlen))
@@ -148,7 +173,7 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
     if (scaled && !strcmp(p->rope_scaling, "yarn") && p->rope_orig_ctx < 1)
         BAD("yarn needs the original context length (got %d)", p->rope_orig_ctx);
     if (p->sliding_window < 0 || (p->sliding_window > 0 && is_bloom_family(p)))
-        BAD("a sliding window is >= 0 and for llama, qwen2 or qwen3 (got %d, arch %s)",
+        BAD("a sliding window is >= 0 and not for bloom or mpt (got %d, arch %s)",
             p->sliding_window, p->arch);
     if (!(p->alibi_max_bias >= 0.0f) || !isfinite(p->alibi_max_bias))
         BAD("alibi max bias must be a positive number, or 0 for 8 (got %g)", p->alibi_max_bias);
@@ -171,11 +196,12 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
         BAD("dim must be in [2, 65536] (got %d)", p->n_embd);
     if (p->n_layer < 1 || p->n_layer > 1024)
         BAD("layers must be in [1, 1024] (got %d)", p->n_layer);
-    if (p->n_head < 1 || p->n_embd % p->n_head)
-        BAD("heads (%d) must be >= 1 and divide dim (%d)", p->n_head, p->n_embd);
+    if (p->n_head < 1 || (p->n_embd % p->n_head && !p->head_dim))
+        BAD("heads (%d) must be >= 1 and divide dim (%d), or give the head dim", p->n_head,
+            p->n_embd);
     if (p->n_kv_head < 1 || p->n_head % p->n_kv_head)
         BAD("kv-heads (%d) must be >= 1 and divide heads (%d)", p->n_kv_head, p->n_head);
-    int head_dim = p->n_embd / p->n_head;
+    int head_dim = model_mk_head_dim(p);
     if (head_dim % 2 && !strcmp(pos, "rope"))
         BAD("head dim dim/heads = %d must be even for RoPE", head_dim);
     int rope_dims = p->rope_dims ? p->rope_dims : head_dim;
@@ -459,7 +485,7 @@ static int add_tensor(struct writer_ctx *c, const char *name, enum ggml_type typ
 static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const struct mk_vocab *v)
 {
     char key[96];
-    int head_dim = p->n_embd / p->n_head;
+    int head_dim = model_mk_head_dim(p);
     int rope_dims = p->rope_dims ? p->rope_dims : head_dim;
     const char *a = p->arch;
     const char *pos = model_mk_position(p);
@@ -487,6 +513,16 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
     rc |= gguf_writer_set_u32(w, KEY("feed_forward_length"), (uint32_t)p->n_ff);
     rc |= gguf_writer_set_u32(w, KEY("attention.head_count"), (uint32_t)p->n_head);
     rc |= gguf_writer_set_u32(w, KEY("attention.head_count_kv"), (uint32_t)p->n_kv_head);
+    if (p->head_dim) {
+        rc |= gguf_writer_set_u32(w, KEY("attention.key_length"), (uint32_t)p->head_dim);
+        rc |= gguf_writer_set_u32(w, KEY("attention.value_length"), (uint32_t)p->head_dim);
+    }
+    if (p->attn_softcap > 0.0f)
+        rc |= gguf_writer_set_f32(w, KEY("attn_logit_softcapping"), p->attn_softcap);
+    if (p->final_softcap > 0.0f)
+        rc |= gguf_writer_set_f32(w, KEY("final_logit_softcapping"), p->final_softcap);
+    if (p->rope_theta_swa > 0.0f)
+        rc |= gguf_writer_set_f32(w, KEY("rope.freq_base_swa"), p->rope_theta_swa);
     if (!strcmp(pos, "rope")) {
         rc |= gguf_writer_set_u32(w, KEY("rope.dimension_count"), (uint32_t)rope_dims);
         rc |= gguf_writer_set_f32(w, KEY("rope.freq_base"), p->rope_theta);
@@ -649,7 +685,7 @@ static int write_bloom_tensors(struct writer_ctx *c)
 static int add_rope_freqs(struct writer_ctx *c)
 {
     const struct model_mk_params *p = c->p;
-    int hd = p->n_embd / p->n_head, dims = p->rope_dims ? p->rope_dims : hd;
+    int hd = model_mk_head_dim(p), dims = p->rope_dims ? p->rope_dims : hd;
     const double factor = 8, lo = 1, hi = 4, old_ctx = 8192;
     for (int i = 0; i < dims / 2; i++) {
         double freq = pow(p->rope_theta, -2.0 * i / dims), wavelen = 2 * M_PI / freq;
@@ -676,10 +712,12 @@ static int write_tensors(struct writer_ctx *c)
         return write_bloom_tensors(c);
 
     const struct model_mk_params *p = c->p;
-    int d = p->n_embd, hd = d / p->n_head;
+    int d = p->n_embd, hd = model_mk_head_dim(p);
     int q_dim = p->n_head * hd, kv_dim = p->n_kv_head * hd;
     float s_in = 1.0f / sqrtf((float)d);
-    float s_emb = 2.5f / sqrtf((float)d);
+    /* Gemma multiplies the embedding by sqrt(d): rows of scale 1/sqrt(d) keep
+     * its activations where the others' are. */
+    float s_emb = (is_gemma(p) ? 1.0f : 2.5f) / sqrtf((float)d);
     enum ggml_type t = p->type;
     char name[64];
     int rc;
@@ -713,7 +751,7 @@ static int write_tensors(struct writer_ctx *c)
             NAME("blk.%d.attn_v.bias", l);
             ADD(GGML_TYPE_F32, kv_dim, 1, 0.0f, 0.2f);
         }
-        if (is_qwen3(p)) {
+        if (is_qwen3(p) || !strcmp(p->arch, "gemma3")) {
             NAME("blk.%d.attn_q_norm.weight", l);
             ADD(GGML_TYPE_F32, hd, 1, 1.0f, 0.2f / 1.7320508f);
             NAME("blk.%d.attn_k_norm.weight", l);
@@ -721,6 +759,12 @@ static int write_tensors(struct writer_ctx *c)
         }
         NAME("blk.%d.attn_output.weight", l);
         ADD(t, q_dim, d, 0.0f, 2.0f / sqrtf((float)q_dim));
+        if (is_gemma(p)) { /* the post-norms, (1 + w) as the converter writes them */
+            NAME("blk.%d.post_attention_norm.weight", l);
+            ADD(GGML_TYPE_F32, d, 1, 0.5f, 0.2f / 1.7320508f);
+            NAME("blk.%d.post_ffw_norm.weight", l);
+            ADD(GGML_TYPE_F32, d, 1, 0.5f, 0.2f / 1.7320508f);
+        }
         NAME("blk.%d.ffn_norm.weight", l);
         ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
         NAME("blk.%d.ffn_gate.weight", l);
@@ -734,7 +778,7 @@ static int write_tensors(struct writer_ctx *c)
     }
     NAME("output_norm.weight");
     ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
-    if (!p->tied) {
+    if (!p->tied && !is_gemma(p)) { /* Gemma's output is the embedding */
         NAME("output.weight");
         if ((rc = add_tensor(c, name, t, d, p->n_vocab, 0.0f, s_emb, true)))
             return rc;
@@ -789,7 +833,7 @@ int model_mk_write(const struct model_mk_params *p, const char *path, char *err,
     }
 
     /* Scratch for the largest tensor: the embedding/output or an FFN matrix. */
-    int hd = p->n_embd / p->n_head;
+    int hd = model_mk_head_dim(p);
     size_t big = (size_t)p->n_embd * (size_t)p->n_vocab;
     size_t ffn = (size_t)p->n_embd * (size_t)p->n_ff;
     size_t attn = (size_t)p->n_embd * (size_t)((p->n_head + 2 * p->n_kv_head) * hd);

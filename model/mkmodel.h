@@ -20,7 +20,12 @@
  *   bloom          ALiBi with BLOOM's slopes (max_bias 8), every bias, the
  *                  embedding LayerNorm, tied output (as BLOOM checkpoints are);
  *   mpt            ALiBi with mpt.attention.max_alibi_bias, no biases,
- *                  optional mpt.attention.clamp_kqv.
+ *                  optional mpt.attention.clamp_kqv;
+ *   gemma2, gemma3 RoPE (NeoX pairs; linear scaling on request), post-norms
+ *                  after attention and MLP, a GELU-gated MLP, tied output,
+ *                  local and global layers (attention.sliding_window);
+ *                  gemma2 the two soft-caps when asked, gemma3 the q/k head
+ *                  norms and rope.freq_base_swa when asked.
  *
  * Internal to kvd (cli/cmd_mkmodel.c, tests, benchmarks); not part of
  * the public model API in model.h.
@@ -38,12 +43,15 @@ struct model_mk_params {
     const char *preset;   /* NULL, or "retrieval": computed weights, not seeded ones
                              (model_mk_preset fills the rest; mkmodel_retrieval.c) */
     const char *arch;     /* "llama", "qwen2" (adds q/k/v biases, NeoX RoPE pairs),
-                             "qwen3" (per-head q/k RMSNorm, NeoX pairs), "bloom" or "mpt" */
+                             "qwen3" (per-head q/k RMSNorm, NeoX pairs), "bloom", "mpt",
+                             "gemma2" or "gemma3" */
     const char *position; /* "rope", "alibi" or "t5"; NULL = the architecture's own
                              (rope for llama/qwen2, alibi for bloom/mpt) */
     int n_embd;           /* model width */
     int n_layer;          /* transformer blocks */
-    int n_head;           /* query heads; head_dim = n_embd / n_head */
+    int n_head;           /* query heads */
+    int head_dim;         /* 0: n_embd / n_head; else written as attention.key_length and
+                             value_length (Gemma's 256 whatever the width) */
     int n_kv_head;        /* key/value heads; divides n_head */
     int n_ff;             /* feed-forward hidden width (SwiGLU, or GELU for bloom/mpt) */
     int n_vocab;          /* vocabulary size, >= 259 (specials + byte tokens + one piece);
@@ -53,7 +61,11 @@ struct model_mk_params {
     const char *rope_scaling; /* NULL or "none", "linear", "yarn": <arch>.rope.scaling.type */
     float rope_scale_factor;  /* rope.scaling.factor (linear, yarn), > 0 */
     int rope_orig_ctx;        /* yarn: rope.scaling.original_context_length */
-    int sliding_window;       /* > 0: <arch>.attention.sliding_window (Mistral); 0 = none */
+    int sliding_window;       /* > 0: <arch>.attention.sliding_window (Mistral: every layer;
+                                 Gemma: the local layers; gemma3 needs one); 0 = none */
+    float attn_softcap;       /* gemma2, > 0: <arch>.attn_logit_softcapping; 0 = not written */
+    float final_softcap;      /* gemma2, > 0: <arch>.final_logit_softcapping; 0 = not written */
+    float rope_theta_swa;     /* gemma3, > 0: <arch>.rope.freq_base_swa; 0 = not written */
     bool rope_freqs;          /* write rope_freqs.weight with Llama 3.1's factors (the
                                  "llama3" scaling: factor 8, low 1, high 4, 8192 tokens) */
     float rms_eps;        /* norm epsilon: RMSNorm's, or LayerNorm's for bloom/mpt */
@@ -97,6 +109,9 @@ int model_mk_write(const struct model_mk_params *p, const char *path, char *err,
 
 /* Parse a weight type name ("f32", "f16", "bf16", "q8_0", "q4_0"). 0 or -EINVAL. */
 int model_mk_parse_type(const char *name, enum ggml_type *out);
+
+/* The head dim p writes: head_dim, or n_embd / n_head. */
+int model_mk_head_dim(const struct model_mk_params *p);
 
 /* The position scheme p writes: p->position, or the architecture's own. */
 const char *model_mk_position(const struct model_mk_params *p);

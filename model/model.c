@@ -2,9 +2,9 @@
  * model.c - loading a model from GGUF, and its tokens.
  *
  * Loading is validation: the architecture is one kvd runs (llama, qwen2,
- * bloom, mpt), every hyper-parameter comes from the `<arch>.*` metadata
- * keys llama.cpp writes (with llama.cpp's defaults where a key is
- * optional), and every tensor the forward reads is looked up by its
+ * qwen3, bloom, mpt, gemma2, gemma3), every hyper-parameter comes from the
+ * `<arch>.*` metadata keys llama.cpp writes (with llama.cpp's defaults where
+ * a key is optional), and every tensor the forward reads is looked up by its
  * llama.cpp name and checked against the shape those parameters imply
  * before anything uses it. A file that fails any check is rejected with the
  * key or tensor named; after model_load succeeds the forward indexes
@@ -12,8 +12,8 @@
  *
  * This file holds what every architecture shares (metadata and tensor
  * helpers, the shape, the lifecycle) and the Llama family itself;
- * arch_bloom.c loads BLOOM and MPT, posbias.c the offset-only position
- * biases (ALiBi slopes, the T5 table).
+ * arch_bloom.c loads BLOOM and MPT, arch_gemma.c Gemma 2 and 3, posbias.c
+ * the offset-only position biases (ALiBi slopes, the T5 table).
  *
  * Weight matrices stay in the file mapping in their own formats; norm
  * weights and biases are converted to f32 once. The tokenizer is built from
@@ -343,6 +343,7 @@ static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
     int hd = m->head_dim;
     for (int l = 0; l < m->n_layer && !rc; l++) {
         struct model_layer *L = &m->layers[l];
+        L->sliding_window = m->sliding_window; /* Mistral: every layer */
 #define VEC(sfx, n, req, dst)                                                                      \
     (rc = rc ? rc : model_layer_vector(m, l, sfx, n, req, &v, dst, err, errlen))
 #define MAT(sfx, n_in, n_out, dst)                                                                 \
@@ -398,6 +399,8 @@ static int load_tensors(model *m, char *err, size_t errlen)
         return rc;
     if (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT)
         rc = model_bloom_tensors(m, v, err, errlen);
+    else if (m->arch == MODEL_ARCH_GEMMA2 || m->arch == MODEL_ARCH_GEMMA3)
+        rc = model_gemma_layers(m, v, err, errlen);
     else
         rc = load_llama_layers(m, v, err, errlen);
     if (rc)
@@ -419,6 +422,8 @@ static const struct {
     {"qwen3", MODEL_ARCH_QWEN3},
     {"bloom", MODEL_ARCH_BLOOM},
     {"mpt", MODEL_ARCH_MPT},
+    {"gemma2", MODEL_ARCH_GEMMA2},
+    {"gemma3", MODEL_ARCH_GEMMA3},
 };
 
 /* The tokenizer (with the operator's pre-tokenizer, if any); its size is
@@ -461,7 +466,8 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
         k++;
     if (k == sizeof(arches) / sizeof(arches[0])) {
         snprintf(err, errlen,
-                 "architecture '%.*s' is not supported (kvd runs llama, qwen2, qwen3, bloom, mpt)",
+                 "architecture '%.*s' is not supported (kvd runs llama, qwen2, qwen3, bloom, mpt, "
+                 "gemma2, gemma3)",
                  (int)(alen > 64 ? 64 : alen), arch);
         return -EINVAL;
     }
@@ -471,8 +477,12 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
     m->attn_logit_mul = 1.0f;
 
     int rc = model_read_shape(m, err, errlen);
+    m->attn_scale = 1.0f / sqrtf((float)m->head_dim);
+    m->emb_scale = 1.0f;
     if (!rc && (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT))
         rc = model_bloom_hparams(m, params, err, errlen);
+    else if (!rc && (m->arch == MODEL_ARCH_GEMMA2 || m->arch == MODEL_ARCH_GEMMA3))
+        rc = model_gemma_hparams(m, err, errlen);
     else if (!rc)
         rc = read_llama_hparams(m, params, err, errlen);
     if (rc)
@@ -567,6 +577,7 @@ void model_get_info(const model *m, struct model_info *info)
         .n_kv_head = m->n_kv_head,
         .head_dim = m->head_dim,
         .n_ff = m->n_ff,
+        .attn_softcap = m->attn_softcap,
         .tokenizer = tok_pre_name(m->tok),
         .tokenizer_note = tok_warning(m->tok),
     };

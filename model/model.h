@@ -49,6 +49,7 @@ struct model_info {
     int n_vocab;
     int n_ctx_train;         /* training context length from metadata (0 if absent) */
     int n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff; /* 0 when vocab_only */
+    float attn_softcap;      /* 0, or the attention logit soft-cap the kernel applies (Gemma 2) */
     const char *tokenizer;      /* pre-tokenizer family ("llama3", ...; "spm") (borrowed) */
     const char *tokenizer_note; /* NULL, or what the caller should print about the
                                    tokenizer (missing or overridden pre-tokenizer) */

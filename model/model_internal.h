@@ -31,6 +31,11 @@ enum model_arch {
                              bias, GELU (tanh) MLP with biases, ALiBi (max_bias 8) */
     MODEL_ARCH_MPT,       /* LayerNorm (optional bias), fused QKV, optional QKV clamp,
                              GELU (erf) MLP, ALiBi with the file's max_bias */
+    MODEL_ARCH_GEMMA2,    /* llama + embedding times sqrt(n_embd), GELU-gated MLP, norms after
+                             attention and MLP, attention and final logit soft-capping, local
+                             (windowed) and global layers alternating; NeoX pairs */
+    MODEL_ARCH_GEMMA3,    /* gemma2 without soft-capping, + qwen3's q/k head norms; 5 local
+                             layers to 1 global, the local ones with their own RoPE base */
 };
 
 enum model_norm {
@@ -42,6 +47,7 @@ enum model_act {
     MODEL_ACT_SWIGLU = 0, /* down(silu(gate x) * up x) */
     MODEL_ACT_GELU_TANH,  /* down(gelu(up x + b_up)) + b_down, tanh approximation (BLOOM) */
     MODEL_ACT_GELU_ERF,   /* the same with the exact erf GELU (MPT's nn.GELU) */
+    MODEL_ACT_GEGLU,      /* down(gelu_tanh(gate x) * up x): Gemma */
 };
 
 struct model_layer {
@@ -61,6 +67,12 @@ struct model_layer {
     struct mm_weight down;     /* n_ff -> n_embd */
     const float *b_up;         /* [n_ff] or NULL */
     const float *b_down;       /* [n_embd] or NULL */
+    const float *attn_post_norm; /* [n_embd] RMSNorm of the attention output before the
+                                    residual (Gemma's post_attention_norm), or NULL */
+    const float *ffn_post_norm;  /* [n_embd] the same after the MLP (post_ffw_norm), or NULL */
+    int sliding_window;          /* 0, or this layer sees only keys with pos_q - pos_k < it */
+    bool local_rope;             /* rotate with model.pos_local instead of model.pos (Gemma 3's
+                                    local layers) */
 };
 
 struct model {
@@ -84,8 +96,17 @@ struct model {
                               NULL; pos.rope_freq_factors points here when they apply */
     float attn_logit_mul;  /* attention logits times this beyond 1/sqrt(head_dim) (YaRN's
                               mscale^2); 1 otherwise */
-    int sliding_window;    /* 0, or every layer sees only keys with pos_q - pos_k < it
-                              (<arch>.attention.sliding_window: Mistral) */
+    int sliding_window;    /* 0, or the window of the windowed layers (every layer for
+                              Mistral, the local ones for Gemma): <arch>.attention.sliding_window;
+                              each layer's own is model_layer.sliding_window */
+    float attn_scale;      /* queries times this (1/sqrt(head_dim); Gemma's 27B models
+                              1/sqrt(n_embd / n_head)), before attn_logit_mul */
+    float emb_scale;       /* the embedding times this before the first layer (Gemma:
+                              sqrt(n_embd)); 1 otherwise */
+    float attn_softcap;    /* 0, or attention scores capped to c * tanh(s / c) (Gemma 2) */
+    float final_softcap;   /* 0, or the logits capped the same way (Gemma 2) */
+    struct pos_scheme pos_local; /* RoPE of the layers with local_rope (Gemma 3: base
+                                    rope.freq_base_swa or 10000, no scaling) */
 
     struct mm_weight tok_embd;  /* n_vocab rows of n_embd: row id is token id's embedding */
     const float *tok_norm;      /* [n_embd] LayerNorm of the embedding (BLOOM), or NULL */
@@ -170,6 +191,17 @@ int model_bloom_hparams(model *m, const struct model_params *params, char *err, 
 
 /* Every tensor of a BLOOM or MPT file, into m->layers and m->vecs. */
 int model_bloom_tensors(model *m, float *vecs, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------------
+ * Gemma 2 and 3 (arch_gemma.c)
+ * ------------------------------------------------------------------------ */
+
+/* Norm epsilon, RoPE of the global and the local layers, window and its
+ * layer pattern, soft-caps, query and embedding scales. 0 or -EINVAL. */
+int model_gemma_hparams(model *m, char *err, size_t errlen);
+
+/* Every layer tensor of a Gemma file into m->layers (v: free f32 storage). */
+int model_gemma_layers(model *m, float *v, char *err, size_t errlen);
 
 /* ------------------------------------------------------------------------
  * Offset-only position biases (posbias.c)

@@ -241,10 +241,13 @@ struct ref_layer {
     float *bq, *bk, *bv, *bo;                               /* or NULL */
     float *gate, *up, *down;                                /* gate: SwiGLU only */
     float *b_up, *b_down;
-    float *q_norm, *k_norm; /* [hd] per-head RMSNorm of q and k (qwen3), or NULL */
+    float *q_norm, *k_norm; /* [hd] per-head RMSNorm of q and k (qwen3, gemma3), or NULL */
+    float *post_attn, *post_ffn; /* [d] Gemma's norms of the attention / MLP outputs, or NULL */
+    int window;             /* this layer's sliding window (0 = none) */
+    bool local_rope;        /* gemma3 local layer: RoPE base theta_local, no scaling */
 };
 
-enum ref_act { REF_SWIGLU, REF_GELU_TANH, REF_GELU_ERF };
+enum ref_act { REF_SWIGLU, REF_GELU_TANH, REF_GELU_ERF, REF_GEGLU };
 
 struct ref_model {
     int n_vocab, d, n_layer, n_head, n_kv, hd, n_ff;
@@ -259,7 +262,11 @@ struct ref_model {
     bool yarn;           /* RoPE: YaRN, ggml's rope_yarn: extrapolated and interpolated angles
                             mixed by a ramp over the pairs, rotated values times mscale */
     int yarn_orig;       /* its original context */
-    int window;          /* sliding window: keys with pos_q - pos_k >= window unseen; 0 = none */
+    int window;          /* sliding window: keys with pos_q - pos_k >= window unseen; 0 = none
+                            (Gemma: of the local layers; each layer's own is ref_layer.window) */
+    double emb_scale;    /* the embedding times this (Gemma: sqrt(d)); 1 otherwise */
+    double attn_cap, final_cap; /* Gemma 2's soft-caps: c tanh(x / c); 0 = none */
+    double theta_local;  /* gemma3: the local layers' RoPE base */
     double *slopes; /* ALiBi [n_head] */
     float *t5;      /* T5 [n_head][nb] */
     int nb, md;
@@ -323,11 +330,19 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
     r->n_head = ref_meta_int(f, KEY("attention.head_count"), 0);
     r->n_kv = ref_meta_int(f, KEY("attention.head_count_kv"), r->n_head);
     r->n_ff = ref_meta_int(f, KEY("feed_forward_length"), 0);
-    r->hd = r->d / r->n_head;
+    r->hd = ref_meta_int(f, KEY("attention.key_length"), r->d / r->n_head);
+    bool gemma = !strncmp(arch, "gemma", 5), gemma3 = !strcmp(arch, "gemma3");
     r->layernorm = bloom || mpt;
-    r->act = bloom ? REF_GELU_TANH : mpt ? REF_GELU_ERF : REF_SWIGLU;
+    r->act = bloom ? REF_GELU_TANH : mpt ? REF_GELU_ERF : gemma ? REF_GEGLU : REF_SWIGLU;
+    r->emb_scale = gemma ? sqrt((double)r->d) : 1.0;
+    if (gemma && !gemma3) {
+        r->attn_cap = ref_meta_f32(f, KEY("attn_logit_softcapping"), 50.0f);
+        r->final_cap = ref_meta_f32(f, KEY("final_logit_softcapping"), 30.0f);
+    }
+    r->theta_local = ref_meta_f32(f, KEY("rope.freq_base_swa"), 10000.0f);
     r->eps = r->layernorm ? ref_meta_f32(f, KEY("attention.layer_norm_epsilon"), -1.0f)
-                          : ref_meta_f32(f, KEY("attention.layer_norm_rms_epsilon"), 1e-5f);
+                          : ref_meta_f32(f, KEY("attention.layer_norm_rms_epsilon"),
+                                         gemma ? 1e-6f : 1e-5f);
     assert_true(r->eps > 0.0f);
     r->clamp = ref_meta_f32(f, KEY("attention.clamp_kqv"), 0.0f);
     float max_bias = ref_meta_f32(f, KEY("attention.max_alibi_bias"), bloom ? 8.0f : -1.0f);
@@ -345,7 +360,7 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
                                                     : POS_NONE;
     assert_true(r->pos != POS_NONE);
     if (r->pos == POS_ROPE) {
-        r->neox = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3");
+        r->neox = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") || gemma;
         r->n_rot = ref_meta_int(f, KEY("rope.dimension_count"), r->hd);
         r->theta = ref_meta_f32(f, KEY("rope.freq_base"), 10000.0f);
         r->fscale = 1.0f;
@@ -357,7 +372,7 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
             r->yarn_orig = ref_meta_int(f, KEY("rope.scaling.original_context_length"), 0);
         }
         r->rope_ff = ref_tensor(f, "rope_freqs.weight", r->n_rot / 2, 1);
-        r->window = ref_meta_int(f, KEY("attention.sliding_window"), 0);
+        r->window = ref_meta_int(f, KEY("attention.sliding_window"), gemma && !gemma3 ? 4096 : 0);
     } else if (r->pos == POS_ALIBI) {
         assert_true(max_bias > 0.0f);
         r->slopes = malloc(sizeof(double) * (size_t)r->n_head);
@@ -427,6 +442,13 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
             L->q_norm = T("attn_q_norm.weight", r->hd, 1);
             L->k_norm = T("attn_k_norm.weight", r->hd, 1);
         }
+        L->post_attn = T("post_attention_norm.weight", d, 1);
+        L->post_ffn = T("post_ffw_norm.weight", d, 1);
+        /* Which layers slide, as Hugging Face's configs say it: Gemma 2's
+         * even layers; Gemma 3's all but every sixth (layer_idx + 1) % 6. */
+        bool sliding = !gemma || (gemma3 ? (l + 1) % 6 != 0 : l % 2 == 0);
+        L->window = sliding ? r->window : 0;
+        L->local_rope = gemma3 && sliding;
         L->wo = T("attn_output.weight", qd, d);
         L->bo = T("attn_output.bias", d, 1);
         L->up = T("ffn_up.weight", d, r->n_ff);
@@ -448,7 +470,7 @@ AR_FN void ref_free(struct ref_model *r)
         float *ps[] = {L->attn_norm, L->attn_norm_b, L->ffn_norm, L->ffn_norm_b, L->wq,    L->wk,
                        L->wv,        L->wo,          L->bq,       L->bk,         L->bv,    L->bo,
                        L->gate,      L->up,          L->down,     L->b_up,       L->b_down,
-                       L->q_norm,    L->k_norm};
+                       L->q_norm,    L->k_norm,      L->post_attn, L->post_ffn};
         for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++)
             free(ps[i]);
     }
@@ -541,12 +563,13 @@ AR_FN void ref_matvec(float *o, const float *W, const float *b, const float *x, 
  * once, when a vector is first rotated, never when a stored key is turned
  * again.
  */
-AR_FN void ref_rope_ex(const struct ref_model *r, float *x, double delta, bool mscale)
+AR_FN void ref_rope_base(const struct ref_model *r, float *x, double delta, bool mscale,
+                          double theta, double fscale)
 {
     int half = r->n_rot / 2;
     double lo = 0, hi = 0, ms = 1;
     if (r->yarn) {
-        double b = log((double)r->theta), n = r->n_rot;
+        double b = log(theta), n = r->n_rot;
         lo = floor(n * log(r->yarn_orig / (32 * 2 * M_PI)) / (2 * b));
         hi = ceil(n * log(r->yarn_orig / (1 * 2 * M_PI)) / (2 * b));
         lo = fmax(0, lo);
@@ -554,10 +577,10 @@ AR_FN void ref_rope_ex(const struct ref_model *r, float *x, double delta, bool m
         ms = mscale ? 1 + 0.1 * log(1.0 / r->fscale) : 1;
     }
     for (int i = 0; i < half; i++) {
-        double freq = pow((double)r->theta, -2.0 * i / r->n_rot);
+        double freq = pow(theta, -2.0 * i / r->n_rot);
         if (r->rope_ff)
             freq /= r->rope_ff[i];
-        double extrap = delta * freq, ang = r->fscale * extrap;
+        double extrap = delta * freq, ang = fscale * extrap;
         if (r->yarn) {
             double y = (i - lo) / fmax(0.001, hi - lo);
             double mix = 1 - fmin(1, fmax(0, y));
@@ -571,9 +594,23 @@ AR_FN void ref_rope_ex(const struct ref_model *r, float *x, double delta, bool m
     }
 }
 
+AR_FN void ref_rope_ex(const struct ref_model *r, float *x, double delta, bool mscale)
+{
+    ref_rope_base(r, x, delta, mscale, r->theta, r->fscale);
+}
+
 AR_FN void ref_rope(const struct ref_model *r, float *x, double delta)
 {
     ref_rope_ex(r, x, delta, false);
+}
+
+/* Layer l's rotation: Gemma 3's local layers turn with their own base. */
+AR_FN void ref_rope_layer(const struct ref_model *r, int l, float *x, double delta, bool mscale)
+{
+    if (r->L[l].local_rope)
+        ref_rope_base(r, x, delta, mscale, r->theta_local, 1.0);
+    else
+        ref_rope_ex(r, x, delta, mscale);
 }
 
 /* Qwen3: RMSNorm of each head of x (n_heads of hd) with the shared weight w. */
@@ -673,7 +710,7 @@ AR_FN int ref_seq_evict(const struct ref_model *r, struct ref_seq *s, const int3
         for (int l = 0; l < r->n_layer; l++) {
             float *k = ref_kv(r, s, s->k, l, i);
             for (int h = 0; rope && delta != 0 && h < r->n_kv; h++) {
-                ref_rope(r, k + h * r->hd, delta);
+                ref_rope_layer(r, l, k + h * r->hd, delta, false);
                 if (s->f16)
                     for (int e = 0; e < r->hd; e++)
                         k[h * r->hd + e] = round_f16(k[h * r->hd + e]);
@@ -709,7 +746,8 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
     float *q = malloc(sizeof(float) * qd), *att = malloc(sizeof(float) * qd);
     float *hb = malloc(sizeof(float) * ff), *hb2 = malloc(sizeof(float) * ff);
     double *sc = malloc(sizeof(double) * (size_t)(s->n + 1));
-    memcpy(x, r->embd + (size_t)token * d, sizeof(float) * d);
+    for (int i = 0; i < d; i++)
+        x[i] = (float)(r->embd[(size_t)token * d + i] * r->emb_scale);
     if (r->tok_norm)
         ref_norm(r, x, x, r->tok_norm, r->tok_norm_b);
     int me = s->n++;
@@ -729,9 +767,9 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
         ref_head_norm(r, k, L->k_norm, r->n_kv);
         memcpy(ref_kv(r, s, s->unrot, l, me), k, sizeof(float) * kvd);
         for (int h = 0; r->pos == POS_ROPE && h < r->n_head; h++)
-            ref_rope_ex(r, q + h * hd, pos, true);
+            ref_rope_layer(r, l, q + h * hd, pos, true);
         for (int h = 0; r->pos == POS_ROPE && h < r->n_kv; h++)
-            ref_rope_ex(r, k + h * hd, pos, true);
+            ref_rope_layer(r, l, k + h * hd, pos, true);
         if (s->f16)
             for (int e = 0; e < kvd; e++) {
                 k[e] = round_f16(k[e]);
@@ -744,13 +782,16 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
             double mx = -INFINITY;
             for (int j = 0; j < s->n; j++) {
                 sc[j] = -INFINITY;
-                if (s->pos[j] > pos || (r->window && pos - s->pos[j] >= r->window))
+                if (s->pos[j] > pos || (L->window && pos - s->pos[j] >= L->window))
                     continue;
                 const float *kj = ref_kv(r, s, s->k, l, j) + kh * hd;
                 double dot = 0;
                 for (int e = 0; e < hd; e++)
                     dot += (double)q[h * hd + e] * kj[e];
-                sc[j] = dot / sqrt((double)hd) + ref_bias(r, h, s->pos[j], pos);
+                double z = dot / sqrt((double)hd);
+                if (r->attn_cap > 0) /* Gemma 2: logits squashed before the softmax */
+                    z = tanh(z / r->attn_cap) * r->attn_cap;
+                sc[j] = z + ref_bias(r, h, s->pos[j], pos);
                 mx = sc[j] > mx ? sc[j] : mx;
             }
             double sum = 0;
@@ -766,6 +807,8 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
             }
         }
         ref_matvec(xb, L->wo, L->bo, att, d, qd);
+        if (L->post_attn)
+            ref_norm(r, xb, xb, L->post_attn, NULL);
         for (int i = 0; i < d; i++)
             x[i] += xb[i];
         ref_norm(r, xb, x, L->ffn_norm, L->ffn_norm_b);
@@ -774,6 +817,13 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
             ref_matvec(hb2, L->up, NULL, xb, ff, d);
             for (int i = 0; i < ff; i++)
                 hb[i] = (float)(hb[i] / (1.0 + exp(-(double)hb[i])) * hb2[i]);
+        } else if (r->act == REF_GEGLU) { /* gelu_pytorch_tanh(gate) * up */
+            ref_matvec(hb, L->gate, NULL, xb, ff, d);
+            ref_matvec(hb2, L->up, NULL, xb, ff, d);
+            for (int i = 0; i < ff; i++) {
+                double g = hb[i], c = sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g);
+                hb[i] = (float)(0.5 * g * (1.0 + tanh(c)) * hb2[i]);
+            }
         } else {
             ref_matvec(hb, L->up, L->b_up, xb, ff, d);
             for (int i = 0; i < ff; i++) {
@@ -785,12 +835,16 @@ AR_FN void ref_step(const struct ref_model *r, struct ref_seq *s, int32_t token,
             }
         }
         ref_matvec(xb, L->down, L->b_down, hb, d, ff);
+        if (L->post_ffn)
+            ref_norm(r, xb, xb, L->post_ffn, NULL);
         for (int i = 0; i < d; i++)
             x[i] += xb[i];
     }
     if (logits) {
         ref_norm(r, xb, x, r->out_norm, r->out_norm_b);
         ref_matvec(logits, r->out, NULL, xb, r->n_vocab, d);
+        for (int i = 0; r->final_cap > 0 && i < r->n_vocab; i++)
+            logits[i] = (float)(tanh(logits[i] / r->final_cap) * r->final_cap);
     }
     free(x);
     free(xb);
