@@ -112,7 +112,7 @@ int model_gemma_hparams(model *m, char *err, size_t errlen)
 
 int model_gemma_layers(model *m, float *v, char *err, size_t errlen)
 {
-    int d = m->n_embd, q = m->q_dim, kv = m->kv_dim, ff = m->n_ff, hd = m->head_dim, rc = 0;
+    int d = m->n_embd, hd = m->head_dim, rc = 0;
     bool g3 = m->arch == MODEL_ARCH_GEMMA3;
     int period = g3 ? 6 : 2;
     for (int l = 0; l < m->n_layer && !rc; l++) {
@@ -121,8 +121,6 @@ int model_gemma_layers(model *m, float *v, char *err, size_t errlen)
         L->sliding_window = local ? m->sliding_window : 0;
         L->local_rope = local && g3;
 #define VEC(sfx, n, dst) (rc = rc ? rc : model_layer_vector(m, l, sfx, n, true, &v, dst, err, errlen))
-#define MAT(sfx, n_in, n_out, dst)                                                                 \
-    (rc = rc ? rc : model_layer_matrix(m, l, sfx, n_in, n_out, true, dst, err, errlen))
         VEC("attn_norm.weight", d, &L->attn_norm);
         VEC("post_attention_norm.weight", d, &L->attn_post_norm);
         VEC("ffn_norm.weight", d, &L->ffn_norm);
@@ -131,15 +129,8 @@ int model_gemma_layers(model *m, float *v, char *err, size_t errlen)
             VEC("attn_q_norm.weight", hd, &L->q_norm);
             VEC("attn_k_norm.weight", hd, &L->k_norm);
         }
-        MAT("attn_q.weight", d, q, &L->wq);
-        MAT("attn_k.weight", d, kv, &L->wk);
-        MAT("attn_v.weight", d, kv, &L->wv);
-        MAT("attn_output.weight", q, d, &L->wo);
-        MAT("ffn_gate.weight", d, ff, &L->gate);
-        MAT("ffn_up.weight", d, ff, &L->up);
-        MAT("ffn_down.weight", ff, d, &L->down);
+        rc = rc ? rc : model_llama_matrices(m, l, L, err, errlen);
 #undef VEC
-#undef MAT
     }
     return rc;
 }

@@ -332,11 +332,27 @@ int model_layer_matrix(const model *m, int l, const char *suffix, int n_in, int 
     return model_load_matrix(m->file, name, n_in, n_out, required, w, NULL, err, errlen);
 }
 
+int model_llama_matrices(const model *m, int l, struct model_layer *L, char *err, size_t errlen)
+{
+    int d = m->n_embd, q = m->q_dim, kv = m->kv_dim, ff = m->n_ff, rc = 0;
+#define MAT(sfx, n_in, n_out, dst)                                                                 \
+    (rc = rc ? rc : model_layer_matrix(m, l, sfx, n_in, n_out, true, dst, err, errlen))
+    MAT("attn_q.weight", d, q, &L->wq);
+    MAT("attn_k.weight", d, kv, &L->wk);
+    MAT("attn_v.weight", d, kv, &L->wv);
+    MAT("attn_output.weight", q, d, &L->wo);
+    MAT("ffn_gate.weight", d, ff, &L->gate);
+    MAT("ffn_up.weight", d, ff, &L->up);
+    MAT("ffn_down.weight", ff, d, &L->down);
+#undef MAT
+    return rc;
+}
+
 /* Llama and qwen2 layers; the output, its norm and the embedding are
  * already loaded (load_tensors). v: free f32 storage. */
 static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
 {
-    int d = m->n_embd, q = m->q_dim, kv = m->kv_dim, ff = m->n_ff, rc = 0;
+    int d = m->n_embd, q = m->q_dim, kv = m->kv_dim, rc = 0;
     /* Biases: qwen2 has them; llama.cpp accepts them on llama too. Qwen3
      * normalises each q and k head instead. */
     bool bias = m->arch == MODEL_ARCH_QWEN2, qk_norm = m->arch == MODEL_ARCH_QWEN3;
@@ -346,8 +362,6 @@ static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
         L->sliding_window = m->sliding_window; /* Mistral: every layer */
 #define VEC(sfx, n, req, dst)                                                                      \
     (rc = rc ? rc : model_layer_vector(m, l, sfx, n, req, &v, dst, err, errlen))
-#define MAT(sfx, n_in, n_out, dst)                                                                 \
-    (rc = rc ? rc : model_layer_matrix(m, l, sfx, n_in, n_out, true, dst, err, errlen))
         VEC("attn_norm.weight", d, true, &L->attn_norm);
         VEC("ffn_norm.weight", d, true, &L->ffn_norm);
         VEC("attn_q.bias", q, bias, &L->bq);
@@ -357,15 +371,8 @@ static int load_llama_layers(model *m, float *v, char *err, size_t errlen)
             VEC("attn_q_norm.weight", hd, true, &L->q_norm);
             VEC("attn_k_norm.weight", hd, true, &L->k_norm);
         }
-        MAT("attn_q.weight", d, q, &L->wq);
-        MAT("attn_k.weight", d, kv, &L->wk);
-        MAT("attn_v.weight", d, kv, &L->wv);
-        MAT("attn_output.weight", q, d, &L->wo);
-        MAT("ffn_gate.weight", d, ff, &L->gate);
-        MAT("ffn_up.weight", d, ff, &L->up);
-        MAT("ffn_down.weight", ff, d, &L->down);
+        rc = rc ? rc : model_llama_matrices(m, l, L, err, errlen);
 #undef VEC
-#undef MAT
     }
     return rc;
 }

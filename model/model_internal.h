@@ -165,6 +165,10 @@ int model_layer_vector(const model *m, int l, const char *suffix, int n, bool re
 int model_layer_matrix(const model *m, int l, const char *suffix, int n_in, int n_out,
                        bool required, struct mm_weight *w, char *err, size_t errlen);
 
+/* Layer l's seven matrices of a Llama-shaped layer (attn_q/k/v/output,
+ * ffn_gate/up/down), shape-checked into L. 0 or -EINVAL. */
+int model_llama_matrices(const model *m, int l, struct model_layer *L, char *err, size_t errlen);
+
 /* Read the shared hyper-parameters (sizes, heads, context length) of any
  * architecture. 0 or -EINVAL. */
 int model_read_shape(model *m, char *err, size_t errlen);

@@ -941,6 +941,27 @@ AR_FN float check_against_reference(const char *path, enum kv_type kvt, int thre
     return worst;
 }
 
+/*
+ * The model p describes, with f32 and with f16 weights (p.type is set), by
+ * 1 and 3 threads: check_against_reference within 1e-5, each line printed
+ * under name.
+ */
+AR_FN void forward_vs_reference_types(const char *name, struct model_mk_params p)
+{
+    for (int t = 0; t < 2; t++) {
+        p.type = t ? GGML_TYPE_F16 : GGML_TYPE_F32;
+        char path[512];
+        write_model(&p, "ref.gguf", path, sizeof(path));
+        for (int threads = 1; threads <= 3; threads += 2) {
+            float e = check_against_reference(path, KV_F32, threads);
+            print_message("  %-18s %s weights, %d threads: max rel diff %.2e (%d/%d within "
+                          "1e-4)\n",
+                          name, t ? "f16" : "f32", threads, e, n_tight, n_checks);
+            assert_true(e < 1e-5f);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------
  * Eviction against the reference (ARCHITECTURE.md Invariant 3)
  * ------------------------------------------------------------------------ */

@@ -98,21 +98,8 @@ static struct model_mk_params case_params(const struct rope_case *c, enum ggml_t
 static void test_forward_matches_reference(void **state)
 {
     (void)state;
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        for (int t = 0; t < 2; t++) {
-            enum ggml_type type = t ? GGML_TYPE_F16 : GGML_TYPE_F32;
-            struct model_mk_params p = case_params(&cases[i], type);
-            char path[512];
-            write_model(&p, "ref.gguf", path, sizeof(path));
-            for (int threads = 1; threads <= 3; threads += 2) {
-                float e = check_against_reference(path, KV_F32, threads);
-                print_message("  %-18s %s weights, %d threads: max rel diff %.2e (%d/%d "
-                              "within 1e-4)\n",
-                              cases[i].name, t ? "f16" : "f32", threads, e, n_tight, n_checks);
-                assert_true(e < 1e-5f);
-            }
-        }
-    }
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        forward_vs_reference_types(cases[i].name, case_params(&cases[i], GGML_TYPE_F32));
 }
 
 /*
