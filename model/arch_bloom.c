@@ -145,19 +145,10 @@ static int load_qkv(const model *m, int l, bool need_bias, float *v, struct mode
     int rc = model_load_matrix(m->file, name, m->n_embd, n_qkv, true, &w, NULL, err, errlen);
     if (rc)
         return rc;
-    const uint8_t *base = w.data;
-    char why[160];
-    rc = mm_weight_init(&L->wq, w.type, w.n_in, m->q_dim, base, why, sizeof(why));
-    rc = rc ? rc
-            : mm_weight_init(&L->wk, w.type, w.n_in, m->kv_dim,
-                             base + w.row_bytes * (size_t)m->q_dim, why, sizeof(why));
-    rc = rc ? rc
-            : mm_weight_init(&L->wv, w.type, w.n_in, m->kv_dim,
-                             base + w.row_bytes * (size_t)(m->q_dim + m->kv_dim), why, sizeof(why));
-    if (rc) {
-        snprintf(err, errlen, "tensor %s: %s", name, why);
-        return -EINVAL;
-    }
+    rc = model_split_rows(&w, name, (struct mm_weight *const[]){&L->wq, &L->wk, &L->wv},
+                          (const int[]){m->q_dim, m->kv_dim, m->kv_dim}, 3, err, errlen);
+    if (rc)
+        return rc;
     const float *b;
     snprintf(name, sizeof(name), "blk.%d.attn_qkv.bias", l);
     rc = model_load_vector(m->file, name, n_qkv, need_bias, v, &b, err, errlen);

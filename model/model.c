@@ -314,6 +314,21 @@ static size_t vec_floats(const model *m)
     return per_layer * (size_t)m->n_layer + 4 * d;
 }
 
+int model_split_rows(const struct mm_weight *w, const char *name, struct mm_weight *const *parts,
+                     const int *rows, int n, char *err, size_t errlen)
+{
+    const uint8_t *base = w->data;
+    char why[160];
+    for (int i = 0; i < n; i++) {
+        if (mm_weight_init(parts[i], w->type, w->n_in, rows[i], base, why, sizeof(why))) {
+            snprintf(err, errlen, "tensor %s: %s", name, why);
+            return -EINVAL;
+        }
+        base += w->row_bytes * (size_t)rows[i];
+    }
+    return 0;
+}
+
 int model_layer_vector(const model *m, int l, const char *suffix, int n, bool required, float **v,
                        const float **out, char *err, size_t errlen)
 {

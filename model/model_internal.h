@@ -157,6 +157,14 @@ int model_load_vector(const gguf_file *f, const char *name, int n, bool required
                       const float **out, char *err, size_t errlen);
 
 /*
+ * A fused matrix w (tensor name, for errors) as n row views: parts[i] gets
+ * the next rows[i] rows (BLOOM's Q/K/V, Phi-3's Q/K/V and gate/up). The
+ * rows must add up to w's. 0 or -EINVAL.
+ */
+int model_split_rows(const struct mm_weight *w, const char *name, struct mm_weight *const *parts,
+                     const int *rows, int n, char *err, size_t errlen);
+
+/*
  * Per-layer shorthands: tensor blk.<l>.<suffix>. model_layer_vector loads
  * n floats at *v and advances *v by n (found or not).
  */
