@@ -5,7 +5,7 @@
  * model/mkmodel.h); it is what `make run` serves when no model is given and
  * what tests and benchmarks build their fixtures from. Any GGUF reader can
  * open it: llama.cpp's metadata keys and tensor names (llama, qwen2, qwen3,
- * bloom, mpt, gemma2, gemma3). Without --arch it is a llama model with RoPE, the default of
+ * bloom, mpt, gemma2, gemma3, phi3). Without --arch it is a llama model with RoPE, the default of
  * `make run`; --position alibi|t5 gives a llama-shaped model with an
  * offset-only bias instead (kvd's own kvd.position.* metadata).
  */
@@ -28,7 +28,7 @@ static void mkmodel_usage(FILE *f)
             "  --preset retrieval  computed weights that copy what followed an earlier\n"
             "                    occurrence of the current context (with --position;\n"
             "                    only --ctx and --seed may be given besides)\n"
-            "  --arch A          llama, qwen2, qwen3, bloom, mpt, gemma2 or gemma3\n"
+            "  --arch A          llama, qwen2, qwen3, bloom, mpt, gemma2, gemma3 or phi3\n"
             "                    (default %s)\n"
             "  --position P      rope, alibi or t5 (default: rope for llama/qwen2,\n"
             "                    alibi for bloom/mpt, which run only alibi)\n"
@@ -46,7 +46,8 @@ static void mkmodel_usage(FILE *f)
             "  --rope-dims N     rotated dims per head (default: the head dim)\n"
             "  --rope-theta F    RoPE base (default %g)\n"
             "  --rope-scaling S  none, linear or yarn, with --rope-factor F and\n"
-            "                    (yarn) --rope-orig-ctx N\n"
+            "                    (yarn) --rope-orig-ctx N; longrope (phi3) with\n"
+            "                    --rope-orig-ctx N: Phi-3's long/short factor tables\n"
             "  --rope-freqs      write Llama 3.1's rope_freqs.weight (llama3 scaling)\n"
             "  --sliding-window N  every layer attends to the last N positions (Mistral;\n"
             "                    Gemma: the local layers; gemma3 needs it)\n"
@@ -248,7 +249,7 @@ int srv_cmd_mkmodel(int argc, char **argv)
         return 0;
     }
     int hd = model_mk_head_dim(&p);
-    bool gelu = !strcmp(p.arch, "bloom") || !strcmp(p.arch, "mpt");
+    bool gelu = !strcmp(p.arch, "bloom") || !strcmp(p.arch, "mpt"); /* no gate */
     bool tied = p.tied || !strcmp(p.arch, "bloom") || !strncmp(p.arch, "gemma", 5);
     long long params = (long long)p.n_embd * p.n_vocab * (tied ? 1 : 2) +
                        (long long)p.n_layer *

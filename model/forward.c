@@ -333,6 +333,17 @@ static void head_norm_rows(const model *m, float *x, const float *w, int n_heads
         rmsnorm(x + (size_t)h * hd, x + (size_t)h * hd, w, hd, m->norm_eps);
 }
 
+/* Phi-3's LongRoPE amplitude: the rotated dims of every q head of n_rows
+ * rows times rope_q_mul (the keys' share is folded in: see arch_phi3.c). */
+static void rope_amplitude(const model *m, float *q, int n_rows)
+{
+    if (m->rope_q_mul == 1.0f)
+        return;
+    for (size_t h = 0; h < (size_t)n_rows * m->n_head; h++)
+        for (int i = 0; i < m->pos.rope_dims; i++)
+            q[h * m->head_dim + i] *= m->rope_q_mul;
+}
+
 /* x = clamp(x, -c, c) over n values (MPT's clip_qkv); c = 0: nothing. */
 static void clamp_rows(float *x, size_t n, float c)
 {
@@ -564,6 +575,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     mm_matmul_scratch(c->q, &L->wq, c->xb, rows, nt, c->scratch);
     add_bias(c->q, L->bq, rows, m->q_dim);
     head_norm_rows(m, c->q, L->q_norm, rows * m->n_head);
+    rope_amplitude(m, c->q, rows);
     clamp_rows(c->q, (size_t)rows * m->q_dim, m->clamp_kqv);
 
     /* The fused kernel over each sequence's cache. */

@@ -95,6 +95,16 @@ static bool is_qwen3(const struct model_mk_params *p)
     return !strcmp(p->arch, "qwen3");
 }
 
+static bool is_phi3(const struct model_mk_params *p)
+{
+    return !strcmp(p->arch, "phi3");
+}
+
+static bool is_longrope(const struct model_mk_params *p)
+{
+    return p->rope_scaling && !strcmp(p->rope_scaling, "longrope");
+}
+
 static bool is_gemma(const struct model_mk_params *p)
 {
     return !strcmp(p->arch, "gemma2") || !strcmp(p->arch, "gemma3");
@@ -137,8 +147,8 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
     } while (0)
     if (!p->arch || (strcmp(p->arch, "llama") && strcmp(p->arch, "qwen2") &&
                      strcmp(p->arch, "qwen3") && strcmp(p->arch, "bloom") &&
-                     strcmp(p->arch, "mpt") && !is_gemma(p)))
-        BAD("arch must be llama, qwen2, qwen3, bloom, mpt, gemma2 or gemma3 (got '%s')",
+                     strcmp(p->arch, "mpt") && !is_gemma(p) && !is_phi3(p)))
+        BAD("arch must be llama, qwen2, qwen3, bloom, mpt, gemma2, gemma3 or phi3 (got '%s')",
             p->arch ? p->arch : "(null)");
     if (is_gemma(p) && (strcmp(model_mk_position(p), "rope") || p->rope_freqs ||
                         (p->rope_scaling && !strcmp(p->rope_scaling, "yarn"))))
@@ -163,9 +173,12 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
         BAD("position must be rope, alibi or t5 (got '%s')", pos);
     if (is_bloom_family(p) && strcmp(pos, "alibi"))
         BAD("%s attention is alibi (got position %s)", p->arch, pos);
-    bool scaled = p->rope_scaling && strcmp(p->rope_scaling, "none");
+    bool scaled = p->rope_scaling && strcmp(p->rope_scaling, "none") && !is_longrope(p);
     if (scaled && strcmp(p->rope_scaling, "linear") && strcmp(p->rope_scaling, "yarn"))
-        BAD("rope scaling must be none, linear or yarn (got '%s')", p->rope_scaling);
+        BAD("rope scaling must be none, linear, yarn or longrope (got '%s')", p->rope_scaling);
+    if (is_longrope(p) && (!is_phi3(p) || p->rope_orig_ctx < 1 || p->rope_freqs))
+        BAD("longrope is phi3's, with the original context and without rope_freqs (arch %s, "
+            "original context %d)", p->arch, p->rope_orig_ctx);
     if ((scaled || p->rope_freqs) && strcmp(pos, "rope"))
         BAD("rope scaling and rope_freqs need position rope (got %s)", pos);
     if (scaled && !(p->rope_scale_factor > 0.0f && isfinite(p->rope_scale_factor)))
@@ -527,7 +540,13 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
         rc |= gguf_writer_set_u32(w, KEY("rope.dimension_count"), (uint32_t)rope_dims);
         rc |= gguf_writer_set_f32(w, KEY("rope.freq_base"), p->rope_theta);
     }
-    if (p->rope_scaling && strcmp(p->rope_scaling, "none")) {
+    if (is_longrope(p)) { /* as Phi-3's converter: no scaling type, an amplitude */
+        double s = (double)p->n_ctx_train / p->rope_orig_ctx;
+        double amp = s > 1.0 ? sqrt(1.0 + log(s) / log((double)p->rope_orig_ctx)) : 1.0;
+        rc |= gguf_writer_set_u32(w, KEY("rope.scaling.original_context_length"),
+                                  (uint32_t)p->rope_orig_ctx);
+        rc |= gguf_writer_set_f32(w, KEY("rope.scaling.attn_factor"), (float)amp);
+    } else if (p->rope_scaling && strcmp(p->rope_scaling, "none")) {
         rc |= gguf_writer_set_str(w, KEY("rope.scaling.type"), p->rope_scaling);
         rc |= gguf_writer_set_f32(w, KEY("rope.scaling.factor"), p->rope_scale_factor);
         if (!strcmp(p->rope_scaling, "yarn"))
@@ -706,6 +725,32 @@ static int add_rope_freqs(struct writer_ctx *c)
     return rc;
 }
 
+/*
+ * Phi-3's LongRoPE tables, shaped as the 128k checkpoints' are: short
+ * factors near 1, long ones growing from 1 to 30 over the pairs (the
+ * slowest pairs stretched most).
+ */
+static int add_longrope(struct writer_ctx *c)
+{
+    const struct model_mk_params *p = c->p;
+    int hd = model_mk_head_dim(p), half = (p->rope_dims ? p->rope_dims : hd) / 2;
+    static const char *const names[2] = {"rope_factors_long.weight", "rope_factors_short.weight"};
+    for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < half; i++) {
+            double x = half > 1 ? (double)i / (half - 1) : 0.0;
+            c->buf[i] = (float)(k == 0 ? 1.0 + 29.0 * x * x : 1.0 + 0.1 * x);
+        }
+        uint64_t ne[1] = {(uint64_t)half};
+        int rc = gguf_writer_add_tensor(c->w, names[k], GGML_TYPE_F32, 1, ne, c->buf,
+                                        sizeof(float) * (size_t)half);
+        if (rc) {
+            snprintf(c->err, c->errlen, "adding tensor %s failed (%d)", names[k], rc);
+            return rc;
+        }
+    }
+    return 0;
+}
+
 static int write_tensors(struct writer_ctx *c)
 {
     if (is_bloom_family(c->p))
@@ -734,15 +779,22 @@ static int write_tensors(struct writer_ctx *c)
         return rc;
     if (p->rope_freqs && (rc = add_rope_freqs(c)))
         return rc;
+    if (is_longrope(p) && (rc = add_longrope(c)))
+        return rc;
     for (int l = 0; l < p->n_layer; l++) {
         NAME("blk.%d.attn_norm.weight", l);
         ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
-        NAME("blk.%d.attn_q.weight", l);
-        ADD(t, d, q_dim, 0.0f, 1.2f * s_in);
-        NAME("blk.%d.attn_k.weight", l);
-        ADD(t, d, kv_dim, 0.0f, 1.2f * s_in);
-        NAME("blk.%d.attn_v.weight", l);
-        ADD(t, d, kv_dim, 0.0f, s_in);
+        if (is_phi3(p)) { /* fused: rows of Q, K, V */
+            NAME("blk.%d.attn_qkv.weight", l);
+            ADD(t, d, q_dim + 2 * kv_dim, 0.0f, 1.2f * s_in);
+        } else {
+            NAME("blk.%d.attn_q.weight", l);
+            ADD(t, d, q_dim, 0.0f, 1.2f * s_in);
+            NAME("blk.%d.attn_k.weight", l);
+            ADD(t, d, kv_dim, 0.0f, 1.2f * s_in);
+            NAME("blk.%d.attn_v.weight", l);
+            ADD(t, d, kv_dim, 0.0f, s_in);
+        }
         if (is_qwen2(p)) {
             NAME("blk.%d.attn_q.bias", l);
             ADD(GGML_TYPE_F32, q_dim, 1, 0.0f, 0.2f);
@@ -767,10 +819,15 @@ static int write_tensors(struct writer_ctx *c)
         }
         NAME("blk.%d.ffn_norm.weight", l);
         ADD(GGML_TYPE_F32, d, 1, 1.0f, 0.2f / 1.7320508f);
-        NAME("blk.%d.ffn_gate.weight", l);
-        ADD(t, d, p->n_ff, 0.0f, s_in);
-        NAME("blk.%d.ffn_up.weight", l);
-        ADD(t, d, p->n_ff, 0.0f, s_in);
+        if (is_phi3(p)) { /* fused: the gate's rows, then up's */
+            NAME("blk.%d.ffn_up.weight", l);
+            ADD(t, d, 2 * p->n_ff, 0.0f, s_in);
+        } else {
+            NAME("blk.%d.ffn_gate.weight", l);
+            ADD(t, d, p->n_ff, 0.0f, s_in);
+            NAME("blk.%d.ffn_up.weight", l);
+            ADD(t, d, p->n_ff, 0.0f, s_in);
+        }
         NAME("blk.%d.ffn_down.weight", l);
         ADD(t, p->n_ff, d, 0.0f, 2.0f / sqrtf((float)p->n_ff));
         if (l == 0 && pos_is(p, "t5") && (rc = add_t5_table(c)))
@@ -835,7 +892,7 @@ int model_mk_write(const struct model_mk_params *p, const char *path, char *err,
     /* Scratch for the largest tensor: the embedding/output or an FFN matrix. */
     int hd = model_mk_head_dim(p);
     size_t big = (size_t)p->n_embd * (size_t)p->n_vocab;
-    size_t ffn = (size_t)p->n_embd * (size_t)p->n_ff;
+    size_t ffn = 2 * (size_t)p->n_embd * (size_t)p->n_ff; /* phi3's fused gate/up */
     size_t attn = (size_t)p->n_embd * (size_t)((p->n_head + 2 * p->n_kv_head) * hd);
     size_t t5 = (size_t)p->n_head * (size_t)p->t5_num_buckets;
     if (ffn > big)

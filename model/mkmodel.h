@@ -25,7 +25,10 @@
  *                  after attention and MLP, a GELU-gated MLP, tied output,
  *                  local and global layers (attention.sliding_window);
  *                  gemma2 the two soft-caps when asked, gemma3 the q/k head
- *                  norms and rope.freq_base_swa when asked.
+ *                  norms and rope.freq_base_swa when asked;
+ *   phi3           llama with fused attn_qkv and ffn_up (gate rows, then up),
+ *                  NeoX pairs; "longrope" writes Phi-3's two factor tables,
+ *                  the original context and the amplitude, no scaling type.
  *
  * Internal to kvd (cli/cmd_mkmodel.c, tests, benchmarks); not part of
  * the public model API in model.h.
@@ -44,7 +47,7 @@ struct model_mk_params {
                              (model_mk_preset fills the rest; mkmodel_retrieval.c) */
     const char *arch;     /* "llama", "qwen2" (adds q/k/v biases, NeoX RoPE pairs),
                              "qwen3" (per-head q/k RMSNorm, NeoX pairs), "bloom", "mpt",
-                             "gemma2" or "gemma3" */
+                             "gemma2", "gemma3" or "phi3" */
     const char *position; /* "rope", "alibi" or "t5"; NULL = the architecture's own
                              (rope for llama/qwen2, alibi for bloom/mpt) */
     int n_embd;           /* model width */
@@ -58,9 +61,10 @@ struct model_mk_params {
                              a preset's is its words' (0 here) */
     int rope_dims;        /* rotated dims per head (even, <= head_dim); 0 = head_dim */
     float rope_theta;     /* RoPE base */
-    const char *rope_scaling; /* NULL or "none", "linear", "yarn": <arch>.rope.scaling.type */
+    const char *rope_scaling; /* NULL or "none", "linear", "yarn": <arch>.rope.scaling.type;
+                                 "longrope" (phi3): rope_factors_long/short.weight */
     float rope_scale_factor;  /* rope.scaling.factor (linear, yarn), > 0 */
-    int rope_orig_ctx;        /* yarn: rope.scaling.original_context_length */
+    int rope_orig_ctx;        /* yarn, longrope: rope.scaling.original_context_length */
     int sliding_window;       /* > 0: <arch>.attention.sliding_window (Mistral: every layer;
                                  Gemma: the local layers; gemma3 needs one); 0 = none */
     float attn_softcap;       /* gemma2, > 0: <arch>.attn_logit_softcapping; 0 = not written */

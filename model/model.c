@@ -2,7 +2,7 @@
  * model.c - loading a model from GGUF, and its tokens.
  *
  * Loading is validation: the architecture is one kvd runs (llama, qwen2,
- * qwen3, bloom, mpt, gemma2, gemma3), every hyper-parameter comes from the
+ * qwen3, bloom, mpt, gemma2, gemma3, phi3), every hyper-parameter comes from the
  * `<arch>.*` metadata keys llama.cpp writes (with llama.cpp's defaults where
  * a key is optional), and every tensor the forward reads is looked up by its
  * llama.cpp name and checked against the shape those parameters imply
@@ -12,8 +12,9 @@
  *
  * This file holds what every architecture shares (metadata and tensor
  * helpers, the shape, the lifecycle) and the Llama family itself;
- * arch_bloom.c loads BLOOM and MPT, arch_gemma.c Gemma 2 and 3, posbias.c
- * the offset-only position biases (ALiBi slopes, the T5 table).
+ * arch_bloom.c loads BLOOM and MPT, arch_gemma.c Gemma 2 and 3,
+ * arch_phi3.c Phi-3/3.5/4, posbias.c the offset-only position biases (ALiBi
+ * slopes, the T5 table).
  *
  * Weight matrices stay in the file mapping in their own formats; norm
  * weights and biases are converted to f32 once. The tokenizer is built from
@@ -423,6 +424,8 @@ static int load_tensors(model *m, char *err, size_t errlen)
         rc = model_bloom_tensors(m, v, err, errlen);
     else if (m->arch == MODEL_ARCH_GEMMA2 || m->arch == MODEL_ARCH_GEMMA3)
         rc = model_gemma_layers(m, v, err, errlen);
+    else if (m->arch == MODEL_ARCH_PHI3)
+        rc = model_phi3_layers(m, v, err, errlen);
     else
         rc = load_llama_layers(m, v, err, errlen);
     if (rc)
@@ -446,6 +449,7 @@ static const struct {
     {"mpt", MODEL_ARCH_MPT},
     {"gemma2", MODEL_ARCH_GEMMA2},
     {"gemma3", MODEL_ARCH_GEMMA3},
+    {"phi3", MODEL_ARCH_PHI3},
 };
 
 /* The tokenizer (with the operator's pre-tokenizer, if any); its size is
@@ -489,7 +493,7 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
     if (k == sizeof(arches) / sizeof(arches[0])) {
         snprintf(err, errlen,
                  "architecture '%.*s' is not supported (kvd runs llama, qwen2, qwen3, bloom, mpt, "
-                 "gemma2, gemma3)",
+                 "gemma2, gemma3, phi3)",
                  (int)(alen > 64 ? 64 : alen), arch);
         return -EINVAL;
     }
@@ -501,12 +505,15 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
     int rc = model_read_shape(m, err, errlen);
     m->attn_scale = 1.0f / sqrtf((float)m->head_dim);
     m->emb_scale = 1.0f;
+    m->rope_q_mul = 1.0f;
     if (!rc && (m->arch == MODEL_ARCH_BLOOM || m->arch == MODEL_ARCH_MPT))
         rc = model_bloom_hparams(m, params, err, errlen);
     else if (!rc && (m->arch == MODEL_ARCH_GEMMA2 || m->arch == MODEL_ARCH_GEMMA3))
         rc = model_gemma_hparams(m, err, errlen);
     else if (!rc)
         rc = read_llama_hparams(m, params, err, errlen);
+    if (!rc && m->arch == MODEL_ARCH_PHI3 && m->pos.kind == POS_ROPE)
+        rc = model_phi3_rope(m, params, err, errlen);
     if (rc)
         return rc;
 

@@ -38,6 +38,8 @@ struct model_params {
     float alibi_max_bias;
     int t5_num_buckets;
     int t5_max_distance;
+    int n_ctx; /* the longest sequence the caller will run, 0 = the file's context_length:
+                  Phi-3 takes its long RoPE factors when it exceeds the original context */
 };
 
 /* What a loaded model is, for logs, /v1/models and cache sizing. */

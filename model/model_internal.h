@@ -36,6 +36,7 @@ enum model_arch {
                              (windowed) and global layers alternating; NeoX pairs */
     MODEL_ARCH_GEMMA3,    /* gemma2 without soft-capping, + qwen3's q/k head norms; 5 local
                              layers to 1 global, the local ones with their own RoPE base */
+    MODEL_ARCH_PHI3,      /* llama with fused QKV and gate/up, NeoX pairs, LongRoPE tables */
 };
 
 enum model_norm {
@@ -104,6 +105,9 @@ struct model {
     float emb_scale;       /* the embedding times this before the first layer (Gemma:
                               sqrt(n_embd)); 1 otherwise */
     float attn_softcap;    /* 0, or attention scores capped to c * tanh(s / c) (Gemma 2) */
+    float rope_q_mul;      /* the rotated dims of every q head times this before attention
+                              (Phi-3's LongRoPE amplitude squared); 1 otherwise */
+    bool rope_long;        /* Phi-3: the long factor table was chosen (else short or none) */
     float final_softcap;   /* 0, or the logits capped the same way (Gemma 2) */
     struct pos_scheme pos_local; /* RoPE of the layers with local_rope (Gemma 3: base
                                     rope.freq_base_swa or 10000, no scaling) */
@@ -214,6 +218,17 @@ int model_gemma_hparams(model *m, char *err, size_t errlen);
 
 /* Every layer tensor of a Gemma file into m->layers (v: free f32 storage). */
 int model_gemma_layers(model *m, float *v, char *err, size_t errlen);
+
+/* ------------------------------------------------------------------------
+ * Phi-3 (arch_phi3.c)
+ * ------------------------------------------------------------------------ */
+
+/* LongRoPE after model_read_rope: the long or short factor table by the
+ * caller's context, its amplitude. 0, -EINVAL or -ENOMEM. */
+int model_phi3_rope(model *m, const struct model_params *params, char *err, size_t errlen);
+
+/* Every layer tensor of a Phi-3 file (fused QKV or apart, fused gate/up). */
+int model_phi3_layers(model *m, float *v, char *err, size_t errlen);
 
 /* ------------------------------------------------------------------------
  * Offset-only position biases (posbias.c)

@@ -28,6 +28,11 @@
  * Fixtures
  * ------------------------------------------------------------------------ */
 
+/* Phi-3: the context the reference serves (0: the file's context_length),
+ * which picks the long or the short LongRoPE table as model_params.n_ctx
+ * does for kvd. */
+static int ref_phi3_ctx;
+
 /* The program's scratch directory: tmp_dir_create in the group setup,
  * tmp_dir_remove in the teardown. */
 static char tmp_dir[256];
@@ -61,7 +66,7 @@ AR_FN void write_model(const struct model_mk_params *p, const char *name, char *
 AR_FN model *load_model(const char *path)
 {
     char err[512];
-    struct model_params mp = {.path = path};
+    struct model_params mp = {.path = path, .n_ctx = ref_phi3_ctx};
     model *m = model_load(&mp, err, sizeof(err));
     if (!m)
         print_message("model_load: %s\n", err);
@@ -267,6 +272,7 @@ struct ref_model {
     double emb_scale;    /* the embedding times this (Gemma: sqrt(d)); 1 otherwise */
     double attn_cap, final_cap; /* Gemma 2's soft-caps: c tanh(x / c); 0 = none */
     double theta_local;  /* gemma3: the local layers' RoPE base */
+    double amp;          /* phi3 LongRoPE: rotated q and k values times this; 1 otherwise */
     double *slopes; /* ALiBi [n_head] */
     float *t5;      /* T5 [n_head][nb] */
     int nb, md;
@@ -340,6 +346,7 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
         r->final_cap = ref_meta_f32(f, KEY("final_logit_softcapping"), 30.0f);
     }
     r->theta_local = ref_meta_f32(f, KEY("rope.freq_base_swa"), 10000.0f);
+    r->amp = 1.0;
     r->eps = r->layernorm ? ref_meta_f32(f, KEY("attention.layer_norm_epsilon"), -1.0f)
                           : ref_meta_f32(f, KEY("attention.layer_norm_rms_epsilon"),
                                          gemma ? 1e-6f : 1e-5f);
@@ -360,7 +367,8 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
                                                     : POS_NONE;
     assert_true(r->pos != POS_NONE);
     if (r->pos == POS_ROPE) {
-        r->neox = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") || gemma;
+        r->neox = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") || gemma ||
+                  !strcmp(arch, "phi3");
         r->n_rot = ref_meta_int(f, KEY("rope.dimension_count"), r->hd);
         r->theta = ref_meta_f32(f, KEY("rope.freq_base"), 10000.0f);
         r->fscale = 1.0f;
@@ -372,6 +380,17 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
             r->yarn_orig = ref_meta_int(f, KEY("rope.scaling.original_context_length"), 0);
         }
         r->rope_ff = ref_tensor(f, "rope_freqs.weight", r->n_rot / 2, 1);
+        /* Phi-3's LongRoPE: the long table when the context served
+         * (ref_phi3_ctx, else the file's) passes the original one. */
+        float *lf = ref_tensor(f, "rope_factors_long.weight", r->n_rot / 2, 1);
+        float *sf = ref_tensor(f, "rope_factors_short.weight", r->n_rot / 2, 1);
+        if (lf && sf) {
+            int ctx = ref_phi3_ctx ? ref_phi3_ctx : ref_meta_int(f, KEY("context_length"), 0);
+            bool use_long = ctx > ref_meta_int(f, KEY("rope.scaling.original_context_length"), 0);
+            r->rope_ff = use_long ? lf : sf;
+            free(use_long ? sf : lf);
+            r->amp = ref_meta_f32(f, KEY("rope.scaling.attn_factor"), 1.0f);
+        }
         r->window = ref_meta_int(f, KEY("attention.sliding_window"), gemma && !gemma3 ? 4096 : 0);
     } else if (r->pos == POS_ALIBI) {
         assert_true(max_bias > 0.0f);
@@ -415,11 +434,10 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
         L->attn_norm_b = T("attn_norm.bias", d, 1);
         L->ffn_norm = T("ffn_norm.weight", d, 1);
         L->ffn_norm_b = T("ffn_norm.bias", d, 1);
-        if (r->layernorm) {
+        float *qkv = T("attn_qkv.weight", d, qd + 2 * kvd);
+        if (qkv) {
             /* The fused matrix, split by rows: Q, then K, then V. */
-            float *qkv = T("attn_qkv.weight", d, qd + 2 * kvd);
             float *b = T("attn_qkv.bias", qd + 2 * kvd, 1);
-            assert_non_null(qkv);
             L->wq = rows_copy(qkv, 0, qd, d);
             L->wk = rows_copy(qkv, qd, kvd, d);
             L->wv = rows_copy(qkv, qd + kvd, kvd, d);
@@ -438,7 +456,6 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
             L->bk = T("attn_k.bias", kvd, 1);
             L->bv = T("attn_v.bias", kvd, 1);
             L->gate = T("ffn_gate.weight", d, r->n_ff);
-            assert_non_null(L->gate);
             L->q_norm = T("attn_q_norm.weight", r->hd, 1);
             L->k_norm = T("attn_k_norm.weight", r->hd, 1);
         }
@@ -451,7 +468,16 @@ AR_FN void ref_load(struct ref_model *r, const char *path)
         L->local_rope = gemma3 && sliding;
         L->wo = T("attn_output.weight", qd, d);
         L->bo = T("attn_output.bias", d, 1);
-        L->up = T("ffn_up.weight", d, r->n_ff);
+        if (r->act == REF_SWIGLU && !L->gate) { /* phi3: [gate rows; up rows] in ffn_up */
+            float *gu = T("ffn_up.weight", d, 2 * r->n_ff);
+            assert_non_null(gu);
+            L->gate = rows_copy(gu, 0, r->n_ff, d);
+            L->up = rows_copy(gu, r->n_ff, r->n_ff, d);
+            free(gu);
+        } else {
+            L->up = T("ffn_up.weight", d, r->n_ff);
+        }
+        assert_true(r->act != REF_SWIGLU || L->gate);
         L->b_up = T("ffn_up.bias", r->n_ff, 1);
         L->down = T("ffn_down.weight", r->n_ff, d);
         L->b_down = T("ffn_down.bias", d, 1);
@@ -576,6 +602,8 @@ AR_FN void ref_rope_base(const struct ref_model *r, float *x, double delta, bool
         hi = fmin(n - 1, hi);
         ms = mscale ? 1 + 0.1 * log(1.0 / r->fscale) : 1;
     }
+    if (mscale)
+        ms *= r->amp;
     for (int i = 0; i < half; i++) {
         double freq = pow(theta, -2.0 * i / r->n_rot);
         if (r->rope_ff)

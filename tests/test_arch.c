@@ -1046,7 +1046,7 @@ static void test_mkmodel_files(void **state)
     } bad[] = {
         {"bloom", "rope", 0, 0, 32, 128, "bloom attention is alibi"},
         {"mpt", "t5", 0, 0, 32, 128, "mpt attention is alibi"},
-        {"gptj", NULL, 0, 0, 32, 128, "arch must be llama, qwen2, qwen3, bloom, mpt, gemma2 or gemma3"},
+        {"gptj", NULL, 0, 0, 32, 128, "arch must be llama, qwen2, qwen3, bloom, mpt, gemma2, gemma3 or phi3"},
         {"llama", "xpos", 0, 0, 32, 128, "position must be rope, alibi or t5"},
         {"bloom", NULL, 4, 0, 32, 128, "bloom's ALiBi slopes are fixed"},
         {"llama", "alibi", 0, 2, 32, 128, "clamp kqv is an mpt option"},
