@@ -23,6 +23,7 @@ int srv_cmd_check_config(int argc, char **argv);
 int srv_cmd_eval(int argc, char **argv);
 int srv_cmd_generate(int argc, char **argv);
 int srv_cmd_mkmodel(int argc, char **argv);
+int srv_cmd_quantize(int argc, char **argv);
 int srv_cmd_tokenize(int argc, char **argv);
 int srv_cmd_serve(int argc, char **argv);
 

@@ -25,6 +25,7 @@ static const struct srv_command commands[] = {
     {"generate", "generate text from a prompt, offline", srv_cmd_generate},
     {"load", "load-test a running kvd across context lengths", srv_cmd_load},
     {"mkmodel", "write a small seeded GGUF model", srv_cmd_mkmodel},
+    {"quantize", "rewrite a GGUF file's weights as q8_0, q4_0 or K-quants", srv_cmd_quantize},
     {"serve", "run the HTTP daemon (OpenAI and llama.cpp completions)", srv_cmd_serve},
     {"tokenize", "print the token ids of a text", srv_cmd_tokenize},
     {"version", "print the version", cmd_version},

@@ -987,6 +987,30 @@ int gguf_get_f32(const gguf_file *f, const char *key, float *out)
     return 0;
 }
 
+int gguf_get_scalar(const gguf_file *f, const char *key, enum gguf_type *type, void *out)
+{
+    const struct kv *kv;
+    int rc = find(f, key, &kv);
+    if (rc)
+        return rc;
+    size_t n = kv->type == GGUF_TYPE_UINT8 || kv->type == GGUF_TYPE_INT8 ||
+                       kv->type == GGUF_TYPE_BOOL
+                   ? 1
+               : kv->type == GGUF_TYPE_UINT16 || kv->type == GGUF_TYPE_INT16 ? 2
+               : kv->type == GGUF_TYPE_UINT32 || kv->type == GGUF_TYPE_INT32 ||
+                       kv->type == GGUF_TYPE_FLOAT32
+                   ? 4
+               : kv->type == GGUF_TYPE_UINT64 || kv->type == GGUF_TYPE_INT64 ||
+                       kv->type == GGUF_TYPE_FLOAT64
+                   ? 8
+                   : 0;
+    if (!n)
+        return -EINVAL;
+    memcpy(out, f->base + kv->val, n); /* little-endian file, little-endian host */
+    *type = kv->type;
+    return 0;
+}
+
 int gguf_get_bool(const gguf_file *f, const char *key, bool *out)
 {
     const struct kv *kv;

@@ -128,6 +128,10 @@ int gguf_get_u32(const gguf_file *f, const char *key, uint32_t *out);
 int gguf_get_i64(const gguf_file *f, const char *key, int64_t *out);
 int gguf_get_f32(const gguf_file *f, const char *key, float *out);
 int gguf_get_bool(const gguf_file *f, const char *key, bool *out);
+/* Any fixed-size scalar as stored: its type in *type, its value into out
+ * (room for 8 bytes) as the host's value of that type. -EINVAL for a
+ * string or an array. */
+int gguf_get_scalar(const gguf_file *f, const char *key, enum gguf_type *type, void *out);
 /* String value: not NUL-terminated in the file; *len is its byte length. */
 int gguf_get_str(const gguf_file *f, const char *key, const char **s, size_t *len);
 
@@ -192,6 +196,10 @@ int gguf_writer_set_arr(gguf_writer *w, const char *key, enum gguf_type elem_typ
  */
 int gguf_writer_add_tensor(gguf_writer *w, const char *name, enum ggml_type type, int n_dims,
                            const uint64_t *ne, const void *data, size_t size);
+
+/* Copy key i of f (any type, arrays of strings too) into w. 0, -ENOMEM, or
+ * -EINVAL for a value the writer refuses. */
+int gguf_writer_copy_kv(gguf_writer *w, const gguf_file *f, int64_t i);
 
 /* Serialise (version 3, alignment 32) into a new malloc'd buffer. */
 int gguf_writer_to_memory(const gguf_writer *w, void **out, size_t *out_size);

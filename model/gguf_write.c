@@ -567,3 +567,44 @@ out_free:
     free(buf);
     return rc;
 }
+
+int gguf_writer_copy_kv(gguf_writer *w, const gguf_file *f, int64_t i)
+{
+    const char *key = gguf_kv_key(f, i);
+    enum gguf_type t = gguf_kv_type(f, i);
+    if (t == GGUF_TYPE_STRING) {
+        const char *s;
+        size_t n;
+        int rc = gguf_get_str(f, key, &s, &n);
+        char *c = rc ? NULL : strndup(s, n);
+        rc = rc ? rc : c ? gguf_writer_set_str(w, key, c) : -ENOMEM;
+        free(c);
+        return rc;
+    }
+    if (t != GGUF_TYPE_ARRAY) {
+        uint64_t v; /* 8 bytes: room for any scalar */
+        int rc = gguf_get_scalar(f, key, &t, &v);
+        return rc ? rc : gguf_writer_set_scalar(w, key, t, &v);
+    }
+    enum gguf_type et;
+    uint64_t n;
+    const void *data;
+    int rc = gguf_get_arr(f, key, &et, &n, &data);
+    if (rc || et != GGUF_TYPE_STRING)
+        return rc ? rc : gguf_writer_set_arr(w, key, et, data, n);
+    char **v = calloc(n ? n : 1, sizeof(char *));
+    if (!v)
+        return -ENOMEM;
+    for (uint64_t j = 0; j < n && !rc; j++) {
+        const char *s;
+        size_t len;
+        rc = gguf_get_arr_str(f, key, j, &s, &len);
+        if (!rc && !(v[j] = strndup(s, len)))
+            rc = -ENOMEM;
+    }
+    rc = rc ? rc : gguf_writer_set_arr_str(w, key, (const char *const *)v, n);
+    for (uint64_t j = 0; j < n; j++)
+        free(v[j]);
+    free(v);
+    return rc;
+}

@@ -489,6 +489,10 @@ int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n)
         return quant_q8_0(src, dst, n / 32);
     case GGML_TYPE_Q4_0:
         return quant_q4_0(src, dst, n / 32);
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K:
+    case GGML_TYPE_Q6_K:
+        return qt_quantize_k(type, src, dst, n);
     default:
         return -EINVAL;
     }
