@@ -17,6 +17,7 @@
 #include "cli/cli.h"
 #include "config/args.h"
 #include "model/mkmodel.h"
+#include "model/quant.h"
 
 static void mkmodel_usage(FILE *f)
 {
@@ -58,7 +59,7 @@ static void mkmodel_usage(FILE *f)
             "  --ctx N           context_length written to the metadata (default %d)\n"
             "  --tied            no output.weight: logits from the token embedding\n"
             "                    (bloom is always tied)\n"
-            "  --type T          f32, f16, bf16, q8_0 or q4_0 (default f32)\n"
+            "  --type T          f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K (default f32)\n"
             "  --seed S          seed of every weight (default %llu)\n",
             d.arch, d.t5_num_buckets, d.t5_max_distance, d.n_embd, d.n_layer, d.n_head,
             d.n_kv_head, d.n_ff, d.n_vocab, d.rope_theta, d.n_ctx_train,
@@ -161,7 +162,8 @@ int srv_cmd_mkmodel(int argc, char **argv)
             p.clamp_kqv = (float)x;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--type", &v, &bad)) {
             if (!bad && model_mk_parse_type(v, &p.type)) {
-                fprintf(stderr, "kvd mkmodel: --type wants f32, f16, bf16, q8_0 or q4_0, got '%s'\n",
+                fprintf(stderr, "kvd mkmodel: --type wants f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K, "
+                        "got '%s'\n",
                         v);
                 return 2;
             }
@@ -256,11 +258,7 @@ int srv_cmd_mkmodel(int argc, char **argv)
                            ((long long)p.n_embd * (p.n_head + 2 * p.n_kv_head) * hd +
                             (long long)p.n_head * hd * p.n_embd +
                             (gelu ? 2LL : 3LL) * p.n_embd * p.n_ff);
-    const char *tn = p.type == GGML_TYPE_F32    ? "f32"
-                     : p.type == GGML_TYPE_F16  ? "f16"
-                     : p.type == GGML_TYPE_BF16 ? "bf16"
-                     : p.type == GGML_TYPE_Q8_0 ? "q8_0"
-                                                : "q4_0";
+    const char *tn = qt_type_name(p.type);
     printf("wrote %s: %s, %s positions, dim %d, %d layers, %d heads, %d kv heads, ff %d, "
            "vocab %d, %s%s, %.2fM parameters, seed %llu\n",
            out, p.arch, model_mk_position(&p), p.n_embd, p.n_layer, p.n_head, p.n_kv_head, p.n_ff,

@@ -80,7 +80,8 @@ struct model_mk_params {
     int t5_max_distance;  /* t5: distance where the last bucket saturates */
     int n_ctx_train;      /* written as <arch>.context_length */
     bool tied;            /* no output.weight: logits use token_embd.weight (bloom: always) */
-    enum ggml_type type;  /* 2-D weights: F32, F16, BF16, Q8_0 or Q4_0 (norms stay F32) */
+    enum ggml_type type;  /* 2-D weights: F32, F16, BF16, Q8_0, Q4_0, or Q4_K / Q5_K / Q6_K
+                             (rows of a multiple of 256) (norms stay F32) */
     uint64_t seed;        /* every weight derives from it */
 };
 
@@ -111,7 +112,8 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen);
  */
 int model_mk_write(const struct model_mk_params *p, const char *path, char *err, size_t errlen);
 
-/* Parse a weight type name ("f32", "f16", "bf16", "q8_0", "q4_0"). 0 or -EINVAL. */
+/* Parse a weight type name ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_K", "q5_K",
+ * "q6_K"). 0 or -EINVAL. */
 int model_mk_parse_type(const char *name, enum ggml_type *out);
 
 /* The head dim p writes: head_dim, or n_embd / n_head. */

@@ -164,6 +164,11 @@ static int add_tensors(const struct model_quant_params *p, const gguf_file *f, g
         enum ggml_type want = rule(p->target, t, (int)n_layer, tied), to = want;
         const char *why = NULL;
         to = fallback(t, want, &why);
+        if (to != t->type && t->ne[0] > (1u << 30)) {
+            snprintf(err, errlen, "tensor %s: rows of %llu elements are too long", t->name,
+                     (unsigned long long)t->ne[0]);
+            return -EINVAL;
+        }
         if (to != t->type && !qt_type_supported(t->type)) {
             snprintf(err, errlen, "tensor %s: type %s cannot be decoded by kvd", t->name,
                      gguf_ggml_type_name(t->type) ? gguf_ggml_type_name(t->type) : "unknown");

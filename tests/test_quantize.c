@@ -338,6 +338,30 @@ static void test_quantize_cli(void **state)
     assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
 }
 
+/* kvd mkmodel writes the K types directly (rows of 256), and refuses rows that are not. */
+static void test_mkmodel_k_types(void **state)
+{
+    (void)state;
+    const enum ggml_type types[3] = {GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
+    for (int i = 0; i < 3; i++) {
+        struct model_mk_params p;
+        model_mk_defaults(&p);
+        p.n_embd = 256;
+        p.n_layer = 1;
+        p.n_ff = 512;
+        p.type = types[i];
+        char path[512], err[256];
+        write_model(&p, "mk-k.gguf", path, sizeof(path));
+        model *m = load_model(path);
+        assert_string_equal(m->weight_type, qt_type_name(types[i]));
+        assert_int_equal(m->layers[0].down.type, types[i]);
+        model_free(m);
+        p.n_ff = 320;
+        assert_int_equal(model_mk_check(&p, err, sizeof(err)), -EINVAL);
+        assert_non_null(strstr(err, "multiples of 256"));
+    }
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -348,6 +372,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_quantize_fallbacks),
         cmocka_unit_test(test_quantize_refused),
         cmocka_unit_test(test_quantize_cli),
+        cmocka_unit_test(test_mkmodel_k_types),
     };
     return cmocka_run_group_tests_name("quantize", tests, group_setup, group_teardown);
 }

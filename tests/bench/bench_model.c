@@ -390,6 +390,70 @@ static void smollm_shape(struct model_mk_params *p, enum ggml_type type)
 }
 
 /*
+ * The weight formats' products in a model: a Qwen3-0.6B-like layer shape
+ * (dim 1024, ff 3072, 16 heads, 8 KV heads: rows of a multiple of 256, so
+ * every K type applies), 8 layers, in q8_0 and each K type kvd writes.
+ * Decode at a short context is matrix-vector products over the weights, so
+ * its bytes per token times tokens per second is the products' GB/s;
+ * prefill (64-token chunks) is their matrix-matrix speed. Ratios to q8_0
+ * of this run.
+ */
+static void bench_kquants(const char *dir)
+{
+    static const struct {
+        enum ggml_type type;
+        const char *name;
+    } types[] = {{GGML_TYPE_Q8_0, "q8_0"},
+                 {GGML_TYPE_Q4_K, "q4_K"},
+                 {GGML_TYPE_Q5_K, "q5_K"},
+                 {GGML_TYPE_Q6_K, "q6_K"}};
+    printf("\nweight formats: qwen3-0.6B layer shape, 8 layers, vocab 32000, ctx 0, "
+           "KV f16\n%-6s %10s %10s %9s %12s %9s %9s\n",
+           "type", "prefill/s", "decode/s", "MB/token", "decode GB/s", "vs q8_0", "pf vs q8");
+    double base_gbs = 0, base_pf = 0;
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        struct model_mk_params p;
+        model_mk_defaults(&p);
+        p.arch = "qwen3";
+        p.n_embd = 1024;
+        p.n_layer = 8;
+        p.n_head = 16;
+        p.n_kv_head = 8;
+        p.head_dim = 128;
+        p.n_ff = 3072;
+        p.n_vocab = 32000;
+        p.tied = true;
+        p.type = types[i].type;
+        char file[600], err[512];
+        snprintf(file, sizeof(file), "%s/kq-%s.gguf", dir, types[i].name);
+        if (model_mk_write(&p, file, err, sizeof(err))) {
+            fprintf(stderr, "mkmodel: %s\n", err);
+            continue;
+        }
+        struct model_params mp = {.path = file};
+        model *m = model_load(&mp, err, sizeof(err));
+        struct result r;
+        if (!m || (touch_weights(m), run_case(m, 0, 64, 16, &r))) {
+            printf("%-6s (failed%s%s)\n", types[i].name, m ? "" : ": ", m ? "" : err);
+            model_free(m);
+            unlink(file);
+            continue;
+        }
+        double gbs = r.decode_tps * r.bytes_per_tok / 1e9;
+        if (i == 0) {
+            base_gbs = gbs;
+            base_pf = r.prefill_tps;
+        }
+        printf("%-6s %10.1f %10.1f %9.1f %12.2f %8.2fx %8.2fx\n", types[i].name, r.prefill_tps,
+               r.decode_tps, r.bytes_per_tok / 1e6, gbs, base_gbs > 0 ? gbs / base_gbs : 0,
+               base_pf > 0 ? r.prefill_tps / base_pf : 0);
+        fflush(stdout);
+        model_free(m);
+        unlink(file);
+    }
+}
+
+/*
  * Decode at 4k..128k of context for each KV type on the SmolLM-like shape
  * (q8_0 weights), beside each type's own roofline. Long contexts take
  * fewer decode steps (each reads gigabytes) and a short prefill chunk.
@@ -462,6 +526,7 @@ int main(int argc, char **argv)
      * on descheduled spinners. Printed with the results. */
     bool arch_only = argc > 1 && !strcmp(argv[1], "arch");
     bool kv_only = argc > 1 && !strcmp(argv[1], "kv");
+    bool kq_only = argc > 1 && !strcmp(argv[1], "kquant");
     double t_start = now_s();
     double stream_bw = 0.0;
     double bw = triad_bandwidth(&stream_bw, (size_t)64 << 20);
@@ -484,11 +549,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "mkdtemp: %s\n", strerror(errno));
         return 1;
     }
-    if (arch_only || kv_only) {
+    if (arch_only || kv_only || kq_only) {
         if (arch_only)
             bench_arches(dir);
-        else
+        else if (kv_only)
             bench_kv_types(dir);
+        else
+            bench_kquants(dir);
         rmdir(dir);
         return 0;
     }
@@ -525,6 +592,7 @@ int main(int argc, char **argv)
     }
     bench_arches(dir);
     bench_kv_types(dir);
+    bench_kquants(dir);
     rmdir(dir);
     printf("\n(mkmodel write time in parentheses; total %.0f s)\n", now_s() - t_start);
     return 0;
