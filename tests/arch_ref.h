@@ -1055,6 +1055,37 @@ AR_FN float evict_vs_reference(const char *path, bool renumber, enum kv_type kvt
     return worst;
 }
 
+/*
+ * The model p describes, written as name, through 90 decode steps of
+ * sink-window evictions with renumbered and with preserved positions (f32
+ * K/V: with f16 the reference rounds its re-rotated keys again, a drift
+ * of its own): at least 15 evictions, logits within 1e-5 of the reference.
+ */
+AR_FN void evict_both_ways(const char *name, const struct model_mk_params *p, uint32_t seed)
+{
+    char path[512];
+    write_model(p, "evict.gguf", path, sizeof(path));
+    for (int k = 0; k < 2; k++) {
+        int ev = 0;
+        float e = evict_vs_reference(path, k == 0, KV_F32, 90, seed, &ev);
+        print_message("  %-18s %s, f32 KV: %d evictions, max rel logit diff %.2e\n", name,
+                      k == 0 ? "renumber" : "preserve", ev, e);
+        assert_true(ev >= 15);
+        assert_true(e < 1e-5f);
+    }
+}
+
+/* Logits of the reference fed n (<= 64) seeded tokens at positions 0..n-1. */
+AR_FN void ref_logits_seeded(const struct ref_model *r, int n, uint32_t seed, float *out)
+{
+    int32_t toks[64], pos[64];
+    assert_true(n <= 64);
+    fill_tokens(toks, n, r->n_vocab, seed);
+    for (int i = 0; i < n; i++)
+        pos[i] = i;
+    ref_fresh(r, toks, pos, n, out);
+}
+
 /* ------------------------------------------------------------------------
  * GGUF surgery for hostile files and hand-set tables
  * ------------------------------------------------------------------------ */

@@ -227,16 +227,6 @@ static void test_forward_matches_reference(void **state)
         forward_vs_reference_types(cases[i].name, gcase_params(&cases[i], GGML_TYPE_F32));
 }
 
-/* Logits of the reference fed 24 tokens at positions 0..23. */
-static void ref_logits(const struct ref_model *r, float *out)
-{
-    int32_t toks[24], pos[24];
-    fill_tokens(toks, 24, r->n_vocab, 9);
-    for (int i = 0; i < 24; i++)
-        pos[i] = i;
-    ref_fresh(r, toks, pos, 24, out);
-}
-
 /*
  * Every Gemma part matters: the reference (which the forward matches to
  * 1e-5) gives other logits with the part left out, by far more than 1e-5.
@@ -256,7 +246,7 @@ static void test_parts_matter(void **state)
         struct ref_model r;
         ref_load(&r, path);
         float *a = malloc(sizeof(float) * r.n_vocab), *b = malloc(sizeof(float) * r.n_vocab);
-        ref_logits(&r, a);
+        ref_logits_seeded(&r, 24, 9, a);
         for (int l = 0; l < r.n_layer; l++) {
             struct ref_layer *L = &r.L[l];
             if (part == 2 || part == 3) {
@@ -275,7 +265,7 @@ static void test_parts_matter(void **state)
             r.emb_scale = 1;
         if (part == 6)
             r.theta_local = r.theta;
-        ref_logits(&r, b);
+        ref_logits_seeded(&r, 24, 9, b);
         float e = rel_diff(a, b, r.n_vocab);
         print_message("  without the %-19s the logits move by %.2e\n", what[part], e);
         assert_true(e > 1e-3f);
@@ -291,16 +281,7 @@ static void test_evict_equals_reference(void **state)
     (void)state;
     for (int c = 0; c < 4; c += 2) {
         struct model_mk_params p = gcase_params(&cases[c], GGML_TYPE_F32);
-        char path[512];
-        write_model(&p, "evict.gguf", path, sizeof(path));
-        for (int k = 0; k < 2; k++) {
-            int ev = 0;
-            float e = evict_vs_reference(path, k == 0, KV_F32, 90, 41 + (uint32_t)c, &ev);
-            print_message("  %-17s %s, f32 KV: %d evictions, max rel logit diff %.2e\n",
-                          cases[c].name, k == 0 ? "renumber" : "preserve", ev, e);
-            assert_true(ev >= 15);
-            assert_true(e < 1e-5f);
-        }
+        evict_both_ways(cases[c].name, &p, 41 + (uint32_t)c);
     }
 }
 
