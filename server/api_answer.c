@@ -1,0 +1,472 @@
+/*
+ * api_answer.c - the engine's events become answers: a JSON body when the
+ * request ends, or Server-Sent Events as they come for streams, in the
+ * shape the request came in (OpenAI completions, chat, llama.cpp).
+ *
+ * Loop thread only. srv_api_pump takes every pending event; a call ends
+ * at its final event (DONE or ERROR). A generation the server cut short
+ * (drain deadline, pool out of pages, a reload to policy none) never ends
+ * like a normal finish (on_cut).
+ */
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "server/api_internal.h"
+#include "server/errors.h"
+#include "server/log.h"
+
+static const char *openai_finish(enum srv_finish f)
+{
+    switch (f) {
+    case SRV_FINISH_EOG:
+    case SRV_FINISH_STOP:
+        return "stop";
+    default:
+        return "length";
+    }
+}
+
+static const char *llama_stop_type(enum srv_finish f)
+{
+    switch (f) {
+    case SRV_FINISH_EOG:
+        return "eos";
+    case SRV_FINISH_STOP:
+        return "word";
+    case SRV_FINISH_LENGTH:
+    case SRV_FINISH_CONTEXT:
+        return "limit";
+    default:
+        return "none";
+    }
+}
+
+static json_t *usage_json(const struct srv_usage *u)
+{
+    return json_pack("{s:i, s:i, s:i, s:{s:i}, s:{s:i, s:i, s:i}}", "prompt_tokens",
+                     u->prompt_tokens, "completion_tokens", u->completion_tokens, "total_tokens",
+                     u->prompt_tokens + u->completion_tokens, "prompt_tokens_details",
+                     "cached_tokens", u->cached_tokens, "kvd", "cached_tokens", u->cached_tokens,
+                     "evicted_tokens", u->evicted_tokens, "retained_tokens", u->retained_tokens);
+}
+
+/* A chat answer's usage: the completion's, with the messages left out. */
+static json_t *chat_usage(struct call *call, const struct srv_usage *u)
+{
+    json_t *v = usage_json(u);
+    json_object_set_new(json_object_get(v, "kvd"), "evicted_messages",
+                        json_integer(call->evicted_messages));
+    return v;
+}
+
+static json_t *timings_json(const struct srv_usage *u)
+{
+    int pn = u->prompt_tokens - u->cached_tokens;
+    int gn = u->completion_tokens;
+    return json_pack("{s:i, s:f, s:f, s:f, s:i, s:f, s:f, s:f}", "prompt_n", pn, "prompt_ms",
+                     u->prompt_ms, "prompt_per_token_ms", pn ? u->prompt_ms / pn : 0.0,
+                     "prompt_per_second", u->prompt_ms > 0 ? pn * 1000.0 / u->prompt_ms : 0.0,
+                     "predicted_n", gn, "predicted_ms", u->gen_ms, "predicted_per_token_ms",
+                     gn ? u->gen_ms / gn : 0.0, "predicted_per_second",
+                     u->gen_ms > 0 ? gn * 1000.0 / u->gen_ms : 0.0);
+}
+
+/* Write to the stream if the client is still there (a failed write
+ * closes the connection, which clears call->conn). */
+static void stream_raw(struct call *call, const char *data, size_t n)
+{
+    if (call->conn)
+        srv_http_stream_write(call->conn, data, n);
+}
+
+/* One SSE event "data: <text>\n\n". */
+static void sse_text(struct call *call, const char *s, size_t n)
+{
+    char *buf = malloc(n + 8);
+    if (!buf)
+        return;
+    memcpy(buf, "data: ", 6);
+    memcpy(buf + 6, s, n);
+    memcpy(buf + 6 + n, "\n\n", 2);
+    stream_raw(call, buf, n + 8);
+    free(buf);
+}
+
+/* One SSE event "data: <json>\n\n" (v stolen). */
+static void sse_send(struct call *call, json_t *v)
+{
+    char *s = v ? json_dumps(v, SRV_JSON_FLAGS) : NULL;
+    json_decref(v);
+    if (!s)
+        return;
+    sse_text(call, s, strlen(s));
+    free(s);
+}
+
+static void stream_start(struct call *call)
+{
+    if (call->started || !call->conn)
+        return;
+    call->started = true;
+    srv_http_stream_begin(call->conn, 200, "text/event-stream", "X-Accel-Buffering: no\r\n");
+}
+
+/* One OpenAI choice object; logprobs (stolen) may be NULL (null). */
+static json_t *openai_chunk(struct call *call, json_t *text, const char *finish, json_t *logprobs)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:[{s:o, s:i, s:o, s:o}]}", "id", call->id, "object",
+                     "text_completion", "created", (json_int_t)call->created, "model",
+                     call->a->model_name, "choices", "text", text, "index", 0, "logprobs",
+                     logprobs ? logprobs : json_null(), "finish_reason",
+                     finish ? json_string(finish) : json_null());
+}
+
+/* One chat.completion.chunk; delta and logprobs (may be NULL: null) stolen. */
+static json_t *chat_chunk(struct call *call, json_t *delta, const char *finish, json_t *logprobs)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:n, s:[{s:i, s:o, s:o, s:o}]}", "id", call->id,
+                     "object", "chat.completion.chunk", "created", (json_int_t)call->created,
+                     "model", call->a->model_name, "system_fingerprint", "choices", "index", 0,
+                     "delta", delta, "logprobs", logprobs ? logprobs : json_null(),
+                     "finish_reason", finish ? json_string(finish) : json_null());
+}
+
+/* The first chunk of a chat stream says who speaks. */
+static void chat_role_chunk(struct call *call)
+{
+    if (call->role_sent)
+        return;
+    call->role_sent = true;
+    sse_send(call, chat_chunk(call, json_pack("{s:s, s:s}", "role", "assistant", "content", ""),
+                              NULL, NULL));
+}
+
+static void on_text(struct call *call, const struct srv_event *ev)
+{
+    if (call->return_tokens && ev->n_tokens > 0) {
+        if (call->n_toks + ev->n_tokens > call->cap_toks) {
+            call->cap_toks = call->cap_toks ? call->cap_toks * 2 : 64;
+            while (call->cap_toks < call->n_toks + ev->n_tokens)
+                call->cap_toks *= 2;
+            int32_t *nt = realloc(call->toks, sizeof(int32_t) * (size_t)call->cap_toks);
+            if (!nt) {
+                srv_call_out_of_memory(call);
+                return;
+            }
+            call->toks = nt;
+        }
+        memcpy(call->toks + call->n_toks, ev->tokens, sizeof(int32_t) * (size_t)ev->n_tokens);
+        call->n_toks += ev->n_tokens;
+    }
+    if (!call->conn)
+        return;
+    if (!call->stream) {
+        if (call->len + ev->len + 1 > call->cap) {
+            size_t cap = call->cap ? call->cap * 2 : 256;
+            while (cap < call->len + ev->len + 1)
+                cap *= 2;
+            char *nt = realloc(call->text, cap);
+            if (!nt) {
+                srv_call_out_of_memory(call);
+                return;
+            }
+            call->text = nt;
+            call->cap = cap;
+        }
+        memcpy(call->text + call->len, ev->text, ev->len);
+        call->len += ev->len;
+        if (ev->lp && call->kind == CALL_OPENAI) {
+            if (!call->lp)
+                call->lp = srv_lp_openai_new();
+            srv_lp_openai_add(call, call->lp, ev->lp);
+        } else if (ev->lp && call->kind == CALL_CHAT) {
+            if (!call->lp)
+                call->lp = json_array();
+            json_array_append_new(call->lp, srv_lp_chat(call, ev->lp));
+        } else if (ev->lp) {
+            if (!call->lp)
+                call->lp = json_array();
+            json_array_append_new(call->lp, srv_lp_llama(call, ev->lp));
+        }
+        return;
+    }
+    if (ev->len == 0 && !(call->return_tokens && ev->n_tokens) && !ev->lp)
+        return;
+    stream_start(call);
+    if (call->kind == CALL_CHAT) {
+        chat_role_chunk(call);
+        json_t *lp = ev->lp ? json_pack("{s:[o]}", "content", srv_lp_chat(call, ev->lp)) : NULL;
+        sse_send(call, chat_chunk(call, json_pack("{s:o}", "content", srv_json_text(ev->text, ev->len)),
+                                  NULL, lp));
+    } else if (call->kind == CALL_OPENAI) {
+        json_t *lp = NULL;
+        if (ev->lp) {
+            lp = srv_lp_openai_new();
+            srv_lp_openai_add(call, lp, ev->lp);
+        }
+        sse_send(call, openai_chunk(call, srv_json_text(ev->text, ev->len), NULL, lp));
+    } else {
+        json_t *v = json_pack("{s:o, s:b, s:i, s:i}", "content", srv_json_text(ev->text, ev->len),
+                              "stop", 0, "id_slot", 0, "index", 0);
+        if (call->return_tokens) {
+            json_t *arr = json_array();
+            for (int k = 0; k < ev->n_tokens; k++)
+                json_array_append_new(arr, json_integer(ev->tokens[k]));
+            json_object_set_new(v, "tokens", arr);
+        }
+        if (ev->lp)
+            json_object_set_new(v, "completion_probabilities",
+                                json_pack("[o]", srv_lp_llama(call, ev->lp)));
+        sse_send(call, v);
+    }
+}
+
+static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t *content)
+{
+    const struct srv_usage *u = &ev->usage;
+    const char *word =
+        ev->finish == SRV_FINISH_STOP && ev->stop_index >= 0 ? call->req->stop[ev->stop_index] : "";
+    json_t *v = json_pack(
+        "{s:o, s:i, s:i, s:b, s:s, s:i, s:i, s:i, s:b, s:s, s:b, s:b, s:b, s:s, s:o, s:o, "
+        "s:{s:i, s:i, s:i}}",
+        "content", content, "id_slot", 0, "index", 0, "stop", 1, "model", call->a->model_name,
+        "tokens_predicted", u->completion_tokens, "tokens_evaluated", u->prompt_tokens,
+        "tokens_cached", u->cached_tokens, "truncated", 0, "stop_type", llama_stop_type(ev->finish),
+        "stopped_eos", ev->finish == SRV_FINISH_EOG, "stopped_word", ev->finish == SRV_FINISH_STOP,
+        "stopped_limit", ev->finish == SRV_FINISH_LENGTH || ev->finish == SRV_FINISH_CONTEXT,
+        "stopping_word", word, "timings", timings_json(u), "generation_settings",
+        call->settings ? json_incref(call->settings) : json_object(), "kvd", "cached_tokens",
+        u->cached_tokens, "evicted_tokens", u->evicted_tokens, "retained_tokens",
+        u->retained_tokens);
+    if (v && call->return_tokens) {
+        json_t *arr = json_array();
+        for (int k = 0; k < call->n_toks; k++)
+            json_array_append_new(arr, json_integer(call->toks[k]));
+        json_object_set_new(v, "tokens", arr);
+    }
+    /* streamed, each event carried its own */
+    if (v && call->logprobs && !call->stream)
+        json_object_set_new(v, "completion_probabilities",
+                            call->lp ? json_incref(call->lp) : json_array());
+    return v;
+}
+
+/*
+ * The server cut the generation short: the drain deadline, the KV pool out
+ * of pages mid-generation, or a reload that took away the eviction the
+ * request was admitted under. What was generated has been sent (streamed)
+ * or is kept (llama.cpp's content), but the end never looks like a normal
+ * finish: OpenAI shapes get an error body (503) or, mid-stream, an error
+ * event where the finish chunk would be; llama.cpp's gets stop_type "none"
+ * with an "error" object. Counted in kvd_requests_cut_short_total.
+ */
+static void on_cut(struct call *call, const struct srv_event *ev)
+{
+    srv_metrics_cut(call->a->metrics, (int)ev->finish);
+    const char *code = ev->finish == SRV_FINISH_ABORT  ? "cut_short_shutdown"
+                       : ev->finish == SRV_FINISH_POOL ? "cut_short_kv_cache_full"
+                                                       : "cut_short_policy_none";
+    char msg[400];
+    snprintf(msg, sizeof(msg), "the answer was cut short after %d tokens: %s",
+             ev->usage.completion_tokens,
+             ev->finish == SRV_FINISH_ABORT
+                 ? "the server is shutting down and its drain deadline passed"
+             : ev->finish == SRV_FINISH_POOL
+                 ? "the KV cache ran out of pages (eviction and idle sessions gave none back)"
+                 : "a reload switched eviction to policy none and the sequence's cache is full");
+    if (call->kind == CALL_LLAMA) {
+        json_t *v = llama_final(call, ev,
+                                call->stream ? json_string("")
+                                             : srv_json_text(call->text ? call->text : "", call->len));
+        json_object_set_new(v, "error",
+                            json_pack("{s:s, s:s, s:n, s:s}", "message", msg, "type",
+                                      srv_error_type(503), "param", "code", code));
+        if (!call->stream) {
+            srv_respond_json(call->conn, 200, v);
+            return;
+        }
+        stream_start(call);
+        sse_send(call, v);
+    } else if (!call->stream) {
+        srv_api_error(call->conn, 503, NULL, code, NULL, "%s", msg);
+        return;
+    } else {
+        size_t len = 0;
+        char *body = srv_error_json(503, msg, NULL, code, &len);
+        stream_start(call);
+        if (body)
+            sse_text(call, body, len);
+        free(body);
+        stream_raw(call, "data: [DONE]\n\n", 14);
+    }
+    if (call->conn)
+        srv_http_stream_end(call->conn);
+}
+
+static void on_done(struct call *call, const struct srv_event *ev)
+{
+    if (!call->conn)
+        return;
+    if (call->kind == CALL_SESSION_GET || call->kind == CALL_SESSION_DELETE) {
+        const struct srv_session_info *si = &ev->session;
+        if (!si->found) {
+            srv_api_error(call->conn, 404, "session", NULL, NULL, "no session '%s'", call->req->session);
+            return;
+        }
+        if (call->kind == CALL_SESSION_DELETE) {
+            srv_respond_json(call->conn, 200,
+                         json_pack("{s:s, s:s, s:b}", "id", call->req->session, "object",
+                                   "session.deleted", "deleted", 1));
+            return;
+        }
+        srv_respond_json(
+            call->conn, 200,
+            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b, s:{s:s, s:i, s:i, s:i, s:i}, "
+                      "s:{s:s, s:s, s:i, s:I}}",
+                      "id", call->req->session,
+                      "object", "session", "tokens", si->history_tokens, "retained_tokens",
+                      si->retained_tokens, "evicted_tokens",
+                      si->history_tokens > si->retained_tokens
+                          ? si->history_tokens - si->retained_tokens
+                          : 0,
+                      "positions", si->renumber ? "renumber" : "preserve", "last_used",
+                      (double)si->last_used_ms / 1000.0, "busy", si->busy, "dropped", si->dropped,
+                      "eviction", "policy", kv_policy_kind_name(si->policy.kind),
+                      "max_cache_tokens", si->policy.max_cache_tokens, "sink_tokens",
+                      si->policy.sink_tokens, "window_tokens", si->policy.window_tokens,
+                      "heavy_tokens", si->policy.heavy_tokens, "kv", "k_type",
+                      kv_type_name(si->k_type), "v_type", kv_type_name(si->v_type), "pages",
+                      si->kv_pages, "bytes", (json_int_t)si->kv_bytes));
+        return;
+    }
+    if (ev->finish == SRV_FINISH_CANCEL)
+        return;
+    if (srv_finish_cut(ev->finish)) {
+        on_cut(call, ev);
+        return;
+    }
+    const struct srv_usage *u = &ev->usage;
+    if (call->stream && call->kind == CALL_CHAT) {
+        stream_start(call);
+        chat_role_chunk(call);
+        sse_send(call, chat_chunk(call, json_object(), openai_finish(ev->finish), NULL));
+        if (call->include_usage)
+            sse_send(call, json_pack("{s:s, s:s, s:I, s:s, s:n, s:[], s:o}", "id", call->id,
+                                     "object", "chat.completion.chunk", "created",
+                                     (json_int_t)call->created, "model", call->a->model_name,
+                                     "system_fingerprint", "choices", "usage",
+                                     chat_usage(call, u)));
+        stream_raw(call, "data: [DONE]\n\n", 14);
+        if (call->conn)
+            srv_http_stream_end(call->conn);
+        return;
+    }
+    if (call->stream) {
+        stream_start(call);
+        if (call->kind == CALL_OPENAI) {
+            sse_send(call, openai_chunk(call, json_string(""), openai_finish(ev->finish), NULL));
+            if (call->include_usage) {
+                sse_send(call,
+                         json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", call->id, "object",
+                                   "text_completion", "created", (json_int_t)call->created, "model",
+                                   call->a->model_name, "choices", "usage", usage_json(u)));
+            }
+            static const char done[] = "data: [DONE]\n\n";
+            stream_raw(call, done, sizeof(done) - 1);
+        } else {
+            sse_send(call, llama_final(call, ev, json_string("")));
+        }
+        if (call->conn)
+            srv_http_stream_end(call->conn);
+        return;
+    }
+    json_t *text = srv_json_text(call->text ? call->text : "", call->len);
+    if (call->kind == CALL_CHAT) {
+        json_t *lp = NULL;
+        if (call->logprobs)
+            lp = json_pack("{s:O}", "content", call->lp ? call->lp : json_array());
+        if (lp && !call->lp)
+            json_decref(json_object_get(lp, "content"));
+        srv_respond_json(call->conn, 200,
+                     json_pack("{s:s, s:s, s:I, s:s, s:n, s:[{s:i, s:{s:s, s:o, s:n}, s:o, s:s}], "
+                               "s:o}",
+                               "id", call->id, "object", "chat.completion", "created",
+                               (json_int_t)call->created, "model", call->a->model_name,
+                               "system_fingerprint", "choices", "index", 0, "message", "role",
+                               "assistant", "content", text, "refusal", "logprobs",
+                               lp ? lp : json_null(), "finish_reason", openai_finish(ev->finish),
+                               "usage", chat_usage(call, u)));
+        return;
+    }
+    if (call->kind == CALL_OPENAI) {
+        json_t *lp = NULL;
+        if (call->logprobs)
+            lp = call->lp ? json_incref(call->lp) : srv_lp_openai_new();
+        json_t *v = openai_chunk(call, text, openai_finish(ev->finish), lp);
+        json_object_set_new(v, "usage", usage_json(u));
+        srv_respond_json(call->conn, 200, v);
+    } else {
+        srv_respond_json(call->conn, 200, llama_final(call, ev, text));
+    }
+}
+
+static void on_error(struct call *call, const struct srv_event *ev)
+{
+    if (!call->conn)
+        return;
+    if (!call->started) {
+        srv_api_error(call->conn, ev->status, ev->status == 400 ? "prompt" : NULL,
+                       ev->status == 400 ? "context_length_exceeded" : NULL, NULL, "%s",
+                       ev->message);
+        return;
+    }
+    /* The stream has begun: the error is its last event. */
+    size_t len = 0;
+    char *body = srv_error_json(ev->status, ev->message, NULL, NULL, &len);
+    if (body)
+        sse_text(call, body, len);
+    free(body);
+    if (call->kind == CALL_OPENAI || call->kind == CALL_CHAT)
+        stream_raw(call, "data: [DONE]\n\n", 14);
+    if (call->conn)
+        srv_http_stream_end(call->conn);
+}
+
+bool srv_api_pump(srv_api *a, char *err, size_t errlen)
+{
+    bool ok = true;
+    for (struct srv_event *ev = srv_sched_take_events(a->sched), *next; ev; ev = next) {
+        next = ev->next;
+        switch (ev->kind) {
+        case SRV_EV_READY:
+            a->m = srv_sched_model(a->sched);
+            model_get_info(a->m, &a->info);
+            snprintf(a->model_name, sizeof(a->model_name), "%s", a->info.name);
+            srv_chat_load(a);
+            a->ready_time = (int64_t)time(NULL);
+            srv_log(SRV_LOG_INFO, "ready: serving model '%s'", a->model_name);
+            break;
+        case SRV_EV_FATAL:
+            snprintf(err, errlen, "%s", ev->message);
+            ok = false;
+            break;
+        case SRV_EV_TEXT:
+            on_text(ev->req->owner, ev);
+            break;
+        case SRV_EV_DONE:
+            on_done(ev->req->owner, ev);
+            srv_call_end(a, ev->req->owner);
+            break;
+        case SRV_EV_ERROR:
+            on_error(ev->req->owner, ev);
+            srv_call_end(a, ev->req->owner);
+            break;
+        }
+        srv_event_free(ev);
+    }
+    return ok;
+}

@@ -1,0 +1,221 @@
+/*
+ * api_calls.c - accepted requests ("calls") from their decoding to their
+ * last event: the prompt prepared (api_prepare.c), the request handed to
+ * the engine, the connection's departure and backpressure relayed to it.
+ *
+ * A call is owned by the loop thread. Once submitted it sits on the API's
+ * list until its final event (srv_api_pump -> srv_call_end); its request
+ * belongs to the engine in between (see struct srv_req).
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "server/api_internal.h"
+
+uint64_t srv_api_next_seed(srv_api *a)
+{
+    /* splitmix64 over a state seeded from the clock at start */
+    uint64_t z = (a->seed_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (z ^ (z >> 31)) >> 1; /* 63 bits: prints as a positive JSON integer */
+}
+
+void srv_api_limits(srv_api *a, struct srv_api_limits *lim)
+{
+    *lim = (struct srv_api_limits){
+        .n_vocab = a->info.n_vocab,
+        .max_prompt_tokens = a->p.max_prompt_tokens,
+        .max_tokens = a->p.max_tokens,
+        .default_max_tokens = a->p.default_max_tokens,
+        .max_session_id = a->p.max_session_id,
+        .policy = a->p.policy,
+        .chat_turns = a->p.chat_turns,
+        .max_token_bytes = a->max_token_bytes,
+        .chat_unavailable = a->chat ? NULL : a->chat_err,
+        .seed = srv_api_next_seed(a),
+    };
+}
+
+/* ------------------------------------------------------------------------
+ * A call's life
+ * ------------------------------------------------------------------------ */
+
+static void call_gone(void *owner)
+{
+    struct call *call = owner;
+    call->conn = NULL;
+    if (call->req)
+        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+}
+
+void srv_call_out_of_memory(struct call *call)
+{
+    call->return_tokens = false;
+    if (call->req)
+        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+    if (call->conn) {
+        srv_conn *c = call->conn;
+        call->conn = NULL;
+        srv_api_error(c, 500, NULL, "out_of_memory", NULL, "out of memory assembling the answer");
+    }
+}
+
+/* Backpressure from the connection: a reader that is behind pauses its
+ * request's generation (the engine keeps its slot and cache). */
+static void call_pressure(void *owner, bool pause)
+{
+    struct call *call = owner;
+    if (!call->req)
+        return;
+    atomic_store(&call->req->paused, pause);
+    if (!pause)
+        srv_sched_wake(call->a->sched);
+}
+
+static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
+{
+    struct call *call = calloc(1, sizeof(*call));
+    if (!call)
+        return NULL;
+    call->a = a;
+    call->conn = c;
+    call->kind = kind;
+    call->created = (int64_t)time(NULL);
+    uint64_t x = srv_api_next_seed(a);
+    snprintf(call->id, sizeof(call->id), "%s-%016" PRIx64 "%08" PRIx64,
+             kind == CALL_CHAT ? "chatcmpl" : "cmpl", x, ++a->next_id);
+    return call;
+}
+
+void srv_call_free(struct call *call)
+{
+    srv_req_free(call->req);
+    free(call->text);
+    free(call->toks);
+    json_decref(call->settings);
+    json_decref(call->lp);
+    free(call);
+}
+
+/* Queue the call's request; answers the error itself on refusal. */
+static void call_submit(srv_api *a, struct call *call)
+{
+    call->req->owner = call;
+    call->req->id = a->next_id;
+    int rc = srv_sched_submit(a->sched, call->req);
+    if (rc == -EAGAIN) {
+        srv_api_error(call->conn, 429, NULL, "queue_full", "Retry-After: 1\r\n",
+                      "the request queue is full (%d waiting); retry later",
+                      srv_sched_queue_depth(a->sched));
+        srv_call_free(call);
+        return;
+    }
+    if (rc < 0) {
+        srv_api_error(call->conn, 503, NULL, NULL, NULL, "the server is shutting down");
+        srv_call_free(call);
+        return;
+    }
+    srv_conn_set_owner(call->conn, call, call_gone, call_pressure);
+    call->next = a->calls;
+    if (a->calls)
+        a->calls->prev = call;
+    a->calls = call;
+    a->in_flight++;
+}
+
+void srv_call_end(srv_api *a, struct call *call)
+{
+    if (call->conn)
+        srv_conn_set_owner(call->conn, NULL, NULL, NULL);
+    if (call->prev)
+        call->prev->next = call->next;
+    else
+        a->calls = call->next;
+    if (call->next)
+        call->next->prev = call->prev;
+    a->in_flight--;
+    srv_call_free(call);
+}
+
+static void answer_oom(srv_conn *c)
+{
+    srv_api_error(c, 503, NULL, "out_of_memory", "Retry-After: 1\r\n",
+                  "out of memory accepting the request; retry later");
+}
+
+/* ------------------------------------------------------------------------
+ * Completions: prepare, then submit
+ * ------------------------------------------------------------------------ */
+
+static const enum call_kind kind_of_shape[] = {
+    [SRV_SHAPE_OPENAI] = CALL_OPENAI,
+    [SRV_SHAPE_LLAMA] = CALL_LLAMA,
+    [SRV_SHAPE_CHAT] = CALL_CHAT,
+};
+
+void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c)
+{
+    struct call *call = call_new(a, conn, kind_of_shape[c->shape]);
+    if (!call) {
+        srv_completion_clear(c);
+        answer_oom(conn);
+        return;
+    }
+    call->stream = c->stream;
+    call->include_usage = c->include_usage;
+    call->return_tokens = c->return_tokens;
+    call->logprobs = c->logprobs;
+    call->id_tokens = c->id_tokens;
+    call->settings = c->settings;
+    c->settings = NULL;
+
+    struct srv_prepare_ctx ctx = {.m = a->m, .chat = a->chat, .eot_token = a->eot_token};
+    srv_api_limits(a, &ctx.lim);
+    int before = 0;
+    if (c->shape == SRV_SHAPE_CHAT && a->p.chat_turns)
+        srv_chat_sess_get(a, c->req->session, &ctx.min_drop, &before);
+    struct srv_prepare_fit fit;
+    struct srv_api_error e = {0};
+    int rc = srv_prepare(&ctx, c, &fit, &e);
+    if (rc == 0 && fit.fitted) {
+        const char *sess = c->req->session;
+        call->evicted_messages = fit.dropped_messages;
+        if (fit.dropped_turns > ctx.min_drop || !sess)
+            srv_metrics_evicted_messages(a->metrics,
+                                         (uint64_t)(fit.dropped_messages - (sess ? before : 0)));
+        if (sess && srv_chat_sess_set(a, sess, fit.dropped_turns, fit.dropped_messages))
+            rc = srv_oom(&e, "recording the chat session");
+    }
+    call->req = c->req;
+    c->req = NULL;
+    srv_completion_clear(c);
+    if (rc) {
+        srv_api_error_from(conn, &e);
+        srv_call_free(call);
+        return;
+    }
+    call_submit(a, call);
+}
+
+void srv_call_session(srv_api *a, srv_conn *conn, const char *id, bool del)
+{
+    struct call *call = call_new(a, conn, del ? CALL_SESSION_DELETE : CALL_SESSION_GET);
+    if (call)
+        call->req = srv_req_new(del ? SRV_REQ_SESSION_DELETE : SRV_REQ_SESSION_INFO);
+    if (call && call->req)
+        call->req->session = strdup(id);
+    if (call && call->req && call->req->session && del)
+        srv_chat_sess_forget(a, id);
+    if (!call || !call->req || !call->req->session) {
+        if (call)
+            srv_call_free(call);
+        answer_oom(conn);
+        return;
+    }
+    call_submit(a, call);
+}

@@ -1,0 +1,155 @@
+/*
+ * api_chat.c - the chat side of the API on the loop thread: the template
+ * (loaded when the model is), what each chat session's earlier requests
+ * decided, and POST /apply-template.
+ *
+ * POST /v1/chat/completions renders "messages" (and "tools") with the chat
+ * template chosen at load (chat_template.c), tokenizes the result with its
+ * control tokens recognised, and runs it as a completion that also stops
+ * at the template's end-of-turn marker (srv_prepare, off the loop thread).
+ * With [eviction] unit = turn the conversation is fitted first
+ * (tpl_chat_fit): whole oldest turns leave until the prompt and max_tokens
+ * fit max_cache_tokens, so the cache never has to cut a turn; a session
+ * remembers how many turns its prompt leaves out (here), so the next
+ * request renders the same prefix and only its new turn is prefilled.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "server/api_internal.h"
+#include "server/chat_template.h"
+#include "server/log.h"
+
+static struct chat_sess *sess_find(srv_api *a, const char *id)
+{
+    for (struct chat_sess **pp = &a->chat_sess; *pp; pp = &(*pp)->next)
+        if (!strcmp((*pp)->id, id)) {
+            struct chat_sess *x = *pp; /* move to the front: most recent first */
+            *pp = x->next;
+            x->next = a->chat_sess;
+            a->chat_sess = x;
+            return x;
+        }
+    return NULL;
+}
+
+static void sess_free(struct chat_sess *x)
+{
+    free(x->id);
+    free(x);
+}
+
+void srv_chat_sess_get(srv_api *a, const char *id, int *turns, int *messages)
+{
+    struct chat_sess *x = id ? sess_find(a, id) : NULL;
+    *turns = x ? x->dropped_turns : 0;
+    *messages = x ? x->dropped_messages : 0;
+}
+
+/* Record a session's decision; the least recently used entry goes past
+ * MAX_CHAT_SESSIONS (the engine drops idle sessions too). */
+int srv_chat_sess_set(srv_api *a, const char *id, int turns, int messages)
+{
+    struct chat_sess *x = sess_find(a, id);
+    if (!x) {
+        x = calloc(1, sizeof(*x));
+        if (!x || !(x->id = strdup(id))) {
+            free(x);
+            return -1;
+        }
+        x->next = a->chat_sess;
+        a->chat_sess = x;
+        if (++a->n_chat_sess > MAX_CHAT_SESSIONS) {
+            struct chat_sess **pp = &a->chat_sess;
+            while ((*pp)->next)
+                pp = &(*pp)->next;
+            sess_free(*pp);
+            *pp = NULL;
+            a->n_chat_sess--;
+        }
+    }
+    x->dropped_turns = turns;
+    x->dropped_messages = messages;
+    return 0;
+}
+
+void srv_chat_sess_forget(srv_api *a, const char *id)
+{
+    for (struct chat_sess **pp = &a->chat_sess; *pp; pp = &(*pp)->next)
+        if (!strcmp((*pp)->id, id)) {
+            struct chat_sess *x = *pp;
+            *pp = x->next;
+            sess_free(x);
+            a->n_chat_sess--;
+            return;
+        }
+}
+
+void srv_chat_sess_free_all(srv_api *a)
+{
+    while (a->chat_sess) {
+        struct chat_sess *x = a->chat_sess;
+        a->chat_sess = x->next;
+        sess_free(x);
+    }
+    a->n_chat_sess = 0;
+}
+
+void srv_chat_load(srv_api *a)
+{
+    struct srv_chat_template_opts o = {.path = a->chat_path};
+    char source[1200];
+    a->eot_token = -1;
+    a->chat = srv_chat_template_load(a->m, &o, source, sizeof(source), a->chat_err,
+                                     sizeof(a->chat_err));
+    if (!a->chat) {
+        srv_log(SRV_LOG_ERROR, "chat template: %s; /v1/chat/completions answers 500",
+                a->chat_err);
+        return;
+    }
+    const char *eot = tpl_chat_end_of_turn(a->chat);
+    int32_t ids[4];
+    if (*eot && model_tokenize_special(a->m, eot, strlen(eot), false, ids, 4) == 1)
+        a->eot_token = ids[0];
+    srv_log(SRV_LOG_INFO, "chat template: %s; system messages %s; turns end at %s%s%s", source,
+            tpl_chat_supports_system(a->chat) ? "rendered"
+                                              : "joined to the first user message (the template "
+                                                "has no system role)",
+            *eot ? "'" : "", *eot ? eot : "EOS",
+            *eot ? (a->eot_token >= 0 ? "' (one token)" : "' (text)") : "");
+}
+
+/* POST /apply-template (llama.cpp): {"messages", "tools"?,
+ * "add_generation_prompt"? (default true)} -> {"prompt"}. */
+void srv_route_apply_template(srv_api *a, srv_conn *c, const struct srv_http_req *req)
+{
+    struct srv_api_error e = {0};
+    struct srv_api_limits lim;
+    srv_api_limits(a, &lim);
+    json_t *body = srv_decode_body(req->body, req->body_len, &e);
+    struct srv_apply_template_req t;
+    if (!body || srv_decode_apply_template(&lim, body, &t, &e)) {
+        json_decref(body);
+        srv_api_error_from(c, &e);
+        return;
+    }
+    json_decref(body);
+    char *text = NULL;
+    size_t len = 0;
+    struct tpl_error te;
+    if (tpl_chat_render(a->chat, t.messages, t.tools, t.add_generation_prompt, time(NULL), &text,
+                        &len, &te) < 0) {
+        char msg[400];
+        srv_fail(&e, "messages", "invalid_value",
+                 "the chat template cannot render these messages: %s",
+                 tpl_error_string(&te, msg, sizeof(msg)));
+    }
+    srv_apply_template_req_clear(&t);
+    if (e.status) {
+        srv_api_error_from(c, &e);
+        return;
+    }
+    srv_respond_json(c, 200, json_pack("{s:o}", "prompt", srv_json_text(text, len)));
+    free(text);
+}
