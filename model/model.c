@@ -641,6 +641,18 @@ int model_tokenize_continuation(const model *m, const char *text, size_t len, in
     return tok_encode_continuation(m->tok, text, len, out, max);
 }
 
+int model_tokenize_upto(const model *m, const char *text, size_t len, bool add_bos, bool special,
+                        int32_t *out, int max)
+{
+    return tok_encode_upto(m->tok, text, len, add_bos, special, out, max);
+}
+
+int model_max_token_bytes(const model *m)
+{
+    size_t n = tok_max_token_bytes(m->tok);
+    return n > INT32_MAX ? INT32_MAX : (int)n;
+}
+
 bool model_add_bos(const model *m)
 {
     return tok_add_bos(m->tok);

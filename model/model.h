@@ -82,6 +82,13 @@ int model_tokenize_special(const model *m, const char *text, size_t len, bool ad
  * space prefix at its start; see tok_encode_continuation). */
 int model_tokenize_continuation(const model *m, const char *text, size_t len, int32_t *out,
                                 int max);
+/* model_tokenize (special: model_tokenize_special) that may stop once the
+ * encoding has more than max ids: a return above max means only "more". */
+int model_tokenize_upto(const model *m, const char *text, size_t len, bool add_bos, bool special,
+                        int32_t *out, int max);
+/* The most bytes of text one token stands for (tok_max_token_bytes): a text
+ * of n bytes has at least ceil(n / this) tokens. */
+int model_max_token_bytes(const model *m);
 bool model_add_bos(const model *m);   /* whether prompts start with BOS */
 int32_t model_bos(const model *m);
 bool model_is_eog(const model *m, int32_t token); /* end of generation (EOS, EOT) */

@@ -453,6 +453,8 @@ static int build_pieces(tok_vocab *v)
         off += (uint32_t)len;
         if (len > v->max_piece)
             v->max_piece = len;
+        if (v->text_len[i] > v->max_text)
+            v->max_text = v->text_len[i];
     }
     return 0;
 }
@@ -702,13 +704,13 @@ static int encode_run(const tok_vocab *v, const char *s, size_t len, bool after_
 }
 
 static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, bool special,
-                  bool continuation, int32_t *out, int max)
+                  bool continuation, bool stop, int32_t *out, int max)
 {
     if (!v || (!text && len > 0) || max < 0 || (!out && max > 0))
         return -EINVAL;
     if (len > TOK_MAX_TEXT)
         return -E2BIG;
-    struct tok_out o = {out, max, 0};
+    struct tok_out o = {out, max, 0, stop};
     if (add_bos && v->bos >= 0)
         tok_out_push(&o, v->bos);
 
@@ -720,7 +722,7 @@ static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos
     size_t run = 0;
     int rc;
     const struct tok_whole *w = &v->whole[special];
-    for (size_t i = 0; w->n > 0 && i < len;) {
+    for (size_t i = 0; w->n > 0 && i < len && !tok_out_over(&o);) {
         size_t ml;
         int32_t id = match_whole(v, w, text + i, len - i, &ml);
         if (id < 0) {
@@ -736,7 +738,7 @@ static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos
         i += ml;
         run = i;
     }
-    if (len > run) {
+    if (len > run && !tok_out_over(&o)) {
         if ((rc = encode_run(v, text + run, len - run, after_special, &o)) < 0)
             return rc;
     }
@@ -748,19 +750,30 @@ static int encode(const tok_vocab *v, const char *text, size_t len, bool add_bos
 int tok_encode(const tok_vocab *v, const char *text, size_t len, bool add_bos, int32_t *out,
                int max)
 {
-    return encode(v, text, len, add_bos, false, false, out, max);
+    return encode(v, text, len, add_bos, false, false, false, out, max);
 }
 
 int tok_encode_special(const tok_vocab *v, const char *text, size_t len, bool add_bos,
                        int32_t *out, int max)
 {
-    return encode(v, text, len, add_bos, true, false, out, max);
+    return encode(v, text, len, add_bos, true, false, false, out, max);
 }
 
 int tok_encode_continuation(const tok_vocab *v, const char *text, size_t len, int32_t *out,
                             int max)
 {
-    return encode(v, text, len, false, true, true, out, max);
+    return encode(v, text, len, false, true, true, false, out, max);
+}
+
+int tok_encode_upto(const tok_vocab *v, const char *text, size_t len, bool add_bos, bool special,
+                    int32_t *out, int max)
+{
+    return encode(v, text, len, add_bos, special, false, true, out, max);
+}
+
+size_t tok_max_token_bytes(const tok_vocab *v)
+{
+    return v->max_text > 4 ? v->max_text : 4;
 }
 
 int tok_split_words(const tok_vocab *v, const char *text, size_t len, size_t *starts, int max)

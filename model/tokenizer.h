@@ -154,6 +154,24 @@ int tok_encode_special(const tok_vocab *v, const char *text, size_t len, bool ad
  * a conversation's messages can be kept and dropped whole. */
 int tok_encode_continuation(const tok_vocab *v, const char *text, size_t len, int32_t *out,
                             int max);
+/*
+ * tok_encode (special: tok_encode_special) that may stop early once the
+ * encoding has more than max ids: a return <= max is the whole encoding;
+ * one above max says only "more than max". It stops between the runs cut
+ * out by user-defined/control tokens and, for BPE, between pre-tokenizer
+ * words (an SPM run is encoded whole).
+ */
+int tok_encode_upto(const tok_vocab *v, const char *text, size_t len, bool add_bos, bool special,
+                    int32_t *out, int max);
+
+/*
+ * The most bytes of text one token can stand for: its stored text's length
+ * bounds what it covers (a BPE byte is stored as one or two bytes, SPM's
+ * space as the three of U+2581), and an <unk> stands for at most one
+ * character, 4 bytes. So a text of len bytes has at least
+ * ceil(len / tok_max_token_bytes) tokens, a bound that costs nothing.
+ */
+size_t tok_max_token_bytes(const tok_vocab *v);
 
 /*
  * The pre-tokenizer alone, for tests and diagnostics: cuts text into the

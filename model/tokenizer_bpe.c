@@ -753,7 +753,7 @@ int tok_bpe_encode(const tok_vocab *v, const char *text, size_t len, struct tok_
     struct spans words = {0};
     struct scratch sc = {0};
     int rc = split(v, text, len, &words);
-    for (size_t i = 0; rc == 0 && i < words.n; i++)
+    for (size_t i = 0; rc == 0 && i < words.n && !tok_out_over(out); i++)
         rc = encode_word(v, (const unsigned char *)text + words.start[i], words.len[i], &sc, out);
     spans_free(&words);
     free(sc.sym);

@@ -47,6 +47,7 @@ struct tok_vocab {
     uint32_t *piece_off; /* [n] */
     uint32_t *piece_len; /* [n] */
     size_t max_piece;
+    size_t max_text; /* the longest stored token text (tok_max_token_bytes) */
 
     float *score;  /* [n] SPM merge priority (0 when absent) */
     uint8_t *type; /* [n] enum tok_type */
@@ -81,12 +82,21 @@ struct tok_vocab {
     char warning[192]; /* empty, or the note tok_warning returns */
 };
 
-/* Collects encoder output: ids beyond max are counted, not stored. */
+/* Collects encoder output: ids beyond max are counted, not stored. With
+ * stop, an encoder may end early once more than max are counted
+ * (tok_out_over). */
 struct tok_out {
     int32_t *ids;
     int64_t max;
     int64_t n;
+    bool stop;
 };
+
+/* Whether an encoder may stop: the caller asked to, and max is passed. */
+static inline bool tok_out_over(const struct tok_out *o)
+{
+    return o->stop && o->n > o->max;
+}
 
 static inline void tok_out_push(struct tok_out *o, int32_t id)
 {

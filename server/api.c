@@ -35,11 +35,13 @@
 
 #include "server/api_internal.h"
 
-srv_api *srv_api_create(srv_sched *sched, srv_metrics *metrics, const struct srv_api_params *p)
+srv_api *srv_api_create(struct uv_loop_s *loop, srv_sched *sched, srv_metrics *metrics,
+                        const struct srv_api_params *p)
 {
     srv_api *a = calloc(1, sizeof(*a));
     if (!a)
         return NULL;
+    a->loop = loop;
     a->sched = sched;
     a->metrics = metrics;
     a->eot_token = -1;

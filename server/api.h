@@ -29,7 +29,11 @@ struct srv_api_params {
     uint64_t engine_stall_ms;  /* /health: 503 when an engine step runs longer (0 = never) */
 };
 
-srv_api *srv_api_create(srv_sched *sched, srv_metrics *metrics, const struct srv_api_params *p);
+struct uv_loop_s;
+/* The API on loop (its work queue takes rendering and tokenizing off the
+ * loop thread; NULL runs them inline, for tools and tests). */
+srv_api *srv_api_create(struct uv_loop_s *loop, srv_sched *sched, srv_metrics *metrics,
+                        const struct srv_api_params *p);
 void srv_api_destroy(srv_api *a);
 void srv_api_set_params(srv_api *a, const struct srv_api_params *p);
 /* The srv_http_handler. */

@@ -445,10 +445,15 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
         case SRV_EV_READY:
             a->m = srv_sched_model(a->sched);
             model_get_info(a->m, &a->info);
+            a->max_token_bytes = model_max_token_bytes(a->m);
             snprintf(a->model_name, sizeof(a->model_name), "%s", a->info.name);
             srv_chat_load(a);
             a->ready_time = (int64_t)time(NULL);
-            srv_log(SRV_LOG_INFO, "ready: serving model '%s'", a->model_name);
+            srv_log(SRV_LOG_INFO,
+                    "ready: serving model '%s'; a token stands for at most %d bytes of text "
+                    "(prompts longer than that many bytes per allowed token are refused "
+                    "untokenized)",
+                    a->model_name, a->max_token_bytes);
             break;
         case SRV_EV_FATAL:
             snprintf(err, errlen, "%s", ev->message);

@@ -158,10 +158,65 @@ static const enum call_kind kind_of_shape[] = {
     [SRV_SHAPE_CHAT] = CALL_CHAT,
 };
 
+/* A completion whose prompt is being prepared off the loop thread. */
+struct prep_job {
+    struct srv_api_job job;
+    struct call *call;           /* not yet submitted: call->req is NULL */
+    struct srv_completion comp;  /* the decoded request (the worker's meanwhile) */
+    struct srv_prepare_ctx ctx;  /* what the worker reads besides comp */
+    int before;                  /* chat session: messages its prompts left out */
+    struct srv_prepare_fit fit;  /* out */
+    struct srv_api_error e;      /* out */
+    int rc;                      /* out: srv_prepare's */
+};
+
+static void prep_run(struct srv_api_job *j)
+{
+    struct prep_job *p = (struct prep_job *)j;
+    p->rc = srv_prepare(&p->ctx, &p->comp, &p->fit, &p->e);
+}
+
+/* Back on the loop thread: record what fitting the chat decided, then
+ * submit (or answer the refusal). */
+static void prep_done(struct srv_api_job *j)
+{
+    struct prep_job *p = (struct prep_job *)j;
+    srv_api *a = j->a;
+    struct call *call = p->call;
+    struct srv_completion *c = &p->comp;
+    call->conn = j->conn;
+    if (p->rc == 0 && p->fit.fitted) {
+        const char *sess = c->req->session;
+        call->evicted_messages = p->fit.dropped_messages;
+        if (p->fit.dropped_turns > p->ctx.min_drop || !sess)
+            srv_metrics_evicted_messages(
+                a->metrics, (uint64_t)(p->fit.dropped_messages - (sess ? p->before : 0)));
+        if (sess && srv_chat_sess_set(a, sess, p->fit.dropped_turns, p->fit.dropped_messages))
+            p->rc = srv_oom(&p->e, "recording the chat session");
+    }
+    call->req = c->req;
+    c->req = NULL;
+    srv_completion_clear(c);
+    if (!call->conn) { /* the client left meanwhile */
+        srv_call_free(call);
+    } else if (p->rc) {
+        srv_api_error_from(call->conn, &p->e);
+        srv_call_free(call);
+    } else if (a->draining) { /* started before the drain; the engine takes no more */
+        srv_api_error(call->conn, 503, NULL, NULL, NULL, "the server is shutting down");
+        srv_call_free(call);
+    } else {
+        call_submit(a, call);
+    }
+    free(p);
+}
+
 void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c)
 {
-    struct call *call = call_new(a, conn, kind_of_shape[c->shape]);
+    struct prep_job *p = calloc(1, sizeof(*p));
+    struct call *call = p ? call_new(a, conn, kind_of_shape[c->shape]) : NULL;
     if (!call) {
+        free(p);
         srv_completion_clear(c);
         answer_oom(conn);
         return;
@@ -173,33 +228,16 @@ void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c)
     call->id_tokens = c->id_tokens;
     call->settings = c->settings;
     c->settings = NULL;
-
-    struct srv_prepare_ctx ctx = {.m = a->m, .chat = a->chat, .eot_token = a->eot_token};
-    srv_api_limits(a, &ctx.lim);
-    int before = 0;
-    if (c->shape == SRV_SHAPE_CHAT && a->p.chat_turns)
-        srv_chat_sess_get(a, c->req->session, &ctx.min_drop, &before);
-    struct srv_prepare_fit fit;
-    struct srv_api_error e = {0};
-    int rc = srv_prepare(&ctx, c, &fit, &e);
-    if (rc == 0 && fit.fitted) {
-        const char *sess = c->req->session;
-        call->evicted_messages = fit.dropped_messages;
-        if (fit.dropped_turns > ctx.min_drop || !sess)
-            srv_metrics_evicted_messages(a->metrics,
-                                         (uint64_t)(fit.dropped_messages - (sess ? before : 0)));
-        if (sess && srv_chat_sess_set(a, sess, fit.dropped_turns, fit.dropped_messages))
-            rc = srv_oom(&e, "recording the chat session");
-    }
-    call->req = c->req;
-    c->req = NULL;
-    srv_completion_clear(c);
-    if (rc) {
-        srv_api_error_from(conn, &e);
-        srv_call_free(call);
-        return;
-    }
-    call_submit(a, call);
+    p->call = call;
+    p->comp = *c; /* the request moves into the job */
+    memset(c, 0, sizeof(*c));
+    p->ctx = (struct srv_prepare_ctx){.m = a->m, .chat = a->chat, .eot_token = a->eot_token};
+    srv_api_limits(a, &p->ctx.lim);
+    if (p->comp.shape == SRV_SHAPE_CHAT && a->p.chat_turns)
+        srv_chat_sess_get(a, p->comp.req->session, &p->ctx.min_drop, &p->before);
+    p->job.run = prep_run;
+    p->job.done = prep_done;
+    srv_api_job_start(a, conn, &p->job);
 }
 
 void srv_call_session(srv_api *a, srv_conn *conn, const char *id, bool del)

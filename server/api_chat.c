@@ -120,6 +120,42 @@ void srv_chat_load(srv_api *a)
             *eot ? (a->eot_token >= 0 ? "' (one token)" : "' (text)") : "");
 }
 
+/* /apply-template's job: the conversation in, the rendering out. */
+struct render_job {
+    struct srv_api_job job;
+    const tpl_chat *chat;
+    struct srv_apply_template_req t;
+    char *text; /* out: the rendering (new) */
+    size_t len;
+    struct srv_api_error e; /* out: when text is NULL */
+};
+
+static void render_run(struct srv_api_job *j)
+{
+    struct render_job *r = (struct render_job *)j;
+    struct tpl_error te;
+    if (tpl_chat_render(r->chat, r->t.messages, r->t.tools, r->t.add_generation_prompt,
+                        time(NULL), &r->text, &r->len, &te) < 0) {
+        char msg[400];
+        srv_fail(&r->e, "messages", "invalid_value",
+                 "the chat template cannot render these messages: %s",
+                 tpl_error_string(&te, msg, sizeof(msg)));
+    }
+}
+
+static void render_done(struct srv_api_job *j)
+{
+    struct render_job *r = (struct render_job *)j;
+    srv_apply_template_req_clear(&r->t);
+    if (j->conn && r->e.status)
+        srv_api_error_from(j->conn, &r->e);
+    else if (j->conn)
+        srv_respond_json(j->conn, 200,
+                         json_pack("{s:o}", "prompt", srv_json_text(r->text, r->len)));
+    free(r->text);
+    free(r);
+}
+
 /* POST /apply-template (llama.cpp): {"messages", "tools"?,
  * "add_generation_prompt"? (default true)} -> {"prompt"}. */
 void srv_route_apply_template(srv_api *a, srv_conn *c, const struct srv_http_req *req)
@@ -128,28 +164,18 @@ void srv_route_apply_template(srv_api *a, srv_conn *c, const struct srv_http_req
     struct srv_api_limits lim;
     srv_api_limits(a, &lim);
     json_t *body = srv_decode_body(req->body, req->body_len, &e);
-    struct srv_apply_template_req t;
-    if (!body || srv_decode_apply_template(&lim, body, &t, &e)) {
+    struct render_job *r = body ? calloc(1, sizeof(*r)) : NULL;
+    if (body && !r)
+        srv_oom(&e, "accepting the request");
+    if (!r || srv_decode_apply_template(&lim, body, &r->t, &e)) {
         json_decref(body);
+        free(r);
         srv_api_error_from(c, &e);
         return;
     }
     json_decref(body);
-    char *text = NULL;
-    size_t len = 0;
-    struct tpl_error te;
-    if (tpl_chat_render(a->chat, t.messages, t.tools, t.add_generation_prompt, time(NULL), &text,
-                        &len, &te) < 0) {
-        char msg[400];
-        srv_fail(&e, "messages", "invalid_value",
-                 "the chat template cannot render these messages: %s",
-                 tpl_error_string(&te, msg, sizeof(msg)));
-    }
-    srv_apply_template_req_clear(&t);
-    if (e.status) {
-        srv_api_error_from(c, &e);
-        return;
-    }
-    srv_respond_json(c, 200, json_pack("{s:o}", "prompt", srv_json_text(text, len)));
-    free(text);
+    r->chat = a->chat;
+    r->job.run = render_run;
+    r->job.done = render_done;
+    srv_api_job_start(a, c, &r->job);
 }

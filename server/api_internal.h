@@ -25,6 +25,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include <uv.h>
+
 #include "server/api.h"
 #include "server/api_decode.h"
 #include "server/api_prepare.h"
@@ -86,11 +88,11 @@ struct srv_api {
     int64_t ready_time;
     bool draining;
     int in_flight; /* calls submitted to the engine and not yet ended */
-    int preparing; /* calls whose prompt is being prepared off the loop thread */
+    int jobs;      /* jobs on the work queue (api_work.c) */
     uint64_t next_id;
     uint64_t seed_state;
     struct call *calls; /* submitted calls */
-    struct uv_loop_s *loop; /* for the work queue (NULL: prepare inline) */
+    struct uv_loop_s *loop; /* for the work queue (NULL: jobs run inline) */
     /* For the text of a token on its own (alternatives in logprobs). */
     model_detok *piece_detok;
     char *piece_buf;
@@ -103,6 +105,25 @@ struct srv_api {
     struct chat_sess *chat_sess; /* most recently used first */
     int n_chat_sess;
 };
+
+/* --- api_work.c: jobs off the loop thread ------------------------------------- */
+
+/*
+ * A job: `run` on a worker thread (it reads only what the job owns and
+ * what is immutable: the model, the chat template), then `done` on the
+ * loop thread, which answers when conn is still set and frees the job.
+ * Embed it in the job's own struct.
+ */
+struct srv_api_job {
+    uv_work_t work;
+    srv_api *a;
+    srv_conn *conn; /* NULL once the client left (then done only frees) */
+    void (*run)(struct srv_api_job *j);
+    void (*done)(struct srv_api_job *j);
+};
+/* Queue j (run and done set). The job owns the connection's answer until
+ * done; without a loop, or if libuv refuses, it runs here. */
+void srv_api_job_start(srv_api *a, srv_conn *conn, struct srv_api_job *j);
 
 /* --- api_json.c: answers, JSON helpers, field readers ----------------------- */
 

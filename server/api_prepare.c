@@ -57,6 +57,19 @@ int srv_chat_budget(const struct srv_api_limits *lim, const struct srv_completio
     return budget > lim->max_prompt_tokens ? lim->max_prompt_tokens : budget;
 }
 
+/* Make room for `more` ids after the first n; -1 when memory runs out. */
+static int reserve_ids(int32_t **ids, int n, int *cap, int more)
+{
+    if (n + more <= *cap)
+        return 0;
+    int32_t *p = realloc(*ids, sizeof(int32_t) * (size_t)(n + more));
+    if (!p)
+        return -1;
+    *ids = p;
+    *cap = n + more;
+    return 0;
+}
+
 int srv_tokenize_append(const model *m, const char *text, size_t len, bool bos, bool special,
                         int limit, int32_t **ids, int *n, int *cap, const char *param,
                         struct srv_api_error *e)
@@ -65,34 +78,27 @@ int srv_tokenize_append(const model *m, const char *text, size_t len, bool bos, 
     int room = limit - *n;
     if (room < 0)
         return 1;
-    int want = len + 8 < (size_t)room + 1 ? (int)len + 8 : room + 1; /* tokens <= bytes + BOS */
-    if (*n + want > *cap) {
-        int32_t *p = realloc(*ids, sizeof(int32_t) * (size_t)(*n + want));
-        if (!p)
+    /* A text has at most a token per byte, plus BOS and SPM's leading
+     * space; ask for no more than the limit allows, so the tokenizer stops
+     * soon after it. */
+    int want = len + 2 < (size_t)room ? (int)len + 2 : room;
+    for (;;) {
+        if (reserve_ids(ids, *n, cap, want))
             return srv_oom(e, "tokenizing the prompt");
-        *ids = p;
-        *cap = *n + want;
+        int got = model_tokenize_upto(m, text, len, add_bos, special, *ids + *n, want);
+        if (got < 0)
+            return srv_fail(e, param, "invalid_value",
+                            "the prompt cannot be tokenized (error %d)", got);
+        if (got <= want) {
+            *n += got;
+            return 0;
+        }
+        if (want == room) { /* more than the limit: keep what fits */
+            *n += room;
+            return 1;
+        }
+        want = room; /* more tokens than the guess: once more, up to the limit */
     }
-    int got = special ? model_tokenize_special(m, text, len, add_bos, *ids + *n, want)
-                      : model_tokenize(m, text, len, add_bos, *ids + *n, want);
-    if (got > want && got <= room) { /* more tokens than bytes: make room, once */
-        int32_t *p = realloc(*ids, sizeof(int32_t) * (size_t)(*n + got));
-        if (!p)
-            return srv_oom(e, "tokenizing the prompt");
-        *ids = p;
-        *cap = *n + got;
-        got = special ? model_tokenize_special(m, text, len, add_bos, *ids + *n, got)
-                      : model_tokenize(m, text, len, add_bos, *ids + *n, got);
-    }
-    if (got < 0)
-        return srv_fail(e, param, "invalid_value", "the prompt cannot be tokenized (error %d)",
-                        got);
-    if (got > room) {
-        *n += room;
-        return 1;
-    }
-    *n += got;
-    return 0;
 }
 
 /* The prompt's parts, tokenized in order into r->prompt. */
@@ -111,13 +117,8 @@ static int tokenize_parts(const struct srv_prepare_ctx *ctx, struct srv_completi
         } else {
             rc = r->n_prompt + p->n_ids > limit;
             int take = rc ? limit - r->n_prompt : p->n_ids;
-            if (r->n_prompt + take > cap) {
-                int32_t *q = realloc(r->prompt, sizeof(int32_t) * (size_t)(r->n_prompt + take));
-                if (!q)
-                    return srv_oom(e, "reading the prompt");
-                r->prompt = q;
-                cap = r->n_prompt + take;
-            }
+            if (reserve_ids(&r->prompt, r->n_prompt, &cap, take))
+                return srv_oom(e, "reading the prompt");
             memcpy(r->prompt + r->n_prompt, ids, sizeof(int32_t) * (size_t)take);
             r->n_prompt += take;
             ids += p->n_ids;

@@ -79,6 +79,87 @@ static json_t *pieces_json(const model *m, const int32_t *ids, int n)
     return arr;
 }
 
+/* A token route's job: the request in, a JSON body (or an error) out. */
+struct tok_job {
+    struct srv_api_job job;
+    const model *m;
+    struct srv_tokenize_req tok;     /* /tokenize */
+    struct srv_detokenize_req detok; /* /detokenize */
+    char *body;                      /* out: the answer (new), or NULL */
+    struct srv_api_error e;          /* out: when body is NULL */
+};
+
+/* Answer body, or e, then free the job. */
+static void tok_done(struct srv_api_job *j)
+{
+    struct tok_job *t = (struct tok_job *)j;
+    if (j->conn && t->body)
+        srv_http_respond(j->conn, 200, "application/json", "", t->body, strlen(t->body));
+    else if (j->conn)
+        srv_api_error_from(j->conn, &t->e);
+    srv_tokenize_req_clear(&t->tok);
+    srv_detokenize_req_clear(&t->detok);
+    free(t->body);
+    free(t);
+}
+
+/* v (stolen) dumped into t->body; a 500 naming `what` when memory runs out. */
+static void tok_body(struct tok_job *t, json_t *v, const char *what)
+{
+    t->body = v ? json_dumps(v, SRV_JSON_FLAGS) : NULL;
+    json_decref(v);
+    if (!t->body) {
+        t->e.status = 500;
+        snprintf(t->e.msg, sizeof(t->e.msg), "out of memory %s", what);
+    }
+}
+
+/* Queue a decoded token route's job. */
+static void tok_start(srv_api *a, srv_conn *c, struct tok_job *t,
+                      void (*run)(struct srv_api_job *))
+{
+    t->m = a->m;
+    t->job.run = run;
+    t->job.done = tok_done;
+    srv_api_job_start(a, c, &t->job);
+}
+
+/* On a worker: the ids, or with pieces the ids and their texts. */
+static void tokenize_run(struct srv_api_job *j)
+{
+    struct tok_job *t = (struct tok_job *)j;
+    int32_t *ids = NULL;
+    int n = 0, cap = 0;
+    if (srv_tokenize_append(t->m, t->tok.text, t->tok.len, t->tok.add_special, false, INT_MAX - 1,
+                            &ids, &n, &cap, "content", &t->e)) {
+        free(ids);
+        return;
+    }
+    json_t *arr = json_array();
+    if (t->tok.with_pieces) {
+        json_decref(arr);
+        arr = pieces_json(t->m, ids, n);
+    } else {
+        for (int i = 0; i < n && arr; i++)
+            json_array_append_new(arr, json_integer(ids[i]));
+    }
+    free(ids);
+    tok_body(t, arr ? json_pack("{s:o}", "tokens", arr) : NULL, "decoding the pieces");
+}
+
+/* On a worker: the text of the ids. */
+static void detokenize_run(struct srv_api_job *j)
+{
+    struct tok_job *t = (struct tok_job *)j;
+    char *text = NULL;
+    size_t cap = 0;
+    int n = decode(t->m, t->detok.ids, t->detok.n, &text, &cap);
+    json_t *v = n < 0 ? NULL
+                      : json_pack("{s:o}", "content", srv_json_text(text ? text : "", (size_t)n));
+    free(text);
+    tok_body(t, v, "decoding the tokens");
+}
+
 /*
  * POST /tokenize: {"content": text, "add_special": bool (BOS when the
  * model wants one; default false), "with_pieces": bool} -> {"tokens":
@@ -93,38 +174,17 @@ void srv_route_tokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req)
     struct srv_api_limits lim;
     srv_api_limits(a, &lim);
     json_t *body = srv_decode_body(req->body, req->body_len, &e);
-    struct srv_tokenize_req t;
-    if (!body || srv_decode_tokenize(&lim, body, &t, &e)) {
+    struct tok_job *t = body ? calloc(1, sizeof(*t)) : NULL;
+    if (body && !t)
+        srv_oom(&e, "accepting the request");
+    if (!t || srv_decode_tokenize(&lim, body, &t->tok, &e)) {
         json_decref(body);
+        free(t);
         srv_api_error_from(c, &e);
         return;
     }
     json_decref(body);
-    int32_t *ids = NULL;
-    int n = 0, cap = 0;
-    int rc = srv_tokenize_append(a->m, t.text, t.len, t.add_special, false, INT_MAX - 1, &ids, &n,
-                                 &cap, "content", &e);
-    bool with_pieces = t.with_pieces;
-    srv_tokenize_req_clear(&t);
-    if (rc) {
-        free(ids);
-        srv_api_error_from(c, &e);
-        return;
-    }
-    json_t *arr = json_array();
-    if (with_pieces) {
-        json_decref(arr);
-        arr = pieces_json(a->m, ids, n);
-    } else {
-        for (int i = 0; i < n && arr; i++)
-            json_array_append_new(arr, json_integer(ids[i]));
-    }
-    free(ids);
-    if (!arr) {
-        srv_api_error(c, 500, NULL, NULL, NULL, "out of memory decoding the pieces");
-        return;
-    }
-    srv_respond_json(c, 200, json_pack("{s:o}", "tokens", arr));
+    tok_start(a, c, t, tokenize_run);
 }
 
 /* POST /detokenize: {"tokens": [id, ...]} -> {"content": text}. */
@@ -134,23 +194,15 @@ void srv_route_detokenize(srv_api *a, srv_conn *c, const struct srv_http_req *re
     struct srv_api_limits lim;
     srv_api_limits(a, &lim);
     json_t *body = srv_decode_body(req->body, req->body_len, &e);
-    struct srv_detokenize_req t = {0};
-    if (!body || srv_decode_detokenize(&lim, body, &t, &e)) {
+    struct tok_job *t = body ? calloc(1, sizeof(*t)) : NULL;
+    if (body && !t)
+        srv_oom(&e, "accepting the request");
+    if (!t || srv_decode_detokenize(&lim, body, &t->detok, &e)) {
         json_decref(body);
+        free(t);
         srv_api_error_from(c, &e);
         return;
     }
     json_decref(body);
-    char *text = NULL;
-    size_t cap = 0;
-    int n = decode(a->m, t.ids, t.n, &text, &cap);
-    srv_detokenize_req_clear(&t);
-    if (n < 0) {
-        free(text);
-        srv_api_error(c, 500, NULL, NULL, NULL, "out of memory decoding the tokens");
-        return;
-    }
-    srv_respond_json(c, 200,
-                     json_pack("{s:o}", "content", srv_json_text(text ? text : "", (size_t)n)));
-    free(text);
+    tok_start(a, c, t, detokenize_run);
 }

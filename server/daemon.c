@@ -233,7 +233,7 @@ int srv_serve_run(struct srv_serve_config *cfg)
         uv_loop_close(&d.loop);
         return 2;
     }
-    d.api = srv_api_create(d.sched, d.metrics, &cfg->api);
+    d.api = srv_api_create(&d.loop, d.sched, d.metrics, &cfg->api);
     d.http = srv_http_create(&d.loop, &cfg->http, d.metrics, srv_api_handle, d.api);
     if (!d.api || !d.http) {
         fprintf(stderr, "kvd serve: out of memory\n");

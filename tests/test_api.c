@@ -1,0 +1,314 @@
+/*
+ * test_api.c - the API room: its decoders called directly (no model, no
+ * connection: what a fuzzer does), and, end to end against the real
+ * binary ($KVD_BIN), what keeps the loop thread free: a huge prompt
+ * refused by its byte length before it is tokenized, tokenizing done off
+ * the loop thread and stopped at the token limit, and a client that
+ * leaves while its prompt is being prepared.
+ *
+ * No assertion is on wall-clock time: liveness is shown by order (a
+ * /health sent while a big request is being prepared is answered before
+ * that request), with generous deadlines.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <jansson.h>
+#include <poll.h>
+
+#include "model/mkmodel.h"
+#include "model/model.h"
+#include "server/api_decode.h"
+#include "tests/http_client.h"
+#include "tests/serve_util.h"
+
+static const char *kvd_bin;
+static char tmpdir[256];
+static char model_path[512];
+
+#define SKIP_WITHOUT_KVD()                                                                         \
+    do {                                                                                           \
+        if (!kvd_bin) {                                                                            \
+            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
+            skip();                                                                                \
+        }                                                                                          \
+    } while (0)
+
+static void serve(struct su_proc *p, const char *name, const char *const *args, int n_args)
+{
+    snprintf(p->log, sizeof(p->log), "%s/%s.log", tmpdir, name);
+    assert_int_equal(su_serve(p, kvd_bin, model_path, args, n_args), 0);
+}
+
+static void stop(struct su_proc *p)
+{
+    int rc = su_stop(p, SIGTERM, 60);
+    if (rc != 0)
+        su_dump_log(p);
+    assert_int_equal(rc, 0);
+}
+
+/* {"prompt": "hello world hello world ..."} of about `bytes` bytes (new). */
+static char *big_prompt_body(const char *key, size_t bytes)
+{
+    static const char word[] = "hello world ";
+    size_t n = bytes / (sizeof(word) - 1);
+    char *s = malloc(n * (sizeof(word) - 1) + 64);
+    size_t o = (size_t)sprintf(s, "{\"%s\":\"", key);
+    for (size_t i = 0; i < n; i++, o += sizeof(word) - 1)
+        memcpy(s + o, word, sizeof(word) - 1);
+    strcpy(s + o, "\"}");
+    return s;
+}
+
+/* Whether the connection has bytes (or its end) to read right now. */
+static bool readable_now(const struct hc *c)
+{
+    if (c->off < c->len)
+        return true;
+    struct pollfd pfd = {c->fd, POLLIN, 0};
+    return poll(&pfd, 1, 0) > 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Decoders, without a model
+ * ------------------------------------------------------------------------ */
+
+static const struct srv_api_limits limits = {
+    .n_vocab = 512,
+    .max_prompt_tokens = 1000,
+    .max_tokens = 256,
+    .default_max_tokens = 16,
+    .max_session_id = 64,
+    .policy = {.kind = KV_EVICT_NONE, .max_cache_tokens = 2000},
+    .max_token_bytes = 10,
+    .seed = 42,
+};
+
+static int decode(enum srv_api_shape shape, const char *json, struct srv_completion *c,
+                  struct srv_api_error *e)
+{
+    memset(e, 0, sizeof(*e));
+    json_t *body = srv_decode_body(json, strlen(json), e);
+    if (!body)
+        return -1;
+    int rc = srv_decode_completion(shape, &limits, body, NULL, c, e);
+    json_decref(body);
+    return rc;
+}
+
+static void test_decoders(void **state)
+{
+    (void)state;
+    struct srv_completion c;
+    struct srv_api_error e;
+
+    /* llama.cpp's mixed prompt: parts in order, BOS only on the first text */
+    assert_int_equal(decode(SRV_SHAPE_LLAMA, "{\"prompt\":[\"a\",1,2,\"b\",3],\"n_predict\":5}",
+                            &c, &e),
+                     0);
+    assert_int_equal(c.prompt.n_parts, 4);
+    assert_true(c.prompt.parts[0].text && c.prompt.parts[0].bos);
+    assert_int_equal(c.prompt.parts[1].n_ids, 2);
+    assert_true(c.prompt.parts[2].text && !c.prompt.parts[2].bos);
+    assert_int_equal(c.prompt.n_ids, 3);
+    assert_int_equal(c.req->max_tokens, 5);
+    assert_int_equal(c.req->sampling.seed, 42);
+    assert_non_null(c.settings);
+    srv_completion_clear(&c);
+
+    /* the first problem is reported, with its field */
+    assert_int_equal(decode(SRV_SHAPE_OPENAI, "{\"prompt\":[1,600]}", &c, &e), -1);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "prompt");
+    assert_string_equal(e.code, "invalid_token");
+    assert_null(c.req);
+    assert_int_equal(decode(SRV_SHAPE_OPENAI, "{\"prompt\":\"x\",\"max_tokens\":999}", &c, &e),
+                     -1);
+    assert_string_equal(e.param, "max_tokens");
+    assert_int_equal(decode(SRV_SHAPE_OPENAI, "[1]", &c, &e), -1);
+    assert_string_equal(e.code, "invalid_json");
+
+    /* the byte bound: 10,001 bytes make at least 1,001 tokens > 1,000 */
+    char *big = big_prompt_body("prompt", 10008);
+    assert_int_equal(decode(SRV_SHAPE_OPENAI, big, &c, &e), -1);
+    assert_string_equal(e.code, "context_length_exceeded");
+    assert_non_null(strstr(e.msg, "at least 1001 tokens"));
+    free(big);
+    big = big_prompt_body("prompt", 9996); /* within the bound: left to the tokenizer */
+    assert_int_equal(decode(SRV_SHAPE_OPENAI, big, &c, &e), 0);
+    srv_completion_clear(&c);
+    free(big);
+
+    /* chat: no template loaded is the server's fault (500) */
+    struct srv_api_limits nochat = limits;
+    nochat.chat_unavailable = "no template";
+    json_t *body = json_pack("{s:[{s:s, s:s}]}", "messages", "role", "user", "content", "hi");
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(srv_decode_chat(&nochat, body, NULL, &c, &e), -1);
+    assert_int_equal(e.status, 500);
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(srv_decode_chat(&limits, body, "sess-1", &c, &e), 0);
+    assert_string_equal(c.req->session, "sess-1");
+    assert_int_equal(json_array_size(c.messages), 1);
+    srv_completion_clear(&c);
+    json_decref(body);
+
+    /* the small routes */
+    struct srv_detokenize_req d;
+    body = json_loads("{\"tokens\":[1,2,3]}", 0, NULL);
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(srv_decode_detokenize(&limits, body, &d, &e), 0);
+    assert_int_equal(d.n, 3);
+    srv_detokenize_req_clear(&d);
+    json_decref(body);
+    memset(&e, 0, sizeof(e));
+    assert_int_equal(srv_decode_session_path(&limits, "a b", NULL, &e), -1);
+    assert_int_equal(e.status, 400);
+}
+
+/* ------------------------------------------------------------------------
+ * Live
+ * ------------------------------------------------------------------------ */
+
+/*
+ * An 8 MiB prompt is refused by its byte length, untokenized (the message
+ * says "at least"), and a /health sent while its body is still arriving is
+ * answered before it.
+ */
+static void test_huge_prompt_refused_untokenized(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "limits.max_body_bytes=9MiB"};
+    struct su_proc p = {0};
+    serve(&p, "huge", args, 2);
+    char *body = big_prompt_body("prompt", 8u << 20);
+    size_t len = strlen(body), half = len / 2;
+    struct hc a;
+    assert_int_equal(hc_open(&a, p.port), 0);
+    char head[256];
+    int n = snprintf(head, sizeof(head),
+                     "POST /v1/completions HTTP/1.1\r\nHost: kvd\r\nContent-Type: "
+                     "application/json\r\nContent-Length: %zu\r\n\r\n",
+                     len);
+    assert_int_equal(hc_send(&a, head, (size_t)n), 0);
+    assert_int_equal(hc_send(&a, body, half), 0);
+    assert_int_equal(http_status_simple(p.port, "/health"), 200);
+    assert_false(readable_now(&a));
+    assert_int_equal(hc_send(&a, body + half, len - half), 0);
+    struct resp r;
+    assert_int_equal(hc_read(&a, &r), 0);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "context_length_exceeded"));
+    assert_non_null(strstr(r.body, "at least"));
+    assert_non_null(strstr(r.body, "(max_prompt_tokens) is"));
+    resp_free(&r);
+    hc_close(&a);
+    free(body);
+    stop(&p);
+}
+
+/*
+ * A prompt within the byte bound but over the token limit is tokenized
+ * off the loop thread, up to the limit: a /health sent after the whole
+ * request (and a pause for the server to read it) is answered first, and
+ * the refusal names the limit + 1.
+ */
+static void test_tokenizing_off_loop(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    /* 2 MiB of "hello world " at most 10 bytes a token: >= 209,716 tokens
+     * by the bound, under 300,000; it has about 1,048,576 */
+    static const char *const args[] = {"--set", "limits.max_prompt_tokens=300000"};
+    struct su_proc p = {0};
+    serve(&p, "tokenize", args, 2);
+    char *body = big_prompt_body("prompt", 2u << 20);
+    struct hc a;
+    assert_int_equal(hc_open(&a, p.port), 0);
+    assert_int_equal(hc_request(&a, "POST", "/v1/completions", NULL, body), 0);
+    /* Let the server take the whole body in and start on it (a loop thread
+     * busy tokenizing would now answer nothing else until it is done). */
+    su_sleep_ms(500);
+    struct resp r;
+    assert_int_equal(http(p.port, "GET", "/health", NULL, NULL, &r), 200);
+    resp_free(&r);
+    bool early = readable_now(&a);
+    if (early)
+        print_message("the big request was answered before /health\n");
+    assert_false(early);
+    assert_int_equal(hc_read(&a, &r), 0);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "at least 300001 tokens"));
+    resp_free(&r);
+    hc_close(&a);
+    free(body);
+    stop(&p);
+}
+
+/*
+ * Clients that leave while their prompt (or /tokenize text) is being
+ * prepared: nothing is answered to them, nothing leaks (the ASan build
+ * exits non-zero on a leak), and the server goes on serving.
+ */
+static void test_client_leaves_during_prepare(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "limits.max_prompt_tokens=300000"};
+    struct su_proc p = {0};
+    serve(&p, "leave", args, 2);
+    char *prompt = big_prompt_body("prompt", 1u << 20);
+    char *content = big_prompt_body("content", 1u << 20);
+    for (int i = 0; i < 4; i++) {
+        struct hc a;
+        assert_int_equal(hc_open(&a, p.port), 0);
+        assert_int_equal(hc_request(&a, "POST", i % 2 ? "/tokenize" : "/v1/completions", NULL,
+                                    i % 2 ? content : prompt),
+                         0);
+        hc_close(&a);
+    }
+    assert_int_equal(http_status_simple(p.port, "/health"), 200);
+    int status = 0;
+    json_t *v = su_post(p.port, "/v1/completions", NULL,
+                        json_pack("{s:s, s:i}", "prompt", "Once", "max_tokens", 4), &status);
+    assert_int_equal(status, 200);
+    json_decref(v);
+    free(prompt);
+    free(content);
+    stop(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static int group_setup(void **state)
+{
+    (void)state;
+    signal(SIGPIPE, SIG_IGN);
+    kvd_bin = getenv("KVD_BIN");
+    if (kvd_bin && !*kvd_bin)
+        kvd_bin = NULL;
+    return su_scratch_model("api", 7, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path));
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    return su_remove_dir(tmpdir);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_decoders),
+        cmocka_unit_test(test_huge_prompt_refused_untokenized),
+        cmocka_unit_test(test_tokenizing_off_loop),
+        cmocka_unit_test(test_client_leaves_during_prepare),
+    };
+    return cmocka_run_group_tests_name("api", tests, group_setup, group_teardown);
+}
