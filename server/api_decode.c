@@ -125,13 +125,10 @@ static int check_prompt_bytes(const struct srv_api_limits *lim, const struct srv
     if (lim->max_token_bytes <= 0)
         return 0;
     long long least = p->n_ids;
-    size_t bytes = 0;
     for (int i = 0; i < p->n_parts; i++)
-        if (p->parts[i].text) {
-            bytes += p->parts[i].len;
+        if (p->parts[i].text)
             least += (long long)((p->parts[i].len + (size_t)lim->max_token_bytes - 1) /
                                  (size_t)lim->max_token_bytes);
-        }
     if (least <= lim->max_prompt_tokens &&
         (lim->policy.kind != KV_EVICT_NONE || least <= lim->policy.max_cache_tokens))
         return 0;
