@@ -179,19 +179,8 @@ static void on_text(struct call *call, const struct srv_event *ev)
         }
         memcpy(call->text + call->len, ev->text, ev->len);
         call->len += ev->len;
-        if (ev->lp && call->kind == CALL_OPENAI) {
-            if (!call->lp)
-                call->lp = srv_lp_openai_new();
-            srv_lp_openai_add(call, call->lp, ev->lp);
-        } else if (ev->lp && call->kind == CALL_CHAT) {
-            if (!call->lp)
-                call->lp = json_array();
-            json_array_append_new(call->lp, srv_lp_chat(call, ev->lp));
-        } else if (ev->lp) {
-            if (!call->lp)
-                call->lp = json_array();
-            json_array_append_new(call->lp, srv_lp_llama(call, ev->lp));
-        }
+        if (ev->lp && srv_lp_buf_add(call, ev->lp))
+            srv_call_out_of_memory(call);
         return;
     }
     if (ev->len == 0 && !(call->return_tokens && ev->n_tokens) && !ev->lp)
@@ -199,15 +188,11 @@ static void on_text(struct call *call, const struct srv_event *ev)
     stream_start(call);
     if (call->kind == CALL_CHAT) {
         chat_role_chunk(call);
-        json_t *lp = ev->lp ? json_pack("{s:[o]}", "content", srv_lp_chat(call, ev->lp)) : NULL;
+        json_t *lp = ev->lp ? srv_lp_stream_json(call, ev->lp) : NULL;
         sse_send(call, chat_chunk(call, json_pack("{s:o}", "content", srv_json_text(ev->text, ev->len)),
                                   NULL, lp));
     } else if (call->kind == CALL_OPENAI) {
-        json_t *lp = NULL;
-        if (ev->lp) {
-            lp = srv_lp_openai_new();
-            srv_lp_openai_add(call, lp, ev->lp);
-        }
+        json_t *lp = ev->lp ? srv_lp_stream_json(call, ev->lp) : NULL;
         sse_send(call, openai_chunk(call, srv_json_text(ev->text, ev->len), NULL, lp));
     } else {
         json_t *v = json_pack("{s:o, s:b, s:i, s:i}", "content", srv_json_text(ev->text, ev->len),
@@ -220,7 +205,7 @@ static void on_text(struct call *call, const struct srv_event *ev)
         }
         if (ev->lp)
             json_object_set_new(v, "completion_probabilities",
-                                json_pack("[o]", srv_lp_llama(call, ev->lp)));
+                                srv_lp_stream_json(call, ev->lp));
         sse_send(call, v);
     }
 }
@@ -250,9 +235,20 @@ static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t
     }
     /* streamed, each event carried its own */
     if (v && call->logprobs && !call->stream)
-        json_object_set_new(v, "completion_probabilities",
-                            call->lp ? json_incref(call->lp) : json_array());
+        json_object_set_new(v, "completion_probabilities", srv_lp_marker());
     return v;
+}
+
+/* Answer a non-streamed request's final JSON (stolen), with its
+ * log-probabilities spliced in where srv_lp_marker stands. */
+static void respond_answer(struct call *call, json_t *v)
+{
+    if (!call->logprobs) {
+        srv_respond_json(call->conn, 200, v);
+        return;
+    }
+    if (srv_lp_respond(call, 200, v) < 0)
+        srv_call_out_of_memory(call);
 }
 
 /*
@@ -286,7 +282,7 @@ static void on_cut(struct call *call, const struct srv_event *ev)
                             json_pack("{s:s, s:s, s:n, s:s}", "message", msg, "type",
                                       srv_error_type(503), "param", "code", code));
         if (!call->stream) {
-            srv_respond_json(call->conn, 200, v);
+            respond_answer(call, v);
             return;
         }
         stream_start(call);
@@ -386,12 +382,8 @@ static void on_done(struct call *call, const struct srv_event *ev)
     }
     json_t *text = srv_json_text(call->text ? call->text : "", call->len);
     if (call->kind == CALL_CHAT) {
-        json_t *lp = NULL;
-        if (call->logprobs)
-            lp = json_pack("{s:O}", "content", call->lp ? call->lp : json_array());
-        if (lp && !call->lp)
-            json_decref(json_object_get(lp, "content"));
-        srv_respond_json(call->conn, 200,
+        json_t *lp = call->logprobs ? srv_lp_marker() : NULL;
+        respond_answer(call,
                      json_pack("{s:s, s:s, s:I, s:s, s:n, s:[{s:i, s:{s:s, s:o, s:n}, s:o, s:s}], "
                                "s:o}",
                                "id", call->id, "object", "chat.completion", "created",
@@ -403,14 +395,12 @@ static void on_done(struct call *call, const struct srv_event *ev)
         return;
     }
     if (call->kind == CALL_OPENAI) {
-        json_t *lp = NULL;
-        if (call->logprobs)
-            lp = call->lp ? json_incref(call->lp) : srv_lp_openai_new();
+        json_t *lp = call->logprobs ? srv_lp_marker() : NULL;
         json_t *v = openai_chunk(call, text, openai_finish(ev->finish), lp);
         json_object_set_new(v, "usage", usage_json(u));
-        srv_respond_json(call->conn, 200, v);
+        respond_answer(call, v);
     } else {
-        srv_respond_json(call->conn, 200, llama_final(call, ev, text));
+        respond_answer(call, llama_final(call, ev, text));
     }
 }
 

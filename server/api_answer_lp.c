@@ -9,6 +9,14 @@
  * with one detokenizer kept for the purpose (a byte token that only starts
  * a character shows U+FFFD). OpenAI's return_tokens_as_token_ids names
  * every token "token_id:ID" instead.
+ *
+ * A non-streamed answer holds every token's numbers until it ends (up to
+ * SRV_MAX_LOGPROB_ENTRIES entries). They are kept as JSON text, each
+ * token's entry serialised when its event arrives, never as one JSON tree
+ * (a jansson object costs a hundred-odd bytes per number, and serialising
+ * a quarter-million-entry tree at the end held the loop thread for
+ * seconds). The answer's own small tree carries a marker where the
+ * log-probabilities go, and srv_lp_respond splices the text in.
  */
 #include <jansson.h>
 #include <math.h>
@@ -59,25 +67,18 @@ static size_t utf8_chars(const char *s, size_t n)
     return k;
 }
 
-/* An empty OpenAI logprobs object (new). */
-json_t *srv_lp_openai_new(void)
-{
-    return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs",
-                     "text_offset");
-}
-
-/* Append one token to an OpenAI logprobs object. top_logprobs maps names
- * to log-probabilities; when two alternatives share a name, the more
+/* The four values one token adds to an OpenAI logprobs object (new):
+ * tokens, token_logprobs, top_logprobs, text_offset. top_logprobs maps
+ * names to log-probabilities; when two alternatives share a name, the more
  * likely one keeps it, and a U+0000 in a name is written U+FFFD there
  * (many JSON parsers refuse it in a key). text_offset counts code points
  * of the completion. */
-void srv_lp_openai_add(struct call *call, json_t *obj, const struct srv_logprob *lp)
+static void openai_parts(struct call *call, const struct srv_logprob *lp, json_t *out[4])
 {
-    json_array_append_new(json_object_get(obj, "tokens"),
-                          token_name(call, lp->token, lp->piece, lp->piece_len));
-    json_array_append_new(json_object_get(obj, "token_logprobs"), json_logprob(lp->logprob));
+    out[0] = token_name(call, lp->token, lp->piece, lp->piece_len);
+    out[1] = json_logprob(lp->logprob);
     json_t *top = json_object();
-    for (int i = 0; i < lp->n_top; i++) {
+    for (int i = 0; top && i < lp->n_top; i++) {
         json_t *k = token_name(call, lp->top_ids[i], NULL, 0);
         const char *key = json_string_value(k);
         size_t kl = json_string_length(k);
@@ -102,14 +103,13 @@ void srv_lp_openai_add(struct call *call, json_t *obj, const struct srv_logprob 
             json_object_setn_new(top, key, kl, json_logprob(lp->top_logprobs[i]));
         json_decref(k);
     }
-    json_array_append_new(json_object_get(obj, "top_logprobs"), top);
-    json_array_append_new(json_object_get(obj, "text_offset"),
-                          json_integer((json_int_t)call->lp_chars));
+    out[2] = top;
+    out[3] = json_integer((json_int_t)call->lp_chars);
     call->lp_chars += utf8_chars(lp->piece, lp->piece_len);
 }
 
 /* llama.cpp's completion_probabilities entry for one token (new). */
-json_t *srv_lp_llama(struct call *call, const struct srv_logprob *lp)
+static json_t *llama_entry(struct call *call, const struct srv_logprob *lp)
 {
     json_t *top = json_array();
     for (int i = 0; i < lp->n_top; i++)
@@ -135,7 +135,7 @@ static json_t *name_bytes(const json_t *name)
 /* One entry of a chat completion's logprobs.content (new): the sampled
  * token and the top_logprobs alternatives, each with token, logprob and
  * bytes. */
-json_t *srv_lp_chat(struct call *call, const struct srv_logprob *lp)
+static json_t *chat_entry(struct call *call, const struct srv_logprob *lp)
 {
     json_t *top = json_array();
     for (int i = 0; i < lp->n_top; i++) {
@@ -150,4 +150,159 @@ json_t *srv_lp_chat(struct call *call, const struct srv_logprob *lp)
                           "bytes", name_bytes(k), "top_logprobs", top);
     json_decref(k);
     return v;
+}
+
+json_t *srv_lp_stream_json(struct call *call, const struct srv_logprob *lp)
+{
+    if (call->kind == CALL_CHAT)
+        return json_pack("{s:[o]}", "content", chat_entry(call, lp));
+    if (call->kind == CALL_LLAMA)
+        return json_pack("[o]", llama_entry(call, lp));
+    json_t *v[4];
+    openai_parts(call, lp, v);
+    return json_pack("{s:[o], s:[o], s:[o], s:[o]}", "tokens", v[0], "token_logprobs", v[1],
+                     "top_logprobs", v[2], "text_offset", v[3]);
+}
+
+/* ------------------------------------------------------------------------
+ * A non-streamed answer's log-probabilities, as JSON text
+ * ------------------------------------------------------------------------ */
+
+/* A JSON array's elements as text, comma-separated, without the brackets. */
+struct lp_list {
+    char *s;
+    size_t len, cap;
+};
+
+/* OpenAI: the four lists of its logprobs object; the others: list[0]. */
+struct srv_lp_buf {
+    struct lp_list list[4];
+};
+
+static int list_grow(struct lp_list *l, size_t more)
+{
+    if (l->len + more <= l->cap)
+        return 0;
+    size_t cap = l->cap ? l->cap : 4096;
+    while (cap < l->len + more)
+        cap *= 2;
+    char *p = realloc(l->s, cap);
+    if (!p)
+        return -1;
+    l->s = p;
+    l->cap = cap;
+    return 0;
+}
+
+/* Append v (stolen) to the list as text. 0, or -1 when memory runs out. */
+static int list_add(struct lp_list *l, json_t *v)
+{
+    char *t = v ? json_dumps(v, SRV_JSON_FLAGS | JSON_ENCODE_ANY) : NULL;
+    json_decref(v);
+    size_t n = t ? strlen(t) : 0;
+    if (!t || list_grow(l, n + 1)) {
+        free(t);
+        return -1;
+    }
+    if (l->len)
+        l->s[l->len++] = ',';
+    memcpy(l->s + l->len, t, n);
+    l->len += n;
+    free(t);
+    return 0;
+}
+
+int srv_lp_buf_add(struct call *call, const struct srv_logprob *lp)
+{
+    if (!call->lp && !(call->lp = calloc(1, sizeof(*call->lp))))
+        return -1;
+    struct lp_list *l = call->lp->list;
+    if (call->kind == CALL_CHAT)
+        return list_add(&l[0], chat_entry(call, lp));
+    if (call->kind == CALL_LLAMA)
+        return list_add(&l[0], llama_entry(call, lp));
+    json_t *v[4];
+    openai_parts(call, lp, v);
+    int rc = 0;
+    for (int i = 0; i < 4; i++)
+        rc |= list_add(&l[i], v[i]);
+    return rc ? -1 : 0;
+}
+
+void srv_lp_buf_free(struct srv_lp_buf *b)
+{
+    for (int i = 0; b && i < 4; i++)
+        free(b->list[i].s);
+    free(b);
+}
+
+/* Where the log-probabilities go in an answer's tree: a string no text
+ * can produce next to a key (a quote inside a JSON string is escaped, so
+ * `":"` followed by this never occurs within one). */
+#define LP_MARKER "\x01kvd-logprobs\x01"
+#define LP_MARKER_DUMPED "\":\"\\u0001kvd-logprobs\\u0001\""
+
+json_t *srv_lp_marker(void)
+{
+    return json_string(LP_MARKER);
+}
+
+/*
+ * Answer v (stolen; its log-probabilities replaced by srv_lp_marker) with
+ * the call's log-probabilities spliced in as text: OpenAI's logprobs
+ * object, chat's {"content": [...]}, llama.cpp's array. Returns 0, or -1
+ * (nothing sent) when memory runs out or the marker is missing.
+ */
+int srv_lp_respond(struct call *call, int status, json_t *v)
+{
+    static const struct lp_list none[4];
+    const struct lp_list *l = call->lp ? call->lp->list : none;
+    const char *piece[9];
+    size_t plen[9];
+    int n = 0;
+#define PIECE(s, len) (piece[n] = (s), plen[n++] = (len))
+    if (call->kind == CALL_OPENAI) {
+        static const char *const open[4] = {"{\"tokens\":[", "],\"token_logprobs\":[",
+                                            "],\"top_logprobs\":[", "],\"text_offset\":["};
+        for (int i = 0; i < 4; i++) {
+            PIECE(open[i], strlen(open[i]));
+            PIECE(l[i].s, l[i].len);
+        }
+        PIECE("]}", 2);
+    } else {
+        const char *open = call->kind == CALL_CHAT ? "{\"content\":[" : "[";
+        PIECE(open, strlen(open));
+        PIECE(l[0].s, l[0].len);
+        PIECE(call->kind == CALL_CHAT ? "]}" : "]", call->kind == CALL_CHAT ? 2 : 1);
+    }
+#undef PIECE
+    char *d = v ? json_dumps(v, SRV_JSON_FLAGS) : NULL;
+    json_decref(v);
+    char *at = d ? strstr(d, LP_MARKER_DUMPED) : NULL;
+    if (!at) {
+        free(d);
+        return -1;
+    }
+    size_t head = (size_t)(at - d) + 2, cut = strlen(LP_MARKER_DUMPED) - 2;
+    size_t tail = strlen(d) - head - cut, total = head + tail;
+    for (int i = 0; i < n; i++)
+        total += plen[i];
+    char *out = malloc(total);
+    if (!out) {
+        free(d);
+        return -1;
+    }
+    memcpy(out, d, head);
+    size_t o = head;
+    for (int i = 0; i < n; i++) {
+        if (plen[i])
+            memcpy(out + o, piece[i], plen[i]);
+        o += plen[i];
+    }
+    memcpy(out + o, d + head + cut, tail);
+    free(d);
+    if (call->conn)
+        srv_http_respond(call->conn, status, "application/json", "", out, total);
+    free(out);
+    return 0;
 }

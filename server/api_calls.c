@@ -98,7 +98,7 @@ void srv_call_free(struct call *call)
     free(call->text);
     free(call->toks);
     json_decref(call->settings);
-    json_decref(call->lp);
+    srv_lp_buf_free(call->lp);
     free(call);
 }
 

@@ -59,8 +59,8 @@ struct call {
     json_t *settings; /* llama.cpp generation_settings (owned) */
     bool logprobs;    /* OpenAI logprobs / llama.cpp n_probs asked for */
     bool id_tokens;   /* OpenAI return_tokens_as_token_ids: "token_id:ID" strings */
-    json_t *lp;            /* non-streamed: the OpenAI logprobs object, or llama.cpp's
-                              completion_probabilities array (owned) */
+    struct srv_lp_buf *lp; /* non-streamed: the log-probabilities so far, as JSON text
+                              (api_answer_lp.c; owned) */
     size_t lp_chars;       /* OpenAI text_offset of the next token, in code points */
     bool role_sent;        /* chat stream: the first chunk (delta.role) went out */
     int evicted_messages;  /* chat: messages of the conversation not in the prompt */
@@ -243,13 +243,17 @@ void srv_call_free(struct call *call);
 
 /* --- api_answer_lp.c: log-probabilities in each shape ------------------------- */
 
-/* An empty OpenAI logprobs object (new). */
-json_t *srv_lp_openai_new(void);
-/* Append one token to an OpenAI logprobs object. */
-void srv_lp_openai_add(struct call *call, json_t *obj, const struct srv_logprob *lp);
-/* llama.cpp's completion_probabilities entry for one token (new). */
-json_t *srv_lp_llama(struct call *call, const struct srv_logprob *lp);
-/* One entry of a chat completion's logprobs.content (new). */
-json_t *srv_lp_chat(struct call *call, const struct srv_logprob *lp);
+/* One token's log-probabilities as a stream event carries them (new):
+ * OpenAI's logprobs object, chat's {"content": [entry]}, llama.cpp's
+ * [entry]. */
+json_t *srv_lp_stream_json(struct call *call, const struct srv_logprob *lp);
+/* Add one token's to a non-streamed answer's (serialised now, kept as
+ * text). -1 when memory runs out. */
+int srv_lp_buf_add(struct call *call, const struct srv_logprob *lp);
+void srv_lp_buf_free(struct srv_lp_buf *b);
+/* The placeholder to put in an answer's tree where its log-probabilities
+ * go (new), then answer with srv_lp_respond. */
+json_t *srv_lp_marker(void);
+int srv_lp_respond(struct call *call, int status, json_t *v);
 
 #endif /* KVD_SERVER_API_INTERNAL_H */

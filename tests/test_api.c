@@ -284,6 +284,69 @@ static void test_client_leaves_during_prepare(void **state)
     stop(&p);
 }
 
+/*
+ * Non-streamed answers with as many log-probabilities as allowed (512
+ * tokens x 512 entries = the cap, 262,144), in all three shapes: each is
+ * whole and parses, and afterwards the server's memory is back near where
+ * it was (the entries are kept as text as they come, never as one JSON
+ * tree; issue 14 defect 1).
+ */
+static void test_logprob_answers_memory(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "server.threads=1"};
+    struct su_proc p = {0};
+    serve(&p, "lp", args, 2);
+    static const struct {
+        const char *path, *body, *key;
+    } req[] = {
+        {"/completion",
+         "{\"prompt\":\"Once\",\"n_predict\":512,\"n_probs\":511,\"ignore_eos\":true}",
+         "completion_probabilities"},
+        {"/v1/completions",
+         "{\"prompt\":\"Once\",\"max_tokens\":512,\"logprobs\":511,\"ignore_eos\":true}",
+         "choices"},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"Once\"}],\"max_tokens\":512,"
+         "\"logprobs\":true,\"top_logprobs\":511,\"ignore_eos\":true}",
+         "choices"},
+    };
+    long rss0 = -1;
+    for (int round = 0; round < 3; round++) {
+        for (int k = 0; k < 3; k++) {
+            struct su_resp r;
+            assert_int_equal(su_http(p.port, "POST", req[k].path, NULL, req[k].body, &r), 200);
+            /* a byte token's text may hold U+0000 */
+            json_t *v = json_loads(r.body, JSON_ALLOW_NUL, NULL);
+            su_resp_free(&r);
+            assert_non_null(v);
+            json_t *lp = json_object_get(v, req[k].key);
+            if (k == 0) {
+                assert_int_equal(json_array_size(lp), 512);
+                assert_int_equal(json_array_size(json_object_get(json_array_get(lp, 511),
+                                                                 "top_logprobs")),
+                                 511);
+            } else {
+                lp = json_object_get(json_array_get(lp, 0), "logprobs");
+                json_t *arr = k == 1 ? json_object_get(lp, "token_logprobs")
+                                     : json_object_get(lp, "content");
+                assert_int_equal(json_array_size(arr), 512);
+                if (k == 1)
+                    assert_int_equal(json_array_size(json_object_get(lp, "text_offset")), 512);
+            }
+            json_decref(v);
+        }
+        if (round == 0) /* the first round sizes the allocator's arenas */
+            rss0 = su_rss_kb(p.pid);
+    }
+    long rss1 = su_rss_kb(p.pid);
+    print_message("RSS after one round %ld KiB, after three %ld KiB\n", rss0, rss1);
+    long slack_kb = getenv("ASAN_OPTIONS") ? 16384 + 8192 : 16384;
+    assert_true(rss1 <= rss0 + slack_kb);
+    stop(&p);
+}
+
 /* ------------------------------------------------------------------------ */
 
 static int group_setup(void **state)
@@ -309,6 +372,7 @@ int main(void)
         cmocka_unit_test(test_huge_prompt_refused_untokenized),
         cmocka_unit_test(test_tokenizing_off_loop),
         cmocka_unit_test(test_client_leaves_during_prepare),
+        cmocka_unit_test(test_logprob_answers_memory),
     };
     return cmocka_run_group_tests_name("api", tests, group_setup, group_teardown);
 }
