@@ -114,16 +114,6 @@ static void tok_body(struct tok_job *t, json_t *v, const char *what)
     }
 }
 
-/* Queue a decoded token route's job. */
-static void tok_start(srv_api *a, srv_conn *c, struct tok_job *t,
-                      void (*run)(struct srv_api_job *))
-{
-    t->m = a->m;
-    t->job.run = run;
-    t->job.done = tok_done;
-    srv_api_job_start(a, c, &t->job);
-}
-
 /* On a worker: the ids, or with pieces the ids and their texts. */
 static void tokenize_run(struct srv_api_job *j)
 {
@@ -160,6 +150,32 @@ static void detokenize_run(struct srv_api_job *j)
     tok_body(t, v, "decoding the tokens");
 }
 
+/* Decode a token route's request and queue its job (or answer why not). */
+static void tok_route(srv_api *a, srv_conn *c, const struct srv_http_req *req, bool detok)
+{
+    struct srv_api_error e = {0};
+    struct srv_api_limits lim;
+    srv_api_limits(a, &lim);
+    json_t *body = srv_decode_body(req->body, req->body_len, &e);
+    struct tok_job *t = body ? calloc(1, sizeof(*t)) : NULL;
+    if (body && !t)
+        srv_oom(&e, "accepting the request");
+    else if (t && detok)
+        srv_decode_detokenize(&lim, body, &t->detok, &e);
+    else if (t)
+        srv_decode_tokenize(&lim, body, &t->tok, &e);
+    json_decref(body);
+    if (e.status) {
+        free(t);
+        srv_api_error_from(c, &e);
+        return;
+    }
+    t->m = a->m;
+    t->job.run = detok ? detokenize_run : tokenize_run;
+    t->job.done = tok_done;
+    srv_api_job_start(a, c, &t->job);
+}
+
 /*
  * POST /tokenize: {"content": text, "add_special": bool (BOS when the
  * model wants one; default false), "with_pieces": bool} -> {"tokens":
@@ -170,39 +186,11 @@ static void detokenize_run(struct srv_api_job *j)
  */
 void srv_route_tokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req)
 {
-    struct srv_api_error e = {0};
-    struct srv_api_limits lim;
-    srv_api_limits(a, &lim);
-    json_t *body = srv_decode_body(req->body, req->body_len, &e);
-    struct tok_job *t = body ? calloc(1, sizeof(*t)) : NULL;
-    if (body && !t)
-        srv_oom(&e, "accepting the request");
-    if (!t || srv_decode_tokenize(&lim, body, &t->tok, &e)) {
-        json_decref(body);
-        free(t);
-        srv_api_error_from(c, &e);
-        return;
-    }
-    json_decref(body);
-    tok_start(a, c, t, tokenize_run);
+    tok_route(a, c, req, false);
 }
 
 /* POST /detokenize: {"tokens": [id, ...]} -> {"content": text}. */
 void srv_route_detokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req)
 {
-    struct srv_api_error e = {0};
-    struct srv_api_limits lim;
-    srv_api_limits(a, &lim);
-    json_t *body = srv_decode_body(req->body, req->body_len, &e);
-    struct tok_job *t = body ? calloc(1, sizeof(*t)) : NULL;
-    if (body && !t)
-        srv_oom(&e, "accepting the request");
-    if (!t || srv_decode_detokenize(&lim, body, &t->detok, &e)) {
-        json_decref(body);
-        free(t);
-        srv_api_error_from(c, &e);
-        return;
-    }
-    json_decref(body);
-    tok_start(a, c, t, detokenize_run);
+    tok_route(a, c, req, true);
 }

@@ -20,37 +20,8 @@
 #include <jansson.h>
 #include <poll.h>
 
-#include "model/mkmodel.h"
-#include "model/model.h"
 #include "server/api_decode.h"
-#include "tests/http_client.h"
-#include "tests/serve_util.h"
-
-static const char *kvd_bin;
-static char tmpdir[256];
-static char model_path[512];
-
-#define SKIP_WITHOUT_KVD()                                                                         \
-    do {                                                                                           \
-        if (!kvd_bin) {                                                                            \
-            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
-            skip();                                                                                \
-        }                                                                                          \
-    } while (0)
-
-static void serve(struct su_proc *p, const char *name, const char *const *args, int n_args)
-{
-    snprintf(p->log, sizeof(p->log), "%s/%s.log", tmpdir, name);
-    assert_int_equal(su_serve(p, kvd_bin, model_path, args, n_args), 0);
-}
-
-static void stop(struct su_proc *p)
-{
-    int rc = su_stop(p, SIGTERM, 60);
-    if (rc != 0)
-        su_dump_log(p);
-    assert_int_equal(rc, 0);
-}
+#include "tests/serve_fixture.h"
 
 /* {"prompt": "hello world hello world ..."} of about `bytes` bytes (new). */
 static char *big_prompt_body(const char *key, size_t bytes)
@@ -210,7 +181,7 @@ static void test_huge_prompt_refused_untokenized(void **state)
     resp_free(&r);
     hc_close(&a);
     free(body);
-    stop(&p);
+    server_stop(&p);
 }
 
 /*
@@ -248,7 +219,7 @@ static void test_tokenizing_off_loop(void **state)
     resp_free(&r);
     hc_close(&a);
     free(body);
-    stop(&p);
+    server_stop(&p);
 }
 
 /*
@@ -281,7 +252,7 @@ static void test_client_leaves_during_prepare(void **state)
     json_decref(v);
     free(prompt);
     free(content);
-    stop(&p);
+    server_stop(&p);
 }
 
 /*
@@ -344,7 +315,7 @@ static void test_logprob_answers_memory(void **state)
     print_message("RSS after one round %ld KiB, after three %ld KiB\n", rss0, rss1);
     long slack_kb = getenv("ASAN_OPTIONS") ? 16384 + 8192 : 16384;
     assert_true(rss1 <= rss0 + slack_kb);
-    stop(&p);
+    server_stop(&p);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -352,17 +323,13 @@ static void test_logprob_answers_memory(void **state)
 static int group_setup(void **state)
 {
     (void)state;
-    signal(SIGPIPE, SIG_IGN);
-    kvd_bin = getenv("KVD_BIN");
-    if (kvd_bin && !*kvd_bin)
-        kvd_bin = NULL;
-    return su_scratch_model("api", 7, tmpdir, sizeof(tmpdir), model_path, sizeof(model_path));
+    return sf_setup("api", 7, false);
 }
 
 static int group_teardown(void **state)
 {
     (void)state;
-    return su_remove_dir(tmpdir);
+    return sf_teardown();
 }
 
 int main(void)
