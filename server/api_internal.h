@@ -11,12 +11,13 @@
  *   api_answer.c      engine events -> JSON bodies and SSE (srv_api_pump)
  *     -> api_answer_lp.c  log-probabilities in each shape
  *     -> api_calls.c, api_chat.c
+ *   api_work.c        jobs on libuv's work queue (called by calls, tokens, chat)
  *   api_prepare.c     render + tokenize + the prompt's fit (api_prepare.h)
  *   api_decode*.c     each route's JSON decoder (api_decode.h)
  *   api_json.c        error answers, JSON helpers, field readers
  *   api.c             lifecycle
- * Everything at the bottom (api_json.c, api_decode*.c, api_prepare.c)
- * calls nothing above it.
+ * Everything at the bottom (api_work.c, api_prepare.c, api_decode*.c,
+ * api_json.c) calls nothing above it.
  */
 #ifndef KVD_SERVER_API_INTERNAL_H
 #define KVD_SERVER_API_INTERNAL_H
