@@ -342,22 +342,6 @@ int srv_decode_start(enum srv_api_shape shape, json_t *body, struct srv_completi
     return out->req ? 0 : srv_oom(e, "accepting the request");
 }
 
-int srv_decode_completion(enum srv_api_shape shape, const struct srv_api_limits *lim,
-                          json_t *body, const char *hdr_session, struct srv_completion *out,
-                          struct srv_api_error *e)
-{
-    switch (shape) {
-    case SRV_SHAPE_OPENAI:
-        return srv_decode_openai(lim, body, hdr_session, out, e);
-    case SRV_SHAPE_LLAMA:
-        return srv_decode_llama(lim, body, hdr_session, out, e);
-    case SRV_SHAPE_CHAT:
-        return srv_decode_chat(lim, body, hdr_session, out, e);
-    }
-    memset(out, 0, sizeof(*out));
-    return srv_fail(e, NULL, NULL, "unknown request shape %d", (int)shape);
-}
-
 void srv_completion_clear(struct srv_completion *c)
 {
     srv_req_free(c->req);

@@ -95,14 +95,13 @@ struct srv_completion {
 };
 
 /*
- * Decode a completion request of the given shape. hdr_session: the
+ * Decode a completion request, one decoder per shape. hdr_session: the
  * X-Session-Id header, or NULL. Returns 0, or -1 with e filled (out is
  * then cleared). body is borrowed; on success out holds a reference.
  */
-int srv_decode_completion(enum srv_api_shape shape, const struct srv_api_limits *lim,
-                          json_t *body, const char *hdr_session, struct srv_completion *out,
-                          struct srv_api_error *e);
-/* The shapes' own decoders, which srv_decode_completion picks from. */
+typedef int srv_completion_decoder(const struct srv_api_limits *lim, json_t *body,
+                                   const char *hdr_session, struct srv_completion *out,
+                                   struct srv_api_error *e);
 int srv_decode_openai(const struct srv_api_limits *lim, json_t *body, const char *hdr_session,
                       struct srv_completion *out, struct srv_api_error *e);
 int srv_decode_llama(const struct srv_api_limits *lim, json_t *body, const char *hdr_session,

@@ -12,12 +12,14 @@
  *     -> api_answer_lp.c  log-probabilities in each shape
  *     -> api_calls.c, api_chat.c
  *   api_work.c        jobs on libuv's work queue (called by calls, tokens, chat)
+ *   api_limits.c      what requests are checked against; seeds
+ *   api_chat_sess.c   what chat sessions decided (turns left out)
  *   api_prepare.c     render + tokenize + the prompt's fit (api_prepare.h)
  *   api_decode*.c     each route's JSON decoder (api_decode.h)
  *   api_json.c        error answers, JSON helpers, field readers
  *   api.c             lifecycle
- * Everything at the bottom (api_work.c, api_prepare.c, api_decode*.c,
- * api_json.c) calls nothing above it.
+ * Everything at the bottom (api_work.c, api_limits.c, api_chat_sess.c,
+ * api_prepare.c, api_decode*.c, api_json.c) calls nothing above it.
  */
 #ifndef KVD_SERVER_API_INTERNAL_H
 #define KVD_SERVER_API_INTERNAL_H
@@ -211,7 +213,7 @@ int srv_detok_step(model_detok *d, const int32_t *id, char **buf, size_t *cap, s
 void srv_route_tokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req);
 void srv_route_detokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req);
 
-/* --- api_chat.c: chat sessions, the template, /apply-template --------------- */
+/* --- api_chat.c, api_chat_sess.c: the template, /apply-template, sessions ---- */
 
 /* Load the chat template once the model is loaded (logs which, or why none). */
 void srv_chat_load(srv_api *a);
@@ -223,12 +225,14 @@ void srv_chat_sess_forget(srv_api *a, const char *id);
 void srv_chat_sess_free_all(srv_api *a);
 void srv_route_apply_template(srv_api *a, srv_conn *c, const struct srv_http_req *req);
 
-/* --- api_calls.c: accepted requests ------------------------------------------ */
+/* --- api_limits.c ------------------------------------------------------------- */
 
 /* A fresh sampling seed (splitmix64 over the clock-seeded state). */
 uint64_t srv_api_next_seed(srv_api *a);
 /* The limits the decoders check against, as the API's params now say. */
 void srv_api_limits(srv_api *a, struct srv_api_limits *lim);
+
+/* --- api_calls.c: accepted requests ------------------------------------------ */
 /* Take a decoded completion (its contents move into the call, c is
  * cleared), prepare its prompt off the loop thread, then submit it. Every
  * outcome is answered. */

@@ -44,7 +44,7 @@ struct route {
  * ------------------------------------------------------------------------ */
 
 static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req *req,
-                             enum srv_api_shape shape)
+                             srv_completion_decoder *decode)
 {
     struct srv_api_error e = {0};
     json_t *body = srv_decode_body(req->body, req->body_len, &e);
@@ -55,8 +55,7 @@ static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req 
     struct srv_api_limits lim;
     srv_api_limits(a, &lim);
     struct srv_completion comp;
-    int rc = srv_decode_completion(shape, &lim, body, srv_http_header(req, "X-Session-Id"), &comp,
-                                   &e);
+    int rc = decode(&lim, body, srv_http_header(req, "X-Session-Id"), &comp, &e);
     json_decref(body);
     if (rc) {
         srv_api_error_from(c, &e);
@@ -68,19 +67,19 @@ static void route_completion(srv_api *a, srv_conn *c, const struct srv_http_req 
 static void route_openai(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *rest)
 {
     (void)rest;
-    route_completion(a, c, req, SRV_SHAPE_OPENAI);
+    route_completion(a, c, req, srv_decode_openai);
 }
 
 static void route_llama(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *rest)
 {
     (void)rest;
-    route_completion(a, c, req, SRV_SHAPE_LLAMA);
+    route_completion(a, c, req, srv_decode_llama);
 }
 
 static void route_chat(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *rest)
 {
     (void)rest;
-    route_completion(a, c, req, SRV_SHAPE_CHAT);
+    route_completion(a, c, req, srv_decode_chat);
 }
 
 static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *id)

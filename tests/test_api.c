@@ -67,7 +67,10 @@ static int decode(enum srv_api_shape shape, const char *json, struct srv_complet
     json_t *body = srv_decode_body(json, strlen(json), e);
     if (!body)
         return -1;
-    int rc = srv_decode_completion(shape, &limits, body, NULL, c, e);
+    srv_completion_decoder *d = shape == SRV_SHAPE_LLAMA  ? srv_decode_llama
+                                : shape == SRV_SHAPE_CHAT ? srv_decode_chat
+                                                          : srv_decode_openai;
+    int rc = d(&limits, body, NULL, c, e);
     json_decref(body);
     return rc;
 }
