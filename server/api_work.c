@@ -38,6 +38,7 @@ static void job_after(uv_work_t *w, int status)
     struct srv_api_job *j = w->data;
     (void)status; /* jobs are never cancelled (uv_cancel) */
     j->a->jobs--;
+    srv_metrics_api_jobs(j->a->metrics, j->a->jobs);
     if (j->conn)
         srv_conn_set_owner(j->conn, NULL, NULL, NULL);
     j->done(j);
@@ -49,6 +50,7 @@ void srv_api_job_start(srv_api *a, srv_conn *conn, struct srv_api_job *j)
     j->conn = conn;
     j->work.data = j;
     a->jobs++;
+    srv_metrics_api_jobs(a->metrics, a->jobs);
     srv_conn_set_owner(conn, j, job_gone, NULL);
     int rc = a->loop ? uv_queue_work(a->loop, &j->work, job_run, job_after) : UV_ENOSYS;
     if (rc < 0) {

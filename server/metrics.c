@@ -60,6 +60,7 @@ struct srv_metrics {
     uint64_t status[MAX_STATUS];
     uint64_t prompt_tokens, cached_tokens, generated_tokens, cancelled;
     uint64_t evicted_in_place, evicted_rerender, turn_fallbacks;
+    int api_jobs; /* requests being prepared off the loop thread */
     uint64_t conn_events[SRV_CONN_EVENT_COUNT];
     uint64_t cut_drain, cut_pool, cut_policy;
     struct hist hist[SRV_HIST_COUNT];
@@ -112,6 +113,15 @@ void srv_metrics_cancelled(srv_metrics *m)
 {
     pthread_mutex_lock(&m->mu);
     m->cancelled++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_api_jobs(srv_metrics *m, int n)
+{
+    if (!m)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->api_jobs = n;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -306,6 +316,8 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
     render_gauge(&b, "kvd_batch_sequences_max", "Most sequences seen in one engine step.",
                  c.hist[SRV_HIST_BATCH_SEQS].max);
     render_gauge(&b, "kvd_queue_depth", "Requests waiting for admission.", c.g.queue_depth);
+    render_gauge(&b, "kvd_api_jobs",
+                 "Requests being rendered, tokenized or decoded off the loop thread.", c.api_jobs);
     render_gauge(&b, "kvd_running_sequences", "Sequences being prefilled or decoded.", c.g.running);
     render_gauge(&b, "kvd_sessions", "Live sessions.", c.g.sessions);
     render_gauge(&b, "kvd_kv_pages_total", "KV cache pages in the pool.", c.g.kv_pages_total);

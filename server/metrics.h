@@ -45,6 +45,8 @@ void srv_metrics_cancelled(srv_metrics *m);
 void srv_metrics_evicted_messages(srv_metrics *m, bool in_place, uint64_t n);
 /* A chat request on a session rendered again instead of evicting in place. */
 void srv_metrics_turn_fallback(srv_metrics *m);
+/* Requests being prepared (rendered, tokenized) off the loop thread. */
+void srv_metrics_api_jobs(srv_metrics *m, int n);
 
 /* Connections the HTTP layer ended or could not take, by reason
  * (kvd_http_connections_closed_total{reason}). */

@@ -189,26 +189,29 @@ static void test_huge_prompt_refused_untokenized(void **state)
 
 /*
  * A prompt within the byte bound but over the token limit is tokenized
- * off the loop thread, up to the limit: a /health sent after the whole
- * request (and a pause for the server to read it) is answered first, and
- * the refusal names the limit + 1.
+ * off the loop thread, up to the limit: while its job runs (the
+ * kvd_api_jobs gauge says so, which a blocked loop could not answer), a
+ * /health is answered before the big request, whose refusal names the
+ * limit + 1.
  */
 static void test_tokenizing_off_loop(void **state)
 {
     (void)state;
     SKIP_WITHOUT_KVD();
-    /* 2 MiB of "hello world " at most 10 bytes a token: >= 209,716 tokens
-     * by the bound, under 300,000; it has about 1,048,576 */
-    static const char *const args[] = {"--set", "limits.max_prompt_tokens=300000"};
+    /* 8 MiB of "hello world " at most 10 bytes a token: at least 838,861
+     * tokens by the bound, under 2,000,000; it has about 4,194,304 */
+    static const char *const args[] = {"--set", "limits.max_prompt_tokens=2000000", "--set",
+                                       "limits.max_body_bytes=9MiB"};
     struct su_proc p = {0};
-    serve(&p, "tokenize", args, 2);
-    char *body = big_prompt_body("prompt", 2u << 20);
+    serve(&p, "tokenize", args, 4);
+    char *body = big_prompt_body("prompt", 8u << 20);
     struct hc a;
     assert_int_equal(hc_open(&a, p.port), 0);
     assert_int_equal(hc_request(&a, "POST", "/v1/completions", NULL, body), 0);
-    /* Let the server take the whole body in and start on it (a loop thread
-     * busy tokenizing would now answer nothing else until it is done). */
-    su_sleep_ms(500);
+    double deadline = su_now() + 60;
+    while (su_metric(p.port, "kvd_api_jobs") < 1 && !readable_now(&a) && su_now() < deadline)
+        su_sleep_ms(5);
+    assert_false(readable_now(&a)); /* answered before its job was seen running */
     struct resp r;
     assert_int_equal(http(p.port, "GET", "/health", NULL, NULL, &r), 200);
     resp_free(&r);
@@ -218,10 +221,11 @@ static void test_tokenizing_off_loop(void **state)
     assert_false(early);
     assert_int_equal(hc_read(&a, &r), 0);
     assert_int_equal(r.status, 400);
-    assert_non_null(strstr(r.body, "at least 300001 tokens"));
+    assert_non_null(strstr(r.body, "at least 2000001 tokens"));
     resp_free(&r);
     hc_close(&a);
     free(body);
+    assert_true(su_metric(p.port, "kvd_api_jobs") == 0);
     server_stop(&p);
 }
 
