@@ -292,15 +292,17 @@ static void test_logprob_answers_memory(void **state)
          "choices"},
     };
     /* The baseline: the server warmed up by a small answer in each shape. */
-    static const char *const small[] = {
-        "{\"prompt\":\"Once\",\"n_predict\":4,\"n_probs\":2}",
-        "{\"prompt\":\"Once\",\"max_tokens\":4,\"logprobs\":2}",
-        "{\"messages\":[{\"role\":\"user\",\"content\":\"Once\"}],\"max_tokens\":4,"
-        "\"logprobs\":true,\"top_logprobs\":2}",
+    static const struct {
+        const char *body;
+    } small[] = {
+        {"{\"prompt\":\"Once\",\"n_predict\":4,\"n_probs\":2}"},
+        {"{\"prompt\":\"Once\",\"max_tokens\":4,\"logprobs\":2}"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"Once\"}],\"max_tokens\":4,"
+         "\"logprobs\":true,\"top_logprobs\":2}"},
     };
     for (int k = 0; k < 3; k++) {
         struct su_resp r;
-        assert_int_equal(su_http(p.port, "POST", req[k].path, NULL, small[k], &r), 200);
+        assert_int_equal(su_http(p.port, "POST", req[k].path, NULL, small[k].body, &r), 200);
         su_resp_free(&r);
     }
     long rss0 = su_rss_kb(p.pid);
