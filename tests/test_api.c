@@ -333,7 +333,10 @@ static void test_logprob_answers_memory(void **state)
     }
     long rss1 = su_rss_kb(p.pid);
     print_message("RSS before %ld KiB, after three rounds %ld KiB\n", rss0, rss1);
-    long slack_kb = getenv("ASAN_OPTIONS") ? 16384 + 8192 : 16384;
+    /* Under ASan freed memory stays in the allocator's size classes and its
+     * 8 MiB quarantine (about 33 MiB here; the tree kept far more); its
+     * leak check at exit covers leaks. */
+    long slack_kb = getenv("ASAN_OPTIONS") ? 65536 : 16384;
     assert_true(rss1 <= rss0 + slack_kb);
     server_stop(&p);
 }
