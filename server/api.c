@@ -7,7 +7,7 @@
  * handler; a completion's body is parsed and decoded on the loop thread
  * (api_decode*.c: cheap checks, the byte bound); rendering, tokenizing and
  * the prompt-fit check run on libuv's work queue (api_prepare.c, started
- * from api_calls.c); the request then leaves as a plain struct srv_req for
+ * from api_calls.c); the request then leaves as a plain struct engine_req for
  * the engine. The engine answers with events, which api_answer.c turns
  * into a JSON body, or into Server-Sent Events as they come for streams.
  *
@@ -31,6 +31,7 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "server/api_internal.h"
@@ -62,6 +63,12 @@ void srv_api_set_params(srv_api *a, const struct srv_api_params *p)
     if (!a->chat) /* the template is chosen at load: a reload changes it only on restart */
         snprintf(a->chat_path, sizeof(a->chat_path), "%s", p->chat_template ? p->chat_template : "");
     a->p.chat_template = NULL;
+    char *cj = p->config_json ? strdup(p->config_json) : NULL;
+    if (cj || !p->config_json) { /* out of memory: the old one stays */
+        free(a->config_json);
+        a->config_json = cj;
+    }
+    a->p.config_json = NULL;
 }
 
 void srv_api_destroy(srv_api *a)
@@ -77,6 +84,7 @@ void srv_api_destroy(srv_api *a)
     free(a->piece_buf);
     tpl_chat_destroy(a->chat);
     srv_chat_sess_free_all(a);
+    free(a->config_json);
     free(a);
 }
 
@@ -95,6 +103,6 @@ void srv_api_abort_all(srv_api *a)
     for (struct call *call = a->calls; call; call = call->next)
         if (call->req) {
             int expected = 0;
-            atomic_compare_exchange_strong(&call->req->cancel, &expected, SRV_CANCEL_ABORT);
+            atomic_compare_exchange_strong(&call->req->cancel, &expected, ENGINE_CANCEL_ABORT);
         }
 }

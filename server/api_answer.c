@@ -18,34 +18,35 @@
 #include "server/api_internal.h"
 #include "server/errors.h"
 #include "server/log.h"
+#include "server/route_map.h"
 
-static const char *openai_finish(enum srv_finish f)
+static const char *openai_finish(enum engine_finish f)
 {
     switch (f) {
-    case SRV_FINISH_EOG:
-    case SRV_FINISH_STOP:
+    case ENGINE_FINISH_EOG:
+    case ENGINE_FINISH_STOP:
         return "stop";
     default:
         return "length";
     }
 }
 
-static const char *llama_stop_type(enum srv_finish f)
+static const char *llama_stop_type(enum engine_finish f)
 {
     switch (f) {
-    case SRV_FINISH_EOG:
+    case ENGINE_FINISH_EOG:
         return "eos";
-    case SRV_FINISH_STOP:
+    case ENGINE_FINISH_STOP:
         return "word";
-    case SRV_FINISH_LENGTH:
-    case SRV_FINISH_CONTEXT:
+    case ENGINE_FINISH_LENGTH:
+    case ENGINE_FINISH_CONTEXT:
         return "limit";
     default:
         return "none";
     }
 }
 
-static json_t *usage_json(const struct srv_usage *u)
+static json_t *usage_json(const struct engine_usage *u)
 {
     return json_pack("{s:i, s:i, s:i, s:{s:i}, s:{s:i, s:i, s:i}}", "prompt_tokens",
                      u->prompt_tokens, "completion_tokens", u->completion_tokens, "total_tokens",
@@ -55,7 +56,7 @@ static json_t *usage_json(const struct srv_usage *u)
 }
 
 /* A chat answer's usage: the completion's, with the messages left out. */
-static json_t *chat_usage(struct call *call, const struct srv_usage *u)
+static json_t *chat_usage(struct call *call, const struct engine_usage *u)
 {
     json_t *v = usage_json(u);
     json_object_set_new(json_object_get(v, "kvd"), "evicted_messages",
@@ -63,7 +64,7 @@ static json_t *chat_usage(struct call *call, const struct srv_usage *u)
     return v;
 }
 
-static json_t *timings_json(const struct srv_usage *u)
+static json_t *timings_json(const struct engine_usage *u)
 {
     int pn = u->prompt_tokens - u->cached_tokens;
     int gn = u->completion_tokens;
@@ -145,7 +146,7 @@ static void chat_role_chunk(struct call *call)
                               NULL, NULL));
 }
 
-static void on_text(struct call *call, const struct srv_event *ev)
+static void on_text(struct call *call, const struct engine_event *ev)
 {
     if (call->return_tokens && ev->n_tokens > 0) {
         if (call->n_toks + ev->n_tokens > call->cap_toks) {
@@ -210,19 +211,19 @@ static void on_text(struct call *call, const struct srv_event *ev)
     }
 }
 
-static json_t *llama_final(struct call *call, const struct srv_event *ev, json_t *content)
+static json_t *llama_final(struct call *call, const struct engine_event *ev, json_t *content)
 {
-    const struct srv_usage *u = &ev->usage;
+    const struct engine_usage *u = &ev->usage;
     const char *word =
-        ev->finish == SRV_FINISH_STOP && ev->stop_index >= 0 ? call->req->stop[ev->stop_index] : "";
+        ev->finish == ENGINE_FINISH_STOP && ev->stop_index >= 0 ? call->req->stop[ev->stop_index] : "";
     json_t *v = json_pack(
         "{s:o, s:i, s:i, s:b, s:s, s:i, s:i, s:i, s:b, s:s, s:b, s:b, s:b, s:s, s:o, s:o, "
         "s:{s:i, s:i, s:i}}",
         "content", content, "id_slot", 0, "index", 0, "stop", 1, "model", call->a->model_name,
         "tokens_predicted", u->completion_tokens, "tokens_evaluated", u->prompt_tokens,
         "tokens_cached", u->cached_tokens, "truncated", 0, "stop_type", llama_stop_type(ev->finish),
-        "stopped_eos", ev->finish == SRV_FINISH_EOG, "stopped_word", ev->finish == SRV_FINISH_STOP,
-        "stopped_limit", ev->finish == SRV_FINISH_LENGTH || ev->finish == SRV_FINISH_CONTEXT,
+        "stopped_eos", ev->finish == ENGINE_FINISH_EOG, "stopped_word", ev->finish == ENGINE_FINISH_STOP,
+        "stopped_limit", ev->finish == ENGINE_FINISH_LENGTH || ev->finish == ENGINE_FINISH_CONTEXT,
         "stopping_word", word, "timings", timings_json(u), "generation_settings",
         call->settings ? json_incref(call->settings) : json_object(), "kvd", "cached_tokens",
         u->cached_tokens, "evicted_tokens", u->evicted_tokens, "retained_tokens",
@@ -260,18 +261,18 @@ static void respond_answer(struct call *call, json_t *v)
  * event where the finish chunk would be; llama.cpp's gets stop_type "none"
  * with an "error" object. Counted in kvd_requests_cut_short_total.
  */
-static void on_cut(struct call *call, const struct srv_event *ev)
+static void on_cut(struct call *call, const struct engine_event *ev)
 {
     srv_metrics_cut(call->a->metrics, (int)ev->finish);
-    const char *code = ev->finish == SRV_FINISH_ABORT  ? "cut_short_shutdown"
-                       : ev->finish == SRV_FINISH_POOL ? "cut_short_kv_cache_full"
+    const char *code = ev->finish == ENGINE_FINISH_ABORT  ? "cut_short_shutdown"
+                       : ev->finish == ENGINE_FINISH_POOL ? "cut_short_kv_cache_full"
                                                        : "cut_short_policy_none";
     char msg[400];
     snprintf(msg, sizeof(msg), "the answer was cut short after %d tokens: %s",
              ev->usage.completion_tokens,
-             ev->finish == SRV_FINISH_ABORT
+             ev->finish == ENGINE_FINISH_ABORT
                  ? "the server is shutting down and its drain deadline passed"
-             : ev->finish == SRV_FINISH_POOL
+             : ev->finish == ENGINE_FINISH_POOL
                  ? "the KV cache ran out of pages (eviction and idle sessions gave none back)"
                  : "a reload switched eviction to policy none and the sequence's cache is full");
     if (call->kind == CALL_LLAMA) {
@@ -303,12 +304,16 @@ static void on_cut(struct call *call, const struct srv_event *ev)
         srv_http_stream_end(call->conn);
 }
 
-static void on_done(struct call *call, const struct srv_event *ev)
+static void on_done(struct call *call, const struct engine_event *ev)
 {
     if (!call->conn)
         return;
+    if (call->kind == CALL_SESSION_MAP) {
+        srv_map_respond(call->conn, ev, call->req->session);
+        return;
+    }
     if (call->kind == CALL_SESSION_GET || call->kind == CALL_SESSION_DELETE) {
-        const struct srv_session_info *si = &ev->session;
+        const struct engine_session_info *si = &ev->session;
         if (!si->found) {
             srv_api_error(call->conn, 404, "session", NULL, NULL, "no session '%s'", call->req->session);
             return;
@@ -339,13 +344,13 @@ static void on_done(struct call *call, const struct srv_event *ev)
                       si->kv_pages, "bytes", (json_int_t)si->kv_bytes));
         return;
     }
-    if (ev->finish == SRV_FINISH_CANCEL)
+    if (ev->finish == ENGINE_FINISH_CANCEL)
         return;
-    if (srv_finish_cut(ev->finish)) {
+    if (engine_finish_cut(ev->finish)) {
         on_cut(call, ev);
         return;
     }
-    const struct srv_usage *u = &ev->usage;
+    const struct engine_usage *u = &ev->usage;
     if (call->stream && call->kind == CALL_CHAT) {
         stream_start(call);
         chat_role_chunk(call);
@@ -404,7 +409,7 @@ static void on_done(struct call *call, const struct srv_event *ev)
     }
 }
 
-static void on_error(struct call *call, const struct srv_event *ev)
+static void on_error(struct call *call, const struct engine_event *ev)
 {
     if (!call->conn)
         return;
@@ -429,10 +434,10 @@ static void on_error(struct call *call, const struct srv_event *ev)
 bool srv_api_pump(srv_api *a, char *err, size_t errlen)
 {
     bool ok = true;
-    for (struct srv_event *ev = srv_sched_take_events(a->sched), *next; ev; ev = next) {
+    for (struct engine_event *ev = srv_sched_take_events(a->sched), *next; ev; ev = next) {
         next = ev->next;
         switch (ev->kind) {
-        case SRV_EV_READY:
+        case ENGINE_EV_READY:
             a->m = srv_sched_model(a->sched);
             model_get_info(a->m, &a->info);
             a->max_token_bytes = model_max_token_bytes(a->m);
@@ -445,23 +450,25 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
                     "untokenized)",
                     a->model_name, a->max_token_bytes);
             break;
-        case SRV_EV_FATAL:
+        case ENGINE_EV_FATAL:
             snprintf(err, errlen, "%s", ev->message);
             ok = false;
             break;
-        case SRV_EV_TEXT:
+        case ENGINE_EV_TEXT:
             on_text(ev->req->owner, ev);
             break;
-        case SRV_EV_DONE:
+        case ENGINE_EV_LOGITS: /* never asked for by the API */
+            break;
+        case ENGINE_EV_DONE:
             on_done(ev->req->owner, ev);
             srv_call_end(a, ev->req->owner);
             break;
-        case SRV_EV_ERROR:
+        case ENGINE_EV_ERROR:
             on_error(ev->req->owner, ev);
             srv_call_end(a, ev->req->owner);
             break;
         }
-        srv_event_free(ev);
+        engine_event_free(ev);
     }
     return ok;
 }

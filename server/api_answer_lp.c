@@ -11,7 +11,7 @@
  * every token "token_id:ID" instead.
  *
  * A non-streamed answer holds every token's numbers until it ends (up to
- * SRV_MAX_LOGPROB_ENTRIES entries). They are kept as JSON text, each
+ * ENGINE_MAX_LOGPROB_ENTRIES entries). They are kept as JSON text, each
  * token's entry serialised when its event arrives, never as one JSON tree
  * (a jansson object costs a hundred-odd bytes per number, and serialising
  * a quarter-million-entry tree at the end held the loop thread for
@@ -73,7 +73,7 @@ static size_t utf8_chars(const char *s, size_t n)
  * likely one keeps it, and a U+0000 in a name is written U+FFFD there
  * (many JSON parsers refuse it in a key). text_offset counts code points
  * of the completion. */
-static void openai_parts(struct call *call, const struct srv_logprob *lp, json_t *out[4])
+static void openai_parts(struct call *call, const struct engine_logprob *lp, json_t *out[4])
 {
     out[0] = token_name(call, lp->token, lp->piece, lp->piece_len);
     out[1] = json_logprob(lp->logprob);
@@ -109,7 +109,7 @@ static void openai_parts(struct call *call, const struct srv_logprob *lp, json_t
 }
 
 /* llama.cpp's completion_probabilities entry for one token (new). */
-static json_t *llama_entry(struct call *call, const struct srv_logprob *lp)
+static json_t *llama_entry(struct call *call, const struct engine_logprob *lp)
 {
     json_t *top = json_array();
     for (int i = 0; i < lp->n_top; i++)
@@ -135,7 +135,7 @@ static json_t *name_bytes(const json_t *name)
 /* One entry of a chat completion's logprobs.content (new): the sampled
  * token and the top_logprobs alternatives, each with token, logprob and
  * bytes. */
-static json_t *chat_entry(struct call *call, const struct srv_logprob *lp)
+static json_t *chat_entry(struct call *call, const struct engine_logprob *lp)
 {
     json_t *top = json_array();
     for (int i = 0; i < lp->n_top; i++) {
@@ -152,7 +152,7 @@ static json_t *chat_entry(struct call *call, const struct srv_logprob *lp)
     return v;
 }
 
-json_t *srv_lp_stream_json(struct call *call, const struct srv_logprob *lp)
+json_t *srv_lp_stream_json(struct call *call, const struct engine_logprob *lp)
 {
     if (call->kind == CALL_CHAT)
         return json_pack("{s:[o]}", "content", chat_entry(call, lp));
@@ -212,7 +212,7 @@ static int list_add(struct lp_list *l, json_t *v)
     return 0;
 }
 
-int srv_lp_buf_add(struct call *call, const struct srv_logprob *lp)
+int srv_lp_buf_add(struct call *call, const struct engine_logprob *lp)
 {
     if (!call->lp && !(call->lp = calloc(1, sizeof(*call->lp))))
         return -1;

@@ -5,7 +5,7 @@
  *
  * A call is owned by the loop thread. Once submitted it sits on the API's
  * list until its final event (srv_api_pump -> srv_call_end); its request
- * belongs to the engine in between (see struct srv_req).
+ * belongs to the engine in between (see struct engine_req).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -25,14 +25,14 @@ static void call_gone(void *owner)
     struct call *call = owner;
     call->conn = NULL;
     if (call->req)
-        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+        atomic_store(&call->req->cancel, ENGINE_CANCEL_CLIENT);
 }
 
 void srv_call_out_of_memory(struct call *call)
 {
     call->return_tokens = false;
     if (call->req)
-        atomic_store(&call->req->cancel, SRV_CANCEL_CLIENT);
+        atomic_store(&call->req->cancel, ENGINE_CANCEL_CLIENT);
     if (call->conn) {
         srv_conn *c = call->conn;
         call->conn = NULL;
@@ -69,7 +69,7 @@ static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
 
 void srv_call_free(struct call *call)
 {
-    srv_req_free(call->req);
+    engine_req_free(call->req);
     free(call->text);
     free(call->toks);
     json_decref(call->settings);
@@ -215,13 +215,20 @@ void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c)
     srv_api_job_start(a, conn, &p->job);
 }
 
-void srv_call_session(srv_api *a, srv_conn *conn, const char *id, bool del)
+void srv_call_session(srv_api *a, srv_conn *conn, const char *id, enum call_kind kind,
+                      const struct engine_map_opts *map)
 {
-    struct call *call = call_new(a, conn, del ? CALL_SESSION_DELETE : CALL_SESSION_GET);
+    bool del = kind == CALL_SESSION_DELETE;
+    struct call *call = call_new(a, conn, kind);
     if (call)
-        call->req = srv_req_new(del ? SRV_REQ_SESSION_DELETE : SRV_REQ_SESSION_INFO);
-    if (call && call->req)
+        call->req = engine_req_new(del                        ? ENGINE_REQ_SESSION_DELETE
+                                   : kind == CALL_SESSION_MAP ? ENGINE_REQ_SESSION_MAP
+                                                              : ENGINE_REQ_SESSION_INFO);
+    if (call && call->req) {
         call->req->session = strdup(id);
+        if (map)
+            call->req->map = *map;
+    }
     if (call && call->req && call->req->session && del)
         srv_chat_sess_forget(a, id);
     if (!call || !call->req || !call->req->session) {

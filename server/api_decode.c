@@ -136,7 +136,7 @@ static int check_prompt_bytes(const struct srv_api_limits *lim, const struct srv
 }
 
 /* stop: a string or an array of strings. */
-static int decode_stop(const json_t *body, struct srv_req *r, struct srv_api_error *e)
+static int decode_stop(const json_t *body, struct engine_req *r, struct srv_api_error *e)
 {
     json_t *s = srv_field(body, "stop");
     if (!s)
@@ -177,7 +177,7 @@ static int decode_stop(const json_t *body, struct srv_req *r, struct srv_api_err
  * records the first problem in e.
  */
 static void decode_session(const struct srv_api_limits *lim, const json_t *body, const char *hdr,
-                           struct srv_req *r, struct srv_api_error *e)
+                           struct engine_req *r, struct srv_api_error *e)
 {
     const char *sess = NULL;
     size_t max = (size_t)lim->max_session_id;
@@ -211,7 +211,7 @@ static void decode_session(const struct srv_api_limits *lim, const json_t *body,
  * ------------------------------------------------------------------------ */
 
 void srv_decode_common(const struct srv_api_limits *lim, const json_t *body,
-                       const char *hdr_session, struct srv_req *r, struct srv_api_error *e)
+                       const char *hdr_session, struct engine_req *r, struct srv_api_error *e)
 {
     double d;
     long long i;
@@ -239,28 +239,28 @@ int srv_decode_top_n(const struct srv_api_limits *lim, const json_t *body, const
     int rc = srv_get_int(body, key, INT64_MIN, INT64_MAX, &n, e);
     if (rc <= 0)
         return rc;
-    int lim_n = lim->n_vocab < SRV_MAX_TOP_LOGPROBS ? lim->n_vocab : SRV_MAX_TOP_LOGPROBS;
+    int lim_n = lim->n_vocab < ENGINE_MAX_TOP_LOGPROBS ? lim->n_vocab : ENGINE_MAX_TOP_LOGPROBS;
     if (n < 0 || n > lim_n)
         return srv_fail(e, key, "invalid_value",
                         "'%s' must be between 0 and %d (the vocabulary has %d tokens; kvd returns "
                         "at most %d alternatives per token) (got %lld)",
-                        key, lim_n, lim->n_vocab, SRV_MAX_TOP_LOGPROBS, n);
+                        key, lim_n, lim->n_vocab, ENGINE_MAX_TOP_LOGPROBS, n);
     *out = (int)n;
     return 1;
 }
 
-void srv_decode_logprob_work(const struct srv_req *r, bool stream, const char *param,
+void srv_decode_logprob_work(const struct engine_req *r, bool stream, const char *param,
                              struct srv_api_error *e)
 {
     if (!r->want_logprobs || stream)
         return;
     long long entries = (long long)r->max_tokens * (r->n_top_logprobs + 1);
-    if (entries > SRV_MAX_LOGPROB_ENTRIES)
+    if (entries > ENGINE_MAX_LOGPROB_ENTRIES)
         srv_fail(e, param, "invalid_value",
                  "%d tokens with %d alternatives each make %lld log-probability entries; a "
                  "non-streamed answer may have at most %d (tokens x (alternatives + 1)): ask "
                  "for fewer tokens or alternatives, or stream",
-                 r->max_tokens, r->n_top_logprobs, entries, SRV_MAX_LOGPROB_ENTRIES);
+                 r->max_tokens, r->n_top_logprobs, entries, ENGINE_MAX_LOGPROB_ENTRIES);
 }
 
 int srv_decode_prompt(const struct srv_api_limits *lim, const json_t *body, bool mixed,
@@ -272,7 +272,7 @@ int srv_decode_prompt(const struct srv_api_limits *lim, const json_t *body, bool
 }
 
 int srv_decode_max_tokens(const struct srv_api_limits *lim, const json_t *body, const char *key,
-                          struct srv_req *r, struct srv_api_error *e)
+                          struct engine_req *r, struct srv_api_error *e)
 {
     long long i = 0;
     json_t *mt = srv_field(body, key);
@@ -285,7 +285,7 @@ int srv_decode_max_tokens(const struct srv_api_limits *lim, const json_t *body, 
     return e->status ? -1 : 0;
 }
 
-void srv_decode_openai_sampling(const struct srv_api_limits *lim, struct srv_req *r)
+void srv_decode_openai_sampling(const struct srv_api_limits *lim, struct engine_req *r)
 {
     model_sampling_defaults(&r->sampling);
     r->sampling.temperature = 1.0f;
@@ -296,7 +296,7 @@ void srv_decode_openai_sampling(const struct srv_api_limits *lim, struct srv_req
     r->sampling.seed = lim->seed;
 }
 
-void srv_decode_openai_shared(const json_t *body, struct srv_req *r, struct srv_completion *c,
+void srv_decode_openai_shared(const json_t *body, struct engine_req *r, struct srv_completion *c,
                               struct srv_api_error *e)
 {
     long long i;
@@ -338,13 +338,13 @@ int srv_decode_start(enum srv_api_shape shape, json_t *body, struct srv_completi
     memset(out, 0, sizeof(*out));
     out->shape = shape;
     out->body = json_incref(body);
-    out->req = srv_req_new(SRV_REQ_COMPLETION);
+    out->req = engine_req_new(ENGINE_REQ_COMPLETION);
     return out->req ? 0 : srv_oom(e, "accepting the request");
 }
 
 void srv_completion_clear(struct srv_completion *c)
 {
-    srv_req_free(c->req);
+    engine_req_free(c->req);
     free(c->prompt.parts);
     free(c->prompt.ids);
     json_decref(c->body);

@@ -80,7 +80,7 @@ enum srv_api_shape {
 /* A decoded completion request. */
 struct srv_completion {
     enum srv_api_shape shape;
-    struct srv_req *req;      /* every engine field but the prompt (owned) */
+    struct engine_req *req;      /* every engine field but the prompt (owned) */
     struct srv_prompt prompt; /* OPENAI, LLAMA */
     json_t *body;             /* the request (a reference, owned) */
     const json_t *messages;   /* CHAT (borrowed from body) */

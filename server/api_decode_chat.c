@@ -61,7 +61,7 @@ int srv_decode_chat(const struct srv_api_limits *lim, json_t *body, const char *
 {
     if (srv_decode_start(SRV_SHAPE_CHAT, body, out, e))
         goto out;
-    struct srv_req *r = out->req;
+    struct engine_req *r = out->req;
     srv_decode_openai_sampling(lim, r);
     r->max_tokens = lim->default_max_tokens;
     out->max_tokens_given =

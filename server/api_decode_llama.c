@@ -11,7 +11,7 @@
 #include "server/api_internal.h"
 
 /* generation_settings as llama.cpp reports them (new; NULL on OOM). */
-static json_t *settings_json(const struct srv_req *r, bool stream)
+static json_t *settings_json(const struct engine_req *r, bool stream)
 {
     json_t *stops = json_array();
 #define R6(x) (round((double)(x)*1e6) / 1e6)
@@ -33,7 +33,7 @@ int srv_decode_llama(const struct srv_api_limits *lim, json_t *body, const char 
 {
     if (srv_decode_start(SRV_SHAPE_LLAMA, body, out, e))
         goto out;
-    struct srv_req *r = out->req;
+    struct engine_req *r = out->req;
     model_sampling_defaults(&r->sampling); /* llama.cpp's defaults */
     r->sampling.seed = lim->seed;
     long long i;

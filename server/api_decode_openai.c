@@ -14,7 +14,7 @@ int srv_decode_openai(const struct srv_api_limits *lim, json_t *body, const char
 {
     if (srv_decode_start(SRV_SHAPE_OPENAI, body, out, e))
         goto out;
-    struct srv_req *r = out->req;
+    struct engine_req *r = out->req;
     srv_decode_openai_sampling(lim, r);
     const char *s;
     long long i;

@@ -40,14 +40,21 @@
 #define SRV_MAX_STOP 16
 #define SRV_MAX_STOP_BYTES 512
 
-enum call_kind { CALL_OPENAI, CALL_LLAMA, CALL_CHAT, CALL_SESSION_GET, CALL_SESSION_DELETE };
+enum call_kind {
+    CALL_OPENAI,
+    CALL_LLAMA,
+    CALL_CHAT,
+    CALL_SESSION_GET,
+    CALL_SESSION_DELETE,
+    CALL_SESSION_MAP
+};
 
 /* One accepted request, from its decoding to its last answer byte (loop
  * thread only). */
 struct call {
     srv_api *a;
     srv_conn *conn;      /* NULL once the client left */
-    struct srv_req *req; /* owned; freed at the final event */
+    struct engine_req *req; /* owned; freed at the final event */
     enum call_kind kind;
     bool stream;
     bool include_usage; /* OpenAI stream_options.include_usage */
@@ -107,6 +114,7 @@ struct srv_api {
     int32_t eot_token;           /* the template's end of turn as a control token, or -1 */
     struct chat_sess *chat_sess; /* most recently used first */
     int n_chat_sess;
+    char *config_json; /* GET /v1/config (owned), or NULL */
 };
 
 /* --- api_work.c: jobs off the loop thread ------------------------------------- */
@@ -168,18 +176,18 @@ int srv_decode_start(enum srv_api_shape shape, json_t *body, struct srv_completi
                      struct srv_api_error *e);
 /* Sampling fields, session (hdr_session: X-Session-Id or NULL), stop, ignore_eos. */
 void srv_decode_common(const struct srv_api_limits *lim, const json_t *body,
-                       const char *hdr_session, struct srv_req *r, struct srv_api_error *e);
+                       const char *hdr_session, struct engine_req *r, struct srv_api_error *e);
 /* Alternatives per token (OpenAI logprobs, llama.cpp n_probs) in
- * 0..min(n_vocab, SRV_MAX_TOP_LOGPROBS): 1 present, 0 absent, -1 bad. */
+ * 0..min(n_vocab, ENGINE_MAX_TOP_LOGPROBS): 1 present, 0 absent, -1 bad. */
 int srv_decode_top_n(const struct srv_api_limits *lim, const json_t *body, const char *key,
                      int *out, struct srv_api_error *e);
 /*
  * A non-streamed answer with log-probabilities holds tokens x
- * (alternatives + 1) entries until it is sent; SRV_MAX_LOGPROB_ENTRIES
+ * (alternatives + 1) entries until it is sent; ENGINE_MAX_LOGPROB_ENTRIES
  * bounds that before any work is done (a stream sends each token's
  * entries as it goes and is not bounded here).
  */
-void srv_decode_logprob_work(const struct srv_req *r, bool stream, const char *param,
+void srv_decode_logprob_work(const struct engine_req *r, bool stream, const char *param,
                              struct srv_api_error *e);
 /* The prompt as given (mixed: llama.cpp's arrays of strings and ids), and
  * the byte bound. */
@@ -187,12 +195,12 @@ int srv_decode_prompt(const struct srv_api_limits *lim, const json_t *body, bool
                       struct srv_prompt *out, struct srv_api_error *e);
 /* r->max_tokens from body[key] (left as is when absent). */
 int srv_decode_max_tokens(const struct srv_api_limits *lim, const json_t *body, const char *key,
-                          struct srv_req *r, struct srv_api_error *e);
+                          struct engine_req *r, struct srv_api_error *e);
 /* OpenAI's defaults: plain sampling at temperature 1, lim->seed. */
-void srv_decode_openai_sampling(const struct srv_api_limits *lim, struct srv_req *r);
+void srv_decode_openai_sampling(const struct srv_api_limits *lim, struct engine_req *r);
 /* What OpenAI's completion and chat routes share: n, seed, stream,
  * stream_options, user, model. */
-void srv_decode_openai_shared(const json_t *body, struct srv_req *r, struct srv_completion *c,
+void srv_decode_openai_shared(const json_t *body, struct engine_req *r, struct srv_completion *c,
                               struct srv_api_error *e);
 /* logit_bias: only an empty object is accepted. */
 void srv_decode_no_logit_bias(const json_t *body, struct srv_api_error *e);
@@ -237,8 +245,10 @@ void srv_api_limits(srv_api *a, struct srv_api_limits *lim);
  * cleared), prepare its prompt off the loop thread, then submit it. Every
  * outcome is answered. */
 void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c);
-/* Submit a session request (GET/DELETE /v1/sessions/ID). */
-void srv_call_session(srv_api *a, srv_conn *conn, const char *id, bool del);
+/* Submit a session request (GET/DELETE /v1/sessions/ID, GET .../ID/map
+ * with its options). */
+void srv_call_session(srv_api *a, srv_conn *conn, const char *id, enum call_kind kind,
+                      const struct engine_map_opts *map);
 /* Memory ran out assembling a non-streamed answer: 500 now (never a cut
  * answer passed off as whole), and the generation is stopped. */
 void srv_call_out_of_memory(struct call *call);
@@ -251,10 +261,10 @@ void srv_call_free(struct call *call);
 /* One token's log-probabilities as a stream event carries them (new):
  * OpenAI's logprobs object, chat's {"content": [entry]}, llama.cpp's
  * [entry]. */
-json_t *srv_lp_stream_json(struct call *call, const struct srv_logprob *lp);
+json_t *srv_lp_stream_json(struct call *call, const struct engine_logprob *lp);
 /* Add one token's to a non-streamed answer's (serialised now, kept as
  * text). -1 when memory runs out. */
-int srv_lp_buf_add(struct call *call, const struct srv_logprob *lp);
+int srv_lp_buf_add(struct call *call, const struct engine_logprob *lp);
 void srv_lp_buf_free(struct srv_lp_buf *b);
 /* The placeholder to put in an answer's tree where its log-probabilities
  * go (new), then answer with srv_lp_respond. */

@@ -105,7 +105,7 @@ int srv_tokenize_append(const model *m, const char *text, size_t len, bool bos, 
 static int tokenize_parts(const struct srv_prepare_ctx *ctx, struct srv_completion *c,
                           struct srv_api_error *e)
 {
-    struct srv_req *r = c->req;
+    struct engine_req *r = c->req;
     int limit = token_limit(&ctx->lim), cap = 0;
     const int32_t *ids = c->prompt.ids;
     for (int i = 0; i < c->prompt.n_parts; i++) {
@@ -170,7 +170,7 @@ static int render_chat(const struct srv_prepare_ctx *ctx, const struct srv_compl
 
 /* Stop at the template's end of turn: as a token when it is one (control
  * tokens print no text), else as a stop string. */
-static int chat_stop(const struct srv_prepare_ctx *ctx, struct srv_req *r,
+static int chat_stop(const struct srv_prepare_ctx *ctx, struct engine_req *r,
                      struct srv_api_error *e)
 {
     const char *eot = tpl_chat_end_of_turn(ctx->chat);
@@ -197,7 +197,7 @@ static int prepare_chat(const struct srv_prepare_ctx *ctx, struct srv_completion
     size_t len = 0;
     if (render_chat(ctx, c, &text, &len, fit, e))
         return -1;
-    struct srv_req *r = c->req;
+    struct engine_req *r = c->req;
     int limit = token_limit(&ctx->lim), cap = 0;
     struct srv_api_error te = {0};
     int rc = srv_tokenize_append(ctx->m, text, len, true, true, limit, &r->prompt, &r->n_prompt,

@@ -8,6 +8,7 @@
  * they do (completions in api_calls.c, tokens in api_tokens.c, the chat
  * template in api_chat.c).
  */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,10 +17,12 @@
 
 #include "server/api_internal.h"
 #include "server/log.h"
+#include "server/route_map.h"
+#include "server/web.h"
 
 /* Methods a route accepts; HEAD goes wherever GET does (the HTTP layer
- * drops the body). */
-enum { M_GET = 1, M_POST = 2, M_DELETE = 4 };
+ * drops the body). M_ANY: the handler answers methods itself. */
+enum { M_GET = 1, M_POST = 2, M_DELETE = 4, M_OTHER = 8, M_ANY = 15 };
 
 /* What a route needs before its handler runs. */
 enum need {
@@ -33,6 +36,7 @@ typedef void route_fn(srv_api *a, srv_conn *c, const struct srv_http_req *req, c
 struct route {
     const char *path; /* the whole path, or (prefix) what starts it */
     bool prefix;      /* path is a prefix; the rest (non-empty) goes to the handler */
+    bool (*match)(const char *path); /* instead of path, when set */
     unsigned methods; /* M_* */
     bool auth;        /* the bearer key is required (when one is configured) */
     enum need need;
@@ -82,7 +86,10 @@ static void route_chat(srv_api *a, srv_conn *c, const struct srv_http_req *req, 
     route_completion(a, c, req, srv_decode_chat);
 }
 
-static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *id)
+/* GET/DELETE /v1/sessions/ID and GET /v1/sessions/ID/map (map: its
+ * options, already read). */
+static void session_call(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *id,
+                         enum call_kind kind, const struct engine_map_opts *map)
 {
     struct srv_api_error e = {0};
     struct srv_api_limits lim;
@@ -95,7 +102,60 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
         srv_api_error(c, 503, NULL, NULL, NULL, "the model is loading");
         return;
     }
-    srv_call_session(a, c, id, !strcmp(req->method, "DELETE"));
+    srv_call_session(a, c, id, kind, map);
+}
+
+static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *id)
+{
+    session_call(a, c, req, id,
+                 !strcmp(req->method, "DELETE") ? CALL_SESSION_DELETE : CALL_SESSION_GET, NULL);
+}
+
+static bool map_match(const char *path)
+{
+    char id[256];
+    return srv_map_path(path, id, sizeof(id));
+}
+
+/* GET /v1/sessions/ID/map (route_map.c shapes the answer). */
+static void route_session_map(srv_api *a, srv_conn *c, const struct srv_http_req *req,
+                              const char *rest)
+{
+    (void)rest;
+    char id[256], param[64], msg[256];
+    srv_map_path(req->path, id, sizeof(id));
+    struct engine_map_opts map = {0};
+    if (srv_map_parse_query(req->query, &map, param, sizeof(param), msg, sizeof(msg)) != 0) {
+        srv_api_error(c, 400, param, NULL, NULL, "%s: %s", param, msg);
+        return;
+    }
+    session_call(a, c, req, id, CALL_SESSION_MAP, &map);
+}
+
+static bool web_match(const char *path)
+{
+    return srv_web_find(path) != NULL;
+}
+
+/* The page's files (web.c answers their methods and ETags). */
+static void route_web(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *rest)
+{
+    (void)a, (void)rest;
+    srv_web_respond(c, req, srv_web_find(req->path));
+}
+
+/* GET /v1/config: the effective config with each key's origin, as `kvd
+ * check-config` prints it (the daemon's program renders it at start and on
+ * each reload; the API key's value never appears). */
+static void route_config(srv_api *a, srv_conn *c, const struct srv_http_req *req, const char *rest)
+{
+    (void)req, (void)rest;
+    if (!a->config_json) {
+        srv_api_error(c, 404, NULL, NULL, NULL, "this server was started without a config to show");
+        return;
+    }
+    srv_http_respond(c, 200, "application/json", "Cache-Control: no-store\r\n", a->config_json,
+                     strlen(a->config_json));
 }
 
 static void route_tokenize(srv_api *a, srv_conn *c, const struct srv_http_req *req,
@@ -134,14 +194,31 @@ static void route_models(srv_api *a, srv_conn *c, const struct srv_http_req *req
     srv_respond_json(c, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
 }
 
+/* Whether the engine thread has been in one step longer than the
+ * configured engine_stall_timeout (the reason in msg). */
+static bool engine_stalled(srv_api *a, char *msg, size_t len)
+{
+    uint64_t busy = srv_sched_busy_ms(a->sched);
+    if (!a->p.engine_stall_ms || busy <= a->p.engine_stall_ms)
+        return false;
+    snprintf(msg, len,
+             "the engine has been in one step for %" PRIu64 " ms (engine_stall_timeout %" PRIu64
+             " ms)",
+             busy, a->p.engine_stall_ms);
+    return true;
+}
+
 static void route_health(srv_api *a, srv_conn *c, const struct srv_http_req *req,
                          const char *rest)
 {
     (void)req, (void)rest;
+    char msg[160];
     if (a->draining)
         srv_api_error(c, 503, NULL, "draining", NULL, "the server is shutting down");
     else if (!a->m)
         srv_api_error(c, 503, NULL, "loading", NULL, "the model is loading");
+    else if (engine_stalled(a, msg, sizeof(msg)))
+        srv_api_error(c, 503, NULL, "engine_stalled", NULL, "%s", msg);
     else
         srv_respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
 }
@@ -192,20 +269,24 @@ static void route_metrics(srv_api *a, srv_conn *c, const struct srv_http_req *re
  * ------------------------------------------------------------------------ */
 
 static const struct route routes[] = {
-    /* path                    prefix methods            auth   need          handler */
-    {"/health", false, M_GET, false, NEED_NOTHING, route_health},
-    {"/metrics", false, M_GET, false, NEED_NOTHING, route_metrics},
-    {"/v1/completions", false, M_POST, true, NEED_SERVING, route_openai},
-    {"/completions", false, M_POST, true, NEED_SERVING, route_openai},
-    {"/completion", false, M_POST, true, NEED_SERVING, route_llama},
-    {"/v1/chat/completions", false, M_POST, true, NEED_SERVING, route_chat},
-    {"/chat/completions", false, M_POST, true, NEED_SERVING, route_chat},
-    {"/apply-template", false, M_POST, true, NEED_SERVING, route_apply_template},
-    {"/v1/models", false, M_GET, true, NEED_NOTHING, route_models},
-    {"/models", false, M_GET, true, NEED_NOTHING, route_models},
-    {"/tokenize", false, M_POST, true, NEED_MODEL, route_tokenize},
-    {"/detokenize", false, M_POST, true, NEED_MODEL, route_detokenize},
-    {"/v1/sessions/", true, M_GET | M_DELETE, true, NEED_NOTHING, route_session},
+    /* path, prefix, match, methods, auth, need, handler; the first row that matches */
+    /* the page's files: no data in them, so no key (web.h) */
+    {NULL, false, web_match, M_ANY, false, NEED_NOTHING, route_web},
+    {"/v1/config", false, NULL, M_GET, true, NEED_NOTHING, route_config},
+    {NULL, false, map_match, M_GET, true, NEED_NOTHING, route_session_map},
+    {"/health", false, NULL, M_GET, false, NEED_NOTHING, route_health},
+    {"/metrics", false, NULL, M_GET, false, NEED_NOTHING, route_metrics},
+    {"/v1/completions", false, NULL, M_POST, true, NEED_SERVING, route_openai},
+    {"/completions", false, NULL, M_POST, true, NEED_SERVING, route_openai},
+    {"/completion", false, NULL, M_POST, true, NEED_SERVING, route_llama},
+    {"/v1/chat/completions", false, NULL, M_POST, true, NEED_SERVING, route_chat},
+    {"/chat/completions", false, NULL, M_POST, true, NEED_SERVING, route_chat},
+    {"/apply-template", false, NULL, M_POST, true, NEED_SERVING, route_apply_template},
+    {"/v1/models", false, NULL, M_GET, true, NEED_NOTHING, route_models},
+    {"/models", false, NULL, M_GET, true, NEED_NOTHING, route_models},
+    {"/tokenize", false, NULL, M_POST, true, NEED_MODEL, route_tokenize},
+    {"/detokenize", false, NULL, M_POST, true, NEED_MODEL, route_detokenize},
+    {"/v1/sessions/", true, NULL, M_GET | M_DELETE, true, NEED_NOTHING, route_session},
 };
 
 /* The row for path (and *rest, what follows a prefix), or NULL. */
@@ -213,8 +294,11 @@ static const struct route *route_find(const char *path, const char **rest)
 {
     for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
         const struct route *r = &routes[i];
-        size_t n = strlen(r->path);
-        if (r->prefix ? !strncmp(path, r->path, n) && path[n] : !strcmp(path, r->path)) {
+        size_t n = r->path ? strlen(r->path) : 0;
+        bool hit = r->match    ? r->match(path)
+                   : r->prefix ? !strncmp(path, r->path, n) && path[n]
+                               : !strcmp(path, r->path);
+        if (hit) {
             *rest = path + (r->prefix ? n : strlen(path));
             return r;
         }
@@ -230,7 +314,7 @@ static unsigned method_bit(const char *m)
         return M_POST;
     if (!strcmp(m, "DELETE"))
         return M_DELETE;
-    return 0;
+    return M_OTHER;
 }
 
 /* "GET, HEAD, DELETE": what methods allows, for Allow and the message. */
