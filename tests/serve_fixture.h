@@ -196,7 +196,7 @@ SU_FN json_t *post(int port, const char *path, json_t *body, const char *headers
     struct resp r;
     *status = http(port, "POST", path, headers, s, &r);
     free(s);
-    json_t *v = r.body ? json_loads(r.body, 0, NULL) : NULL;
+    json_t *v = r.body ? json_loads(r.body, JSON_ALLOW_NUL, NULL) : NULL; /* U+0000: see su_post */
     if (*status != 200 && *status != -1 && !v)
         print_message("non-JSON answer %d: %s\n", *status, r.body ? r.body : "");
     resp_free(&r);

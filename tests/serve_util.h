@@ -252,7 +252,8 @@ SU_FN json_t *su_post(int port, const char *path, const char *headers, json_t *b
     struct su_resp r;
     *status = su_http(port, "POST", path, headers, s, &r);
     free(s);
-    json_t *v = r.body ? json_loads(r.body, 0, NULL) : NULL;
+    /* a generated text may hold U+0000 (a byte token 0x00), which JSON allows */
+    json_t *v = r.body ? json_loads(r.body, JSON_ALLOW_NUL, NULL) : NULL;
     su_resp_free(&r);
     return v;
 }
