@@ -58,9 +58,15 @@ static json_t *usage_json(const struct engine_usage *u)
 /* A chat answer's usage: the completion's, with the messages left out. */
 static json_t *chat_usage(struct call *call, const struct engine_usage *u)
 {
-    json_t *v = usage_json(u);
-    json_object_set_new(json_object_get(v, "kvd"), "evicted_messages",
-                        json_integer(call->evicted_messages));
+    json_t *v = usage_json(u), *kvd = json_object_get(v, "kvd");
+    json_object_set_new(kvd, "evicted_messages",
+                        json_integer(call->evicted_messages + u->evicted_messages));
+    if (call->turn_eviction)
+        json_object_set_new(kvd, "turn_eviction", json_string(call->turn_eviction));
+    if (call->turn_fallback[0])
+        json_object_set_new(kvd, "turn_eviction_fallback", json_string(call->turn_fallback));
+    if (call->cut_tokens)
+        json_object_set_new(kvd, "cut_tokens", json_integer(call->cut_tokens));
     return v;
 }
 
@@ -458,8 +464,12 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
             on_text(ev->req->owner, ev);
             break;
         case ENGINE_EV_LOGITS: /* never asked for by the API */
+        case ENGINE_EV_EVICTED:
             break;
         case ENGINE_EV_DONE:
+            /* whole turns a session's cache evicted in place */
+            srv_metrics_evicted_messages(a->metrics, true,
+                                         (uint64_t)ev->usage.evicted_messages_now);
             on_done(ev->req->owner, ev);
             srv_call_end(a, ev->req->owner);
             break;

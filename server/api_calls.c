@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "server/api_internal.h"
+#include "server/log.h"
 
 /* ------------------------------------------------------------------------
  * A call's life
@@ -140,6 +141,7 @@ struct prep_job {
     struct srv_completion comp;  /* the decoded request (the worker's meanwhile) */
     struct srv_prepare_ctx ctx;  /* what the worker reads besides comp */
     int before;                  /* chat session: messages its prompts left out */
+    bool fallback_logged;        /* chat session: its fallback to rendering was logged */
     struct srv_prepare_fit fit;  /* out */
     struct srv_api_error e;      /* out */
     int rc;                      /* out: srv_prepare's */
@@ -151,6 +153,44 @@ static void prep_run(struct srv_api_job *j)
     p->rc = srv_prepare(&p->ctx, &p->comp, &p->fit, &p->e);
 }
 
+/*
+ * What preparing a chat decided, recorded on the loop thread: the session
+ * table (turns left out; its fallback logged once), the metrics, the
+ * answer's usage.kvd fields. Returns 0, or -1 (e) when memory runs out.
+ */
+static int record_fit(srv_api *a, struct prep_job *p, struct call *call, struct srv_api_error *e)
+{
+    const struct srv_prepare_fit *f = &p->fit;
+    const char *sess = p->comp.req->session;
+    call->turn_eviction = f->turn_eviction;
+    call->cut_tokens = f->cut_tokens;
+    snprintf(call->turn_fallback, sizeof(call->turn_fallback), "%s", f->turn_fallback);
+    if (f->turn_fallback[0]) {
+        srv_metrics_turn_fallback(a->metrics);
+        if (!p->fallback_logged)
+            srv_log(SRV_LOG_WARN,
+                    "chat session '%s': turns are rendered again, not evicted in place: %s", sess,
+                    f->turn_fallback);
+    }
+    if (f->cut_tokens)
+        srv_log(SRV_LOG_INFO,
+                "chat request: the last user message is larger than the window; %d tokens cut "
+                "from its middle (its header and the system prompt kept)",
+                f->cut_tokens);
+    if (!f->fitted && !f->in_place)
+        return 0;
+    call->evicted_messages = f->dropped_messages;
+    if (f->in_place ? !p->ctx.sess_known : f->dropped_turns > p->ctx.min_drop || !sess)
+        srv_metrics_evicted_messages(
+            a->metrics, false,
+            (uint64_t)(f->dropped_messages - (sess && !f->in_place ? p->before : 0)));
+    if (sess && srv_chat_sess_set(a, sess, f->dropped_turns, f->dropped_messages))
+        return srv_oom(e, "recording the chat session");
+    if (sess && f->turn_fallback[0])
+        srv_chat_sess_fallback_logged(a, sess);
+    return 0;
+}
+
 /* Back on the loop thread: record what fitting the chat decided, then
  * submit (or answer the refusal). */
 static void prep_done(struct srv_api_job *j)
@@ -160,15 +200,8 @@ static void prep_done(struct srv_api_job *j)
     struct call *call = p->call;
     struct srv_completion *c = &p->comp;
     call->conn = j->conn;
-    if (p->rc == 0 && p->fit.fitted) {
-        const char *sess = c->req->session;
-        call->evicted_messages = p->fit.dropped_messages;
-        if (p->fit.dropped_turns > p->ctx.min_drop || !sess)
-            srv_metrics_evicted_messages(
-                a->metrics, (uint64_t)(p->fit.dropped_messages - (sess ? p->before : 0)));
-        if (sess && srv_chat_sess_set(a, sess, p->fit.dropped_turns, p->fit.dropped_messages))
-            p->rc = srv_oom(&p->e, "recording the chat session");
-    }
+    if (p->rc == 0)
+        p->rc = record_fit(a, p, call, &p->e);
     call->req = c->req;
     c->req = NULL;
     srv_completion_clear(c);
@@ -208,8 +241,15 @@ void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c)
     memset(c, 0, sizeof(*c));
     p->ctx = (struct srv_prepare_ctx){.m = a->m, .chat = a->chat, .eot_token = a->eot_token};
     srv_api_limits(a, &p->ctx.lim);
-    if (p->comp.shape == SRV_SHAPE_CHAT && a->p.chat_turns)
-        srv_chat_sess_get(a, p->comp.req->session, &p->ctx.min_drop, &p->before);
+    const struct chat_sess *x = p->comp.shape == SRV_SHAPE_CHAT && a->p.chat_turns
+                                    ? srv_chat_sess_get(a, p->comp.req->session)
+                                    : NULL;
+    if (x) {
+        p->ctx.sess_known = true;
+        p->ctx.min_drop = x->dropped_turns;
+        p->before = x->dropped_messages;
+        p->fallback_logged = x->fallback_logged;
+    }
     p->job.run = prep_run;
     p->job.done = prep_done;
     srv_api_job_start(a, conn, &p->job);

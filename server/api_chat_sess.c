@@ -30,11 +30,16 @@ static void sess_free(struct chat_sess *x)
     free(x);
 }
 
-void srv_chat_sess_get(srv_api *a, const char *id, int *turns, int *messages)
+const struct chat_sess *srv_chat_sess_get(srv_api *a, const char *id)
 {
-    struct chat_sess *x = id ? sess_find(a, id) : NULL;
-    *turns = x ? x->dropped_turns : 0;
-    *messages = x ? x->dropped_messages : 0;
+    return id ? sess_find(a, id) : NULL;
+}
+
+void srv_chat_sess_fallback_logged(srv_api *a, const char *id)
+{
+    struct chat_sess *x = sess_find(a, id);
+    if (x)
+        x->fallback_logged = true;
 }
 
 /* Record a session's decision; the least recently used entry goes past

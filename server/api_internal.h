@@ -74,6 +74,11 @@ struct call {
     size_t lp_chars;       /* OpenAI text_offset of the next token, in code points */
     bool role_sent;        /* chat stream: the first chunk (delta.role) went out */
     int evicted_messages;  /* chat: messages of the conversation not in the prompt */
+    const char *turn_eviction; /* chat, unit = turn: "in_place" or "rerender" (static) */
+    char turn_fallback[240];   /* chat on a session: why its turns were rendered again
+                                  instead of evicted in place ("" if they were not) */
+    int cut_tokens;            /* chat: tokens cut from the middle of a last turn larger
+                                  than the window */
     struct call *prev, *next;
 };
 
@@ -82,6 +87,7 @@ struct call {
 struct chat_sess {
     char *id;
     int dropped_turns, dropped_messages;
+    bool fallback_logged; /* its first fallback to rendering was logged */
     struct chat_sess *next;
 };
 #define MAX_CHAT_SESSIONS 4096
@@ -225,11 +231,13 @@ void srv_route_detokenize(srv_api *a, srv_conn *c, const struct srv_http_req *re
 
 /* Load the chat template once the model is loaded (logs which, or why none). */
 void srv_chat_load(srv_api *a);
-/* The session's recorded decision (turns/messages left out), or zeros. */
-void srv_chat_sess_get(srv_api *a, const char *id, int *turns, int *messages);
+/* The session's recorded decision (turns/messages left out), or NULL. */
+const struct chat_sess *srv_chat_sess_get(srv_api *a, const char *id);
 /* Record it; -1 (nothing recorded) when memory runs out. */
 int srv_chat_sess_set(srv_api *a, const char *id, int turns, int messages);
 void srv_chat_sess_forget(srv_api *a, const char *id);
+/* Its fallback to rendering has been logged (no-op for an unknown id). */
+void srv_chat_sess_fallback_logged(srv_api *a, const char *id);
 void srv_chat_sess_free_all(srv_api *a);
 void srv_route_apply_template(srv_api *a, srv_conn *c, const struct srv_http_req *req);
 

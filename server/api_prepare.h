@@ -24,13 +24,19 @@ struct srv_prepare_ctx {
     int32_t eot_token;          /* the template's end of turn as one control token, or -1 */
     struct srv_api_limits lim;  /* chat_unavailable is not read here */
     int min_drop;               /* chat session: turns its earlier prompts left out */
+    bool sess_known;            /* chat session: an earlier request recorded min_drop */
 };
 
-/* What fitting a chat by whole turns decided (chat_turns only). */
+/* What fitting a chat by whole turns decided (chat_turns only), for the
+ * loop thread to record (the session table, metrics, the answer's usage). */
 struct srv_prepare_fit {
-    bool fitted;          /* tpl_chat_fit ran */
+    bool fitted;          /* left out by rendering (tpl_chat_fit ran) */
+    bool in_place;        /* a session's turns go to the engine, to leave in place */
     int dropped_turns;    /* the conversation's oldest turns left out */
     int dropped_messages; /* ... and their messages */
+    const char *turn_eviction; /* "in_place", "rerender", or NULL (static) */
+    char turn_fallback[240];   /* why a session's turns are rendered again, or "" */
+    int cut_tokens;            /* tokens cut from the middle of a too-large last turn */
 };
 
 /*
@@ -50,6 +56,11 @@ int srv_prepare(const struct srv_prepare_ctx *ctx, struct srv_completion *c,
  */
 int srv_prompt_fits(const struct srv_api_limits *lim, int n_prompt, const char *qual,
                     struct srv_api_error *e);
+
+/* srv_prompt_fits for a chat prompt with n_turns droppable turns: under
+ * policy none those make room in place, so it may pass max_cache_tokens. */
+int srv_prompt_fits_turns(const struct srv_api_limits *lim, int n_prompt, int n_turns,
+                          const char *qual, struct srv_api_error *e);
 
 /* With [eviction] unit = turn, the tokens a chat's conversation may take:
  * max_cache_tokens less the answer's room (max_tokens when the request set
