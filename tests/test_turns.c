@@ -405,7 +405,7 @@ static json_t *conversation(int turns)
     static const char *const words[] = {"tell", "me", "about", "the", "sea", "and", "why",
                                         "ships", "float", "on", "it", "today"};
     for (int t = 0; t <= turns; t++) {
-        char u[200] = "", a[200] = "";
+        char u[200] = "", a[240] = ""; /* "Answer N: " + u */
         for (int w = 0; w < 3 + (t * 7) % 11; w++) {
             strcat(u, words[(t + w) % 12]);
             strcat(u, " ");
