@@ -185,7 +185,9 @@ static void su_unchunk(struct su_resp *r)
 /*
  * One request to 127.0.0.1:port on a fresh connection; headers: "" or
  * lines ending in "\r\n". Returns the status (also in r->status), or -1
- * when no answer came (refused, reset, 30 s timeout).
+ * when no answer came (refused, reset, 120 s timeout). A non-streamed
+ * answer sends nothing until it is whole: the timeout bounds a hung test,
+ * and must leave a long generation on a busy machine room to finish.
  */
 SU_FN int su_http(int port, const char *method, const char *path, const char *headers,
                   const char *body, struct su_resp *r)
@@ -195,7 +197,7 @@ SU_FN int su_http(int port, const char *method, const char *path, const char *he
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0)
         return -1;
-    struct timeval tv = {30, 0};
+    struct timeval tv = {120, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
