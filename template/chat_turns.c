@@ -24,7 +24,11 @@
  * any of these is answered "not separable", with the reason, and the
  * caller falls back to rendering again. Cost: one render of the head per
  * turn plus three whole renders, so linear in the conversation when the
- * head is short.
+ * head is short. A long head (tools, a big system prompt) times many turns
+ * is not: a request could make a worker render gigabytes. So the head
+ * renders are bounded before the first one (TURNS_CHECK_BYTES); beyond it
+ * the conversation is answered "not separable", naming the sizes, and the
+ * caller renders again (O(log turns) whole renders, each capped).
  */
 #include "template_internal.h"
 
@@ -55,6 +59,9 @@ static char *render_slice(const tpl_chat *c, const json_t *msgs, const json_t *t
     json_decref(part);
     return rc < 0 ? NULL : text;
 }
+
+/* The most bytes of head the per-turn check may render for one request. */
+#define TURNS_CHECK_BYTES ((size_t)64 << 20)
 
 static int not_separable(struct tpl_turns *out, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -142,6 +149,9 @@ static int cut_turns(const struct cut *k, const int *starts, int n, int end)
     if (out->len < k->hlen || memcmp(out->text, k->htext, k->hlen) != 0)
         return not_separable(out, "the conversation does not begin with the rendering of its "
                              "system messages alone");
+    if (k->hlen > 0 && (size_t)n > TURNS_CHECK_BYTES / k->hlen)
+        return not_separable(out, "checking %d turns after a %zu-byte system head would render "
+                             "more than %zu bytes", n, k->hlen, TURNS_CHECK_BYTES);
     out->head_len = k->hlen;
     out->turn_end = malloc(sizeof(size_t) * (size_t)n);
     out->turn_messages = malloc(sizeof(int) * (size_t)n);

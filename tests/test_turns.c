@@ -669,6 +669,51 @@ static void test_huge_last_turn_is_cut(void **state)
     model_free(m);
 }
 
+/*
+ * A long system head times many turns is bounded before the per-turn
+ * check renders it: such a conversation is not separable, naming the
+ * sizes (the caller renders again instead). The same turns after a short
+ * head are separable.
+ */
+static void test_turn_check_bounded(void **state)
+{
+    (void)state;
+    size_t len = 0;
+    char *src = read_text("tests/cases/templates/models/chatml-openhermes.jinja", &len);
+    assert_non_null(src);
+    struct tpl_chat_params cp = {.bos_token = "<s>", .eos_token = "</s>"};
+    struct tpl_error e;
+    tpl_chat *chat = tpl_chat_create(src, len, &cp, &e);
+    free(src);
+    assert_non_null(chat);
+    size_t big_len = 256 << 10;
+    char *big = malloc(big_len + 1);
+    assert_non_null(big);
+    memset(big, 'x', big_len);
+    big[big_len] = '\0';
+    for (int pass = 0; pass < 2; pass++) {
+        json_t *msgs = json_pack("[{s:s,s:s}]", "role", "system", "content",
+                                 pass ? "Be brief." : big);
+        for (int i = 0; i < 600; i++) /* 300 turns: 300 x 256 KiB > 64 MiB */
+            json_array_append_new(msgs, json_pack("{s:s,s:s}", "role",
+                                                  i % 2 ? "assistant" : "user", "content", "hi"));
+        json_array_append_new(msgs, json_pack("{s:s,s:s}", "role", "user", "content", "bye"));
+        struct tpl_turns t;
+        /* 1: rendered, not separable; 0: rendered and cut at its turns */
+        assert_int_equal(tpl_chat_turns(chat, msgs, NULL, 0, 0, &t, &e), pass ? 0 : 1);
+        if (pass == 0) {
+            assert_int_equal(t.n_turns, 0);
+            assert_non_null(strstr(t.why, "would render more than"));
+        } else {
+            assert_int_equal(t.n_turns, 300);
+        }
+        tpl_turns_free(&t);
+        json_decref(msgs);
+    }
+    free(big);
+    tpl_chat_destroy(chat);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -680,6 +725,7 @@ int main(void)
         cmocka_unit_test(test_long_conversation),
         cmocka_unit_test(test_retained_tokens_are_the_rendering),
         cmocka_unit_test(test_huge_last_turn_is_cut),
+        cmocka_unit_test(test_turn_check_bounded),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
