@@ -13,7 +13,10 @@
 #   make format     clang-format every source file
 #   make clean
 #
-# Overridable: CC, OPT, ARCH (e.g. ARCH=x86-64-v3 for a portable build),
+# Overridable: CC, OPT, ARCH (the base architecture of everything but the
+# SIMD kernels, which are built for every level and chosen at run time, see
+# "kernel levels" below; ARCH=x86-64-v2 makes a binary that runs on any
+# x86-64 of the last fifteen years at the kernels' full speed),
 # BUILD (object directory), WERROR=1 (warnings are errors; CI sets it),
 # TESTS (build and run only these test programs, e.g. TESTS="attention cache"),
 # LLHTTP_DIR (where Debian's node-llhttp puts its C sources), RUN_ARGS (what
@@ -50,7 +53,25 @@ DEB_PACKAGES += chromium $(if $(shell command -v node 2>/dev/null),,nodejs) \
 # What `make deploy-check` needs (haproxy is also in DEB_PACKAGES for the tests).
 DEPLOY_PACKAGES := haproxy python3-yaml systemd
 
+# --- kernel levels -------------------------------------------------------------
+# The SIMD kernel files are compiled once per level, each copy with its own
+# -march and its symbols suffixed by level (cpu/kernel.h), and cpu/cpu.c
+# picks one level at start from what the CPU has (printed by the commands;
+# KVD_CPU forces a lower one). The base copy (build/x/f.o) is the scalar
+# level, compiled for ARCH like the rest. A new kernel file joins by being
+# named in KERNEL_SRC and following cpu/kernel.h. Targets other than x86-64
+# carry the scalar level only.
+KERNEL_SRC    := attention/attn_simd.c model/matmul.c
+KERNEL_IS_X86 := $(filter x86_64-% i686-% i386-%,$(shell $(CC) -dumpmachine))
+KERNEL_LEVELS := $(if $(KERNEL_IS_X86),avx2 avx512)
+LEVEL_FLAGS_avx2   := -march=x86-64-v3 -DKVD_LEVEL_AVX2
+LEVEL_FLAGS_avx512 := -march=x86-64-v4 -mavx512vnni -DKVD_LEVEL_AVX512
+CPPFLAGS += -DKVD_KERNEL_LEVELS=$(words scalar $(KERNEL_LEVELS))
+# the per-level copies of the kernel files among $(1)
+kvariants = $(foreach l,$(KERNEL_LEVELS),$(patsubst %.c,$(BUILD)/%.$(l).o,$(filter $(KERNEL_SRC),$(1))))
+
 # --- sources, one list per room ---------------------------------------------
+CPU_SRC    := $(wildcard cpu/*.c)
 ATTN_SRC   := $(wildcard attention/*.c)
 CACHE_SRC  := $(wildcard cache/*.c)
 MODEL_SRC  := $(wildcard model/*.c)
@@ -67,8 +88,9 @@ LLHTTP_SRC := api.c http.c llhttp.c
 WEB_FILES  := $(sort $(wildcard server/web/*.html server/web/*.css server/web/*.js))
 WEB_OBJ    := $(BUILD)/gen/web_assets.o
 
-obj = $(patsubst %.c,$(BUILD)/%.o,$(1))
-ATTN_OBJ   := $(call obj,$(ATTN_SRC))
+obj = $(patsubst %.c,$(BUILD)/%.o,$(1)) $(call kvariants,$(1))
+CPU_OBJ    := $(call obj,$(CPU_SRC))
+ATTN_OBJ   := $(call obj,$(ATTN_SRC)) $(CPU_OBJ)
 CACHE_OBJ  := $(call obj,$(CACHE_SRC))
 MODEL_OBJ  := $(call obj,$(MODEL_SRC))
 CONFIG_OBJ := $(call obj,$(CONFIG_SRC))
@@ -90,10 +112,12 @@ LINK_cache_invariants := $(LINK_cache)
 LINK_model     := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_config    := $(CONFIG_OBJ) $(BUILD)/cli/wiring.o $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_template  := $(TEMPLATE_OBJ)
+# test_cpu includes cpu/cpu.c itself (white-box)
+LINK_cpu       := $(filter-out $(CPU_OBJ),$(ATTN_OBJ))
 # Model-room pieces with their own test programs (built before forward.c exists).
 LINK_gguf      := $(filter $(BUILD)/model/gguf%.o,$(MODEL_OBJ))
 LINK_tokenizer := $(filter $(BUILD)/model/gguf%.o $(BUILD)/model/tokenizer%.o,$(MODEL_OBJ))
-LINK_quant     := $(filter $(BUILD)/model/quant%.o $(BUILD)/model/matmul%.o,$(MODEL_OBJ))
+LINK_quant     := $(filter $(BUILD)/model/quant%.o $(BUILD)/model/matmul%.o,$(MODEL_OBJ)) $(CPU_OBJ)
 LINK_sampler   := $(filter $(BUILD)/model/sampler%.o,$(MODEL_OBJ))
 LINK_arch      := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_load      := $(LOAD_OBJ) $(CONFIG_OBJ) $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) $(LLHTTP_OBJ)
@@ -118,6 +142,13 @@ $(BUILD)/kvd: $(BUILD)/cli/main.o $(ALL_OBJ)
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -c -o $@ $<
+
+define level_rule
+$$(BUILD)/%.$(1).o: %.c
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CPPFLAGS) $$(CFLAGS) $$(LEVEL_FLAGS_$(1)) -c -o $$@ $$<
+endef
+$(foreach l,$(KERNEL_LEVELS),$(eval $(call level_rule,$(l))))
 
 $(BUILD)/gen/mkassets: server/web/mkassets.c
 	@mkdir -p $(dir $@)
@@ -191,9 +222,9 @@ FUZZ_BIN     := $(patsubst %,$(BUILD)/fuzz/fuzz_%,$(FUZZ_NAMES))
 
 # clang takes minutes to instrument the SIMD kernels with ASan, and no
 # fuzz target reaches them (they are tested against the reference kernel):
-# only coverage there.
+# only coverage there, in every level's copy.
 ifeq ($(BUILD),$(FUZZ_BUILD))
-$(BUILD)/attention/attn_simd.o: override SANITIZE := -fsanitize=fuzzer-no-link
+$(call obj,attention/attn_simd.c): override SANITIZE := -fsanitize=fuzzer-no-link
 endif
 
 $(BUILD)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c $(ALL_OBJ)

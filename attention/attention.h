@@ -330,7 +330,8 @@ size_t attn_workspace_bytes(const attn_ctx *ctx);
 int attn_reference(const struct attn_params *params, const struct attn_kv *kv,
                    const struct attn_seq *seqs, int n_seqs);
 
-/* Describes the compiled SIMD path, e.g. "avx512" / "avx2" / "scalar". */
+/* The tile operations of the kernel level in use (cpu/cpu.h):
+ * "avx512" / "avx2" / "scalar". */
 const char *attn_simd_name(void);
 
 /* The tile path attn_create picks for a context with this softcap (not

@@ -272,7 +272,8 @@ const struct attn_ops *attn_softcap_ops(const struct attn_ops *base, float softc
 /* The portable table (attn_scalar.c). */
 extern const struct attn_ops attn_scalar_ops;
 
-/* The SIMD table, or NULL when the build has no SIMD path (attn_simd.c). */
+/* The SIMD table of the kernel level in use (cpu_level()), or NULL at the
+ * scalar level (attn_kernels.c). */
 const struct attn_ops *attn_simd_ops(void);
 
 #endif /* KVD_ATTENTION_INTERNAL_H */

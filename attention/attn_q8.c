@@ -16,7 +16,8 @@
  * query element. Per block, J = 254 * sum(a1 k) + sum(a2 k) is an exact
  * integer and the score is sum over blocks of d_k * (d / 254) * J.
  *
- * Paths, chosen at run time by what the CPU has (attn_q8_name() says which):
+ * Paths, chosen at run time by the kernel level in use (cpu_level(), see
+ * cpu/cpu.h; attn_q8_name() says which):
  *   avx512-vnni  vpdpbusd multiplies u8 by s8 in groups of four: the query
  *                levels are stored offset by 128 (u = a + 128), and
  *                sum(u k) - 128 sum(k) = sum(a k), 128 sum(k) coming from
@@ -27,6 +28,7 @@
  * RoPE keys do not come here; see attn.c for why they are dequantised.
  */
 #include "attention_internal.h"
+#include "cpu/cpu.h"
 
 #include <math.h>
 #include <string.h>
@@ -221,35 +223,21 @@ AVX2_TARGET static void qk_q8_avx2(float *S, const struct attn_q8row *q, int nro
  * Dispatch
  * ------------------------------------------------------------------------ */
 
-static bool have_vnni(void)
-{
 #ifdef HAVE_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni");
-#else
-    return false;
-#endif
-}
-
-static bool have_avx2(void)
+/* Whether the CPU can run a path at all (attn_q8_path, for tests). */
+static bool cpu_has(enum cpu_level l)
 {
-#ifdef HAVE_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return false;
-#endif
+    return cpu_level_supported(l, NULL, 0);
 }
+#endif
 
 attn_qk_q8_fn attn_q8_path(const char *name)
 {
 #ifdef HAVE_X86
     if (!strcmp(name, "avx512-vnni"))
-        return have_vnni() ? qk_q8_vnni : NULL;
+        return cpu_has(CPU_AVX512) ? qk_q8_vnni : NULL;
     if (!strcmp(name, "avx2"))
-        return have_avx2() ? qk_q8_avx2 : NULL;
+        return cpu_has(CPU_AVX2) ? qk_q8_avx2 : NULL;
 #endif
     return !strcmp(name, "scalar") ? qk_q8_scalar : NULL;
 }
@@ -257,11 +245,12 @@ attn_qk_q8_fn attn_q8_path(const char *name)
 attn_qk_q8_fn attn_q8_select(bool scalar, const char **name)
 {
 #ifdef HAVE_X86
-    if (!scalar && have_vnni()) {
+    /* the kernel level in use: avx512 includes VNNI (cpu.h) */
+    if (!scalar && cpu_level() >= CPU_AVX512) {
         *name = "avx512-vnni";
         return qk_q8_vnni;
     }
-    if (!scalar && have_avx2()) {
+    if (!scalar && cpu_level() >= CPU_AVX2) {
         *name = "avx2";
         return qk_q8_avx2;
     }

@@ -3,8 +3,11 @@
  *
  * One implementation written against a thin vector layer (vf, VL lanes)
  * that is either AVX-512 (16 lanes; F, BW, VL, DQ) or AVX2 + FMA + F16C
- * (8 lanes), chosen at build time by -march. Without either, this file
- * compiles to nothing and the kernel uses the scalar table (attn_scalar.c).
+ * (8 lanes). The Makefile compiles this file once per kernel level
+ * (cpu/kernel.h); the avx512 and avx2 copies each export their table
+ * (attn_simd_avx512, attn_simd_avx2), attn_kernels.c picks one by
+ * cpu_level(), and the scalar copy compiles to nothing: that level uses the
+ * scalar table (attn_scalar.c).
  *
  * The central trick is in qk: a block of RB query rows x KB keys with
  * RB * KB = VL is accumulated in VL vector registers over head_dim, then
@@ -14,12 +17,13 @@
  * values. f16 and bf16 become f32 in registers (vcvtph2ps; a 16-bit shift).
  */
 #include "attention_internal.h"
+#include "cpu/kernel.h"
 
 #include <math.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(KERN_AVX512)
 #define SIMD_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(KERN_AVX2)
 #define SIMD_AVX2 1
 #endif
 
@@ -744,7 +748,7 @@ static void dequant_simd(float *out, const void *const *rows, int nt, enum attn_
     }
 }
 
-static const struct attn_ops simd_ops = {
+const struct attn_ops KERN(attn_simd) = {
     .name = simd_name,
     .qk = qk_simd,
     .qk_rope = qk_rope_simd,
@@ -755,26 +759,4 @@ static const struct attn_ops simd_ops = {
     .dequant = dequant_simd,
 };
 
-const struct attn_ops *attn_simd_ops(void)
-{
-    return &simd_ops;
-}
-
-const char *attn_simd_name(void)
-{
-    return simd_name;
-}
-
-#else /* no SIMD path in this build */
-
-const struct attn_ops *attn_simd_ops(void)
-{
-    return NULL;
-}
-
-const char *attn_simd_name(void)
-{
-    return "scalar";
-}
-
-#endif
+#endif /* SIMD_AVX512 || SIMD_AVX2; the scalar copy is empty */

@@ -11,6 +11,7 @@
 #include "cli/cli.h"
 #include "cli/cli_internal.h"
 #include "config/config.h"
+#include "cpu/cpu.h"
 #include "load/load.h"
 
 static int cmd_version(int argc, char **argv);
@@ -82,6 +83,12 @@ int main(int argc, char **argv)
         return cmd_help(0, NULL);
     if (!strcmp(name, "--version"))
         return cmd_version(0, NULL);
+    /* KVD_CPU forces a lower kernel level (cpu/cpu.h); a bad one stops here */
+    char err[256];
+    if (cpu_init_env(err, sizeof(err))) {
+        fprintf(stderr, "kvd: %s\n", err);
+        return 2;
+    }
     if (!strcmp(name, "serve"))
         passive_openmp(argv);
     for (size_t i = 0; i < N_ELEMS(commands); i++)

@@ -2,7 +2,9 @@
  * matmul.c - out[t][o] = sum_i W[o][i] * x[t][i] for weights in any
  * supported format.
  *
- * The work is split like ggml's kernels: OpenMP threads take contiguous
+ * This file holds the kernels; the Makefile compiles it once per kernel
+ * level (cpu/kernel.h) and matmul_run.c, the entry, picks the copy of the
+ * level in use. The work is split like ggml's kernels: threads take contiguous
  * groups of MM_GROUP output rows; inside a group, a register tile of MR rows
  * x NT tokens walks the rows from start to end, so every weight block is
  * loaded and decoded once per NT tokens, and NT activation blocks are
@@ -32,21 +34,16 @@
  * Each output is summed in the same order whatever the split among threads
  * and whatever the other tokens of the batch, so results depend on neither.
  */
-#include "model/quant.h"
+#include "model/matmul_internal.h"
 
-#include <assert.h>
-#include <errno.h>
 #include <math.h>
-#include <omp.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                      \
-    defined(__AVX512DQ__) && defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
+/* The copy's level (cpu/kernel.h): avx512 includes VNNI, avx2 FMA and F16C. */
+#if defined(KERN_AVX512)
 #define MM_AVX512 1
 #define MM_SIMD 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(KERN_AVX2)
 #define MM_AVX2 1
 #define MM_SIMD 1
 #endif
@@ -56,9 +53,6 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
-
-/* Output rows per unit of OpenMP work (16 floats: one cache line of out). */
-#define MM_GROUP 16
 
 /* Register tiles: rows x tokens. MM_GROUP must be a multiple of the rows. */
 #if defined(MM_AVX512)
@@ -73,99 +67,9 @@
 #define Q_NT 4
 #endif
 
-const char *mm_kernel_name(void)
-{
-#if defined(MM_AVX512)
-    return "avx512-vnni";
-#elif defined(MM_AVX2)
-    return "avx2";
-#else
-    return "scalar";
-#endif
-}
-
 /* ------------------------------------------------------------------------
- * Weights
+ * Quantised activations (layout: struct mm_xq, matmul_run.c)
  * ------------------------------------------------------------------------ */
-
-static bool is_float_type(enum ggml_type t)
-{
-    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
-}
-
-int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out, const void *data,
-                   char *err, size_t errlen)
-{
-    const char *name = qt_type_name(type);
-    char idbuf[32];
-    if (!name) {
-        snprintf(idbuf, sizeof idbuf, "type id %d", (int)type);
-        name = idbuf;
-    }
-    if (!qt_type_supported(type)) {
-        snprintf(err, errlen,
-                 "weight type %s is not supported by the matrix product "
-                 "(supported: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K "
-                 "q5_K q6_K)",
-                 name);
-        return -EINVAL;
-    }
-    int block = qt_block_elems(type);
-    if (n_in <= 0 || n_in % block != 0) {
-        snprintf(err, errlen, "a %s weight row needs a positive multiple of %d elements, not %d",
-                 name, block, n_in);
-        return -EINVAL;
-    }
-    if (n_out <= 0) {
-        snprintf(err, errlen, "a %s weight matrix needs at least one row, not %d", name, n_out);
-        return -EINVAL;
-    }
-    if (!data) {
-        snprintf(err, errlen, "%s weight matrix %dx%d has no data", name, n_out, n_in);
-        return -EINVAL;
-    }
-    w->type = type;
-    w->n_in = n_in;
-    w->n_out = n_out;
-    w->data = data;
-    w->row_bytes = qt_row_bytes(type, n_in);
-    return 0;
-}
-
-/* ------------------------------------------------------------------------
- * Quantised activations
- *
- * Layout in scratch, each array 64-byte aligned:
- *   q   int8  [n_tok][ldq]   round(x / d), ldq = n_in rounded up to 64
- *   d   float [n_tok][ldb]   block scale max|x| / 127 (0 for an all-zero block)
- *   s   float [n_tok][ldb]   d * sum(q) over the block (for q4_K's mins)
- * ------------------------------------------------------------------------ */
-
-static size_t round_up(size_t n, size_t a)
-{
-    return (n + a - 1) / a * a;
-}
-
-static void xq_layout(struct mm_xq *xa, void *scratch, int n_in, int n_tok)
-{
-    size_t nb = (size_t)n_in / QT_QK;
-    xa->ldq = round_up((size_t)n_in, 64);
-    xa->ldb = round_up(nb, 16);
-    uint8_t *p = scratch;
-    xa->q = (int8_t *)p;
-    p += xa->ldq * (size_t)n_tok;
-    xa->d = (float *)p;
-    p += sizeof(float) * xa->ldb * (size_t)n_tok;
-    xa->s = (float *)p;
-}
-
-size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
-{
-    if (is_float_type(w->type) || n_tok <= 0)
-        return 0;
-    size_t nb = (size_t)w->n_in / QT_QK;
-    return (size_t)n_tok * (round_up((size_t)w->n_in, 64) + 2 * sizeof(float) * round_up(nb, 16));
-}
 
 /* Quantise one token's activations: n_in / 32 blocks. */
 static void quantize_x(const float *x, int n_in, int8_t *q, float *d, float *s)
@@ -223,19 +127,11 @@ static void quantize_x(const float *x, int n_in, int8_t *q, float *d, float *s)
 }
 
 /* ------------------------------------------------------------------------
- * The work of one call
+ * Tiles
  * ------------------------------------------------------------------------ */
 
-struct job {
-    const struct mm_weight *w;
-    const float *x; /* [n_tok][n_in] */
-    float *out;     /* [n_tok][n_out] */
-    int n_tok;
-    struct mm_xq xa; /* quantised activations (quantised types only) */
-};
-
 /* Row pointers of a tile; rows past the end repeat the last row (discarded). */
-INLINE void tile_rows(const struct job *jb, int r0, int mr, const uint8_t **rows)
+INLINE void tile_rows(const struct mm_job *jb, int r0, int mr, const uint8_t **rows)
 {
     const uint8_t *base = jb->w->data;
     for (int r = 0; r < mr; r++) {
@@ -245,7 +141,7 @@ INLINE void tile_rows(const struct job *jb, int r0, int mr, const uint8_t **rows
 }
 
 /* Token indices of a tile; tokens past the end repeat the last one. */
-INLINE void tile_toks(const struct job *jb, int t0, int nt, int *toks)
+INLINE void tile_toks(const struct mm_job *jb, int t0, int nt, int *toks)
 {
     for (int t = 0; t < nt; t++)
         toks[t] = t0 + t < jb->n_tok ? t0 + t : jb->n_tok - 1;
@@ -254,7 +150,7 @@ INLINE void tile_toks(const struct job *jb, int t0, int nt, int *toks)
 #define NT_MAX (Q_NT > F_NT ? Q_NT : F_NT)
 
 /* Write the valid part of a tile's results. */
-INLINE void tile_store(const struct job *jb, int r0, int t0, int mr, int nt, float res[][NT_MAX])
+INLINE void tile_store(const struct mm_job *jb, int r0, int t0, int mr, int nt, float res[][NT_MAX])
 {
     for (int t = 0; t < nt && t0 + t < jb->n_tok; t++)
         for (int r = 0; r < mr && r0 + r < jb->w->n_out; r++)
@@ -330,7 +226,7 @@ INLINE vf vf_weights(enum ggml_type type, const uint8_t *p)
 #endif
 
 /* mr rows x nt tokens of float weights, over the whole row. */
-INLINE void f_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+INLINE void f_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
 {
     const int n_in = jb->w->n_in;
     const size_t esz = type == GGML_TYPE_F32 ? 4 : 2;
@@ -577,7 +473,7 @@ struct qtile {
     const float *xd[Q_NT], *xs[Q_NT];
 };
 
-INLINE void qtile_init(const struct job *jb, int r0, int t0, int mr, int nt, struct qtile *q)
+INLINE void qtile_init(const struct mm_job *jb, int r0, int t0, int mr, int nt, struct qtile *q)
 {
     int toks[Q_NT];
     tile_rows(jb, r0, mr, q->rows);
@@ -670,7 +566,7 @@ INLINE __m512i q_unpack2(enum ggml_type type, const uint8_t *u, int p, const str
     }
 }
 
-INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+INLINE void q_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
 {
     const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
     const int c = q_offset(type);
@@ -763,7 +659,7 @@ INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
 
 #else /* AVX2 */
 
-INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+INLINE void q_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
 {
     const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
     const int per_unit = kq ? 8 : 1; /* blocks of 32 per unit */
@@ -817,9 +713,9 @@ INLINE void q_tile(const struct job *jb, enum ggml_type type, int r0, int t0, in
  * whole rows. A lone last token uses a 1-token tile, which sums in the same
  * order: a token's result does not depend on the batch it came in.
  */
-INLINE void group_simd(const struct job *jb, enum ggml_type type, int g)
+INLINE void group_simd(const struct mm_job *jb, enum ggml_type type, int g)
 {
-    const bool fl = is_float_type(type);
+    const bool fl = mm_is_float_type(type);
     const int g0 = g * MM_GROUP;
     const int g1 = g0 + MM_GROUP < jb->w->n_out ? g0 + MM_GROUP : jb->w->n_out;
     for (int t0 = 0; t0 < jb->n_tok; t0 += fl ? F_NT : Q_NT) {
@@ -840,7 +736,7 @@ INLINE void group_simd(const struct job *jb, enum ggml_type type, int g)
     }
 }
 
-static void run_group(const struct job *jb, int g)
+static void run_group(const struct mm_job *jb, int g)
 {
     switch (jb->w->type) {
     case GGML_TYPE_F32:
@@ -933,7 +829,7 @@ static void q_block_scalar(enum ggml_type type, const uint8_t *row, int b, int8_
 }
 
 /* One row against every token: decode each block once, use it n_tok times. */
-static void row_scalar(const struct job *jb, int o)
+static void row_scalar(const struct mm_job *jb, int o)
 {
     const struct mm_weight *w = jb->w;
     const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
@@ -942,7 +838,7 @@ static void row_scalar(const struct job *jb, int o)
     for (int t = 0; t < jb->n_tok; t++)
         out[(size_t)t * ldo] = 0.0f;
 
-    if (is_float_type(w->type)) {
+    if (mm_is_float_type(w->type)) {
         float wb[64];
         for (int i0 = 0; i0 < w->n_in; i0 += 64) {
             int n = w->n_in - i0 < 64 ? w->n_in - i0 : 64;
@@ -984,7 +880,7 @@ static void row_scalar(const struct job *jb, int o)
     }
 }
 
-static void run_group(const struct job *jb, int g)
+static void run_group(const struct mm_job *jb, int g)
 {
     int g0 = g * MM_GROUP;
     int g1 = g0 + MM_GROUP < jb->w->n_out ? g0 + MM_GROUP : jb->w->n_out;
@@ -998,66 +894,14 @@ static void run_group(const struct job *jb, int g)
 
 #endif /* MM_SIMD */
 
-/* ------------------------------------------------------------------------
- * Entry points
- * ------------------------------------------------------------------------ */
-
-void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, int n_tok,
-                       int n_threads, void *scratch)
-{
-    assert(w && w->data && qt_type_supported(w->type));
-    if (n_tok <= 0)
-        return;
-    struct job jb = {.w = w, .x = x, .out = out, .n_tok = n_tok};
-    const bool quantised = !is_float_type(w->type);
-    if (quantised) {
-        assert(scratch && ((uintptr_t)scratch & 63) == 0);
-        xq_layout(&jb.xa, scratch, w->n_in, n_tok);
-    }
-    const int n_groups = (w->n_out + MM_GROUP - 1) / MM_GROUP;
-    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
-    if (nth > n_groups)
-        nth = n_groups;
-
-    /* The activations are quantised by the calling thread before the team
-     * starts (a few microseconds per token, under 1% of a prefill's
-     * products), so the parallel region has no barrier but its end. */
-    if (quantised)
-        for (int t = 0; t < n_tok; t++)
-            quantize_x(x + (size_t)t * (size_t)w->n_in, w->n_in, jb.xa.q + (size_t)t * jb.xa.ldq,
-                       jb.xa.d + (size_t)t * jb.xa.ldb, jb.xa.s + (size_t)t * jb.xa.ldb);
-
-#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
-    for (int g = 0; g < n_groups; g++)
-        run_group(&jb, g);
-}
-
-/* The calling thread's scratch for mm_matmul: grown, never shrunk. */
-static _Thread_local struct {
-    void *p;
-    size_t cap;
-} tls_scratch;
-
-void mm_scratch_release(void)
-{
-    free(tls_scratch.p);
-    tls_scratch.p = NULL;
-    tls_scratch.cap = 0;
-}
-
-int mm_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads)
-{
-    size_t need = n_tok > 0 ? mm_scratch_bytes(w, n_tok) : 0;
-    if (need > tls_scratch.cap) {
-        /* grow by half again so a slowly rising batch size reallocates rarely */
-        size_t cap = round_up(need + need / 2, 64);
-        void *p = aligned_alloc(64, cap);
-        if (!p)
-            return -ENOMEM;
-        free(tls_scratch.p);
-        tls_scratch.p = p;
-        tls_scratch.cap = cap;
-    }
-    mm_matmul_scratch(out, w, x, n_tok, n_threads, tls_scratch.p);
-    return 0;
-}
+const struct mm_kernels KERN(mm_kernels) = {
+#if defined(MM_AVX512)
+    .name = "avx512-vnni",
+#elif defined(MM_AVX2)
+    .name = "avx2",
+#else
+    .name = "scalar",
+#endif
+    .quantize_x = quantize_x,
+    .run_group = run_group,
+};

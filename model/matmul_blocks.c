@@ -15,7 +15,8 @@
  * activations' rounding (as for every quantised type of matmul.c) and f32
  * summation.
  *
- * Kernels, chosen at run time (the build need not target AVX2):
+ * Kernels, chosen at run time by the kernel level in use (cpu/cpu.h; the
+ * build need not target AVX2, the AVX2 code carries target attributes):
  *   avx2    one block per 256-bit step: vpmaddubsw(|w|, sign(q, w)) and
  *           vpmaddwd give eight i32 lanes, lanes 0..3 the first half's
  *           sums and 4..7 the second's, scaled by (s0 x4, s1 x4) * dx in
@@ -28,13 +29,14 @@
  * other tokens of the batch.
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <string.h>
 
+#include "cpu/cpu.h"
 #include "model/quant.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
 #include <immintrin.h>
 #define MMB_X86 1
 #endif
@@ -257,30 +259,14 @@ AVX2_FN static void rows_avx2(const struct mm_weight *w, const struct mm_xq *xa,
  * Dispatch
  * ------------------------------------------------------------------------ */
 
-/* -1: not yet looked at; 0: plain C; 1: AVX2. */
-static int cached = -1;
+/* Set by mm_blocks_use("scalar"): plain C whatever the kernel level. */
+static _Atomic bool force_scalar;
 
-#ifdef MMB_X86
-/* F16C from CPUID leaf 1 itself: clang's __builtin_cpu_supports does not
- * know the "f16c" feature string (the fuzz build uses clang). */
-static bool have_f16c(void)
-{
-    unsigned a, b, c, d;
-    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
-}
-#endif
-
+/* AVX2 when the kernel level in use has it (cpu/cpu.h) and it is not forced off. */
 static bool have_avx2(void)
 {
 #ifdef MMB_X86
-    /* every thread that races here computes the same value */
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c();
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    return !atomic_load_explicit(&force_scalar, memory_order_relaxed) && cpu_level() >= CPU_AVX2;
 #else
     return false;
 #endif
@@ -289,12 +275,12 @@ static bool have_avx2(void)
 int mm_blocks_use(const char *kernel)
 {
     if (!strcmp(kernel, "scalar")) {
-        __atomic_store_n(&cached, 0, __ATOMIC_RELAXED);
+        atomic_store_explicit(&force_scalar, true, memory_order_relaxed);
         return 0;
     }
     if (strcmp(kernel, "auto") != 0)
         return -EINVAL;
-    __atomic_store_n(&cached, -1, __ATOMIC_RELAXED);
+    atomic_store_explicit(&force_scalar, false, memory_order_relaxed);
     return 0;
 }
 

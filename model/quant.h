@@ -230,7 +230,7 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
                        int n_threads, void *scratch);
 void mm_scratch_release(void);
 
-/* Which kernels this build compiled in: "avx512-vnni", "avx2" or "scalar". */
+/* The kernels of the level in use (cpu/cpu.h): "avx512-vnni", "avx2" or "scalar". */
 const char *mm_kernel_name(void);
 
 /*

@@ -15,6 +15,8 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include "cpu/cpu.h"
+#include "model/quant.h"
 #include "server/api_internal.h"
 #include "server/log.h"
 #include "server/route_map.h"
@@ -208,6 +210,16 @@ static bool engine_stalled(srv_api *a, char *msg, size_t len)
     return true;
 }
 
+/* Which kernels run (cpu/cpu.h, model_kernels_describe): /health's "kernels". */
+static json_t *kernels_json(void)
+{
+    char line[256];
+    return json_pack("{s:s, s:s, s:b, s:s, s:s, s:s}", "level", cpu_level_name(cpu_level()),
+                     "best", cpu_level_name(cpu_best()), "forced", cpu_forced(), "matmul",
+                     mm_kernel_name(), "attention", attn_simd_name(), "description",
+                     model_kernels_describe(line, sizeof(line)));
+}
+
 static void route_health(srv_api *a, srv_conn *c, const struct srv_http_req *req,
                          const char *rest)
 {
@@ -220,7 +232,7 @@ static void route_health(srv_api *a, srv_conn *c, const struct srv_http_req *req
     else if (engine_stalled(a, msg, sizeof(msg)))
         srv_api_error(c, 503, NULL, "engine_stalled", NULL, "%s", msg);
     else
-        srv_respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
+        srv_respond_json(c, 200, json_pack("{s:s, s:o}", "status", "ok", "kernels", kernels_json()));
 }
 
 /* The process's resident set in bytes (/proc/self/statm), or -1. */

@@ -28,6 +28,7 @@
 
 #include <uv.h>
 
+#include "model/model.h"
 #include "server/daemon.h"
 #include "server/log.h"
 #include "server/metrics.h"
@@ -265,7 +266,9 @@ int srv_serve_run(struct srv_serve_config *cfg)
     bool v6 = strchr(cfg->host, ':') != NULL;
     printf("kvd: listening on http://%s%s%s:%d\n", v6 ? "[" : "", cfg->host, v6 ? "]" : "", port);
     fflush(stdout);
-    srv_log(SRV_LOG_INFO, "listening on %s:%d; loading %s", cfg->host, port, cfg->sched.model.path);
+    char kern[256];
+    srv_log(SRV_LOG_INFO, "listening on %s:%d; loading %s; kernels %s", cfg->host, port,
+            cfg->sched.model.path, model_kernels_describe(kern, sizeof(kern)));
 
     rc = srv_sched_start(d.sched, d.metrics, err, sizeof(err));
     if (rc < 0) {

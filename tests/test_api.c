@@ -214,8 +214,16 @@ static void test_tokenizing_off_loop(void **state)
     assert_false(readable_now(&a)); /* answered before its job was seen running */
     struct resp r;
     assert_int_equal(http(p.port, "GET", "/health", NULL, NULL, &r), 200);
-    resp_free(&r);
     bool early = readable_now(&a);
+    /* /health names the CPU kernels in use (cpu/cpu.h) */
+    json_t *h = json_loads(r.body, 0, NULL);
+    assert_non_null(h);
+    const char *level = json_string_value(json_object_get(json_object_get(h, "kernels"), "level"));
+    assert_non_null(level);
+    assert_true(!strcmp(level, "scalar") || !strcmp(level, "avx2") || !strcmp(level, "avx512"));
+    assert_non_null(json_string_value(json_object_get(json_object_get(h, "kernels"), "matmul")));
+    json_decref(h);
+    resp_free(&r);
     if (early)
         print_message("the big request was answered before /health\n");
     assert_false(early);

@@ -17,6 +17,7 @@
 #include <cmocka.h>
 
 #include "attention/attention.h"
+#include "cpu/cpu.h"
 
 /* ------------------------------------------------------------------------
  * Kernel: fixtures
@@ -385,35 +386,61 @@ static void check_mass_sums(const struct fixture *f, const struct result *r)
 #define TOL_OUT 1e-4  /* f32, f16 and bf16 alike: both kernels convert exactly */
 #define TOL_MASS 1e-4 /* relative, per key */
 
-/* Fused (SIMD and scalar) against the reference on one case. */
+/* The SIMD kernel levels this CPU runs (cpu/cpu.h), best last; n of them. */
+static int simd_levels(enum cpu_level *out)
+{
+    int n = 0;
+    for (int l = CPU_AVX2; l < CPU_N_LEVELS; l++)
+        if (cpu_level_built((enum cpu_level)l) && cpu_level_supported((enum cpu_level)l, NULL, 0))
+            out[n++] = (enum cpu_level)l;
+    return n;
+}
+
+static void force_level(enum cpu_level l)
+{
+    char err[256];
+    if (cpu_force(cpu_level_name(l), err, sizeof(err)))
+        fail_msg("cpu_force(%s): %s", cpu_level_name(l), err);
+}
+
+/*
+ * Fused against the reference on one case: at every SIMD kernel level the
+ * CPU runs (each forced in turn, so an AVX-512 machine tests the AVX2 copy
+ * too), and through the scalar table.
+ */
 static void check_case(const struct kcase *c)
 {
     struct fixture f;
     fixture_init(&f, c);
-    struct result ref, simd, scal;
+    struct result ref, r;
     run_reference(&f, &ref);
-    run_fused(&f, &simd, false);
-    if (c->skip_scalar)
-        result_take(&scal, &f); /* compared as the SIMD result again */
-    else
-        run_fused(&f, &scal, true);
     char what[256];
     describe(c, what, sizeof(what));
-    double e1 = max_out_diff(&f, &simd, &ref), e2 = max_out_diff(&f, &scal, &ref);
-    if (!(e1 <= TOL_OUT) || !(e2 <= TOL_OUT))
-        fail_msg("%s: max |fused - reference| = %g (%s), %g (scalar)", what, e1, attn_simd_name(),
-                 e2);
-    if (c->mass) {
-        double m1 = max_mass_diff(&f, &simd, &ref), m2 = max_mass_diff(&f, &scal, &ref);
-        if (!(m1 <= TOL_MASS) || !(m2 <= TOL_MASS))
-            fail_msg("%s: mass differs from the reference by %g / %g", what, m1, m2);
-        check_mass_sums(&f, &simd);
-        check_mass_sums(&f, &scal);
-        check_mass_sums(&f, &ref);
+    enum cpu_level levels[CPU_N_LEVELS];
+    int n_levels = simd_levels(levels);
+    /* runs: each SIMD level, then (unless the case skips it) the scalar table */
+    int n_runs = n_levels + (c->skip_scalar && n_levels ? 0 : 1);
+    for (int i = 0; i < n_runs; i++) {
+        bool scalar = i == n_levels;
+        if (!scalar)
+            force_level(levels[i]);
+        run_fused(&f, &r, scalar);
+        const char *path = scalar ? "scalar" : attn_simd_name();
+        double e = max_out_diff(&f, &r, &ref);
+        if (!(e <= TOL_OUT))
+            fail_msg("%s: max |fused - reference| = %g (%s)", what, e, path);
+        if (c->mass) {
+            double m = max_mass_diff(&f, &r, &ref);
+            if (!(m <= TOL_MASS))
+                fail_msg("%s: mass differs from the reference by %g (%s)", what, m, path);
+            check_mass_sums(&f, &r);
+        }
+        result_free(&r, c->n_seqs);
     }
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+    if (c->mass)
+        check_mass_sums(&f, &ref);
     result_free(&ref, c->n_seqs);
-    result_free(&simd, c->n_seqs);
-    result_free(&scal, c->n_seqs);
     fixture_deinit(&f);
 }
 

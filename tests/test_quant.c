@@ -38,6 +38,7 @@
 
 #include <cmocka.h>
 
+#include "cpu/cpu.h"
 #include "model/quant.h"
 
 /* ------------------------------------------------------------------------
@@ -1022,14 +1023,42 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
         free(out[k]);
 }
 
-/* n_out 1, 7, 37 (not multiples of the row tile or group); n_tok 1, 3, 5, 17. */
+/* The kernel levels this CPU runs (cpu/cpu.h), scalar first; n of them. */
+static int cpu_levels(enum cpu_level *out)
+{
+    int n = 0;
+    for (int l = CPU_SCALAR; l < CPU_N_LEVELS; l++)
+        if (cpu_level_built((enum cpu_level)l) && cpu_level_supported((enum cpu_level)l, NULL, 0))
+            out[n++] = (enum cpu_level)l;
+    return n;
+}
+
+static void force_level(enum cpu_level l)
+{
+    char err[256];
+    if (cpu_force(cpu_level_name(l), err, sizeof(err)))
+        fail_msg("cpu_force(%s): %s", cpu_level_name(l), err);
+}
+
+/*
+ * n_out 1, 7, 37 (not multiples of the row tile or group); n_tok 1, 3, 5,
+ * 17; at every kernel level the CPU runs, each forced in turn (so an
+ * AVX-512 machine tests the AVX2 and scalar copies too), each against the
+ * double-precision reference.
+ */
 static void check_matmul_shapes(enum ggml_type type, const int *n_ins, int n_n_in)
 {
     const int n_outs[3] = {1, 7, 37}, n_toks[4] = {1, 3, 5, 17};
-    for (int a = 0; a < n_n_in; a++)
-        for (int b = 0; b < 3; b++)
-            for (int c = 0; c < 4; c++)
-                check_matmul(type, n_ins[a], n_outs[b], n_toks[c]);
+    enum cpu_level levels[CPU_N_LEVELS];
+    int n_levels = cpu_levels(levels);
+    for (int l = 0; l < n_levels; l++) {
+        force_level(levels[l]);
+        for (int a = 0; a < n_n_in; a++)
+            for (int b = 0; b < 3; b++)
+                for (int c = 0; c < 4; c++)
+                    check_matmul(type, n_ins[a], n_outs[b], n_toks[c]);
+    }
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
 }
 
 static void test_matmul_f32(void **state)
@@ -1109,8 +1138,32 @@ static void test_matmul_larger(void **state)
     (void)state;
     const enum ggml_type types[7] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q8_0,
                                      GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
-    for (int k = 0; k < 7; k++)
-        check_matmul(types[k], 1024, 83, 9);
+    enum cpu_level levels[CPU_N_LEVELS];
+    int n_levels = cpu_levels(levels);
+    for (int l = 0; l < n_levels; l++) {
+        force_level(levels[l]);
+        for (int k = 0; k < 7; k++)
+            check_matmul(types[k], 1024, 83, 9);
+    }
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+}
+
+/* Each level's copy of the kernels is the one that runs when it is forced. */
+static void test_matmul_level_names(void **state)
+{
+    (void)state;
+    static const char *const want[CPU_N_LEVELS] = {"scalar", "avx2", "avx512-vnni"};
+    enum cpu_level levels[CPU_N_LEVELS];
+    int n_levels = cpu_levels(levels);
+    assert_true(n_levels >= 1 && levels[0] == CPU_SCALAR);
+    for (int l = 0; l < n_levels; l++) {
+        force_level(levels[l]);
+        assert_string_equal(mm_kernel_name(), want[levels[l]]);
+        print_message("level %s: matmul %s, read-only formats %s\n", cpu_level_name(levels[l]),
+                      mm_kernel_name(), mm_blocks_kernel_name());
+    }
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+    assert_int_equal(cpu_level(), cpu_best());
 }
 
 static void test_weight_init_errors(void **state)
@@ -1198,6 +1251,7 @@ int main(void)
         cmocka_unit_test(test_matmul_read_only),
         cmocka_unit_test(test_weight_init_errors),
         cmocka_unit_test(test_matmul_edges),
+        cmocka_unit_test(test_matmul_level_names),
         cmocka_unit_test(test_matmul_f32),
         cmocka_unit_test(test_matmul_f16),
         cmocka_unit_test(test_matmul_bf16),

@@ -1,0 +1,77 @@
+/*
+ * cpu.h - which instruction-set level the SIMD kernels run at.
+ *
+ * One binary carries every kernel file compiled once per level (the
+ * Makefile's KERNEL_SRC and KERNEL_LEVELS; cpu/kernel.h names each copy's
+ * symbols), and each kernel module picks its copy through cpu_level(). The
+ * level is decided once, at start, from what the CPU reports (cpuid, and
+ * the OS's saved register state for the wide registers): the best level the
+ * CPU has and the build carries. For tests and comparisons a LOWER level
+ * can be forced by name (cpu_force, or the environment variable KVD_CPU
+ * through cpu_init_env); a level the CPU lacks is refused, naming the
+ * features it lacks. Nothing falls back silently: cpu_describe() says the
+ * level in use and why, and the commands print it.
+ *
+ * The levels (each includes the ones before it):
+ *   scalar  plain C, compiled for the build's base architecture (ARCH)
+ *   avx2    x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE
+ *   avx512  x86-64-v4 (AVX-512 F, CD, BW, DQ, VL) and AVX-512 VNNI
+ *
+ * Threads: cpu_level() may be called from any thread at any time; the
+ * level is fixed by the first call. cpu_force and cpu_init_env change it
+ * and must not run while kernels run (tests call them between cases).
+ */
+#ifndef KVD_CPU_H
+#define KVD_CPU_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+enum cpu_level {
+    CPU_SCALAR = 0,
+    CPU_AVX2 = 1,
+    CPU_AVX512 = 2,
+};
+#define CPU_N_LEVELS 3
+
+/* The level kernels use now (decided at the first call: cpu_best()). */
+enum cpu_level cpu_level(void);
+
+/* The best level this CPU has and this build carries. */
+enum cpu_level cpu_best(void);
+
+/* "scalar", "avx2", "avx512"; NULL for a value out of range. */
+const char *cpu_level_name(enum cpu_level l);
+
+/* Whether this build compiled the kernels for level l (x86-64 builds carry
+ * all three; other targets only scalar). */
+bool cpu_level_built(enum cpu_level l);
+
+/*
+ * Whether the CPU can run level l. When it cannot and missing is not NULL,
+ * the features it lacks are written there, space-separated ("avx512vnni").
+ */
+bool cpu_level_supported(enum cpu_level l, char *missing, size_t missing_len);
+
+/*
+ * Use the level named name from now on: one of the names above, or "auto"
+ * (the best). Returns 0, or -1 with err saying why: an unknown name (the
+ * names are listed), a level this build does not carry, or one the CPU
+ * lacks (the missing features named). On failure the level is unchanged.
+ */
+int cpu_force(const char *name, char *err, size_t errlen);
+
+/* cpu_force(getenv("KVD_CPU")) when that variable is set and not empty;
+ * 0 when it is not set. The error names the variable. */
+int cpu_init_env(char *err, size_t errlen);
+
+/*
+ * One line for logs and answers: the level in use, and either "best on
+ * this CPU" or "forced; CPU best avx512". Returns buf.
+ */
+const char *cpu_describe(char *buf, size_t len);
+
+/* Whether the level in use was forced below the best. */
+bool cpu_forced(void);
+
+#endif /* KVD_CPU_H */

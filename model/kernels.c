@@ -1,0 +1,23 @@
+/*
+ * kernels.c - the one description of which kernels run, for `kvd generate`,
+ * `kvd serve`'s start line, /health and the benchmarks: the kernel level
+ * chosen at start (cpu/cpu.h), then the path each kernel module takes at
+ * that level, so that a slow path is never taken silently.
+ */
+#include "model/model.h"
+
+#include <stdio.h>
+
+#include "attention/attention.h"
+#include "cpu/cpu.h"
+#include "model/quant.h"
+
+const char *model_kernels_describe(char *buf, size_t len)
+{
+    char level[96];
+    snprintf(buf, len,
+             "%s: matmul %s, read-only formats %s, attention %s, q8_0 keys %s",
+             cpu_describe(level, sizeof(level)), mm_kernel_name(), mm_blocks_kernel_name(),
+             attn_simd_name(), attn_q8_name());
+    return buf;
+}

@@ -1,0 +1,173 @@
+/*
+ * matmul_run.c - mm_matmul's entry: weight descriptions, the scratch for
+ * quantised activations, the split of the output rows among threads, and
+ * the choice of kernels.
+ *
+ * The kernels themselves are in matmul.c, compiled once per kernel level;
+ * mm_matmul_scratch takes the copy of the level in use (cpu_level(), see
+ * cpu/cpu.h) at each call, so a level forced between calls (tests) applies
+ * to the next product.
+ */
+#include "model/matmul_internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const struct mm_kernels *const kernels[CPU_N_LEVELS] = KERN_TABLE(mm_kernels);
+
+static const struct mm_kernels *kern(void)
+{
+    return kernels[cpu_level()];
+}
+
+const char *mm_kernel_name(void)
+{
+    return kern()->name;
+}
+
+/* ------------------------------------------------------------------------
+ * Weights
+ * ------------------------------------------------------------------------ */
+
+int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out, const void *data,
+                   char *err, size_t errlen)
+{
+    const char *name = qt_type_name(type);
+    char idbuf[32];
+    if (!name) {
+        snprintf(idbuf, sizeof idbuf, "type id %d", (int)type);
+        name = idbuf;
+    }
+    if (!qt_type_supported(type)) {
+        snprintf(err, errlen,
+                 "weight type %s is not supported by the matrix product "
+                 "(supported: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K "
+                 "q5_K q6_K)",
+                 name);
+        return -EINVAL;
+    }
+    int block = qt_block_elems(type);
+    if (n_in <= 0 || n_in % block != 0) {
+        snprintf(err, errlen, "a %s weight row needs a positive multiple of %d elements, not %d",
+                 name, block, n_in);
+        return -EINVAL;
+    }
+    if (n_out <= 0) {
+        snprintf(err, errlen, "a %s weight matrix needs at least one row, not %d", name, n_out);
+        return -EINVAL;
+    }
+    if (!data) {
+        snprintf(err, errlen, "%s weight matrix %dx%d has no data", name, n_out, n_in);
+        return -EINVAL;
+    }
+    w->type = type;
+    w->n_in = n_in;
+    w->n_out = n_out;
+    w->data = data;
+    w->row_bytes = qt_row_bytes(type, n_in);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Quantised activations
+ *
+ * Layout in scratch, each array 64-byte aligned:
+ *   q   int8  [n_tok][ldq]   round(x / d), ldq = n_in rounded up to 64
+ *   d   float [n_tok][ldb]   block scale max|x| / 127 (0 for an all-zero block)
+ *   s   float [n_tok][ldb]   d * sum(q) over the block (for q4_K's mins)
+ * ------------------------------------------------------------------------ */
+
+static size_t round_up(size_t n, size_t a)
+{
+    return (n + a - 1) / a * a;
+}
+
+static void xq_layout(struct mm_xq *xa, void *scratch, int n_in, int n_tok)
+{
+    size_t nb = (size_t)n_in / QT_QK;
+    xa->ldq = round_up((size_t)n_in, 64);
+    xa->ldb = round_up(nb, 16);
+    uint8_t *p = scratch;
+    xa->q = (int8_t *)p;
+    p += xa->ldq * (size_t)n_tok;
+    xa->d = (float *)p;
+    p += sizeof(float) * xa->ldb * (size_t)n_tok;
+    xa->s = (float *)p;
+}
+
+size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
+{
+    if (mm_is_float_type(w->type) || n_tok <= 0)
+        return 0;
+    size_t nb = (size_t)w->n_in / QT_QK;
+    return (size_t)n_tok * (round_up((size_t)w->n_in, 64) + 2 * sizeof(float) * round_up(nb, 16));
+}
+
+/* ------------------------------------------------------------------------
+ * Entry points
+ * ------------------------------------------------------------------------ */
+
+void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, int n_tok,
+                       int n_threads, void *scratch)
+{
+    assert(w && w->data && qt_type_supported(w->type));
+    if (n_tok <= 0)
+        return;
+    const struct mm_kernels *k = kern();
+    struct mm_job jb = {.w = w, .x = x, .out = out, .n_tok = n_tok};
+    const bool quantised = !mm_is_float_type(w->type);
+    if (quantised) {
+        assert(scratch && ((uintptr_t)scratch & 63) == 0);
+        xq_layout(&jb.xa, scratch, w->n_in, n_tok);
+    }
+    const int n_groups = (w->n_out + MM_GROUP - 1) / MM_GROUP;
+    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
+    if (nth > n_groups)
+        nth = n_groups;
+
+    /* The activations are quantised by the calling thread before the team
+     * starts (a few microseconds per token, under 1% of a prefill's
+     * products), so the parallel region has no barrier but its end. */
+    if (quantised)
+        for (int t = 0; t < n_tok; t++)
+            k->quantize_x(x + (size_t)t * (size_t)w->n_in, w->n_in, jb.xa.q + (size_t)t * jb.xa.ldq,
+                       jb.xa.d + (size_t)t * jb.xa.ldb, jb.xa.s + (size_t)t * jb.xa.ldb);
+
+#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+    for (int g = 0; g < n_groups; g++)
+        k->run_group(&jb, g);
+}
+
+/* The calling thread's scratch for mm_matmul: grown, never shrunk. */
+static _Thread_local struct {
+    void *p;
+    size_t cap;
+} tls_scratch;
+
+void mm_scratch_release(void)
+{
+    free(tls_scratch.p);
+    tls_scratch.p = NULL;
+    tls_scratch.cap = 0;
+}
+
+int mm_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads)
+{
+    size_t need = n_tok > 0 ? mm_scratch_bytes(w, n_tok) : 0;
+    if (need > tls_scratch.cap) {
+        /* grow by half again so a slowly rising batch size reallocates rarely */
+        size_t cap = round_up(need + need / 2, 64);
+        void *p = aligned_alloc(64, cap);
+        if (!p)
+            return -ENOMEM;
+        free(tls_scratch.p);
+        tls_scratch.p = p;
+        tls_scratch.cap = cap;
+    }
+    mm_matmul_scratch(out, w, x, n_tok, n_threads, tls_scratch.p);
+    return 0;
+}
