@@ -21,7 +21,7 @@
  *   AVX-512 VNNI  vpdpbusd on 512 bits: two blocks of 32 per step, u8
  *                 weights x s8 activations, four products per i32 lane.
  *   AVX2          vpmaddubsw + vpmaddwd on 256 bits, one block per step.
- *   scalar        the same integer sums in plain C (the portable build).
+ *   scalar        the same integer sums in plain C (the scalar level).
  *
  * The weights enter as unsigned bytes w + c, and the offset's contribution
  * -c * sum(x) is the starting value of each integer sum (see "SIMD:
@@ -127,9 +127,10 @@ static void quantize_x(const float *x, int n_in, int8_t *q, float *d, float *s)
 }
 
 /* ------------------------------------------------------------------------
- * Tiles
+ * Tiles (the SIMD copies; the scalar one works row by row)
  * ------------------------------------------------------------------------ */
 
+#ifdef MM_SIMD
 /* Row pointers of a tile; rows past the end repeat the last row (discarded). */
 INLINE void tile_rows(const struct mm_job *jb, int r0, int mr, const uint8_t **rows)
 {
@@ -156,8 +157,9 @@ INLINE void tile_store(const struct mm_job *jb, int r0, int t0, int mr, int nt, 
         for (int r = 0; r < mr && r0 + r < jb->w->n_out; r++)
             jb->out[(size_t)(t0 + t) * (size_t)jb->w->n_out + (size_t)(r0 + r)] = res[r][t];
 }
+#endif
 
-/* One float weight element, for tails and the scalar build. */
+/* One float weight element, for tails and the scalar copy. */
 INLINE float f_elem(enum ggml_type type, const uint8_t *row, int i)
 {
     switch (type) {
