@@ -17,7 +17,7 @@
 #include <cmocka.h>
 
 #include "attention/attention.h"
-#include "cpu/cpu.h"
+#include "tests/cpu_levels.h"
 
 /* ------------------------------------------------------------------------
  * Kernel: fixtures
@@ -386,23 +386,6 @@ static void check_mass_sums(const struct fixture *f, const struct result *r)
 #define TOL_OUT 1e-4  /* f32, f16 and bf16 alike: both kernels convert exactly */
 #define TOL_MASS 1e-4 /* relative, per key */
 
-/* The SIMD kernel levels this CPU runs (cpu/cpu.h), best last; n of them. */
-static int simd_levels(enum cpu_level *out)
-{
-    int n = 0;
-    for (int l = CPU_AVX2; l < CPU_N_LEVELS; l++)
-        if (cpu_level_built((enum cpu_level)l) && cpu_level_supported((enum cpu_level)l, NULL, 0))
-            out[n++] = (enum cpu_level)l;
-    return n;
-}
-
-static void force_level(enum cpu_level l)
-{
-    char err[256];
-    if (cpu_force(cpu_level_name(l), err, sizeof(err)))
-        fail_msg("cpu_force(%s): %s", cpu_level_name(l), err);
-}
-
 /*
  * Fused against the reference on one case: at every SIMD kernel level the
  * CPU runs (each forced in turn, so an AVX-512 machine tests the AVX2 copy
@@ -417,13 +400,13 @@ static void check_case(const struct kcase *c)
     char what[256];
     describe(c, what, sizeof(what));
     enum cpu_level levels[CPU_N_LEVELS];
-    int n_levels = simd_levels(levels);
+    int n_levels = cl_levels(CPU_AVX2, levels);
     /* runs: each SIMD level, then (unless the case skips it) the scalar table */
     int n_runs = n_levels + (c->skip_scalar && n_levels ? 0 : 1);
     for (int i = 0; i < n_runs; i++) {
         bool scalar = i == n_levels;
         if (!scalar)
-            force_level(levels[i]);
+            cl_force(levels[i]);
         run_fused(&f, &r, scalar);
         const char *path = scalar ? "scalar" : attn_simd_name();
         double e = max_out_diff(&f, &r, &ref);

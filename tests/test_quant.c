@@ -38,8 +38,8 @@
 
 #include <cmocka.h>
 
-#include "cpu/cpu.h"
 #include "model/quant.h"
+#include "tests/cpu_levels.h"
 
 /* ------------------------------------------------------------------------
  * Helpers
@@ -1023,23 +1023,6 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
         free(out[k]);
 }
 
-/* The kernel levels this CPU runs (cpu/cpu.h), scalar first; n of them. */
-static int cpu_levels(enum cpu_level *out)
-{
-    int n = 0;
-    for (int l = CPU_SCALAR; l < CPU_N_LEVELS; l++)
-        if (cpu_level_built((enum cpu_level)l) && cpu_level_supported((enum cpu_level)l, NULL, 0))
-            out[n++] = (enum cpu_level)l;
-    return n;
-}
-
-static void force_level(enum cpu_level l)
-{
-    char err[256];
-    if (cpu_force(cpu_level_name(l), err, sizeof(err)))
-        fail_msg("cpu_force(%s): %s", cpu_level_name(l), err);
-}
-
 /*
  * n_out 1, 7, 37 (not multiples of the row tile or group); n_tok 1, 3, 5,
  * 17; at every kernel level the CPU runs, each forced in turn (so an
@@ -1050,9 +1033,9 @@ static void check_matmul_shapes(enum ggml_type type, const int *n_ins, int n_n_i
 {
     const int n_outs[3] = {1, 7, 37}, n_toks[4] = {1, 3, 5, 17};
     enum cpu_level levels[CPU_N_LEVELS];
-    int n_levels = cpu_levels(levels);
+    int n_levels = cl_levels(CPU_SCALAR, levels);
     for (int l = 0; l < n_levels; l++) {
-        force_level(levels[l]);
+        cl_force(levels[l]);
         for (int a = 0; a < n_n_in; a++)
             for (int b = 0; b < 3; b++)
                 for (int c = 0; c < 4; c++)
@@ -1139,9 +1122,9 @@ static void test_matmul_larger(void **state)
     const enum ggml_type types[7] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q8_0,
                                      GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
     enum cpu_level levels[CPU_N_LEVELS];
-    int n_levels = cpu_levels(levels);
+    int n_levels = cl_levels(CPU_SCALAR, levels);
     for (int l = 0; l < n_levels; l++) {
-        force_level(levels[l]);
+        cl_force(levels[l]);
         for (int k = 0; k < 7; k++)
             check_matmul(types[k], 1024, 83, 9);
     }
@@ -1154,10 +1137,10 @@ static void test_matmul_level_names(void **state)
     (void)state;
     static const char *const want[CPU_N_LEVELS] = {"scalar", "avx2", "avx512-vnni"};
     enum cpu_level levels[CPU_N_LEVELS];
-    int n_levels = cpu_levels(levels);
+    int n_levels = cl_levels(CPU_SCALAR, levels);
     assert_true(n_levels >= 1 && levels[0] == CPU_SCALAR);
     for (int l = 0; l < n_levels; l++) {
-        force_level(levels[l]);
+        cl_force(levels[l]);
         assert_string_equal(mm_kernel_name(), want[levels[l]]);
         print_message("level %s: matmul %s, read-only formats %s\n", cpu_level_name(levels[l]),
                       mm_kernel_name(), mm_blocks_kernel_name());
