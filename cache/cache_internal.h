@@ -49,7 +49,8 @@ struct kv_seq {
     kv_cache *cache;
     struct kv_seq *prev, *next; /* in cache->seqs */
     int32_t uid;                /* owner tag in cache->owner; unique per cache */
-    struct kv_policy policy;
+    struct kv_policy policy;     /* in effect: policy_set with the pins (pins.c) */
+    struct kv_policy policy_set; /* as given (kv_seq_create, kv_seq_set_policy) */
     bool session, pinned, dropped;
     bool drop_planned; /* LRU victim of the append being planned */
     uint64_t last_use; /* ms, from kv_seq_touch */
@@ -76,6 +77,10 @@ struct kv_seq {
     /* Sessions: every appended id, [n_appended] (capacity h_cap). */
     int32_t *hist;
     int h_cap;
+
+    /* Pinned spans (pins.c): history indices no policy evicts, normalized. */
+    struct kv_span pins[KV_MAX_PINS];
+    int n_pins;
 
     /* Turn table (turns.c): evictable turns in history order. */
     struct kv_turn *turns;
@@ -130,6 +135,21 @@ void kv_evict_move_token(kv_seq *seq, int dst, int src);
  * max-pools its observation over pool_tokens neighbours inside [lo, hi).
  */
 float kv_evict_score(const kv_seq *seq, int i, int lo, int hi);
+
+/* --- pins.c ------------------------------------------------------------ */
+
+/* The first retained index >= from whose history index is >= h (n_tokens
+ * when none): retained history indices increase. */
+int kv_hidx_lower(const kv_seq *seq, int from, int64_t h);
+/* Pin k's retained tokens are logical [*lo, *hi). */
+void kv_pins_range(const kv_seq *seq, int k, int *lo, int *hi);
+/* Pinned retained tokens among logical [a, b). */
+int kv_pins_count(const kv_seq *seq, int a, int b);
+/* Whether a pin meets history indices [h0, h1). */
+bool kv_pins_hit(const kv_seq *seq, int64_t h0, int64_t h1);
+/* kv_seq_truncate's part: cut the pins at n_hist (the policy in effect
+ * follows). */
+void kv_pins_truncate(kv_seq *seq, int n_hist);
 
 /* --- turns.c ----------------------------------------------------------- */
 

@@ -88,6 +88,19 @@
  * score that ranks the middle: see evict_scored.c.
  *
  * ---------------------------------------------------------------------------
+ * Pinned spans
+ * ---------------------------------------------------------------------------
+ *
+ * A sequence may carry pins, history-index spans no policy evicts (pins.c
+ * says why, and what they cost the budget). Both steps above keep them
+ * with no change to their shape: the scored step keeps the pinned middle
+ * tokens unranked and ranks the rest for the heavy_tokens places; the
+ * sink-window step skips the pages that hold a pinned token and frees the
+ * next unpinned ones, sliding what stays before the last freed page (the
+ * sinks and the pinned pages) forward, page ids and token metadata only.
+ * Without pins that is exactly the sink slide above.
+ *
+ * ---------------------------------------------------------------------------
  * Positions
  * ---------------------------------------------------------------------------
  *
@@ -222,22 +235,60 @@ static int sink_pages(const struct kv_policy *p, int page_tokens)
     return (int)(b.kept_tokens / page_tokens);
 }
 
-/* sink-window: pages after the sinks lying wholly before the window. */
-static int evictable_pages(const kv_seq *s)
+/* sink-window: pages among [p0, p1) holding a pinned token (pins.c). With
+ * mark, also set mark[p] = 2 for each of them. */
+static int pinned_pages(const kv_seq *s, int p0, int p1, uint8_t *mark)
 {
-    int pt = s->cache->layout.page_tokens;
-    int before_window = s->n_tokens - s->policy.window_tokens;
-    if (before_window <= 0)
-        return 0;
-    int k = before_window / pt - sink_pages(&s->policy, pt);
-    return k > 0 ? k : 0;
+    int pt = s->cache->layout.page_tokens, n = 0, next = p0;
+    for (int k = 0; k < s->n_pins; k++) {
+        int lo, hi;
+        kv_pins_range(s, k, &lo, &hi);
+        if (hi == lo)
+            continue;
+        int a = lo / pt > next ? lo / pt : next, b = (hi - 1) / pt + 1 < p1 ? (hi - 1) / pt + 1 : p1;
+        for (int p = a; mark && p < b; p++)
+            mark[p] = 2;
+        if (b > a) {
+            n += b - a;
+            next = b;
+        }
+    }
+    return n;
 }
 
-/* Scored policies: tokens kept when they evict. */
+/* sink-window: the end of the pages lying wholly before the window. */
+static int window_page(const kv_seq *s)
+{
+    int before_window = s->n_tokens - s->policy.window_tokens;
+    return before_window > 0 ? before_window / s->cache->layout.page_tokens : 0;
+}
+
+/* sink-window: pages after the sinks lying wholly before the window and
+ * holding no pinned token. */
+static int evictable_pages(const kv_seq *s)
+{
+    int sp = sink_pages(&s->policy, s->cache->layout.page_tokens), bw = window_page(s);
+    if (bw <= sp)
+        return 0;
+    return bw - sp - pinned_pages(s, sp, bw, NULL);
+}
+
+/* Scored policies: the sinks and the window of the sequence as it is. */
+static void scored_ends(const kv_seq *s, int *sinks, int *window)
+{
+    int n = s->n_tokens;
+    *sinks = s->policy.sink_tokens < n ? s->policy.sink_tokens : n;
+    *window = s->policy.window_tokens < n - *sinks ? s->policy.window_tokens : n - *sinks;
+}
+
+/* Scored policies: tokens kept when they evict (the pinned middle ones
+ * beside the heavy). */
 static int h2o_keep(const kv_seq *s)
 {
-    int64_t keep =
-        (int64_t)s->policy.sink_tokens + s->policy.window_tokens + s->policy.heavy_tokens;
+    int sinks, window;
+    scored_ends(s, &sinks, &window);
+    int64_t keep = (int64_t)sinks + window + s->policy.heavy_tokens +
+                   kv_pins_count(s, sinks, s->n_tokens - window);
     return keep < s->n_tokens ? (int)keep : s->n_tokens;
 }
 
@@ -297,8 +348,11 @@ static void move_token_meta(kv_seq *s, int dst, int src, int n)
 }
 
 /*
- * Free k whole pages right after the sinks. The sinks' page ids and token
- * metadata slide forward over the gap; the offsets advance past it.
+ * Free the k oldest evictable pages: after the sinks, wholly before the
+ * window, holding no pinned token. Without pins they are the k pages right
+ * after the sinks. Everything before the last freed page that stays (the
+ * sinks, pinned pages) slides forward over the gaps, page ids and token
+ * metadata only; the offsets advance past the k pages.
  */
 static void evict_pages(kv_seq *s, int k)
 {
@@ -307,17 +361,37 @@ static void evict_pages(kv_seq *s, int k)
     int sp = sink_pages(&s->policy, pt);
     assert(k > 0 && k <= evictable_pages(s));
 
+    /* Mark: 2 pinned, 1 freed, 0 kept. */
+    uint8_t *mark = s->keep;
+    int scan = s->n_pins > 0 ? window_page(s) : sp + k;
+    memset(mark, 0, (size_t)scan);
+    pinned_pages(s, sp, scan, mark);
+    int last = -1;
+    for (int p = sp, left = k; left > 0; p++)
+        if (mark[p] == 0) {
+            mark[p] = 1;
+            last = p;
+            left--;
+        }
+
     int32_t *ptab = s->ptab + s->p_off;
-    for (int j = sp; j < sp + k; j++)
-        kv_pool_release(c, ptab[j], s->uid);
-    memmove(ptab + k, ptab, sizeof(int32_t) * (size_t)sp);
+    int d = last;
+    for (int p = last; p >= 0; p--) {
+        if (mark[p] == 1) {
+            kv_pool_release(c, ptab[p], s->uid);
+            continue;
+        }
+        if (d != p) {
+            ptab[d] = ptab[p];
+            move_token_meta(s, d * pt, p * pt, pt);
+        }
+        d--;
+    }
+    assert(d == k - 1);
     s->p_off += k;
     s->n_pages -= k;
-
-    int gap = k * pt;
-    move_token_meta(s, gap, 0, sp * pt);
-    s->t_off += gap;
-    s->n_tokens -= gap;
+    s->t_off += k * pt;
+    s->n_tokens -= k * pt;
 }
 
 /* Rank order for h2o: larger mass first, NaN last, ties to the later token. */
@@ -359,20 +433,27 @@ void kv_evict_move_token(kv_seq *s, int dst, int src)
  * compact the survivors in order and free the pages past the end. */
 static void evict_h2o(kv_seq *s, int keep)
 {
-    int n = s->n_tokens;
-    int sinks = s->policy.sink_tokens < n ? s->policy.sink_tokens : n;
-    int window = s->policy.window_tokens < n - sinks ? s->policy.window_tokens : n - sinks;
+    int n = s->n_tokens, sinks, window;
+    scored_ends(s, &sinks, &window);
     int mid_lo = sinks, mid_hi = n - window, heavy = keep - sinks - window;
-    assert(heavy >= 0 && heavy <= mid_hi - mid_lo);
 
-    /* Select the heavy hitters of the middle. */
+    /* The pinned middle tokens stay unranked; the heavy hitters of the
+     * rest join them. */
     uint8_t *kp = s->keep;
     memset(kp, 1, (size_t)n);
-    int m = 0;
-    for (int i = mid_lo; i < mid_hi; i++) {
-        s->rank[m++] = (struct kv_rank){.mass = kv_evict_score(s, i, mid_lo, mid_hi), .idx = i};
-        kp[i] = 0;
+    memset(kp + mid_lo, 0, (size_t)(mid_hi - mid_lo));
+    for (int k = 0; k < s->n_pins; k++) {
+        int lo, hi;
+        kv_pins_range(s, k, &lo, &hi);
+        for (int i = lo > mid_lo ? lo : mid_lo; i < hi && i < mid_hi; i++, heavy--)
+            kp[i] = 1;
     }
+    assert(heavy >= 0);
+    int m = 0;
+    for (int i = mid_lo; i < mid_hi; i++)
+        if (!kp[i])
+            s->rank[m++] = (struct kv_rank){.mass = kv_evict_score(s, i, mid_lo, mid_hi), .idx = i};
+    assert(heavy <= m);
     qsort(s->rank, (size_t)m, sizeof(s->rank[0]), rank_cmp);
     for (int r = 0; r < heavy; r++)
         kp[s->rank[r].idx] = 1;

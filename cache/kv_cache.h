@@ -223,6 +223,8 @@ struct kv_policy {
     int pool_tokens;      /* snapkv only: max-pool width over neighbours, >= 1 (1 = none) */
     bool knorm_smallest;  /* knorm only: evict the smallest norms (default: the largest) */
     bool renumber;        /* true: positions = renumber; false: preserve */
+    bool window_auto;     /* window_tokens was resolved from 0 (the rest of the budget):
+                             pinned spans take their room from it (pins.c) */
 };
 
 /* Whether kind ranks middle tokens by a score (h2o, tova, knorm, snapkv). */
@@ -304,7 +306,9 @@ void kv_seq_destroy(kv_seq *seq);
  * Replace the policy (config reload). It takes effect at the next eviction:
  * positions already assigned stay until then. Scores stay, except that
  * moving to or from knorm (norms, not masses) resets them to 0. Returns 0, or -EINVAL with
- * nothing changed if the policy fails kv_policy_check.
+ * nothing changed if the policy fails kv_policy_check, or -E2BIG with nothing
+ * changed if the sequence's pins do not fit it (kv_pins_fit). kv_seq_policy
+ * then returns the policy in effect: an automatic window less the pins' cost.
  */
 int kv_seq_set_policy(kv_seq *seq, const struct kv_policy *policy);
 const struct kv_policy *kv_seq_policy(const kv_seq *seq);
@@ -453,6 +457,52 @@ void kv_seq_pin(kv_seq *seq, bool busy);         /* pinned sessions are never dr
 /* True once LRU dropped this session: its pages, tokens and history are
  * gone. The flag stays until kv_seq_destroy. */
 bool kv_seq_dropped(const kv_seq *seq);
+
+/* ------------------------------------------------------------------------
+ * Pinned spans (pins.c): tokens no policy evicts
+ * ------------------------------------------------------------------------ */
+
+/* A run of history indices [start, end) (kv_seq_hist_index): in a session
+ * these are the prompt's token indices, in this and every later request. */
+struct kv_span {
+    int32_t start, end;
+};
+
+#define KV_MAX_PINS 64 /* pinned spans of one sequence, after merging */
+
+/*
+ * Sort spans[0..n) and merge the overlapping and touching ones, in place.
+ * Returns the count left, or -EINVAL (a span with start < 0 or end <=
+ * start; n < 0) or -E2BIG (more than KV_MAX_PINS left), the reason in err.
+ */
+int kv_spans_normalize(struct kv_span *spans, int n, char *err, size_t errlen);
+/*
+ * What normalized spans cost the budget of p, in tokens kept besides the
+ * sinks and the window (see pins.c: token-granular for the scored
+ * policies, whole pages for sink-window, 0 for none).
+ */
+int64_t kv_pins_cost(const struct kv_policy *p, int page_tokens, const struct kv_span *spans,
+                     int n);
+/*
+ * Whether normalized spans fit p's budget: *out is p in effect with them
+ * (an automatic window shrinks by their cost and must keep a page; a set
+ * window must fit beside them). Returns 0, or -E2BIG with the sizes in
+ * err (*out is then p). Pure: the server's early check and the sequence's
+ * own (kv_seq_set_pins) are this one function.
+ */
+int kv_pins_fit(const struct kv_policy *p, int page_tokens, const struct kv_span *spans, int n,
+                struct kv_policy *out, char *err, size_t errlen);
+/*
+ * Replace the sequence's pins (copied, normalized; n = 0 clears them).
+ * Every policy, the turns and the LRU's partial evictions keep a retained
+ * pinned token; the policy in effect (kv_seq_policy) becomes the policy as
+ * set with the pins (kv_pins_fit). Returns 0, or -EINVAL / -E2BIG with the
+ * reason in err and nothing changed. kv_seq_truncate cuts the pins at the
+ * cut; a drop (LRU) clears them.
+ */
+int kv_seq_set_pins(kv_seq *seq, const struct kv_span *spans, int n, char *err, size_t errlen);
+/* The sequence's pins, normalized (*spans borrowed, may be NULL); the count. */
+int kv_seq_pins(const kv_seq *seq, const struct kv_span **spans);
 
 /* ------------------------------------------------------------------------
  * Turns (turns.c): eviction that keeps a conversation's structure

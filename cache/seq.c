@@ -137,7 +137,7 @@ kv_seq *kv_seq_create(kv_cache *c, const struct kv_policy *policy, bool session,
         return NULL;
     }
     s->cache = c;
-    s->policy = *policy;
+    s->policy = s->policy_set = *policy;
     s->session = session;
     s->uid = c->next_uid;
     s->birth = c->births++;
@@ -170,6 +170,8 @@ void kv_seq_release_all(kv_seq *s)
     s->n_appended = 0;
     s->next_pos = 0;
     kv_turns_clear(s);
+    s->n_pins = 0; /* the history they indexed is gone */
+    s->policy = s->policy_set;
 }
 
 void kv_seq_destroy(kv_seq *s)
@@ -201,12 +203,16 @@ int kv_seq_set_policy(kv_seq *s, const struct kv_policy *policy)
 {
     if (kv_policy_check(policy, s->cache->layout.page_tokens, NULL, 0) < 0)
         return -EINVAL;
+    struct kv_policy eff;
+    if (kv_pins_fit(policy, s->cache->layout.page_tokens, s->pins, s->n_pins, &eff, NULL, 0))
+        return -E2BIG;
     /* Key norms and attention masses do not mix: moving to or from knorm
      * starts the scores afresh (evict_scored.c). */
     bool knorm_was = s->policy.kind == KV_EVICT_KNORM, knorm_is = policy->kind == KV_EVICT_KNORM;
     if (knorm_was != knorm_is && s->n_tokens > 0)
         memset(s->mass + s->t_off, 0, sizeof(float) * (size_t)s->n_tokens);
-    s->policy = *policy;
+    s->policy_set = *policy;
+    s->policy = eff;
     return 0;
 }
 
@@ -486,6 +492,7 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
         s->next_pos = s->policy.renumber ? 0 : n_hist;
         s->n_appended = n_hist;
         kv_turns_truncate(s, n_hist);
+        kv_pins_truncate(s, n_hist);
         return 0;
     }
     const int32_t *hidx = s->hidx + s->t_off, *pos = s->pos + s->t_off;
@@ -512,5 +519,6 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
     kv_seq_cut_to(s, keep);
     s->n_appended = n_hist;
     kv_turns_truncate(s, n_hist);
+    kv_pins_truncate(s, n_hist);
     return 0;
 }

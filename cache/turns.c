@@ -46,7 +46,8 @@
  * evictable once all its tokens have been appended and some are retained.
  * Tokens in no turn are pinned: the system prompt, the tool definitions,
  * the last user turn (the engine leaves it out of the table) and the
- * answer being written. Making room then goes:
+ * answer being written; so is a turn holding a token of a pinned span
+ * (pins.c). Making room then goes:
  *
  *   1. whole evictable turns, oldest first, until the room is made and at
  *      most the low-water mark is left (or the turns run out);
@@ -75,22 +76,6 @@
  * Finding a turn's retained tokens
  * ------------------------------------------------------------------------ */
 
-/* The first retained index >= from whose history index is >= h (n_tokens
- * when none): retained history indices increase. */
-static int lower_from(const kv_seq *s, int from, int64_t h)
-{
-    const int32_t *hidx = s->hidx + s->t_off;
-    int lo = from, hi = s->n_tokens;
-    while (lo < hi) {
-        int mid = lo + (hi - lo) / 2;
-        if (hidx[mid] < h)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
 static int64_t turn_end(const struct kv_turn *t)
 {
     return (int64_t)t->hist_start + t->n_tokens;
@@ -99,8 +84,8 @@ static int64_t turn_end(const struct kv_turn *t)
 /* Turn t's retained tokens are logical [*lo, *hi), searched from `from`. */
 static void turn_range(const kv_seq *s, const struct kv_turn *t, int from, int *lo, int *hi)
 {
-    *lo = lower_from(s, from, t->hist_start);
-    *hi = lower_from(s, *lo, turn_end(t));
+    *lo = kv_hidx_lower(s, from, t->hist_start);
+    *hi = kv_hidx_lower(s, *lo, turn_end(t));
 }
 
 /* Appended whole: no token of it is still to come. */
@@ -109,12 +94,21 @@ static bool turn_complete(const kv_seq *s, const struct kv_turn *t)
     return turn_end(t) <= s->n_appended;
 }
 
+/* Holds a pinned token (pins.c): it stays whole, as the tokens in no turn
+ * do. */
+static bool turn_pinned(const kv_seq *s, const struct kv_turn *t)
+{
+    return kv_pins_hit(s, t->hist_start, turn_end(t));
+}
+
 /* Tokens left with every evictable turn gone. */
 static int turn_floor(const kv_seq *s)
 {
     int n = s->n_tokens, from = 0;
     for (int i = 0; i < s->n_turns && turn_complete(s, &s->turns[i]); i++) {
         int lo, hi;
+        if (turn_pinned(s, &s->turns[i]))
+            continue;
         turn_range(s, &s->turns[i], from, &lo, &hi);
         n -= hi - lo;
         from = hi;
@@ -234,6 +228,8 @@ int kv_room_plan(const kv_seq *s, int target)
     int n = s->n_tokens, from = 0;
     for (int i = 0; i < s->n_turns && n > low && turn_complete(s, &s->turns[i]); i++) {
         int lo, hi;
+        if (turn_pinned(s, &s->turns[i]))
+            continue;
         turn_range(s, &s->turns[i], from, &lo, &hi);
         n -= hi - lo;
         from = hi;
@@ -255,6 +251,8 @@ static int evict_turns(kv_seq *s, int keep)
     for (int i = 0; i < s->n_turns && left > keep; i++) {
         assert(turn_complete(s, &s->turns[i]));
         int lo, hi;
+        if (turn_pinned(s, &s->turns[i]))
+            continue; /* its tokens move with the run after it */
         turn_range(s, &s->turns[i], src, &lo, &hi);
         if (hi == lo)
             continue;

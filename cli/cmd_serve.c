@@ -182,6 +182,7 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .default_max_tokens = (int)c->limits.max_tokens,
         .api_key = st->api_key,
         .policy = pol,
+        .page_tokens = (int)c->cache.page_tokens,
         .max_session_id = 128,
         .chat_template = c->model.chat_template,
         .chat_turns = c->eviction.unit == CFG_UNIT_TURN,

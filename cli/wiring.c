@@ -59,8 +59,10 @@ void srv_cfg_policy(const struct cfg *c, struct kv_policy *out)
     /* cfg_validate has had the cache check this very policy (the hook
      * below); window_tokens = 0 is resolved by the cache's budget. */
     *out = policy_as_set(c);
-    if (c->eviction.policy != CFG_EVICT_NONE)
+    if (c->eviction.policy != CFG_EVICT_NONE) {
         out->window_tokens = (int)cfg_window_tokens(c);
+        out->window_auto = c->eviction.window_tokens == 0; /* pins may take from it */
+    }
 }
 
 /* The config hook: the cache's budget terms and its verdict on the policy

@@ -62,6 +62,7 @@ void engine_req_free(struct engine_req *r)
     free(r->stop);
     free(r->session);
     free(r->turns);
+    free(r->keep);
     free(r->final_ev);
     free(r);
 }

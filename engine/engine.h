@@ -89,6 +89,9 @@ enum engine_logits {
 #define ENGINE_CANCEL_CLIENT 1 /* the client disconnected */
 #define ENGINE_CANCEL_ABORT 2  /* shutdown deadline */
 
+/* The most keep ranges one request may pin. */
+#define ENGINE_MAX_KEEP 32
+
 /* The most alternatives a request may ask for per sampled token. */
 #define ENGINE_MAX_TOP_LOGPROBS 1000
 /* The most log-probability entries, tokens x (alternatives + 1), of one
@@ -120,8 +123,11 @@ struct engine_req {
     bool ignore_eos;               /* never sample an end-of-generation token */
     int32_t stop_token;            /* -1, or a token that ends generation like EOS (a chat
                                       template's end-of-turn control token) */
-    int n_keep;                    /* llama.cpp n_keep: 0 = the configured sinks;
-                                      > 0 sink tokens; -1 the whole prompt */
+    int n_keep;                    /* llama.cpp n_keep: pin prompt tokens [0, n_keep)
+                                      (0 none, -1 the whole prompt; engine/pins.c) */
+    struct kv_span *keep;          /* [n_keep_ranges] pinned prompt token ranges [start,
+                                      end), each 0 <= start < end (owned; pins.c) */
+    int n_keep_ranges;             /* 0..ENGINE_MAX_KEEP */
     struct kv_turn *turns;         /* a chat on a session under [eviction] unit = turn: the
                                       prompt's droppable turns as spans of prompt indices,
                                       given to the session's sequence (kv_seq_set_turns)
@@ -218,6 +224,8 @@ struct engine_session_info {
     enum kv_type k_type, v_type; /* element types its K and V are stored in */
     int kv_pages;                /* pages it holds */
     uint64_t kv_bytes;           /* ... and their bytes */
+    struct kv_span pins[KV_MAX_PINS]; /* its pinned spans, history indices [start, end) */
+    int n_pins;
 };
 
 /* An event (owned by whoever takes it: engine_event_free). */

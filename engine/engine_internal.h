@@ -180,6 +180,15 @@ uint64_t engine_now_ns(void);
 
 /* run.c: one request's life. */
 struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t);
+
+/* pins.c: the length of the prefix req's prompt shares with seq's history. */
+int engine_history_match(const kv_seq *seq, const struct engine_req *req);
+/* pins.c: req's pins (n_keep, keep ranges) with the pins of its session's
+ * sequence sess (may be NULL) over the history its prompt repeats,
+ * normalized into out[KV_MAX_PINS] and checked against the configured
+ * budget. Returns the count, or -1 with the reason (a 400) in err. */
+int engine_pins_plan(const engine *e, const struct engine_req *req, const kv_seq *sess,
+                     struct kv_span *out, char *err, size_t errlen);
 /* A token was sampled: true if the run ended (and was freed). */
 bool engine_run_take_token(engine *e, struct run *r, int32_t tok, uint64_t t);
 /* Give the run's pages back and put its request at the head of the queue

@@ -241,46 +241,28 @@ bool engine_run_flush(engine *e, struct run *r)
  * Admission
  * ------------------------------------------------------------------------ */
 
-/*
- * The policy of a request: the configured one, with llama.cpp's n_keep as
- * the sinks when given (the window shrinks to leave eviction a page).
- * Returns 0, or -EINVAL with the reason in err.
- */
-static int request_policy(const engine *e, const struct engine_req *req, struct kv_policy *pol,
-                          char *err, size_t errlen)
+/* The sequence's policy (the configured one, a reload's included) and the
+ * request's pins (engine_pins_plan checked them): the old pins go first so
+ * that the policy is judged alone. Returns 0, or -1 with the reason in err. */
+static int set_policy_pins(const engine *e, kv_seq *seq, const struct kv_span *pins, int n_pins,
+                           char *err, size_t errlen)
 {
-    *pol = e->lim.policy;
-    if (req->n_keep == 0 || pol->kind == KV_EVICT_NONE)
-        return 0;
-    int page = e->p.page_tokens;
-    pol->sink_tokens = req->n_keep < 0 ? req->n_prompt : req->n_keep;
-    struct kv_budget b;
-    kv_policy_budget(pol, page, &b);
-    if (pol->window_tokens > b.window_room)
-        pol->window_tokens = (int)(b.window_room > 0 ? b.window_room : 0);
-    if (pol->window_tokens < 1 || kv_policy_check(pol, page, err, errlen) != 0) {
-        snprintf(err, errlen,
-                 "n_keep = %d leaves no room to evict within max_cache_tokens = %d (pages of %d "
-                 "tokens)",
-                 pol->sink_tokens, pol->max_cache_tokens, page);
-        return -EINVAL;
-    }
-    return 0;
+    kv_seq_set_pins(seq, NULL, 0, NULL, 0);
+    kv_seq_set_policy(seq, &e->lim.policy);
+    return kv_seq_set_pins(seq, pins, n_pins, err, errlen) ? -1 : 0;
 }
 
 /* Continue the session x: keep the history's prefix that matches the
  * prompt (never the whole prompt: its last token is fed for logits), and
- * give its sequence the request's turns (or none: a completion evicts
- * tokens). Returns 0, or -1 with the reason in err and x left unused. */
-static int attach_session(struct run *r, struct engine_session *x, const struct kv_policy *pol,
-                          char *err, size_t errlen)
+ * give its sequence the request's pins and turns (or none: a completion
+ * evicts tokens). Returns 0, or -1 with the reason in err and x left
+ * unused. */
+static int attach_session(engine *e, struct run *r, struct engine_session *x,
+                          const struct kv_span *pins, int n_pins, char *err, size_t errlen)
 {
     const struct engine_req *req = r->req;
-    const int32_t *h;
-    int n_h = kv_seq_history(x->seq, &h);
-    int n = 0;
-    while (n < n_h && n < req->n_prompt && h[n] == req->prompt[n])
-        n++;
+    int n_h = kv_seq_history(x->seq, NULL);
+    int n = engine_history_match(x->seq, req);
     if (n == req->n_prompt)
         n--;
     if (n < n_h && kv_seq_truncate(x->seq, n) != 0) {
@@ -288,8 +270,8 @@ static int attach_session(struct run *r, struct engine_session *x, const struct 
         kv_seq_truncate(x->seq, 0);
         n = 0;
     }
-    kv_seq_set_policy(x->seq, pol); /* n_keep, or back to the configured policy */
-    if (kv_seq_set_turns(x->seq, req->turns, req->n_turns, req->turn_low_tokens, err, errlen))
+    if (set_policy_pins(e, x->seq, pins, n_pins, err, errlen) ||
+        kv_seq_set_turns(x->seq, req->turns, req->n_turns, req->turn_low_tokens, err, errlen))
         return -1;
     struct kv_turn_state ts;
     kv_seq_turn_state(x->seq, &ts);
@@ -306,8 +288,8 @@ static int attach_session(struct run *r, struct engine_session *x, const struct 
 /*
  * Admit req (already out of the waiting FIFO) into a new run at the end of
  * the running list. Returns the run, or NULL after posting the request's
- * error (400 for an n_keep that leaves no room, 503 out of memory or
- * sessions): it is then done.
+ * error (400 for pins that do not fit the budget or the prompt, 503 out of
+ * memory or sessions): it is then done.
  */
 struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
 {
@@ -328,26 +310,32 @@ struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
         goto out_free;
     memcpy(r->hist, req->prompt, sizeof(int32_t) * (size_t)req->n_prompt);
     r->n_hist = req->n_prompt;
-    struct kv_policy pol;
-    if (request_policy(e, req, &pol, err, sizeof(err)) != 0) {
-        status = 400;
+    bool in_session = req->session && e->lim.max_sessions > 0;
+    struct engine_session *x = in_session ? engine_sessions_find(&e->sessions, req->session) : NULL;
+    struct kv_span pins[KV_MAX_PINS];
+    int n_pins = engine_pins_plan(e, req, x ? x->seq : NULL, pins, err, sizeof(err));
+    if (n_pins < 0) {
+        status = 400; /* before any work: nothing has changed */
         goto out_free;
     }
-    if (req->session && e->lim.max_sessions > 0) {
-        struct engine_session *x = engine_sessions_find(&e->sessions, req->session);
+    if (in_session) {
         if (!x)
             x = engine_sessions_create(&e->sessions, e->cache, &e->lim.policy, e->lim.max_sessions,
                                        req->session, err, sizeof(err));
         if (!x)
             goto out_free;
-        if (attach_session(r, x, &pol, err, sizeof(err)) != 0)
+        if (attach_session(e, r, x, pins, n_pins, err, sizeof(err)) != 0)
             goto out_free;
     } else {
-        r->seq = kv_seq_create(e->cache, &pol, false, err, sizeof(err));
+        r->seq = kv_seq_create(e->cache, &e->lim.policy, false, err, sizeof(err));
         if (!r->seq)
             goto out_free;
+        if (set_policy_pins(e, r->seq, pins, n_pins, err, sizeof(err))) {
+            kv_seq_destroy(r->seq);
+            goto out_free;
+        }
     }
-    r->admitted_evicting = pol.kind != KV_EVICT_NONE;
+    r->admitted_evicting = e->lim.policy.kind != KV_EVICT_NONE;
     r->phase = RUN_PREFILL;
     struct run **pp = &e->runs;
     while (*pp)

@@ -182,4 +182,8 @@ void engine_session_describe(const struct engine_session *x, struct engine_sessi
     out->v_type = l.v_type;
     out->kv_pages = kv_seq_n_pages(x->seq);
     out->kv_bytes = (uint64_t)out->kv_pages * l.page_bytes;
+    const struct kv_span *pins;
+    out->n_pins = kv_seq_pins(x->seq, &pins);
+    if (out->n_pins > 0)
+        memcpy(out->pins, pins, sizeof(*pins) * (size_t)out->n_pins);
 }

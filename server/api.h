@@ -21,6 +21,7 @@ struct srv_api_params {
     int default_max_tokens;  /* when the request says none */
     const char *api_key;     /* NULL or "" = no auth (copied) */
     struct kv_policy policy; /* to reject prompts that can never fit (policy none) */
+    int page_tokens;         /* tokens per KV page (pinned spans' budget) */
     int max_session_id;      /* longest session id accepted */
     const char *chat_template; /* [model] chat_template, or NULL/"" (copied) */
     bool chat_turns;           /* [eviction] unit = turn: chat turns leave whole */

@@ -330,10 +330,13 @@ static void on_done(struct call *call, const struct engine_event *ev)
                                    "session.deleted", "deleted", 1));
             return;
         }
+        json_t *pinned = json_array(); /* [[start, end), ...] history indices */
+        for (int k = 0; pinned && k < si->n_pins; k++)
+            json_array_append_new(pinned, json_pack("[i, i]", si->pins[k].start, si->pins[k].end));
         srv_respond_json(
             call->conn, 200,
             json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b, s:{s:s, s:i, s:i, s:i, s:i}, "
-                      "s:{s:s, s:s, s:i, s:I}}",
+                      "s:{s:s, s:s, s:i, s:I}, s:o*}",
                       "id", call->req->session,
                       "object", "session", "tokens", si->history_tokens, "retained_tokens",
                       si->retained_tokens, "evicted_tokens",
@@ -347,7 +350,7 @@ static void on_done(struct call *call, const struct engine_event *ev)
                       si->policy.sink_tokens, "window_tokens", si->policy.window_tokens,
                       "heavy_tokens", si->policy.heavy_tokens, "kv", "k_type",
                       kv_type_name(si->k_type), "v_type", kv_type_name(si->v_type), "pages",
-                      si->kv_pages, "bytes", (json_int_t)si->kv_bytes));
+                      si->kv_pages, "bytes", (json_int_t)si->kv_bytes, "pinned", pinned));
         return;
     }
     if (ev->finish == ENGINE_FINISH_CANCEL)

@@ -206,6 +206,64 @@ static void decode_session(const struct srv_api_limits *lim, const json_t *body,
         srv_oom(e, "reading the session id");
 }
 
+/*
+ * Pinned spans: llama.cpp's n_keep (pin the first n prompt tokens; -1 the
+ * whole prompt) and kvd's "keep": [[start, end], ...], prompt token indices
+ * with end excluded (engine/pins.c says what they refer to in a session).
+ * The pins' sizes are checked against the budget here, from the numbers
+ * alone (kv_pins_fit, the cache's own rule); what needs the prompt (n_keep
+ * -1, a range past its end) and the session's earlier pins is checked at
+ * admission, still before any work.
+ */
+static void decode_pins(const struct srv_api_limits *lim, const json_t *body,
+                        struct engine_req *r, struct srv_api_error *e)
+{
+    long long n;
+    if (srv_get_int(body, "n_keep", -1, 1 << 30, &n, e) > 0)
+        r->n_keep = (int)n;
+    const json_t *keep = srv_field(body, "keep");
+    if (e->status || (!keep && r->n_keep <= 0))
+        return;
+    if (keep && (!json_is_array(keep) || json_array_size(keep) > ENGINE_MAX_KEEP)) {
+        srv_fail(e, "keep", "invalid_value",
+                 "'keep' must be an array of at most %d [start, end] pairs of prompt token "
+                 "indices (end excluded)",
+                 ENGINE_MAX_KEEP);
+        return;
+    }
+    size_t k = keep ? json_array_size(keep) : 0;
+    struct kv_span v[ENGINE_MAX_KEEP + 1];
+    for (size_t i = 0; i < k; i++) {
+        const json_t *p = json_array_get(keep, i);
+        const json_t *a = json_array_get(p, 0), *b = json_array_get(p, 1);
+        if (!json_is_array(p) || json_array_size(p) != 2 || !json_is_integer(a) ||
+            !json_is_integer(b) || json_integer_value(a) < 0 ||
+            json_integer_value(b) <= json_integer_value(a) || json_integer_value(b) > (1 << 30)) {
+            srv_fail(e, "keep", "invalid_value",
+                     "keep[%zu] must be [start, end] with 0 <= start < end <= %d (prompt token "
+                     "indices, end excluded)",
+                     i, 1 << 30);
+            return;
+        }
+        v[i] = (struct kv_span){(int32_t)json_integer_value(a), (int32_t)json_integer_value(b)};
+    }
+    if (k > 0 && !(r->keep = malloc(sizeof(*v) * k))) {
+        srv_oom(e, "reading 'keep'");
+        return;
+    }
+    if (k > 0)
+        memcpy(r->keep, v, sizeof(*v) * k);
+    r->n_keep_ranges = (int)k;
+    if (r->n_keep > 0)
+        v[k++] = (struct kv_span){0, r->n_keep};
+    char why[400];
+    struct kv_policy eff;
+    int m = kv_spans_normalize(v, (int)k, why, sizeof(why));
+    if (m >= 0 && kv_pins_fit(&lim->policy, lim->page_tokens, v, m, &eff, why, sizeof(why)) == 0)
+        return;
+    srv_fail(e, keep ? "keep" : "n_keep", "pins_exceed_budget", "%s", why);
+}
+
 /* ------------------------------------------------------------------------
  * Fields the shapes share (api_decode_internal.h)
  * ------------------------------------------------------------------------ */
@@ -229,6 +287,7 @@ void srv_decode_common(const struct srv_api_limits *lim, const json_t *body,
         r->sampling.frequency_penalty = (float)d;
     decode_session(lim, body, hdr_session, r, e);
     decode_stop(body, r, e);
+    decode_pins(lim, body, r, e);
     srv_get_bool(body, "ignore_eos", &r->ignore_eos, e);
 }
 

@@ -35,7 +35,9 @@ struct srv_api_limits {
     int max_tokens;         /* the largest max_tokens / n_predict accepted */
     int default_max_tokens; /* OpenAI shapes, when the request says none */
     int max_session_id;     /* longest session id accepted */
-    struct kv_policy policy; /* prompts that can never fit (policy none), chat turns */
+    struct kv_policy policy; /* prompts that can never fit (policy none), chat turns,
+                                pinned spans against the budget */
+    int page_tokens;         /* tokens per KV page (pinned spans' budget) */
     bool chat_turns;         /* [eviction] unit = turn: a chat is fitted by whole turns */
     int max_token_bytes;     /* the most bytes of text one token can stand for
                                 (model_max_token_bytes); 0 = no byte bound */

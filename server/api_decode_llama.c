@@ -1,6 +1,6 @@
 /*
  * api_decode_llama.c - POST /completion (llama.cpp): prompt (a string, ids,
- * or a mixed array), n_predict, repeat_penalty, repeat_last_n, n_keep,
+ * or a mixed array), n_predict, repeat_penalty, repeat_last_n,
  * n_probs, return_tokens, ... into a plain request, with the
  * generation_settings object llama.cpp echoes in its final answer.
  */
@@ -62,8 +62,6 @@ int srv_decode_llama(const struct srv_api_limits *lim, json_t *body, const char 
     srv_get_bool(body, "stream", &out->stream, e);
     srv_get_bool(body, "cache_prompt", &b, e);
     srv_get_bool(body, "return_tokens", &out->return_tokens, e);
-    if (srv_get_int(body, "n_keep", -1, 1 << 30, &i, e) > 0)
-        r->n_keep = (int)i;
     int top = 0;
     if (srv_decode_top_n(lim, body, "n_probs", &top, e) > 0 && top > 0) {
         r->want_logprobs = out->logprobs = true;

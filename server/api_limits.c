@@ -26,6 +26,7 @@ void srv_api_limits(srv_api *a, struct srv_api_limits *lim)
         .default_max_tokens = a->p.default_max_tokens,
         .max_session_id = a->p.max_session_id,
         .policy = a->p.policy,
+        .page_tokens = a->p.page_tokens,
         .chat_turns = a->p.chat_turns,
         .max_token_bytes = a->max_token_bytes,
         .chat_unavailable = a->chat ? NULL : a->chat_err,
