@@ -177,7 +177,7 @@ int kv_pins_fit(const struct kv_policy *p, int page_tokens, const struct kv_span
             snprintf(err, errlen,
                      "pinned spans hold %lld tokens, costing %lld under %s%s; with %lld kept "
                      "tokens (sinks%s) and one page (%d) they leave an automatic window of %lld "
-                     "tokens of max_cache_tokens %d, less than one page: pin at most %lld tokens",
+                     "tokens of max_cache_tokens %d, less than one page: pins may cost at most %lld",
                      (long long)pinned, (long long)cost, name,
                      p->kind == KV_EVICT_SINK_WINDOW ? " as whole pages" : "",
                      (long long)b.kept_tokens, kv_policy_scored(p->kind) ? " + heavy" : "",

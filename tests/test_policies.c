@@ -10,10 +10,13 @@
  *      and rescored when a later prompt appends;
  *   2. accounting: a randomized run of every policy against a plain model
  *      of the selection, the pool checked after every append and free at
- *      the end;
+ *      the end; with pinned spans (cache/pins.c) for h2o, tova, snapkv and
+ *      sink-window, every pinned token retained throughout;
  *   3. equivalence at the kernel: attention over an evicted, renumbered
  *      cache equals attention over a fresh cache of exactly the survivors
- *      within 1e-6 (RoPE and ALiBi);
+ *      within 1e-6 (RoPE and ALiBi), with pins and without;
+ *   3b. pins: their cost and refusals per policy, turns that hold a pin
+ *      stay whole, truncation cuts them;
  *   4. the forward reports the mass each policy asks for (tova: the last
  *      query's, equal to what h2o gains in the same step; snapkv: the last
  *      observe_tokens queries; knorm: none, the key norms instead) and its
@@ -392,6 +395,104 @@ static void test_policy_change_resets_scores(void **state)
 }
 
 /* ------------------------------------------------------------------------
+ * 1b. Pinned spans: cost, refusals, turns, truncation
+ * ------------------------------------------------------------------------ */
+
+static void test_pins_cost_turns_truncate(void **state)
+{
+    (void)state;
+    char err[512];
+    /* Normalizing: sorted, touching and overlapping merged; bad spans refused. */
+    struct kv_span v[KV_MAX_PINS + 2] = {{5, 8}, {0, 3}, {3, 4}, {6, 7}};
+    assert_int_equal(kv_spans_normalize(v, 4, err, sizeof(err)), 2);
+    assert_true(v[0].start == 0 && v[0].end == 4 && v[1].start == 5 && v[1].end == 8);
+    v[0] = (struct kv_span){4, 4};
+    assert_int_equal(kv_spans_normalize(v, 1, err, sizeof(err)), -EINVAL);
+    for (int i = 0; i < KV_MAX_PINS + 1; i++)
+        v[i] = (struct kv_span){2 * i, 2 * i + 1};
+    assert_int_equal(kv_spans_normalize(v, KV_MAX_PINS + 1, err, sizeof(err)), -E2BIG);
+
+    /* Cost: scored counts tokens past the sinks; sink-window whole pages,
+     * exact from inside the sink pages, bounded elsewhere; none nothing. */
+    const struct kv_span two[2] = {{0, 5}, {20, 27}};
+    struct kv_policy h = scored(KV_EVICT_H2O, 40, 3, 10, 8);
+    assert_int_equal(kv_pins_cost(&h, 4, two, 2), 2 + 7);
+    struct kv_policy sw = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 40, .sink_tokens = 3,
+                           .window_tokens = 12, .renumber = true};
+    assert_int_equal(kv_pins_cost(&sw, 4, two, 2), (8 - 4) + 12);
+    struct kv_policy none = {.kind = KV_EVICT_NONE, .max_cache_tokens = 40};
+    assert_int_equal(kv_pins_cost(&none, 4, two, 2), 0);
+
+    /* Fit: a set window must fit beside them (h2o: 3 + 8 + 10 + 4 + 9 = 34
+     * <= 40); an automatic one shrinks and keeps a page. */
+    struct kv_policy out;
+    assert_int_equal(kv_pins_fit(&h, 4, two, 2, &out, err, sizeof(err)), 0);
+    assert_int_equal(out.window_tokens, 10);
+    h.max_cache_tokens = 33;
+    assert_int_equal(kv_pins_fit(&h, 4, two, 2, &out, err, sizeof(err)), -E2BIG);
+    assert_non_null(strstr(err, "pinned spans hold 12 tokens, costing 9"));
+    assert_non_null(strstr(err, "needs max_cache_tokens >= 34, but it is 33"));
+    h.window_auto = true;
+    h.window_tokens = 33 - 11 - 4; /* the room: 18 */
+    assert_int_equal(kv_pins_fit(&h, 4, two, 2, &out, err, sizeof(err)), 0);
+    assert_int_equal(out.window_tokens, 18 - 9);
+    const struct kv_span big[1] = {{3, 20}};
+    assert_int_equal(kv_pins_fit(&h, 4, big, 1, &out, err, sizeof(err)), -E2BIG);
+    assert_non_null(strstr(err, "less than one page"));
+
+    /* A sequence: the policy in effect follows its pins; a policy its pins
+     * do not fit is refused with nothing changed. */
+    kv_cache *c = bare_cache(4, 1, 1, 8);
+    kv_seq *s = kv_seq_create(c, &h, true, NULL, 0);
+    assert_int_equal(kv_seq_set_pins(s, two, 2, err, sizeof(err)), 0);
+    assert_int_equal(kv_seq_policy(s)->window_tokens, 9);
+    struct kv_policy tight = h;
+    tight.window_auto = false;
+    tight.window_tokens = 18;
+    assert_int_equal(kv_seq_set_policy(s, &tight), -E2BIG);
+    assert_int_equal(kv_seq_policy(s)->window_tokens, 9);
+    append_ids(s, 0, 60);
+    for (int id = 0; id < 5; id++)
+        assert_true(holds(s, id));
+    for (int id = 20; id < 27; id++)
+        assert_true(holds(s, id));
+    /* Truncation cuts the pins; the window grows back. */
+    assert_int_equal(kv_seq_truncate(s, 24), 0);
+    const struct kv_span *ps;
+    assert_int_equal(kv_seq_pins(s, &ps), 2);
+    assert_true(ps[1].start == 20 && ps[1].end == 24);
+    assert_int_equal(kv_seq_policy(s)->window_tokens, 18 - 6);
+    assert_int_equal(kv_seq_truncate(s, 10), 0);
+    assert_int_equal(kv_seq_pins(s, &ps), 1);
+    assert_int_equal(kv_seq_policy(s)->window_tokens, 18 - 2);
+    kv_seq_destroy(s);
+
+    /* Turns: a turn holding a pinned token is not evictable; the others
+     * leave whole, and the policy's cut keeps the pin too. */
+    struct kv_policy swt = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 48,
+                            .sink_tokens = 4, .window_tokens = 8, .renumber = true};
+    s = kv_seq_create(c, &swt, true, NULL, 0);
+    const struct kv_turn turns[3] = {{10, 10, 2}, {20, 10, 2}, {30, 10, 2}};
+    assert_int_equal(kv_seq_set_turns(s, turns, 3, 0, err, sizeof(err)), 0);
+    const struct kv_span pin[1] = {{22, 24}};
+    assert_int_equal(kv_seq_set_pins(s, pin, 1, err, sizeof(err)), 0);
+    append_ids(s, 0, 52);
+    struct kv_turn_state ts;
+    kv_seq_turn_state(s, &ts);
+    assert_int_equal(ts.turns_evicted, 1); /* [10, 20) */
+    assert_true(holds(s, 20) && holds(s, 29) && !holds(s, 10));
+    append_ids(s, 52, 8);
+    kv_seq_turn_state(s, &ts);
+    assert_int_equal(ts.turns_evicted, 2); /* [30, 40); [20, 30) stays whole */
+    assert_true(holds(s, 20) && holds(s, 29) && !holds(s, 30));
+    append_ids(s, 60, 80); /* no evictable turn left: the policy cuts */
+    assert_true(holds(s, 22) && holds(s, 23));
+    assert_cache_ok(c);
+    kv_seq_destroy(s);
+    kv_cache_destroy(c);
+}
+
+/* ------------------------------------------------------------------------
  * 2. Accounting against a plain model
  * ------------------------------------------------------------------------ */
 
@@ -399,6 +500,8 @@ static void test_policy_change_resets_scores(void **state)
 
 struct mirror {
     struct kv_policy pol;
+    struct kv_span pins[4]; /* pinned history spans (pins.c) */
+    int n_pins;
     int32_t id[ACC_MAX];
     int32_t hx[ACC_MAX]; /* place in the text (history index) */
     float score[ACC_MAX];
@@ -419,28 +522,19 @@ static float m_score(const struct mirror *m, int i, int lo, int hi)
     return best;
 }
 
-/* The model's eviction: keep sinks, window and the heavy best (ties to the
- * later token) of the middle. */
-static void m_evict(struct mirror *m)
+static bool m_pinned(const struct mirror *m, int32_t hx)
 {
-    int n = m->n, sinks = m->pol.sink_tokens < n ? m->pol.sink_tokens : n;
-    int window = m->pol.window_tokens < n - sinks ? m->pol.window_tokens : n - sinks;
-    int lo = sinks, hi = n - window;
-    bool keep[ACC_MAX];
-    float ps[ACC_MAX];
-    for (int i = 0; i < n; i++) {
-        keep[i] = i < lo || i >= hi;
-        ps[i] = i >= lo && i < hi ? m_score(m, i, lo, hi) : 0;
-    }
-    for (int r = 0; r < m->pol.heavy_tokens && r < hi - lo; r++) {
-        int best = -1;
-        for (int i = lo; i < hi; i++)
-            if (!keep[i] && (best < 0 || ps[i] >= ps[best]))
-                best = i; /* >=: the later of equals */
-        keep[best] = true;
-    }
+    for (int k = 0; k < m->n_pins; k++)
+        if (hx >= m->pins[k].start && hx < m->pins[k].end)
+            return true;
+    return false;
+}
+
+/* Keep the tokens marked in keep[0..n), in order. */
+static void m_compact(struct mirror *m, const bool *keep)
+{
     int d = 0;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < m->n; i++)
         if (keep[i]) {
             m->id[d] = m->id[i];
             m->hx[d] = m->hx[i];
@@ -449,28 +543,98 @@ static void m_evict(struct mirror *m)
     m->n = d;
 }
 
+/* The model's sink-window: free the fewest oldest whole pages after the
+ * sink pages, wholly before the window, holding no pinned token, so that
+ * `add` more tokens fit. */
+static void m_evict_pages(struct mirror *m, int add)
+{
+    int pt = 4, over = m->n + add - m->pol.max_cache_tokens;
+    if (over <= 0)
+        return;
+    int pages = (over + pt - 1) / pt, sp = (m->pol.sink_tokens + pt - 1) / pt;
+    bool keep[ACC_MAX];
+    for (int i = 0; i < m->n; i++)
+        keep[i] = true;
+    for (int p = sp; pages > 0 && (p + 1) * pt <= m->n - m->pol.window_tokens; p++) {
+        bool pin = false;
+        for (int i = p * pt; i < (p + 1) * pt; i++)
+            pin = pin || m_pinned(m, m->hx[i]);
+        if (pin)
+            continue;
+        for (int i = p * pt; i < (p + 1) * pt; i++)
+            keep[i] = false;
+        pages--;
+    }
+    assert_int_equal(pages, 0);
+    m_compact(m, keep);
+}
+
+/* The model's eviction: keep sinks, window, the pinned middle tokens and
+ * the heavy best of the others (ties to the later token). */
+static void m_evict(struct mirror *m)
+{
+    int n = m->n, sinks = m->pol.sink_tokens < n ? m->pol.sink_tokens : n;
+    int window = m->pol.window_tokens < n - sinks ? m->pol.window_tokens : n - sinks;
+    int lo = sinks, hi = n - window, free_mid = 0;
+    bool keep[ACC_MAX];
+    float ps[ACC_MAX];
+    for (int i = 0; i < n; i++) {
+        keep[i] = i < lo || i >= hi || m_pinned(m, m->hx[i]);
+        ps[i] = i >= lo && i < hi ? m_score(m, i, lo, hi) : 0;
+        free_mid += !keep[i];
+    }
+    for (int r = 0; r < m->pol.heavy_tokens && r < free_mid; r++) {
+        int best = -1;
+        for (int i = lo; i < hi; i++)
+            if (!keep[i] && (best < 0 || ps[i] >= ps[best]))
+                best = i; /* >=: the later of equals */
+        keep[best] = true;
+    }
+    m_compact(m, keep);
+}
+
+/* The pins of the accounting run: an n_keep-like start, spans in the middle
+ * that the first evictions reach, one far on. */
+static const struct kv_span acc_pins[4] = {{0, 5}, {20, 27}, {100, 104}, {300, 310}};
+
 static void test_accounting_stress(void **state)
 {
     (void)state;
     const int pt = 4, L = 2, H = 2, D = 4;
+    enum { N_SEQ = 7 };
     kv_cache *c = bare_cache(pt, L, H, D);
-    struct mirror ms[3] = {
+    struct mirror ms[N_SEQ] = {
         {.pol = scored(KV_EVICT_TOVA, 60, 3, 10, 20)},
         {.pol = scored(KV_EVICT_KNORM, 57, 0, 13, 17)},
         {.pol = scored(KV_EVICT_SNAPKV, 70, 4, 9, 25)},
+        /* pinned (pins.c): every policy keeps them, the mirror says how */
+        {.pol = scored(KV_EVICT_H2O, 60, 3, 10, 12)},
+        {.pol = scored(KV_EVICT_TOVA, 60, 3, 10, 12)},
+        {.pol = scored(KV_EVICT_SNAPKV, 64, 2, 9, 14)},
+        {.pol = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 64, .sink_tokens = 3,
+                 .window_tokens = 12, .renumber = true}},
     };
-    ms[2].pol.pool_tokens = 5;
-    ms[2].pol.observe_tokens = 4;
-    kv_seq *seq[3];
-    for (int k = 0; k < 3; k++) {
+    ms[2].pol.pool_tokens = ms[5].pol.pool_tokens = 5;
+    ms[2].pol.observe_tokens = ms[5].pol.observe_tokens = 4;
+    kv_seq *seq[N_SEQ];
+    for (int k = 0; k < N_SEQ; k++) {
         seq[k] = kv_seq_create(c, &ms[k].pol, k == 2, NULL, 0);
         assert_non_null(seq[k]);
+        if (k >= 3) {
+            char err[256];
+            memcpy(ms[k].pins, acc_pins, sizeof(acc_pins));
+            ms[k].n_pins = 4;
+            int rc = kv_seq_set_pins(seq[k], acc_pins, 4, err, sizeof(err));
+            if (rc)
+                print_message("kv_seq_set_pins: %s\n", err);
+            assert_int_equal(rc, 0);
+        }
     }
     uint32_t rng = 12345;
     int32_t next_id = 1;
     int evictions = 0;
-    for (int op = 0; op < 1500; op++) {
-        int k = (int)(rng_next(&rng) % 3);
+    for (int op = 0; op < 3500; op++) {
+        int k = (int)(rng_next(&rng) % N_SEQ);
         struct mirror *m = &ms[k];
         kv_seq *s = seq[k];
         int n = 1 + (int)(rng_next(&rng) % 6);
@@ -481,7 +645,10 @@ static void test_accounting_stress(void **state)
             ids[i] = next_id++;
         int first;
         assert_int_equal(kv_seq_append(s, ids, n, &first), 0);
-        if (m->n + n > m->pol.max_cache_tokens) {
+        if (m->pol.kind == KV_EVICT_SINK_WINDOW) {
+            evictions += m->n + n > m->pol.max_cache_tokens;
+            m_evict_pages(m, n);
+        } else if (m->n + n > m->pol.max_cache_tokens) {
             m_evict(m);
             evictions++;
         }
@@ -508,13 +675,15 @@ static void test_accounting_stress(void **state)
         float mass[ACC_MAX];
         for (int i = 0; i < m->n; i++) /* coarse values: ties happen */
             mass[i] = (float)(rng_next(&rng) % 4);
-        int want = m->pol.kind == KV_EVICT_TOVA ? 1
+        int want = m->pol.kind == KV_EVICT_TOVA                 ? 1
+                   : m->pol.kind == KV_EVICT_H2O                ? n
                    : m->pol.kind == KV_EVICT_SNAPKV && n >= 2 ? (n < 4 ? n : 4)
-                                                               : 0;
+                                                                : 0;
         assert_int_equal(report_mass(s, n, mass, L), want);
-        if (want > 0)
+        if (want > 0) /* forgot (h2o: kept), then L = 2 layers */
             for (int i = 0; i < m->n; i++)
-                m->score[i] = mass[i] + mass[i]; /* forgot, then L = 2 layers */
+                m->score[i] = (m->pol.kind == KV_EVICT_H2O ? m->score[i] + mass[i] : mass[i]) +
+                              mass[i];
 
         /* The cache agrees with the model, token for token. */
         assert_int_equal(kv_seq_n_tokens(s), m->n);
@@ -525,14 +694,22 @@ static void test_accounting_stress(void **state)
             assert_int_equal(kv_seq_positions(s)[i], i);
             assert_true(kv_seq_mass(s)[i] == m->score[i]);
         }
+        /* Every pinned token appended so far is retained. */
+        int pinned_seen = 0, pinned_kept = 0;
+        for (int p = 0; p < m->n_pins; p++)
+            for (int h = m->pins[p].start; h < m->pins[p].end && h < m->appended; h++)
+                pinned_seen++;
+        for (int i = 0; i < m->n; i++)
+            pinned_kept += m_pinned(m, m->hx[i]);
+        assert_int_equal(pinned_kept, pinned_seen);
         if (op % 50 == 0)
             assert_cache_ok(c);
     }
-    assert_true(evictions > 100);
+    assert_true(evictions > 200);
     struct kv_stats st;
     kv_cache_stats(c, &st);
     assert_true(st.evictions >= (uint64_t)evictions);
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < N_SEQ; k++)
         kv_seq_destroy(seq[k]);
     kv_cache_stats(c, &st);
     assert_int_equal(st.pages_free, st.pages_total);
@@ -607,11 +784,13 @@ static double max_diff(const float *a, const float *b, int n)
     return m;
 }
 
-static void run_equivalence(const struct attn_params *P, struct kv_policy pol)
+static void run_equivalence_pinned(const struct attn_params *P, struct kv_policy pol,
+                                   const struct kv_span *pins, int n_pins)
 {
     kv_cache *c = bare_cache(EQ_PT, 1, EQ_KV_HEADS, EQ_DIM);
     kv_seq *s = kv_seq_create(c, &pol, false, NULL, 0);
     assert_non_null(s);
+    assert_int_equal(kv_seq_set_pins(s, pins, n_pins, NULL, 0), 0);
     uint32_t rng = 77;
     int32_t id = 1000;
     while (id < 1120) {
@@ -640,6 +819,9 @@ static void run_equivalence(const struct attn_params *P, struct kv_policy pol)
         assert_int_equal(kv_seq_positions(s)[i], i);
         hist_pos[i] = kv_seq_hist_index(s)[i];
     }
+    for (int k = 0; k < n_pins; k++) /* ids are 1000 + history index */
+        for (int h = pins[k].start; h < pins[k].end; h++)
+            assert_true(holds(s, 1000 + h));
 
     /* The fresh cache: exactly the survivors, in order, at 0..n-1. */
     kv_cache *fc = bare_cache(EQ_PT, 1, EQ_KV_HEADS, EQ_DIM);
@@ -669,8 +851,29 @@ static void run_equivalence(const struct attn_params *P, struct kv_policy pol)
     kv_cache_destroy(c);
 }
 
+static void run_equivalence(const struct attn_params *P, struct kv_policy pol)
+{
+    run_equivalence_pinned(P, pol, NULL, 0);
+}
+
 static void run_equivalence_all(const struct attn_params *P)
 {
+    /* Pinned: a start (n_keep), a middle span, one inside a page. */
+    const struct kv_span pins[3] = {{0, 3}, {30, 37}, {61, 62}};
+    struct kv_policy sw = {.kind = KV_EVICT_SINK_WINDOW,
+                           .max_cache_tokens = 48,
+                           .sink_tokens = 2,
+                           .window_tokens = 8,
+                           .renumber = true};
+    run_equivalence_pinned(P, sw, pins, 3);
+    run_equivalence_pinned(P, scored(KV_EVICT_H2O, 34, 2, 8, 6), pins, 3);
+    run_equivalence_pinned(P, scored(KV_EVICT_TOVA, 34, 2, 8, 6), pins, 3);
+    run_equivalence_pinned(P, scored(KV_EVICT_KNORM, 36, 3, 7, 9), pins, 3);
+    struct kv_policy snap_p = scored(KV_EVICT_SNAPKV, 44, 2, 8, 12);
+    snap_p.observe_tokens = 2;
+    snap_p.pool_tokens = 3;
+    run_equivalence_pinned(P, snap_p, pins, 3);
+
     struct kv_policy snap = scored(KV_EVICT_SNAPKV, 40, 2, 8, 12);
     snap.observe_tokens = 2;
     snap.pool_tokens = 3;
@@ -943,6 +1146,7 @@ int main(void)
         cmocka_unit_test(test_knorm_evicts_largest_or_smallest),
         cmocka_unit_test(test_snapkv_observe_pool_decode_reappend),
         cmocka_unit_test(test_policy_change_resets_scores),
+        cmocka_unit_test(test_pins_cost_turns_truncate),
         cmocka_unit_test(test_accounting_stress),
         cmocka_unit_test(test_equivalence_rope),
         cmocka_unit_test(test_equivalence_alibi),

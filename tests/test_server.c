@@ -3,7 +3,8 @@
  * free loopback port, serving a small model written by model_mk_write into
  * a temporary directory, driven over plain sockets (tests/http_client.h:
  * keep-alive, pipelining, chunked bodies, SSE): completions (OpenAI and
- * llama.cpp), streaming, stop strings, batching, sessions, metrics.
+ * llama.cpp), streaming, stop strings, batching, sessions, pinned spans,
+ * metrics.
  *
  * Each server is started with `--listen 127.0.0.1:0` and prints the port
  * it got; every socket has a timeout, and every server is stopped with
@@ -647,6 +648,155 @@ static void test_session_long(void **state)
     json_decref(hist);
 }
 
+/* A /completion with a pin request on token-id prompt ids (borrowed);
+ * returns the status, and the error message in msg when not 200. */
+static int pin_post(int port, json_t *ids, const char *session, json_t *pins, int n_keep,
+                    char *msg, size_t msglen)
+{
+    json_t *body = json_pack("{s:O, s:i, s:f}", "prompt", ids, "n_predict", 4, "temperature", 0.0);
+    if (pins)
+        json_object_set_new(body, "keep", pins);
+    if (n_keep)
+        json_object_set_new(body, "n_keep", json_integer(n_keep));
+    if (session)
+        json_object_set_new(body, "session", json_string(session));
+    int st;
+    json_t *v = post(port, "/completion", body, NULL, &st);
+    char *dump = v ? json_dumps(v, JSON_COMPACT) : NULL;
+    snprintf(msg, msglen, "%s", dump ? dump : "");
+    free(dump);
+    json_decref(v);
+    return st;
+}
+
+/* The session's pinned ranges as "[[a,b],...]" (GET /v1/sessions/ID), and
+ * its window in effect. */
+static void session_pins(int port, const char *id, char *out, size_t len, int *window)
+{
+    struct resp r;
+    char path[128];
+    snprintf(path, sizeof(path), "/v1/sessions/%s", id);
+    assert_int_equal(http(port, "GET", path, NULL, NULL, &r), 200);
+    json_t *v = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    char *d = json_dumps(json_object_get(v, "pinned"), JSON_COMPACT);
+    snprintf(out, len, "%s", d ? d : "(none)");
+    free(d);
+    *window = (int)json_integer_value(
+        json_object_get(json_object_get(v, "eviction"), "window_tokens"));
+    json_decref(v);
+}
+
+/* Whether every history token in [a, b) is retained, by the session map. */
+static bool map_retains(int port, const char *id, int a, int b)
+{
+    struct resp r;
+    char path[160];
+    snprintf(path, sizeof(path), "/v1/sessions/%s/map?ranges=4096&text=0", id);
+    assert_int_equal(http(port, "GET", path, NULL, NULL, &r), 200);
+    json_t *v = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    size_t i;
+    json_t *rg;
+    bool ok = true, evicted_elsewhere = false;
+    json_array_foreach(json_object_get(v, "ranges"), i, rg)
+    {
+        int s = (int)json_integer_value(json_object_get(rg, "start"));
+        int e = (int)json_integer_value(json_object_get(rg, "end"));
+        bool kept = json_integer_value(json_object_get(rg, "retained")) == e - s;
+        if (s < b && a < e && !kept)
+            ok = false;
+        if (json_integer_value(json_object_get(rg, "retained")) < e - s && (e <= a || s >= b))
+            evicted_elsewhere = true;
+        if (getenv("KVD_TEST_VERBOSE"))
+            print_message("map [%d, %d) %s\n", s, e, kept ? "retained" : "evicted");
+    }
+    json_decref(v);
+    return ok && evicted_elsewhere; /* the pin held where others went */
+}
+
+/*
+ * Pinned spans through the API: sizes beyond the budget are refused with
+ * 400 naming them (from the numbers, and at admission for what needs the
+ * prompt), and a session's pins hold through eviction and later requests
+ * and show in /v1/sessions/{id}. The main server: sink-window, 256 tokens,
+ * 4 sinks in 16-token pages, automatic window (224).
+ */
+static void test_pins(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct su_proc *s = main_server();
+    char msg[2048], pins[512];
+    json_t *ids = json_array();
+    for (int k = 0; k < 400; k++)
+        json_array_append_new(ids, json_integer(3 + (k * 53) % 500));
+    json_t *few = json_pack("[i, i, i, i, i]", 5, 6, 7, 8, 9);
+
+    /* Refused from the numbers: 300 pinned tokens cannot fit in 256. */
+    assert_int_equal(pin_post(s->port, ids, NULL, json_pack("[[i, i]]", 0, 300), 0, msg,
+                              sizeof(msg)),
+                     400);
+    print_message("400: %s\n", msg);
+    assert_non_null(strstr(msg, "pinned spans hold 300 tokens"));
+    assert_non_null(strstr(msg, "max_cache_tokens 256"));
+    /* Two ranges that fit alone but not together. */
+    assert_int_equal(pin_post(s->port, ids, NULL, json_pack("[[i, i], [i, i]]", 20, 120, 200, 330),
+                              0, msg, sizeof(msg)),
+                     400);
+    assert_non_null(strstr(msg, "pinned spans hold 230 tokens"));
+    assert_int_equal(pin_post(s->port, ids, NULL, NULL, 250, msg, sizeof(msg)), 400);
+    assert_non_null(strstr(msg, "n_keep"));
+    /* Malformed ranges. */
+    assert_int_equal(pin_post(s->port, few, NULL, json_pack("[[i, i]]", 3, 3), 0, msg,
+                              sizeof(msg)),
+                     400);
+    assert_int_equal(pin_post(s->port, few, NULL, json_pack("[i, i]", 1, 2), 0, msg, sizeof(msg)),
+                     400);
+    assert_int_equal(pin_post(s->port, few, NULL, json_string("all"), 0, msg, sizeof(msg)), 400);
+    /* Refused at admission: past the prompt; n_keep -1 over a long prompt. */
+    assert_int_equal(pin_post(s->port, few, NULL, json_pack("[[i, i]]", 2, 9), 0, msg,
+                              sizeof(msg)),
+                     400);
+    assert_non_null(strstr(msg, "past the prompt's 5 tokens"));
+    assert_int_equal(pin_post(s->port, ids, NULL, NULL, -1, msg, sizeof(msg)), 400);
+    assert_non_null(strstr(msg, "pinned spans hold 400 tokens"));
+    assert_int_equal(pin_post(s->port, few, NULL, NULL, -1, msg, sizeof(msg)), 200);
+
+    /* A session pins [100, 140) of a 400-token prompt: it holds while the
+     * prompt overflows the budget, shows, and stays for the next request. */
+    assert_int_equal(pin_post(s->port, ids, "pinned", json_pack("[[i, i]]", 100, 140), 0, msg,
+                              sizeof(msg)),
+                     200);
+    int window;
+    session_pins(s->port, "pinned", pins, sizeof(pins), &window);
+    assert_string_equal(pins, "[[100,140]]");
+    assert_int_equal(window, 224 - 64); /* 40 tokens touch at most 4 pages */
+    assert_true(map_retains(s->port, "pinned", 100, 140));
+    for (int k = 0; k < 200; k++)
+        json_array_append_new(ids, json_integer(7 + (k * 31) % 400));
+    assert_int_equal(pin_post(s->port, ids, "pinned", NULL, 0, msg, sizeof(msg)), 200);
+    session_pins(s->port, "pinned", pins, sizeof(pins), &window);
+    assert_string_equal(pins, "[[100,140]]");
+    assert_true(map_retains(s->port, "pinned", 100, 140));
+    /* A later pin joins them; a prompt departing before a pin drops it. */
+    assert_int_equal(pin_post(s->port, ids, "pinned", json_pack("[[i, i]]", 10, 20), 0, msg,
+                              sizeof(msg)),
+                     200);
+    session_pins(s->port, "pinned", pins, sizeof(pins), &window);
+    assert_string_equal(pins, "[[10,20],[100,140]]");
+    json_array_set_new(ids, 50, json_integer(1));
+    assert_int_equal(pin_post(s->port, ids, "pinned", NULL, 0, msg, sizeof(msg)), 200);
+    session_pins(s->port, "pinned", pins, sizeof(pins), &window);
+    assert_string_equal(pins, "[[10,20]]");
+    assert_int_equal(window, 224 - 16);
+    struct resp r;
+    assert_int_equal(http(s->port, "DELETE", "/v1/sessions/pinned", NULL, NULL, &r), 200);
+    resp_free(&r);
+    json_decref(ids);
+    json_decref(few);
+}
+
 static void test_metrics(void **state)
 {
     (void)state;
@@ -794,6 +944,7 @@ int main(void)
         cmocka_unit_test(test_concurrent_clients),
         cmocka_unit_test(test_session_prefix),
         cmocka_unit_test(test_session_long),
+        cmocka_unit_test(test_pins),
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_keepalive_pipelining),
     };
