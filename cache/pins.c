@@ -167,35 +167,33 @@ int kv_pins_fit(const struct kv_policy *p, int page_tokens, const struct kv_span
     struct kv_budget b;
     kv_policy_budget(p, page_tokens, &b);
     int64_t room = b.window_room - cost; /* the largest window the pins leave */
-    const char *name = kv_policy_kind_name(p->kind);
-    if (p->window_auto) {
-        if (room >= page_tokens) {
-            out->window_tokens = (int)room;
-            return 0;
-        }
-        if (err)
-            snprintf(err, errlen,
-                     "pinned spans hold %lld tokens, costing %lld under %s%s; with %lld kept "
-                     "tokens (sinks%s) and one page (%d) they leave an automatic window of %lld "
-                     "tokens of max_cache_tokens %d, less than one page: pins may cost at most %lld",
-                     (long long)pinned, (long long)cost, name,
-                     p->kind == KV_EVICT_SINK_WINDOW ? " as whole pages" : "",
-                     (long long)b.kept_tokens, kv_policy_scored(p->kind) ? " + heavy" : "",
-                     page_tokens, (long long)room, p->max_cache_tokens,
-                     (long long)(b.window_room - page_tokens));
-        return -E2BIG;
-    }
-    if (p->window_tokens <= room)
+    if (p->window_auto && room >= page_tokens) {
+        out->window_tokens = (int)room;
         return 0;
-    if (err)
-        snprintf(err, errlen,
-                 "pinned spans hold %lld tokens, costing %lld under %s%s; with %lld kept tokens "
-                 "(sinks%s), window_tokens %d and one page (%d) that needs max_cache_tokens >= "
-                 "%lld, but it is %d",
-                 (long long)pinned, (long long)cost, name,
-                 p->kind == KV_EVICT_SINK_WINDOW ? " as whole pages" : "", (long long)b.kept_tokens,
-                 kv_policy_scored(p->kind) ? " + heavy" : "", p->window_tokens, page_tokens,
-                 (long long)(b.need_tokens + cost), p->max_cache_tokens);
+    }
+    if (!p->window_auto && p->window_tokens <= room)
+        return 0;
+    if (!err)
+        return -E2BIG;
+    int len = snprintf(err, errlen,
+                       "pinned spans hold %lld tokens, costing %lld under %s%s; with %lld kept "
+                       "tokens (sinks%s), ",
+                       (long long)pinned, (long long)cost, kv_policy_kind_name(p->kind),
+                       p->kind == KV_EVICT_SINK_WINDOW ? " as whole pages" : "",
+                       (long long)b.kept_tokens, kv_policy_scored(p->kind) ? " + heavy" : "");
+    size_t at = len > 0 && (size_t)len < errlen ? (size_t)len : 0;
+    if (p->window_auto)
+        snprintf(err + at, errlen - at,
+                 "one page (%d) and max_cache_tokens %d they leave an automatic window of %lld "
+                 "tokens, less than one page: pins may cost at most %lld",
+                 page_tokens, p->max_cache_tokens, (long long)room,
+                 (long long)(b.window_room - page_tokens));
+    else
+        snprintf(err + at, errlen - at,
+                 "window_tokens %d and one page (%d) that needs max_cache_tokens >= %lld, but it "
+                 "is %d",
+                 p->window_tokens, page_tokens, (long long)(b.need_tokens + cost),
+                 p->max_cache_tokens);
     return -E2BIG;
 }
 

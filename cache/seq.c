@@ -497,16 +497,7 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
     }
     const int32_t *hidx = s->hidx + s->t_off, *pos = s->pos + s->t_off;
 
-    /* History indices increase: binary search for the first one >= n_hist. */
-    int lo = 0, hi = s->n_tokens;
-    while (lo < hi) {
-        int mid = lo + (hi - lo) / 2;
-        if (hidx[mid] < n_hist)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    int keep = lo;
+    int keep = kv_hidx_lower(s, 0, n_hist); /* the first history index >= n_hist */
 
     /* Where the next token goes: right after the kept ones (renumber), or
      * at the position the cut token would have had (preserve: the gap of

@@ -669,16 +669,23 @@ static int pin_post(int port, json_t *ids, const char *session, json_t *pins, in
     return st;
 }
 
+/* GET path (printf-style) and parse the answer, which must be 200. */
+static json_t *get_json(int port, const char *fmt, const char *id)
+{
+    struct resp r;
+    char path[160];
+    snprintf(path, sizeof(path), fmt, id);
+    assert_int_equal(http(port, "GET", path, NULL, NULL, &r), 200);
+    json_t *v = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    return v;
+}
+
 /* The session's pinned ranges as "[[a,b],...]" (GET /v1/sessions/ID), and
  * its window in effect. */
 static void session_pins(int port, const char *id, char *out, size_t len, int *window)
 {
-    struct resp r;
-    char path[128];
-    snprintf(path, sizeof(path), "/v1/sessions/%s", id);
-    assert_int_equal(http(port, "GET", path, NULL, NULL, &r), 200);
-    json_t *v = json_loads(r.body, 0, NULL);
-    resp_free(&r);
+    json_t *v = get_json(port, "/v1/sessions/%s", id);
     char *d = json_dumps(json_object_get(v, "pinned"), JSON_COMPACT);
     snprintf(out, len, "%s", d ? d : "(none)");
     free(d);
@@ -690,12 +697,7 @@ static void session_pins(int port, const char *id, char *out, size_t len, int *w
 /* Whether every history token in [a, b) is retained, by the session map. */
 static bool map_retains(int port, const char *id, int a, int b)
 {
-    struct resp r;
-    char path[160];
-    snprintf(path, sizeof(path), "/v1/sessions/%s/map?ranges=4096&text=0", id);
-    assert_int_equal(http(port, "GET", path, NULL, NULL, &r), 200);
-    json_t *v = json_loads(r.body, 0, NULL);
-    resp_free(&r);
+    json_t *v = get_json(port, "/v1/sessions/%s/map?ranges=4096&text=0", id);
     size_t i;
     json_t *rg;
     bool ok = true, evicted_elsewhere = false;
