@@ -103,6 +103,8 @@ size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
 {
     if (mm_is_float_type(w->type) || n_tok <= 0)
         return 0;
+    if (mm_k_type(w->type))
+        return mm_k_scratch_bytes(w->n_in, n_tok);
     size_t nb = (size_t)w->n_in / QT_QK;
     return (size_t)n_tok * (round_up((size_t)w->n_in, 64) + 2 * sizeof(float) * round_up(nb, 16));
 }
@@ -117,6 +119,10 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
     assert(w && w->data && qt_type_supported(w->type));
     if (n_tok <= 0)
         return;
+    if (mm_k_type(w->type)) {
+        mm_k_matmul(out, w, x, n_tok, n_threads, scratch); /* matmul_k.c */
+        return;
+    }
     const struct mm_kernels *k = kern();
     struct mm_job jb = {.w = w, .x = x, .out = out, .n_tok = n_tok};
     const bool quantised = !mm_is_float_type(w->type);

@@ -260,4 +260,31 @@ const char *mm_blocks_kernel_name(void);
  * called while products run. */
 int mm_blocks_use(const char *kernel);
 
+/* ------------------------------------------------------------------------
+ * The K formats' products (matmul_k.c)
+ * ------------------------------------------------------------------------ */
+
+/* Whether mm_matmul multiplies type through matmul_k.c: q4_K, q5_K, q6_K. */
+bool mm_k_type(enum ggml_type type);
+
+/* Scratch mm_k_matmul needs for n_tok tokens of n_in (a multiple of 256). */
+size_t mm_k_scratch_bytes(int n_in, int n_tok);
+
+/*
+ * mm_matmul_scratch for a weight of an mm_k_type type: the activations
+ * quantised per super-block of 256 (one scale each, sums per 16) into
+ * scratch (mm_k_scratch_bytes, 64-byte aligned), then integer dot products
+ * with the weights' scales applied in integers. The same invariance: each
+ * output summed in one order whatever the threads and the batch.
+ */
+void mm_k_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
+                 void *scratch);
+
+/* The kernel mm_k_matmul uses: "avx512-vnni", "avx2" or "scalar". */
+const char *mm_k_kernel_name(void);
+/* For tests and benchmarks: "scalar" forces the plain C kernel, "auto"
+ * returns to the build's best. 0, or -EINVAL for another name. Not to be
+ * called while products run. */
+int mm_k_use(const char *kernel);
+
 #endif /* KVD_QUANT_H */

@@ -926,16 +926,18 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
         for (int i = 32; i < 64; i++)
             x[(size_t)n_in + i] = 0.0f; /* an all-zero activation block */
 
-    /* the activations as the kernel quantises them (quant.h): per block of 32,
-     * d = max|x| / 127 and q = round-to-even(x * (127 / max|x|)) in f32 */
+    /* the activations as the kernel quantises them (quant.h): per block of 32
+     * (of 256 for the K formats, matmul_k.c), d = max|x| / 127 and
+     * q = round-to-even(x * (127 / max|x|)) in f32 */
+    const int ab = mm_k_type(type) ? 256 : 32;
     float *xhat = malloc(sizeof(float) * (size_t)n_in * (size_t)n_tok);
     assert_non_null(xhat);
-    for (size_t b = 0; quantised && b < (size_t)n_in * n_tok; b += 32) {
+    for (size_t b = 0; quantised && b < (size_t)n_in * n_tok; b += ab) {
         float amax = 0.0f;
-        for (size_t i = b; i < b + 32; i++)
+        for (size_t i = b; i < b + ab; i++)
             amax = fmaxf(amax, fabsf(x[i]));
         float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
-        for (size_t i = b; i < b + 32; i++)
+        for (size_t i = b; i < b + ab; i++)
             xhat[i] = d * nearbyintf(x[i] * id);
     }
 
@@ -977,9 +979,9 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
             }
             double tol;
             if (quantised) {
-                for (int b = 0; b < n_in; b += 32) {
+                for (int b = 0; b < n_in; b += ab) {
                     double amax = 0, wsum = 0;
-                    for (int i = b; i < b + 32; i++) {
+                    for (int i = b; i < b + ab; i++) {
                         amax = fmax(amax, fabs(xt[i]));
                         wsum += fabs(wo[i]);
                     }
@@ -1079,18 +1081,38 @@ static void test_matmul_q4_0(void **state)
     check_matmul_shapes(GGML_TYPE_Q4_0, n_in, 3);
 }
 
+/* The K formats through matmul_k.c's SIMD kernel (when the build has one)
+ * and its plain C kernel: both within the same bounds of the references,
+ * invariant to threads and batch. */
+static void check_matmul_k(enum ggml_type type)
+{
+    const int n_in[2] = {256, 768};
+    for (int pass = 0; pass < 2; pass++) {
+        assert_int_equal(mm_k_use(pass ? "scalar" : "auto"), 0);
+        print_message("%s kernel: %s\n", qt_type_name(type), mm_k_kernel_name());
+        check_matmul_shapes(type, n_in, 2);
+        check_matmul(type, 1024, 83, 9);
+    }
+    assert_int_equal(mm_k_use("auto"), 0);
+    assert_int_equal(mm_k_use("avx9"), -EINVAL);
+}
+
 static void test_matmul_q4_K(void **state)
 {
     (void)state;
-    const int n_in[2] = {256, 768};
-    check_matmul_shapes(GGML_TYPE_Q4_K, n_in, 2);
+    check_matmul_k(GGML_TYPE_Q4_K);
+}
+
+static void test_matmul_q5_K(void **state)
+{
+    (void)state;
+    check_matmul_k(GGML_TYPE_Q5_K);
 }
 
 static void test_matmul_q6_K(void **state)
 {
     (void)state;
-    const int n_in[2] = {256, 768};
-    check_matmul_shapes(GGML_TYPE_Q6_K, n_in, 2);
+    check_matmul_k(GGML_TYPE_Q6_K);
 }
 
 /* A larger product: several row groups per thread, long rows. */
@@ -1241,6 +1263,7 @@ int main(void)
         cmocka_unit_test(test_matmul_q8_0),
         cmocka_unit_test(test_matmul_q4_0),
         cmocka_unit_test(test_matmul_q4_K),
+        cmocka_unit_test(test_matmul_q5_K),
         cmocka_unit_test(test_matmul_q6_K),
         cmocka_unit_test(test_matmul_larger),
     };

@@ -11,6 +11,12 @@
  *   matmul       64 tokens (prefill), one matrix: GFLOP/s (2 flops per
  *                multiply-add).
  *
+ * `bench_matmul kquant`: the K formats beside q8_0 (q8_0, q4_K, q5_K, q6_K
+ * with their kernels named), measured round-robin: every trial of every
+ * column visits the four types in turn, so a machine whose load changes
+ * during the run slows them alike and the "vs q8_0" ratios stay fair. The
+ * load average is printed before and after.
+ *
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads, counted as
  * 12 bytes per element like STREAM) measured in the same run gives the
  * machine's bandwidth; "cold/triad" is the fraction of it a decoding step
@@ -120,8 +126,112 @@ static double triad_gbs(void)
     return bench_triad(THREADS, (size_t)48 << 20, (size_t)2 << 20, 3, NULL);
 }
 
-int main(void)
+/* The load average as /proc/loadavg gives it (three numbers), or "?". */
+static void load_average(char *buf, size_t len)
 {
+    snprintf(buf, len, "?");
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (!f)
+        return;
+    double a, b, c;
+    if (fscanf(f, "%lf %lf %lf", &a, &b, &c) == 3)
+        snprintf(buf, len, "%.2f %.2f %.2f", a, b, c);
+    fclose(f);
+}
+
+/* One call's time. */
+static double time_call(float *out, const struct mm_weight *w, const float *x, int n_tok)
+{
+    double t0 = now();
+    mm_matmul(out, w, x, n_tok, THREADS);
+    return now() - t0;
+}
+
+#define KQ_TYPES 4
+#define KQ_ROUNDS 10
+#define KQ_COLD_BYTES ((size_t)256 << 20)
+
+static int bench_kquant(void)
+{
+    const enum ggml_type types[KQ_TYPES] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
+                                            GGML_TYPE_Q6_K};
+    const int n_tok = 64;
+    char load0[64], load1[64];
+    load_average(load0, sizeof load0);
+    printf("matrix %dx%d, %d threads, kernels: q8_0 %s, K formats %s; round-robin, best of %d "
+           "rounds\n",
+           N, N, THREADS, mm_kernel_name(), mm_k_kernel_name(), KQ_ROUNDS);
+    printf("load average before: %s\n\n", load0);
+
+    float *x = xalloc(sizeof(float) * N * n_tok);
+    float *out = xalloc(sizeof(float) * N * n_tok);
+    for (int i = 0; i < N * n_tok; i++)
+        x[i] = rnd();
+    uint8_t *data[KQ_TYPES];
+    struct mm_weight w[KQ_TYPES];
+    size_t bytes[KQ_TYPES];
+    int copies[KQ_TYPES];
+    double cold[KQ_TYPES], hot[KQ_TYPES], mm[KQ_TYPES];
+    for (int k = 0; k < KQ_TYPES; k++) {
+        size_t rb = qt_row_bytes(types[k], N);
+        bytes[k] = rb * N;
+        copies[k] = (int)((KQ_COLD_BYTES + bytes[k] - 1) / bytes[k]);
+        data[k] = xalloc(bytes[k] * (size_t)copies[k]);
+        make_matrix(types[k], data[k], rb);
+        for (int c = 1; c < copies[k]; c++)
+            memcpy(data[k] + bytes[k] * (size_t)c, data[k], bytes[k]);
+        char err[200];
+        if (mm_weight_init(&w[k], types[k], N, N, data[k], err, sizeof err) != 0) {
+            fprintf(stderr, "bench_matmul: %s\n", err);
+            return 1;
+        }
+        mm_matmul(out, &w[k], x, n_tok, THREADS); /* warm-up: threads, scratch */
+        cold[k] = hot[k] = mm[k] = 1e30;
+    }
+    for (int round = 0; round < KQ_ROUNDS; round++)
+        for (int k = 0; k < KQ_TYPES; k++) {
+            /* cold: one sweep over the copies; hot: the first copy again; mm: 64 tokens */
+            struct mm_weight wc = w[k];
+            for (int c = 0; c < copies[k]; c++) {
+                wc.data = data[k] + bytes[k] * (size_t)c;
+                cold[k] = fmin(cold[k], time_call(out, &wc, x, 1));
+            }
+            for (int i = 0; i < 20; i++)
+                hot[k] = fmin(hot[k], time_call(out, &w[k], x, 1));
+            mm[k] = fmin(mm[k], time_call(out, &w[k], x, n_tok));
+        }
+    load_average(load1, sizeof load1);
+
+    printf("%-6s %7s %10s %8s %10s %8s %12s %8s %12s\n", "type", "MiB", "cold GB/s", "vs q8_0",
+           "hot GB/s", "vs q8_0", "GFLOP/s @64", "vs q8_0", "Gweights/s");
+    for (int k = 0; k < KQ_TYPES; k++) {
+        double c = (double)bytes[k] / cold[k] / 1e9, h = (double)bytes[k] / hot[k] / 1e9;
+        double g = 2.0 * N * (double)N * n_tok / mm[k] / 1e9;
+        double c0 = (double)bytes[0] / cold[0] / 1e9, h0 = (double)bytes[0] / hot[0] / 1e9;
+        double g0 = 2.0 * N * (double)N * n_tok / mm[0] / 1e9;
+        printf("%-6s %7.1f %10.1f %7.2fx %10.1f %7.2fx %12.1f %7.2fx %12.1f\n",
+               qt_type_name(types[k]), (double)bytes[k] / (1 << 20), c, c / c0, h, h / h0, g,
+               g / g0, (double)N * N / hot[k] / 1e9);
+    }
+    printf("\nload average after: %s (Gweights/s: hot matrix-vector weights per second)\n",
+           load1);
+    for (int k = 0; k < KQ_TYPES; k++)
+        free(data[k]);
+    mm_scratch_release();
+    free(x);
+    free(out);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && !strcmp(argv[1], "kquant"))
+        return bench_kquant();
+    if (argc > 1) {
+        fprintf(stderr, "usage: bench_matmul [kquant]\n");
+        return 2;
+    }
+
     const enum ggml_type types[] = {
         GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,   GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
         GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q4_1,   GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
@@ -130,8 +240,9 @@ int main(void)
     const int n_tok = 64;
 
     double triad = triad_gbs();
-    printf("matrix %dx%d, %d threads, kernels: %s (q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q5_K: %s)\n", N,
-           N, THREADS, mm_kernel_name(), mm_blocks_kernel_name());
+    printf("matrix %dx%d, %d threads, kernels: %s (q4_K q5_K q6_K: %s; q4_1 q5_0 q5_1 iq4_nl "
+           "q2_K q3_K: %s)\n",
+           N, N, THREADS, mm_kernel_name(), mm_k_kernel_name(), mm_blocks_kernel_name());
     printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s\n\n", triad);
     printf("%-6s %9s %12s %11s %11s %16s\n", "type", "MiB", "cold GB/s", "cold/triad", "hot GB/s",
            "GFLOP/s @64 tok");

@@ -1,0 +1,712 @@
+/*
+ * matmul_k.c - out[t][o] = sum_i W[o][i] * x[t][i] for the K formats
+ * (q4_K, q5_K, q6_K), with the scales applied in integers.
+ *
+ * ---------------------------------------------------------------------------
+ * Why these formats need their own kernels
+ * ---------------------------------------------------------------------------
+ *
+ * A K super-block holds 256 weights as small unsigned integers with one
+ * small integer scale per 32 (q4_K, q5_K: 6 bits, plus a 6-bit min) or per
+ * 16 (q6_K: int8), and one or two f16 factors for the whole super-block.
+ * The general path (matmul.c) meets activations quantised per block of 32,
+ * each block with its own f32 scale, so every 32 weights end in a float
+ * step: convert the block's integer sums, multiply by (weight scale x
+ * activation scale), add. For q8_0 that step is a sixth of the work per
+ * weight byte; for a 4-bit format, with half the bytes per weight, it is a
+ * third, and decoding at q8_0's bytes per second needs twice q8_0's weights
+ * per second.
+ *
+ * Here the activations are quantised per super-block instead (one f32
+ * scale dx per 256, the int8 values q, and the sum of every 16 q's), so that
+ * within a super-block everything is an integer:
+ *
+ *   sum_i w_i x_i = dx * ( d * sum_g s_g * sum_{i in g} u_i q_i
+ *                          - c * d * sum_g s_g * sum_{i in g} q_i     (q6_K)
+ *                          - dmin * sum_j m_j * sum_{i in j} q_i )    (q4_K, q5_K)
+ *
+ * with u the unsigned weight integers, s_g their scales, c = 32 q6_K's
+ * offset, m_j the mins. The products u q go through vpmaddubsw (u8 x s8 ->
+ * pairs summed in i16) and meet the scales in vpmaddwd / vpdpwssd (i16 x
+ * i16 -> pairs summed in i32), so a super-block costs one conversion and
+ * two multiply-adds in f32, not eight or sixteen. The q sums per 16 carry
+ * the offset and the mins (vpmaddwd against the scales or mins). This is
+ * the shape of ggml's q8_K dot products; the code is kvd's.
+ *
+ * Bounds (nothing saturates or overflows): |q| <= 127 and u <= 63, so a
+ * vpmaddubsw pair is at most 2 * 63 * 127 = 16002 < 32767; scales are at
+ * most 128 in magnitude, so a super-block's i32 sum is below 2^28.
+ *
+ * Accuracy: coarser than per-32 quantisation of the activations. The only
+ * difference from a product over the dequantised weights is still the
+ * activations' rounding, now at most sum over super-blocks b of
+ * (dx_b / 2) * sum_{i in b} |W[o][i]| (dx_b = max|x| / 127 over 256), plus
+ * f32 summation; tests/test_quant.c checks both against a double product.
+ *
+ * ---------------------------------------------------------------------------
+ * Work split and invariance
+ * ---------------------------------------------------------------------------
+ *
+ * As in matmul.c: OpenMP threads take groups of KG rows; inside, tiles of
+ * MR rows x NT tokens walk whole rows, each super-block's weights decoded
+ * in registers once per tile and its activations loaded once per MR rows.
+ * A token's sums use only its own activations and run in the same order in
+ * every tile, so results depend neither on the threads nor on the batch.
+ *
+ * Kernels: AVX-512 (VNNI), two sub-blocks of 32 per 512-bit step; AVX2, one
+ * per 256-bit step; plain C with the same integer sums. Chosen by how the
+ * file is compiled; mm_k_use("scalar") forces plain C for tests.
+ */
+#include <assert.h>
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "model/quant.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                      \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
+#define MMK_AVX512 1
+#define MMK_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MMK_AVX2 1
+#define MMK_SIMD 1
+#endif
+
+#ifdef MMK_SIMD
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+#define KG 16 /* output rows per unit of OpenMP work (one cache line of out) */
+#define MR 2  /* rows per register tile */
+#if defined(MMK_AVX512)
+#define NT 4 /* tokens per register tile: 8 i32 + 8 f32 accumulators of 32 zmm */
+#else
+#define NT 2 /* 4 + 4 of 16 ymm */
+#endif
+
+static bool force_scalar;
+
+bool mm_k_type(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
+}
+
+const char *mm_k_kernel_name(void)
+{
+#if defined(MMK_AVX512)
+    if (!force_scalar)
+        return "avx512-vnni";
+#elif defined(MMK_AVX2)
+    if (!force_scalar)
+        return "avx2";
+#endif
+    return "scalar";
+}
+
+int mm_k_use(const char *kernel)
+{
+    if (!strcmp(kernel, "scalar"))
+        force_scalar = true;
+    else if (!strcmp(kernel, "auto"))
+        force_scalar = false;
+    else
+        return -EINVAL;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Activations per super-block
+ *
+ * Layout in scratch, each array 64-byte aligned, per token:
+ *   q   int8  [ldq]  round(x / dx), ldq = n_in rounded up to 64
+ *   d   float [ldd]  dx = max|x| / 127 per 256 (0 for an all-zero one)
+ *   bs  int16 [lds]  sum of q over each 16 (|sum| <= 2032)
+ * ------------------------------------------------------------------------ */
+
+struct kx {
+    int8_t *q;
+    float *d;
+    int16_t *bs;
+    size_t ldq, ldd, lds;
+};
+
+static size_t round_up(size_t n, size_t a)
+{
+    return (n + a - 1) / a * a;
+}
+
+static void kx_dims(int n_in, size_t *ldq, size_t *ldd, size_t *lds)
+{
+    *ldq = round_up((size_t)n_in, 64);
+    *ldd = round_up((size_t)n_in / QT_QK_K, 16);
+    *lds = round_up((size_t)n_in / 16, 32);
+}
+
+size_t mm_k_scratch_bytes(int n_in, int n_tok)
+{
+    size_t ldq, ldd, lds;
+    kx_dims(n_in, &ldq, &ldd, &lds);
+    return (size_t)n_tok * (ldq + sizeof(float) * ldd + sizeof(int16_t) * lds);
+}
+
+static void kx_layout(struct kx *a, void *scratch, int n_in, int n_tok)
+{
+    kx_dims(n_in, &a->ldq, &a->ldd, &a->lds);
+    uint8_t *p = scratch;
+    a->q = (int8_t *)p;
+    p += a->ldq * (size_t)n_tok;
+    a->d = (float *)p;
+    p += sizeof(float) * a->ldd * (size_t)n_tok;
+    a->bs = (int16_t *)p;
+}
+
+/* max |x| over 256 floats */
+static float amax256(const float *x)
+{
+#ifdef MMK_SIMD
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < QT_QK_K; k += 8)
+        m = _mm256_max_ps(m, _mm256_andnot_ps(signbit, _mm256_loadu_ps(x + k)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+#else
+    float m = 0.0f;
+    for (int k = 0; k < QT_QK_K; k++)
+        m = fmaxf(m, fabsf(x[k]));
+    return m;
+#endif
+}
+
+/*
+ * One token: n_in / 256 super-blocks. q = round-to-nearest-even(x * (127 /
+ * max|x|)) in f32, as matmul.c's blocks of 32 (and the tests) compute it.
+ */
+static void kx_quantize(const float *x, int n_in, int8_t *q, float *d, int16_t *bs)
+{
+    for (int b = 0; b < n_in / QT_QK_K; b++, x += QT_QK_K, q += QT_QK_K, bs += 16) {
+        float amax = amax256(x);
+        d[b] = amax / 127.0f;
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+#ifdef MMK_SIMD
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int k = 0; k < QT_QK_K; k += 32) {
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vid));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), vid));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 16), vid));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 24), vid));
+            /* the sums of each 16 */
+            __m256i s01 = _mm256_add_epi32(i0, i1), s23 = _mm256_add_epi32(i2, i3);
+            __m256i h = _mm256_hadd_epi32(s01, s23); /* lanes: 01 01 23 23 | 01 01 23 23 */
+            h = _mm256_hadd_epi32(h, h);             /* 01 23 01 23 | 01 23 01 23 */
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            bs[k / 16] = (int16_t)_mm_cvtsi128_si32(s4);
+            bs[k / 16 + 1] = (int16_t)_mm_extract_epi32(s4, 1);
+            /* i32 -> i8: the packs interleave 128-bit lanes; one permute restores order */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + k), p);
+        }
+#else
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int k = 16 * g; k < 16 * g + 16; k++) {
+                float v = nearbyintf(x[k] * id);
+                /* clamp before converting: also turns NaN into a defined value */
+                v = v >= -127.0f ? v : -127.0f;
+                v = v <= 127.0f ? v : 127.0f;
+                q[k] = (int8_t)v;
+                sum += q[k];
+            }
+            bs[g] = (int16_t)sum;
+        }
+#endif
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Super-block fields (quant.h and quant_blocks.c describe the layouts)
+ * ------------------------------------------------------------------------ */
+
+#define Q5K_QH 16 /* q5_K: 32 bytes of fifth bits */
+#define Q5K_QS 48 /* q5_K: 128 bytes of nibbles */
+
+static size_t sb_bytes(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q4_K ? 144 : type == GGML_TYPE_Q5_K ? 176 : 210;
+}
+
+/* ------------------------------------------------------------------------
+ * Plain C
+ * ------------------------------------------------------------------------ */
+
+/* Super-block u as integers w[256] (q6_K: before the -32), the scale of
+ * every 16 (sc[16]), the min of every 16 (mn[16], 0 for q6_K), d and dmin. */
+static void sb_decode(enum ggml_type type, const uint8_t *u, uint8_t *w, int *sc, int *mn, float *d,
+                      float *dmin)
+{
+    if (type == GGML_TYPE_Q6_K) {
+        *d = qt_f16_to_f32(qt_rd16(u + QT_Q6K_D));
+        *dmin = 0.0f;
+        for (int g = 0; g < 16; g++) {
+            sc[g] = ((const int8_t *)(u + QT_Q6K_SCALES))[g];
+            mn[g] = 0;
+        }
+        for (int i = 0; i < QT_QK_K; i++) {
+            int h = i / 128, kk = (i % 128) / 32, l = i % 32;
+            int lo = (u[QT_Q6K_QL + 64 * h + 32 * (kk & 1) + l] >> (4 * (kk >> 1))) & 15;
+            int hi = (u[QT_Q6K_QH + 32 * h + l] >> (2 * kk)) & 3;
+            w[i] = (uint8_t)(lo | hi << 4);
+        }
+        return;
+    }
+    const bool q5 = type == GGML_TYPE_Q5_K;
+    *d = qt_f16_to_f32(qt_rd16(u + QT_Q4K_D));
+    *dmin = qt_f16_to_f32(qt_rd16(u + QT_Q4K_DMIN));
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        qt_q4k_scale_min(u + QT_Q4K_SCALES, j, &s, &m);
+        sc[2 * j] = sc[2 * j + 1] = s;
+        mn[2 * j] = mn[2 * j + 1] = m;
+        const uint8_t *qs = u + (q5 ? Q5K_QS : QT_Q4K_QS) + 32 * (j / 2);
+        for (int l = 0; l < 32; l++) {
+            int v = (qs[l] >> (4 * (j & 1))) & 15;
+            if (q5)
+                v |= ((u[Q5K_QH + l] >> j) & 1) << 4;
+            w[32 * j + l] = (uint8_t)v;
+        }
+    }
+}
+
+static void rows_scalar(enum ggml_type type, const struct mm_weight *w, const struct kx *a,
+                        float *out, int n_tok, int o0, int o1)
+{
+    const int nsb = w->n_in / QT_QK_K;
+    const size_t bb = sb_bytes(type);
+    const int c = type == GGML_TYPE_Q6_K ? 32 : 0;
+    for (int o = o0; o < o1; o++) {
+        const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
+        for (int t0 = 0; t0 < n_tok; t0 += NT) {
+            int nt = n_tok - t0 < NT ? n_tok - t0 : NT;
+            float acc[NT] = {0};
+            for (int b = 0; b < nsb; b++) {
+                uint8_t u[QT_QK_K];
+                int sc[16], mn[16];
+                float d, dmin;
+                sb_decode(type, row + bb * (size_t)b, u, sc, mn, &d, &dmin);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *q = a->q + (size_t)(t0 + t) * a->ldq + QT_QK_K * (size_t)b;
+                    const int16_t *bs = a->bs + (size_t)(t0 + t) * a->lds + 16 * (size_t)b;
+                    float dx = a->d[(size_t)(t0 + t) * a->ldd + b];
+                    int32_t isum = 0, msum = 0;
+                    for (int g = 0; g < 16; g++) {
+                        int32_t dot = 0;
+                        for (int l = 16 * g; l < 16 * g + 16; l++)
+                            dot += u[l] * q[l];
+                        isum += sc[g] * (dot - c * bs[g]);
+                        msum += mn[g] * bs[g];
+                    }
+                    acc[t] += (float)isum * (d * dx) - (float)msum * (dmin * dx);
+                }
+            }
+            for (int t = 0; t < nt; t++)
+                out[(size_t)(t0 + t) * (size_t)w->n_out + (size_t)o] = acc[t];
+        }
+    }
+}
+
+#ifdef MMK_SIMD
+
+/* ------------------------------------------------------------------------
+ * SIMD
+ * ------------------------------------------------------------------------ */
+
+struct kjob {
+    const struct mm_weight *w;
+    const struct kx *a;
+    float *out;
+    int n_tok;
+};
+
+/* The eight 6-bit scales and mins of q4_K / q5_K (qt_q4k_scale_min's
+ * packing, four sub-blocks at a time), one byte each. */
+static inline void k_scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *mn)
+{
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    *sc = (uint64_t)(a & 0x3f3f3f3f) |
+          (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
+    *mn = (uint64_t)(b & 0x3f3f3f3f) |
+          (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
+}
+
+/* Per-row state of the current super-block. */
+struct ksr {
+    __m256i sc;   /* q4_K/q5_K: the 8 scales as i16 in both 128-bit halves;
+                   * q6_K: the 16 scales as i16 (groups 0..7 low, 8..15 high) */
+    __m256i mn;   /* q4_K/q5_K: the min of every 16 as i16; q6_K: unused */
+    __m256 d, dm; /* d and dmin broadcast */
+};
+
+INLINE __m256 f16_bcast(const uint8_t *p)
+{
+    short h;
+    memcpy(&h, p, 2);
+    return _mm256_cvtph_ps(_mm_set1_epi16(h));
+}
+
+INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
+{
+    if (type == GGML_TYPE_Q6_K) {
+        k->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + QT_Q6K_SCALES)));
+        k->mn = _mm256_setzero_si256();
+        k->d = f16_bcast(u + QT_Q6K_D);
+        k->dm = _mm256_setzero_ps();
+        return;
+    }
+    uint64_t sc, mn;
+    k_scales_mins(u + QT_Q4K_SCALES, &sc, &mn);
+    __m128i s8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc));
+    __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+    k->sc = _mm256_broadcastsi128_si256(s8);
+    k->mn = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    k->d = f16_bcast(u + QT_Q4K_D);
+    k->dm = f16_bcast(u + QT_Q4K_DMIN);
+}
+
+#if defined(MMK_AVX512)
+
+typedef __m512i vi;
+typedef __m512 vf;
+#define STEPS 4 /* 64 weights per step */
+#define vf_zero() _mm512_setzero_ps()
+#define vi_zero() _mm512_setzero_si512()
+#define vf_hsum(v) _mm512_reduce_add_ps(v)
+#define vx_load(p) _mm512_loadu_si512((const void *)(p))
+/* isum += (u x q pairs in i16) . scales pairs, in i32 */
+#define vi_dot(acc, u, q, s) _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, q), s)
+
+/* Step p (elements 64p..64p+63): the 64 unsigned weight integers. */
+INLINE vi k_unpack(enum ggml_type type, const uint8_t *u, int p)
+{
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    /* 16-bit shift counts: 0 in the low 256 bits, n in the high */
+    const __m512i hi4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    if (type == GGML_TYPE_Q6_K) {
+        const int h = p >> 1, odd = p & 1;
+        /* sub-blocks 2p, 2p+1 are the low (p even) or high nibbles of ql[64h..64h+63] */
+        __m512i ql = _mm512_loadu_si512((const void *)(u + QT_Q6K_QL + 64 * h));
+        if (odd)
+            ql = _mm512_srli_epi16(ql, 4);
+        ql = _mm512_and_si512(ql, lo4);
+        /* their top two bits: bits 4p'..4p'+1 and 4p'+2..+3 (p' = p & 1) of qh[32h + l] */
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h)));
+        const __m512i c42 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        const __m512i c02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        qh = odd ? _mm512_srlv_epi16(qh, c02) : _mm512_sllv_epi16(qh, c42);
+        return _mm512_or_si512(ql, _mm512_and_si512(qh, _mm512_set1_epi8(0x30)));
+    }
+    const bool q5 = type == GGML_TYPE_Q5_K;
+    /* sub-blocks 2p, 2p+1: low and high nibbles of qs[32p..32p+31] */
+    __m512i v = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256((const __m256i *)(u + (q5 ? Q5K_QS : QT_Q4K_QS) + 32 * p)));
+    v = _mm512_and_si512(_mm512_srlv_epi16(v, hi4), lo4);
+    if (q5) {
+        /* fifth bits: bit 2p (low half) and 2p+1 (high half) of qh[l] */
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(u + Q5K_QH)));
+        __m512i sel = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * p))),
+                                         _mm256_set1_epi8((char)(1 << (2 * p + 1))), 1);
+        v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(qh, sel), v, _mm512_set1_epi8(16));
+    }
+    return v;
+}
+
+/* Step p's scales as i16 lanes matching vpmaddubsw's pairs. */
+INLINE vi k_scale(enum ggml_type type, const struct ksr *k, int p)
+{
+    const __m512i s = _mm512_castsi256_si512(k->sc);
+    if (type == GGML_TYPE_Q6_K) {
+        /* 8 lanes per group of 16: groups 4p..4p+3 (i32 lane e holds two i16 lanes) */
+#define W2(v) ((int)((v) * 0x10001))
+        const int g = 4 * p;
+        const __m512i idx = _mm512_set_epi32(W2(g + 3), W2(g + 3), W2(g + 3), W2(g + 3), W2(g + 2),
+                                             W2(g + 2), W2(g + 2), W2(g + 2), W2(g + 1), W2(g + 1),
+                                             W2(g + 1), W2(g + 1), W2(g), W2(g), W2(g), W2(g));
+#undef W2
+        return _mm512_permutexvar_epi16(idx, s);
+    }
+    /* 16 lanes per sub-block: 2p, 2p+1 */
+    const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * p)),
+                                           _mm256_set1_epi16((short)(2 * p + 1)), 1);
+    return _mm512_permutexvar_epi16(idx, s);
+}
+
+/* isum (16 lanes) -> f32 lanes scaled and added; the mins' i32 lanes (8) likewise. */
+INLINE vf k_fold(vf acc, vi isum, __m256i msum, __m256 dd, __m256 dm, bool mins)
+{
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcast_f32x8(dd), acc);
+    if (mins)
+        acc = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(msum)),
+                               _mm512_zextps256_ps512(dm), acc);
+    return acc;
+}
+
+INLINE vi vi_sub_corr(vi isum, __m256i corr)
+{
+    return _mm512_sub_epi32(isum, _mm512_zextsi256_si512(corr));
+}
+
+#else /* AVX2 */
+
+INLINE float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+typedef __m256i vi;
+typedef __m256 vf;
+#define STEPS 8 /* 32 weights per step */
+#define vf_zero() _mm256_setzero_ps()
+#define vi_zero() _mm256_setzero_si256()
+#define vf_hsum(v) hsum8(v)
+#define vx_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_dot(acc, u, q, s)                                                                       \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), s))
+
+/* Bits b..b+n-1 of every byte moved to bits 4..: shifts of 16-bit lanes
+ * (the mask after it keeps each byte's own bits). */
+INLINE __m256i bits_to4(__m256i v, int b)
+{
+    return b <= 4 ? _mm256_slli_epi16(v, 4 - b) : _mm256_srli_epi16(v, b - 4);
+}
+
+/* Step j (sub-block j, elements 32j..32j+31): the 32 unsigned weight integers. */
+INLINE vi k_unpack(enum ggml_type type, const uint8_t *u, int j)
+{
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    if (type == GGML_TYPE_Q6_K) {
+        int h = j >> 2, kk = j & 3;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QL + 64 * h + 32 * (kk & 1)));
+        if (kk & 2)
+            ql = _mm256_srli_epi16(ql, 4);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
+        return _mm256_or_si256(_mm256_and_si256(ql, lo4),
+                               _mm256_and_si256(bits_to4(qh, 2 * kk), _mm256_set1_epi8(0x30)));
+    }
+    const bool q5 = type == GGML_TYPE_Q5_K;
+    __m256i v =
+        _mm256_loadu_si256((const __m256i *)(u + (q5 ? Q5K_QS : QT_Q4K_QS) + 32 * (j >> 1)));
+    if (j & 1)
+        v = _mm256_srli_epi16(v, 4);
+    v = _mm256_and_si256(v, lo4);
+    if (q5) {
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(u + Q5K_QH));
+        v = _mm256_or_si256(v, _mm256_and_si256(bits_to4(qh, j), _mm256_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+/* Step j's scales as i16 lanes matching vpmaddubsw's pairs: q4_K/q5_K
+ * s_j everywhere; q6_K s_2j in the low half, s_2j+1 in the high. */
+INLINE vi k_scale(enum ggml_type type, const struct ksr *k, int j)
+{
+    if (type == GGML_TYPE_Q6_K) {
+        /* both halves from the 128-bit half holding groups 2j, 2j+1 */
+        __m256i s = j < 4 ? _mm256_permute2x128_si256(k->sc, k->sc, 0x00)
+                          : _mm256_permute2x128_si256(k->sc, k->sc, 0x11);
+        int w0 = 2 * (2 * j % 8), w1 = w0 + 2; /* byte offsets of the two words */
+        __m256i ctl = _mm256_setr_epi8(w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0,
+                                       w0 + 1, w0, w0 + 1, w0, w0 + 1, w1, w1 + 1, w1, w1 + 1, w1,
+                                       w1 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1, w1,
+                                       w1 + 1);
+        return _mm256_shuffle_epi8(s, ctl);
+    }
+    int w0 = 2 * j;
+    return _mm256_shuffle_epi8(k->sc, _mm256_set1_epi16((short)(w0 | (w0 + 1) << 8)));
+}
+
+INLINE vf k_fold(vf acc, vi isum, __m256i msum, __m256 dd, __m256 dm, bool mins)
+{
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc);
+    if (mins)
+        acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), dm, acc);
+    return acc;
+}
+
+INLINE vi vi_sub_corr(vi isum, __m256i corr)
+{
+    return _mm256_sub_epi32(isum, corr);
+}
+
+#endif /* AVX2 */
+
+/*
+ * mr rows x nt tokens over whole rows (rows past the end repeat the last
+ * row, tokens past the end the last token; their results are discarded).
+ */
+INLINE void k_tile(const struct kjob *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const struct kx *a = jb->a;
+    const size_t bb = sb_bytes(type);
+    const int nsb = w->n_in / QT_QK_K, step = QT_QK_K / STEPS;
+    const bool mins = type != GGML_TYPE_Q6_K;
+    const uint8_t *rows[MR];
+    const int8_t *xq[NT];
+    const float *xd[NT];
+    const int16_t *xb[NT];
+    for (int r = 0; r < mr; r++) {
+        int o = r0 + r < w->n_out ? r0 + r : w->n_out - 1;
+        rows[r] = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
+    }
+    for (int t = 0; t < nt; t++) {
+        int tk = t0 + t < jb->n_tok ? t0 + t : jb->n_tok - 1;
+        xq[t] = a->q + (size_t)tk * a->ldq;
+        xd[t] = a->d + (size_t)tk * a->ldd;
+        xb[t] = a->bs + (size_t)tk * a->lds;
+    }
+
+    vf acc[MR][NT];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++)
+            acc[r][t] = vf_zero();
+
+    for (int b = 0; b < nsb; b++) {
+        struct ksr ks[MR];
+        const uint8_t *up[MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            up[r] = rows[r] + bb * (size_t)b;
+            ksr_load(type, up[r], &ks[r]);
+        }
+        vi isum[MR][NT];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++)
+                isum[r][t] = vi_zero();
+#pragma GCC unroll 8
+        for (int p = 0; p < STEPS; p++) {
+            vi u[MR], s[MR];
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                u[r] = k_unpack(type, up[r], p);
+                s[r] = k_scale(type, &ks[r], p);
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                vi x = vx_load(xq[t] + QT_QK_K * (size_t)b + step * p);
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++)
+                    isum[r][t] = vi_dot(isum[r][t], u[r], x, s[r]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m256i bs = _mm256_load_si256((const __m256i *)(xb[t] + 16 * (size_t)b));
+            __m256 dx = _mm256_set1_ps(xd[t][b]);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                __m256i msum = _mm256_setzero_si256();
+                vi is = isum[r][t];
+                if (mins) /* sum_g m_g * (sum of q over g) */
+                    msum = _mm256_madd_epi16(bs, ks[r].mn);
+                else /* q6_K's offset: 32 * sum_g s_g * (sum of q over g) */
+                    is = vi_sub_corr(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, ks[r].sc), 5));
+                acc[r][t] = k_fold(acc[r][t], is, msum, _mm256_mul_ps(ks[r].d, dx),
+                                   _mm256_mul_ps(ks[r].dm, dx), mins);
+            }
+        }
+    }
+
+    for (int t = 0; t < nt && t0 + t < jb->n_tok; t++)
+        for (int r = 0; r < mr && r0 + r < w->n_out; r++)
+            jb->out[(size_t)(t0 + t) * (size_t)w->n_out + (size_t)(r0 + r)] =
+                vf_hsum(acc[r][t]);
+}
+
+/* Rows [o0, o1): token tiles outside, row tiles inside; a lone last token
+ * in a 1-token tile, which sums in the same order. */
+INLINE void rows_simd_type(const struct kjob *jb, enum ggml_type type, int o0, int o1)
+{
+    for (int t0 = 0; t0 < jb->n_tok; t0 += NT) {
+        bool one = jb->n_tok - t0 == 1;
+        for (int r0 = o0; r0 < o1; r0 += MR) {
+            if (one)
+                k_tile(jb, type, r0, t0, MR, 1);
+            else
+                k_tile(jb, type, r0, t0, MR, NT);
+        }
+    }
+}
+
+static void rows_simd(const struct kjob *jb, int o0, int o1)
+{
+    switch (jb->w->type) {
+    case GGML_TYPE_Q4_K:
+        rows_simd_type(jb, GGML_TYPE_Q4_K, o0, o1);
+        break;
+    case GGML_TYPE_Q5_K:
+        rows_simd_type(jb, GGML_TYPE_Q5_K, o0, o1);
+        break;
+    default:
+        rows_simd_type(jb, GGML_TYPE_Q6_K, o0, o1);
+        break;
+    }
+}
+
+#endif /* MMK_SIMD */
+
+/* ------------------------------------------------------------------------
+ * Entry point
+ * ------------------------------------------------------------------------ */
+
+void mm_k_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
+                 void *scratch)
+{
+    assert(mm_k_type(w->type) && w->n_in % QT_QK_K == 0);
+    assert(scratch && ((uintptr_t)scratch & 63) == 0);
+    if (n_tok <= 0)
+        return;
+    struct kx a;
+    kx_layout(&a, scratch, w->n_in, n_tok);
+    /* by the calling thread, before the team starts: the region has no
+     * barrier but its end */
+    for (int t = 0; t < n_tok; t++)
+        kx_quantize(x + (size_t)t * (size_t)w->n_in, w->n_in, a.q + (size_t)t * a.ldq,
+                    a.d + (size_t)t * a.ldd, a.bs + (size_t)t * a.lds);
+
+    const int n_groups = (w->n_out + KG - 1) / KG;
+    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
+    if (nth > n_groups)
+        nth = n_groups;
+#ifdef MMK_SIMD
+    const struct kjob jb = {.w = w, .a = &a, .out = out, .n_tok = n_tok};
+    const bool simd = !force_scalar;
+#endif
+#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+    for (int g = 0; g < n_groups; g++) {
+        int o0 = g * KG, o1 = o0 + KG < w->n_out ? o0 + KG : w->n_out;
+#ifdef MMK_SIMD
+        if (simd) {
+            rows_simd(&jb, o0, o1);
+            continue;
+        }
+#endif
+        rows_scalar(w->type, w, &a, out, n_tok, o0, o1);
+    }
+}
