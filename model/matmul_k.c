@@ -53,9 +53,20 @@
  * A token's sums use only its own activations and run in the same order in
  * every tile, so results depend neither on the threads nor on the batch.
  *
- * Kernels: AVX-512 (VNNI), two sub-blocks of 32 per 512-bit step; AVX2, one
- * per 256-bit step; plain C with the same integer sums. Chosen by how the
- * file is compiled; mm_k_use("scalar") forces plain C for tests.
+ * Kernels (chosen by how the file is compiled; mm_k_use("scalar") forces
+ * plain C for tests):
+ *   avx512  per half super-block (128 weights), one 64-byte load gives two
+ *           vectors of 64 weight integers (low and high nibbles); vpdpbusd
+ *           sums 4 products per i32 lane straight from u8 x s8, vpackssdw
+ *           packs two such vectors to i16 (|sum| <= 4 * 63 * 127 = 32004:
+ *           no saturation) and one vpdpwssd applies the scales: three
+ *           instructions per 64 weights and token. The nibbles of q4_K and
+ *           q5_K hold sub-blocks (0, 2) and (1, 3) of a 64-byte load, so the
+ *           activations are stored with sub-blocks 1, 2 and 5, 6 swapped.
+ *   avx2    per sub-block of 32: vpmaddubsw, vpmaddwd with the scales, add.
+ *   scalar  the same integer sums in plain C.
+ * Measured one thread, in L2 (4096 x 128, load ~13): q8_0 41.5, q4_K 49,
+ * q5_K 40, q6_K 43 Gweights/s.
  */
 #include <assert.h>
 #include <errno.h>
@@ -82,7 +93,7 @@
 #define INLINE static inline __attribute__((always_inline))
 
 #define KG 16 /* output rows per unit of OpenMP work (one cache line of out) */
-#define MR 2  /* rows per register tile */
+#define MR 2  /* rows per register tile (4 was no faster, decoding or not) */
 #if defined(MMK_AVX512)
 #define NT 4 /* tokens per register tile: 8 i32 + 8 f32 accumulators of 32 zmm */
 #else
@@ -188,9 +199,14 @@ static float amax256(const float *x)
 /*
  * One token: n_in / 256 super-blocks. q = round-to-nearest-even(x * (127 /
  * max|x|)) in f32, as matmul.c's blocks of 32 (and the tests) compute it.
+ * With swap, the 32-byte sub-blocks of q are stored in the order 0 2 1 3 4
+ * 6 5 7 (the AVX-512 kernel's order for q4_K and q5_K, see k_sb_dot); the
+ * sums bs stay in element order.
  */
-static void kx_quantize(const float *x, int n_in, int8_t *q, float *d, int16_t *bs)
+static void kx_quantize(const float *x, int n_in, int8_t *q, float *d, int16_t *bs, bool swap)
 {
+    static const int order[2][8] = {{0, 1, 2, 3, 4, 5, 6, 7}, {0, 2, 1, 3, 4, 6, 5, 7}};
+    const int *at = order[swap];
     for (int b = 0; b < n_in / QT_QK_K; b++, x += QT_QK_K, q += QT_QK_K, bs += 16) {
         float amax = amax256(x);
         d[b] = amax / 127.0f;
@@ -212,9 +228,10 @@ static void kx_quantize(const float *x, int n_in, int8_t *q, float *d, int16_t *
             /* i32 -> i8: the packs interleave 128-bit lanes; one permute restores order */
             __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
             p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(q + k), p);
+            _mm256_storeu_si256((__m256i *)(q + 32 * at[k / 32]), p);
         }
 #else
+        (void)at; /* only the SIMD kernels reorder */
         for (int g = 0; g < 16; g++) {
             int sum = 0;
             for (int k = 16 * g; k < 16 * g + 16; k++) {
@@ -355,6 +372,9 @@ struct ksr {
                    * q6_K: the 16 scales as i16 (groups 0..7 low, 8..15 high) */
     __m256i mn;   /* q4_K/q5_K: the min of every 16 as i16; q6_K: unused */
     __m256 d, dm; /* d and dmin broadcast */
+#if defined(MMK_AVX512)
+    __m512i sv[2]; /* the scales of each half of 128, as k_sb_dot pairs them */
+#endif
 };
 
 INLINE __m256 f16_bcast(const uint8_t *p)
@@ -371,6 +391,16 @@ INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
         k->mn = _mm256_setzero_si256();
         k->d = f16_bcast(u + QT_Q6K_D);
         k->dm = _mm256_setzero_ps();
+#if defined(MMK_AVX512)
+        /* 128-bit lane L of half h: groups 8h + L (x4) and 8h + 4 + L (x4) */
+        const __m512i ctl = _mm512_set_epi64(0x0f0e0f0e0f0e0f0e, 0x0706070607060706,
+                                             0x0d0c0d0c0d0c0d0c, 0x0504050405040504,
+                                             0x0b0a0b0a0b0a0b0a, 0x0302030203020302,
+                                             0x0908090809080908, 0x0100010001000100);
+        k->sv[0] = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(k->sc)), ctl);
+        k->sv[1] =
+            _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_extracti128_si256(k->sc, 1)), ctl);
+#endif
         return;
     }
     uint64_t sc, mn;
@@ -381,73 +411,99 @@ INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
     k->mn = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
     k->d = f16_bcast(u + QT_Q4K_D);
     k->dm = f16_bcast(u + QT_Q4K_DMIN);
+#if defined(MMK_AVX512)
+    /* half h: 128-bit lanes 0, 1 sub-blocks 4h, 4h+1 (x4 each); lanes 2, 3: 4h+2, 4h+3 */
+    const __m512i b8 = _mm512_broadcast_i32x4(s8);
+    k->sv[0] = _mm512_shuffle_epi8(b8, _mm512_set_epi64(0x0706070607060706, 0x0504050405040504,
+                                                        0x0706070607060706, 0x0504050405040504,
+                                                        0x0302030203020302, 0x0100010001000100,
+                                                        0x0302030203020302, 0x0100010001000100));
+    k->sv[1] = _mm512_shuffle_epi8(b8, _mm512_set_epi64(0x0f0e0f0e0f0e0f0e, 0x0d0c0d0c0d0c0d0c,
+                                                        0x0f0e0f0e0f0e0f0e, 0x0d0c0d0c0d0c0d0c,
+                                                        0x0b0a0b0a0b0a0b0a, 0x0908090809080908,
+                                                        0x0b0a0b0a0b0a0b0a, 0x0908090809080908));
+#endif
 }
 
 #if defined(MMK_AVX512)
 
 typedef __m512i vi;
 typedef __m512 vf;
-#define STEPS 4 /* 64 weights per step */
 #define vf_zero() _mm512_setzero_ps()
 #define vi_zero() _mm512_setzero_si512()
 #define vf_hsum(v) _mm512_reduce_add_ps(v)
-#define vx_load(p) _mm512_loadu_si512((const void *)(p))
-/* isum += (u x q pairs in i16) . scales pairs, in i32 */
-#define vi_dot(acc, u, q, s) _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, q), s)
 
-/* Step p (elements 64p..64p+63): the 64 unsigned weight integers. */
-INLINE vi k_unpack(enum ggml_type type, const uint8_t *u, int p)
+/*
+ * Half h of a super-block (elements 128h..128h+127) as two vectors of 64
+ * unsigned weight integers: q4_K/q5_K lo = sub-blocks 4h, 4h+2 and hi =
+ * 4h+1, 4h+3 (the nibbles of one 64-byte load, whence the activations'
+ * swapped order); q6_K lo = elements 128h..+63 and hi = 128h+64..+127 (the
+ * nibbles of ql[64h..64h+63] with their top bits from qh[32h..32h+31]).
+ */
+INLINE void k_unpack(enum ggml_type type, const uint8_t *u, int h, __m512i *lo, __m512i *hi)
 {
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
-    /* 16-bit shift counts: 0 in the low 256 bits, n in the high */
-    const __m512i hi4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     if (type == GGML_TYPE_Q6_K) {
-        const int h = p >> 1, odd = p & 1;
-        /* sub-blocks 2p, 2p+1 are the low (p even) or high nibbles of ql[64h..64h+63] */
         __m512i ql = _mm512_loadu_si512((const void *)(u + QT_Q6K_QL + 64 * h));
-        if (odd)
-            ql = _mm512_srli_epi16(ql, 4);
-        ql = _mm512_and_si512(ql, lo4);
-        /* their top two bits: bits 4p'..4p'+1 and 4p'+2..+3 (p' = p & 1) of qh[32h + l] */
-        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h)));
+        __m512i qh = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h)));
+        /* bits 0-1 | 2-3 (lo) and 4-5 | 6-7 (hi) of qh to bits 4-5, per 256-bit half */
         const __m512i c42 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
         const __m512i c02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-        qh = odd ? _mm512_srlv_epi16(qh, c02) : _mm512_sllv_epi16(qh, c42);
-        return _mm512_or_si512(ql, _mm512_and_si512(qh, _mm512_set1_epi8(0x30)));
+        const __m512i m30 = _mm512_set1_epi8(0x30);
+        *lo = _mm512_or_si512(_mm512_and_si512(ql, lo4),
+                              _mm512_and_si512(_mm512_sllv_epi16(qh, c42), m30));
+        *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4),
+                              _mm512_and_si512(_mm512_srlv_epi16(qh, c02), m30));
+        return;
     }
     const bool q5 = type == GGML_TYPE_Q5_K;
-    /* sub-blocks 2p, 2p+1: low and high nibbles of qs[32p..32p+31] */
-    __m512i v = _mm512_broadcast_i64x4(
-        _mm256_loadu_si256((const __m256i *)(u + (q5 ? Q5K_QS : QT_Q4K_QS) + 32 * p)));
-    v = _mm512_and_si512(_mm512_srlv_epi16(v, hi4), lo4);
+    __m512i v = _mm512_loadu_si512((const void *)(u + (q5 ? Q5K_QS : QT_Q4K_QS) + 64 * h));
+    *lo = _mm512_and_si512(v, lo4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
     if (q5) {
-        /* fifth bits: bit 2p (low half) and 2p+1 (high half) of qh[l] */
+        /* fifth bits: bit j of qh[l] for sub-block j */
         __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(u + Q5K_QH)));
-        __m512i sel = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * p))),
-                                         _mm256_set1_epi8((char)(1 << (2 * p + 1))), 1);
-        v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(qh, sel), v, _mm512_set1_epi8(16));
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        __m512i sel_lo = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * h))),
+                                            _mm256_set1_epi8((char)(1 << (4 * h + 2))), 1);
+        __m512i sel_hi = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * h + 1))),
+                                            _mm256_set1_epi8((char)(1 << (4 * h + 3))), 1);
+        *lo = _mm512_mask_add_epi8(*lo, _mm512_test_epi8_mask(qh, sel_lo), *lo, sixteen);
+        *hi = _mm512_mask_add_epi8(*hi, _mm512_test_epi8_mask(qh, sel_hi), *hi, sixteen);
     }
-    return v;
 }
 
-/* Step p's scales as i16 lanes matching vpmaddubsw's pairs. */
-INLINE vi k_scale(enum ggml_type type, const struct ksr *k, int p)
+/*
+ * One super-block's integer sums for every row and token of a tile. Per
+ * half: vpdpbusd gives sums of 4 products in i32 lanes (each within one
+ * sub-block or group: at most 4 * 63 * 127 = 32004), vpackssdw packs the
+ * lo and hi results to i16 without saturating, and vpdpwssd multiplies
+ * them by the scales (ksr.sv, laid out as the pack interleaves: 128-bit
+ * lane L holds 4 lanes of lo, then 4 of hi) and accumulates in i32.
+ */
+INLINE void k_sb_dot(enum ggml_type type, int mr, int nt, const uint8_t *const *up,
+                     const struct ksr *ks, const int8_t *const *xq, size_t off, __m512i isum[][NT])
 {
-    const __m512i s = _mm512_castsi256_si512(k->sc);
-    if (type == GGML_TYPE_Q6_K) {
-        /* 8 lanes per group of 16: groups 4p..4p+3 (i32 lane e holds two i16 lanes) */
-#define W2(v) ((int)((v) * 0x10001))
-        const int g = 4 * p;
-        const __m512i idx = _mm512_set_epi32(W2(g + 3), W2(g + 3), W2(g + 3), W2(g + 3), W2(g + 2),
-                                             W2(g + 2), W2(g + 2), W2(g + 2), W2(g + 1), W2(g + 1),
-                                             W2(g + 1), W2(g + 1), W2(g), W2(g), W2(g), W2(g));
-#undef W2
-        return _mm512_permutexvar_epi16(idx, s);
+    const __m512i zero = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m512i lo[MR], hi[MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+            k_unpack(type, up[r], h, &lo[r], &hi[r]);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m512i x0 = _mm512_loadu_si512((const void *)(xq[t] + off + 128 * h));
+            __m512i x1 = _mm512_loadu_si512((const void *)(xq[t] + off + 128 * h + 64));
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                __m512i p = _mm512_packs_epi32(_mm512_dpbusd_epi32(zero, lo[r], x0),
+                                               _mm512_dpbusd_epi32(zero, hi[r], x1));
+                isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], p, ks[r].sv[h]);
+            }
+        }
     }
-    /* 16 lanes per sub-block: 2p, 2p+1 */
-    const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * p)),
-                                           _mm256_set1_epi16((short)(2 * p + 1)), 1);
-    return _mm512_permutexvar_epi16(idx, s);
 }
 
 /* isum (16 lanes) -> f32 lanes scaled and added; the mins' i32 lanes (8) likewise. */
@@ -477,13 +533,9 @@ INLINE float hsum8(__m256 v)
 
 typedef __m256i vi;
 typedef __m256 vf;
-#define STEPS 8 /* 32 weights per step */
 #define vf_zero() _mm256_setzero_ps()
 #define vi_zero() _mm256_setzero_si256()
 #define vf_hsum(v) hsum8(v)
-#define vx_load(p) _mm256_loadu_si256((const __m256i *)(p))
-#define vi_dot(acc, u, q, s)                                                                       \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), s))
 
 /* Bits b..b+n-1 of every byte moved to bits 4..: shifts of 16-bit lanes
  * (the mask after it keeps each byte's own bits). */
@@ -550,6 +602,30 @@ INLINE vi vi_sub_corr(vi isum, __m256i corr)
     return _mm256_sub_epi32(isum, corr);
 }
 
+/* One super-block's integer sums for every row and token of a tile: per
+ * sub-block, vpmaddubsw pairs in i16, vpmaddwd against the scales, i32 adds. */
+INLINE void k_sb_dot(enum ggml_type type, int mr, int nt, const uint8_t *const *up,
+                     const struct ksr *ks, const int8_t *const *xq, size_t off, __m256i isum[][NT])
+{
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256i u[MR], s[MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            u[r] = k_unpack(type, up[r], j);
+            s[r] = k_scale(type, &ks[r], j);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq[t] + off + 32 * j));
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++)
+                isum[r][t] = _mm256_add_epi32(
+                    isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(u[r], x), s[r]));
+        }
+    }
+}
+
 #endif /* AVX2 */
 
 /*
@@ -561,7 +637,7 @@ INLINE void k_tile(const struct kjob *jb, enum ggml_type type, int r0, int t0, i
     const struct mm_weight *w = jb->w;
     const struct kx *a = jb->a;
     const size_t bb = sb_bytes(type);
-    const int nsb = w->n_in / QT_QK_K, step = QT_QK_K / STEPS;
+    const int nsb = w->n_in / QT_QK_K;
     const bool mins = type != GGML_TYPE_Q6_K;
     const uint8_t *rows[MR];
     const int8_t *xq[NT];
@@ -599,22 +675,7 @@ INLINE void k_tile(const struct kjob *jb, enum ggml_type type, int r0, int t0, i
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++)
                 isum[r][t] = vi_zero();
-#pragma GCC unroll 8
-        for (int p = 0; p < STEPS; p++) {
-            vi u[MR], s[MR];
-#pragma GCC unroll 4
-            for (int r = 0; r < mr; r++) {
-                u[r] = k_unpack(type, up[r], p);
-                s[r] = k_scale(type, &ks[r], p);
-            }
-#pragma GCC unroll 4
-            for (int t = 0; t < nt; t++) {
-                vi x = vx_load(xq[t] + QT_QK_K * (size_t)b + step * p);
-#pragma GCC unroll 4
-                for (int r = 0; r < mr; r++)
-                    isum[r][t] = vi_dot(isum[r][t], u[r], x, s[r]);
-            }
-        }
+        k_sb_dot(type, mr, nt, up, ks, xq, QT_QK_K * (size_t)b, isum);
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
             __m256i bs = _mm256_load_si256((const __m256i *)(xb[t] + 16 * (size_t)b));
@@ -684,11 +745,16 @@ void mm_k_matmul(float *out, const struct mm_weight *w, const float *x, int n_to
         return;
     struct kx a;
     kx_layout(&a, scratch, w->n_in, n_tok);
+#if defined(MMK_AVX512)
+    const bool swap = !force_scalar && w->type != GGML_TYPE_Q6_K;
+#else
+    const bool swap = false;
+#endif
     /* by the calling thread, before the team starts: the region has no
      * barrier but its end */
     for (int t = 0; t < n_tok; t++)
         kx_quantize(x + (size_t)t * (size_t)w->n_in, w->n_in, a.q + (size_t)t * a.ldq,
-                    a.d + (size_t)t * a.ldd, a.bs + (size_t)t * a.lds);
+                    a.d + (size_t)t * a.ldd, a.bs + (size_t)t * a.lds, swap);
 
     const int n_groups = (w->n_out + KG - 1) / KG;
     int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
