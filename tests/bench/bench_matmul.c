@@ -14,8 +14,9 @@
  * `bench_matmul kquant`: the K formats beside q8_0 (q8_0, q4_K, q5_K, q6_K
  * with their kernels named), measured round-robin: every trial of every
  * column visits the four types in turn, so a machine whose load changes
- * during the run slows them alike and the "vs q8_0" ratios stay fair. The
- * load average is printed before and after.
+ * during the run slows them alike and the "vs q8_0" ratios stay fair; the
+ * hot product on one thread (weights per second) is the least disturbed
+ * by other processes. The load average is printed before and after.
  *
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads, counted as
  * 12 bytes per element like STREAM) measured in the same run gives the
@@ -126,24 +127,11 @@ static double triad_gbs(void)
     return bench_triad(THREADS, (size_t)48 << 20, (size_t)2 << 20, 3, NULL);
 }
 
-/* The load average as /proc/loadavg gives it (three numbers), or "?". */
-static void load_average(char *buf, size_t len)
-{
-    snprintf(buf, len, "?");
-    FILE *f = fopen("/proc/loadavg", "r");
-    if (!f)
-        return;
-    double a, b, c;
-    if (fscanf(f, "%lf %lf %lf", &a, &b, &c) == 3)
-        snprintf(buf, len, "%.2f %.2f %.2f", a, b, c);
-    fclose(f);
-}
-
 /* One call's time. */
-static double time_call(float *out, const struct mm_weight *w, const float *x, int n_tok)
+static double time_call(float *out, const struct mm_weight *w, const float *x, int n_tok, int nth)
 {
     double t0 = now();
-    mm_matmul(out, w, x, n_tok, THREADS);
+    mm_matmul(out, w, x, n_tok, nth);
     return now() - t0;
 }
 
@@ -157,7 +145,7 @@ static int bench_kquant(void)
                                             GGML_TYPE_Q6_K};
     const int n_tok = 64;
     char load0[64], load1[64];
-    load_average(load0, sizeof load0);
+    bench_load_average(load0, sizeof load0);
     printf("matrix %dx%d, %d threads, kernels: q8_0 %s, K formats %s; round-robin, best of %d "
            "rounds\n",
            N, N, THREADS, mm_kernel_name(), mm_k_kernel_name(), KQ_ROUNDS);
@@ -171,7 +159,7 @@ static int bench_kquant(void)
     struct mm_weight w[KQ_TYPES];
     size_t bytes[KQ_TYPES];
     int copies[KQ_TYPES];
-    double cold[KQ_TYPES], hot[KQ_TYPES], mm[KQ_TYPES];
+    double cold[KQ_TYPES], hot[KQ_TYPES], hot1[KQ_TYPES], mm[KQ_TYPES];
     for (int k = 0; k < KQ_TYPES; k++) {
         size_t rb = qt_row_bytes(types[k], N);
         bytes[k] = rb * N;
@@ -186,7 +174,7 @@ static int bench_kquant(void)
             return 1;
         }
         mm_matmul(out, &w[k], x, n_tok, THREADS); /* warm-up: threads, scratch */
-        cold[k] = hot[k] = mm[k] = 1e30;
+        cold[k] = hot[k] = hot1[k] = mm[k] = 1e30;
     }
     for (int round = 0; round < KQ_ROUNDS; round++)
         for (int k = 0; k < KQ_TYPES; k++) {
@@ -194,16 +182,18 @@ static int bench_kquant(void)
             struct mm_weight wc = w[k];
             for (int c = 0; c < copies[k]; c++) {
                 wc.data = data[k] + bytes[k] * (size_t)c;
-                cold[k] = fmin(cold[k], time_call(out, &wc, x, 1));
+                cold[k] = fmin(cold[k], time_call(out, &wc, x, 1, THREADS));
             }
-            for (int i = 0; i < 20; i++)
-                hot[k] = fmin(hot[k], time_call(out, &w[k], x, 1));
-            mm[k] = fmin(mm[k], time_call(out, &w[k], x, n_tok));
+            for (int i = 0; i < 20; i++) {
+                hot[k] = fmin(hot[k], time_call(out, &w[k], x, 1, THREADS));
+                hot1[k] = fmin(hot1[k], time_call(out, &w[k], x, 1, 1));
+            }
+            mm[k] = fmin(mm[k], time_call(out, &w[k], x, n_tok, THREADS));
         }
-    load_average(load1, sizeof load1);
+    bench_load_average(load1, sizeof load1);
 
     printf("%-6s %7s %10s %8s %10s %8s %12s %8s %12s\n", "type", "MiB", "cold GB/s", "vs q8_0",
-           "hot GB/s", "vs q8_0", "GFLOP/s @64", "vs q8_0", "Gweights/s");
+           "hot GB/s", "vs q8_0", "GFLOP/s @64", "vs q8_0", "1 thread");
     for (int k = 0; k < KQ_TYPES; k++) {
         double c = (double)bytes[k] / cold[k] / 1e9, h = (double)bytes[k] / hot[k] / 1e9;
         double g = 2.0 * N * (double)N * n_tok / mm[k] / 1e9;
@@ -211,9 +201,9 @@ static int bench_kquant(void)
         double g0 = 2.0 * N * (double)N * n_tok / mm[0] / 1e9;
         printf("%-6s %7.1f %10.1f %7.2fx %10.1f %7.2fx %12.1f %7.2fx %12.1f\n",
                qt_type_name(types[k]), (double)bytes[k] / (1 << 20), c, c / c0, h, h / h0, g,
-               g / g0, (double)N * N / hot[k] / 1e9);
+               g / g0, (double)N * N / hot1[k] / 1e9);
     }
-    printf("\nload average after: %s (Gweights/s: hot matrix-vector weights per second)\n",
+    printf("\nload average after: %s (1 thread: hot matrix-vector, Gweights/s)\n",
            load1);
     for (int k = 0; k < KQ_TYPES; k++)
         free(data[k]);

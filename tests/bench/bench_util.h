@@ -7,6 +7,7 @@
 #define KVD_BENCH_UTIL_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -65,6 +66,20 @@ out:
     if (bus_gbs)
         *bus_gbs = 4.0 * sizeof(float) * (double)piece / best / 1e9;
     return 3.0 * sizeof(float) * (double)piece / best / 1e9;
+}
+
+/* The load average as /proc/loadavg gives it ("1.20 0.95 0.80"), or "?":
+ * printed beside figures taken on a shared machine. */
+static inline void bench_load_average(char *buf, size_t len)
+{
+    snprintf(buf, len, "?");
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (!f)
+        return;
+    double a, b, c;
+    if (fscanf(f, "%lf %lf %lf", &a, &b, &c) == 3)
+        snprintf(buf, len, "%.2f %.2f %.2f", a, b, c);
+    fclose(f);
 }
 
 #endif /* KVD_BENCH_UTIL_H */
