@@ -308,16 +308,8 @@ INLINE __m256 f16_bcast(const uint8_t *p)
 INLINE void ksb_load(enum ggml_type type, const uint8_t *sb, struct ksb *k)
 {
     if (type == GGML_TYPE_Q4_K) {
-        /* The packing of quant.h's qt_q4k_scale_min, four sub-blocks at a time:
-         * a, b, c are bytes 0..3, 4..7, 8..11 of the packed scales. */
-        uint32_t a, b, c;
-        memcpy(&a, sb + QT_Q4K_SCALES, 4);
-        memcpy(&b, sb + QT_Q4K_SCALES + 4, 4);
-        memcpy(&c, sb + QT_Q4K_SCALES + 8, 4);
-        uint64_t sc = (uint64_t)(a & 0x3f3f3f3f) |
-                      (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
-        uint64_t mn = (uint64_t)(b & 0x3f3f3f3f) |
-                      (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
+        uint64_t sc, mn;
+        qt_q4k_scales_mins(sb + QT_Q4K_SCALES, &sc, &mn);
         k->sc[0] = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_D), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                                _mm_cvtsi64_si128((long long)sc))));
         k->mn = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_DMIN), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(

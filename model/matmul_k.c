@@ -352,20 +352,6 @@ struct kjob {
     int n_tok;
 };
 
-/* The eight 6-bit scales and mins of q4_K / q5_K (qt_q4k_scale_min's
- * packing, four sub-blocks at a time), one byte each. */
-static inline void k_scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *mn)
-{
-    uint32_t a, b, c;
-    memcpy(&a, s, 4);
-    memcpy(&b, s + 4, 4);
-    memcpy(&c, s + 8, 4);
-    *sc = (uint64_t)(a & 0x3f3f3f3f) |
-          (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
-    *mn = (uint64_t)(b & 0x3f3f3f3f) |
-          (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
-}
-
 /* Per-row state of the current super-block. */
 struct ksr {
     __m256i sc;   /* q4_K/q5_K: the 8 scales as i16 in both 128-bit halves;
@@ -404,7 +390,7 @@ INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
         return;
     }
     uint64_t sc, mn;
-    k_scales_mins(u + QT_Q4K_SCALES, &sc, &mn);
+    qt_q4k_scales_mins(u + QT_Q4K_SCALES, &sc, &mn);
     __m128i s8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc));
     __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
     k->sc = _mm256_broadcastsi128_si256(s8);

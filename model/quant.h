@@ -47,6 +47,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "model/gguf.h"
 
@@ -156,6 +157,21 @@ static inline void qt_q4k_scale_min(const uint8_t *s, int j, int *scale, int *mi
         *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
         *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
+}
+
+/* All eight scales (sc) and mins (mn) of those 12 bytes at once, sub-block
+ * j in byte j: qt_q4k_scale_min word by word (a, b, c: bytes 0..3, 4..7,
+ * 8..11). For kernels that widen them in vector registers. */
+static inline void qt_q4k_scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *mn)
+{
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    *sc = (uint64_t)(a & 0x3f3f3f3f) |
+          (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
+    *mn = (uint64_t)(b & 0x3f3f3f3f) |
+          (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
 }
 
 /* ------------------------------------------------------------------------
