@@ -12,11 +12,14 @@
  *                multiply-add).
  *
  * `bench_matmul kquant`: the K formats beside q8_0 (q8_0, q4_K, q5_K, q6_K
- * with their kernels named), measured round-robin: every trial of every
- * column visits the four types in turn, so a machine whose load changes
- * during the run slows them alike and the "vs q8_0" ratios stay fair; the
- * hot product on one thread (weights per second) is the least disturbed
- * by other processes. The load average is printed before and after.
+ * with their kernels named): decoding from DRAM (cold, 2 threads), the
+ * kernel's own speed on a matrix that stays in one core's L2 (4096 x 128,
+ * one thread, GB/s and weights per second) and 64 tokens of that matrix.
+ * Measured round-robin: every round visits the four types in turn, so a
+ * machine whose load changes during the run slows them alike and the "vs
+ * q8_0" ratios stay fair; the one-thread, in-L2 figures are the least
+ * disturbed by other processes. The load average is printed before and
+ * after.
  *
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads, counted as
  * 12 bytes per element like STREAM) measured in the same run gives the
@@ -138,6 +141,12 @@ static double time_call(float *out, const struct mm_weight *w, const float *x, i
 #define KQ_TYPES 4
 #define KQ_ROUNDS 10
 #define KQ_COLD_BYTES ((size_t)256 << 20)
+#define KQ_L2_ROWS 128 /* 4096 x 128: at most 0.6 MiB, inside one core's L2 */
+
+static double gbs(size_t bytes, double t)
+{
+    return (double)bytes / t / 1e9;
+}
 
 static int bench_kquant(void)
 {
@@ -146,20 +155,22 @@ static int bench_kquant(void)
     const int n_tok = 64;
     char load0[64], load1[64];
     bench_load_average(load0, sizeof load0);
-    printf("matrix %dx%d, %d threads, kernels: q8_0 %s, K formats %s; round-robin, best of %d "
-           "rounds\n",
-           N, N, THREADS, mm_kernel_name(), mm_k_kernel_name(), KQ_ROUNDS);
-    printf("load average before: %s\n\n", load0);
+    printf("kernels: q8_0 %s, K formats %s; round-robin, best of %d rounds; load average before: "
+           "%s\n",
+           mm_kernel_name(), mm_k_kernel_name(), KQ_ROUNDS, load0);
+    printf("cold: %dx%d, %d threads, copies over %zu MiB (DRAM); L2: %dx%d on 1 thread (the "
+           "kernel's own speed); @64: 64 tokens of the L2 matrix, 1 thread\n\n",
+           N, N, THREADS, KQ_COLD_BYTES >> 20, KQ_L2_ROWS, N);
 
     float *x = xalloc(sizeof(float) * N * n_tok);
     float *out = xalloc(sizeof(float) * N * n_tok);
     for (int i = 0; i < N * n_tok; i++)
         x[i] = rnd();
     uint8_t *data[KQ_TYPES];
-    struct mm_weight w[KQ_TYPES];
+    struct mm_weight w[KQ_TYPES], wl2[KQ_TYPES];
     size_t bytes[KQ_TYPES];
     int copies[KQ_TYPES];
-    double cold[KQ_TYPES], hot[KQ_TYPES], hot1[KQ_TYPES], mm[KQ_TYPES];
+    double cold[KQ_TYPES], l2[KQ_TYPES], mm[KQ_TYPES];
     for (int k = 0; k < KQ_TYPES; k++) {
         size_t rb = qt_row_bytes(types[k], N);
         bytes[k] = rb * N;
@@ -169,42 +180,41 @@ static int bench_kquant(void)
         for (int c = 1; c < copies[k]; c++)
             memcpy(data[k] + bytes[k] * (size_t)c, data[k], bytes[k]);
         char err[200];
-        if (mm_weight_init(&w[k], types[k], N, N, data[k], err, sizeof err) != 0) {
+        if (mm_weight_init(&w[k], types[k], N, N, data[k], err, sizeof err) != 0 ||
+            mm_weight_init(&wl2[k], types[k], N, KQ_L2_ROWS, data[k], err, sizeof err) != 0) {
             fprintf(stderr, "bench_matmul: %s\n", err);
             return 1;
         }
         mm_matmul(out, &w[k], x, n_tok, THREADS); /* warm-up: threads, scratch */
-        cold[k] = hot[k] = hot1[k] = mm[k] = 1e30;
+        cold[k] = l2[k] = mm[k] = 1e30;
     }
     for (int round = 0; round < KQ_ROUNDS; round++)
         for (int k = 0; k < KQ_TYPES; k++) {
-            /* cold: one sweep over the copies; hot: the first copy again; mm: 64 tokens */
+            /* cold: one sweep over the copies (each call a different one) */
             struct mm_weight wc = w[k];
             for (int c = 0; c < copies[k]; c++) {
                 wc.data = data[k] + bytes[k] * (size_t)c;
                 cold[k] = fmin(cold[k], time_call(out, &wc, x, 1, THREADS));
             }
-            for (int i = 0; i < 20; i++) {
-                hot[k] = fmin(hot[k], time_call(out, &w[k], x, 1, THREADS));
-                hot1[k] = fmin(hot1[k], time_call(out, &w[k], x, 1, 1));
-            }
-            mm[k] = fmin(mm[k], time_call(out, &w[k], x, n_tok, THREADS));
+            for (int i = 0; i < 50; i++)
+                l2[k] = fmin(l2[k], time_call(out, &wl2[k], x, 1, 1));
+            for (int i = 0; i < 3; i++)
+                mm[k] = fmin(mm[k], time_call(out, &wl2[k], x, n_tok, 1));
         }
     bench_load_average(load1, sizeof load1);
 
-    printf("%-6s %7s %10s %8s %10s %8s %12s %8s %12s\n", "type", "MiB", "cold GB/s", "vs q8_0",
-           "hot GB/s", "vs q8_0", "GFLOP/s @64", "vs q8_0", "1 thread");
+    printf("%-6s %10s %8s %9s %8s %10s %12s %8s\n", "type", "cold GB/s", "vs q8_0", "L2 GB/s",
+           "vs q8_0", "Gweights/s", "GFLOP/s @64", "vs q8_0");
+    const size_t l2_elems = (size_t)N * KQ_L2_ROWS;
     for (int k = 0; k < KQ_TYPES; k++) {
-        double c = (double)bytes[k] / cold[k] / 1e9, h = (double)bytes[k] / hot[k] / 1e9;
-        double g = 2.0 * N * (double)N * n_tok / mm[k] / 1e9;
-        double c0 = (double)bytes[0] / cold[0] / 1e9, h0 = (double)bytes[0] / hot[0] / 1e9;
-        double g0 = 2.0 * N * (double)N * n_tok / mm[0] / 1e9;
-        printf("%-6s %7.1f %10.1f %7.2fx %10.1f %7.2fx %12.1f %7.2fx %12.1f\n",
-               qt_type_name(types[k]), (double)bytes[k] / (1 << 20), c, c / c0, h, h / h0, g,
-               g / g0, (double)N * N / hot1[k] / 1e9);
+        size_t b2 = bytes[k] / N * KQ_L2_ROWS, b20 = bytes[0] / N * KQ_L2_ROWS;
+        printf("%-6s %10.1f %7.2fx %9.1f %7.2fx %10.1f %12.1f %7.2fx\n", qt_type_name(types[k]),
+               gbs(bytes[k], cold[k]), cold[0] / cold[k] * (double)bytes[k] / (double)bytes[0],
+               gbs(b2, l2[k]), l2[0] / l2[k] * (double)b2 / (double)b20,
+               (double)l2_elems / l2[k] / 1e9, 2.0 * (double)l2_elems * n_tok / mm[k] / 1e9,
+               mm[0] / mm[k]);
     }
-    printf("\nload average after: %s (1 thread: hot matrix-vector, Gweights/s)\n",
-           load1);
+    printf("\nload average after: %s\n", load1);
     for (int k = 0; k < KQ_TYPES; k++)
         free(data[k]);
     mm_scratch_release();
