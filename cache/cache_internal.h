@@ -28,7 +28,13 @@ struct kv_cache {
 
     int32_t *free_stack; /* [n_pages] free page ids; top at free_stack[n_free - 1] */
     int n_free;
-    int32_t *owner; /* [n_pages] uid of the sequence holding the page, or -1 */
+    int32_t *refs;    /* [n_pages] references: page-table entries + outside ones; 0 = free */
+    int32_t *outside; /* [n_pages] of them, taken with kv_page_ref */
+    int n_shared;     /* pages with refs >= 2 */
+
+    /* kv_cache_set_reclaim: gives back pages only an outside holder keeps. */
+    int (*reclaim)(void *ctx, kv_cache *cache, int n_pages);
+    void *reclaim_ctx;
 
     struct kv_seq *seqs; /* doubly linked list of live sequences, newest first */
     int n_seqs, n_sessions;
@@ -48,11 +54,12 @@ struct kv_rank {
 struct kv_seq {
     kv_cache *cache;
     struct kv_seq *prev, *next; /* in cache->seqs */
-    int32_t uid;                /* owner tag in cache->owner; unique per cache */
+    int32_t uid;                /* unique among live sequences (kv_cache_check) */
     struct kv_policy policy;     /* in effect: policy_set with the pins (pins.c) */
     struct kv_policy policy_set; /* as given (kv_seq_create, kv_seq_set_policy) */
     bool session, pinned, dropped;
-    bool drop_planned; /* LRU victim of the append being planned */
+    uint8_t drop_plan; /* the append being planned: 1 drops it (LRU victim), 2 passed
+                          it over (dropping it would free no page) */
     uint64_t last_use; /* ms, from kv_seq_touch */
     uint64_t birth;    /* creation order in the cache: the LRU's tie-break */
 
@@ -90,10 +97,22 @@ struct kv_seq {
 
 /* --- pool.c ------------------------------------------------------------ */
 
-/* Pop a free page and tag it with owner. The caller checked n_free > 0. */
-int32_t kv_pool_alloc(kv_cache *cache, int32_t owner);
-/* Push page back; asserts it was held by owner. */
-void kv_pool_release(kv_cache *cache, int32_t page, int32_t owner);
+/* Pop a free page with one reference (the caller's). The caller checked
+ * n_free > 0. */
+int32_t kv_pool_alloc(kv_cache *cache);
+/* One more reference to a page in use. */
+void kv_pool_ref(kv_cache *cache, int32_t page);
+/* Drop one reference; the last one puts the page back on the free list
+ * (returns true then). Asserts the page had a reference. */
+bool kv_pool_unref(kv_cache *cache, int32_t page);
+/* Ask the reclaim hook (kv_cache_set_reclaim) for up to n pages; returns
+ * how many reached the free list (0 without a hook). */
+int kv_pool_reclaim(kv_cache *cache, int64_t n_pages);
+/* Whether page is shared: another table or an outside holder reads it. */
+static inline bool kv_pool_shared(const kv_cache *cache, int32_t page)
+{
+    return cache->refs[page] > 1;
+}
 /* Pages needed to hold n tokens. */
 static inline int kv_pages_for(const kv_cache *cache, int64_t n)
 {
@@ -120,6 +139,23 @@ int kv_evict_plan(const kv_seq *seq, int target);
  * in renumber mode, counts. Cannot fail. Returns tokens evicted.
  */
 int kv_evict_apply(kv_seq *seq, int keep);
+
+/*
+ * What applying `keep` (a count kv_evict_plan returned, or n_tokens) does
+ * to the current page table, for the pool's arithmetic (seq.c): `freed`
+ * pages leave it that no one else holds (they return to the pool);
+ * compaction may write rows into the pages [write_lo, write_hi) (empty when
+ * it moves no bytes); the last token kept is in page `last` (-1: none
+ * kept), indices before the eviction. For the scored policies the written
+ * range is a bound (from the first middle token on), since which token
+ * moves first depends on the scores.
+ */
+struct kv_effect {
+    int freed;
+    int write_lo, write_hi;
+    int last;
+};
+void kv_evict_effect(const kv_seq *seq, int keep, struct kv_effect *out);
 
 /* Renumber the retained tokens 0..n-1 and continue at n (renumber mode). */
 void kv_evict_renumber(kv_seq *seq);
@@ -165,6 +201,8 @@ void kv_pins_truncate(kv_seq *seq, int n_hist);
 int kv_room_plan(const kv_seq *seq, int target);
 int kv_room_apply(kv_seq *seq, int keep);
 int kv_room_max_append(const kv_seq *seq);
+/* kv_evict_effect's answer for what kv_room_apply(seq, keep) will do. */
+void kv_room_effect(const kv_seq *seq, int keep, struct kv_effect *out);
 /* kv_seq_truncate's part: drop the turns reaching past n_hist. */
 void kv_turns_truncate(kv_seq *seq, int n_hist);
 /* Remove the table and its memory (drop, destroy). */
@@ -177,5 +215,10 @@ void kv_turns_clear(kv_seq *seq);
 void kv_seq_cut_to(kv_seq *seq, int n);
 /* Release every page and token of seq (drop, destroy); keeps capacity. */
 void kv_seq_release_all(kv_seq *seq);
+/* Copy-on-write: if logical page j of seq is shared, give seq a private
+ * copy (a fresh page, every byte copied) and drop its reference to the
+ * shared one. The caller checked that a page is free (the pool's plan
+ * counted it). */
+void kv_seq_unshare(kv_seq *seq, int j);
 
 #endif /* KVD_CACHE_INTERNAL_H */

@@ -347,6 +347,26 @@ static void move_token_meta(kv_seq *s, int dst, int src, int n)
     memmove(s->mass + d, s->mass + o, sizeof(float) * (size_t)n);
 }
 
+/* Mark in mark[0..*scan) the pages evict_pages(s, k) frees (1), those it
+ * keeps for their pins (2) and the rest (0); returns the last one freed.
+ * Pages from *scan on are not looked at (kept). */
+static int mark_gone(const kv_seq *s, int k, uint8_t *mark, int *scan)
+{
+    int sp = sink_pages(&s->policy, s->cache->layout.page_tokens);
+    assert(k > 0 && k <= evictable_pages(s));
+    *scan = s->n_pins > 0 ? window_page(s) : sp + k;
+    memset(mark, 0, (size_t)*scan);
+    pinned_pages(s, sp, *scan, mark);
+    int last = -1;
+    for (int p = sp, left = k; left > 0; p++)
+        if (mark[p] == 0) {
+            mark[p] = 1;
+            last = p;
+            left--;
+        }
+    return last;
+}
+
 /*
  * Free the k oldest evictable pages: after the sinks, wholly before the
  * window, holding no pinned token. Without pins they are the k pages right
@@ -357,28 +377,15 @@ static void move_token_meta(kv_seq *s, int dst, int src, int n)
 static void evict_pages(kv_seq *s, int k)
 {
     kv_cache *c = s->cache;
-    int pt = c->layout.page_tokens;
-    int sp = sink_pages(&s->policy, pt);
-    assert(k > 0 && k <= evictable_pages(s));
-
-    /* Mark: 2 pinned, 1 freed, 0 kept. */
-    uint8_t *mark = s->keep;
-    int scan = s->n_pins > 0 ? window_page(s) : sp + k;
-    memset(mark, 0, (size_t)scan);
-    pinned_pages(s, sp, scan, mark);
-    int last = -1;
-    for (int p = sp, left = k; left > 0; p++)
-        if (mark[p] == 0) {
-            mark[p] = 1;
-            last = p;
-            left--;
-        }
+    int pt = c->layout.page_tokens, scan;
+    uint8_t *mark = s->keep; /* 2 pinned, 1 freed, 0 kept */
+    int last = mark_gone(s, k, mark, &scan);
 
     int32_t *ptab = s->ptab + s->p_off;
     int d = last;
     for (int p = last; p >= 0; p--) {
         if (mark[p] == 1) {
-            kv_pool_release(c, ptab[p], s->uid);
+            kv_pool_unref(c, ptab[p]); /* freed unless another holder reads it */
             continue;
         }
         if (d != p) {
@@ -406,11 +413,14 @@ static int rank_cmp(const void *a, const void *b)
     return x->idx > y->idx ? -1 : (x->idx < y->idx);
 }
 
-/* Copy token src's K and V rows (every layer, every KV head) to slot dst. */
+/* Copy token src's K and V rows (every layer, every KV head) to slot dst.
+ * A shared destination page is copied first (the pool's plan counted it in
+ * kv_evict_effect's written range): the other holders keep their bytes. */
 static void move_token_bytes(kv_seq *s, int dst, int src)
 {
     const struct kv_layout *l = &s->cache->layout;
     int pt = l->page_tokens;
+    kv_seq_unshare(s, dst / pt);
     const int32_t *ptab = s->ptab + s->p_off;
     int dp = ptab[dst / pt], ds = dst % pt, sp = ptab[src / pt], ss = src % pt;
     for (int layer = 0; layer < l->n_layer; layer++)
@@ -469,6 +479,38 @@ static void evict_h2o(kv_seq *s, int keep)
     }
     assert(d == keep);
     kv_seq_cut_to(s, d); /* give back the pages past the new end */
+}
+
+void kv_evict_effect(const kv_seq *s, int keep, struct kv_effect *out)
+{
+    const kv_cache *c = s->cache;
+    const int32_t *ptab = s->ptab ? s->ptab + s->p_off : NULL;
+    int pt = c->layout.page_tokens, kept_pages = kv_pages_for(c, keep);
+    *out = (struct kv_effect){.last = kept_pages - 1};
+    if (keep >= s->n_tokens) {
+        out->last = s->n_pages - 1;
+        return;
+    }
+    if (s->policy.kind == KV_EVICT_SINK_WINDOW) {
+        /* Whole pages after the sinks (and the pinned ones); nothing is
+         * written. The scratch marks are evict_pages' own, recomputed there. */
+        int scan;
+        mark_gone(s, (s->n_tokens - keep) / pt, s->keep, &scan);
+        for (int p = 0; p < scan; p++)
+            out->freed += s->keep[p] == 1 && !kv_pool_shared(c, ptab[p]);
+        out->last = s->n_pages - 1;
+        while (out->last >= 0 && out->last < scan && s->keep[out->last] == 1)
+            out->last--;
+        return;
+    }
+    for (int j = kept_pages; j < s->n_pages; j++) /* the tail goes */
+        out->freed += !kv_pool_shared(c, ptab[j]);
+    if (kv_policy_scored(s->policy.kind)) {
+        /* The first token that may move is the first middle one. */
+        int sinks = s->policy.sink_tokens < s->n_tokens ? s->policy.sink_tokens : s->n_tokens;
+        out->write_lo = sinks / pt;
+        out->write_hi = kept_pages;
+    }
 }
 
 int kv_evict_apply(kv_seq *s, int keep)

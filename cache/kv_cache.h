@@ -31,6 +31,19 @@
  * Logical token i of a sequence lives in page page_table[i / page_tokens],
  * slot i % page_tokens. Every page of a page table is full except the last.
  *
+ * Shared pages. A page may be listed by several page tables (kv_seq_fork,
+ * kv_seq_attach) and held by outside references (kv_page_ref: the prefix
+ * index); it is reference-counted and freed when its last holder lets go.
+ * A page another holder reads is never written: an append into a shared
+ * partly-full last page, or an eviction that compacts rows into a shared
+ * page, first gives the sequence a private copy (copy-on-write). Eviction
+ * and drops take away one sequence's references, never bytes another
+ * holder uses. Keys are stored unrotated, so a page is valid in any
+ * sequence whose tokens before it are the same, whatever positions they
+ * are later given. Accounting: the pool counts a page once however many
+ * hold it (pages_used is memory in use); each sequence counts every token
+ * it retains against its own max_cache_tokens, shared or not.
+ *
  * Sinks and pages. sink-window keeps sinks as whole pages: the first
  * ceil(sink_tokens / page_tokens) pages of a sequence are never evicted (with
  * sink_tokens = 4 and 16-token pages the first page stays whole, i.e. 16
@@ -179,6 +192,7 @@ struct kv_stats {
     uint64_t sessions_dropped; /* sessions dropped whole by LRU */
     uint64_t turns_evicted;    /* whole turns evicted in place (turns.c) */
     uint64_t turn_cuts;        /* evictions that had to cut into turns (turns.c) */
+    int pages_shared;          /* pages with two or more holders (counted once in pages_used) */
     int sequences;             /* live sequences, sessions included */
     int sessions;              /* live sequences created as sessions */
 };
@@ -187,12 +201,42 @@ void kv_cache_stats(const kv_cache *cache, struct kv_stats *out);
 
 /*
  * Consistency check, O(pages + tokens): every page is either on the free
- * list exactly once or in exactly one live sequence's page table exactly
- * once; counts agree; every sequence holds ceil(n_tokens / page_tokens)
- * pages; history indices and positions increase. Returns 0, or -EFAULT with
- * the first broken invariant in err. For tests and debug builds.
+ * list exactly once with no reference, or held: its reference count equals
+ * the page tables listing it plus its outside references (kv_page_ref),
+ * and no page table lists it twice; the shared-page count agrees; every
+ * sequence holds ceil(n_tokens / page_tokens) pages; history indices and
+ * positions increase. Returns 0, -ENOMEM, or -EFAULT with the first broken
+ * invariant in err. For tests and debug builds.
  */
 int kv_cache_check(const kv_cache *cache, char *err, size_t errlen);
+
+/*
+ * Outside references: a holder that is not a sequence (the prefix index)
+ * keeps a page alive with kv_page_ref and lets go with kv_page_unref; the
+ * page returns to the pool with its last reference, sequence or outside.
+ * A page can be referenced only while in use (a sequence or an outside
+ * holder has it): its bytes are whatever the sequence that wrote it wrote.
+ * kv_page_ref returns 0, or -EINVAL for a page id out of range or free;
+ * kv_page_unref returns 0, or -EINVAL when the page holds no outside
+ * reference (nothing changes). kv_page_refs is the page's count of
+ * references (0: free), or -EINVAL for an id out of range.
+ */
+int kv_page_ref(kv_cache *cache, int32_t page);
+int kv_page_unref(kv_cache *cache, int32_t page);
+int kv_page_refs(const kv_cache *cache, int32_t page);
+
+/*
+ * The reclaim hook: when an append finds the pool short, before it drops
+ * any idle session, it calls reclaim(ctx, cache, n) once, asking the outside
+ * holder to kv_page_unref pages no sequence holds, up to n of them, least
+ * useful first; what reaches the free list counts toward the append. The
+ * hook runs on the cache's thread, inside the append: it may call
+ * kv_page_unref and the const getters, nothing else of the cache. Its
+ * return value is not trusted (the pool counts its free list). A refused
+ * append keeps the pages reclaimed. NULL removes the hook.
+ */
+void kv_cache_set_reclaim(kv_cache *cache, int (*reclaim)(void *ctx, kv_cache *cache, int n_pages),
+                          void *ctx);
 
 /* ------------------------------------------------------------------------
  * Eviction policies
@@ -299,8 +343,39 @@ typedef struct kv_seq kv_seq;
  */
 kv_seq *kv_seq_create(kv_cache *cache, const struct kv_policy *policy, bool session, char *err,
                       size_t errlen);
-/* Return the sequence's pages to the pool and free it. NULL is a no-op. */
+/* Drop the sequence's references to its pages (a page no one else holds
+ * goes back to the pool) and free it. NULL is a no-op. */
 void kv_seq_destroy(kv_seq *seq);
+
+/*
+ * A new sequence sharing every page of parent: the page table by reference
+ * (no page is copied or allocated), positions, token ids, history indices,
+ * scores, the policy, the turn table and, for a session child, the history
+ * by copy. From then on the two are independent: each appends, evicts and
+ * is destroyed on its own, and the first write either makes into a page
+ * they still share copies it (so a fork costs at most one page at its next
+ * append: the partly full last page). A session child needs a session
+ * parent. The child is not pinned. Returns the child, or NULL with the
+ * reason in err (no parent, a session child of a non-session parent,
+ * out of memory for the bookkeeping); the parent is unchanged either way.
+ */
+kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen);
+
+/*
+ * Append n_pages whole pages that are already in use (written by another
+ * sequence, kept by the prefix index) with their tokens'
+ * ids tokens[0 .. n_pages * page_tokens): the sequence takes a reference
+ * to each page, no byte is copied, and positions, ids and history are
+ * recorded as kv_seq_append records them. The caller vouches that the
+ * pages hold the K and V of exactly these tokens after exactly the tokens
+ * the sequence already holds, and that none of them is in its table yet.
+ * No eviction: the tokens must fit within max_cache_tokens as they are.
+ * Returns 0; -EINVAL (n_pages < 0, NULL arrays, a page id out of range or
+ * free, a sequence whose last page is not full); -ENOSPC (past
+ * max_cache_tokens); -EOVERFLOW (positions or history past INT32_MAX);
+ * -ENOMEM (bookkeeping). On error nothing changed.
+ */
+int kv_seq_attach(kv_seq *seq, const int32_t *pages, int n_pages, const int32_t *tokens);
 
 /*
  * Replace the policy (config reload). It takes effect at the next eviction:
@@ -332,11 +407,16 @@ int32_t kv_seq_next_pos(const kv_seq *seq);
  * Make room for and append n tokens (ids in tokens[0..n)). In order:
  *   1. if n_tokens + n > max_cache_tokens, the policy evicts (whole pages
  *      for sink-window, down to sinks + window + heavy for the scored ones);
- *   2. if the pool is still short of pages, idle sessions are dropped whole,
- *      least recently touched first (never pinned ones, never non-session
- *      sequences, never this one);
+ *   2. if the pool is still short of pages, the reclaim hook gives back
+ *      pages only an outside holder keeps (kv_cache_set_reclaim), then idle
+ *      sessions are dropped whole, least recently touched first (never
+ *      pinned ones, never non-session sequences, never this one, never one
+ *      whose every page another holder keeps: that frees nothing);
  *   3. if it is still short, the policy evicts further from this sequence,
  *      down to what it must keep.
+ * The pool's part counts shared pages exactly: pages the eviction frees are
+ * those no one else holds, and every shared page the step will write (the
+ * partly full last page; pages a compaction moves rows into) costs a copy.
  * Every step is planned before anything changes. Then positions are
  * assigned, pages allocated and ids (and history for sessions) recorded; on
  * success *first (may be NULL) is the logical index of the first new token
@@ -391,7 +471,8 @@ void *kv_seq_k(kv_seq *seq, int layer, int kv_head, int idx);
 void *kv_seq_v(kv_seq *seq, int layer, int kv_head, int idx);
 
 /* Whether n more tokens fit without evicting: within max_cache_tokens and
- * with enough free pages in the pool. */
+ * with enough free pages in the pool (counting the copy of a shared, partly
+ * full last page). */
 bool kv_seq_has_room(const kv_seq *seq, int n);
 /* The largest n kv_seq_append can accept under the policy now (evicting as
  * the policy allows), the pool aside. The scheduler's prefill chunk bound.

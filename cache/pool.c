@@ -7,10 +7,24 @@
  * int32 stack, so allocation and release are O(1) pushes and pops, and the
  * stack is LIFO on purpose: a page freed by an eviction is the next one
  * handed out, so a sequence that streams forever keeps reusing the same,
- * already resident memory. Each page also carries the uid of the sequence
- * holding it (or -1), which makes a double release or a page owned twice
- * an assertion failure instead of silent corruption, and lets
- * kv_cache_check verify the whole pool in one pass.
+ * already resident memory.
+ *
+ * Pages are reference-counted. A page belongs to every sequence whose page
+ * table lists it (a fork, kv_seq_fork, lists its parent's pages; a prefix
+ * attached with kv_seq_attach lists pages another sequence wrote) and to
+ * whoever took an outside reference (kv_page_ref: the prefix index). A page
+ * goes back to the free list when its last reference goes, never before:
+ * an eviction or a drop in one sequence takes away that sequence's
+ * reference and no byte another holder reads. The pool counts a page once
+ * however many hold it, so pages_used is the memory in use, exactly; every
+ * sequence counts each of its retained tokens against its own
+ * max_cache_tokens, shared or not (its attention reads them all). Bytes of
+ * a shared page are never written: whoever must write into one (an append
+ * into a shared partial last page, a compaction that moves rows into a
+ * shared page) copies it first (kv_seq_unshare, seq.c). Beside the count,
+ * each page records how many of its references are outside ones, so
+ * kv_cache_check can verify every count in one pass: references = entries
+ * in page tables + outside references, zero exactly for free pages.
  */
 #include "cache_internal.h"
 
@@ -215,8 +229,9 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
     }
     c->n_pages = (int)n_pages;
     c->free_stack = malloc(sizeof(int32_t) * n_pages);
-    c->owner = malloc(sizeof(int32_t) * n_pages);
-    if (!c->free_stack || !c->owner) {
+    c->refs = calloc(n_pages, sizeof(int32_t));
+    c->outside = calloc(n_pages, sizeof(int32_t));
+    if (!c->free_stack || !c->refs || !c->outside) {
         set_err(err, errlen, "kv cache: out of memory for the free list");
         goto out_free;
     }
@@ -256,16 +271,15 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
         .v_type = p->v_type,
     };
     /* Stack with page 0 on top: a fresh pool hands out pages 0, 1, 2, ... */
-    for (size_t i = 0; i < n_pages; i++) {
+    for (size_t i = 0; i < n_pages; i++)
         c->free_stack[i] = (int32_t)(n_pages - 1 - i);
-        c->owner[i] = -1;
-    }
     c->n_free = (int)n_pages;
     return c;
 
 out_free:
     free(c->free_stack);
-    free(c->owner);
+    free(c->refs);
+    free(c->outside);
     free(c);
     return NULL;
 }
@@ -280,7 +294,8 @@ void kv_cache_destroy(kv_cache *c)
         munlock(c->layout.base, c->map_bytes);
     munmap(c->layout.base, c->map_bytes);
     free(c->free_stack);
-    free(c->owner);
+    free(c->refs);
+    free(c->outside);
     free(c);
 }
 
@@ -335,6 +350,7 @@ void kv_cache_stats(const kv_cache *c, struct kv_stats *out)
         .sessions_dropped = c->sessions_dropped,
         .turns_evicted = c->turns_evicted,
         .turn_cuts = c->turn_cuts,
+        .pages_shared = c->n_shared,
         .sequences = c->n_seqs,
         .sessions = c->n_sessions,
     };
@@ -344,22 +360,73 @@ void kv_cache_stats(const kv_cache *c, struct kv_stats *out)
  * Pages
  * ------------------------------------------------------------------------ */
 
-int32_t kv_pool_alloc(kv_cache *c, int32_t owner)
+int32_t kv_pool_alloc(kv_cache *c)
 {
     assert(c->n_free > 0);
     int32_t page = c->free_stack[--c->n_free];
-    assert(c->owner[page] == -1);
-    c->owner[page] = owner;
+    assert(c->refs[page] == 0);
+    c->refs[page] = 1;
     return page;
 }
 
-void kv_pool_release(kv_cache *c, int32_t page, int32_t owner)
+void kv_pool_ref(kv_cache *c, int32_t page)
 {
-    assert(page >= 0 && page < c->n_pages);
-    assert(c->owner[page] == owner);
-    (void)owner;
-    c->owner[page] = -1;
+    assert(page >= 0 && page < c->n_pages && c->refs[page] > 0);
+    if (++c->refs[page] == 2)
+        c->n_shared++;
+}
+
+bool kv_pool_unref(kv_cache *c, int32_t page)
+{
+    assert(page >= 0 && page < c->n_pages && c->refs[page] > 0);
+    int32_t left = --c->refs[page];
+    if (left == 1)
+        c->n_shared--;
+    if (left > 0)
+        return false;
     c->free_stack[c->n_free++] = page;
+    return true;
+}
+
+int kv_page_ref(kv_cache *c, int32_t page)
+{
+    if (!c || page < 0 || page >= c->n_pages || c->refs[page] == 0 || c->refs[page] == INT32_MAX)
+        return -EINVAL;
+    kv_pool_ref(c, page);
+    c->outside[page]++;
+    return 0;
+}
+
+int kv_page_unref(kv_cache *c, int32_t page)
+{
+    if (!c || page < 0 || page >= c->n_pages || c->outside[page] == 0)
+        return -EINVAL;
+    c->outside[page]--;
+    kv_pool_unref(c, page);
+    return 0;
+}
+
+int kv_page_refs(const kv_cache *c, int32_t page)
+{
+    if (!c || page < 0 || page >= c->n_pages)
+        return -EINVAL;
+    return c->refs[page];
+}
+
+void kv_cache_set_reclaim(kv_cache *c, int (*reclaim)(void *ctx, kv_cache *cache, int n_pages),
+                          void *ctx)
+{
+    c->reclaim = reclaim;
+    c->reclaim_ctx = ctx;
+}
+
+int kv_pool_reclaim(kv_cache *c, int64_t n_pages)
+{
+    if (!c->reclaim || n_pages <= 0)
+        return 0;
+    int before = c->n_free;
+    c->reclaim(c->reclaim_ctx, c, n_pages > INT32_MAX ? INT32_MAX : (int)n_pages);
+    return c->n_free - before;
 }
 
 /* ------------------------------------------------------------------------
@@ -374,29 +441,43 @@ void kv_pool_release(kv_cache *c, int32_t page, int32_t owner)
         goto out;                                                                                  \
     } while (0)
 
+/*
+ * One pass over the free list and one over every page table, counting per
+ * page: on the free list (must be once, with no reference) or referenced
+ * (entries in page tables + outside references = its count; never twice
+ * in one page table, which would let a sequence write a page it reads
+ * elsewhere).
+ */
 int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
 {
     int rc = 0;
-    /* seen[p]: 0 unseen, 1 on the free list, 2 in a page table. */
-    uint8_t *seen = calloc((size_t)c->n_pages, 1);
-    if (!seen) {
+    /* held[p]: entries in page tables; last[p]: uid of the last table seen. */
+    int32_t *held = calloc((size_t)c->n_pages, sizeof(int32_t));
+    int32_t *last = malloc((size_t)c->n_pages * sizeof(int32_t));
+    uint8_t *free_seen = calloc((size_t)c->n_pages, 1);
+    if (!held || !last || !free_seen) {
         if (err)
             snprintf(err, errlen, "kv cache check: out of memory");
+        free(held);
+        free(last);
+        free(free_seen);
         return -ENOMEM;
     }
+    for (int p = 0; p < c->n_pages; p++)
+        last[p] = -1;
     if (c->n_free < 0 || c->n_free > c->n_pages)
         FAIL("free count %d outside 0..%d", c->n_free, c->n_pages);
     for (int i = 0; i < c->n_free; i++) {
         int32_t p = c->free_stack[i];
         if (p < 0 || p >= c->n_pages)
             FAIL("free list entry %d holds page id %d out of range", i, p);
-        if (seen[p])
+        if (free_seen[p])
             FAIL("page %d is on the free list twice", p);
-        if (c->owner[p] != -1)
-            FAIL("free page %d is tagged with owner %d", p, c->owner[p]);
-        seen[p] = 1;
+        if (c->refs[p] != 0 || c->outside[p] != 0)
+            FAIL("free page %d has %d references (%d outside)", p, c->refs[p], c->outside[p]);
+        free_seen[p] = 1;
     }
-    int used = 0, n_seqs = 0, n_sessions = 0;
+    int n_seqs = 0, n_sessions = 0;
     for (const kv_seq *s = c->seqs; s; s = s->next) {
         n_seqs++;
         n_sessions += s->session;
@@ -408,14 +489,12 @@ int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
             int32_t p = s->ptab[s->p_off + j];
             if (p < 0 || p >= c->n_pages)
                 FAIL("sequence %d page %d has id %d out of range", s->uid, j, p);
-            if (seen[p] == 1)
+            if (free_seen[p])
                 FAIL("page %d is both free and held by sequence %d", p, s->uid);
-            if (seen[p] == 2)
-                FAIL("page %d is owned twice (second owner: sequence %d)", p, s->uid);
-            if (c->owner[p] != s->uid)
-                FAIL("page %d in sequence %d is tagged with owner %d", p, s->uid, c->owner[p]);
-            seen[p] = 2;
-            used++;
+            if (last[p] == s->uid)
+                FAIL("page %d is twice in the page table of sequence %d", p, s->uid);
+            last[p] = s->uid;
+            held[p]++;
         }
         for (int i = 1; i < s->n_tokens; i++) {
             const int32_t *pos = s->pos + s->t_off, *h = s->hidx + s->t_off;
@@ -425,16 +504,29 @@ int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
         if (s->n_tokens > 0 && s->hidx[s->t_off + s->n_tokens - 1] >= s->n_appended)
             FAIL("sequence %d: history index beyond the %d tokens appended", s->uid, s->n_appended);
     }
-    if (used + c->n_free != c->n_pages) {
-        for (int p = 0; p < c->n_pages; p++)
-            if (!seen[p])
-                FAIL("page %d is neither free nor held (leaked)", p);
-        FAIL("%d used + %d free != %d pages", used, c->n_free, c->n_pages);
+    int used = 0, shared = 0;
+    for (int p = 0; p < c->n_pages; p++) {
+        if (free_seen[p])
+            continue;
+        if (c->refs[p] == 0)
+            FAIL("page %d is neither free nor held (leaked)", p);
+        if (c->outside[p] < 0 || c->refs[p] != held[p] + c->outside[p])
+            FAIL("page %d counts %d references, but %d page tables and %d outside references "
+                 "hold it",
+                 p, c->refs[p], held[p], c->outside[p]);
+        used++;
+        shared += c->refs[p] > 1;
     }
+    if (used + c->n_free != c->n_pages)
+        FAIL("%d used + %d free != %d pages", used, c->n_free, c->n_pages);
+    if (shared != c->n_shared)
+        FAIL("%d pages are shared, the count says %d", shared, c->n_shared);
     if (n_seqs != c->n_seqs || n_sessions != c->n_sessions)
         FAIL("sequence counts %d/%d disagree with the list %d/%d", c->n_seqs, c->n_sessions, n_seqs,
              n_sessions);
 out:
-    free(seen);
+    free(held);
+    free(last);
+    free(free_seen);
     return rc;
 }

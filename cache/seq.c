@@ -18,6 +18,20 @@
  * two diverge. An idle session (not pinned by a running request) is what
  * the pool gives up first: when pages run short, the session touched
  * longest ago is dropped whole before any running request loses a token.
+ *
+ * Shared pages (pool.c: reference counts). A fork lists its parent's pages
+ * and an attached prefix lists pages another sequence wrote, so the pool's
+ * part of an append is no longer "pages for keep + n minus pages held": it
+ * is what the pool must hand out (pool_need): the new pages, plus a
+ * private copy of every shared page that will be written (the partly full
+ * last page the append fills; the pages a compacting eviction moves rows
+ * into), minus the pages the eviction frees, which are only those no one
+ * else holds. Dropping an idle session frees only its unshared pages, and
+ * a session whose pages are all shared is passed over. The plan stays
+ * exact for what it counts, so a planned append cannot run out of pages
+ * halfway, and a refused one changes nothing, except that the reclaim hook
+ * (kv_cache_set_reclaim) may already have given back cached pages no
+ * sequence held.
  */
 #include "cache_internal.h"
 
@@ -123,6 +137,8 @@ static int reserve_history(kv_seq *s, int64_t extra)
 kv_seq *kv_seq_create(kv_cache *c, const struct kv_policy *policy, bool session, char *err,
                       size_t errlen)
 {
+    if (err && errlen)
+        err[0] = '\0';
     if (!c) {
         if (err)
             snprintf(err, errlen, "kv sequence: no cache");
@@ -152,11 +168,121 @@ kv_seq *kv_seq_create(kv_cache *c, const struct kv_policy *policy, bool session,
     return s;
 }
 
+/* Record n appended tokens' ids, positions and history; the page table
+ * already covers them and the arrays have room. */
+static void record_tokens(kv_seq *s, const int32_t *tokens, int n)
+{
+    int at = s->t_off + s->n_tokens;
+    assert(at + n <= s->t_cap);
+    for (int i = 0; i < n; i++) {
+        s->pos[at + i] = s->next_pos++;
+        s->ids[at + i] = tokens[i];
+        s->hidx[at + i] = s->n_appended + i;
+        s->mass[at + i] = 0.0f;
+    }
+    if (s->session)
+        memcpy(s->hist + s->n_appended, tokens, sizeof(int32_t) * (size_t)n);
+    s->n_appended += n;
+    s->n_tokens += n;
+}
+
+/*
+ * The child holds what the parent holds, by reference for the pages and by
+ * copy for everything a sequence changes on its own: positions, ids,
+ * history indices, scores, the history of a session, the turn table. Its
+ * first write into a page they share copies that page (kv_seq_unshare).
+ */
+kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen)
+{
+    if (err && errlen)
+        err[0] = '\0';
+    if (!parent) {
+        if (err)
+            snprintf(err, errlen, "kv fork: no parent sequence");
+        return NULL;
+    }
+    if (session && !parent->session) {
+        if (err)
+            snprintf(err, errlen, "kv fork: a session child needs a session parent (its history)");
+        return NULL;
+    }
+    kv_seq *s = kv_seq_create(parent->cache, &parent->policy, session, err, errlen);
+    if (!s)
+        return NULL;
+    if (reserve_tokens(s, parent->n_tokens) < 0 || reserve_pages(s, parent->n_pages) < 0 ||
+        reserve_history(s, parent->n_appended) < 0 ||
+        kv_seq_set_turns(s, parent->turns, parent->n_turns, parent->turn_low, err, errlen) < 0) {
+        kv_seq_destroy(s);
+        if (err)
+            snprintf(err, errlen, "kv fork: out of memory for %d tokens", parent->n_tokens);
+        return NULL;
+    }
+    size_t n = (size_t)parent->n_tokens;
+    int o = parent->t_off;
+    memcpy(s->pos, parent->pos + o, n * sizeof(int32_t));
+    memcpy(s->ids, parent->ids + o, n * sizeof(int32_t));
+    memcpy(s->hidx, parent->hidx + o, n * sizeof(int32_t));
+    memcpy(s->mass, parent->mass + o, n * sizeof(float));
+    if (session && parent->n_appended > 0)
+        memcpy(s->hist, parent->hist, (size_t)parent->n_appended * sizeof(int32_t));
+    for (int j = 0; j < parent->n_pages; j++) {
+        int32_t page = parent->ptab[parent->p_off + j];
+        kv_pool_ref(s->cache, page);
+        s->ptab[j] = page;
+    }
+    s->n_pages = parent->n_pages;
+    s->n_tokens = parent->n_tokens;
+    s->n_appended = parent->n_appended;
+    s->next_pos = parent->next_pos;
+    s->last_use = parent->last_use;
+    return s;
+}
+
+int kv_seq_attach(kv_seq *s, const int32_t *pages, int n_pages, const int32_t *tokens)
+{
+    kv_cache *c = s->cache;
+    const int pt = c->layout.page_tokens;
+    if (n_pages < 0 || (n_pages > 0 && (!pages || !tokens)) || s->n_tokens % pt != 0)
+        return -EINVAL;
+    for (int j = 0; j < n_pages; j++)
+        if (pages[j] < 0 || pages[j] >= c->n_pages || c->refs[pages[j]] == 0 ||
+            c->refs[pages[j]] == INT32_MAX)
+            return -EINVAL;
+    int64_t n = (int64_t)n_pages * pt;
+    if (n == 0)
+        return 0;
+    if ((int64_t)s->next_pos + n > INT32_MAX || (int64_t)s->n_appended + n > INT32_MAX)
+        return -EOVERFLOW;
+    if ((int64_t)s->n_tokens + n > s->policy.max_cache_tokens)
+        return -ENOSPC;
+    if (reserve_tokens(s, n) < 0 || reserve_pages(s, n_pages) < 0 || reserve_history(s, n) < 0)
+        return -ENOMEM;
+    for (int j = 0; j < n_pages; j++) {
+        kv_pool_ref(c, pages[j]);
+        s->ptab[s->p_off + s->n_pages++] = pages[j];
+    }
+    record_tokens(s, tokens, (int)n);
+    return 0;
+}
+
+void kv_seq_unshare(kv_seq *s, int j)
+{
+    kv_cache *c = s->cache;
+    int32_t *slot = &s->ptab[s->p_off + j];
+    if (!kv_pool_shared(c, *slot))
+        return;
+    int32_t fresh = kv_pool_alloc(c);
+    size_t pb = c->layout.page_bytes;
+    memcpy(c->layout.base + (size_t)fresh * pb, c->layout.base + (size_t)*slot * pb, pb);
+    kv_pool_unref(c, *slot);
+    *slot = fresh;
+}
+
 void kv_seq_cut_to(kv_seq *s, int n)
 {
     int pages = kv_pages_for(s->cache, n);
     for (int j = pages; j < s->n_pages; j++)
-        kv_pool_release(s->cache, s->ptab[s->p_off + j], s->uid);
+        kv_pool_unref(s->cache, s->ptab[s->p_off + j]);
     s->n_pages = pages;
     s->n_tokens = n;
 }
@@ -164,7 +290,7 @@ void kv_seq_cut_to(kv_seq *s, int n)
 void kv_seq_release_all(kv_seq *s)
 {
     for (int j = 0; j < s->n_pages; j++)
-        kv_pool_release(s->cache, s->ptab[s->p_off + j], s->uid);
+        kv_pool_unref(s->cache, s->ptab[s->p_off + j]);
     s->n_pages = s->p_off = 0;
     s->n_tokens = s->t_off = 0;
     s->n_appended = 0;
@@ -304,6 +430,32 @@ void *kv_seq_v(kv_seq *s, int layer, int kv_head, int idx)
     return token_row(s, layer, kv_head, idx, true);
 }
 
+/*
+ * What the pool must supply, at its peak, for s to go from n_tokens to
+ * `keep` retained (a count kv_room_plan returned, or n_tokens) plus n new
+ * tokens: new pages, plus a private copy of every shared page that will be
+ * written, minus the pages the eviction frees (only those no one else
+ * holds). The copies a compaction makes come before it frees the tail it
+ * read from, so the peak is the larger of those copies and the total.
+ */
+static int64_t pool_need(const kv_seq *s, int keep, int n)
+{
+    const kv_cache *c = s->cache;
+    const int32_t *ptab = s->ptab + s->p_off;
+    const int pt = c->layout.page_tokens;
+    struct kv_effect e;
+    kv_room_effect(s, keep, &e);
+    int64_t copies = 0;
+    for (int j = e.write_lo; j < e.write_hi; j++)
+        copies += kv_pool_shared(c, ptab[j]);
+    int64_t during = copies;
+    /* The append writes into the last kept page when it is partly full. */
+    if (n > 0 && keep % pt != 0 && (e.last < e.write_lo || e.last >= e.write_hi))
+        copies += kv_pool_shared(c, ptab[e.last]);
+    int64_t total = kv_pages_for(c, (int64_t)keep + n) - kv_pages_for(c, keep) + copies - e.freed;
+    return total > during ? total : during;
+}
+
 bool kv_seq_has_room(const kv_seq *s, int n)
 {
     if (n < 0)
@@ -311,7 +463,7 @@ bool kv_seq_has_room(const kv_seq *s, int n)
     int64_t total = (int64_t)s->n_tokens + n;
     if (total > s->policy.max_cache_tokens)
         return false;
-    return kv_pages_for(s->cache, total) - s->n_pages <= s->cache->n_free;
+    return pool_need(s, s->n_tokens, n) <= s->cache->n_free;
 }
 
 int kv_seq_max_append(const kv_seq *s)
@@ -336,11 +488,21 @@ int kv_seq_evict(kv_seq *s, int n_needed)
     return kv_room_apply(s, keep);
 }
 
+/* Pages dropping o would give back: those no one else holds. */
+static int64_t unshared_pages(const kv_seq *o)
+{
+    int64_t n = 0;
+    for (int j = 0; j < o->n_pages; j++)
+        n += !kv_pool_shared(o->cache, o->ptab[o->p_off + j]);
+    return n;
+}
+
 /*
  * LRU: mark idle sessions for dropping, least recently touched first (ties:
  * the older sequence), until `have` pages reach `need`. Only sessions that
- * are not pinned, not `self` and hold pages are candidates. Returns the
- * pages the marked ones hold; marks stay until drop_marked/unmark.
+ * are not pinned, not `self` and hold pages are candidates; one whose pages
+ * are all shared is passed over (dropping it would free none). Returns the
+ * pages the marked ones give back; marks stay until drop_marked/unmark.
  */
 static int64_t plan_drops(kv_cache *c, const kv_seq *self, int64_t have, int64_t need)
 {
@@ -348,15 +510,16 @@ static int64_t plan_drops(kv_cache *c, const kv_seq *self, int64_t have, int64_t
     while (have + got < need) {
         kv_seq *best = NULL;
         for (kv_seq *o = c->seqs; o; o = o->next) {
-            if (o == self || !o->session || o->pinned || o->drop_planned || o->n_pages == 0)
+            if (o == self || !o->session || o->pinned || o->drop_plan || o->n_pages == 0)
                 continue;
             if (!best || kv_seq_lru_before(o, best))
                 best = o;
         }
         if (!best)
             break;
-        best->drop_planned = true;
-        got += best->n_pages;
+        int64_t gain = unshared_pages(best);
+        best->drop_plan = gain > 0 ? 1 : 2;
+        got += gain;
     }
     return got;
 }
@@ -364,15 +527,16 @@ static int64_t plan_drops(kv_cache *c, const kv_seq *self, int64_t have, int64_t
 static void unmark_drops(kv_cache *c)
 {
     for (kv_seq *o = c->seqs; o; o = o->next)
-        o->drop_planned = false;
+        o->drop_plan = 0;
 }
 
 static void drop_marked(kv_cache *c)
 {
     for (kv_seq *o = c->seqs; o; o = o->next) {
-        if (!o->drop_planned)
+        bool drop = o->drop_plan == 1;
+        o->drop_plan = 0;
+        if (!drop)
             continue;
-        o->drop_planned = false;
         kv_seq_release_all(o);
         free(o->hist);
         o->hist = NULL;
@@ -412,24 +576,28 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
             return -ENOSPC;
     }
 
-    /* 2. The pool: pages we may use are the free ones plus our own. If that
-     * is short, idle sessions go first (LRU)... */
-    int64_t have = (int64_t)c->n_free + s->n_pages;
-    int64_t need = kv_pages_for(c, (int64_t)keep + n);
+    /* 2. The pool: what it must hand out against what is free. If that is
+     * short, pages only an outside holder keeps (the prefix index) go
+     * first, then idle sessions (LRU)... */
+    int64_t need = pool_need(s, keep, n);
+    int64_t have = c->n_free;
+    if (need > have)
+        have += kv_pool_reclaim(c, need - have);
     if (need > have)
         have += plan_drops(c, s, have, need);
 
-    /* 3. ...and only then does this sequence shrink below its budget. */
-    if (need > have) {
-        int64_t target = have * pt - n;
-        int shrunk = target >= 0 && target < keep ? kv_room_plan(s, (int)target) : -1;
+    /* 3. ...and only then does this sequence shrink below its budget: by
+     * the fewest tokens that could cover the shortfall, and again while
+     * shared pages it gives up free nothing. */
+    while (need > have) {
+        int64_t target = keep - (need - have - 1) * pt - 1;
+        int shrunk = target >= 0 ? kv_room_plan(s, (int)target) : -1;
         if (shrunk < 0) {
             unmark_drops(c);
             return -ENOMEM;
         }
         keep = shrunk;
-        need = kv_pages_for(c, (int64_t)keep + n);
-        assert(need <= have);
+        need = pool_need(s, keep, n);
     }
 
     /* 4. Bookkeeping room, sized for the state before eviction (eviction
@@ -444,27 +612,18 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
     drop_marked(c);
     kv_room_apply(s, keep);
     assert(s->n_tokens == keep);
+    if (keep % pt != 0)
+        kv_seq_unshare(s, s->n_pages - 1); /* the append writes into it */
 
     int new_pages = kv_pages_for(c, (int64_t)keep + n) - s->n_pages;
     assert(new_pages <= c->n_free);
     assert(s->p_off + s->n_pages + new_pages <= s->p_cap);
     for (int j = 0; j < new_pages; j++)
-        s->ptab[s->p_off + s->n_pages++] = kv_pool_alloc(c, s->uid);
+        s->ptab[s->p_off + s->n_pages++] = kv_pool_alloc(c);
 
-    int at = s->t_off + s->n_tokens;
-    assert(at + n <= s->t_cap);
-    for (int i = 0; i < n; i++) {
-        s->pos[at + i] = s->next_pos++;
-        s->ids[at + i] = tokens[i];
-        s->hidx[at + i] = s->n_appended + i;
-        s->mass[at + i] = 0.0f;
-    }
-    if (s->session)
-        memcpy(s->hist + s->n_appended, tokens, sizeof(int32_t) * (size_t)n);
-    s->n_appended += n;
     if (first)
         *first = s->n_tokens;
-    s->n_tokens += n;
+    record_tokens(s, tokens, n);
     return 0;
 }
 

@@ -290,6 +290,26 @@ int kv_room_apply(kv_seq *s, int keep)
     return evict_turns(s, keep);
 }
 
+void kv_room_effect(const kv_seq *s, int keep, struct kv_effect *out)
+{
+    if (s->n_turns == 0 || keep >= s->n_tokens || keep < turn_floor(s)) {
+        kv_evict_effect(s, keep, out);
+        return;
+    }
+    /* Turns compact in place from the first evicted turn's first token. */
+    int pt = s->cache->layout.page_tokens, first = s->n_tokens;
+    for (int i = 0; i < s->n_turns && first == s->n_tokens; i++) {
+        int lo, hi;
+        turn_range(s, &s->turns[i], 0, &lo, &hi);
+        if (hi > lo)
+            first = lo;
+    }
+    int kept_pages = kv_pages_for(s->cache, keep);
+    *out = (struct kv_effect){.write_lo = first / pt, .write_hi = kept_pages, .last = kept_pages - 1};
+    for (int j = kept_pages; j < s->n_pages; j++) /* the tail goes */
+        out->freed += !kv_pool_shared(s->cache, s->ptab[s->p_off + j]);
+}
+
 int kv_room_max_append(const kv_seq *s)
 {
     if (s->n_turns > 0) {

@@ -7,7 +7,9 @@
  *   3. equivalence at the kernel: attention over an evicted, renumbered
  *      cache equals attention over a fresh cache of exactly the survivors,
  *      for RoPE, ALiBi and T5;
- *   4. bounded memory over a 200,000-token stream.
+ *   4. bounded memory over a 200,000-token stream;
+ *   and a fork at the kernel: parent and child, each evicting after the
+ *   fork, each equal to a fresh cache of its retained tokens.
  *
  * The model (tests/cache_model.h) re-states the policies the slow, obvious
  * way. Invariants 1 and 5 and the unit tests are in test_cache.c.
@@ -633,6 +635,88 @@ static void test_equivalence_t5(void **state)
     run_equivalence_all_policies(&P);
 }
 
+/* Attention of the last query over a fresh cache holding exactly ids[0..n)
+ * at positions 0..n-1 (one none-policy sequence, contents from the ids). */
+static void attend_fresh(const struct attn_params *P, const int32_t *ids, int n, const float *q,
+                         float out[3][EQ_HEADS * EQ_DIM])
+{
+    kv_cache *fc = make_cache(1 << 20, EQ_PT, 1, EQ_KV_HEADS, EQ_DIM, KV_F32);
+    kv_seq *f = make_seq(fc, none_policy(1000), false);
+    for (int i = 0; i < n; i++) {
+        int first;
+        assert_int_equal(kv_seq_append(f, &ids[i], 1, &first), 0);
+        write_token_kv(f, first, ids[i], EQ_KV_HEADS, EQ_DIM);
+    }
+    attend_last(P, fc, f, NULL, q, out);
+    kv_cache_destroy(fc);
+}
+
+/* Append id to s and write its K and V. */
+static void append_written(kv_seq *s, int32_t id)
+{
+    int first;
+    assert_int_equal(kv_seq_append(s, &id, 1, &first), 0);
+    write_token_kv(s, first, id, EQ_KV_HEADS, EQ_DIM);
+}
+
+/*
+ * A fork at the kernel: parent and child share 21 tokens' pages, then each
+ * appends its own tokens past the budget and evicts. Each must attend
+ * exactly like a fresh cache of its retained tokens at 0..n-1: a write
+ * into a page the other still reads, or a page freed under it, would show.
+ */
+static void run_fork_equivalence(const struct attn_params *P, struct kv_policy pol)
+{
+    kv_cache *c = make_cache(1 << 20, EQ_PT, 1, EQ_KV_HEADS, EQ_DIM, KV_F32);
+    kv_seq *a = make_seq(c, pol, false);
+    for (int32_t id = 1000; id < 1021; id++)
+        append_written(a, id);
+    char err[256];
+    kv_seq *b = kv_seq_fork(a, false, err, sizeof(err));
+    assert_non_null(b);
+    for (int i = 0; i < 40; i++) {
+        append_written(a, 2000 + i);
+        if (i % 3 != 2) /* the child appends fewer: the two evict at different times */
+            append_written(b, 3000 + i);
+    }
+    assert_cache_ok(c);
+    uint32_t rng = 5;
+    float q[EQ_HEADS * EQ_DIM];
+    for (int i = 0; i < EQ_HEADS * EQ_DIM; i++)
+        q[i] = (float)(rng_next(&rng) % 2001) / 1000.0f - 1.0f;
+    float out[2][3][EQ_HEADS * EQ_DIM], fresh[2][3][EQ_HEADS * EQ_DIM];
+    kv_seq *both[2] = {a, b};
+    for (int k = 0; k < 2; k++) {
+        kv_seq *s = both[k];
+        assert_true(kv_seq_tokens(s)[0] == 1000); /* the shared prefix's first page stays */
+        attend_last(P, c, s, NULL, q, out[k]);
+        attend_fresh(P, kv_seq_tokens(s), kv_seq_n_tokens(s), q, fresh[k]);
+        for (int r = 0; r < 3; r++)
+            assert_true(max_abs_diff(out[k][r], fresh[k][r], EQ_HEADS * EQ_DIM) <= 1e-6);
+    }
+    /* The two did diverge: the check compares different caches. */
+    assert_true(max_abs_diff(out[0][0], out[1][0], EQ_HEADS * EQ_DIM) > 1e-4);
+    kv_seq_destroy(a); /* the child reads the same after its parent goes */
+    float again[3][EQ_HEADS * EQ_DIM];
+    attend_last(P, c, b, NULL, q, again);
+    assert_true(max_abs_diff(again[0], out[1][0], EQ_HEADS * EQ_DIM) == 0);
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+}
+
+static void test_fork_equivalence(void **state)
+{
+    (void)state;
+    struct attn_params P = eq_params();
+    P.pos = (struct pos_scheme){.kind = POS_ROPE,
+                                .rope_theta = 10000.0f,
+                                .rope_dims = EQ_DIM,
+                                .rope_pairing = POS_ROPE_NEOX,
+                                .rope_freq_scale = 1.0f};
+    run_fork_equivalence(&P, sink_window(32, 3, 10, true));
+    run_fork_equivalence(&P, h2o(30, 2, 8, 6, true));
+}
+
 /* ------------------------------------------------------------------------
  * Invariant 4: bounded memory over a long stream
  * ------------------------------------------------------------------------ */
@@ -716,7 +800,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_stress_accounting), cmocka_unit_test(test_equivalence_rope),
         cmocka_unit_test(test_equivalence_alibi), cmocka_unit_test(test_equivalence_t5),
-        cmocka_unit_test(test_bounded_memory),
+        cmocka_unit_test(test_bounded_memory), cmocka_unit_test(test_fork_equivalence),
     };
     return cmocka_run_group_tests_name("cache_invariants", tests, NULL, NULL);
 }
