@@ -484,8 +484,10 @@ int kv_seq_max_append(const kv_seq *seq);
  * Explicit eviction step (the scheduler may call it ahead of an append):
  * evict as the policy does so that n_needed more tokens fit within
  * max_cache_tokens. Returns the number of tokens evicted (0 when they
- * already fit), -EINVAL for n_needed < 0, or -ENOSPC with nothing changed
- * when the policy cannot make that much room.
+ * already fit), -EINVAL for n_needed < 0, or, with nothing changed, -ENOSPC
+ * when the policy cannot make that much room, -ENOMEM when the eviction
+ * would compact rows into shared pages and the pool has no page for their
+ * copies (the reclaim hook is asked first).
  */
 int kv_seq_evict(kv_seq *seq, int n_needed);
 

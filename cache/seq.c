@@ -219,10 +219,12 @@ kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen)
     }
     size_t n = (size_t)parent->n_tokens;
     int o = parent->t_off;
-    memcpy(s->pos, parent->pos + o, n * sizeof(int32_t));
-    memcpy(s->ids, parent->ids + o, n * sizeof(int32_t));
-    memcpy(s->hidx, parent->hidx + o, n * sizeof(int32_t));
-    memcpy(s->mass, parent->mass + o, n * sizeof(float));
+    if (n > 0) { /* an empty parent may have no arrays yet */
+        memcpy(s->pos, parent->pos + o, n * sizeof(int32_t));
+        memcpy(s->ids, parent->ids + o, n * sizeof(int32_t));
+        memcpy(s->hidx, parent->hidx + o, n * sizeof(int32_t));
+        memcpy(s->mass, parent->mass + o, n * sizeof(float));
+    }
     if (session && parent->n_appended > 0)
         memcpy(s->hist, parent->hist, (size_t)parent->n_appended * sizeof(int32_t));
     for (int j = 0; j < parent->n_pages; j++) {
@@ -441,7 +443,7 @@ void *kv_seq_v(kv_seq *s, int layer, int kv_head, int idx)
 static int64_t pool_need(const kv_seq *s, int keep, int n)
 {
     const kv_cache *c = s->cache;
-    const int32_t *ptab = s->ptab + s->p_off;
+    const int32_t *ptab = s->ptab ? s->ptab + s->p_off : NULL; /* NULL before any page */
     const int pt = c->layout.page_tokens;
     struct kv_effect e;
     kv_room_effect(s, keep, &e);
@@ -485,6 +487,12 @@ int kv_seq_evict(kv_seq *s, int n_needed)
     int keep = kv_room_plan(s, target);
     if (keep < 0)
         return -ENOSPC;
+    /* A compaction over shared pages copies them first. */
+    int64_t need = pool_need(s, keep, 0);
+    if (need > s->cache->n_free)
+        kv_pool_reclaim(s->cache, need - s->cache->n_free);
+    if (need > s->cache->n_free)
+        return -ENOMEM;
     return kv_room_apply(s, keep);
 }
 

@@ -190,6 +190,8 @@ struct mseq {
     int32_t *hist;
     int n_hist, hcap; /* n_hist: tokens appended since creation/drop/truncate */
     int32_t next_pos;
+    int32_t *pg; /* shared-page worlds: the model's page ids of its pages */
+    int pg_cap;
 };
 
 CM_FN void mseq_reserve(struct mseq *m, int n_tok, int n_hist)
@@ -210,6 +212,7 @@ CM_FN void mseq_free(struct mseq *m)
 {
     free(m->t);
     free(m->hist);
+    free(m->pg);
     memset(m, 0, sizeof(*m));
 }
 
