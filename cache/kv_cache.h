@@ -350,8 +350,8 @@ void kv_seq_destroy(kv_seq *seq);
 /*
  * A new sequence sharing every page of parent: the page table by reference
  * (no page is copied or allocated), positions, token ids, history indices,
- * scores, the policy, the turn table and, for a session child, the history
- * by copy. From then on the two are independent: each appends, evicts and
+ * scores, the policy, the pins, the turn table and, for a session child,
+ * the history by copy. From then on the two are independent: each appends, evicts and
  * is destroyed on its own, and the first write either makes into a page
  * they still share copies it (so a fork costs at most one page at its next
  * append: the partly full last page). A session child needs a session

@@ -189,7 +189,8 @@ static void record_tokens(kv_seq *s, const int32_t *tokens, int n)
 /*
  * The child holds what the parent holds, by reference for the pages and by
  * copy for everything a sequence changes on its own: positions, ids,
- * history indices, scores, the history of a session, the turn table. Its
+ * history indices, scores, the history of a session, the pins, the turn
+ * table. Its
  * first write into a page they share copies that page (kv_seq_unshare).
  */
 kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen)
@@ -206,9 +207,12 @@ kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen)
             snprintf(err, errlen, "kv fork: a session child needs a session parent (its history)");
         return NULL;
     }
-    kv_seq *s = kv_seq_create(parent->cache, &parent->policy, session, err, errlen);
+    kv_seq *s = kv_seq_create(parent->cache, &parent->policy_set, session, err, errlen);
     if (!s)
         return NULL;
+    memcpy(s->pins, parent->pins, sizeof(s->pins)); /* and the policy they put in effect */
+    s->n_pins = parent->n_pins;
+    s->policy = parent->policy;
     if (reserve_tokens(s, parent->n_tokens) < 0 || reserve_pages(s, parent->n_pages) < 0 ||
         reserve_history(s, parent->n_appended) < 0 ||
         kv_seq_set_turns(s, parent->turns, parent->n_turns, parent->turn_low, err, errlen) < 0) {

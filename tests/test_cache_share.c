@@ -366,6 +366,44 @@ static void test_reclaim_before_lru(void **state)
     kv_cache_destroy(c);
 }
 
+/* A sink-window eviction that keeps a pinned page in the middle frees the
+ * pages around it: in a fork, only the child's references go, and the
+ * child keeps its parent's pins. */
+static void test_fork_keeps_pins(void **state)
+{
+    (void)state;
+    struct kv_layout l;
+    kv_cache *c = small_cache(24, &l);
+    struct kv_policy pol = sink_window(32, 4, 8, true);
+    kv_seq *a = make_seq(c, pol, true);
+    const struct kv_span pin[1] = {{9, 11}}; /* in the third page */
+    char err[256];
+    assert_int_equal(kv_seq_set_pins(a, pin, 1, err, sizeof(err)), 0);
+    put(a, &l, 100, 30);
+    kv_seq *b = kv_seq_fork(a, true, err, sizeof(err));
+    assert_non_null(b);
+    const struct kv_span *ps;
+    assert_int_equal(kv_seq_pins(b, &ps), 1);
+    assert_true(ps[0].start == 9 && ps[0].end == 11);
+    assert_int_equal(kv_seq_policy(b)->window_tokens, kv_seq_policy(a)->window_tokens);
+    int32_t a_pages[8];
+    memcpy(a_pages, kv_seq_page_table(a), sizeof(int32_t) * (size_t)kv_seq_n_pages(a));
+    put(b, &l, 200, 8); /* past the budget: pages around the pinned one go */
+    bool held = false;
+    for (int i = 0; i < kv_seq_n_tokens(b); i++)
+        held |= kv_seq_tokens(b)[i] == 109;
+    assert_true(held);
+    assert_int_equal(kv_seq_n_tokens(a), 30);
+    assert_memory_equal(kv_seq_page_table(a), a_pages, sizeof(int32_t) * (size_t)kv_seq_n_pages(a));
+    assert_intact(a, &l);
+    assert_intact(b, &l);
+    assert_cache_ok(c);
+    kv_seq_destroy(a);
+    kv_seq_destroy(b);
+    assert_int_equal(used_pages(c), 0);
+    kv_cache_destroy(c);
+}
+
 static void test_fork_refusals(void **state)
 {
     (void)state;
@@ -413,6 +451,7 @@ int main(void)
         cmocka_unit_test(test_lru_counts_only_unshared),
         cmocka_unit_test(test_outside_refs_and_attach),
         cmocka_unit_test(test_reclaim_before_lru),
+        cmocka_unit_test(test_fork_keeps_pins),
         cmocka_unit_test(test_fork_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
