@@ -43,6 +43,9 @@ struct kv_cache {
 
     uint64_t evictions, tokens_evicted, sessions_dropped;
     uint64_t turns_evicted, turn_cuts; /* turns.c */
+
+    kv_drop_hook drop_hook; /* seq_state.c: told of each LRU drop, or NULL */
+    void *drop_ud;
 };
 
 /* One scratch entry of h2o's selection. */

@@ -646,4 +646,60 @@ struct kv_turn_state {
 /* Fill *out, O(turns log tokens). A sequence without a table reports zeros. */
 void kv_seq_turn_state(const kv_seq *seq, struct kv_turn_state *out);
 
+/* ------------------------------------------------------------------------
+ * Sequence state for saving and restoring sessions (seq_state.c)
+ * ------------------------------------------------------------------------ */
+
+/*
+ * Everything a session sequence holds besides its K and V rows: what a
+ * saved session must carry to continue exactly where it stopped. Arrays
+ * are borrowed (from the sequence by kv_seq_get_state; from the caller by
+ * kv_seq_import).
+ */
+struct kv_seq_state {
+    int n_hist;            /* tokens appended since creation, drop or truncation */
+    const int32_t *hist;   /* [n_hist] their ids (the session's history) */
+    int n_tokens;          /* retained tokens */
+    const int32_t *ids;    /* [n_tokens] retained ids */
+    const int32_t *pos;    /* [n_tokens] their position numbers, increasing */
+    const int32_t *hidx;   /* [n_tokens] their history indices, increasing, < n_hist */
+    const float *mass;     /* [n_tokens] their scores (kv_seq_mass) */
+    int32_t next_pos;      /* kv_seq_next_pos */
+    int n_turns;           /* the turn table (kv_seq_set_turns), 0 for none */
+    const struct kv_turn *turns;
+    int turn_low;          /* its low-water mark */
+};
+
+/* The state of a session sequence (borrowed: valid until the sequence
+ * next changes). A sequence that is not a session reports n_hist 0. */
+void kv_seq_get_state(const kv_seq *seq, struct kv_seq_state *out);
+
+/*
+ * Give an empty session sequence (no tokens, no history: new, or truncated
+ * to 0) the state st, then the caller writes the K and V rows of every
+ * retained token through kv_seq_k / kv_seq_v, as the forward pass would.
+ * Pages come as for an append (kv_seq_append's order: idle sessions may be
+ * dropped for them, through the drop hook). The state is checked first,
+ * since it comes from outside the process: every history index in
+ * [0, n_hist) and increasing, hist[hidx[i]] == ids[i], positions >= 0 and
+ * increasing, next_pos past the last one, scores finite, the turn table
+ * valid (kv_seq_set_turns).
+ *
+ * Returns 0; -EINVAL with the reason in err (a state that fails those
+ * checks, a sequence that is not an empty session); -ENOSPC: more retained
+ * tokens than the policy's max_cache_tokens; -ENOMEM: the pool cannot
+ * supply the pages, or bookkeeping memory ran out. On every error the
+ * sequence is empty again.
+ */
+int kv_seq_import(kv_seq *seq, const struct kv_seq_state *st, char *err, size_t errlen);
+
+/*
+ * The drop hook: called with each idle session the pool drops (LRU, inside
+ * an append or a reservation of another sequence), before its pages go
+ * back, so that its owner may save it (read it; never change the cache
+ * from the hook). fn NULL removes the hook.
+ */
+typedef void (*kv_drop_hook)(void *ud, kv_seq *seq);
+void kv_cache_set_drop_hook(kv_cache *cache, kv_drop_hook fn, void *ud);
+
 #endif /* KVD_KV_CACHE_H */

@@ -549,6 +549,8 @@ static void drop_marked(kv_cache *c)
         o->drop_plan = 0;
         if (!drop)
             continue;
+        if (c->drop_hook)
+            c->drop_hook(c->drop_ud, o); /* its owner may save it first */
         kv_seq_release_all(o);
         free(o->hist);
         o->hist = NULL;

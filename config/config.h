@@ -122,6 +122,8 @@ enum cfg_key {
     CFG_EVICTION_UNIT,
     CFG_EVICTION_SESSION_IDLE_TIMEOUT,
     CFG_EVICTION_MAX_SESSIONS,
+    CFG_SESSIONS_DIR,
+    CFG_SESSIONS_MAX_DISK,
     CFG_LIMITS_MAX_HEADER_BYTES,
     CFG_LIMITS_MAX_HEADERS,
     CFG_LIMITS_MAX_BODY_BYTES,
@@ -196,6 +198,11 @@ struct cfg_eviction {
     int64_t max_sessions;             /* sessions kept between requests; 0 = none */
 };
 
+struct cfg_sessions {
+    char dir[CFG_PATH_MAX]; /* sessions saved here instead of lost; "" = off */
+    uint64_t max_disk;      /* bytes of session files kept there; least recently used go */
+};
+
 struct cfg_limits {
     uint64_t max_header_bytes;  /* request line + headers */
     int64_t max_headers;        /* header fields per request */
@@ -227,6 +234,7 @@ struct cfg {
     struct cfg_model model;
     struct cfg_cache cache;
     struct cfg_eviction eviction;
+    struct cfg_sessions sessions;
     struct cfg_limits limits;
     struct cfg_auth auth;
     struct cfg_log log;

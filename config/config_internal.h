@@ -65,7 +65,7 @@ struct cfg_key_def {
 extern const struct cfg_key_def cfg_keys[CFG_N_KEYS];
 
 /* The section names, in the order the table lists them. */
-#define CFG_N_SECTIONS 7
+#define CFG_N_SECTIONS 8
 extern const char *const cfg_sections[CFG_N_SECTIONS];
 
 /* Where key k's value lives in c. */

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "config/config.h"
 #include "config/config_internal.h"
@@ -132,6 +133,25 @@ static int check_pre_name(const char *s, char *err, size_t errlen)
     return 0;
 }
 
+/* [sessions] dir: empty (off), or an existing directory. Whether it can be
+ * written is the daemon's to find out (a read-only one is a warning, and
+ * every save then fails with a log line). */
+static int check_dir(const char *s, char *err, size_t errlen)
+{
+    struct stat sb;
+    if (!*s)
+        return 0;
+    if (stat(s, &sb) != 0) {
+        cfg_fmt(err, errlen, "%s", strerror(errno));
+        return -EINVAL;
+    }
+    if (!S_ISDIR(sb.st_mode)) {
+        cfg_fmt(err, errlen, "not a directory");
+        return -EINVAL;
+    }
+    return 0;
+}
+
 const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
     /* [server] */
     [CFG_SERVER_LISTEN] = STRING(
@@ -217,6 +237,15 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
     [CFG_EVICTION_MAX_SESSIONS] =
         INT("eviction", "max_sessions", eviction.max_sessions, "64", 0, 1 << 20, "sessions", LIVE,
             "sessions kept between requests, least recently used dropped first; 0 = none"),
+    /* [sessions] */
+    [CFG_SESSIONS_DIR] =
+        STRING("sessions", "dir", sessions.dir, "", RESTART, false, check_dir,
+               "directory idle sessions are saved to instead of lost (LRU, max_sessions, idle "
+               "timeout, shutdown) and read back from at their next request, across restarts; "
+               "empty = off"),
+    [CFG_SESSIONS_MAX_DISK] =
+        SIZE("sessions", "max_disk", sessions.max_disk, "4GiB", MiB, 64 * TiB, RESTART,
+             "bytes of session files kept in dir; the least recently used files go first"),
     /* [limits] */
     [CFG_LIMITS_MAX_HEADER_BYTES] =
         SIZE("limits", "max_header_bytes", limits.max_header_bytes, "16KiB", 1024, MiB, LIVE,
@@ -272,8 +301,8 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
                             "log lines as plain text or one JSON object each"),
 };
 
-const char *const cfg_sections[CFG_N_SECTIONS] = {"server", "model", "cache", "eviction",
-                                                  "limits", "auth",  "log"};
+const char *const cfg_sections[CFG_N_SECTIONS] = {"server",   "model",  "cache", "eviction",
+                                                  "sessions", "limits", "auth",  "log"};
 
 /* --- the table's accessors ----------------------------------------------------------- */
 

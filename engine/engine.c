@@ -23,6 +23,7 @@
 #include <time.h>
 
 #include "engine/engine_internal.h"
+#include "engine/spill.h"
 
 uint64_t engine_now_ns(void)
 {
@@ -85,6 +86,7 @@ void engine_event_free(struct engine_event *ev)
     free(ev->tokens);
     free(ev->lp);
     engine_cache_map_free(ev->map);
+    engine_session_list_free(ev->list);
     free(ev->logits);
     free(ev);
 }
@@ -257,6 +259,9 @@ engine *engine_create(const struct engine_params *p, char *err, size_t errlen)
     e->ctx = model_ctx_create(e->m, max_step, p->n_threads, err, errlen);
     if (!e->ctx)
         goto out_free;
+    if (p->spill_dir && p->spill_dir[0] &&
+        engine_spill_init(e, p->spill_dir, p->spill_max_bytes, err, errlen) != 0)
+        goto out_free;
     return e;
 
 out_nomem:
@@ -273,6 +278,7 @@ void engine_destroy(engine *e)
     while (e->runs) /* requests still running: their sequences go back */
         engine_run_finish(e, e->runs, ENGINE_FINISH_ABORT, -1);
     engine_sessions_deinit(&e->sessions);
+    spill_store_destroy(e->sessions.spill);
     model_ctx_destroy(e->ctx);
     kv_cache_destroy(e->cache);
     for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
@@ -318,12 +324,22 @@ static void answer_session_request(engine *e, struct engine_req *r)
     struct engine_event *ev = engine_final_event(r, ENGINE_EV_DONE);
     if (!ev)
         return;
-    if (x)
+    /* With [sessions] dir, a session the pool dropped lives on in its file:
+     * the husk in the table is not what the routes describe. */
+    bool husk = x && e->sessions.spill && kv_seq_dropped(x->seq);
+    if (x && !husk)
         engine_session_describe(x, &ev->session);
-    if (x && r->kind == ENGINE_REQ_SESSION_MAP)
+    else if (r->kind != ENGINE_REQ_SESSION_MAP)
+        engine_session_describe_saved(e, r->session, &ev->session);
+    if (x && !husk && r->kind == ENGINE_REQ_SESSION_MAP)
         ev->map = engine_cache_map_build(x->seq, e->m, &r->map);
-    if (x && r->kind == ENGINE_REQ_SESSION_DELETE)
-        engine_sessions_remove(&e->sessions, x);
+    if (r->kind == ENGINE_REQ_SESSION_DELETE) {
+        if (x)
+            engine_sessions_remove(&e->sessions, x);
+        engine_session_forget_saved(e, r->session);
+        if (husk) /* gone from memory and disk alike: still "found" */
+            ev->session.found = true;
+    }
     engine_post(e, ev);
 }
 
@@ -336,6 +352,13 @@ int engine_submit(engine *e, struct engine_req *r)
     case ENGINE_REQ_SESSION_MAP:
         answer_session_request(e, r);
         return 0;
+    case ENGINE_REQ_SESSION_LIST: {
+        struct engine_event *ev = engine_final_event(r, ENGINE_EV_DONE);
+        if (ev)
+            ev->list = engine_session_list_build(e);
+        engine_post(e, ev);
+        return 0;
+    }
     case ENGINE_REQ_COMPLETION:
         if (e->wait_tail)
             e->wait_tail->next = r;

@@ -55,6 +55,7 @@ enum engine_req_kind {
     ENGINE_REQ_SESSION_INFO,   /* describe req->session */
     ENGINE_REQ_SESSION_DELETE, /* free req->session */
     ENGINE_REQ_SESSION_MAP,    /* map req->session's cache (cache_map.h) */
+    ENGINE_REQ_SESSION_LIST,   /* list every session, in memory and on disk */
 };
 
 /* Why a completion ended. */
@@ -226,7 +227,27 @@ struct engine_session_info {
     uint64_t kv_bytes;           /* ... and their bytes */
     struct kv_span pins[KV_MAX_PINS]; /* its pinned spans, history indices [start, end) */
     int n_pins;
+    bool saved;                  /* on disk only ([sessions] dir): read back at its next
+                                    request; kv_* are then 0 */
+    uint64_t disk_bytes;         /* saved: its file's bytes */
 };
+
+/* One session of GET /v1/sessions. */
+struct engine_session_item {
+    char *id;             /* owned by the list */
+    bool saved;           /* on disk only (else in memory) */
+    bool busy;            /* a request is running on it */
+    int history_tokens;   /* tokens in its history */
+    int retained_tokens;  /* tokens in its cache */
+    int64_t last_used_ms; /* unix time in ms */
+    uint64_t bytes;       /* KV bytes in memory, or its file's bytes */
+};
+
+struct engine_session_list {
+    int n;
+    struct engine_session_item *items; /* [n], in memory first */
+};
+void engine_session_list_free(struct engine_session_list *l);
 
 /* An event (owned by whoever takes it: engine_event_free). */
 struct engine_event {
@@ -247,6 +268,8 @@ struct engine_event {
     struct engine_usage usage;          /* DONE */
     struct engine_session_info session; /* DONE for session requests */
     struct engine_cache_map *map;       /* DONE for a found session's map (owned), NULL
+                                           when memory ran out */
+    struct engine_session_list *list;   /* DONE for ENGINE_REQ_SESSION_LIST (owned), NULL
                                            when memory ran out */
     int status;                         /* ERROR: HTTP status */
     char message[600];                  /* ERROR, FATAL */
@@ -303,6 +326,9 @@ struct engine_params {
     int max_step_tokens; /* forward capacity (>= limits.step_tokens; 0 = that) */
     struct engine_limits limits;
     struct engine_hooks hooks;
+    const char *spill_dir;    /* [sessions] dir: sessions saved there instead of lost
+                                 (borrowed; NULL or "" = none) */
+    uint64_t spill_max_bytes; /* the directory's cap in bytes (0 = none) */
 };
 
 /* ------------------------------------------------------------------------
@@ -352,6 +378,9 @@ struct engine_event *engine_take_events(engine *e);
  * strings (flush_text) or without it.
  */
 void engine_shutdown(engine *e, const char *why, bool flush_text);
+/* Save every idle session to [sessions] dir (the daemon's stop, after
+ * engine_shutdown); logged. Nothing without a directory. */
+void engine_save_sessions(engine *e);
 
 /* Check limits for an engine of page_tokens pages and max_step_tokens
  * forward capacity (0 = any): 0, or -EINVAL with the reason in err. */

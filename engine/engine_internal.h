@@ -41,6 +41,7 @@ struct engine_sessions {
     int n_buckets;
     int n;                            /* sessions */
     const struct engine_hooks *hooks; /* for the log lines of drops */
+    struct spill_store *spill;        /* [sessions] dir (sessions_spill.c), or NULL */
 };
 
 /* 0, or -ENOMEM (nothing to free). */
@@ -69,6 +70,34 @@ void engine_sessions_set_policy(struct engine_sessions *t, const struct kv_polic
 int engine_sessions_idle_pages(const struct engine_sessions *t);
 /* What GET /v1/sessions/{id} reports. */
 void engine_session_describe(const struct engine_session *x, struct engine_session_info *out);
+
+/* ------------------------------------------------------------------------
+ * Sessions on disk (sessions_spill.c, over spill.h's store)
+ *
+ * With [sessions] dir, a session is saved instead of lost wherever the
+ * engine or the pool would end it idle (the pool's LRU through the cache's
+ * drop hook, max_sessions, the idle timeout, the daemon's stop), and read
+ * back when a request names it and it is not in memory. Without one, every
+ * function here does nothing.
+ * ------------------------------------------------------------------------ */
+
+/* Set up t->spill over dir for this engine's model and cache (and the
+ * cache's drop hook): 0, or -1 with the reason in err. */
+int engine_spill_init(engine *e, const char *dir, uint64_t max_bytes, char *err, size_t errlen);
+/* Save x (idle, with a history) before it leaves memory, `why` for the
+ * log line; a failure is logged and the session is lost as before. */
+void engine_session_save(struct engine_sessions *t, struct engine_session *x, const char *why);
+/* The session a request names: in memory, else read back from disk into
+ * a new one, else new (max_sessions may end another first). NULL with the
+ * reason in err as engine_sessions_create. */
+struct engine_session *engine_session_open(engine *e, const char *id, char *err, size_t errlen);
+/* Fill *out for session id found only on disk: true if there is one. */
+bool engine_session_describe_saved(engine *e, const char *id, struct engine_session_info *out);
+/* DELETE's part: remove id's file; true if there was one. */
+bool engine_session_forget_saved(engine *e, const char *id);
+/* GET /v1/sessions: every session, in memory and on disk (new; NULL when
+ * out of memory). */
+struct engine_session_list *engine_session_list_build(engine *e);
 
 /* ------------------------------------------------------------------------
  * Stop strings (stop.c)

@@ -319,9 +319,8 @@ struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
         goto out_free;
     }
     if (in_session) {
-        if (!x)
-            x = engine_sessions_create(&e->sessions, e->cache, &e->lim.policy, e->lim.max_sessions,
-                                       req->session, err, sizeof(err));
+        /* in memory, else read back from [sessions] dir, else new */
+        x = engine_session_open(e, req->session, err, sizeof(err));
         if (!x)
             goto out_free;
         if (attach_session(e, r, x, pins, n_pins, err, sizeof(err)) != 0)

@@ -94,6 +94,7 @@ struct engine_session *engine_sessions_create(struct engine_sessions *t, kv_cach
         }
         engine_log(t->hooks, ENGINE_LOG_INFO, "session %s dropped: max_sessions (%d) reached",
                    lru->id, max_sessions);
+        engine_session_save(t, lru, "max_sessions");
         engine_sessions_remove(t, lru);
     }
     kv_seq *seq = kv_seq_create(cache, policy, true, err, errlen);
@@ -142,6 +143,7 @@ void engine_sessions_sweep(struct engine_sessions *t, uint64_t now_ms, uint64_t 
             if (!x->busy && idle >= idle_ms) {
                 engine_log(t->hooks, ENGINE_LOG_INFO, "session %s idle for %" PRIu64 " ms: freed",
                            x->id, idle);
+                engine_session_save(t, x, "idle timeout");
                 engine_sessions_remove(t, x);
             }
         }

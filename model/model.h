@@ -64,6 +64,10 @@ void model_get_info(const model *m, struct model_info *info);
 
 /* Fill the shape fields of cache params (n_layer, n_kv_head, head_dim). */
 void model_kv_shape(const model *m, struct kv_cache_params *p);
+/* A 64-bit name for the model as loaded (fingerprint.c: metadata, tensors'
+ * metadata and edges, operator overrides): equal for the same file loaded
+ * the same way, different otherwise with near certainty. */
+uint64_t model_fingerprint(const model *m);
 
 /* --- tokens -------------------------------------------------------------- */
 

@@ -318,6 +318,10 @@ static void on_done(struct call *call, const struct engine_event *ev)
         srv_map_respond(call->conn, ev, call->req->session);
         return;
     }
+    if (call->kind == CALL_SESSION_LIST) {
+        srv_sessions_respond(call->conn, ev);
+        return;
+    }
     if (call->kind == CALL_SESSION_GET || call->kind == CALL_SESSION_DELETE) {
         const struct engine_session_info *si = &ev->session;
         if (!si->found) {
@@ -335,8 +339,8 @@ static void on_done(struct call *call, const struct engine_event *ev)
             json_array_append_new(pinned, json_pack("[i, i]", si->pins[k].start, si->pins[k].end));
         srv_respond_json(
             call->conn, 200,
-            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b, s:{s:s, s:i, s:i, s:i, s:i}, "
-                      "s:{s:s, s:s, s:i, s:I}, s:o*}",
+            json_pack("{s:s, s:s, s:i, s:i, s:i, s:s, s:f, s:b, s:b, s:b, s:I, "
+                      "s:{s:s, s:i, s:i, s:i, s:i}, s:{s:s, s:s, s:i, s:I}, s:o*}",
                       "id", call->req->session,
                       "object", "session", "tokens", si->history_tokens, "retained_tokens",
                       si->retained_tokens, "evicted_tokens",
@@ -345,6 +349,7 @@ static void on_done(struct call *call, const struct engine_event *ev)
                           : 0,
                       "positions", si->renumber ? "renumber" : "preserve", "last_used",
                       (double)si->last_used_ms / 1000.0, "busy", si->busy, "dropped", si->dropped,
+                      "saved", si->saved, "disk_bytes", (json_int_t)si->disk_bytes,
                       "eviction", "policy", kv_policy_kind_name(si->policy.kind),
                       "max_cache_tokens", si->policy.max_cache_tokens, "sink_tokens",
                       si->policy.sink_tokens, "window_tokens", si->policy.window_tokens,

@@ -261,9 +261,14 @@ void srv_call_session(srv_api *a, srv_conn *conn, const char *id, enum call_kind
     bool del = kind == CALL_SESSION_DELETE;
     struct call *call = call_new(a, conn, kind);
     if (call)
-        call->req = engine_req_new(del                        ? ENGINE_REQ_SESSION_DELETE
-                                   : kind == CALL_SESSION_MAP ? ENGINE_REQ_SESSION_MAP
-                                                              : ENGINE_REQ_SESSION_INFO);
+        call->req = engine_req_new(del                         ? ENGINE_REQ_SESSION_DELETE
+                                   : kind == CALL_SESSION_MAP  ? ENGINE_REQ_SESSION_MAP
+                                   : kind == CALL_SESSION_LIST ? ENGINE_REQ_SESSION_LIST
+                                                               : ENGINE_REQ_SESSION_INFO);
+    if (call && call->req && kind == CALL_SESSION_LIST) {
+        call_submit(a, call);
+        return;
+    }
     if (call && call->req) {
         call->req->session = strdup(id);
         if (map)

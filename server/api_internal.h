@@ -46,7 +46,8 @@ enum call_kind {
     CALL_CHAT,
     CALL_SESSION_GET,
     CALL_SESSION_DELETE,
-    CALL_SESSION_MAP
+    CALL_SESSION_MAP,
+    CALL_SESSION_LIST
 };
 
 /* One accepted request, from its decoding to its last answer byte (loop
@@ -254,9 +255,13 @@ void srv_api_limits(srv_api *a, struct srv_api_limits *lim);
  * outcome is answered. */
 void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c);
 /* Submit a session request (GET/DELETE /v1/sessions/ID, GET .../ID/map
- * with its options). */
+ * with its options; GET /v1/sessions with id NULL). */
 void srv_call_session(srv_api *a, srv_conn *conn, const char *id, enum call_kind kind,
                       const struct engine_map_opts *map);
+/* --- api_sessions.c: GET /v1/sessions ---------------------------------------- */
+/* Answer the list (ev->list; 500 when it is NULL). */
+void srv_sessions_respond(srv_conn *conn, const struct engine_event *ev);
+
 /* Memory ran out assembling a non-streamed answer: 500 now (never a cut
  * answer passed off as whole), and the generation is stopped. */
 void srv_call_out_of_memory(struct call *call);

@@ -113,6 +113,19 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
                  !strcmp(req->method, "DELETE") ? CALL_SESSION_DELETE : CALL_SESSION_GET, NULL);
 }
 
+/* GET /v1/sessions: every session, in memory and saved on disk. */
+static void route_sessions(srv_api *a, srv_conn *c, const struct srv_http_req *req,
+                           const char *rest)
+{
+    (void)req;
+    (void)rest;
+    if (!a->m) {
+        srv_api_error(c, 503, NULL, NULL, NULL, "the model is loading");
+        return;
+    }
+    srv_call_session(a, c, NULL, CALL_SESSION_LIST, NULL);
+}
+
 static bool map_match(const char *path)
 {
     char id[256];
@@ -298,6 +311,7 @@ static const struct route routes[] = {
     {"/models", false, NULL, M_GET, true, NEED_NOTHING, route_models},
     {"/tokenize", false, NULL, M_POST, true, NEED_MODEL, route_tokenize},
     {"/detokenize", false, NULL, M_POST, true, NEED_MODEL, route_detokenize},
+    {"/v1/sessions", false, NULL, M_GET, true, NEED_NOTHING, route_sessions},
     {"/v1/sessions/", true, NULL, M_GET | M_DELETE, true, NEED_NOTHING, route_session},
 };
 

@@ -268,6 +268,8 @@ static bool engine_load(srv_sched *s)
         .n_threads = s->p.n_threads,
         .max_step_tokens = s->p.max_step_tokens,
         .limits = s->p.limits,
+        .spill_dir = s->p.spill_dir,
+        .spill_max_bytes = s->p.spill_max_bytes,
         .hooks = {.observe = hook_observe, .finished = hook_finished, .log = hook_log, .ud = s},
     };
     s->eng = engine_create(&ep, err, sizeof(err));
@@ -326,6 +328,7 @@ static void *engine_main(void *arg)
     if (ok) {
         pull_inbox(s, false, 0);
         engine_shutdown(s->eng, "the server is shutting down", true);
+        engine_save_sessions(s->eng); /* [sessions] dir: every session outlives us */
         post_list(s, engine_take_events(s->eng));
         publish(s);
         return NULL;

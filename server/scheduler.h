@@ -31,6 +31,8 @@ struct srv_sched_params {
     int n_threads;       /* OpenMP threads of a step (0 = default) */
     int max_step_tokens; /* forward capacity (>= limits.step_tokens) */
     struct engine_limits limits;
+    const char *spill_dir;    /* [sessions] dir (borrowed; "" = none) */
+    uint64_t spill_max_bytes; /* [sessions] max_disk */
     /* Called (from the engine thread) when the event queue goes from
      * empty to non-empty: wakes the loop (uv_async_send). */
     void (*notify)(void *ud);

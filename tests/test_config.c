@@ -136,6 +136,7 @@ CASE_TEST(out_of_range)
 CASE_TEST(overflow)
 CASE_TEST(bad_size)
 CASE_TEST(bad_duration)
+CASE_TEST(bad_sessions)
 CASE_TEST(bad_bool)
 CASE_TEST(bad_enum)
 CASE_TEST(duplicate_key)
@@ -969,6 +970,7 @@ int main(void)
         cmocka_unit_test(test_case_bad_duration),
         cmocka_unit_test(test_case_bad_bool),
         cmocka_unit_test(test_case_bad_enum),
+        cmocka_unit_test(test_case_bad_sessions),
         cmocka_unit_test(test_case_duplicate_key),
         cmocka_unit_test(test_case_cross_key),
         cmocka_unit_test(test_case_cross_key_window),
