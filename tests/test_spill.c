@@ -516,6 +516,229 @@ static void test_fault_disk_full(void **state)
 }
 
 /* ------------------------------------------------------------------------
+ * Through the daemon: restart, kill -9 while writing, the routes
+ * ------------------------------------------------------------------------ */
+
+/* Start `kvd serve` on model_file with ARGS, its log in the scratch folder
+ * as NAME.log. */
+static void start(struct su_proc *p, const char *name, const char *model_file,
+                  const char *const *args, int n_args)
+{
+    memset(p, 0, sizeof(*p));
+    snprintf(p->log, sizeof(p->log), "%s/%s.log", tmpdir, name);
+    if (su_serve(p, kvd_bin, model_file, args, n_args) != 0)
+        fail_msg("kvd serve (%s) did not start", name);
+}
+
+static void stop(struct su_proc *p)
+{
+    int rc = su_stop(p, SIGTERM, 60);
+    if (rc != 0)
+        su_dump_log(p);
+    assert_int_equal(rc, 0);
+}
+
+/* A /completion on a session with a token-array prompt, greedy. */
+static json_t *turn(int port, const char *session, json_t *ids, int n_predict)
+{
+    int st;
+    json_t *v = su_post(port, "/completion", NULL,
+                        json_pack("{s:O, s:i, s:f, s:s, s:b}", "prompt", ids, "n_predict",
+                                  n_predict, "temperature", 0.0, "session", session,
+                                  "return_tokens", 1),
+                        &st);
+    if (st != 200)
+        print_message("turn: status %d\n", st);
+    assert_int_equal(st, 200);
+    return v;
+}
+
+static int kvd_int(json_t *v, const char *key)
+{
+    return (int)json_integer_value(json_object_get(json_object_get(v, "kvd"), key));
+}
+
+/* GET path: the status, the body parsed into *out (may be NULL). */
+static int get_json(int port, const char *method, const char *path, json_t **out)
+{
+    struct su_resp r;
+    int st = su_http(port, method, path, NULL, NULL, &r);
+    if (out)
+        *out = r.body ? json_loads(r.body, 0, NULL) : NULL;
+    su_resp_free(&r);
+    return st;
+}
+
+/* Token ids of a story of at least n tokens (tokenized in-process). */
+static json_t *story_ids(const model *m, int n)
+{
+    size_t cap = (size_t)n * 16 + 256, len = 0;
+    char *text = malloc(cap);
+    assert_non_null(text);
+    len += (size_t)snprintf(text, cap, "Once upon a time, there was a little girl named Lily.");
+    for (int k = 0; len + 128 < cap; k++)
+        len += (size_t)snprintf(text + len, cap - len,
+                                " On day %d she saw %d birds by the river and sang to them.", k,
+                                k * 7 % 31);
+    int32_t *ids = malloc(sizeof(int32_t) * cap);
+    assert_non_null(ids);
+    int got = model_tokenize(m, text, len, true, ids, (int)cap);
+    assert_true(got >= n);
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++)
+        json_array_append_new(a, json_integer(ids[i]));
+    free(ids);
+    free(text);
+    return a;
+}
+
+/*
+ * A session of 10,000 tokens on stories260K, max_cache_tokens 512 (so it
+ * evicted most of them), is saved at SIGTERM; a restarted daemon lists it,
+ * continues it with cached_tokens equal to its whole matched history and
+ * gives the tokens of a daemon that never stopped; DELETE removes its file.
+ */
+static void test_restart_continues(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *shared = getenv("KVD_SHARED");
+    char stories[600];
+    snprintf(stories, sizeof(stories), "%s/models/stories260K.gguf", shared ? shared : "../shared");
+    if (access(stories, R_OK) != 0) {
+        print_message("%s is absent: skipped\n", stories);
+        skip();
+    }
+    char err[512];
+    struct model_params mp = {.path = stories};
+    model *m = model_load(&mp, err, sizeof(err));
+    assert_non_null(m);
+    json_t *p1 = story_ids(m, 10000);
+    json_t *more = story_ids(m, 30); /* the next user text (a story start again) */
+    model_free(m);
+
+    const char *dir = fresh_dir("restart");
+    char set_dir[700];
+    snprintf(set_dir, sizeof(set_dir), "sessions.dir=%s", dir);
+    const char *with_dir[] = {"--set", set_dir, "--set", "eviction.max_cache_tokens=512",
+                              "--set", "server.threads=1"};
+    const char *plain[] = {"--set", "eviction.max_cache_tokens=512", "--set", "server.threads=1"};
+    struct su_proc a, ref;
+    start(&a, "restart-a", stories, with_dir, 6);
+    start(&ref, "restart-ref", stories, plain, 4);
+
+    json_t *va = turn(a.port, "long", p1, 16), *vr = turn(ref.port, "long", p1, 16);
+    assert_true(json_equal(json_object_get(va, "tokens"), json_object_get(vr, "tokens")));
+    assert_true(kvd_int(va, "retained_tokens") <= 512);
+    assert_true(kvd_int(va, "evicted_tokens") > 9000);
+    int n_gen = (int)json_array_size(json_object_get(va, "tokens"));
+    assert_int_equal(n_gen, 16);
+    int n_hist = 10000 + n_gen - 1; /* the last sampled token was never fed */
+    json_t *p2 = json_deep_copy(p1);
+    for (int i = 0; i < n_gen - 1; i++)
+        json_array_append(p2, json_array_get(json_object_get(va, "tokens"), (size_t)i));
+    json_array_extend(p2, more);
+    json_decref(va);
+    json_decref(vr);
+
+    /* SIGTERM: the session goes to disk. */
+    stop(&a);
+    assert_true(su_file_has(a.log, "session long saved to disk (shutdown)"));
+    assert_int_equal(count_files(dir, ".kvs", NULL, 0), 1);
+
+    /* A new daemon lists it, then continues it. */
+    start(&a, "restart-b", stories, with_dir, 6);
+    json_t *list;
+    assert_int_equal(get_json(a.port, "GET", "/v1/sessions", &list), 200);
+    json_t *item = json_array_get(json_object_get(list, "data"), 0);
+    assert_string_equal(json_string_value(json_object_get(item, "id")), "long");
+    assert_string_equal(json_string_value(json_object_get(item, "state")), "saved");
+    assert_int_equal(json_integer_value(json_object_get(item, "tokens")), n_hist);
+    json_decref(list);
+    va = turn(a.port, "long", p2, 16);
+    vr = turn(ref.port, "long", p2, 16);
+    print_message("after the restart: cached_tokens %d (never stopped: %d), %d retained\n",
+                  kvd_int(va, "cached_tokens"), kvd_int(vr, "cached_tokens"),
+                  kvd_int(va, "retained_tokens"));
+    assert_int_equal(kvd_int(va, "cached_tokens"), n_hist);
+    assert_int_equal(kvd_int(vr, "cached_tokens"), n_hist);
+    assert_true(json_equal(json_object_get(va, "tokens"), json_object_get(vr, "tokens")));
+    assert_int_equal(kvd_int(va, "retained_tokens"), kvd_int(vr, "retained_tokens"));
+    assert_true(su_file_has(a.log, "session long restored from disk"));
+    json_decref(va);
+    json_decref(vr);
+
+    /* Saved again at the next stop; DELETE on a third daemon removes the
+     * file, and the session is gone. */
+    stop(&a);
+    assert_int_equal(count_files(dir, ".kvs", NULL, 0), 1);
+    start(&a, "restart-c", stories, with_dir, 6);
+    json_t *info;
+    assert_int_equal(get_json(a.port, "GET", "/v1/sessions/long", &info), 200);
+    assert_true(json_is_true(json_object_get(info, "saved")));
+    json_decref(info);
+    assert_int_equal(get_json(a.port, "DELETE", "/v1/sessions/long", NULL), 200);
+    assert_int_equal(count_files(dir, ".kvs", NULL, 0), 0);
+    assert_int_equal(get_json(a.port, "GET", "/v1/sessions/long", NULL), 404);
+    stop(&a);
+    stop(&ref);
+    json_decref(p1);
+    json_decref(p2);
+    json_decref(more);
+}
+
+/*
+ * kill -9 while a session is being written (KVD_FAULT_SPILL_STALL_MS holds
+ * the write halfway): only a .tmp is left; the next daemon removes it,
+ * lists nothing and serves the session as a new one, answering as a fresh
+ * session does.
+ */
+static void test_kill_during_write(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *dir = fresh_dir("kill9");
+    char set_dir[700];
+    snprintf(set_dir, sizeof(set_dir), "sessions.dir=%s", dir);
+    const char *args[] = {"--set", set_dir, "--set", "eviction.max_cache_tokens=128"};
+    int32_t p1[N1];
+    fill_prompt(p1, N1, 0);
+    json_t *ids = json_array();
+    for (int i = 0; i < N1; i++)
+        json_array_append_new(ids, json_integer(p1[i]));
+    struct su_proc s;
+    setenv("KVD_FAULT_SPILL_STALL_MS", "20000", 1);
+    start(&s, "kill9-a", model_path, args, 4);
+    unsetenv("KVD_FAULT_SPILL_STALL_MS");
+    json_t *v = turn(s.port, "k", ids, G1);
+    json_array_extend(ids, json_object_get(v, "tokens"));
+    json_decref(v);
+    kill(-s.pid, SIGTERM);
+    double deadline = su_now() + 30;
+    while (count_files(dir, ".tmp", NULL, 0) == 0 && su_now() < deadline)
+        su_sleep_ms(20);
+    assert_int_equal(count_files(dir, ".tmp", NULL, 0), 1);
+    su_stop(&s, SIGKILL, 10);
+    assert_int_equal(count_files(dir, ".kvs", NULL, 0), 0);
+
+    start(&s, "kill9-b", model_path, args, 4);
+    json_t *list;
+    assert_int_equal(get_json(s.port, "GET", "/v1/sessions", &list), 200);
+    assert_int_equal(json_array_size(json_object_get(list, "data")), 0);
+    json_decref(list);
+    assert_int_equal(count_files(dir, ".tmp", NULL, 0), 0);
+    assert_true(su_file_has(s.log, "a write cut short"));
+    v = turn(s.port, "k", ids, G1);
+    json_t *fresh = turn(s.port, "fresh", ids, G1);
+    assert_int_equal(kvd_int(v, "cached_tokens"), 0);
+    assert_true(json_equal(json_object_get(v, "tokens"), json_object_get(fresh, "tokens")));
+    json_decref(v);
+    json_decref(fresh);
+    json_decref(ids);
+    stop(&s);
+}
+
+/* ------------------------------------------------------------------------
  * The program
  * ------------------------------------------------------------------------ */
 
@@ -542,6 +765,8 @@ int main(void)
         cmocka_unit_test(test_fault_foreign),
         cmocka_unit_test(test_fault_readonly_dir),
         cmocka_unit_test(test_fault_disk_full),
+        cmocka_unit_test(test_restart_continues),
+        cmocka_unit_test(test_kill_during_write),
     };
     return cmocka_run_group_tests_name("spill", tests, group_setup, group_teardown);
 }
