@@ -30,6 +30,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,40 +58,51 @@ void kv_seq_get_state(const kv_seq *s, struct kv_seq_state *out)
     };
 }
 
+/* Fill err and return -EINVAL: kv_seq_import's refusal. */
+__attribute__((format(printf, 3, 4))) static int refuse(char *err, size_t errlen,
+                                                        const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return -EINVAL;
+}
+
 /* The checks of kv_seq_import, before anything changes: 0, or -EINVAL
  * with the first broken rule in err. */
 static int check_state(const kv_seq *s, const struct kv_seq_state *st, char *err, size_t errlen)
 {
-#define REJECT(...)                                                                                \
-    do {                                                                                           \
-        if (err)                                                                                   \
-            snprintf(err, errlen, __VA_ARGS__);                                                    \
-        return -EINVAL;                                                                            \
-    } while (0)
     if (!s->session || s->n_appended != 0 || s->n_tokens != 0)
-        REJECT("import: the sequence is not an empty session");
+        return refuse(err, errlen, "import: the sequence is not an empty session");
     if (st->n_hist < 0 || st->n_tokens < 0 || st->n_tokens > st->n_hist)
-        REJECT("import: %d retained tokens of a history of %d", st->n_tokens, st->n_hist);
+        return refuse(err, errlen, "import: %d retained tokens of a history of %d",
+                      st->n_tokens, st->n_hist);
     if ((st->n_hist > 0 && !st->hist) ||
         (st->n_tokens > 0 && (!st->ids || !st->pos || !st->hidx || !st->mass)))
-        REJECT("import: missing arrays");
+        return refuse(err, errlen, "import: missing arrays");
     for (int i = 0; i < st->n_tokens; i++) {
         int32_t h = st->hidx[i], p = st->pos[i];
         if (h < 0 || h >= st->n_hist || (i > 0 && h <= st->hidx[i - 1]))
-            REJECT("import: token %d has history index %d (need increasing, < %d)", i, h,
-                   st->n_hist);
+            return refuse(err, errlen,
+                          "import: token %d has history index %d (need increasing, < %d)", i, h,
+                          st->n_hist);
         if (st->hist[h] != st->ids[i])
-            REJECT("import: token %d is id %d, the history says %d", i, st->ids[i], st->hist[h]);
+            return refuse(err, errlen, "import: token %d is id %d, the history says %d", i,
+                          st->ids[i], st->hist[h]);
         if (p < 0 || (i > 0 && p <= st->pos[i - 1]))
-            REJECT("import: token %d has position %d (need increasing, >= 0)", i, p);
+            return refuse(err, errlen, "import: token %d has position %d (need increasing, >= 0)",
+                          i, p);
         if (!isfinite(st->mass[i]))
-            REJECT("import: token %d has a score that is not finite", i);
+            return refuse(err, errlen, "import: token %d has a score that is not finite", i);
     }
     int32_t last = st->n_tokens > 0 ? st->pos[st->n_tokens - 1] : -1;
     if (st->next_pos <= last)
-        REJECT("import: next position %d is not past the last one (%d)", st->next_pos, last);
+        return refuse(err, errlen, "import: next position %d is not past the last one (%d)",
+                      st->next_pos, last);
     return 0;
-#undef REJECT
 }
 
 int kv_seq_import(kv_seq *s, const struct kv_seq_state *st, char *err, size_t errlen)

@@ -351,48 +351,52 @@ static long file_size(const char *path)
     return (long)sb.st_size;
 }
 
-static void test_fault_corrupted(void **state)
+/* Save a session, damage its file (damage(path, k)), and expect the next
+ * request to be a miss that logs `want` and removes the file. */
+static void damaged_is_miss(const char *name, void (*damage)(const char *path, int k), int k,
+                            const char *want)
 {
-    (void)state;
-    struct setup s = {.m = lib_model, .dir = fresh_dir("corrupt"), .kv = KV_F16,
-                      .pol = sink_window, .pages = 64};
+    struct setup s = {.m = lib_model, .dir = fresh_dir(name), .kv = KV_F16, .pol = sink_window,
+                      .pages = 64};
     int32_t p1[N1], p2[N2];
     struct answer a1;
     char path[700];
-    /* One flipped bit in a K/V row near the end, then one in the header. */
-    long at[2] = {0, 30};
-    for (int k = 0; k < 2; k++) {
-        save_one(&s, p1, &a1, path, sizeof(path));
-        at[0] = file_size(path) - 40;
-        flip_byte(path, at[k]);
-        logs[0] = '\0';
-        second_prompt(p2, p1, &a1);
-        expect_miss(&s, p2);
-        assert_true(logged("its file is refused"));
-        assert_true(logged(k == 0 ? "payload checksum mismatch" : "header checksum mismatch"));
-        assert_int_equal(count_files(s.dir, ".kvs", NULL, 0), 0); /* removed */
-    }
+    save_one(&s, p1, &a1, path, sizeof(path));
+    damage(path, k);
+    logs[0] = '\0';
+    second_prompt(p2, p1, &a1);
+    expect_miss(&s, p2);
+    if (!logged(want))
+        fail_msg("no log line with '%s' in:\n%s", want, logs);
+    assert_true(logged("its file is refused"));
+    assert_int_equal(count_files(s.dir, ".kvs", NULL, 0), 0); /* removed */
+}
+
+/* k = 0: one flipped bit in a K/V row near the end; 1: in the header. */
+static void corrupt(const char *path, int k)
+{
+    flip_byte(path, k == 0 ? file_size(path) - 40 : 30);
+}
+
+/* k = 0: cut in half; 1: inside the header; 2: one byte short. */
+static void cut(const char *path, int k)
+{
+    long size = file_size(path);
+    assert_int_equal(truncate(path, k == 0 ? size / 2 : k == 1 ? 100 : size - 1), 0);
+}
+
+static void test_fault_corrupted(void **state)
+{
+    (void)state;
+    damaged_is_miss("corrupt", corrupt, 0, "payload checksum mismatch");
+    damaged_is_miss("corrupt", corrupt, 1, "header checksum mismatch");
 }
 
 static void test_fault_truncated(void **state)
 {
     (void)state;
-    struct setup s = {.m = lib_model, .dir = fresh_dir("trunc"), .kv = KV_F16,
-                      .pol = sink_window, .pages = 64};
-    int32_t p1[N1], p2[N2];
-    struct answer a1;
-    char path[700];
-    long cut[3] = {0, 100, 0}; /* half, inside the header, one byte short */
-    for (int k = 0; k < 3; k++) {
-        save_one(&s, p1, &a1, path, sizeof(path));
-        long size = file_size(path);
-        assert_int_equal(truncate(path, k == 0 ? size / 2 : k == 2 ? size - 1 : cut[k]), 0);
-        logs[0] = '\0';
-        second_prompt(p2, p1, &a1);
-        expect_miss(&s, p2);
-        assert_true(logged("truncated"));
-        assert_int_equal(count_files(s.dir, ".kvs", NULL, 0), 0);
-    }
+    for (int k = 0; k < 3; k++)
+        damaged_is_miss("trunc", cut, k, "truncated");
 }
 
 /* A file written for another model (or another KV type) is refused and
