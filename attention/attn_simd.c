@@ -342,9 +342,9 @@ INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
  * Scores: S = Q K^T for a tile
  * ------------------------------------------------------------------------ */
 
-/* Rows r0.. (RB of them) x keys t0..t0+KB-1, RB * KB == VL. */
+/* Rows r0.. (RB of them, the first nr stored) x keys t0..t0+KB-1, RB * KB == VL. */
 INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int t0,
-                     enum attn_type T, int D, const int RB, const int KB)
+                     enum attn_type T, int D, const int RB, const int KB, int nr)
 {
     vf acc[VL];
 #pragma GCC unroll 16
@@ -374,7 +374,8 @@ INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int
     vstore(dots, vreduce(acc));
 #pragma GCC unroll 4
     for (int r = 0; r < RB; r++)
-        memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
+        if (r < nr)
+            memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
 }
 
 /* Prefetch requests for keys [t0, t0 + VL) of the next head or tile. */
@@ -398,14 +399,19 @@ INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *con
     for (int c0 = 0; c0 < nt; c0 += VL) {
         prefetch_rows(pf, c0);
         int r = 0;
-        for (; r + 4 <= nrows; r += 4)
+        for (; r + 3 <= nrows; r += 4) {
+            /* three rows (a GQA group of 3) take a 4-row block, the last row
+             * repeated and not stored: each key is loaded once, not twice */
+            const float *q4[4] = {q[r], q[r + 1], q[r + 2], q[r + (nrows - r > 3 ? 3 : 2)]};
+            int nr = nrows - r < 4 ? nrows - r : 4;
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4)
-                qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 4, VL / 4);
+                qk_block(S + (size_t)r * ATTN_TILE, q4, kp, t0, T, D, 4, VL / 4, nr);
+        }
         for (; r + 2 <= nrows; r += 2)
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 2)
-                qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 2, VL / 2);
+                qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 2, VL / 2, 2);
         for (; r < nrows; r++)
-            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, 1, VL);
+            qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, 1, VL, 1);
     }
 }
 
@@ -448,7 +454,7 @@ INLINE void load_pairs(const void *k, int i, int half, int n, bool neox, enum at
 
 INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp, int t0,
                           enum attn_type T, int D, int rot, bool neox, const float *cs,
-                          const float *sn, int ld, const int RB, const int KB)
+                          const float *sn, int ld, const int RB, const int KB, int nr)
 {
     const int half = rot / 2;
     vf acc[VL];
@@ -485,7 +491,8 @@ INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp
     vstore(dots, vreduce(acc));
 #pragma GCC unroll 4
     for (int r = 0; r < RB; r++)
-        memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
+        if (r < nr)
+            memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
 }
 
 INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
@@ -495,17 +502,22 @@ INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void
     for (int c0 = 0; c0 < nt; c0 += VL) {
         prefetch_rows(pf, c0);
         int r = 0;
-        for (; r + 4 <= nrows; r += 4)
+        for (; r + 3 <= nrows; r += 4) {
+            /* as in qk_typed: three rows in a 4-row block, so each key is
+             * rotated once rather than once per 2-row and 1-row block */
+            const float *q4[4] = {q[r], q[r + 1], q[r + 2], q[r + (nrows - r > 3 ? 3 : 2)]};
+            int nr = nrows - r < 4 ? nrows - r : 4;
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4)
-                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn, ld,
-                              4, VL / 4);
+                qk_rope_block(S + (size_t)r * ATTN_TILE, q4, kp, t0, T, D, rot, neox, cs, sn, ld,
+                              4, VL / 4, nr);
+        }
         for (; r + 2 <= nrows; r += 2)
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 2)
                 qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn, ld,
-                              2, VL / 2);
+                              2, VL / 2, 2);
         for (; r < nrows; r++)
             qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, rot, neox, cs, sn, ld, 1,
-                          VL);
+                          VL, 1);
     }
 }
 
@@ -630,7 +642,12 @@ INLINE void pv_typed(float *acc, int nrows, const float *P, const void *const *v
     int r = 0;
     for (; r + 4 <= nrows; r += 4)
         pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 4);
-    for (; r < nrows; r++)
+    /* the rest in one block, so each value row is loaded once (GQA groups of 3 and 2) */
+    if (nrows - r == 3)
+        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 3);
+    else if (nrows - r == 2)
+        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 2);
+    else if (nrows - r == 1)
         pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 1);
 }
 
