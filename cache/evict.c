@@ -180,6 +180,11 @@ void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budg
     out->need_tokens = out->floor_tokens + p->window_tokens;
 }
 
+int kv_policy_position_bound(const struct kv_policy *p)
+{
+    return p->renumber ? p->max_cache_tokens : 0;
+}
+
 int kv_policy_check(const struct kv_policy *p, int page_tokens, char *err, size_t errlen)
 {
 #define REJECT(...)                                                                                \

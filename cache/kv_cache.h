@@ -315,6 +315,16 @@ struct kv_budget {
 void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budget *out);
 
 /*
+ * The positions a sequence under *p can reach: max_cache_tokens under
+ * renumber (the retained tokens are numbered 0..n-1 and n never passes
+ * the budget), 0 = no bound under preserve (a kept position is never
+ * lowered, so a session's numbers grow past every eviction, turn
+ * evictions included). What a model whose RoPE depends on the context it
+ * serves (Phi-3's LongRoPE tables) is told.
+ */
+int kv_policy_position_bound(const struct kv_policy *p);
+
+/*
  * Validate a policy for a given page size. Returns 0, or -EINVAL with the
  * reason in err. Budgets must leave eviction something to free:
  *   none:        max_cache_tokens >= 1 (sinks, window and heavy are unused);

@@ -5,6 +5,7 @@
 #define KVD_CLI_INTERNAL_H
 
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "cache/kv_cache.h"
 #include "config/config.h"
@@ -42,6 +43,17 @@ struct srv_one_engine_params {
     bool session;    /* the request runs as a session (it outlives the request) */
 };
 engine *srv_one_engine(const struct srv_one_engine_params *p, char *err, size_t errlen);
+
+/*
+ * The context a command tells the model (model_ctx.c). srv_run_positions:
+ * the longest position count a run of n_tokens tokens under *p reaches
+ * (n_tokens <= 0: unknown, the policy's bound alone; 0 = unbounded), for
+ * model_params.n_ctx / model_set_n_ctx. srv_rope_note: the LongRoPE table
+ * the model took for n_ctx, as one phrase in buf ("" for a model without
+ * the two tables).
+ */
+int srv_run_positions(const struct kv_policy *p, int64_t n_tokens);
+void srv_rope_note(const struct model_info *info, int n_ctx, char *buf, size_t len);
 
 /* The config hooks (wiring.c): main wires them before any subcommand runs,
  * tests that call config/ before they call anything else. */

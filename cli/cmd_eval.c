@@ -884,6 +884,22 @@ static int run_retrieval(const struct eval_opts *o, const struct evaluator *ev,
     return srv_eval_retrieval(&in);
 }
 
+/* The positions the longest run of this evaluation reaches (0 = no bound
+ * known): Phi-3's LongRoPE table is chosen by it, once, for every run. */
+static int eval_positions(const struct eval_opts *o, int n, int train_len)
+{
+    int most = o->baseline[BL_DENSE] ? n : 0;
+    if (o->baseline[BL_CHUNKED] && (train_len < n ? train_len : n) > most)
+        most = train_len < n ? train_len : n;
+    for (int k = 0; k < o->n_policies; k++) {
+        int b = srv_run_positions(&o->policies[k].p, n);
+        if (b == 0)
+            return 0;
+        most = b > most ? b : most;
+    }
+    return most;
+}
+
 int srv_cmd_eval(int argc, char **argv)
 {
     struct eval_opts o;
@@ -932,6 +948,12 @@ int srv_cmd_eval(int argc, char **argv)
         return 2;
     }
     bool text_ok = tokens || (o.ret.on && !o.file);
+    int n_ctx = eval_positions(&o, n, train_len);
+    model_set_n_ctx(m, n_ctx);
+    model_get_info(m, &info);
+    srv_rope_note(&info, n_ctx, err, sizeof(err));
+    if (err[0])
+        fprintf(stderr, "kvd eval: %s\n", err);
     /* A shape the fused kernel cannot take is refused here, once, with the
      * shape named (each pass's engine would refuse it too). */
     ev.ctx = text_ok ? model_ctx_create(m, 1, o.threads, err, sizeof(err)) : NULL;

@@ -381,6 +381,13 @@ int srv_cmd_generate(int argc, char **argv)
         status = 2;
         goto out;
     }
+    /* Phi-3's LongRoPE table by the positions this run reaches. */
+    int n_ctx = srv_run_positions(&o.policy, (int64_t)n_prompt + o.n_predict);
+    model_set_n_ctx(m, n_ctx);
+    model_get_info(m, &info);
+    srv_rope_note(&info, n_ctx, err, sizeof(err));
+    if (err[0])
+        fprintf(stderr, "kvd generate: %s\n", err);
     struct srv_one_engine_params ep = {.m = m,
                                        .policy = &o.policy,
                                        .page_tokens = pt,

@@ -38,6 +38,7 @@ struct serve_state {
     struct cfg running;          /* the config being served */
     struct cfg pending;          /* a reload that passed, not yet committed */
     uint64_t kv_bytes_per_token; /* K and V of one token, every layer and KV head */
+    struct model_info info;      /* the loaded model (its strings are not kept valid) */
     const char *sets[MAX_SETS + 2];
     int n_sets;
     char api_key[CFG_KEY_MAX + CFG_PATH_MAX];
@@ -236,6 +237,44 @@ static void log_eviction(const char *when, const struct cfg *c)
         positions);
 }
 
+/* The positions a sequence of the config can reach (0 = no bound). */
+static int positions_bound(const struct cfg *c)
+{
+    struct kv_policy p;
+    srv_cfg_policy(c, &p);
+    return srv_run_positions(&p, 0);
+}
+
+/*
+ * The LongRoPE table was chosen at start by the positions the policy
+ * allows; a reload that would need the other one (max_cache_tokens past
+ * the original context, or positions = preserve) is refused: the table of
+ * cached keys cannot change under them, and serving with the wrong one
+ * would be a silent fallback. 0, or -1 with the reason in err.
+ */
+static int check_rope_table(const struct serve_state *st, const struct cfg *c, char *err,
+                            size_t errlen)
+{
+    int n_ctx = positions_bound(c);
+    if (!st->info.rope_orig_ctx || model_rope_long(&st->info, n_ctx) == st->info.rope_long)
+        return 0;
+    const char *had = st->info.rope_long ? "long" : "short";
+    const char *needs = st->info.rope_long ? "short" : "long";
+    if (n_ctx > 0)
+        snprintf(err, errlen,
+                 "[eviction] max_cache_tokens %d needs the model's %s LongRoPE factors (original "
+                 "context %d); it runs the %s ones chosen at start: restart kvd serve to change "
+                 "them",
+                 n_ctx, needs, st->info.rope_orig_ctx, had);
+    else
+        snprintf(err, errlen,
+                 "[eviction] positions = preserve has no bound and needs the model's %s LongRoPE "
+                 "factors (context_length %d, original context %d); it runs the %s ones chosen "
+                 "at start: restart kvd serve to change them",
+                 needs, st->info.n_ctx_train, st->info.rope_orig_ctx, had);
+    return -1;
+}
+
 /*
  * The memory rule needs the model's KV bytes per token. Load the model
  * (header, tensor table, tokenizer; the weights stay mapped and untouched)
@@ -254,6 +293,7 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs, m
         .t5_num_buckets = (int)c->model.t5_num_buckets,
         .t5_max_distance = (int)c->model.t5_max_distance,
         .tokenizer_pre = c->model.tokenizer_pre[0] ? c->model.tokenizer_pre : NULL,
+        .n_ctx = positions_bound(c),
     };
     char err[1024];
     model *m = model_load(&mp, err, sizeof(err));
@@ -261,6 +301,10 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs, m
         fprintf(stderr, "kvd serve: %s\n", err);
         return 1;
     }
+    model_get_info(m, &st->info);
+    srv_rope_note(&st->info, mp.n_ctx, err, sizeof(err));
+    if (err[0])
+        srv_log(SRV_LOG_INFO, "model: %s", err);
     /* The operator's chat template must load: refused here with its line
      * and column. The model's own may fail (chat answers 500 then). */
     char source[1200];
@@ -323,6 +367,11 @@ static int serve_reload(const char *path, struct srv_serve_config *out, void *ud
     /* max_cache_tokens applies live, the pool's size only at restart. */
     if (cfg_check_memory(&st->pending, st->kv_bytes_per_token, errs) != 0) {
         report_errors(errs);
+        goto out;
+    }
+    char why[512];
+    if (check_rope_table(st, &st->pending, why, sizeof(why)) != 0) {
+        srv_log(SRV_LOG_ERROR, "config: %s; the old config stays", why);
         goto out;
     }
     for (int i = 0; i < diff.n_restart; i++) {

@@ -102,14 +102,31 @@ int model_phi3_rope(model *m, const struct model_params *params, char *err, size
         rc = -EINVAL;
     }
     if (!rc && has_long) {
-        int n_ctx = params->n_ctx > 0 ? params->n_ctx : m->n_ctx_train;
-        m->rope_long = n_ctx > orig;
-        memcpy(m->rope_factors, tab + (m->rope_long ? 0 : half), sizeof(float) * (size_t)half);
+        m->rope_tables = tab;
+        m->rope_orig_ctx = orig;
+        model_phi3_pick(m, params->n_ctx);
         m->pos.rope_freq_factors = m->rope_factors;
         m->rope_q_mul = attn_factor * attn_factor;
+        return 0;
     }
     free(tab);
     return rc;
+}
+
+bool model_rope_long(const struct model_info *info, int n_ctx)
+{
+    return info->rope_orig_ctx > 0 && (n_ctx > 0 ? n_ctx : info->n_ctx_train) > info->rope_orig_ctx;
+}
+
+void model_phi3_pick(model *m, int n_ctx)
+{
+    if (!m->rope_tables)
+        return;
+    int half = m->pos.rope_dims / 2;
+    struct model_info info = {.n_ctx_train = m->n_ctx_train, .rope_orig_ctx = m->rope_orig_ctx};
+    m->rope_long = model_rope_long(&info, n_ctx);
+    memcpy(m->rope_factors, m->rope_tables + (m->rope_long ? 0 : half),
+           sizeof(float) * (size_t)half);
 }
 
 int model_phi3_layers(model *m, float *v, char *err, size_t errlen)

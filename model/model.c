@@ -587,6 +587,7 @@ void model_free(model *m)
     free(m->vecs);
     free(m->pos_data);
     free(m->rope_factors);
+    free(m->rope_tables);
     free(m->name);
     free(m);
 }
@@ -607,9 +608,16 @@ void model_get_info(const model *m, struct model_info *info)
         .head_dim = m->head_dim,
         .n_ff = m->n_ff,
         .attn_softcap = m->attn_softcap,
+        .rope_orig_ctx = m->rope_orig_ctx,
+        .rope_long = m->rope_long,
         .tokenizer = tok_pre_name(m->tok),
         .tokenizer_note = tok_warning(m->tok),
     };
+}
+
+void model_set_n_ctx(model *m, int n_ctx)
+{
+    model_phi3_pick(m, n_ctx);
 }
 
 void model_kv_shape(const model *m, struct kv_cache_params *p)

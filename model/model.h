@@ -52,6 +52,9 @@ struct model_info {
     int n_ctx_train;         /* training context length from metadata (0 if absent) */
     int n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff; /* 0 when vocab_only */
     float attn_softcap;      /* 0, or the attention logit soft-cap the kernel applies (Gemma 2) */
+    int rope_orig_ctx;       /* Phi-3 LongRoPE: the original context the two factor tables
+                                are chosen by, 0 when the file has no such tables */
+    bool rope_long;          /* ... and the long table is the one in use (else the short) */
     const char *tokenizer;      /* pre-tokenizer family ("llama3", ...; "spm") (borrowed) */
     const char *tokenizer_note; /* NULL, or what the caller should print about the
                                    tokenizer (missing or overridden pre-tokenizer) */
@@ -61,6 +64,20 @@ struct model_info {
 model *model_load(const struct model_params *params, char *err, size_t errlen);
 void model_free(model *m);
 void model_get_info(const model *m, struct model_info *info);
+/*
+ * The longest sequence the caller will run, once its prompts are known
+ * (model_params.n_ctx at load time is the same choice made earlier; 0 =
+ * the file's context_length). It decides Phi-3's LongRoPE table: the long
+ * one when n_ctx exceeds the original context. Call it before the first
+ * model_ctx_create: contexts take the frequencies when they are created.
+ * No effect on a model without the two tables.
+ */
+void model_set_n_ctx(model *m, int n_ctx);
+/* The rule of that choice, for callers holding only a model_info (a config
+ * reload checks a new budget against the table in use): whether n_ctx (0 =
+ * n_ctx_train) takes the long table of a file whose original context is
+ * rope_orig_ctx. False when rope_orig_ctx is 0 (no tables). */
+bool model_rope_long(const struct model_info *info, int n_ctx);
 
 /* Fill the shape fields of cache params (n_layer, n_kv_head, head_dim). */
 void model_kv_shape(const model *m, struct kv_cache_params *p);

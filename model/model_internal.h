@@ -108,6 +108,9 @@ struct model {
     float rope_q_mul;      /* the rotated dims of every q head times this before attention
                               (Phi-3's LongRoPE amplitude squared); 1 otherwise */
     bool rope_long;        /* Phi-3: the long factor table was chosen (else short or none) */
+    float *rope_tables;    /* Phi-3 LongRoPE: [rope_dims] the long then the short table, or
+                              NULL; the chosen one is copied into rope_factors */
+    int rope_orig_ctx;     /* Phi-3 LongRoPE: rope.scaling.original_context_length, or 0 */
     float final_softcap;   /* 0, or the logits capped the same way (Gemma 2) */
     struct pos_scheme pos_local; /* RoPE of the layers with local_rope (Gemma 3: base
                                     rope.freq_base_swa or 10000, no scaling) */
@@ -226,6 +229,9 @@ int model_gemma_layers(model *m, float *v, char *err, size_t errlen);
 /* LongRoPE after model_read_rope: the long or short factor table by the
  * caller's context, its amplitude. 0, -EINVAL or -ENOMEM. */
 int model_phi3_rope(model *m, const struct model_params *params, char *err, size_t errlen);
+/* Phi-3 LongRoPE: the table for a caller running positions below n_ctx (0 = the
+ * file's context_length) into rope_factors; nothing without the two tables. */
+void model_phi3_pick(model *m, int n_ctx);
 
 /* Every layer tensor of a Phi-3 file (fused QKV or apart, fused gate/up). */
 int model_phi3_layers(model *m, float *v, char *err, size_t errlen);

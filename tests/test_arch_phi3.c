@@ -30,6 +30,7 @@
 #include "model/model_internal.h"
 #include "model/quant.h"
 #include "tests/arch_ref.h"
+#include "tests/serve_util.h"
 
 static int group_setup(void **state)
 {
@@ -117,6 +118,136 @@ static void test_long_or_short(void **state)
     assert_null(gguf_find_tensor(m->file, "blk.0.ffn_gate.weight")); /* fused, as Phi-3 */
     assert_non_null(gguf_find_tensor(m->file, "blk.0.attn_qkv.weight"));
     model_free(m);
+}
+
+/* model_set_n_ctx re-picks the table after load (the commands know their
+ * prompts only then), by the rule model_rope_long states for a model_info. */
+static void test_set_n_ctx(void **state)
+{
+    (void)state;
+    char path[512];
+    struct model_mk_params p = pcase_params(&cases[1], GGML_TYPE_F32);
+    write_model(&p, "set.gguf", path, sizeof(path));
+    model *m = load_model(path);
+    struct model_info info;
+    const int ctx[5] = {64, 65, 0, 1, 64};
+    for (int k = 0; k < 5; k++) {
+        model_set_n_ctx(m, ctx[k]);
+        model_get_info(m, &info);
+        bool want = ctx[k] != 64 && ctx[k] != 1; /* 0 = the file's 8192 */
+        assert_int_equal(info.rope_long, want);
+        assert_int_equal(model_rope_long(&info, ctx[k]), want);
+        assert_int_equal(info.rope_orig_ctx, 64);
+        assert_true(fabsf(m->rope_factors[m->pos.rope_dims / 2 - 1] - (want ? 30.0f : 1.1f)) <
+                    1e-5f);
+    }
+    model_free(m);
+    p = pcase_params(&cases[0], GGML_TYPE_F32); /* no tables: nothing to pick */
+    write_model(&p, "set-plain.gguf", path, sizeof(path));
+    m = load_model(path);
+    model_set_n_ctx(m, 100000);
+    model_get_info(m, &info);
+    assert_true(!info.rope_long && info.rope_orig_ctx == 0 && !model_rope_long(&info, 100000));
+    assert_null(m->pos.rope_freq_factors);
+    model_free(m);
+}
+
+static int run_kvd(const char *args, const char *want_err)
+{
+    char cmd[2048], pe[400];
+    snprintf(pe, sizeof(pe), "%s/cli.err", tmp_dir);
+    snprintf(cmd, sizeof(cmd), "%s %s >/dev/null 2>'%s' </dev/null", getenv("KVD_BIN"), args, pe);
+    int st = system(cmd);
+    if (want_err && !su_file_has(pe, want_err)) {
+        char line[600];
+        FILE *f = fopen(pe, "r");
+        while (f && fgets(line, sizeof(line), f))
+            print_message("  stderr: %s", line);
+        if (f)
+            fclose(f);
+        fail_msg("kvd %s: stderr lacks '%s'", args, want_err);
+    }
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+/*
+ * The commands tell the model the positions they will run: kvd generate
+ * min(--ctx, prompt + -n) under renumber and prompt + -n under preserve,
+ * kvd eval its longest run, kvd serve max_cache_tokens under renumber;
+ * each prints the table. A reload whose budget needs the other table is
+ * refused (the old config stays).
+ */
+static void test_context_from_commands(void **state)
+{
+    (void)state;
+    const char *kvd = getenv("KVD_BIN");
+    if (!kvd || !*kvd) {
+        print_message("skipping: KVD_BIN not set (make test sets it)\n");
+        skip();
+        return;
+    }
+    char path[512], args[1400];
+    struct model_mk_params p = pcase_params(&cases[1], GGML_TYPE_F32);
+    write_model(&p, "cmd.gguf", path, sizeof(path));
+    const char *gen = "generate --threads 1 --temp 0 --no-echo --prompt 'one two three'";
+    snprintf(args, sizeof(args), "%s --model %s -n 100 --ctx 48", gen, path);
+    assert_int_equal(run_kvd(args, "LongRoPE short factors (positions up to 48 <= the original "
+                                   "context 64)"), 0);
+    snprintf(args, sizeof(args), "%s --model %s -n 100 --ctx 256", gen, path);
+    assert_int_equal(run_kvd(args, "LongRoPE long factors (positions up to 1"), 0);
+    snprintf(args, sizeof(args), "%s --model %s -n 20 --ctx 256", gen, path);
+    assert_int_equal(run_kvd(args, "LongRoPE short factors"), 0);
+    snprintf(args, sizeof(args), "%s --model %s -n 60 --ctx 48 --policy sink-window --preserve",
+             gen, path);
+    assert_int_equal(run_kvd(args, "LongRoPE long factors"), 0);
+
+    /* eval: window:32 renumbers within 36 (a page of 4 beside the window);
+     * the dense baseline and a preserve policy run all 200 positions */
+    char text[512];
+    snprintf(text, sizeof(text), "%s/text.txt", tmp_dir);
+    FILE *f = fopen(text, "w");
+    for (int i = 0; i < 400; i++)
+        fputs(i % 2 ? "b" : "a ", f);
+    fclose(f);
+    const char *ev = "eval --threads 1 --tokens 200";
+    snprintf(args, sizeof(args), "%s --model %s --file %s --policy window:32", ev, path, text);
+    assert_int_equal(run_kvd(args, "LongRoPE short factors (positions up to 36 <="), 0);
+    snprintf(args, sizeof(args), "%s --model %s --file %s --policy window:32 --baseline dense",
+             ev, path, text);
+    assert_int_equal(run_kvd(args, "LongRoPE long factors (positions up to 20"), 0);
+    snprintf(args, sizeof(args), "%s --model %s --file %s --policy window:32:preserve", ev, path,
+             text);
+    assert_int_equal(run_kvd(args, "LongRoPE long factors (positions up to 20"), 0);
+
+    /* serve: the table at start; a reload that needs the other one is refused */
+    char conf[600], body[1400];
+    snprintf(conf, sizeof(conf), "%s/phi3.conf", tmp_dir);
+    const char *fmt = "[server]\nlisten = 127.0.0.1:0\nthreads = 1\n[model]\npath = %s\n"
+                      "[cache]\nmemory = 2MiB\n[eviction]\nmax_cache_tokens = %d\n";
+    snprintf(body, sizeof(body), fmt, path, 48);
+    f = fopen(conf, "w");
+    fputs(body, f);
+    fclose(f);
+    struct su_proc s = {0};
+    snprintf(s.log, sizeof(s.log), "%s/serve.log", tmp_dir);
+    const char *argv[] = {kvd, "serve", "--config", conf, NULL};
+    assert_int_equal(su_serve_argv(&s, argv), 0);
+    assert_true(su_file_has(s.log, "LongRoPE short factors (positions up to 48"));
+    snprintf(body, sizeof(body), fmt, path, 100);
+    f = fopen(conf, "w");
+    fputs(body, f);
+    fclose(f);
+    kill(s.pid, SIGHUP);
+    assert_true(su_wait_metric(s.port, "kvd_config_last_reload_success", 0));
+    assert_true(su_file_has(s.log, "max_cache_tokens 100 needs the model's long LongRoPE "
+                                   "factors (original context 64); it runs the short ones"));
+    snprintf(body, sizeof(body), fmt, path, 60); /* still short: applies */
+    f = fopen(conf, "w");
+    fputs(body, f);
+    fclose(f);
+    kill(s.pid, SIGHUP);
+    assert_true(su_wait_metric(s.port, "kvd_config_last_reload_success", 1));
+    assert_int_equal(su_stop(&s, SIGTERM, 30), 0);
 }
 
 /* Each part matters: the reference (which kvd matches) moves without it. */
@@ -263,6 +394,8 @@ int main(int argc, char **argv)
     (void)argv;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_long_or_short),
+        cmocka_unit_test(test_set_n_ctx),
+        cmocka_unit_test(test_context_from_commands),
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_forward_matches_reference),
         cmocka_unit_test(test_parts_matter),
