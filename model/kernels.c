@@ -16,8 +16,9 @@ const char *model_kernels_describe(char *buf, size_t len)
 {
     char level[96];
     snprintf(buf, len,
-             "%s: matmul %s, read-only formats %s, attention %s, q8_0 keys %s",
-             cpu_describe(level, sizeof(level)), mm_kernel_name(), mm_blocks_kernel_name(),
+             "%s: matmul %s, K formats %s, read-only formats %s, attention %s, q8_0 keys %s",
+             cpu_describe(level, sizeof(level)), mm_kernel_name(), mm_k_kernel_name(),
+             mm_blocks_kernel_name(),
              attn_simd_name(), attn_q8_name());
     return buf;
 }

@@ -36,6 +36,41 @@ struct mm_kernels {
 
 KERN_DECLARE(const struct mm_kernels, mm_kernels);
 
+/*
+ * The K formats (q4_K, q5_K, q6_K): matmul_k_run.c's entry and the kernels
+ * of matmul_k.c, a kernel file too. Activations per super-block of 256, in
+ * scratch, each array 64-byte aligned, per token:
+ *   q   int8  [ldq]  round(x / dx), ldq = n_in rounded up to 64 (sub-blocks
+ *                    of 32 in the order the level's kernel reads them)
+ *   d   float [ldd]  dx = max|x| / 127 per 256 (0 for an all-zero one)
+ *   bs  int16 [lds]  sum of q over each 16 in element order (|sum| <= 2032)
+ */
+struct mm_kx {
+    int8_t *q;
+    float *d;
+    int16_t *bs;
+    size_t ldq, ldd, lds;
+};
+
+struct mm_k_job {
+    const struct mm_weight *w;
+    struct mm_kx a; /* [n_tok] tokens' activations */
+    float *out;     /* [n_tok][n_out] */
+    int n_tok;
+};
+
+struct mm_k_kernels {
+    const char *name; /* "avx512-vnni", "avx2", "scalar" */
+    /* One token's activations x[n_in] into n_in / 256 super-blocks (q, d,
+     * bs of struct mm_kx), for weights of type. */
+    void (*quantize)(enum ggml_type type, const float *x, int n_in, int8_t *q, float *d,
+                     int16_t *bs);
+    /* Output rows [o0, o1) of every token of the job. */
+    void (*rows)(const struct mm_k_job *jb, int o0, int o1);
+};
+
+KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
+
 static inline bool mm_is_float_type(enum ggml_type t)
 {
     return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;

@@ -47,14 +47,15 @@
  * Work split and invariance
  * ---------------------------------------------------------------------------
  *
- * As in matmul.c: OpenMP threads take groups of KG rows; inside, tiles of
+ * As in matmul.c: OpenMP threads take groups of MM_GROUP rows
+ * (matmul_k_run.c); inside, tiles of
  * MR rows x NT tokens walk whole rows, each super-block's weights decoded
  * in registers once per tile and its activations loaded once per MR rows.
  * A token's sums use only its own activations and run in the same order in
  * every tile, so results depend neither on the threads nor on the batch.
  *
- * Kernels (chosen by how the file is compiled; mm_k_use("scalar") forces
- * plain C for tests):
+ * Kernels, one per level (this file is compiled once per kernel level, see
+ * cpu/kernel.h; matmul_k_run.c takes the copy of the level in use):
  *   avx512  per half super-block (128 weights), one 64-byte load gives two
  *           vectors of 64 weight integers (low and high nibbles); vpdpbusd
  *           sums 4 products per i32 lane straight from u8 x s8, vpackssdw
@@ -75,111 +76,33 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "model/quant.h"
+#include "model/matmul_internal.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                      \
-    defined(__AVX512DQ__) && defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
-#define MMK_AVX512 1
-#define MMK_SIMD 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define MMK_AVX2 1
-#define MMK_SIMD 1
-#endif
-
-#ifdef MMK_SIMD
+#ifdef KERN_SIMD
 #include <immintrin.h>
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
 
-#define KG 16 /* output rows per unit of OpenMP work (one cache line of out) */
-#define MR 2  /* rows per register tile (4 was no faster, decoding or not) */
-#if defined(MMK_AVX512)
-#define NT 4 /* tokens per register tile: 8 i32 + 8 f32 accumulators of 32 zmm */
+/* Register tiles: MR rows x NT tokens; a lone token walks one row at a time
+ * (MR1): decoding from DRAM, one sequential stream per thread reads about
+ * twice as fast here as two or four interleaved ones (the prefetchers). */
+#define MR 2
+#define MR1 1
+#if defined(KERN_AVX512)
+#define NT 4 /* 8 i32 + 8 f32 accumulators of 32 zmm */
 #else
 #define NT 2 /* 4 + 4 of 16 ymm */
 #endif
 
-static bool force_scalar;
-
-bool mm_k_type(enum ggml_type type)
-{
-    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
-}
-
-const char *mm_k_kernel_name(void)
-{
-#if defined(MMK_AVX512)
-    if (!force_scalar)
-        return "avx512-vnni";
-#elif defined(MMK_AVX2)
-    if (!force_scalar)
-        return "avx2";
-#endif
-    return "scalar";
-}
-
-int mm_k_use(const char *kernel)
-{
-    if (!strcmp(kernel, "scalar"))
-        force_scalar = true;
-    else if (!strcmp(kernel, "auto"))
-        force_scalar = false;
-    else
-        return -EINVAL;
-    return 0;
-}
-
 /* ------------------------------------------------------------------------
- * Activations per super-block
- *
- * Layout in scratch, each array 64-byte aligned, per token:
- *   q   int8  [ldq]  round(x / dx), ldq = n_in rounded up to 64
- *   d   float [ldd]  dx = max|x| / 127 per 256 (0 for an all-zero one)
- *   bs  int16 [lds]  sum of q over each 16 (|sum| <= 2032)
+ * Activations per super-block (struct mm_kx, matmul_internal.h)
  * ------------------------------------------------------------------------ */
-
-struct kx {
-    int8_t *q;
-    float *d;
-    int16_t *bs;
-    size_t ldq, ldd, lds;
-};
-
-static size_t round_up(size_t n, size_t a)
-{
-    return (n + a - 1) / a * a;
-}
-
-static void kx_dims(int n_in, size_t *ldq, size_t *ldd, size_t *lds)
-{
-    *ldq = round_up((size_t)n_in, 64);
-    *ldd = round_up((size_t)n_in / QT_QK_K, 16);
-    *lds = round_up((size_t)n_in / 16, 32);
-}
-
-size_t mm_k_scratch_bytes(int n_in, int n_tok)
-{
-    size_t ldq, ldd, lds;
-    kx_dims(n_in, &ldq, &ldd, &lds);
-    return (size_t)n_tok * (ldq + sizeof(float) * ldd + sizeof(int16_t) * lds);
-}
-
-static void kx_layout(struct kx *a, void *scratch, int n_in, int n_tok)
-{
-    kx_dims(n_in, &a->ldq, &a->ldd, &a->lds);
-    uint8_t *p = scratch;
-    a->q = (int8_t *)p;
-    p += a->ldq * (size_t)n_tok;
-    a->d = (float *)p;
-    p += sizeof(float) * a->ldd * (size_t)n_tok;
-    a->bs = (int16_t *)p;
-}
 
 /* max |x| over 256 floats */
 static float amax256(const float *x)
 {
-#ifdef MMK_SIMD
+#ifdef KERN_SIMD
     const __m256 signbit = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps();
     for (int k = 0; k < QT_QK_K; k += 8)
@@ -199,19 +122,25 @@ static float amax256(const float *x)
 /*
  * One token: n_in / 256 super-blocks. q = round-to-nearest-even(x * (127 /
  * max|x|)) in f32, as matmul.c's blocks of 32 (and the tests) compute it.
- * With swap, the 32-byte sub-blocks of q are stored in the order 0 2 1 3 4
- * 6 5 7 (the AVX-512 kernel's order for q4_K and q5_K, see k_sb_dot); the
- * sums bs stay in element order.
+ * The AVX-512 kernel of q4_K and q5_K reads the 32-byte sub-blocks of q in
+ * the order 0 2 1 3 4 6 5 7 (see k_unpack), so they are stored so there;
+ * the sums bs stay in element order.
  */
-static void kx_quantize(const float *x, int n_in, int8_t *q, float *d, int16_t *bs, bool swap)
+static void kx_quantize(enum ggml_type type, const float *x, int n_in, int8_t *q, float *d,
+                        int16_t *bs)
 {
     static const int order[2][8] = {{0, 1, 2, 3, 4, 5, 6, 7}, {0, 2, 1, 3, 4, 6, 5, 7}};
-    const int *at = order[swap];
+#if defined(KERN_AVX512)
+    const int *at = order[type != GGML_TYPE_Q6_K];
+#else
+    const int *at = order[0];
+    (void)type;
+#endif
     for (int b = 0; b < n_in / QT_QK_K; b++, x += QT_QK_K, q += QT_QK_K, bs += 16) {
         float amax = amax256(x);
         d[b] = amax / 127.0f;
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-#ifdef MMK_SIMD
+#ifdef KERN_SIMD
         const __m256 vid = _mm256_set1_ps(id);
         for (int k = 0; k < QT_QK_K; k += 32) {
             __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vid));
@@ -260,6 +189,8 @@ static size_t sb_bytes(enum ggml_type type)
     return type == GGML_TYPE_Q4_K ? 144 : type == GGML_TYPE_Q5_K ? 176 : 210;
 }
 
+#ifndef KERN_SIMD
+
 /* ------------------------------------------------------------------------
  * Plain C
  * ------------------------------------------------------------------------ */
@@ -302,9 +233,13 @@ static void sb_decode(enum ggml_type type, const uint8_t *u, uint8_t *w, int *sc
     }
 }
 
-static void rows_scalar(enum ggml_type type, const struct mm_weight *w, const struct kx *a,
-                        float *out, int n_tok, int o0, int o1)
+static void rows_scalar(const struct mm_k_job *jb, int o0, int o1)
 {
+    const struct mm_weight *w = jb->w;
+    const struct mm_kx *a = &jb->a;
+    const enum ggml_type type = w->type;
+    float *out = jb->out;
+    const int n_tok = jb->n_tok;
     const int nsb = w->n_in / QT_QK_K;
     const size_t bb = sb_bytes(type);
     const int c = type == GGML_TYPE_Q6_K ? 32 : 0;
@@ -339,18 +274,14 @@ static void rows_scalar(enum ggml_type type, const struct mm_weight *w, const st
     }
 }
 
-#ifdef MMK_SIMD
+#endif /* !KERN_SIMD */
+
+#ifdef KERN_SIMD
 
 /* ------------------------------------------------------------------------
  * SIMD
  * ------------------------------------------------------------------------ */
 
-struct kjob {
-    const struct mm_weight *w;
-    const struct kx *a;
-    float *out;
-    int n_tok;
-};
 
 /* Per-row state of the current super-block. */
 struct ksr {
@@ -358,7 +289,7 @@ struct ksr {
                    * q6_K: the 16 scales as i16 (groups 0..7 low, 8..15 high) */
     __m256i mn;   /* q4_K/q5_K: the min of every 16 as i16; q6_K: unused */
     __m256 d, dm; /* d and dmin broadcast */
-#if defined(MMK_AVX512)
+#if defined(KERN_AVX512)
     __m512i sv[2]; /* the scales of each half of 128, as k_sb_dot pairs them */
 #endif
 };
@@ -377,7 +308,7 @@ INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
         k->mn = _mm256_setzero_si256();
         k->d = f16_bcast(u + QT_Q6K_D);
         k->dm = _mm256_setzero_ps();
-#if defined(MMK_AVX512)
+#if defined(KERN_AVX512)
         /* 128-bit lane L of half h: groups 8h + L (x4) and 8h + 4 + L (x4) */
         const __m512i ctl = _mm512_set_epi64(0x0f0e0f0e0f0e0f0e, 0x0706070607060706,
                                              0x0d0c0d0c0d0c0d0c, 0x0504050405040504,
@@ -397,7 +328,7 @@ INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
     k->mn = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
     k->d = f16_bcast(u + QT_Q4K_D);
     k->dm = f16_bcast(u + QT_Q4K_DMIN);
-#if defined(MMK_AVX512)
+#if defined(KERN_AVX512)
     /* half h: 128-bit lanes 0, 1 sub-blocks 4h, 4h+1 (x4 each); lanes 2, 3: 4h+2, 4h+3 */
     const __m512i b8 = _mm512_broadcast_i32x4(s8);
     k->sv[0] = _mm512_shuffle_epi8(b8, _mm512_set_epi64(0x0706070607060706, 0x0504050405040504,
@@ -411,7 +342,7 @@ INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
 #endif
 }
 
-#if defined(MMK_AVX512)
+#if defined(KERN_AVX512)
 
 typedef __m512i vi;
 typedef __m512 vf;
@@ -618,10 +549,10 @@ INLINE void k_sb_dot(enum ggml_type type, int mr, int nt, const uint8_t *const *
  * mr rows x nt tokens over whole rows (rows past the end repeat the last
  * row, tokens past the end the last token; their results are discarded).
  */
-INLINE void k_tile(const struct kjob *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
+INLINE void k_tile(const struct mm_k_job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
 {
     const struct mm_weight *w = jb->w;
-    const struct kx *a = jb->a;
+    const struct mm_kx *a = &jb->a;
     const size_t bb = sb_bytes(type);
     const int nsb = w->n_in / QT_QK_K;
     const bool mins = type != GGML_TYPE_Q6_K;
@@ -688,20 +619,20 @@ INLINE void k_tile(const struct kjob *jb, enum ggml_type type, int r0, int t0, i
 
 /* Rows [o0, o1): token tiles outside, row tiles inside; a lone last token
  * in a 1-token tile, which sums in the same order. */
-INLINE void rows_simd_type(const struct kjob *jb, enum ggml_type type, int o0, int o1)
+INLINE void rows_simd_type(const struct mm_k_job *jb, enum ggml_type type, int o0, int o1)
 {
     for (int t0 = 0; t0 < jb->n_tok; t0 += NT) {
         bool one = jb->n_tok - t0 == 1;
-        for (int r0 = o0; r0 < o1; r0 += MR) {
-            if (one)
-                k_tile(jb, type, r0, t0, MR, 1);
-            else
+        if (one)
+            for (int r0 = o0; r0 < o1; r0 += MR1)
+                k_tile(jb, type, r0, t0, MR1, 1);
+        else
+            for (int r0 = o0; r0 < o1; r0 += MR)
                 k_tile(jb, type, r0, t0, MR, NT);
-        }
     }
 }
 
-static void rows_simd(const struct kjob *jb, int o0, int o1)
+static void rows_simd(const struct mm_k_job *jb, int o0, int o1)
 {
     switch (jb->w->type) {
     case GGML_TYPE_Q4_K:
@@ -716,49 +647,22 @@ static void rows_simd(const struct kjob *jb, int o0, int o1)
     }
 }
 
-#endif /* MMK_SIMD */
+#endif /* KERN_SIMD */
 
 /* ------------------------------------------------------------------------
- * Entry point
+ * This level's kernels
  * ------------------------------------------------------------------------ */
 
-void mm_k_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
-                 void *scratch)
-{
-    assert(mm_k_type(w->type) && w->n_in % QT_QK_K == 0);
-    assert(scratch && ((uintptr_t)scratch & 63) == 0);
-    if (n_tok <= 0)
-        return;
-    struct kx a;
-    kx_layout(&a, scratch, w->n_in, n_tok);
-#if defined(MMK_AVX512)
-    const bool swap = !force_scalar && w->type != GGML_TYPE_Q6_K;
+const struct mm_k_kernels KERN(mm_k_kernels) = {
+#if defined(KERN_AVX512)
+    .name = "avx512-vnni",
+    .rows = rows_simd,
+#elif defined(KERN_AVX2)
+    .name = "avx2",
+    .rows = rows_simd,
 #else
-    const bool swap = false;
+    .name = "scalar",
+    .rows = rows_scalar,
 #endif
-    /* by the calling thread, before the team starts: the region has no
-     * barrier but its end */
-    for (int t = 0; t < n_tok; t++)
-        kx_quantize(x + (size_t)t * (size_t)w->n_in, w->n_in, a.q + (size_t)t * a.ldq,
-                    a.d + (size_t)t * a.ldd, a.bs + (size_t)t * a.lds, swap);
-
-    const int n_groups = (w->n_out + KG - 1) / KG;
-    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
-    if (nth > n_groups)
-        nth = n_groups;
-#ifdef MMK_SIMD
-    const struct kjob jb = {.w = w, .a = &a, .out = out, .n_tok = n_tok};
-    const bool simd = !force_scalar;
-#endif
-#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
-    for (int g = 0; g < n_groups; g++) {
-        int o0 = g * KG, o1 = o0 + KG < w->n_out ? o0 + KG : w->n_out;
-#ifdef MMK_SIMD
-        if (simd) {
-            rows_simd(&jb, o0, o1);
-            continue;
-        }
-#endif
-        rows_scalar(w->type, w, &a, out, n_tok, o0, o1);
-    }
-}
+    .quantize = kx_quantize,
+};

@@ -212,8 +212,8 @@ int32_t model_sample(model_sampler *smp, float *logits, const int32_t *history, 
  * The kernels a forward pass runs on, in one line for logs and answers:
  * the kernel level (cpu/cpu.h) and whether it was forced, then each
  * module's path, e.g. "avx512 (the best this CPU and build have): matmul
- * avx512-vnni, read-only formats avx2, attention avx512, q8_0 keys
- * avx512-vnni" (model/kernels.c). Returns buf.
+ * avx512-vnni, K formats avx512-vnni, read-only formats avx2, attention
+ * avx512, q8_0 keys avx512-vnni" (model/kernels.c). Returns buf.
  */
 const char *model_kernels_describe(char *buf, size_t len);
 

@@ -287,7 +287,8 @@ bool mm_k_type(enum ggml_type type);
 size_t mm_k_scratch_bytes(int n_in, int n_tok);
 
 /*
- * mm_matmul_scratch for a weight of an mm_k_type type: the activations
+ * mm_matmul_scratch for a weight of an mm_k_type type (matmul_k_run.c,
+ * kernels in matmul_k.c): the activations
  * quantised per super-block of 256 (one scale each, sums per 16) into
  * scratch (mm_k_scratch_bytes, 64-byte aligned), then integer dot products
  * with the weights' scales applied in integers. The same invariance: each
@@ -296,11 +297,8 @@ size_t mm_k_scratch_bytes(int n_in, int n_tok);
 void mm_k_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
                  void *scratch);
 
-/* The kernel mm_k_matmul uses: "avx512-vnni", "avx2" or "scalar". */
+/* The kernel mm_k_matmul uses at the kernel level in use (cpu/cpu.h):
+ * "avx512-vnni", "avx2" or "scalar". */
 const char *mm_k_kernel_name(void);
-/* For tests and benchmarks: "scalar" forces the plain C kernel, "auto"
- * returns to the build's best. 0, or -EINVAL for another name. Not to be
- * called while products run. */
-int mm_k_use(const char *kernel);
 
 #endif /* KVD_QUANT_H */

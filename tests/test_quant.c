@@ -1081,20 +1081,12 @@ static void test_matmul_q4_0(void **state)
     check_matmul_shapes(GGML_TYPE_Q4_0, n_in, 3);
 }
 
-/* The K formats through matmul_k.c's SIMD kernel (when the build has one)
- * and its plain C kernel: both within the same bounds of the references,
- * invariant to threads and batch. */
+/* The K formats through matmul_k.c at every level (check_matmul_shapes):
+ * within the same bounds of the references, invariant to threads and batch. */
 static void check_matmul_k(enum ggml_type type)
 {
     const int n_in[2] = {256, 768};
-    for (int pass = 0; pass < 2; pass++) {
-        assert_int_equal(mm_k_use(pass ? "scalar" : "auto"), 0);
-        print_message("%s kernel: %s\n", qt_type_name(type), mm_k_kernel_name());
-        check_matmul_shapes(type, n_in, 2);
-        check_matmul(type, 1024, 83, 9);
-    }
-    assert_int_equal(mm_k_use("auto"), 0);
-    assert_int_equal(mm_k_use("avx9"), -EINVAL);
+    check_matmul_shapes(type, n_in, 2);
 }
 
 static void test_matmul_q4_K(void **state)
@@ -1141,13 +1133,14 @@ static void test_matmul_read_only(void **state)
 static void test_matmul_larger(void **state)
 {
     (void)state;
-    const enum ggml_type types[7] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q8_0,
-                                     GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+    const enum ggml_type types[8] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,
+                                     GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_K,
+                                     GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
     enum cpu_level levels[CPU_N_LEVELS];
     int n_levels = cl_levels(CPU_SCALAR, levels);
     for (int l = 0; l < n_levels; l++) {
         cl_force(levels[l]);
-        for (int k = 0; k < 7; k++)
+        for (int k = 0; k < 8; k++)
             check_matmul(types[k], 1024, 83, 9);
     }
     assert_int_equal(cpu_force("auto", NULL, 0), 0);
@@ -1164,8 +1157,10 @@ static void test_matmul_level_names(void **state)
     for (int l = 0; l < n_levels; l++) {
         cl_force(levels[l]);
         assert_string_equal(mm_kernel_name(), want[levels[l]]);
-        print_message("level %s: matmul %s, read-only formats %s\n", cpu_level_name(levels[l]),
-                      mm_kernel_name(), mm_blocks_kernel_name());
+        assert_string_equal(mm_k_kernel_name(), want[levels[l]]);
+        print_message("level %s: matmul %s, K formats %s, read-only formats %s\n",
+                      cpu_level_name(levels[l]), mm_kernel_name(), mm_k_kernel_name(),
+                      mm_blocks_kernel_name());
     }
     assert_int_equal(cpu_force("auto", NULL, 0), 0);
     assert_int_equal(cpu_level(), cpu_best());
