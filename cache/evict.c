@@ -76,13 +76,23 @@
  * with the largest mass (ties go to the more recent token) and evicts every
  * other middle token, in one step down to sinks + window + heavy, so that at
  * least a page's worth of tokens (kv_policy_check requires the slack) is
- * freed per step and its O(retained log retained) selection is amortised.
+ * freed per step and its O(middle) selection (a quickselect of the heavy
+ * best, not a sort) is amortised.
  *
  * Survivors are then compacted toward the front in order: a token that
  * moves from logical slot i to slot d < i has its K and V rows copied whole
  * (memcpy, every layer and KV head) and its position, id, history index and
  * mass moved with it; the bytes are never changed, only their address. The
- * pages past the new end go back to the pool.
+ * pages past the new end go back to the pool. Copying is the step's cost
+ * (O(retained x bytes per token) when the first evicted token is near the
+ * front), and most of the survivors are usually the window, one run at
+ * the end. When the step frees whole pages' worth of tokens - always so
+ * for a decode step under an automatic window, which frees one page - that
+ * run's tokens land on the same slots of other pages, so its whole pages
+ * move down the page table instead, sink-window's way, and the pages they
+ * land on (which held only tokens already moved or evicted) go back to the
+ * pool: only the heavy survivors after the first gap and the run's first
+ * partial page are copied.
  *
  * tova, knorm and snapkv have h2o's shape and step and differ only in the
  * score that ranks the middle: see evict_scored.c.
@@ -443,9 +453,94 @@ void kv_evict_move_token(kv_seq *s, int dst, int src)
     move_token_meta(s, dst, src, 1);
 }
 
-/* Keep sinks, window and the `keep - sinks - window` middle tokens of the
- * highest score (kv_evict_score: h2o's mass, or another policy's score);
- * compact the survivors in order and free the pages past the end. */
+/*
+ * Reorder r[0..m) so that its first k entries are the first k in rank
+ * order (in some order): quickselect, O(m) on average, where a sort was
+ * O(m log m). rank_cmp is a total order (history indices are distinct),
+ * so the set is the one a sort would put first. After 64 rounds without
+ * settling (an adversarial order) the rest is sorted.
+ */
+static void rank_select(struct kv_rank *r, int m, int k)
+{
+    int lo = 0, hi = m, rounds = 64;
+    while (k > lo && k < hi && hi - lo > 16 && rounds-- > 0) {
+        struct kv_rank a = r[lo], b = r[lo + (hi - lo) / 2], c = r[hi - 1], p;
+        if (rank_cmp(&a, &b) < 0)
+            p = rank_cmp(&b, &c) < 0 ? b : rank_cmp(&a, &c) < 0 ? c : a;
+        else
+            p = rank_cmp(&a, &c) < 0 ? a : rank_cmp(&b, &c) < 0 ? c : b;
+        int i = lo, j = hi - 1; /* Hoare: [lo, j] before p, [i, hi) after */
+        while (i <= j) {
+            while (rank_cmp(&r[i], &p) < 0)
+                i++;
+            while (rank_cmp(&r[j], &p) > 0)
+                j--;
+            if (i <= j) {
+                struct kv_rank t = r[i];
+                r[i++] = r[j];
+                r[j--] = t;
+            }
+        }
+        if (k <= j)
+            hi = j + 1;
+        else if (k >= i)
+            lo = i;
+        else
+            return; /* the boundary falls on p: settled */
+    }
+    if (k > lo && k < hi)
+        qsort(r + lo, (size_t)(hi - lo), sizeof(*r), rank_cmp);
+}
+
+/*
+ * Compact the survivors marked in s->keep toward the front, in order, so
+ * that `keep` remain, and give back the pages past the end. When the gap
+ * is whole pages (always so for a decode step under an automatic window,
+ * which frees exactly one page), the run of survivors at the end (the
+ * window, at least) keeps its slots: its whole pages move down the page
+ * table and the pages they replace go back to the pool, so only the
+ * survivors before that run (the heavy middle tokens after the first
+ * evicted one, and the run's partial first page) have their K/V copied.
+ */
+static void compact_survivors(kv_seq *s, int keep)
+{
+    kv_cache *c = s->cache;
+    const uint8_t *kp = s->keep;
+    int n = s->n_tokens, pt = c->layout.page_tokens, gap = n - keep;
+    int tail = n; /* survivors [tail, n) */
+    while (tail > 0 && kp[tail - 1])
+        tail--;
+    int p0 = (tail + pt - 1) / pt; /* the run's first whole page */
+    int stop = gap % pt == 0 && p0 < s->n_pages ? p0 * pt : n;
+    int d = 0;
+    for (int i = 0; i < stop; i++) {
+        if (!kp[i])
+            continue;
+        if (i != d)
+            kv_evict_move_token(s, d, i);
+        d++;
+    }
+    if (stop == n) {
+        assert(d == keep);
+        kv_seq_cut_to(s, d); /* give back the pages past the new end */
+        return;
+    }
+    /* Pages [p0, n_pages) move down by gap / pt; the ones they land on held
+     * only tokens already copied or evicted. */
+    int down = gap / pt;
+    int32_t *ptab = s->ptab + s->p_off;
+    assert(d == stop - gap && p0 - down >= 0);
+    for (int p = p0 - down; p < p0; p++)
+        kv_pool_release(c, ptab[p], s->uid);
+    memmove(ptab + p0 - down, ptab + p0, sizeof(int32_t) * (size_t)(s->n_pages - p0));
+    move_token_meta(s, d, stop, n - stop);
+    s->n_pages -= down;
+    s->n_tokens = keep;
+}
+
+/* Keep sinks, window, the pinned middle tokens and the `keep - sinks -
+ * window - pinned` other middle tokens of the highest score
+ * (kv_evict_score: h2o's mass, or another policy's score); compact. */
 static void evict_h2o(kv_seq *s, int keep)
 {
     int n = s->n_tokens, sinks, window;
@@ -469,21 +564,10 @@ static void evict_h2o(kv_seq *s, int keep)
         if (!kp[i])
             s->rank[m++] = (struct kv_rank){.mass = kv_evict_score(s, i, mid_lo, mid_hi), .idx = i};
     assert(heavy <= m);
-    qsort(s->rank, (size_t)m, sizeof(s->rank[0]), rank_cmp);
+    rank_select(s->rank, m, heavy);
     for (int r = 0; r < heavy; r++)
         kp[s->rank[r].idx] = 1;
-
-    /* Compact survivors toward the front, in order. */
-    int d = 0;
-    for (int i = 0; i < n; i++) {
-        if (!kp[i])
-            continue;
-        if (i != d)
-            kv_evict_move_token(s, d, i);
-        d++;
-    }
-    assert(d == keep);
-    kv_seq_cut_to(s, d); /* give back the pages past the new end */
+    compact_survivors(s, keep);
 }
 
 void kv_evict_effect(const kv_seq *s, int keep, struct kv_effect *out)

@@ -62,10 +62,16 @@ static void generate_usage(FILE *f)
             "  --seed S           sampling seed (default 0)\n"
             "  --ctx N            cache budget in tokens (default: the model's context\n"
             "                     length, at most 4096)\n"
-            "  --policy P         none | sink-window | h2o (default none: stop when full)\n"
+            "  --policy P         none | sink-window | h2o | tova | knorm | snapkv\n"
+            "                     (default none: stop when full; config/kvd.conf says what\n"
+            "                     each keeps and costs)\n"
             "  --sink S           sink tokens kept (default 4)\n"
             "  --window W         recent tokens kept (default: what the budget allows)\n"
-            "  --heavy H          h2o: heavy-hitter tokens kept (default 0)\n"
+            "  --heavy H          h2o, tova, knorm, snapkv: middle tokens kept by score\n"
+            "                     (default 0; these policies need at least 1)\n"
+            "  --observe N        snapkv: last queries of a prompt chunk observed (default 32)\n"
+            "  --pool N           snapkv: max-pool width over neighbours (default 7)\n"
+            "  --knorm-evict E    knorm: largest | smallest key norms evicted (default largest)\n"
             "  --preserve         keep positions after eviction (default: renumber)\n"
             "  --kv-type T        K and V type: f32 | f16 | bf16 | q8_0 | q4_0 (default f16)\n"
             "  --k-type T, --v-type T  the K or the V type alone\n"
@@ -105,7 +111,11 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
         .page_tokens = 16,
         .k_type = KV_F16,
         .v_type = KV_F16,
-        .policy = {.kind = KV_EVICT_NONE, .sink_tokens = 4, .renumber = true},
+        .policy = {.kind = KV_EVICT_NONE,
+                   .sink_tokens = 4,
+                   .observe_tokens = 32,
+                   .pool_tokens = 7,
+                   .renumber = true},
         .echo = true,
     };
     model_sampling_defaults(&o->sampling);
@@ -155,7 +165,9 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
                 return -1;
         } else if (srv_opt_value(argc, argv, &i, "generate", "--policy", &v, &bad)) {
             if (!bad && kv_policy_parse_kind(v, &o->policy.kind)) {
-                fprintf(stderr, "kvd generate: --policy wants none, sink-window or h2o, got '%s'\n",
+                fprintf(stderr,
+                        "kvd generate: --policy wants none, sink-window, h2o, tova, knorm or "
+                        "snapkv, got '%s'\n",
                         v);
                 return -1;
             }
@@ -169,6 +181,19 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
         } else if (srv_opt_value(argc, argv, &i, "generate", "--heavy", &v, &bad)) {
             if (!bad && parse_int_opt(v, "--heavy", 0, 1 << 24, &o->policy.heavy_tokens))
                 return -1;
+        } else if (srv_opt_value(argc, argv, &i, "generate", "--observe", &v, &bad)) {
+            if (!bad && parse_int_opt(v, "--observe", 1, 1 << 20, &o->policy.observe_tokens))
+                return -1;
+        } else if (srv_opt_value(argc, argv, &i, "generate", "--pool", &v, &bad)) {
+            if (!bad && parse_int_opt(v, "--pool", 1, 1 << 10, &o->policy.pool_tokens))
+                return -1;
+        } else if (srv_opt_value(argc, argv, &i, "generate", "--knorm-evict", &v, &bad)) {
+            if (!bad && strcmp(v, "largest") && strcmp(v, "smallest")) {
+                fprintf(stderr, "kvd generate: --knorm-evict wants largest or smallest, got '%s'\n",
+                        v);
+                return -1;
+            }
+            o->policy.knorm_smallest = !bad && !strcmp(v, "smallest");
         } else if (srv_opt_kv_types(argc, argv, &i, "generate", &o->k_type, &o->v_type, &bad)) {
             if (bad)
                 return -1;

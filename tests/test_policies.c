@@ -1138,6 +1138,44 @@ static void test_eval_policy_specs(void **state)
     assert_non_null(strstr(err, "tova"));
 }
 
+/* `kvd generate --help` and `kvd eval --help` name every policy the cache
+ * knows (eval's dense baseline is policy none). */
+static void test_help_lists_every_policy(void **state)
+{
+    (void)state;
+    const char *bin = getenv("KVD_BIN");
+    if (!bin || access(bin, X_OK) != 0) {
+        print_message("skipped: KVD_BIN not set\n");
+        skip();
+    }
+    const char *cmds[2] = {"generate", "eval"};
+    for (int c = 0; c < 2; c++) {
+        char cmd[1024], out[16384];
+        snprintf(cmd, sizeof(cmd), "%s %s --help 2>&1", bin, cmds[c]);
+        FILE *f = popen(cmd, "r");
+        assert_non_null(f);
+        size_t n = fread(out, 1, sizeof(out) - 1, f);
+        out[n] = '\0';
+        pclose(f);
+        /* generate: "none | sink-window | ..." whole; eval: each "NAME:" spec */
+        char want[256] = "";
+        int k = c == 1 ? KV_EVICT_SINK_WINDOW : KV_EVICT_NONE;
+        for (; strcmp(kv_policy_kind_name((enum kv_policy_kind)k), "unknown"); k++) {
+            const char *name = kv_policy_kind_name((enum kv_policy_kind)k);
+            if (c == 0) {
+                snprintf(want + strlen(want), sizeof(want) - strlen(want), "%s%s",
+                         k == KV_EVICT_NONE ? "" : " | ", name);
+                continue;
+            }
+            snprintf(want, sizeof(want), "%s:", name);
+            assert_non_null(strstr(out, want));
+        }
+        if (c == 0)
+            assert_non_null(strstr(out, want));
+        assert_true(k > KV_EVICT_SNAPKV);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1154,6 +1192,7 @@ int main(void)
         cmocka_unit_test(test_session_map_names_scored_parts),
         cmocka_unit_test(test_config_selects_each_policy),
         cmocka_unit_test(test_eval_policy_specs),
+        cmocka_unit_test(test_help_lists_every_policy),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

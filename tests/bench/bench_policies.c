@@ -5,10 +5,12 @@
  * one page of tokens; the append's eviction step is timed (median of many
  * steps, one thread). sink-window frees one whole page after the sinks and
  * moves nothing. The scored policies (h2o, tova, knorm, snapkv) rank the
- * middle by score, keep heavy_tokens of it and compact the survivors: every
- * retained token after the first evicted one has its K/V rows copied to
- * its new slot, so a step costs O(retained x bytes per token) of memcpy in
- * the worst case, spread over the page_tokens tokens the step frees. The
+ * middle by score, keep heavy_tokens of it and compact the survivors: the
+ * heavy survivors after the first evicted one have their K/V rows copied
+ * to their new slots (the window's whole pages move by page table, since
+ * the step frees exactly one page), so a step costs O(heavy x bytes per
+ * token) of memcpy in the worst case, spread over the page_tokens tokens
+ * the step frees. The
  * scores are random (the worst case: the first evicted token sits near the
  * front of the middle); snapkv also pools over 7 neighbours.
  *
