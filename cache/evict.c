@@ -492,6 +492,18 @@ static void rank_select(struct kv_rank *r, int m, int k)
         qsort(r + lo, (size_t)(hi - lo), sizeof(*r), rank_cmp);
 }
 
+/* Whether logical pages [a, b) of s are held by s alone. The page-table
+ * move below frees other pages than the tail kv_evict_effect counted for
+ * the pool's plan; the counts agree when none of them is shared. */
+static bool pages_unshared(const kv_seq *s, int a, int b)
+{
+    const int32_t *ptab = s->ptab + s->p_off;
+    for (int p = a < 0 ? 0 : a; p < b; p++)
+        if (kv_pool_shared(s->cache, ptab[p]))
+            return false;
+    return true;
+}
+
 /*
  * Compact the survivors marked in s->keep toward the front, in order, so
  * that `keep` remain, and give back the pages past the end. When the gap
@@ -501,6 +513,8 @@ static void rank_select(struct kv_rank *r, int m, int k)
  * table and the pages they replace go back to the pool, so only the
  * survivors before that run (the heavy middle tokens after the first
  * evicted one, and the run's partial first page) have their K/V copied.
+ * Pages shared with another holder (kv_seq_fork, a cached prefix) take
+ * the copying way, which the pool's plan (kv_evict_effect) counts.
  */
 static void compact_survivors(kv_seq *s, int keep)
 {
@@ -511,7 +525,9 @@ static void compact_survivors(kv_seq *s, int keep)
     while (tail > 0 && kp[tail - 1])
         tail--;
     int p0 = (tail + pt - 1) / pt; /* the run's first whole page */
-    int stop = gap % pt == 0 && p0 < s->n_pages ? p0 * pt : n;
+    int stop = gap % pt == 0 && p0 < s->n_pages && pages_unshared(s, p0 - gap / pt, s->n_pages)
+                   ? p0 * pt
+                   : n;
     int d = 0;
     for (int i = 0; i < stop; i++) {
         if (!kp[i])
@@ -531,7 +547,7 @@ static void compact_survivors(kv_seq *s, int keep)
     int32_t *ptab = s->ptab + s->p_off;
     assert(d == stop - gap && p0 - down >= 0);
     for (int p = p0 - down; p < p0; p++)
-        kv_pool_release(c, ptab[p], s->uid);
+        kv_pool_unref(c, ptab[p]);
     memmove(ptab + p0 - down, ptab + p0, sizeof(int32_t) * (size_t)(s->n_pages - p0));
     move_token_meta(s, d, stop, n - stop);
     s->n_pages -= down;
