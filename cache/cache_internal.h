@@ -214,18 +214,14 @@ void kv_turns_clear(kv_seq *seq);
 /* --- prefix.c ---------------------------------------------------------- */
 
 /*
- * The prefix index (prefix.c: the essay). Entries are keyed by page id; a
- * page is listed at most once. These calls keep the index's own books only:
- * the references the index holds on pages are the pool's (pool.c), which
- * calls them.
+ * The index's own books (prefix.c: the essay), for prefix.c's pool side
+ * and white-box tests. Entries are keyed by page id; a page is listed at
+ * most once. None of these touch the pool.
  */
-typedef struct kv_prefix kv_prefix;
 
-/* An empty index for a pool of n_pages pages of page_tokens tokens, its
- * chains rooted at fingerprint, keeping at most max_idle idle entries.
- * NULL when out of memory or a size is below 1. */
-kv_prefix *kv_prefix_create(int n_pages, int page_tokens, uint64_t fingerprint, int max_idle);
-void kv_prefix_destroy(kv_prefix *px); /* NULL is a no-op */
+/* A bare index (no pool) for n_pages pages of page_tokens tokens, chains
+ * rooted at fingerprint. NULL when out of memory or a size is below 1. */
+kv_prefix *kv_prefix_new(int n_pages, int page_tokens, uint64_t fingerprint, int max_idle);
 /* Tests: narrow the hash to force collisions (only on an empty index). */
 void kv_prefix_set_hash_mask(kv_prefix *px, uint64_t mask);
 /* The entry (page id) for the page that follows entry `parent` (-1: a
@@ -237,24 +233,21 @@ int32_t kv_prefix_find(const kv_prefix *px, int32_t parent, const int32_t *token
 int kv_prefix_match(const kv_prefix *px, const int32_t *tokens, int n_tokens, int32_t *pages,
                     int max_pages);
 /* List page (not listed yet) as the page after `parent` holding tokens
- * (copied). It starts busy (not idle). */
+ * (copied), as the most recently used. */
 void kv_prefix_add(kv_prefix *px, int32_t parent, const int32_t *tokens, int32_t page);
-/* Unlist a page with no children (idle or not). Its slot's generation
- * moves on, so no stale parent link can match it again. */
+/* Unlist a page with no children. Its slot's generation moves on, so no
+ * stale parent link can match it again. */
 void kv_prefix_remove(kv_prefix *px, int32_t page);
 bool kv_prefix_listed(const kv_prefix *px, int32_t page);
-bool kv_prefix_idle(const kv_prefix *px, int32_t page);
-/* Move a listed page onto (idle: as the most recent) or off the LRU. */
-void kv_prefix_set_idle(kv_prefix *px, int32_t page, bool idle);
-/* The idle page to take back first: the least recently idled one without
- * children; -1 when there is none. */
-int32_t kv_prefix_victim(const kv_prefix *px);
+/* Make a listed page the most recently used. */
+void kv_prefix_touch(kv_prefix *px, int32_t page);
+/* The page to take back first: the least recently used one without
+ * children for which idle(px, page) holds; -1 when there is none. */
+int32_t kv_prefix_victim(const kv_prefix *px, bool (*idle)(const kv_prefix *, int32_t));
 int kv_prefix_n_entries(const kv_prefix *px);
-int kv_prefix_n_idle(const kv_prefix *px);
-int kv_prefix_max_idle(const kv_prefix *px);
-int kv_prefix_page_tokens(const kv_prefix *px);
-/* The index's own invariants (counts, parent links, the LRU), O(pages):
- * 0, -EFAULT with the first broken one in err, or -ENOMEM. */
+/* The index's own invariants (parent links, child counts, the recency
+ * list; with a pool, no listed page free), O(pages): 0, -EFAULT with the
+ * first broken one in err, or -ENOMEM. */
 int kv_prefix_check(const kv_prefix *px, char *err, size_t errlen);
 
 /* --- seq.c ------------------------------------------------------------- */

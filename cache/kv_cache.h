@@ -712,4 +712,72 @@ int kv_seq_import(kv_seq *seq, const struct kv_seq_state *st, char *err, size_t 
 typedef void (*kv_drop_hook)(void *ud, kv_seq *seq);
 void kv_cache_set_drop_hook(kv_cache *cache, kv_drop_hook fn, void *ud);
 
+/* ------------------------------------------------------------------------
+ * The prefix cache (prefix.c)
+ * ------------------------------------------------------------------------ */
+
+/*
+ * An index of full pages by the tokens up to and including them (a hash
+ * chain rooted at the model's fingerprint; prefix.c: the essay). A new
+ * sequence attaches the longest chain its prompt starts with instead of
+ * computing it; a sequence publishes its full pages for others. The index
+ * holds one outside reference (kv_page_ref) to each page it lists and is
+ * the pool's reclaim hook: pages only it holds (idle) go back oldest first
+ * when the pool runs short, before any idle session is dropped. Owned by
+ * whoever created it, on the cache's thread; destroy it before the cache.
+ */
+typedef struct kv_prefix kv_prefix;
+
+struct kv_prefix_stats {
+    int pages_listed;           /* pages in the index */
+    int pages_idle;             /* ... of them no sequence holds (reclaimable) */
+    int pages_shared;           /* ... of them held by two or more sequences */
+    uint64_t page_refs_saved;   /* sequences' references to listed pages beyond the
+                                   first: copies that sharing saves, in pages */
+    uint64_t pages_attached;    /* pages sequences took from the index (hits) */
+    uint64_t pages_published;   /* pages listed so far */
+    uint64_t pages_reclaimed;   /* idle pages given back (pool short, or the cap) */
+};
+
+/*
+ * An index over cache, chains rooted at fingerprint (the model and KV
+ * types), keeping at most max_idle_pages idle pages after kv_prefix_trim.
+ * Installs itself as the cache's reclaim hook. NULL with the reason in
+ * err (out of memory, a negative cap).
+ */
+kv_prefix *kv_prefix_create(kv_cache *cache, uint64_t fingerprint, int max_idle_pages, char *err,
+                            size_t errlen);
+/* Let go of every listed page (idle ones return to the pool) and remove
+ * the hook. NULL is a no-op. */
+void kv_prefix_destroy(kv_prefix *px);
+
+/*
+ * Attach to seq the longest listed chain that tokens[0..n_tokens) starts
+ * with, beyond the tokens seq holds. seq must hold exactly
+ * tokens[0..kv_seq_n_tokens(seq)), whole pages, never evicted (positions
+ * and history 0..n-1), and its own pages must be the chain's; otherwise, or
+ * when nothing longer is listed, nothing happens. At most what fits within
+ * max_cache_tokens is attached. Returns the tokens attached (a multiple of
+ * page_tokens, >= 0), or kv_seq_attach's negative error with nothing
+ * changed. The caller keeps at least one token of a prompt out of
+ * n_tokens if it needs logits after it.
+ */
+int kv_prefix_attach(kv_prefix *px, kv_seq *seq, const int32_t *tokens, int n_tokens);
+/*
+ * List seq's full pages that are not listed yet, if seq never evicted:
+ * pages whose tokens another sequence listed first stay seq's own (the
+ * chain goes on from the listed copy). Call after the forward pass wrote
+ * them. Returns the pages listed (0 when seq evicted).
+ */
+int kv_prefix_publish(kv_prefix *px, kv_seq *seq);
+/* Listed pages tokens[0..n_tokens) starts with (whole pages), and in
+ * *idle_pages (may be NULL) how many of them are idle: admission's
+ * arithmetic. Changes nothing but a scratch buffer. */
+int kv_prefix_lookup(kv_prefix *px, const int32_t *tokens, int n_tokens, int *idle_pages);
+/* Idle pages (reclaimable), O(listed pages). */
+int kv_prefix_idle_pages(const kv_prefix *px);
+/* Give back idle pages, oldest first, down to the cap; returns how many. */
+int kv_prefix_trim(kv_prefix *px);
+void kv_prefix_get_stats(const kv_prefix *px, struct kv_prefix_stats *out);
+
 #endif /* KVD_KV_CACHE_H */

@@ -49,23 +49,26 @@
  * show it).
  *
  * ---------------------------------------------------------------------------
- * Entries live in page slots; idle pages are an LRU
+ * Entries live in page slots; idle pages go back leaf first
  * ---------------------------------------------------------------------------
  *
- * A page is indexed at most once, so entry arrays are indexed by page id
- * (n_pages of them, allocated once). The index holds one reference to every
- * page it lists. A listed page no sequence holds is idle: cached but
- * unused, and reclaimable. Idle entries form an LRU list; when a page
- * becomes idle it goes to the most recent end. The pool takes idle pages
- * back, oldest first, whenever it runs short, before any idle session is
- * dropped or any running sequence evicts a token, and keeps at most
- * max_idle of them at all (the [cache] prefix_cache_share cap).
+ * A page is listed at most once, so entry arrays are indexed by page id
+ * (n_pages of them, allocated once). The index holds one outside reference
+ * (kv_page_ref) to every page it lists. A listed page whose only reference
+ * is the index's is idle: cached but unused, and reclaimable. Entries sit on
+ * one recency list, touched when a chain is published or attached; a page
+ * becomes idle without the index hearing of it (a sequence let go), so
+ * idleness is read from the page's reference count when a page is wanted.
+ * The pool asks for idle pages (its reclaim hook) whenever it runs short,
+ * before it drops any idle session or any running sequence evicts a token;
+ * the engine trims them to the share cap ([cache] prefix_cache_share)
+ * after each step.
  *
  * Only childless entries are taken back: removing a page from the middle of
- * a chain would leave the pages after it unreachable yet held. A sequence
- * releases its pages last first (seq.c), so the leaf of a chain becomes
- * idle first and sits nearest the old end; the search from the old end
- * then usually stops at its first step.
+ * a chain would leave the pages after it unreachable yet held. A chain is
+ * touched from its last page to its first, so on the recency list the
+ * leaf lies nearest the old end and the search from there usually stops at
+ * its first idle entry.
  *
  * Threading: the index belongs to its cache and, like it, to one thread.
  */
@@ -78,28 +81,30 @@
 #include <string.h>
 
 struct kv_prefix_entry {
-    uint64_t hash;       /* chain key of this page (masked) */
-    int32_t parent;      /* page of the previous page's entry; -1: the chain's first */
-    uint32_t parent_gen; /* the parent's generation when this entry was added */
-    uint32_t gen;        /* bumped each time this slot's entry is removed */
-    int32_t hnext;       /* next entry in the hash bucket, or -1 */
-    int32_t lprev, lnext; /* idle LRU links (lprev towards the recent end), or -1 */
-    int32_t n_children;  /* entries whose parent is this one */
-    bool live;           /* the slot holds an entry */
-    bool idle;           /* ... that no sequence uses (on the LRU) */
+    uint64_t hash;        /* chain key of this page (masked) */
+    int32_t parent;       /* page of the previous page's entry; -1: the chain's first */
+    uint32_t parent_gen;  /* the parent's generation when this entry was added */
+    uint32_t gen;         /* bumped each time this slot's entry is removed */
+    int32_t hnext;        /* next entry in the hash bucket, or -1 */
+    int32_t lprev, lnext; /* recency links (lprev towards the recent end), or -1 */
+    int32_t n_children;   /* entries whose parent is this one */
+    bool live;            /* the slot holds an entry */
 };
 
 struct kv_prefix {
+    kv_cache *cache;    /* NULL for a bare index (tests) */
     int n_pages, page_tokens;
     uint64_t root;      /* h(-1): the fingerprint, mixed */
     uint64_t hash_mask; /* all ones; tests narrow it to force collisions */
-    int max_idle;       /* idle entries kept at most */
+    int max_idle;       /* idle pages kept at most (kv_prefix_trim) */
     struct kv_prefix_entry *e; /* [n_pages], by page id */
     int32_t *tokens;           /* [n_pages * page_tokens] each entry's token ids */
     int32_t *bucket;           /* [n_buckets] first entry, or -1 */
     uint32_t n_buckets;        /* a power of two */
-    int32_t lru_new, lru_old;  /* idle LRU ends, or -1 */
-    int n_entries, n_idle;
+    int32_t lru_new, lru_old;  /* recency list ends, or -1 */
+    int32_t *scratch;          /* [n_pages] matched pages (attach, lookup) */
+    int n_entries;
+    struct kv_prefix_stats st; /* counters (the gauges are computed) */
 };
 
 /* ------------------------------------------------------------------------
@@ -135,7 +140,7 @@ static uint32_t bucket_of(const kv_prefix *px, uint64_t hash)
  * Lifecycle
  * ------------------------------------------------------------------------ */
 
-kv_prefix *kv_prefix_create(int n_pages, int page_tokens, uint64_t fingerprint, int max_idle)
+kv_prefix *kv_prefix_new(int n_pages, int page_tokens, uint64_t fingerprint, int max_idle)
 {
     if (n_pages < 1 || page_tokens < 1)
         return NULL;
@@ -153,7 +158,8 @@ kv_prefix *kv_prefix_create(int n_pages, int page_tokens, uint64_t fingerprint, 
     px->e = calloc((size_t)n_pages, sizeof(*px->e));
     px->tokens = malloc(sizeof(int32_t) * (size_t)n_pages * (size_t)page_tokens);
     px->bucket = malloc(sizeof(int32_t) * px->n_buckets);
-    if (!px->e || !px->tokens || !px->bucket) {
+    px->scratch = malloc(sizeof(int32_t) * (size_t)n_pages);
+    if (!px->e || !px->tokens || !px->bucket || !px->scratch) {
         kv_prefix_destroy(px);
         return NULL;
     }
@@ -165,13 +171,44 @@ kv_prefix *kv_prefix_create(int n_pages, int page_tokens, uint64_t fingerprint, 
     return px;
 }
 
+static int reclaim_hook(void *ctx, kv_cache *cache, int n_pages);
+
+kv_prefix *kv_prefix_create(kv_cache *cache, uint64_t fingerprint, int max_idle_pages, char *err,
+                            size_t errlen)
+{
+    if (!cache || max_idle_pages < 0) {
+        if (err)
+            snprintf(err, errlen, "prefix cache: no cache, or a negative idle cap (%d)",
+                     max_idle_pages);
+        return NULL;
+    }
+    kv_prefix *px = kv_prefix_new(kv_cache_n_pages(cache), kv_cache_page_tokens(cache),
+                                  fingerprint, max_idle_pages);
+    if (!px) {
+        if (err)
+            snprintf(err, errlen, "prefix cache: out of memory for an index of %d pages",
+                     kv_cache_n_pages(cache));
+        return NULL;
+    }
+    px->cache = cache;
+    kv_cache_set_reclaim(cache, reclaim_hook, px);
+    return px;
+}
+
 void kv_prefix_destroy(kv_prefix *px)
 {
     if (!px)
         return;
+    if (px->cache) {
+        kv_cache_set_reclaim(px->cache, NULL, NULL);
+        for (int p = 0; p < px->n_pages; p++)
+            if (px->e[p].live)
+                kv_page_unref(px->cache, p);
+    }
     free(px->e);
     free(px->tokens);
     free(px->bucket);
+    free(px->scratch);
     free(px);
 }
 
@@ -185,7 +222,7 @@ void kv_prefix_set_hash_mask(kv_prefix *px, uint64_t mask)
  * Lookup
  * ------------------------------------------------------------------------ */
 
-/* Whether p's parent link still names the entry `parent` (-1: p is a
+/* Whether x's parent link still names the entry `parent` (-1: x is a
  * chain's first page). */
 static bool parent_is(const kv_prefix *px, const struct kv_prefix_entry *x, int32_t parent)
 {
@@ -232,34 +269,6 @@ bool kv_prefix_listed(const kv_prefix *px, int32_t page)
     return page >= 0 && page < px->n_pages && px->e[page].live;
 }
 
-bool kv_prefix_idle(const kv_prefix *px, int32_t page)
-{
-    return kv_prefix_listed(px, page) && px->e[page].idle;
-}
-
-void kv_prefix_add(kv_prefix *px, int32_t parent, const int32_t *tokens, int32_t page)
-{
-    assert(page >= 0 && page < px->n_pages && !px->e[page].live);
-    assert(parent < 0 || px->e[parent].live);
-    struct kv_prefix_entry *x = &px->e[page];
-    uint64_t prev = parent < 0 ? px->root : px->e[parent].hash;
-    x->hash = chain_hash(px, prev, tokens);
-    x->parent = parent;
-    x->parent_gen = parent < 0 ? 0 : px->e[parent].gen;
-    x->n_children = 0;
-    x->live = true;
-    x->idle = false;
-    x->lprev = x->lnext = -1;
-    memcpy(px->tokens + (size_t)page * (size_t)px->page_tokens, tokens,
-           sizeof(int32_t) * (size_t)px->page_tokens);
-    uint32_t b = bucket_of(px, x->hash);
-    x->hnext = px->bucket[b];
-    px->bucket[b] = page;
-    if (parent >= 0)
-        px->e[parent].n_children++;
-    px->n_entries++;
-}
-
 static void lru_unlink(kv_prefix *px, int32_t p)
 {
     struct kv_prefix_entry *x = &px->e[p];
@@ -274,53 +283,71 @@ static void lru_unlink(kv_prefix *px, int32_t p)
     x->lprev = x->lnext = -1;
 }
 
-void kv_prefix_set_idle(kv_prefix *px, int32_t page, bool idle)
+static void lru_push_new(kv_prefix *px, int32_t p)
 {
-    struct kv_prefix_entry *x = &px->e[page];
-    assert(x->live);
-    if (x->idle == idle)
-        return;
-    x->idle = idle;
-    if (!idle) {
-        lru_unlink(px, page);
-        px->n_idle--;
-        return;
-    }
+    struct kv_prefix_entry *x = &px->e[p];
     x->lprev = -1;
     x->lnext = px->lru_new;
     if (px->lru_new >= 0)
-        px->e[px->lru_new].lprev = page;
+        px->e[px->lru_new].lprev = p;
     else
-        px->lru_old = page;
-    px->lru_new = page;
-    px->n_idle++;
+        px->lru_old = p;
+    px->lru_new = p;
+}
+
+void kv_prefix_touch(kv_prefix *px, int32_t page)
+{
+    assert(px->e[page].live);
+    if (px->lru_new == page)
+        return;
+    lru_unlink(px, page);
+    lru_push_new(px, page);
+}
+
+void kv_prefix_add(kv_prefix *px, int32_t parent, const int32_t *tokens, int32_t page)
+{
+    assert(page >= 0 && page < px->n_pages && !px->e[page].live);
+    assert(parent < 0 || px->e[parent].live);
+    struct kv_prefix_entry *x = &px->e[page];
+    uint64_t prev = parent < 0 ? px->root : px->e[parent].hash;
+    x->hash = chain_hash(px, prev, tokens);
+    x->parent = parent;
+    x->parent_gen = parent < 0 ? 0 : px->e[parent].gen;
+    x->n_children = 0;
+    x->live = true;
+    memcpy(px->tokens + (size_t)page * (size_t)px->page_tokens, tokens,
+           sizeof(int32_t) * (size_t)px->page_tokens);
+    uint32_t b = bucket_of(px, x->hash);
+    x->hnext = px->bucket[b];
+    px->bucket[b] = page;
+    if (parent >= 0)
+        px->e[parent].n_children++;
+    lru_push_new(px, page);
+    px->n_entries++;
 }
 
 void kv_prefix_remove(kv_prefix *px, int32_t page)
 {
     struct kv_prefix_entry *x = &px->e[page];
     assert(x->live && x->n_children == 0);
-    if (x->idle) {
-        lru_unlink(px, page);
-        px->n_idle--;
-    }
+    lru_unlink(px, page);
     int32_t *pp = &px->bucket[bucket_of(px, x->hash)];
     while (*pp != page)
         pp = &px->e[*pp].hnext;
     *pp = x->hnext;
-    if (parent_is(px, x, x->parent) && x->parent >= 0)
+    if (x->parent >= 0 && parent_is(px, x, x->parent))
         px->e[x->parent].n_children--;
-    x->live = x->idle = false;
+    x->live = false;
     x->hnext = -1;
     x->parent = -1;
     x->gen++;
     px->n_entries--;
 }
 
-int32_t kv_prefix_victim(const kv_prefix *px)
+int32_t kv_prefix_victim(const kv_prefix *px, bool (*idle)(const kv_prefix *, int32_t))
 {
     for (int32_t p = px->lru_old; p >= 0; p = px->e[p].lprev)
-        if (px->e[p].n_children == 0)
+        if (px->e[p].n_children == 0 && idle(px, p))
             return p;
     return -1;
 }
@@ -328,21 +355,6 @@ int32_t kv_prefix_victim(const kv_prefix *px)
 int kv_prefix_n_entries(const kv_prefix *px)
 {
     return px->n_entries;
-}
-
-int kv_prefix_n_idle(const kv_prefix *px)
-{
-    return px->n_idle;
-}
-
-int kv_prefix_max_idle(const kv_prefix *px)
-{
-    return px->max_idle;
-}
-
-int kv_prefix_page_tokens(const kv_prefix *px)
-{
-    return px->page_tokens;
 }
 
 #define FAIL(...)                                                                                  \
@@ -355,7 +367,7 @@ int kv_prefix_page_tokens(const kv_prefix *px)
 
 int kv_prefix_check(const kv_prefix *px, char *err, size_t errlen)
 {
-    int rc = 0, entries = 0, idle = 0, on_lru = 0;
+    int rc = 0, entries = 0, on_lru = 0;
     int32_t *children = calloc((size_t)px->n_pages, sizeof(int32_t));
     if (!children)
         return -ENOMEM;
@@ -364,22 +376,201 @@ int kv_prefix_check(const kv_prefix *px, char *err, size_t errlen)
         if (!x->live)
             continue;
         entries++;
-        idle += x->idle;
         if (x->parent >= 0 && !parent_is(px, x, x->parent))
             FAIL("prefix entry %d has lost its parent %d", p, x->parent);
         if (x->parent >= 0)
             children[x->parent]++;
+        if (px->cache && kv_page_refs(px->cache, p) < 1)
+            FAIL("prefix entry %d lists a free page", p);
     }
     for (int p = 0; p < px->n_pages; p++)
         if (px->e[p].live && children[p] != px->e[p].n_children)
             FAIL("prefix entry %d counts %d children, has %d", p, px->e[p].n_children,
                  children[p]);
     for (int32_t p = px->lru_new; p >= 0 && on_lru <= px->n_pages; p = px->e[p].lnext)
-        on_lru += px->e[p].live && px->e[p].idle;
-    if (entries != px->n_entries || idle != px->n_idle || on_lru != idle)
-        FAIL("prefix index counts %d entries / %d idle, found %d / %d (%d on the LRU)",
-             px->n_entries, px->n_idle, entries, idle, on_lru);
+        on_lru += px->e[p].live;
+    if (entries != px->n_entries || on_lru != entries)
+        FAIL("prefix index counts %d entries, found %d (%d on the recency list)", px->n_entries,
+             entries, on_lru);
 out:
     free(children);
     return rc;
+}
+
+/* ------------------------------------------------------------------------
+ * The index over a pool: idle pages, reclaim, trim
+ * ------------------------------------------------------------------------ */
+
+/* A listed page only the index holds. */
+static bool page_idle(const kv_prefix *px, int32_t page)
+{
+    return kv_page_refs(px->cache, page) == 1;
+}
+
+/* Unlist page and let go of the index's reference (the page is free after
+ * it when it was idle). */
+static void drop_entry(kv_prefix *px, int32_t page)
+{
+    kv_prefix_remove(px, page);
+    kv_page_unref(px->cache, page);
+}
+
+/* Give back up to n idle pages, oldest first; returns how many. */
+static int release_idle(kv_prefix *px, int n)
+{
+    int done = 0;
+    while (done < n) {
+        int32_t v = kv_prefix_victim(px, page_idle);
+        if (v < 0)
+            break;
+        drop_entry(px, v);
+        done++;
+    }
+    px->st.pages_reclaimed += (uint64_t)done;
+    return done;
+}
+
+/* The pool's hook (kv_cache_set_reclaim): it is short of n pages. */
+static int reclaim_hook(void *ctx, kv_cache *cache, int n_pages)
+{
+    kv_prefix *px = ctx;
+    assert(cache == px->cache);
+    (void)cache;
+    return release_idle(px, n_pages);
+}
+
+int kv_prefix_idle_pages(const kv_prefix *px)
+{
+    int n = 0;
+    for (int32_t p = px->lru_new; p >= 0; p = px->e[p].lnext)
+        n += page_idle(px, p);
+    return n;
+}
+
+int kv_prefix_trim(kv_prefix *px)
+{
+    int idle = kv_prefix_idle_pages(px);
+    return idle > px->max_idle ? release_idle(px, idle - px->max_idle) : 0;
+}
+
+/* ------------------------------------------------------------------------
+ * Sequences: attach and publish
+ * ------------------------------------------------------------------------ */
+
+/* Whether every retained token of seq was computed with every token before
+ * it present: positions and history indices are exactly 0..n-1 (both
+ * increase strictly, so checking the last suffices). */
+static bool seq_whole(const kv_seq *seq)
+{
+    int n = kv_seq_n_tokens(seq);
+    return n == 0 ||
+           (kv_seq_hist_index(seq)[n - 1] == n - 1 && kv_seq_positions(seq)[n - 1] == n - 1);
+}
+
+/* Touch a chain from its last page to its first (the leaf nearest the old
+ * end, see the essay). */
+static void touch_chain(kv_prefix *px, const int32_t *pages, int n)
+{
+    for (int i = n - 1; i >= 0; i--)
+        kv_prefix_touch(px, pages[i]);
+}
+
+int kv_prefix_attach(kv_prefix *px, kv_seq *seq, const int32_t *tokens, int n_tokens)
+{
+    if (!px || !seq || (n_tokens > 0 && !tokens))
+        return -EINVAL;
+    int pt = px->page_tokens, have = kv_seq_n_tokens(seq);
+    if (!seq_whole(seq) || have % pt != 0 || n_tokens <= have)
+        return 0;
+    /* the sequence's tokens must be the first of `tokens` (the caller's
+     * promise; checked, since a wrong page would be a wrong answer) */
+    if (have > 0 && memcmp(kv_seq_tokens(seq), tokens, sizeof(int32_t) * (size_t)have) != 0)
+        return 0;
+    int room = kv_seq_policy(seq)->max_cache_tokens - have;
+    int limit = n_tokens < have + room ? n_tokens : have + room;
+    int n = kv_prefix_match(px, tokens, limit, px->scratch, px->n_pages);
+    int first = have / pt;
+    if (n <= first)
+        return 0;
+    /* the sequence's own pages must be the chain's (they are, unless it
+     * computed its copy while another sequence listed the same tokens) */
+    const int32_t *ptab = kv_seq_page_table(seq);
+    int same = 0;
+    while (same < first && ptab[same] == px->scratch[same])
+        same++;
+    if (same < first)
+        return 0;
+    int rc = kv_seq_attach(seq, px->scratch + first, n - first, tokens + (size_t)have);
+    if (rc < 0)
+        return rc;
+    touch_chain(px, px->scratch, n);
+    px->st.pages_attached += (uint64_t)(n - first);
+    return (n - first) * pt;
+}
+
+int kv_prefix_lookup(kv_prefix *px, const int32_t *tokens, int n_tokens, int *idle_pages)
+{
+    int n = kv_prefix_match(px, tokens, n_tokens, px->scratch, px->n_pages);
+    if (idle_pages) {
+        *idle_pages = 0;
+        for (int i = 0; i < n; i++)
+            *idle_pages += page_idle(px, px->scratch[i]);
+    }
+    return n;
+}
+
+int kv_prefix_publish(kv_prefix *px, kv_seq *seq)
+{
+    if (!px || !seq || !seq_whole(seq))
+        return 0;
+    int pt = px->page_tokens, full = kv_seq_n_tokens(seq) / pt;
+    const int32_t *ptab = kv_seq_page_table(seq), *ids = kv_seq_tokens(seq);
+    /* the pages already listed as this chain: no hashing needed */
+    int i = 0;
+    int32_t parent = -1;
+    while (i < full && kv_prefix_listed(px, ptab[i]) && px->e[ptab[i]].parent == parent) {
+        parent = ptab[i];
+        i++;
+    }
+    int added = 0;
+    for (; i < full; i++) {
+        const int32_t *t = ids + (size_t)i * (size_t)pt;
+        int32_t p = kv_prefix_find(px, parent, t);
+        if (p < 0) {
+            if (kv_prefix_listed(px, ptab[i]) || kv_page_ref(px->cache, ptab[i]) != 0)
+                break; /* listed elsewhere in another chain: cannot be this one */
+            kv_prefix_add(px, parent, t, ptab[i]);
+            p = ptab[i];
+            added++;
+        }
+        /* else: another sequence listed these tokens first; ours stays
+         * private and the chain goes on from the listed page */
+        parent = p;
+    }
+    if (i > 0) {
+        /* touch what we listed or walked, leaf first */
+        for (int32_t q = parent; q >= 0; q = px->e[q].parent)
+            kv_prefix_touch(px, q);
+    }
+    px->st.pages_published += (uint64_t)added;
+    return added;
+}
+
+/* ------------------------------------------------------------------------
+ * Statistics
+ * ------------------------------------------------------------------------ */
+
+void kv_prefix_get_stats(const kv_prefix *px, struct kv_prefix_stats *out)
+{
+    *out = px->st;
+    out->pages_listed = px->n_entries;
+    out->pages_idle = 0;
+    out->pages_shared = 0;
+    out->page_refs_saved = 0;
+    for (int32_t p = px->lru_new; p >= 0; p = px->e[p].lnext) {
+        int refs = kv_page_refs(px->cache, p); /* the index's + the sequences' */
+        out->pages_idle += refs == 1;
+        out->pages_shared += refs >= 3;
+        out->page_refs_saved += refs >= 3 ? (uint64_t)(refs - 2) : 0;
+    }
 }

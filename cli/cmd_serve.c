@@ -201,6 +201,8 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
     o->sched.k_type = srv_cfg_kv_type(cfg_k_type(c));
     o->sched.v_type = srv_cfg_kv_type(cfg_v_type(c));
     o->sched.mlock = c->cache.mlock;
+    o->sched.prefix_cache = c->cache.prefix_cache;
+    o->sched.prefix_cache_share = (int)c->cache.prefix_cache_share;
     o->sched.n_threads = (int)c->server.threads;
     o->sched.spill_dir = c->sessions.dir;
     o->sched.spill_max_bytes = c->sessions.max_disk;

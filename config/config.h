@@ -110,6 +110,8 @@ enum cfg_key {
     CFG_CACHE_K_TYPE,
     CFG_CACHE_V_TYPE,
     CFG_CACHE_MLOCK,
+    CFG_CACHE_PREFIX_CACHE,
+    CFG_CACHE_PREFIX_CACHE_SHARE,
     CFG_EVICTION_POLICY,
     CFG_EVICTION_MAX_CACHE_TOKENS,
     CFG_EVICTION_SINK_TOKENS,
@@ -180,6 +182,8 @@ struct cfg_cache {
     enum cfg_kv_type k_type;  /* of K; CFG_KV_SAME = kv_type (see cfg_k_type()) */
     enum cfg_kv_type v_type;  /* of V; CFG_KV_SAME = kv_type (see cfg_v_type()) */
     bool mlock;               /* lock the pool in RAM */
+    bool prefix_cache;        /* share full pages of equal prompt prefixes */
+    int64_t prefix_cache_share; /* percent of the pool idle cached pages may hold */
 };
 
 struct cfg_eviction {

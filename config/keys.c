@@ -199,6 +199,14 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
                               "element type of values; kv_type = as kv_type says"),
     [CFG_CACHE_MLOCK] = BOOL("cache", "mlock", cache.mlock, "false", RESTART,
                              "lock the cache pool in RAM so it is never swapped out"),
+    [CFG_CACHE_PREFIX_CACHE] =
+        BOOL("cache", "prefix_cache", cache.prefix_cache, "true", RESTART,
+             "reuse the cached pages of an equal prompt prefix instead of computing them again"),
+    [CFG_CACHE_PREFIX_CACHE_SHARE] =
+        INT("cache", "prefix_cache_share", cache.prefix_cache_share, "50", 0, 100, "percent",
+            RESTART,
+            "most of the pool that cached prefix pages no request uses may keep; 0 = share only "
+            "between requests running together"),
     /* [eviction] */
     [CFG_EVICTION_POLICY] = ENUM("eviction", "policy", eviction.policy, "sink-window", policy_names,
                                  LIVE, "what happens when a sequence reaches max_cache_tokens"),

@@ -254,7 +254,7 @@ engine *engine_create(const struct engine_params *p, char *err, size_t errlen)
     for (int32_t t = 0; t < info.n_vocab; t++)
         if (model_is_eog(e->m, t))
             e->eog[e->n_eog++] = t;
-    if (create_cache(e, err, errlen) != 0)
+    if (create_cache(e, err, errlen) != 0 || engine_prefix_init(e, err, errlen) != 0)
         goto out_free;
     e->ctx = model_ctx_create(e->m, max_step, p->n_threads, err, errlen);
     if (!e->ctx)
@@ -280,6 +280,7 @@ void engine_destroy(engine *e)
     engine_sessions_deinit(&e->sessions);
     spill_store_destroy(e->sessions.spill);
     model_ctx_destroy(e->ctx);
+    engine_prefix_deinit(e);
     kv_cache_destroy(e->cache);
     for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
         next = ev->next;
@@ -414,6 +415,7 @@ void engine_get_stats(const engine *e, struct engine_stats *st)
         .waiting = e->n_waiting, .running = e->n_running, .sessions = e->sessions.n};
     kv_cache_stats(e->cache, &st->kv);
     st->kv_page_bytes = kv_cache_page_bytes(e->cache);
+    engine_prefix_stats(e, st);
 }
 
 const kv_cache *engine_cache(const engine *e)

@@ -201,7 +201,8 @@ enum engine_event_kind {
 struct engine_usage {
     int prompt_tokens;     /* tokens in the prompt */
     int completion_tokens; /* tokens generated */
-    int cached_tokens;     /* prompt tokens found in the session's history, not prefilled */
+    int cached_tokens;     /* prompt tokens found cached, not prefilled: in the session's
+                              history or in the prefix cache */
     int evicted_tokens;    /* tokens of this sequence's history no longer in the cache */
     int retained_tokens;   /* tokens in the cache at the end */
     int evicted_messages;  /* with turns: messages of the request's turns the cache
@@ -322,6 +323,8 @@ struct engine_params {
     int page_tokens;
     enum kv_type k_type, v_type; /* element types of K and V */
     bool mlock;
+    bool prefix_cache;      /* share the pages of equal prompt prefixes (prefix.c) */
+    int prefix_cache_share; /* percent of the pool idle cached pages may keep, 0..100 */
     int n_threads;       /* OpenMP threads of a step (0 = default) */
     int max_step_tokens; /* forward capacity (>= limits.step_tokens; 0 = that) */
     struct engine_limits limits;
@@ -397,6 +400,10 @@ struct engine_stats {
     int sessions; /* live sessions */
     struct kv_stats kv;
     size_t kv_page_bytes;
+    bool prefix_on;                /* [cache] prefix_cache */
+    struct kv_prefix_stats prefix; /* the index (zeros when off) */
+    uint64_t prefix_prompt_tokens; /* prompt tokens of requests that could attach */
+    uint64_t prefix_hit_tokens;    /* ... of them attached from the prefix cache */
 };
 void engine_get_stats(const engine *e, struct engine_stats *st);
 /* The engine's cache (for hosts that report on it; never change it). */

@@ -169,6 +169,9 @@ struct run {
     bool admitted_evicting; /* admitted under a policy that evicts (a full cache
                                later means a reload switched it to none) */
     int turn_msgs0; /* with turns: messages already evicted in place at admission */
+    int n_prefix;   /* of n_cached, tokens attached from the prefix cache (prefix.c) */
+    int prefix_full; /* full pages of seq when it last published */
+    bool prefix_counted; /* may attach: counted in the engine's prefix figures */
     struct run *next;
 };
 
@@ -191,6 +194,9 @@ struct engine {
     struct run **batch_runs;       /* [batch_cap] */
     int batch_cap;
     struct engine_event *ev_head, *ev_tail; /* posted, not yet taken */
+    kv_prefix *prefix; /* the prefix cache, or NULL when off (prefix.c) */
+    uint64_t prefix_prompt_tokens, prefix_hit_tokens; /* runs that may attach: prompt
+                                                          tokens, and those attached */
 };
 
 /* engine.c: events. post takes ev (NULL is ignored). */
@@ -231,6 +237,23 @@ void engine_run_fail(engine *e, struct run *r, int status, const char *fmt, ...)
 /* Send whatever text is held back (no stop string can end it any more);
  * false when that failed (out of memory) and the run was failed with 503. */
 bool engine_run_flush(engine *e, struct run *r);
+
+/* prefix.c: the prefix cache. init creates the index when the params say
+ * so (0, or -1 with the reason in err); deinit lets go of it. */
+int engine_prefix_init(engine *e, char *err, size_t errlen);
+void engine_prefix_deinit(engine *e);
+/* A run was admitted: count it and attach what is cached. */
+void engine_prefix_admitted(engine *e, struct run *r);
+/* Before r reads a prompt chunk: attach what was published since. */
+void engine_prefix_attach(engine *e, struct run *r);
+/* After the forward pass: the batch's n sequences publish their full pages. */
+void engine_prefix_publish(engine *e, int n);
+/* After a step: idle pages down to the share cap. */
+void engine_prefix_trim(engine *e);
+/* Admission: pages of q's prompt the index will share (when q's sequence
+ * holds `own` = 0 pages) and idle pages the pool can take back besides. */
+void engine_prefix_fit(engine *e, const struct engine_req *q, int own, int *shared, int *idle);
+void engine_prefix_stats(const engine *e, struct engine_stats *st);
 
 /* step.c: one step. */
 bool engine_do_step(engine *e, uint64_t t);

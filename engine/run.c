@@ -341,6 +341,7 @@ struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
         pp = &(*pp)->next;
     *pp = r;
     e->n_running++;
+    engine_prefix_admitted(e, r);
     return r;
 
 out_free:

@@ -131,15 +131,17 @@ static int pages_promised(const engine *e)
  * in an empty pool. x is q's session (NULL for none): its pages are its own
  * already and not the pool's to give back.
  */
-static bool fits(const engine *e, const struct engine_req *q, const struct engine_session *x,
+static bool fits(engine *e, const struct engine_req *q, const struct engine_session *x,
                  bool *never)
 {
     int own = x && !kv_seq_dropped(x->seq) ? kv_seq_n_pages(x->seq) : 0;
-    int need = pages_for(e, &e->lim.policy, q->n_prompt) - own;
+    int shared, idle_cached; /* the prefix cache's part (engine/prefix.c) */
+    engine_prefix_fit(e, q, own, &shared, &idle_cached);
+    int need = pages_for(e, &e->lim.policy, q->n_prompt) - own - shared;
     struct kv_stats st;
     kv_cache_stats(e->cache, &st);
-    *never = need > st.pages_total - own;
-    int give_back = engine_sessions_idle_pages(&e->sessions) - own;
+    *never = need > st.pages_total - own - shared;
+    int give_back = engine_sessions_idle_pages(&e->sessions) - own + idle_cached;
     return need <= st.pages_free + give_back - pages_promised(e);
 }
 
@@ -192,6 +194,7 @@ static int build_batch(engine *e)
     for (struct run *r = e->runs; r && budget > 0; r = r->next) {
         if (r->phase != RUN_PREFILL || n >= e->batch_cap)
             continue;
+        engine_prefix_attach(e, r); /* pages published since it last looked */
         int left = r->req->n_prompt - r->n_fed;
         int chunk = left < budget ? left : budget;
         bool each = r->req->logits == ENGINE_LOGITS_EACH;
@@ -410,6 +413,7 @@ bool engine_do_step(engine *e, uint64_t t)
         fail_batch(e, &n, rc);
         return true;
     }
+    engine_prefix_publish(e, n);
     int batch_tokens = 0;
     for (int i = 0; i < n; i++)
         batch_tokens += e->batch[i].n_tokens;
@@ -418,5 +422,6 @@ bool engine_do_step(engine *e, uint64_t t)
         e->p.hooks.observe(e->p.hooks.ud, ENGINE_OBS_BATCH_TOKENS, batch_tokens);
     }
     sample_batch(e, n, engine_now_ns());
+    engine_prefix_trim(e);
     return true;
 }

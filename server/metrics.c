@@ -246,6 +246,38 @@ static void render_gauge(struct tbuf *b, const char *name, const char *help, dou
     tb_printf(b, "# HELP %s %s\n# TYPE %s gauge\n%s %.17g\n", name, help, name, name, v);
 }
 
+/* The prefix cache's figures (engine/prefix.c, cache/prefix.c). */
+static void render_prefix(struct tbuf *b, const struct srv_engine_gauges *g)
+{
+    const struct kv_prefix_stats *p = &g->prefix;
+    double page = (double)g->kv_page_bytes;
+    render_counter(b, "kvd_prefix_cache_prompt_tokens_total",
+                   "Prompt tokens of requests that could attach cached prefix pages.",
+                   g->prefix_prompt_tokens);
+    render_counter(b, "kvd_prefix_cache_hit_tokens_total",
+                   "Of them, tokens attached from the prefix cache (not prefilled).",
+                   g->prefix_hit_tokens);
+    render_gauge(b, "kvd_prefix_cache_hit_ratio",
+                 "Prefix cache hit tokens / prompt tokens of requests that could attach.",
+                 g->prefix_prompt_tokens
+                     ? (double)g->prefix_hit_tokens / (double)g->prefix_prompt_tokens
+                     : 0.0);
+    render_gauge(b, "kvd_prefix_cache_pages", "KV pages listed in the prefix cache.",
+                 p->pages_listed);
+    render_gauge(b, "kvd_prefix_cache_idle_pages",
+                 "Listed pages no request uses (reclaimable, least recently used first).",
+                 p->pages_idle);
+    render_gauge(b, "kvd_prefix_cache_shared_bytes",
+                 "Bytes of listed pages that two or more sequences read at once.",
+                 (double)p->pages_shared * page);
+    render_gauge(b, "kvd_prefix_cache_saved_bytes",
+                 "Bytes sharing saves now: the copies sequences would otherwise hold.",
+                 (double)p->page_refs_saved * page);
+    render_counter(b, "kvd_prefix_cache_reclaimed_pages_total",
+                   "Idle cached pages given back to the pool (pool short, or the share cap).",
+                   p->pages_reclaimed);
+}
+
 char *srv_metrics_render(srv_metrics *m, size_t *len)
 {
     /* Copy under the lock, format outside it. */
@@ -264,7 +296,9 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
     render_counter(&b, "kvd_prompt_tokens_total",
                    "Prompt tokens prefilled (run through the model).", c.prompt_tokens);
     render_counter(&b, "kvd_prompt_tokens_cached_total",
-                   "Prompt tokens found in a session's cache (not prefilled).", c.cached_tokens);
+                   "Prompt tokens found cached (a session's history or the prefix cache), not "
+                   "prefilled.",
+                   c.cached_tokens);
     render_counter(&b, "kvd_generated_tokens_total", "Tokens generated.", c.generated_tokens);
     render_counter(&b, "kvd_requests_cancelled_total",
                    "Requests whose client disconnected before the end.", c.cancelled);
@@ -335,6 +369,8 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
                    c.g.tokens_evicted);
     render_counter(&b, "kvd_sessions_dropped_total",
                    "Idle sessions dropped whole because the pool was short.", c.g.sessions_dropped);
+    if (c.g.prefix_on)
+        render_prefix(&b, &c.g);
     render_gauge(&b, "kvd_config_generation",
                  "Config generation: 1 at start, +1 for each successful reload.",
                  (double)c.config_generation);

@@ -30,6 +30,10 @@ struct srv_engine_gauges {
     uint64_t evictions, tokens_evicted, sessions_dropped;
     enum kv_type kv_k_type, kv_v_type; /* element types of the pool's K and V */
     uint64_t kv_page_bytes;            /* bytes of one page (page_tokens tokens) */
+    bool prefix_on;                    /* the prefix cache ([cache] prefix_cache) */
+    struct kv_prefix_stats prefix;     /* its index */
+    uint64_t prefix_prompt_tokens;     /* prompt tokens of requests that could attach */
+    uint64_t prefix_hit_tokens;        /* ... of them attached from the prefix cache */
 };
 
 /* Every function is thread-safe (one mutex, never held with another). */

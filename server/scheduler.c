@@ -198,6 +198,10 @@ static void publish(srv_sched *s)
         .kv_k_type = s->p.k_type,
         .kv_v_type = s->p.v_type,
         .kv_page_bytes = st.kv_page_bytes,
+        .prefix_on = st.prefix_on,
+        .prefix = st.prefix,
+        .prefix_prompt_tokens = st.prefix_prompt_tokens,
+        .prefix_hit_tokens = st.prefix_hit_tokens,
     };
     srv_metrics_engine(s->metrics, &g);
 }
@@ -265,6 +269,8 @@ static bool engine_load(srv_sched *s)
         .k_type = s->p.k_type,
         .v_type = s->p.v_type,
         .mlock = s->p.mlock,
+        .prefix_cache = s->p.prefix_cache,
+        .prefix_cache_share = s->p.prefix_cache_share,
         .n_threads = s->p.n_threads,
         .max_step_tokens = s->p.max_step_tokens,
         .limits = s->p.limits,

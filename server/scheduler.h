@@ -28,6 +28,8 @@ struct srv_sched_params {
     int page_tokens;
     enum kv_type k_type, v_type; /* element types of K and V */
     bool mlock;
+    bool prefix_cache;      /* share the pages of equal prompt prefixes */
+    int prefix_cache_share; /* percent of the pool idle cached pages may keep */
     int n_threads;       /* OpenMP threads of a step (0 = default) */
     int max_step_tokens; /* forward capacity (>= limits.step_tokens) */
     struct engine_limits limits;

@@ -7,6 +7,8 @@
  * White-box: the index's calls are cache_internal.h's.
  */
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -19,16 +21,22 @@
 
 #include "cache/cache_internal.h"
 #include "cache/kv_cache.h"
+#include "tests/cache_model.h"
+#include "tests/serve_util.h"
 
 #define PT 4 /* tokens per page in the index tests */
 
 static uint32_t rng(uint32_t *s)
 {
-    uint32_t x = *s;
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    return *s = x;
+    return rng_next(s);
+}
+
+/* The bare index's idle pages, as the tests decide them. */
+static bool idle_flag[64];
+static bool test_idle(const kv_prefix *px, int32_t page)
+{
+    (void)px;
+    return idle_flag[page];
 }
 
 static void check_ok(const kv_prefix *px)
@@ -57,7 +65,7 @@ static void add_chain(kv_prefix *px, const int32_t *tokens, const int32_t *pages
 static void test_match_longest(void **state)
 {
     (void)state;
-    kv_prefix *px = kv_prefix_create(16, PT, 42, 16);
+    kv_prefix *px = kv_prefix_new(16, PT, 42, 16);
     assert_non_null(px);
     int32_t t[16], out[8];
     for (int i = 0; i < 16; i++)
@@ -78,7 +86,7 @@ static void test_match_longest(void **state)
     u[6] = 5;
     assert_int_equal(kv_prefix_match(px, u, 16, out, 8), 1);
     /* the same tokens under another fingerprint match nothing */
-    kv_prefix *other = kv_prefix_create(16, PT, 43, 16);
+    kv_prefix *other = kv_prefix_new(16, PT, 43, 16);
     assert_non_null(other);
     add_chain(other, t, (int32_t[]){1}, 1);
     assert_int_equal(kv_prefix_find(other, -1, t), 1);
@@ -97,7 +105,7 @@ static void test_match_longest(void **state)
 static void test_collisions(void **state)
 {
     (void)state;
-    kv_prefix *px = kv_prefix_create(16, PT, 1, 16);
+    kv_prefix *px = kv_prefix_new(16, PT, 1, 16);
     assert_non_null(px);
     kv_prefix_set_hash_mask(px, 0);
     int32_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {9, 9, 9, 9, 5, 6, 7, 8}, out[4];
@@ -120,7 +128,7 @@ static void test_collisions(void **state)
 static void test_generation(void **state)
 {
     (void)state;
-    kv_prefix *px = kv_prefix_create(8, PT, 7, 8);
+    kv_prefix *px = kv_prefix_new(8, PT, 7, 8);
     assert_non_null(px);
     int32_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, out[4];
     add_chain(px, a, (int32_t[]){4, 5}, 2);
@@ -142,28 +150,32 @@ static void test_generation(void **state)
 static void test_lru_leaf_first(void **state)
 {
     (void)state;
-    kv_prefix *px = kv_prefix_create(8, PT, 9, 8);
+    memset(idle_flag, 0, sizeof(idle_flag));
+    kv_prefix *px = kv_prefix_new(8, PT, 9, 8);
     assert_non_null(px);
     int32_t a[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
     add_chain(px, a, (int32_t[]){0, 1, 2}, 3);
-    assert_int_equal(kv_prefix_victim(px), -1); /* nothing idle */
-    /* the root idles first (oldest), but has a child: the leaf goes first */
-    kv_prefix_set_idle(px, 0, true);
-    kv_prefix_set_idle(px, 1, true);
-    assert_int_equal(kv_prefix_victim(px), -1); /* 2 is busy: 0 and 1 have children */
-    kv_prefix_set_idle(px, 2, true);
-    assert_int_equal(kv_prefix_n_idle(px), 3);
-    check_ok(px);
-    assert_int_equal(kv_prefix_victim(px), 2);
+    assert_int_equal(kv_prefix_victim(px, test_idle), -1); /* nothing idle */
+    idle_flag[0] = idle_flag[1] = true;
+    assert_int_equal(kv_prefix_victim(px, test_idle), -1); /* 2 busy; 0 and 1 have children */
+    idle_flag[2] = true;
+    /* touched leaf first, root last: the leaf is the oldest */
+    kv_prefix_touch(px, 2);
+    kv_prefix_touch(px, 1);
+    kv_prefix_touch(px, 0);
+    assert_int_equal(kv_prefix_victim(px, test_idle), 2);
     kv_prefix_remove(px, 2);
-    assert_int_equal(kv_prefix_victim(px), 1);
+    assert_int_equal(kv_prefix_victim(px, test_idle), 1);
     kv_prefix_remove(px, 1);
-    /* a busy entry is not on the LRU */
-    kv_prefix_set_idle(px, 0, false);
-    assert_int_equal(kv_prefix_victim(px), -1);
-    assert_int_equal(kv_prefix_n_idle(px), 0);
-    kv_prefix_set_idle(px, 0, true);
-    assert_int_equal(kv_prefix_victim(px), 0);
+    /* another chain, used more recently, goes after the old one */
+    int32_t b[4] = {7, 7, 7, 7};
+    add_chain(px, b, (int32_t[]){5}, 1);
+    idle_flag[5] = true;
+    assert_int_equal(kv_prefix_victim(px, test_idle), 0);
+    kv_prefix_touch(px, 0);
+    assert_int_equal(kv_prefix_victim(px, test_idle), 5);
+    idle_flag[5] = false;
+    assert_int_equal(kv_prefix_victim(px, test_idle), 0);
     check_ok(px);
     kv_prefix_destroy(px);
 }
@@ -188,9 +200,10 @@ static int32_t free_slot(const int *depth)
 static void test_random_against_model(void **state)
 {
     (void)state;
+    memset(idle_flag, 1, sizeof(idle_flag));
     for (int mask_bits = 0; mask_bits <= 2; mask_bits += 2) {
         uint32_t seed = 12345u + (uint32_t)mask_bits;
-        kv_prefix *px = kv_prefix_create(R_PAGES, PT, 5, R_PAGES);
+        kv_prefix *px = kv_prefix_new(R_PAGES, PT, 5, R_PAGES);
         assert_non_null(px);
         kv_prefix_set_hash_mask(px, mask_bits ? 3 : UINT64_MAX);
         int32_t prefix[R_PAGES][R_MAXP * PT]; /* model: page -> its full prefix */
@@ -227,13 +240,13 @@ static void test_random_against_model(void **state)
                 if (p < 0)
                     break;
                 kv_prefix_add(px, parent, prompt + k * PT, p);
-                kv_prefix_set_idle(px, p, true);
+                idle_flag[p] = true;
                 memcpy(prefix[p], prompt, sizeof(int32_t) * (size_t)((k + 1) * PT));
                 depth[p] = k + 1;
                 parent = p;
             }
             for (int k = 0; k < 2 && free_slot(depth) < 0; k++) {
-                int32_t v = kv_prefix_victim(px);
+                int32_t v = kv_prefix_victim(px, test_idle);
                 assert_true(v >= 0);
                 assert_int_equal(kv_prefix_check(px, NULL, 0), 0);
                 kv_prefix_remove(px, v);
@@ -245,6 +258,384 @@ static void test_random_against_model(void **state)
     }
 }
 
+/* ------------------------------------------------------------------------
+ * Over a pool: attach, publish, share, reclaim
+ * ------------------------------------------------------------------------ */
+
+#define CPT 4 /* tokens per page in the pool tests */
+
+/* Append n tokens (ids from ids) to s and write their K and V as
+ * fill_token(seed = id) does: bytes that depend on the token only, so two
+ * sequences holding the same token hold the same bytes. */
+static void feed(kv_seq *s, const int32_t *ids, int n)
+{
+    struct kv_layout l;
+    kv_cache_layout(kv_seq_cache(s), &l);
+    int first = 0;
+    assert_int_equal(kv_seq_append(s, ids, n, &first), 0);
+    for (int i = 0; i < n; i++)
+        fill_token(s, &l, first + i, (uint32_t)ids[i]);
+}
+
+static void pool_ok(const kv_cache *c, const kv_prefix *px)
+{
+    assert_cache_ok(c);
+    check_ok(px);
+}
+
+static kv_prefix *make_prefix(kv_cache *c, int max_idle)
+{
+    char err[256] = "";
+    kv_prefix *px = kv_prefix_create(c, 99, max_idle, err, sizeof(err));
+    if (!px)
+        fail_msg("kv_prefix_create: %s", err);
+    return px;
+}
+
+/*
+ * A second sequence with the same first tokens takes the first one's full
+ * pages (the same page ids, no new page), stops at the first page that
+ * differs, and reads exactly the bytes the first wrote; the partial last
+ * page is never shared.
+ */
+static void test_attach_shares_pages(void **state)
+{
+    (void)state;
+    kv_cache *c = make_cache(64 * 1024, CPT, 2, 2, 8, KV_F32);
+    kv_prefix *px = make_prefix(c, 64);
+    struct kv_layout l;
+    kv_cache_layout(c, &l);
+    int32_t a[14], b[14];
+    for (int i = 0; i < 14; i++)
+        a[i] = b[i] = 10 + i;
+    b[9] = 77; /* b differs in page 2 */
+    kv_seq *sa = make_seq(c, none_policy(64), false);
+    feed(sa, a, 14);
+    assert_int_equal(kv_prefix_publish(px, sa), 3); /* 3 full pages; the 4th is partial */
+    assert_int_equal(kv_prefix_publish(px, sa), 0); /* already listed */
+    pool_ok(c, px);
+    struct kv_stats st0;
+    kv_cache_stats(c, &st0);
+
+    kv_seq *sb = make_seq(c, none_policy(64), true);
+    assert_int_equal(kv_prefix_attach(px, sb, b, 13), 2 * CPT);
+    struct kv_stats st1;
+    kv_cache_stats(c, &st1);
+    assert_int_equal(st1.pages_used, st0.pages_used); /* nothing allocated */
+    assert_int_equal(kv_seq_page_table(sb)[0], kv_seq_page_table(sa)[0]);
+    assert_int_equal(kv_seq_page_table(sb)[1], kv_seq_page_table(sa)[1]);
+    for (int i = 0; i < 2 * CPT; i++) {
+        assert_true(token_intact(sb, &l, i, (uint32_t)b[i]));
+        assert_int_equal(kv_seq_positions(sb)[i], i);
+        assert_int_equal(kv_seq_tokens(sb)[i], b[i]);
+    }
+    const int32_t *hist;
+    assert_int_equal(kv_seq_history(sb, &hist), 2 * CPT); /* a session records them */
+    assert_memory_equal(hist, b, sizeof(int32_t) * 2 * CPT);
+    /* nothing more to attach; then b's own tokens go on, and publish */
+    assert_int_equal(kv_prefix_attach(px, sb, b, 13), 0);
+    feed(sb, b + 8, 5);
+    assert_int_equal(kv_prefix_publish(px, sb), 1); /* its page 2 (b's own) */
+    pool_ok(c, px);
+    /* a sequence whose own first page differs from the chain's, or that
+     * evicted, takes nothing */
+    kv_seq *sc = make_seq(c, none_policy(64), false);
+    int32_t z[4] = {1, 2, 3, 4};
+    feed(sc, z, 4);
+    assert_int_equal(kv_prefix_attach(px, sc, a, 13), 0);
+    kv_seq_destroy(sc);
+    kv_seq_destroy(sa);
+    kv_seq_destroy(sb);
+    pool_ok(c, px);
+    kv_prefix_destroy(px);
+    assert_cache_ok(c);
+    struct kv_stats st;
+    kv_cache_stats(c, &st);
+    assert_int_equal(st.pages_used, 0); /* the index let go of everything */
+    kv_cache_destroy(c);
+}
+
+/*
+ * Eviction in one sequence drops its references only: a sink-window
+ * sequence that attached a prefix evicts shared pages from its middle and
+ * the other sequence, and the index, keep every byte.
+ */
+static void test_evict_drops_reference(void **state)
+{
+    (void)state;
+    kv_cache *c = make_cache(64 * 1024, CPT, 2, 2, 8, KV_F32);
+    kv_prefix *px = make_prefix(c, 64);
+    struct kv_layout l;
+    kv_cache_layout(c, &l);
+    int32_t a[40];
+    for (int i = 0; i < 40; i++)
+        a[i] = 200 + i;
+    kv_seq *sa = make_seq(c, none_policy(64), false);
+    feed(sa, a, 24);
+    assert_int_equal(kv_prefix_publish(px, sa), 6);
+    kv_seq *sb = make_seq(c, sink_window(16, 4, 8, true), false);
+    assert_int_equal(kv_prefix_attach(px, sb, a, 12), 12);
+    feed(sb, a + 12, 4); /* full: 16 */
+    feed(sb, a + 16, 4); /* evicts a shared middle page */
+    assert_true(kv_seq_n_tokens(sb) <= 16);
+    pool_ok(c, px);
+    for (int i = 0; i < 24; i++)
+        assert_true(token_intact(sa, &l, i, (uint32_t)a[i]));
+    /* sb evicted: it publishes nothing, and attaches nothing */
+    assert_int_equal(kv_prefix_publish(px, sb), 0);
+    assert_int_equal(kv_prefix_attach(px, sb, a, 40), 0);
+    kv_seq_destroy(sa);
+    kv_seq_destroy(sb);
+    pool_ok(c, px);
+    kv_prefix_destroy(px);
+    kv_cache_destroy(c);
+}
+
+/*
+ * Idle pages go back before anything else: a pool short of pages takes the
+ * index's idle pages (the leaf first) before it drops an idle session, and
+ * kv_prefix_trim keeps at most the cap.
+ */
+static void test_reclaim_before_sessions(void **state)
+{
+    (void)state;
+    kv_cache *c = make_cache(64 * 1024, CPT, 2, 2, 8, KV_F32);
+    int n_pages = kv_cache_n_pages(c);
+    kv_prefix *px = make_prefix(c, n_pages);
+    int32_t a[64];
+    for (int i = 0; i < 64; i++)
+        a[i] = 300 + i;
+    /* an idle session holding 2 pages */
+    kv_seq *sess = make_seq(c, none_policy(1 << 20), true);
+    feed(sess, a, 8);
+    kv_seq_touch(sess, 1);
+    /* a finished request's 6 pages stay listed, idle */
+    kv_seq *done = make_seq(c, none_policy(1 << 20), false);
+    feed(done, a + 8, 24);
+    assert_int_equal(kv_prefix_publish(px, done), 6);
+    kv_seq_destroy(done);
+    struct kv_prefix_stats ps;
+    kv_prefix_get_stats(px, &ps);
+    assert_int_equal(ps.pages_idle, 6);
+    assert_int_equal(kv_prefix_idle_pages(px), 6);
+    /* a sequence that needs every page but the session's and 3 */
+    struct kv_stats st;
+    kv_cache_stats(c, &st);
+    int want = (st.pages_free + 3) * CPT;
+    int32_t *big = malloc(sizeof(int32_t) * (size_t)want);
+    for (int i = 0; i < want; i++)
+        big[i] = 5000 + i;
+    kv_seq *s = make_seq(c, none_policy(1 << 20), false);
+    feed(s, big, want);
+    assert_false(kv_seq_dropped(sess)); /* the session kept its pages */
+    kv_prefix_get_stats(px, &ps);
+    assert_int_equal(ps.pages_listed, 3);
+    assert_int_equal(ps.pages_reclaimed, 3);
+    pool_ok(c, px);
+    /* the three left are the chain's first (leaf first went) */
+    int32_t got[8];
+    assert_int_equal(kv_prefix_match(px, a + 8, 24, got, 8), 3);
+    /* the cap: trim keeps one */
+    kv_prefix_destroy(px);
+    kv_seq_destroy(s);
+    px = make_prefix(c, 1);
+    kv_seq *t = make_seq(c, none_policy(1 << 20), false);
+    feed(t, a, 16);
+    assert_int_equal(kv_prefix_publish(px, t), 4);
+    assert_int_equal(kv_prefix_trim(px), 0); /* in use: none idle */
+    kv_seq_destroy(t);
+    assert_int_equal(kv_prefix_trim(px), 3);
+    assert_int_equal(kv_prefix_idle_pages(px), 1);
+    assert_int_equal(kv_prefix_match(px, a, 16, got, 8), 1);
+    pool_ok(c, px);
+    free(big);
+    kv_seq_destroy(sess);
+    kv_prefix_destroy(px);
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+}
+
+/* ------------------------------------------------------------------------
+ * Through the daemon: 64 requests sharing a 2,000-token prefix
+ * ------------------------------------------------------------------------ */
+
+#define N_REQ 64
+#define PREFIX 2000 /* 125 pages of 16 tokens */
+#define SUFFIX 8
+#define GEN 8
+
+static const char *kvd_bin;
+static char tmpdir[256], model_path[512];
+
+struct shared_req {
+    int port;
+    int id;
+    bool session;
+    char text[512]; /* the answer */
+    int cached;     /* usage.kvd.cached_tokens */
+    int status;
+};
+
+/* The prompt of request id: the shared prefix, then SUFFIX ids of its own. */
+static json_t *prompt_of(int id)
+{
+    json_t *a = json_array();
+    uint32_t seed = 4242;
+    for (int i = 0; i < PREFIX; i++)
+        json_array_append_new(a, json_integer(1 + (int)(rng(&seed) % 500)));
+    for (int i = 0; i < SUFFIX; i++)
+        json_array_append_new(a, json_integer(1 + (id * 7 + i * 13) % 500));
+    return a;
+}
+
+static void *send_one(void *arg)
+{
+    struct shared_req *q = arg;
+    json_t *body = json_pack("{s:o, s:i, s:f, s:b}", "prompt", prompt_of(q->id), "max_tokens", GEN,
+                             "temperature", 0.0, "ignore_eos", 1);
+    if (q->session) {
+        char sid[32];
+        snprintf(sid, sizeof(sid), "shared-%d", q->id);
+        json_object_set_new(body, "session", json_string(sid));
+    }
+    json_t *r = su_post(q->port, "/v1/completions", NULL, body, &q->status);
+    json_t *text = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "text");
+    snprintf(q->text, sizeof(q->text), "%s", json_string_value(text) ? json_string_value(text) : "");
+    q->cached = (int)json_integer_value(
+        json_object_get(json_object_get(json_object_get(r, "usage"), "kvd"), "cached_tokens"));
+    json_decref(r);
+    return NULL;
+}
+
+static int start(struct su_proc *p, const char *name, const char *prefix_cache)
+{
+    snprintf(p->log, sizeof(p->log), "%s/%s.log", tmpdir, name);
+    char set[64];
+    snprintf(set, sizeof(set), "cache.prefix_cache=%s", prefix_cache);
+    const char *args[] = {"--set", set, "--set", "cache.memory=64MiB", "--set",
+                          "eviction.policy=none", "--set", "eviction.max_cache_tokens=4096"};
+    return su_serve(p, kvd_bin, model_path, args, 8);
+}
+
+/*
+ * The issue's test. One server with the prefix cache, one without, each
+ * answering 64 session requests whose prompts share their first 2,000
+ * tokens: the first alone, then 63 at once. With the cache, every request
+ * after the first attaches the 2,000 tokens (usage.kvd.cached_tokens), the
+ * server prefilled exactly that much less (kvd_prompt_tokens_total), the
+ * greedy answers are those of the server without it, sent one at a time,
+ * and the 64 sessions hold one copy of the prefix's 125 pages between
+ * them, where the other server holds 64.
+ */
+static void test_64_share_a_prefix(void **state)
+{
+    (void)state;
+    if (!kvd_bin) {
+        print_message("KVD_BIN is not set (run through `make test`): skipped\n");
+        skip();
+    }
+    struct su_proc on = {0}, off = {0};
+    assert_int_equal(start(&on, "on", "on"), 0);
+    assert_int_equal(start(&off, "off", "off"), 0);
+    static struct shared_req a[N_REQ], b[N_REQ];
+    pthread_t th[N_REQ];
+    for (int i = 0; i < N_REQ; i++) {
+        a[i] = (struct shared_req){.port = on.port, .id = i, .session = true};
+        b[i] = (struct shared_req){.port = off.port, .id = i, .session = true};
+    }
+    send_one(&a[0]);
+    for (int i = 1; i < N_REQ; i++)
+        assert_int_equal(pthread_create(&th[i], NULL, send_one, &a[i]), 0);
+    for (int i = 1; i < N_REQ; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N_REQ; i++) /* each alone */
+        send_one(&b[i]);
+
+    for (int i = 0; i < N_REQ; i++) {
+        assert_int_equal(a[i].status, 200);
+        assert_int_equal(b[i].status, 200);
+        assert_int_equal(a[i].cached, i == 0 ? 0 : PREFIX);
+        assert_int_equal(b[i].cached, 0);
+        if (strcmp(a[i].text, b[i].text) != 0)
+            fail_msg("request %d: '%s' with the prefix cache, '%s' without", i, a[i].text,
+                     b[i].text);
+    }
+    double pf_on = su_metric(on.port, "kvd_prompt_tokens_total");
+    double pf_off = su_metric(off.port, "kvd_prompt_tokens_total");
+    print_message("prefilled tokens: %.0f with the prefix cache, %.0f without\n", pf_on, pf_off);
+    assert_true(pf_off == (double)N_REQ * (PREFIX + SUFFIX));
+    assert_true(pf_on == pf_off - (double)(N_REQ - 1) * PREFIX);
+    assert_true(su_metric(on.port, "kvd_prefix_cache_hit_tokens_total") ==
+                (double)(N_REQ - 1) * PREFIX);
+
+    /* memory: one copy of the prefix among 64 sessions, 64 without */
+    double used_on = su_metric(on.port, "kvd_kv_pages_used");
+    double used_off = su_metric(off.port, "kvd_kv_pages_used");
+    double page = su_metric(on.port, "kvd_kv_page_bytes");
+    print_message("pages used by 64 sessions: %.0f with the prefix cache, %.0f without\n", used_on,
+                  used_off);
+    int prefix_pages = PREFIX / 16, tail = (SUFFIX + GEN + 15) / 16 + 1;
+    assert_true(used_off >= (double)N_REQ * prefix_pages);
+    assert_true(used_on <= (double)(prefix_pages + N_REQ * tail));
+    assert_true(su_metric(on.port, "kvd_prefix_cache_saved_bytes") ==
+                (double)(N_REQ - 1) * prefix_pages * page);
+
+    /* without a session, too: the same answers, the prefix attached */
+    for (int i = 0; i < 4; i++) {
+        struct shared_req x = {.port = on.port, .id = 100 + i}, y = {.port = off.port, .id = 100 + i};
+        send_one(&x);
+        send_one(&y);
+        assert_int_equal(x.status, 200);
+        assert_int_equal(x.cached, PREFIX);
+        assert_string_equal(x.text, y.text);
+    }
+    assert_int_equal(su_stop(&on, SIGTERM, 30), 0);
+    assert_int_equal(su_stop(&off, SIGTERM, 30), 0);
+}
+
+/* With prefix_cache_share = 0 nothing is kept once no request uses it;
+ * with the cache off there are no prefix metrics and nothing attaches. */
+static void test_share_cap_zero(void **state)
+{
+    (void)state;
+    if (!kvd_bin) {
+        print_message("KVD_BIN is not set (run through `make test`): skipped\n");
+        skip();
+    }
+    struct su_proc p = {0};
+    snprintf(p.log, sizeof(p.log), "%s/cap0.log", tmpdir);
+    const char *args[] = {"--set", "cache.prefix_cache_share=0"};
+    assert_int_equal(su_serve(&p, kvd_bin, model_path, args, 2), 0);
+    for (int i = 0; i < 2; i++) {
+        struct shared_req x = {.port = p.port, .id = i};
+        send_one(&x);
+        assert_int_equal(x.status, 200);
+        assert_int_equal(x.cached, 0);
+    }
+    assert_true(su_metric(p.port, "kvd_prefix_cache_pages") == 0);
+    assert_true(su_metric(p.port, "kvd_kv_pages_used") == 0);
+    assert_true(su_metric(p.port, "kvd_prefix_cache_reclaimed_pages_total") > 0);
+    assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
+    assert_true(su_file_has(p.log, "up to 0 idle pages"));
+}
+
+static int group_setup(void **state)
+{
+    (void)state;
+    signal(SIGPIPE, SIG_IGN);
+    kvd_bin = getenv("KVD_BIN");
+    if (kvd_bin && !*kvd_bin)
+        kvd_bin = NULL;
+    return su_scratch_model("prefix", 19, tmpdir, sizeof(tmpdir), model_path,
+                            sizeof(model_path));
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    return su_remove_dir(tmpdir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -253,6 +644,14 @@ int main(void)
         cmocka_unit_test(test_generation),
         cmocka_unit_test(test_lru_leaf_first),
         cmocka_unit_test(test_random_against_model),
+        cmocka_unit_test(test_attach_shares_pages),
+        cmocka_unit_test(test_evict_drops_reference),
+        cmocka_unit_test(test_reclaim_before_sessions),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    const struct CMUnitTest served[] = {
+        cmocka_unit_test(test_64_share_a_prefix),
+        cmocka_unit_test(test_share_cap_zero),
+    };
+    int bad = cmocka_run_group_tests(tests, NULL, NULL);
+    return bad + cmocka_run_group_tests(served, group_setup, group_teardown);
 }
