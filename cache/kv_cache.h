@@ -730,10 +730,12 @@ typedef struct kv_prefix kv_prefix;
 
 struct kv_prefix_stats {
     int pages_listed;           /* pages in the index */
-    int pages_idle;             /* ... of them no sequence holds (reclaimable) */
-    int pages_shared;           /* ... of them held by two or more sequences */
+    /* as of the last kv_prefix_trim (one pass over the index): */
+    int pages_idle;             /* listed pages no sequence holds (reclaimable) */
+    int pages_shared;           /* ... held by two or more sequences */
     uint64_t page_refs_saved;   /* sequences' references to listed pages beyond the
                                    first: copies that sharing saves, in pages */
+    /* counters: */
     uint64_t pages_attached;    /* pages sequences took from the index (hits) */
     uint64_t pages_published;   /* pages listed so far */
     uint64_t pages_reclaimed;   /* idle pages given back (pool short, or the cap) */
@@ -776,7 +778,9 @@ int kv_prefix_publish(kv_prefix *px, kv_seq *seq);
 int kv_prefix_lookup(kv_prefix *px, const int32_t *tokens, int n_tokens, int *idle_pages);
 /* Idle pages (reclaimable), O(listed pages). */
 int kv_prefix_idle_pages(const kv_prefix *px);
-/* Give back idle pages, oldest first, down to the cap; returns how many. */
+/* Give back idle pages, oldest first, down to the cap, and take the
+ * stats' gauges; returns the pages given back. O(listed pages): once per
+ * engine step. */
 int kv_prefix_trim(kv_prefix *px);
 void kv_prefix_get_stats(const kv_prefix *px, struct kv_prefix_stats *out);
 

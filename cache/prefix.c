@@ -447,10 +447,26 @@ int kv_prefix_idle_pages(const kv_prefix *px)
     return n;
 }
 
+/* The gauges of the stats, in one pass over the entries. */
+static void survey(kv_prefix *px)
+{
+    struct kv_prefix_stats *st = &px->st;
+    st->pages_idle = st->pages_shared = 0;
+    st->page_refs_saved = 0;
+    for (int32_t p = px->lru_new; p >= 0; p = px->e[p].lnext) {
+        int refs = kv_page_refs(px->cache, p); /* the index's + the sequences' */
+        st->pages_idle += refs == 1;
+        st->pages_shared += refs >= 3;
+        st->page_refs_saved += refs >= 3 ? (uint64_t)(refs - 2) : 0;
+    }
+}
+
 int kv_prefix_trim(kv_prefix *px)
 {
     int idle = kv_prefix_idle_pages(px);
-    return idle > px->max_idle ? release_idle(px, idle - px->max_idle) : 0;
+    int done = idle > px->max_idle ? release_idle(px, idle - px->max_idle) : 0;
+    survey(px);
+    return done;
 }
 
 /* ------------------------------------------------------------------------
@@ -564,13 +580,4 @@ void kv_prefix_get_stats(const kv_prefix *px, struct kv_prefix_stats *out)
 {
     *out = px->st;
     out->pages_listed = px->n_entries;
-    out->pages_idle = 0;
-    out->pages_shared = 0;
-    out->page_refs_saved = 0;
-    for (int32_t p = px->lru_new; p >= 0; p = px->e[p].lnext) {
-        int refs = kv_page_refs(px->cache, p); /* the index's + the sequences' */
-        out->pages_idle += refs == 1;
-        out->pages_shared += refs >= 3;
-        out->page_refs_saved += refs >= 3 ? (uint64_t)(refs - 2) : 0;
-    }
 }

@@ -11,6 +11,10 @@
  * with ignore_eos so every request yields exactly 16 tokens; latencies are
  * measured at the client from the SSE events as they arrive. Ratios printed
  * at the end compare rows of this same run.
+ *
+ * Then the prefix cache: time to first token when every request opens with
+ * the same 2,000 tokens (a system prompt), on a server with [cache]
+ * prefix_cache on and on one with it off, same load.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -149,10 +153,27 @@ static int stream_request(struct conn *c, const char *path, const char *body, do
 
 /* --- load ------------------------------------------------------------------ */
 
+#define PREFIX_TOKENS 2000
+
+/* A /v1/completions body whose prompt is the shared prefix's ids, then a
+ * few of the request's own (new; NULL when out of memory). */
+static char *prefix_body(const char *prefix, int id, int i)
+{
+    size_t n = strlen(prefix) + 256;
+    char *b = malloc(n);
+    if (b)
+        snprintf(b, n,
+                 "{\"prompt\":[%s%d,%d,%d,%d],\"max_tokens\":%d,\"temperature\":0,"
+                 "\"ignore_eos\":true,\"stream\":true}",
+                 prefix, 3 + id, 5 + i, 7 + id, 11 + i, TOKENS);
+    return b;
+}
+
 struct worker {
     int port;
     const char *path;
     bool llama;
+    const char *prefix; /* NULL, or token ids "a,b,...," every prompt starts with */
     int id, n_req;
     double *ttft, *itl; /* [n_req], [n_req * TOKENS] */
     int n_ttft, n_itl;
@@ -170,7 +191,14 @@ static void *worker_main(void *arg)
     }
     for (int i = 0; i < w->n_req; i++) {
         char body[512];
-        if (w->llama)
+        char *big = w->prefix ? prefix_body(w->prefix, w->id, i) : NULL;
+        if (w->prefix && !big) {
+            w->failed++;
+            continue;
+        }
+        if (big)
+            body[0] = '\0'; /* the prefix body is sent instead */
+        else if (w->llama)
             snprintf(body, sizeof(body),
                      "{\"prompt\":\"Client %d request %d: once upon a time there was\","
                      "\"n_predict\":%d,\"temperature\":0,\"ignore_eos\":true,\"stream\":true}",
@@ -181,7 +209,8 @@ static void *worker_main(void *arg)
                      "\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true,\"stream\":true}",
                      w->id, i, TOKENS);
         double t0, t[TOKENS + 8];
-        int k = stream_request(c, w->path, body, &t0, t, TOKENS + 8);
+        int k = stream_request(c, w->path, big ? big : body, &t0, t, TOKENS + 8);
+        free(big);
         if (k <= 0) {
             w->failed++;
             continue;
@@ -215,14 +244,19 @@ struct row {
     int failed;
 };
 
-static struct row run_level(int port, const char *path, bool llama, int conc, int per_client)
+static struct row run_level_prefix(int port, const char *path, bool llama, int conc,
+                                   int per_client, const char *prefix)
 {
     struct worker w[16];
     pthread_t th[16];
     double t0 = now_s();
     for (int i = 0; i < conc; i++) {
-        w[i] = (struct worker){
-            .port = port, .path = path, .llama = llama, .id = i, .n_req = per_client};
+        w[i] = (struct worker){.port = port,
+                               .path = path,
+                               .llama = llama,
+                               .prefix = prefix,
+                               .id = i,
+                               .n_req = per_client};
         w[i].ttft = calloc((size_t)per_client, sizeof(double));
         w[i].itl = calloc((size_t)per_client * (TOKENS + 8), sizeof(double));
         pthread_create(&th[i], NULL, worker_main, &w[i]);
@@ -256,13 +290,20 @@ static struct row run_level(int port, const char *path, bool llama, int conc, in
     return r;
 }
 
+static struct row run_level(int port, const char *path, bool llama, int conc, int per_client)
+{
+    return run_level_prefix(port, path, llama, conc, per_client, NULL);
+}
+
 /* --- the server ---------------------------------------------------------------- */
 
-static pid_t start_server(const char *model_path, int *port)
+/* A server on a free port; `set` is one more --set (or NULL). */
+static pid_t start_server(const char *model_path, int *port, const char *set)
 {
     int out[2];
     if (pipe(out) != 0)
         return -1;
+    fflush(stdout); /* the child's stdout is the pipe: nothing of ours may go there */
     pid_t pid = fork();
     if (pid == 0) {
         dup2(out[1], 1);
@@ -280,8 +321,10 @@ static pid_t start_server(const char *model_path, int *port)
                         "cache.memory=256MiB",
                         "--set",
                         "log.level=warn",
+                        set ? "--set" : NULL,
+                        (char *)set,
                         NULL};
-        _exit(srv_cmd_serve(13, argv));
+        _exit(srv_cmd_serve(set ? 15 : 13, argv));
     }
     close(out[1]);
     char line[256];
@@ -324,6 +367,57 @@ static pid_t start_server(const char *model_path, int *port)
     return -1;
 }
 
+static void stop_server(pid_t pid)
+{
+    kill(pid, SIGTERM);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        fprintf(stderr, "bench_server: the server exited with status %d\n", st);
+}
+
+/*
+ * Time to first token with a 2,000-token prefix shared by every request,
+ * prefix cache off, then on (a fresh server each; one request first, so
+ * the prefix is cached before the measured ones arrive).
+ */
+static void bench_prefix(const char *model_path, int n_vocab)
+{
+    size_t cap = (size_t)PREFIX_TOKENS * 8 + 1, len = 0;
+    char *prefix = malloc(cap);
+    if (!prefix)
+        return;
+    for (int i = 0; i < PREFIX_TOKENS; i++)
+        len += (size_t)snprintf(prefix + len, cap - len, "%d,", 1 + (i * 7919) % (n_vocab - 1));
+    printf("\nshared prefix: every prompt = the same %d token ids + 4 of its own; "
+           "%d-token streamed completions, greedy\n\n",
+           PREFIX_TOKENS, TOKENS);
+    printf("%-14s %5s %8s %10s %10s %6s\n", "prefix_cache", "conc", "req/s", "TTFT p50",
+           "TTFT p99", "failed");
+    struct row r[2][2] = {{{0}}};
+    static const int conc[] = {1, 4};
+    for (int on = 0; on < 2; on++) {
+        int port = 0;
+        pid_t pid = start_server(model_path, &port,
+                                 on ? "cache.prefix_cache=on" : "cache.prefix_cache=off");
+        if (pid < 0) {
+            fprintf(stderr, "bench_server: the server did not start\n");
+            break;
+        }
+        run_level_prefix(port, "/v1/completions", false, 1, 1, prefix); /* warm */
+        for (int l = 0; l < 2; l++) {
+            r[on][l] = run_level_prefix(port, "/v1/completions", false, conc[l], 8 / conc[l] * 2,
+                                        prefix);
+            printf("%-14s %5d %8.2f %10.2f %10.2f %6d\n", on ? "on" : "off", conc[l], r[on][l].rps,
+                   r[on][l].ttft50, r[on][l].ttft99, r[on][l].failed);
+        }
+        stop_server(pid);
+    }
+    printf("\nratios (same run): TTFT p50 off / on, concurrency 1: %.2f, concurrency 4: %.2f\n",
+           r[0][0].ttft50 / r[1][0].ttft50, r[0][1].ttft50 / r[1][1].ttft50);
+    free(prefix);
+}
+
 int main(int argc, char **argv)
 {
     /* Idle OpenMP workers spin after each parallel region unless told
@@ -351,7 +445,7 @@ int main(int argc, char **argv)
         return 1;
     }
     int port = 0;
-    pid_t pid = start_server(model_path, &port);
+    pid_t pid = start_server(model_path, &port, NULL);
     if (pid < 0) {
         fprintf(stderr, "bench_server: the server did not start\n");
         return 1;
@@ -385,11 +479,8 @@ int main(int argc, char **argv)
            rows[0][2].itl50 / rows[0][0].itl50);
     printf("  /completion / /v1/completions req/s at 16: %.2f\n", rows[1][2].rps / rows[0][2].rps);
 
-    kill(pid, SIGTERM);
-    int st = 0;
-    waitpid(pid, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
-        fprintf(stderr, "bench_server: the server exited with status %d\n", st);
+    stop_server(pid);
+    bench_prefix(model_path, mp.n_vocab);
     unlink(model_path);
     rmdir(dir);
     return 0;
