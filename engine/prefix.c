@@ -23,7 +23,10 @@
  * read, which attached tokens would lack, so their runs never attach (they
  * still publish: a page written before any eviction is valid for anyone).
  * Scoring runs that want logits after every prompt token (kvd eval) never
- * attach either. The decision is logged once at start.
+ * attach either. The decision is logged once at start. (A prompt longer
+ * than max_cache_tokens is evicted from while it is read; where the
+ * evictions fall then depends on the chunks it is read in, with or without
+ * a cached prefix, as it already depends on what else shares the step.)
  */
 #include <inttypes.h>
 #include <stdio.h>

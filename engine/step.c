@@ -395,7 +395,7 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
     }
 }
 
-bool engine_do_step(engine *e, uint64_t t)
+static bool one_step(engine *e, uint64_t t)
 {
     drop_cancelled(e);
     admit(e, t);
@@ -422,6 +422,12 @@ bool engine_do_step(engine *e, uint64_t t)
         e->p.hooks.observe(e->p.hooks.ud, ENGINE_OBS_BATCH_TOKENS, batch_tokens);
     }
     sample_batch(e, n, engine_now_ns());
-    engine_prefix_trim(e);
     return true;
+}
+
+bool engine_do_step(engine *e, uint64_t t)
+{
+    bool worked = one_step(e, t);
+    engine_prefix_trim(e); /* whatever the step freed: idle pages to the cap */
+    return worked;
 }
