@@ -76,6 +76,7 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -357,13 +358,19 @@ int kv_prefix_n_entries(const kv_prefix *px)
     return px->n_entries;
 }
 
-#define FAIL(...)                                                                                  \
-    do {                                                                                           \
-        if (err)                                                                                   \
-            snprintf(err, errlen, __VA_ARGS__);                                                    \
-        rc = -EFAULT;                                                                              \
-        goto out;                                                                                  \
-    } while (0)
+/* Put a broken invariant into err; returns -EFAULT. */
+static int broken(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int broken(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return -EFAULT;
+}
 
 int kv_prefix_check(const kv_prefix *px, char *err, size_t errlen)
 {
@@ -371,28 +378,27 @@ int kv_prefix_check(const kv_prefix *px, char *err, size_t errlen)
     int32_t *children = calloc((size_t)px->n_pages, sizeof(int32_t));
     if (!children)
         return -ENOMEM;
-    for (int p = 0; p < px->n_pages; p++) {
+    for (int p = 0; p < px->n_pages && rc == 0; p++) {
         const struct kv_prefix_entry *x = &px->e[p];
         if (!x->live)
             continue;
         entries++;
         if (x->parent >= 0 && !parent_is(px, x, x->parent))
-            FAIL("prefix entry %d has lost its parent %d", p, x->parent);
-        if (x->parent >= 0)
+            rc = broken(err, errlen, "prefix entry %d has lost its parent %d", p, x->parent);
+        else if (px->cache && kv_page_refs(px->cache, p) < 1)
+            rc = broken(err, errlen, "prefix entry %d lists a free page", p);
+        else if (x->parent >= 0)
             children[x->parent]++;
-        if (px->cache && kv_page_refs(px->cache, p) < 1)
-            FAIL("prefix entry %d lists a free page", p);
     }
-    for (int p = 0; p < px->n_pages; p++)
+    for (int p = 0; p < px->n_pages && rc == 0; p++)
         if (px->e[p].live && children[p] != px->e[p].n_children)
-            FAIL("prefix entry %d counts %d children, has %d", p, px->e[p].n_children,
-                 children[p]);
+            rc = broken(err, errlen, "prefix entry %d counts %d children, has %d", p,
+                        px->e[p].n_children, children[p]);
     for (int32_t p = px->lru_new; p >= 0 && on_lru <= px->n_pages; p = px->e[p].lnext)
         on_lru += px->e[p].live;
-    if (entries != px->n_entries || on_lru != entries)
-        FAIL("prefix index counts %d entries, found %d (%d on the recency list)", px->n_entries,
-             entries, on_lru);
-out:
+    if (rc == 0 && (entries != px->n_entries || on_lru != entries))
+        rc = broken(err, errlen, "prefix index counts %d entries, found %d (%d on the recency list)",
+                    px->n_entries, entries, on_lru);
     free(children);
     return rc;
 }

@@ -22,7 +22,7 @@
 #include "cache/cache_internal.h"
 #include "cache/kv_cache.h"
 #include "tests/cache_model.h"
-#include "tests/serve_util.h"
+#include "tests/serve_fixture.h"
 
 #define PT 4 /* tokens per page in the index tests */
 
@@ -465,9 +465,6 @@ static void test_reclaim_before_sessions(void **state)
 #define SUFFIX 8
 #define GEN 8
 
-static const char *kvd_bin;
-static char tmpdir[256], model_path[512];
-
 struct shared_req {
     int port;
     int id;
@@ -531,10 +528,7 @@ static int start(struct su_proc *p, const char *name, const char *prefix_cache)
 static void test_64_share_a_prefix(void **state)
 {
     (void)state;
-    if (!kvd_bin) {
-        print_message("KVD_BIN is not set (run through `make test`): skipped\n");
-        skip();
-    }
+    SKIP_WITHOUT_KVD();
     struct su_proc on = {0}, off = {0};
     assert_int_equal(start(&on, "on", "on"), 0);
     assert_int_equal(start(&off, "off", "off"), 0);
@@ -599,10 +593,7 @@ static void test_64_share_a_prefix(void **state)
 static void test_share_cap_zero(void **state)
 {
     (void)state;
-    if (!kvd_bin) {
-        print_message("KVD_BIN is not set (run through `make test`): skipped\n");
-        skip();
-    }
+    SKIP_WITHOUT_KVD();
     struct su_proc p = {0};
     snprintf(p.log, sizeof(p.log), "%s/cap0.log", tmpdir);
     const char *args[] = {"--set", "cache.prefix_cache_share=0"};
@@ -623,18 +614,13 @@ static void test_share_cap_zero(void **state)
 static int group_setup(void **state)
 {
     (void)state;
-    signal(SIGPIPE, SIG_IGN);
-    kvd_bin = getenv("KVD_BIN");
-    if (kvd_bin && !*kvd_bin)
-        kvd_bin = NULL;
-    return su_scratch_model("prefix", 19, tmpdir, sizeof(tmpdir), model_path,
-                            sizeof(model_path));
+    return sf_setup("prefix", 19, false);
 }
 
 static int group_teardown(void **state)
 {
     (void)state;
-    return su_remove_dir(tmpdir);
+    return sf_teardown();
 }
 
 int main(void)
