@@ -588,8 +588,8 @@ static void test_64_share_a_prefix(void **state)
     assert_int_equal(su_stop(&off, SIGTERM, 30), 0);
 }
 
-/* With prefix_cache_share = 0 nothing is kept once no request uses it;
- * with the cache off there are no prefix metrics and nothing attaches. */
+/* With prefix_cache_share = 0 nothing is kept once no request uses it; a
+ * share past 100 is refused. */
 static void test_share_cap_zero(void **state)
 {
     (void)state;
@@ -609,6 +609,22 @@ static void test_share_cap_zero(void **state)
     assert_true(su_metric(p.port, "kvd_prefix_cache_reclaimed_pages_total") > 0);
     assert_int_equal(su_stop(&p, SIGTERM, 30), 0);
     assert_true(su_file_has(p.log, "up to 0 idle pages"));
+
+    /* the keys are validated, naming file, line and key */
+    char conf[600], cmd[1400], out[600] = "";
+    snprintf(conf, sizeof(conf), "%s/bad.conf", tmpdir);
+    FILE *f = fopen(conf, "w");
+    assert_non_null(f);
+    fprintf(f, "[cache]\nprefix_cache = on\nprefix_cache_share = 101\n");
+    fclose(f);
+    snprintf(cmd, sizeof(cmd), "%s check-config %s 2>&1", kvd_bin, conf);
+    FILE *pp = popen(cmd, "r");
+    assert_non_null(pp);
+    size_t n = fread(out, 1, sizeof(out) - 1, pp);
+    out[n] = '\0';
+    assert_int_not_equal(pclose(pp), 0);
+    assert_non_null(strstr(out, "bad.conf:3"));
+    assert_non_null(strstr(out, "prefix_cache_share"));
 }
 
 static int group_setup(void **state)
