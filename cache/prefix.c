@@ -93,11 +93,11 @@ struct kv_prefix_entry {
 };
 
 struct kv_prefix {
-    kv_cache *cache;    /* NULL for a bare index (tests) */
+    kv_cache *cache; /* NULL for a bare index (tests) */
     int n_pages, page_tokens;
-    uint64_t root;      /* h(-1): the fingerprint, mixed */
-    uint64_t hash_mask; /* all ones; tests narrow it to force collisions */
-    int max_idle;       /* idle pages kept at most (kv_prefix_trim) */
+    uint64_t root;             /* h(-1): the fingerprint, mixed */
+    uint64_t hash_mask;        /* all ones; tests narrow it to force collisions */
+    int max_idle;              /* idle pages kept at most (kv_prefix_trim) */
     struct kv_prefix_entry *e; /* [n_pages], by page id */
     int32_t *tokens;           /* [n_pages * page_tokens] each entry's token ids */
     int32_t *bucket;           /* [n_buckets] first entry, or -1 */
@@ -183,8 +183,8 @@ kv_prefix *kv_prefix_create(kv_cache *cache, uint64_t fingerprint, int max_idle_
                      max_idle_pages);
         return NULL;
     }
-    kv_prefix *px = kv_prefix_new(kv_cache_n_pages(cache), kv_cache_page_tokens(cache),
-                                  fingerprint, max_idle_pages);
+    kv_prefix *px = kv_prefix_new(kv_cache_n_pages(cache), kv_cache_page_tokens(cache), fingerprint,
+                                  max_idle_pages);
     if (!px) {
         if (err)
             snprintf(err, errlen, "prefix cache: out of memory for an index of %d pages",
@@ -397,8 +397,9 @@ int kv_prefix_check(const kv_prefix *px, char *err, size_t errlen)
     for (int32_t p = px->lru_new; p >= 0 && on_lru <= px->n_pages; p = px->e[p].lnext)
         on_lru += px->e[p].live;
     if (rc == 0 && (entries != px->n_entries || on_lru != entries))
-        rc = broken(err, errlen, "prefix index counts %d entries, found %d (%d on the recency list)",
-                    px->n_entries, entries, on_lru);
+        rc =
+            broken(err, errlen, "prefix index counts %d entries, found %d (%d on the recency list)",
+                   px->n_entries, entries, on_lru);
     free(children);
     return rc;
 }

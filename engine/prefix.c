@@ -55,8 +55,8 @@ static uint64_t fingerprint(const engine *e)
 {
     struct model_info mi;
     model_get_info(e->m, &mi);
-    int shape[] = {mi.n_vocab,   mi.n_embd,   mi.n_layer,       mi.n_head,
-                   mi.n_kv_head, mi.head_dim, mi.n_ff,          (int)mi.pos,
+    int shape[] = {mi.n_vocab,       mi.n_embd,        mi.n_layer,      mi.n_head,
+                   mi.n_kv_head,     mi.head_dim,      mi.n_ff,         (int)mi.pos,
                    (int)e->p.k_type, (int)e->p.v_type, e->p.page_tokens};
     uint64_t h = 14695981039346656037ull;
     h = fnv_str(h, mi.arch);
@@ -71,8 +71,9 @@ int engine_prefix_init(engine *e, char *err, size_t errlen)
         engine_log(&e->p.hooks, ENGINE_LOG_INFO, "prefix cache: off");
         return 0;
     }
-    int share = e->p.prefix_cache_share < 0 ? 0 : e->p.prefix_cache_share > 100 ? 100
-                                                                              : e->p.prefix_cache_share;
+    int share = e->p.prefix_cache_share < 0     ? 0
+                : e->p.prefix_cache_share > 100 ? 100
+                                                : e->p.prefix_cache_share;
     int pages = kv_cache_n_pages(e->cache);
     int max_idle = (int)((int64_t)pages * share / 100);
     e->prefix = kv_prefix_create(e->cache, fingerprint(e), max_idle, err, errlen);

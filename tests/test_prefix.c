@@ -8,8 +8,8 @@
  */
 #include <errno.h>
 #include <pthread.h>
-#include <signal.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -230,7 +230,8 @@ static void test_random_against_model(void **state)
             assert_int_equal(n, want);
             for (int k = 0; k < n; k++) {
                 assert_int_equal(depth[got[k]], k + 1);
-                assert_memory_equal(prefix[got[k]], prompt, sizeof(int32_t) * (size_t)((k + 1) * PT));
+                assert_memory_equal(prefix[got[k]], prompt,
+                                    sizeof(int32_t) * (size_t)((k + 1) * PT));
             }
             /* list the rest of the chain while pages last, then take back
              * the oldest idle childless page when none is left */
@@ -498,7 +499,8 @@ static void *send_one(void *arg)
     }
     json_t *r = su_post(q->port, "/v1/completions", NULL, body, &q->status);
     json_t *text = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "text");
-    snprintf(q->text, sizeof(q->text), "%s", json_string_value(text) ? json_string_value(text) : "");
+    snprintf(q->text, sizeof(q->text), "%s",
+             json_string_value(text) ? json_string_value(text) : "");
     q->cached = (int)json_integer_value(
         json_object_get(json_object_get(json_object_get(r, "usage"), "kvd"), "cached_tokens"));
     json_decref(r);
@@ -510,8 +512,10 @@ static int start(struct su_proc *p, const char *name, const char *prefix_cache)
     snprintf(p->log, sizeof(p->log), "%s/%s.log", tmpdir, name);
     char set[64];
     snprintf(set, sizeof(set), "cache.prefix_cache=%s", prefix_cache);
-    const char *args[] = {"--set", set, "--set", "cache.memory=64MiB", "--set",
-                          "eviction.policy=none", "--set", "eviction.max_cache_tokens=4096"};
+    const char *args[] = {"--set", set,
+                          "--set", "cache.memory=64MiB",
+                          "--set", "eviction.policy=none",
+                          "--set", "eviction.max_cache_tokens=4096"};
     return su_serve(p, kvd_bin, model_path, args, 8);
 }
 
@@ -577,7 +581,8 @@ static void test_64_share_a_prefix(void **state)
 
     /* without a session, too: the same answers, the prefix attached */
     for (int i = 0; i < 4; i++) {
-        struct shared_req x = {.port = on.port, .id = 100 + i}, y = {.port = off.port, .id = 100 + i};
+        struct shared_req x = {.port = on.port, .id = 100 + i},
+                          y = {.port = off.port, .id = 100 + i};
         send_one(&x);
         send_one(&y);
         assert_int_equal(x.status, 200);
