@@ -31,6 +31,12 @@
  *              fresh BOS (what a model limited to its training length sees);
  *   recompute  a fresh forward over exactly the tokens the first policy
  *              retained after the prompt, at positions 0..n-1, then greedy.
+ *              The first policy's row prefills its prompt into a session
+ *              and decodes the answer on a fork of it (fork_answer), dropped
+ *              at the end: an answer's appends evict and cannot be undone,
+ *              so without the fork the retained prompt would need a second
+ *              prefill; with it, the session holds exactly what the prompt
+ *              left, and the answer scored is the one the sequence gives.
  *
  * Output: accuracy per row and length (table or JSON, with every case's
  * distance), and with --plot a PNG of accuracy against the key's distance.
@@ -201,6 +207,8 @@ struct task {
     const struct eval_ret_in *in;
     struct ids question, sep, words; /* words: own filler (when no text) */
     int32_t bos;
+    struct ids kept; /* the tokens row 0's policy retained after this prompt (kept.v
+                        NULL: not known yet), for the recompute row */
 };
 
 /* n filler tokens into out: a stretch of the text from a seeded offset
@@ -312,7 +320,7 @@ static engine *case_engine(const struct eval_ret_in *in, const struct kv_policy 
  * printed.
  */
 static int run_request(engine *eng, const int32_t *tok, int n, int max_tokens, bool session,
-                       struct outcome *out)
+                       bool fork, struct outcome *out)
 {
     *out = (struct outcome){0};
     struct engine_req *req = engine_req_new(ENGINE_REQ_COMPLETION);
@@ -329,6 +337,7 @@ static int run_request(engine *eng, const int32_t *tok, int n, int max_tokens, b
     req->n_prompt = n;
     req->max_tokens = max_tokens;
     req->want_tokens = true;
+    req->fork_answer = fork;
     model_sampling_defaults(&req->sampling);
     req->sampling.temperature = 0; /* greedy: the most likely token, the lower id on ties */
     engine_submit(eng, req);
@@ -358,17 +367,33 @@ static int run_request(engine *eng, const int32_t *tok, int n, int max_tokens, b
     return rc;
 }
 
-/* Prefill tok[0..n) under policy (none: dense), answer greedily: whether
- * the continuation is exactly the key. */
+/*
+ * Prefill tok[0..n) under policy (none: dense), answer greedily: whether
+ * the continuation is exactly the key. With kept (row 0, when the recompute
+ * row follows), the prompt goes into a session and the answer is decoded
+ * on a fork of it (fork_answer), dropped at the end: the answer is the one
+ * the sequence itself gives, and the session then holds exactly what the
+ * prompt left, whatever the answer evicted; its tokens go to *kept (new).
+ */
 static int run_tokens(const struct eval_ret_in *in, const struct kv_policy *policy,
                       const int32_t *tok, int n, const struct ids *key, bool *correct,
-                      uint64_t *evicted)
+                      uint64_t *evicted, struct ids *kept)
 {
     struct kv_policy dense = {.kind = KV_EVICT_NONE, .max_cache_tokens = n + key->n + 1};
     const struct kv_policy *p = policy->kind == KV_EVICT_NONE ? &dense : policy;
-    engine *eng = case_engine(in, p, false);
+    engine *eng = case_engine(in, p, kept != NULL);
     struct outcome out;
-    int rc = eng ? run_request(eng, tok, n, key->n, false, &out) : -1;
+    int rc = eng ? run_request(eng, tok, n, key->n, kept != NULL, kept != NULL, &out) : -1;
+    if (!rc && kept) {
+        int n_kept = 0;
+        const int32_t *t = engine_session_tokens(eng, "retrieval", &n_kept);
+        kept->v = t ? malloc(sizeof(int32_t) * (size_t)(n_kept > 0 ? n_kept : 1)) : NULL;
+        if (!kept->v)
+            rc = -1;
+        else
+            memcpy(kept->v, t, sizeof(int32_t) * (size_t)n_kept);
+        kept->n = n_kept;
+    }
     engine_destroy(eng);
     if (rc)
         return rc;
@@ -377,8 +402,17 @@ static int run_tokens(const struct eval_ret_in *in, const struct kv_policy *poli
     return 0;
 }
 
-/* Row `row` on prompt p. */
-static int run_case(const struct task *tk, int row, const struct prompt *p, bool *correct,
+/* Whether the rows have the recompute baseline. */
+static bool has_recompute(const struct eval_ret_in *in)
+{
+    for (int row = 0; row < in->n_rows; row++)
+        if (in->rows[row].baseline == 3)
+            return true;
+    return false;
+}
+
+/* Row `row` on prompt p (rows in order: row 0 first). */
+static int run_case(struct task *tk, int row, const struct prompt *p, bool *correct,
                     uint64_t *evicted)
 {
     const struct eval_ret_in *in = tk->in;
@@ -391,24 +425,27 @@ static int run_case(const struct task *tk, int row, const struct prompt *p, bool
         t[0] = tk->bos;
         memcpy(t + 1, p->tok + p->n - keep, sizeof(int32_t) * (size_t)keep);
         struct kv_policy none = {.kind = KV_EVICT_NONE};
-        int rc = run_tokens(in, &none, t, keep + 1, &p->key, correct, evicted);
+        int rc = run_tokens(in, &none, t, keep + 1, &p->key, correct, evicted, NULL);
         free(t);
         return rc;
     }
     if (rw->baseline == 3) { /* recompute: what row 0's policy retained, fresh */
-        engine *eng = case_engine(in, &in->rows[0].policy, true);
+        struct kv_policy none = {.kind = KV_EVICT_NONE};
+        if (tk->kept.v) /* row 0 left it (its answer on a fork) */
+            return run_tokens(in, &none, tk->kept.v, tk->kept.n, &p->key, correct, evicted, NULL);
+        engine *eng = case_engine(in, &in->rows[0].policy, true); /* row 0 is a baseline */
         struct outcome out;
-        int rc = eng ? run_request(eng, p->tok, p->n, 0, true, &out) : -1;
+        int rc = eng ? run_request(eng, p->tok, p->n, 0, true, false, &out) : -1;
         int n_kept = 0;
         const int32_t *kept = rc ? NULL : engine_session_tokens(eng, "retrieval", &n_kept);
-        if (kept) {
-            struct kv_policy none = {.kind = KV_EVICT_NONE};
-            rc = run_tokens(in, &none, kept, n_kept, &p->key, correct, evicted);
-        }
+        if (kept)
+            rc = run_tokens(in, &none, kept, n_kept, &p->key, correct, evicted, NULL);
         engine_destroy(eng);
         return kept ? rc : -1;
     }
-    return run_tokens(in, &rw->policy, p->tok, p->n, &p->key, correct, evicted);
+    bool keep = row == 0 && has_recompute(in);
+    return run_tokens(in, &rw->policy, p->tok, p->n, &p->key, correct, evicted,
+                      keep ? &tk->kept : NULL);
 }
 
 /* ------------------------------------------------------------------------
@@ -598,6 +635,8 @@ int srv_eval_retrieval(const struct eval_ret_in *in)
                 }
                 free(p.tok);
                 free(p.key.v);
+                free(tk.kept.v);
+                tk.kept = (struct ids){0};
             }
             s.distance[mi * r->n_depth + di] = (int)lround(dist / r->trials);
             fprintf(stderr, "retrieval: %dx (%d tokens), depth %g done\n", r->mult[mi], s.len[mi],

@@ -142,6 +142,11 @@ struct engine_req {
                                       (0..min(n_vocab, ENGINE_MAX_TOP_LOGPROBS)) */
     struct engine_map_opts map;    /* ENGINE_REQ_SESSION_MAP: ranges and text */
     enum engine_logits logits;     /* forced-continuation scoring (ENGINE_EV_LOGITS) */
+    bool fork_answer;              /* decode the answer on a fork of the sequence (kv_seq_fork)
+                                      and drop the fork at the end: the sequence, a session's,
+                                      keeps exactly what the prompt left in it, whatever the
+                                      answer's appends evicted (kvd eval scores a generated
+                                      answer, then reads the prompt's cache) */
     uint64_t t_submit_ns;          /* monotonic; the host's submission time (TTFT) */
     atomic_int cancel;             /* 0, ENGINE_CANCEL_CLIENT or ENGINE_CANCEL_ABORT: set by
                                       any thread, acted on at the start of the next step */

@@ -172,6 +172,8 @@ struct run {
     int n_prefix;   /* of n_cached, tokens attached from the prefix cache (prefix.c) */
     int prefix_full; /* full pages of seq when it last published */
     bool prefix_counted; /* may attach: counted in the engine's prefix figures */
+    kv_seq *prompt_seq; /* fork_answer: the prompt's sequence, kept as the prompt left it
+                           while the answer decodes on seq, its fork (NULL before) */
     struct run *next;
 };
 
@@ -224,6 +226,10 @@ int engine_history_match(const kv_seq *seq, const struct engine_req *req);
  * budget. Returns the count, or -1 with the reason (a 400) in err. */
 int engine_pins_plan(const engine *e, const struct engine_req *req, const kv_seq *sess,
                      struct kv_span *out, char *err, size_t errlen);
+/* The prompt is read: with fork_answer, the answer goes on in a fork of
+ * the sequence from here. False when the fork failed: the run was failed
+ * (503) and freed. */
+bool engine_run_fork_answer(engine *e, struct run *r);
 /* A token was sampled: true if the run ended (and was freed). */
 bool engine_run_take_token(engine *e, struct run *r, int32_t tok, uint64_t t);
 /* Give the run's pages back and put its request at the head of the queue

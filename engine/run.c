@@ -91,6 +91,11 @@ static void run_state_free(struct run *r)
  * the pool unless it belongs to a session. */
 static void run_free(engine *e, struct run *r)
 {
+    if (r->prompt_seq) { /* the answer's fork goes; the prompt's sequence is as it was */
+        kv_seq_destroy(r->seq);
+        r->seq = r->prompt_seq;
+        r->prompt_seq = NULL;
+    }
     struct run **pp = &e->runs;
     while (*pp && *pp != r)
         pp = &(*pp)->next;
@@ -353,6 +358,31 @@ out_fail:
         engine_post_error(e, req, 503, "cannot start the request: %s",
                           err[0] ? err : "out of memory for per-request state");
     return NULL;
+}
+
+/*
+ * Answer on a fork. An append that evicts cannot be undone, so a sequence
+ * that decodes an answer no longer holds what its prompt left. With
+ * fork_answer the answer decodes on a child sharing every page of the
+ * prompt's sequence (kv_seq_fork: nothing copied until the child writes
+ * into a shared page); the child is dropped when the run ends (run_free)
+ * and the prompt's sequence, a session's, is then exactly as the prompt
+ * left it. The child is pinned like the session it came from.
+ */
+bool engine_run_fork_answer(engine *e, struct run *r)
+{
+    if (!r->req->fork_answer || r->prompt_seq)
+        return true;
+    char err[256];
+    kv_seq *child = kv_seq_fork(r->seq, kv_seq_is_session(r->seq), err, sizeof(err));
+    if (!child) {
+        engine_run_fail(e, r, 503, "cannot fork the sequence for the answer: %s", err);
+        return false;
+    }
+    kv_seq_pin(child, true);
+    r->prompt_seq = r->seq;
+    r->seq = child;
+    return true;
 }
 
 /* ------------------------------------------------------------------------

@@ -378,6 +378,8 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
                 engine_run_finish(e, r, ENGINE_FINISH_LENGTH, -1);
                 continue;
             }
+            if (!engine_run_fork_answer(e, r))
+                continue;
         } else {
             if (!r->sess)
                 r->appended += 1;

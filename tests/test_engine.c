@@ -245,6 +245,111 @@ static void test_eviction_events(void **state)
     engine_destroy(e);
 }
 
+/* An engine for sessions (up to 4) under pol, 32 pages of 16 tokens. */
+static engine *session_engine(const struct kv_policy *pol)
+{
+    struct kv_cache_params shape = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
+    model_kv_shape(lib_model, &shape);
+    struct engine_params p = {
+        .m = lib_model,
+        .cache_memory = kv_cache_memory_for(&shape, 32),
+        .page_tokens = 16,
+        .k_type = KV_F32,
+        .v_type = KV_F32,
+        .n_threads = 1,
+        .limits = {.policy = *pol, .max_running = 2, .step_tokens = 64, .max_sessions = 4},
+    };
+    char err[512];
+    engine *e = engine_create(&p, err, sizeof(err));
+    if (!e)
+        fail_msg("engine_create: %s", err);
+    return e;
+}
+
+/* Submit r (100 prompt tokens, 40 generated, greedy) on session (NULL:
+ * none), step e to its end; its generated ids into ids[40], its usage. */
+static void run_answer(engine *e, const char *session, bool fork, int max_tokens, int32_t *ids,
+                       struct engine_usage *u)
+{
+    struct engine_req *r = completion(100, max_tokens);
+    r->session = session ? strdup(session) : NULL;
+    r->fork_answer = fork;
+    r->want_tokens = true;
+    engine_submit(e, r);
+    int n = 0;
+    bool done = false;
+    for (int steps = 0; !done && steps < 1000; steps++) {
+        engine_step(e, su_now() * 1e9);
+        for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
+            next = ev->next;
+            for (int k = 0; k < ev->n_tokens && n < 40; k++)
+                ids[n++] = ev->tokens[k];
+            if (ev->kind == ENGINE_EV_ERROR)
+                fail_msg("request failed: %s", ev->message);
+            if (ev->kind == ENGINE_EV_DONE) {
+                *u = ev->usage;
+                done = true;
+            }
+            engine_event_free(ev);
+        }
+    }
+    assert_true(done);
+    assert_int_equal(n, max_tokens);
+    engine_req_free(r);
+}
+
+/*
+ * fork_answer (kvd eval's exact scoring with generated tokens): the answer
+ * decodes on a fork of the session's sequence and the fork is dropped, so
+ * the session holds exactly what the prompt alone leaves, although the
+ * answer's appends evicted; and the answer is the one the sequence itself
+ * would have decoded.
+ */
+static void test_fork_answer(void **state)
+{
+    (void)state;
+    struct kv_policy pol = {
+        .kind = KV_EVICT_SINK_WINDOW, .sink_tokens = 4, .window_tokens = 32, .renumber = true};
+    struct kv_budget b;
+    kv_policy_budget(&pol, 16, &b);
+    pol.max_cache_tokens = (int)b.need_tokens; /* 64: the 100-token prompt evicts, so does the answer */
+    int32_t forked[40], plain[40], alone[40], none[1];
+    struct engine_usage uf, up, ua, u0;
+    engine *ef = session_engine(&pol), *e0 = session_engine(&pol), *ep = session_engine(&pol);
+    run_answer(ef, "s", true, 40, forked, &uf);
+    run_answer(e0, "s", false, 0, none, &u0);   /* the prompt alone */
+    run_answer(ep, "s", false, 40, plain, &up); /* the answer in the session itself */
+    engine *ea = session_engine(&pol);
+    run_answer(ea, NULL, false, 40, alone, &ua);
+    engine_destroy(ea);
+
+    /* The same answer as without the fork. */
+    assert_memory_equal(forked, plain, sizeof(forked));
+    assert_memory_equal(forked, alone, sizeof(forked));
+    assert_true(uf.evicted_tokens > u0.evicted_tokens); /* the answer evicted, in the fork */
+    assert_int_equal(uf.evicted_tokens, up.evicted_tokens);
+
+    /* The session: exactly the prompt's cache; without the fork it differs. */
+    int nf, n0, np;
+    const int32_t *tf = engine_session_tokens(ef, "s", &nf);
+    const int32_t *t0 = engine_session_tokens(e0, "s", &n0);
+    const int32_t *tp = engine_session_tokens(ep, "s", &np);
+    assert_non_null(tf);
+    assert_non_null(t0);
+    assert_int_equal(nf, n0);
+    assert_memory_equal(tf, t0, sizeof(int32_t) * (size_t)nf);
+    assert_false(np == n0 && memcmp(tp, t0, sizeof(int32_t) * (size_t)n0) == 0);
+    struct engine_stats sf, s0;
+    engine_get_stats(ef, &sf);
+    engine_get_stats(e0, &s0);
+    assert_int_equal(sf.kv.pages_used, s0.kv.pages_used); /* the fork's pages went back */
+    assert_int_equal(sf.kv.pages_shared, 0);
+    assert_int_equal(sf.kv.sequences, 1);
+    engine_destroy(ef);
+    engine_destroy(e0);
+    engine_destroy(ep);
+}
+
 /* ------------------------------------------------------------------------
  * Through kvd serve
  * ------------------------------------------------------------------------ */
@@ -400,6 +505,7 @@ int main(void)
         cmocka_unit_test(test_admission_waits_for_pages),
         cmocka_unit_test(test_logits_events),
         cmocka_unit_test(test_eviction_events),
+        cmocka_unit_test(test_fork_answer),
         cmocka_unit_test(test_serve_full_pool_queues),
         cmocka_unit_test(test_serve_stalled_engine_not_ready),
     };
