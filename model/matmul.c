@@ -13,10 +13,10 @@
  * compute bound and each decoded block is reused NT times.
  *
  * Float weights (f32, f16, bf16) are widened to f32 in registers and meet
- * f32 activations in multiply-adds. Quantised weights (q8_0, q4_0, q4_K,
- * q6_K) meet activations quantised per block of 32 to int8 with an f32
- * scale (done by the calling thread, into scratch, before the team starts)
- * in integer dot products:
+ * f32 activations in multiply-adds. Quantised weights (q8_0, q4_0) meet
+ * activations quantised per block of 32 to int8 with an f32 scale (done by
+ * the calling thread, into scratch, before the team starts) in integer dot
+ * products:
  *
  *   AVX-512 VNNI  vpdpbusd on 512 bits: two blocks of 32 per step, u8
  *                 weights x s8 activations, four products per i32 lane.
@@ -26,15 +26,15 @@
  * The weights enter as unsigned bytes w + c, and the offset's contribution
  * -c * sum(x) is the starting value of each integer sum (see "SIMD:
  * quantised weights"). Each block's i32 sums are scaled in f32 by (weight
- * scale) x (activation scale) and accumulated in f32 lanes; q6_K's scales
- * per 16 elements are lane groups of the scale vector, and q4_K's mins are
- * subtracted once per super-block as (dmin * m_j) . (d_x * sum q_x) over its
- * 8 sub-blocks.
+ * scale) x (activation scale) and accumulated in f32 lanes. (The K formats
+ * have their own kernels, matmul_k.c; quant_blocks.c's other formats go to
+ * matmul_blocks.c.)
  *
  * Each output is summed in the same order whatever the split among threads
  * and whatever the other tokens of the batch, so results depend on neither.
  */
 #include "model/matmul_internal.h"
+#include "model/matmul_simd.h"
 
 #include <math.h>
 #include <string.h>
@@ -47,12 +47,6 @@
 #define MM_AVX2 1
 #define MM_SIMD 1
 #endif
-
-#ifdef MM_SIMD
-#include <immintrin.h>
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
 
 /* Register tiles: rows x tokens. MM_GROUP must be a multiple of the rows. */
 #if defined(MM_AVX512)
@@ -72,7 +66,7 @@
  * ------------------------------------------------------------------------ */
 
 /* Quantise one token's activations: n_in / 32 blocks. */
-static void quantize_x(const float *x, int n_in, int8_t *q, float *d, float *s)
+static void quantize_x(const float *x, int n_in, int8_t *q, float *d)
 {
     int nb = n_in / QT_QK;
     for (int b = 0; b < nb; b++, x += QT_QK, q += QT_QK) {
@@ -95,33 +89,25 @@ static void quantize_x(const float *x, int n_in, int8_t *q, float *d, float *s)
         __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
         __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
         __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
         /* i32 -> i8: the packs interleave 128-bit lanes; one permute restores order */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)q, p);
         d[b] = db;
-        s[b] = db * (float)_mm_cvtsi128_si32(s4);
 #else
         float amax = 0.0f;
         for (int k = 0; k < QT_QK; k++)
             amax = fmaxf(amax, fabsf(x[k]));
         float db = amax / 127.0f;
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
         for (int k = 0; k < QT_QK; k++) {
             float v = nearbyintf(x[k] * id);
             /* clamp before converting: also turns NaN into a defined value */
             v = v >= -127.0f ? v : -127.0f;
             v = v <= 127.0f ? v : 127.0f;
             q[k] = (int8_t)v;
-            sum += q[k];
         }
         d[b] = db;
-        s[b] = db * (float)sum;
 #endif
     }
 }
@@ -206,13 +192,7 @@ typedef __m256 vf;
 #define vf_zero() _mm256_setzero_ps()
 #define vf_loadu(p) _mm256_loadu_ps(p)
 #define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
-INLINE float vf_hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define vf_hsum(v) hsum8(v)
 INLINE vf vf_weights(enum ggml_type type, const uint8_t *p)
 {
     switch (type) {
@@ -277,57 +257,14 @@ INLINE void f_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0,
  * SIMD: quantised weights
  *
  * Weights are decoded to unsigned bytes u = w + c (q4_0: the nibble, c = 8;
- * q6_K: the six bits, c = 32; q8_0: w + 128 by flipping the top bit; q4_K:
- * the nibble, whose offset is its separate min) and meet signed activations
- * x: sum(w x) = sum(u x) - c sum(x). The correction -c sum(x) depends only
- * on the activation block, so it is computed once per token and block (as
- * the dot product of c with -x, lane by lane) and shared by the tile's rows
- * as the starting value of each integer accumulator. AVX2's vpmaddubsw
- * would saturate on q8_0's u up to 255, so there q8_0 uses |w| and x with
- * w's sign instead.
+ * q8_0: w + 128 by flipping the top bit) and meet signed activations x:
+ * sum(w x) = sum(u x) - c sum(x). The correction -c sum(x) depends only on
+ * the activation block, so it is computed once per token and block (as the
+ * dot product of c with -x, lane by lane) and shared by the tile's rows as
+ * the starting value of each integer accumulator. AVX2's vpmaddubsw would
+ * saturate on q8_0's u up to 255, so there q8_0 uses |w| and x with w's
+ * sign instead (c = 0).
  * ------------------------------------------------------------------------ */
-
-/* Per-row state of the current super-block (K formats). */
-struct ksb {
-    __m256 sc[2]; /* q4_K: d * scale_j (sc[0]); q6_K: d * scale_g, groups 0..7 and 8..15 */
-    __m256 mn;    /* q4_K: dmin * min_j */
-#if defined(MM_AVX512)
-    __m512 z;   /* the scales in one vector: q4_K lanes 0..7, q6_K all 16 */
-    __m512 mnz; /* q4_K: the mins in lanes 0..7, zeros above */
-#endif
-};
-
-/* An f16 scale at any alignment, broadcast to 8 lanes. */
-INLINE __m256 f16_bcast(const uint8_t *p)
-{
-    short h;
-    memcpy(&h, p, 2);
-    return _mm256_cvtph_ps(_mm_set1_epi16(h));
-}
-
-INLINE void ksb_load(enum ggml_type type, const uint8_t *sb, struct ksb *k)
-{
-    if (type == GGML_TYPE_Q4_K) {
-        uint64_t sc, mn;
-        qt_q4k_scales_mins(sb + QT_Q4K_SCALES, &sc, &mn);
-        k->sc[0] = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_D), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                               _mm_cvtsi64_si128((long long)sc))));
-        k->mn = _mm256_mul_ps(f16_bcast(sb + QT_Q4K_DMIN), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                               _mm_cvtsi64_si128((long long)mn))));
-#if defined(MM_AVX512)
-        k->z = _mm512_zextps256_ps512(k->sc[0]);
-        k->mnz = _mm512_zextps256_ps512(k->mn);
-#endif
-    } else if (type == GGML_TYPE_Q6_K) {
-        __m256 d = f16_bcast(sb + QT_Q6K_D);
-        __m128i s = _mm_loadu_si128((const __m128i *)(sb + QT_Q6K_SCALES));
-        k->sc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
-        k->sc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))));
-#if defined(MM_AVX512)
-        k->z = _mm512_insertf32x8(_mm512_castps256_ps512(k->sc[0]), k->sc[1], 1);
-#endif
-    }
-}
 
 /* Offset c of the unsigned weight bytes (see above); 0: no correction. */
 INLINE int q_offset(enum ggml_type type)
@@ -335,8 +272,6 @@ INLINE int q_offset(enum ggml_type type)
     switch (type) {
     case GGML_TYPE_Q4_0:
         return 8;
-    case GGML_TYPE_Q6_K:
-        return 32;
 #if defined(MM_AVX512)
     case GGML_TYPE_Q8_0:
         return 128;
@@ -346,67 +281,28 @@ INLINE int q_offset(enum ggml_type type)
     }
 }
 
-/*
- * Block j of a weight row's current unit (a block for q8_0/q4_0, a
- * super-block for the K formats): its 32 weights as unsigned bytes w + c
- * (AVX2 q8_0: signed w) and its per-lane f32 scale vector.
- */
-INLINE __m256i q_unpack(enum ggml_type type, const uint8_t *u, int j, const struct ksb *k,
-                        __m256 *ws)
+/* The block of 32 at u: its weights as unsigned bytes w + c (AVX2 q8_0:
+ * signed w) and its scale in every lane. */
+INLINE __m256i q_unpack(enum ggml_type type, const uint8_t *u, __m256 *ws)
 {
-    const __m256i lo4 = _mm256_set1_epi8(0x0f);
-    switch (type) {
-    case GGML_TYPE_Q8_0: {
-        *ws = f16_bcast(u);
+    *ws = f16_bcast(u);
+    if (type == GGML_TYPE_Q8_0) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(u + 2));
 #if defined(MM_AVX512)
         w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
 #endif
         return w;
     }
-    case GGML_TYPE_Q4_0: {
-        *ws = f16_bcast(u);
-        __m128i v = _mm_loadu_si128((const __m128i *)(u + 2));
-        __m256i n = _mm256_set_m128i(_mm_srli_epi16(v, 4), v); /* hi: elements 16..31 */
-        return _mm256_and_si256(n, lo4);
-    }
-    case GGML_TYPE_Q4_K: {
-        *ws = _mm256_permutevar8x32_ps(k->sc[0], _mm256_set1_epi32(j));
-        __m256i v = _mm256_loadu_si256((const __m256i *)(u + QT_Q4K_QS + 32 * (j >> 1)));
-        if (j & 1)
-            v = _mm256_srli_epi16(v, 4);
-        return _mm256_and_si256(v, lo4);
-    }
-    default: { /* Q6_K: groups 2j and 2j+1 of 16 */
-        int h = j >> 2, kk = j & 3;
-        *ws = _mm256_permutevar8x32_ps(k->sc[h],
-                                       _mm256_setr_epi32(2 * kk, 2 * kk, 2 * kk, 2 * kk, 2 * kk + 1,
-                                                         2 * kk + 1, 2 * kk + 1, 2 * kk + 1));
-        __m256i ql = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QL + 64 * h + 32 * (kk & 1)));
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
-        if (kk & 2)
-            ql = _mm256_srli_epi16(ql, 4);
-        ql = _mm256_and_si256(ql, lo4);
-        qh = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * kk), 4),
-                              _mm256_set1_epi8(0x30));
-        return _mm256_or_si256(ql, qh);
-    }
-    }
+    /* Q4_0: low nibbles are elements 0..15, high 16..31 */
+    __m128i v = _mm_loadu_si128((const __m128i *)(u + 2));
+    __m256i n = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(n, _mm256_set1_epi8(0x0f));
 }
 
-INLINE float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* One block of 32 (block j of the rows' current units, block b along the
- * row) for every row and token of a tile, in 256-bit vectors. */
-INLINE void q_block256(enum ggml_type type, int mr, int nt, const uint8_t *const *up, int j,
-                       const struct ksb *ks, const int8_t *const *xq, const float *const *xd, int b,
-                       __m256 acc[][Q_NT])
+/* Block b of the rows' (at up[r]) for every row and token of a tile, in
+ * 256-bit vectors. */
+INLINE void q_block256(enum ggml_type type, int mr, int nt, const uint8_t *const *up,
+                       const int8_t *const *xq, const float *const *xd, int b, __m256 acc[][Q_NT])
 {
     const int c = q_offset(type);
     const __m256i zero = _mm256_setzero_si256();
@@ -421,7 +317,7 @@ INLINE void q_block256(enum ggml_type type, int mr, int nt, const uint8_t *const
 #endif
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {
-        w[r] = q_unpack(type, up[r], j, &ks[r], &ws[r]);
+        w[r] = q_unpack(type, up[r], &ws[r]);
 #if !defined(MM_AVX512)
         if (type == GGML_TYPE_Q8_0)
             wabs[r] = _mm256_sign_epi8(w[r], w[r]);
@@ -464,7 +360,7 @@ INLINE void q_block256(enum ggml_type type, int mr, int nt, const uint8_t *const
 struct qtile {
     const uint8_t *rows[Q_MR];
     const int8_t *xq[Q_NT];
-    const float *xd[Q_NT], *xs[Q_NT];
+    const float *xd[Q_NT];
 };
 
 INLINE void qtile_init(const struct mm_job *jb, int r0, int t0, int mr, int nt, struct qtile *q)
@@ -475,22 +371,13 @@ INLINE void qtile_init(const struct mm_job *jb, int r0, int t0, int mr, int nt, 
     for (int t = 0; t < nt; t++) {
         q->xq[t] = jb->xa.q + (size_t)toks[t] * jb->xa.ldq;
         q->xd[t] = jb->xa.d + (size_t)toks[t] * jb->xa.ldb;
-        q->xs[t] = jb->xa.s + (size_t)toks[t] * jb->xa.ldb;
     }
 }
 
-INLINE size_t unit_bytes(enum ggml_type type)
+/* Bytes of a block of 32. */
+INLINE size_t block_bytes(enum ggml_type type)
 {
-    switch (type) {
-    case GGML_TYPE_Q8_0:
-        return 34;
-    case GGML_TYPE_Q4_0:
-        return 18;
-    case GGML_TYPE_Q4_K:
-        return 144;
-    default:
-        return 210;
-    }
+    return type == GGML_TYPE_Q8_0 ? 34 : 18;
 }
 
 #if defined(MM_AVX512)
@@ -510,61 +397,32 @@ INLINE __m512 scale_pair(const uint8_t *p0, const uint8_t *p1, int interleaved)
 }
 
 /*
- * Blocks 2p and 2p+1 of the rows' current units (q4_K, q6_K) or the two
- * blocks at u (q8_0, q4_0) as 64 unsigned bytes w + c, and their 16 lane
+ * The two blocks at u as 64 unsigned bytes w + c, and their 16 lane
  * scales. Lanes follow the activation bytes, except q4_0, whose 16-byte
  * lanes hold (block 0 elements 0..15, block 1 0..15, block 0 16..31,
  * block 1 16..31); its activations are permuted to match.
  */
-INLINE __m512i q_unpack2(enum ggml_type type, const uint8_t *u, int p, const struct ksb *k,
-                         __m512 *ws)
+INLINE __m512i q_unpack2(enum ggml_type type, const uint8_t *u, __m512 *ws)
 {
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
-    switch (type) {
-    case GGML_TYPE_Q8_0: {
+    if (type == GGML_TYPE_Q8_0) {
         *ws = scale_pair(u, u + 34, 0);
         __m256i a = _mm256_loadu_si256((const __m256i *)(u + 2));
         __m256i b = _mm256_loadu_si256((const __m256i *)(u + 36));
         return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1),
                                 _mm512_set1_epi8((char)0x80));
     }
-    case GGML_TYPE_Q4_0: {
-        *ws = scale_pair(u, u + 18, 1);
-        __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(u + 20)),
-                                     _mm_loadu_si128((const __m128i *)(u + 2)));
-        __m512i n = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-        return _mm512_and_si512(n, lo4);
-    }
-    case GGML_TYPE_Q4_K: {
-        /* sub-blocks 2p, 2p+1: low and high nibbles of the same 32 bytes */
-        *ws = _mm512_permutexvar_ps(
-            _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1), k->z);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(u + QT_Q4K_QS + 32 * p));
-        __m512i n = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-        return _mm512_and_si512(n, lo4);
-    }
-    default: { /* Q6_K: blocks 2p, 2p+1 = (half h, kk) and (h, kk + 1); groups 4p..4p+3 */
-        int h = p >> 1, kk = 2 * (p & 1);
-        const __m512i g = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        *ws = _mm512_permutexvar_ps(_mm512_add_epi32(g, _mm512_set1_epi32(4 * p)), k->z);
-        __m512i ql = _mm512_loadu_si512((const void *)(u + QT_Q6K_QL + 64 * h));
-        if (kk)
-            ql = _mm512_srli_epi16(ql, 4);
-        ql = _mm512_and_si512(ql, lo4);
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
-        __m512i q2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 2 * kk)),
-                                        _mm256_srli_epi16(qh, 2 * kk + 2), 1);
-        q2 = _mm512_and_si512(_mm512_slli_epi16(q2, 4), _mm512_set1_epi8(0x30));
-        return _mm512_or_si512(ql, q2);
-    }
-    }
+    /* Q4_0 */
+    *ws = scale_pair(u, u + 18, 1);
+    __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(u + 20)),
+                                 _mm_loadu_si128((const __m128i *)(u + 2)));
+    __m512i n = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(n, _mm512_set1_epi8(0x0f));
 }
 
 INLINE void q_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
 {
-    const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
     const int c = q_offset(type);
-    const size_t ub = unit_bytes(type);
+    const size_t bb = block_bytes(type);
     const int nb = jb->w->n_in / QT_QK; /* blocks of 32 */
     struct qtile q;
     qtile_init(jb, r0, t0, mr, nt, &q);
@@ -580,66 +438,41 @@ INLINE void q_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0,
     /* activation scales of blocks (b, b+1) spread over the lanes */
     const __m512i dsel = pair_sel(type == GGML_TYPE_Q4_0);
 
-    /* b: first block of the pair along the row; u: unit; p: pair in the unit */
-    const int per_unit = kq ? 4 : 1;
-    const int n_units = kq ? nb / 8 : nb / 2;
-    for (int un = 0; un < n_units; un++) {
-        struct ksb ks[Q_MR];
-        const uint8_t *up[Q_MR];
+    /* b: the first block of the pair along the row */
+    for (int b = 0; b + 1 < nb; b += 2) {
+        __m512i w[Q_MR];
+        __m512 ws[Q_MR];
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) {
-            up[r] = q.rows[r] + (size_t)un * (kq ? ub : 2 * ub);
-            if (kq)
-                ksb_load(type, up[r], &ks[r]);
-        }
-        for (int p = 0; p < per_unit; p++) {
-            const int b = kq ? 8 * un + 2 * p : 2 * un;
-            __m512i w[Q_MR];
-            __m512 ws[Q_MR];
+        for (int r = 0; r < mr; r++)
+            w[r] = q_unpack2(type, q.rows[r] + (size_t)b * bb, &ws[r]);
 #pragma GCC unroll 4
-            for (int r = 0; r < mr; r++)
-                w[r] = q_unpack2(type, up[r], p, &ks[r], &ws[r]);
+        for (int t = 0; t < nt; t++) {
+            __m512i x = _mm512_loadu_si512((const void *)(q.xq[t] + QT_QK * b));
+            if (type == GGML_TYPE_Q4_0)
+                x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));
+            __m128 d2 = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(q.xd[t] + b)));
+            __m512 dx = _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(d2));
+            __m512i xb = _mm512_dpbusd_epi32(zero, cvec, _mm512_sub_epi8(zero, x));
 #pragma GCC unroll 4
-            for (int t = 0; t < nt; t++) {
-                __m512i x = _mm512_loadu_si512((const void *)(q.xq[t] + QT_QK * b));
-                if (type == GGML_TYPE_Q4_0)
-                    x = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));
-                __m128 d2 = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(q.xd[t] + b)));
-                __m512 dx = _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(d2));
-                __m512i xb = zero;
-                if (c)
-                    xb = _mm512_dpbusd_epi32(zero, cvec, _mm512_sub_epi8(zero, x));
-#pragma GCC unroll 4
-                for (int r = 0; r < mr; r++) {
-                    __m512i isum = _mm512_dpbusd_epi32(xb, w[r], x);
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[r], dx),
-                                                acc[r][t]);
-                }
-            }
-        }
-        if (type == GGML_TYPE_Q4_K) {
-            /* minus sum_j dmin*m_j * d_x*sum(q_x) over the 8 sub-blocks */
-#pragma GCC unroll 4
-            for (int t = 0; t < nt; t++) {
-                __m512 xs8 = _mm512_zextps256_ps512(_mm256_loadu_ps(q.xs[t] + 8 * un));
-#pragma GCC unroll 4
-                for (int r = 0; r < mr; r++)
-                    acc[r][t] = _mm512_fnmadd_ps(ks[r].mnz, xs8, acc[r][t]);
+            for (int r = 0; r < mr; r++) {
+                __m512i isum = _mm512_dpbusd_epi32(xb, w[r], x);
+                acc[r][t] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[r], dx), acc[r][t]);
             }
         }
     }
 
     float res[Q_MR][NT_MAX];
-    if (!kq && (nb & 1)) {
-        /* an odd last block of q8_0 / q4_0 */
+    if (nb & 1) {
+        /* an odd last block */
         __m256 tail[Q_MR][Q_NT];
         const uint8_t *up[Q_MR];
         for (int r = 0; r < mr; r++) {
-            up[r] = q.rows[r] + (size_t)(nb - 1) * ub;
+            up[r] = q.rows[r] + (size_t)(nb - 1) * bb;
             for (int t = 0; t < nt; t++)
                 tail[r][t] = _mm256_setzero_ps();
         }
-        q_block256(type, mr, nt, up, 0, NULL, q.xq, q.xd, nb - 1, tail);
+        q_block256(type, mr, nt, up, q.xq, q.xd, nb - 1, tail);
         for (int r = 0; r < mr; r++)
             for (int t = 0; t < nt; t++)
                 res[r][t] = _mm512_reduce_add_ps(acc[r][t]) + hsum8(tail[r][t]);
@@ -655,10 +488,8 @@ INLINE void q_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0,
 
 INLINE void q_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0, int mr, int nt)
 {
-    const bool kq = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
-    const int per_unit = kq ? 8 : 1; /* blocks of 32 per unit */
-    const size_t ub = unit_bytes(type);
-    const int n_units = jb->w->n_in / (kq ? QT_QK_K : QT_QK);
+    const size_t bb = block_bytes(type);
+    const int nb = jb->w->n_in / QT_QK;
     struct qtile q;
     qtile_init(jb, r0, t0, mr, nt, &q);
 
@@ -669,27 +500,12 @@ INLINE void q_tile(const struct mm_job *jb, enum ggml_type type, int r0, int t0,
         for (int t = 0; t < nt; t++)
             acc[r][t] = _mm256_setzero_ps();
 
-    for (int un = 0; un < n_units; un++) {
-        struct ksb ks[Q_MR];
+    for (int b = 0; b < nb; b++) {
         const uint8_t *up[Q_MR];
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) {
-            up[r] = q.rows[r] + (size_t)un * ub;
-            if (kq)
-                ksb_load(type, up[r], &ks[r]);
-        }
-        for (int j = 0; j < per_unit; j++)
-            q_block256(type, mr, nt, up, j, ks, q.xq, q.xd, un * per_unit + j, acc);
-        if (type == GGML_TYPE_Q4_K) {
-            /* minus sum_j dmin*m_j * d_x*sum(q_x) over the 8 sub-blocks */
-#pragma GCC unroll 4
-            for (int t = 0; t < nt; t++) {
-                __m256 xs8 = _mm256_loadu_ps(q.xs[t] + 8 * un);
-#pragma GCC unroll 4
-                for (int r = 0; r < mr; r++)
-                    acc[r][t] = _mm256_fnmadd_ps(ks[r].mn, xs8, acc[r][t]);
-            }
-        }
+        for (int r = 0; r < mr; r++)
+            up[r] = q.rows[r] + (size_t)b * bb;
+        q_block256(type, mr, nt, up, q.xq, q.xd, b, acc);
     }
 
     float res[Q_MR][NT_MAX];
@@ -748,12 +564,6 @@ static void run_group(const struct mm_job *jb, int g)
     case GGML_TYPE_Q4_0:
         group_simd(jb, GGML_TYPE_Q4_0, g);
         break;
-    case GGML_TYPE_Q4_K:
-        group_simd(jb, GGML_TYPE_Q4_K, g);
-        break;
-    case GGML_TYPE_Q6_K:
-        group_simd(jb, GGML_TYPE_Q6_K, g);
-        break;
     default: /* quant_blocks.c's formats */
         mm_blocks_rows(jb->w, &jb->xa, jb->out, jb->n_tok, g * MM_GROUP,
                        g * MM_GROUP + MM_GROUP < jb->w->n_out ? g * MM_GROUP + MM_GROUP
@@ -768,58 +578,20 @@ static void run_group(const struct mm_job *jb, int g)
  * Portable scalar kernels
  * ------------------------------------------------------------------------ */
 
-/*
- * Decode block b (32 weights) of a quantised row: integer weights, the
- * scales of its two halves of 16 (equal except for q6_K) and, for q4_K,
- * the min to subtract per unit of activation sum.
- */
-static void q_block_scalar(enum ggml_type type, const uint8_t *row, int b, int8_t *w, float *s_lo,
-                           float *s_hi, float *min)
+/* Decode block b (32 weights) of a q8_0 or q4_0 row: integers and scale. */
+static float q_block_scalar(enum ggml_type type, const uint8_t *row, int b, int8_t *w)
 {
-    *min = 0.0f;
-    switch (type) {
-    case GGML_TYPE_Q8_0: {
+    if (type == GGML_TYPE_Q8_0) {
         const uint8_t *u = row + 34 * (size_t)b;
-        *s_lo = *s_hi = qt_f16_to_f32(qt_rd16(u));
         memcpy(w, u + 2, 32);
-        break;
+        return qt_f16_to_f32(qt_rd16(u));
     }
-    case GGML_TYPE_Q4_0: {
-        const uint8_t *u = row + 18 * (size_t)b;
-        *s_lo = *s_hi = qt_f16_to_f32(qt_rd16(u));
-        for (int k = 0; k < 16; k++) {
-            w[k] = (int8_t)((u[2 + k] & 0x0f) - 8);
-            w[k + 16] = (int8_t)((u[2 + k] >> 4) - 8);
-        }
-        break;
+    const uint8_t *u = row + 18 * (size_t)b;
+    for (int k = 0; k < 16; k++) {
+        w[k] = (int8_t)((u[2 + k] & 0x0f) - 8);
+        w[k + 16] = (int8_t)((u[2 + k] >> 4) - 8);
     }
-    case GGML_TYPE_Q4_K: {
-        const uint8_t *u = row + 144 * (size_t)(b / 8);
-        int j = b % 8, sc, m;
-        qt_q4k_scale_min(u + QT_Q4K_SCALES, j, &sc, &m);
-        *s_lo = *s_hi = qt_f16_to_f32(qt_rd16(u + QT_Q4K_D)) * (float)sc;
-        *min = qt_f16_to_f32(qt_rd16(u + QT_Q4K_DMIN)) * (float)m;
-        const uint8_t *q = u + QT_Q4K_QS + 32 * (j >> 1);
-        for (int k = 0; k < 32; k++)
-            w[k] = (int8_t)((q[k] >> (4 * (j & 1))) & 0x0f);
-        break;
-    }
-    default: { /* Q6_K */
-        const uint8_t *u = row + 210 * (size_t)(b / 8);
-        int j = b % 8, h = j >> 2, kk = j & 3;
-        float d = qt_f16_to_f32(qt_rd16(u + QT_Q6K_D));
-        const int8_t *sc = (const int8_t *)(u + QT_Q6K_SCALES);
-        *s_lo = d * (float)sc[2 * j];
-        *s_hi = d * (float)sc[2 * j + 1];
-        const uint8_t *ql = u + QT_Q6K_QL + 64 * h + 32 * (kk & 1);
-        const uint8_t *qh = u + QT_Q6K_QH + 32 * h;
-        for (int k = 0; k < 32; k++) {
-            int q = ((ql[k] >> (4 * (kk >> 1))) & 0x0f) | (((qh[k] >> (2 * kk)) & 3) << 4);
-            w[k] = (int8_t)(q - 32);
-        }
-        break;
-    }
-    }
+    return qt_f16_to_f32(qt_rd16(u));
 }
 
 /* One row against every token: decode each block once, use it n_tok times. */
@@ -858,18 +630,14 @@ static void row_scalar(const struct mm_job *jb, int o)
     int nb = w->n_in / QT_QK;
     for (int b = 0; b < nb; b++) {
         int8_t wq[32];
-        float s_lo, s_hi, min;
-        q_block_scalar(w->type, row, b, wq, &s_lo, &s_hi, &min);
+        float ws = q_block_scalar(w->type, row, b, wq);
         for (int t = 0; t < jb->n_tok; t++) {
             const int8_t *xq = jb->xa.q + (size_t)t * jb->xa.ldq + QT_QK * (size_t)b;
-            int lo = 0, hi = 0;
-            for (int k = 0; k < 16; k++) {
-                lo += wq[k] * xq[k];
-                hi += wq[k + 16] * xq[k + 16];
-            }
+            int dot = 0;
+            for (int k = 0; k < 32; k++)
+                dot += wq[k] * xq[k];
             float dx = jb->xa.d[(size_t)t * jb->xa.ldb + b];
-            float xs = jb->xa.s[(size_t)t * jb->xa.ldb + b];
-            out[(size_t)t * ldo] += dx * (s_lo * (float)lo + s_hi * (float)hi) - min * xs;
+            out[(size_t)t * ldo] += dx * (ws * (float)dot);
         }
     }
 }

@@ -1,6 +1,7 @@
 /*
  * matmul_blocks.c - the matrix products of quant_blocks.c's formats (q4_1,
- * q5_0, q5_1, iq4_nl, q2_K, q3_K, q5_K) against 8-bit activations.
+ * q5_0, q5_1, iq4_nl, q2_K, q3_K; its q5_K goes to matmul_k.c) against
+ * 8-bit activations.
  *
  * Every block of 32 weights is decoded once per tile of tokens into
  * integers w[32], two scales and two mins (qt_block32_decode; the AVX2
@@ -28,6 +29,7 @@
  * in one fixed order, so results depend neither on the threads nor on the
  * other tokens of the batch.
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -189,7 +191,7 @@ AVX2_FN static inline __m256i decode_avx2(enum ggml_type type, const uint8_t *ro
         __m256i v = _mm256_loadu_si256((const __m256i *)q);
         return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j % 4)), three);
     }
-    case GGML_TYPE_Q3_K: {
+    default: { /* Q3_K */
         const uint8_t *u = row + 110 * (size_t)(b / 8);
         __m256i v = _mm256_loadu_si256((const __m256i *)(u + 32 + 32 * (j / 4)));
         __m256i h = _mm256_loadu_si256((const __m256i *)u);
@@ -198,14 +200,6 @@ AVX2_FN static inline __m256i decode_avx2(enum ggml_type type, const uint8_t *ro
         h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
         return _mm256_sub_epi8(_mm256_add_epi8(v, _mm256_slli_epi16(h, 2)), _mm256_set1_epi8(4));
     }
-    default: { /* Q5_K */
-        const uint8_t *u = row + 176 * (size_t)(b / 8);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(u + 48 + 32 * (j / 2)));
-        __m256i h = _mm256_loadu_si256((const __m256i *)(u + 16));
-        v = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j & 1)), _mm256_set1_epi8(15));
-        h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
-        return _mm256_or_si256(v, _mm256_slli_epi16(h, 4));
-    }
     }
 }
 
@@ -213,8 +207,8 @@ AVX2_FN static void rows_avx2(const struct mm_weight *w, const struct mm_xq *xa,
                               int n_tok, int o0, int o1)
 {
     const int nb = w->n_in / QT_QK;
-    const bool mins = w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q5_1 ||
-                      w->type == GGML_TYPE_Q2_K || w->type == GGML_TYPE_Q5_K;
+    const bool mins =
+        w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q5_1 || w->type == GGML_TYPE_Q2_K;
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
     for (int o = o0; o < o1; o++) {
         const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
@@ -292,6 +286,7 @@ const char *mm_blocks_kernel_name(void)
 void mm_blocks_rows(const struct mm_weight *w, const struct mm_xq *xa, float *out, int n_tok,
                     int o0, int o1)
 {
+    assert(qt_is_block_type(w->type) && !mm_k_type(w->type));
 #ifdef MMB_X86
     if (have_avx2()) {
         rows_avx2(w, xa, out, n_tok, o0, o1);

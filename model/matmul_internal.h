@@ -28,8 +28,8 @@ struct mm_job {
 /* One kernel level's operations. */
 struct mm_kernels {
     const char *name; /* "avx512-vnni", "avx2", "scalar" */
-    /* One token's activations x[n_in] into n_in / 32 blocks: q, d, s as in struct mm_xq. */
-    void (*quantize_x)(const float *x, int n_in, int8_t *q, float *d, float *s);
+    /* One token's activations x[n_in] into n_in / 32 blocks: q, d as in struct mm_xq. */
+    void (*quantize_x)(const float *x, int n_in, int8_t *q, float *d);
     /* Output rows [g * MM_GROUP, +MM_GROUP) of every token of the job. */
     void (*run_group)(const struct mm_job *jb, int g);
 };

@@ -77,12 +77,7 @@
 #include <string.h>
 
 #include "model/matmul_internal.h"
-
-#ifdef KERN_SIMD
-#include <immintrin.h>
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
+#include "model/matmul_simd.h"
 
 /* Register tiles: MR rows x NT tokens; a lone token walks one row at a time
  * (MR1): decoding from DRAM, one sequential stream per thread reads about
@@ -282,7 +277,6 @@ static void rows_scalar(const struct mm_k_job *jb, int o0, int o1)
  * SIMD
  * ------------------------------------------------------------------------ */
 
-
 /* Per-row state of the current super-block. */
 struct ksr {
     __m256i sc;   /* q4_K/q5_K: the 8 scales as i16 in both 128-bit halves;
@@ -294,13 +288,6 @@ struct ksr {
 #endif
 };
 
-INLINE __m256 f16_bcast(const uint8_t *p)
-{
-    short h;
-    memcpy(&h, p, 2);
-    return _mm256_cvtph_ps(_mm_set1_epi16(h));
-}
-
 INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
 {
     if (type == GGML_TYPE_Q6_K) {
@@ -310,10 +297,9 @@ INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
         k->dm = _mm256_setzero_ps();
 #if defined(KERN_AVX512)
         /* 128-bit lane L of half h: groups 8h + L (x4) and 8h + 4 + L (x4) */
-        const __m512i ctl = _mm512_set_epi64(0x0f0e0f0e0f0e0f0e, 0x0706070607060706,
-                                             0x0d0c0d0c0d0c0d0c, 0x0504050405040504,
-                                             0x0b0a0b0a0b0a0b0a, 0x0302030203020302,
-                                             0x0908090809080908, 0x0100010001000100);
+        const __m512i ctl = _mm512_set_epi64(
+            0x0f0e0f0e0f0e0f0e, 0x0706070607060706, 0x0d0c0d0c0d0c0d0c, 0x0504050405040504,
+            0x0b0a0b0a0b0a0b0a, 0x0302030203020302, 0x0908090809080908, 0x0100010001000100);
         k->sv[0] = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(k->sc)), ctl);
         k->sv[1] =
             _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_extracti128_si256(k->sc, 1)), ctl);
@@ -362,8 +348,8 @@ INLINE void k_unpack(enum ggml_type type, const uint8_t *u, int h, __m512i *lo, 
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
     if (type == GGML_TYPE_Q6_K) {
         __m512i ql = _mm512_loadu_si512((const void *)(u + QT_Q6K_QL + 64 * h));
-        __m512i qh = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h)));
+        __m512i qh =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h)));
         /* bits 0-1 | 2-3 (lo) and 4-5 | 6-7 (hi) of qh to bits 4-5, per 256-bit half */
         const __m512i c42 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
         const __m512i c02 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -440,14 +426,6 @@ INLINE vi vi_sub_corr(vi isum, __m256i corr)
 
 #else /* AVX2 */
 
-INLINE float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 typedef __m256i vi;
 typedef __m256 vf;
 #define vf_zero() _mm256_setzero_ps()
@@ -496,10 +474,10 @@ INLINE vi k_scale(enum ggml_type type, const struct ksr *k, int j)
         __m256i s = j < 4 ? _mm256_permute2x128_si256(k->sc, k->sc, 0x00)
                           : _mm256_permute2x128_si256(k->sc, k->sc, 0x11);
         int w0 = 2 * (2 * j % 8), w1 = w0 + 2; /* byte offsets of the two words */
-        __m256i ctl = _mm256_setr_epi8(w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0,
-                                       w0 + 1, w0, w0 + 1, w0, w0 + 1, w1, w1 + 1, w1, w1 + 1, w1,
-                                       w1 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1, w1,
-                                       w1 + 1);
+        __m256i ctl =
+            _mm256_setr_epi8(w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1,
+                             w0, w0 + 1, w0, w0 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1,
+                             w1, w1 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1);
         return _mm256_shuffle_epi8(s, ctl);
     }
     int w0 = 2 * j;
@@ -613,8 +591,7 @@ INLINE void k_tile(const struct mm_k_job *jb, enum ggml_type type, int r0, int t
 
     for (int t = 0; t < nt && t0 + t < jb->n_tok; t++)
         for (int r = 0; r < mr && r0 + r < w->n_out; r++)
-            jb->out[(size_t)(t0 + t) * (size_t)w->n_out + (size_t)(r0 + r)] =
-                vf_hsum(acc[r][t]);
+            jb->out[(size_t)(t0 + t) * (size_t)w->n_out + (size_t)(r0 + r)] = vf_hsum(acc[r][t]);
 }
 
 /* Rows [o0, o1): token tiles outside, row tiles inside; a lone last token

@@ -78,7 +78,6 @@ int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out
  * Layout in scratch, each array 64-byte aligned:
  *   q   int8  [n_tok][ldq]   round(x / d), ldq = n_in rounded up to 64
  *   d   float [n_tok][ldb]   block scale max|x| / 127 (0 for an all-zero block)
- *   s   float [n_tok][ldb]   d * sum(q) over the block (for q4_K's mins)
  * ------------------------------------------------------------------------ */
 
 static size_t round_up(size_t n, size_t a)
@@ -95,8 +94,6 @@ static void xq_layout(struct mm_xq *xa, void *scratch, int n_in, int n_tok)
     xa->q = (int8_t *)p;
     p += xa->ldq * (size_t)n_tok;
     xa->d = (float *)p;
-    p += sizeof(float) * xa->ldb * (size_t)n_tok;
-    xa->s = (float *)p;
 }
 
 size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
@@ -106,7 +103,7 @@ size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
     if (mm_k_type(w->type))
         return mm_k_scratch_bytes(w->n_in, n_tok);
     size_t nb = (size_t)w->n_in / QT_QK;
-    return (size_t)n_tok * (round_up((size_t)w->n_in, 64) + 2 * sizeof(float) * round_up(nb, 16));
+    return (size_t)n_tok * (round_up((size_t)w->n_in, 64) + sizeof(float) * round_up(nb, 16));
 }
 
 /* ------------------------------------------------------------------------
@@ -141,7 +138,7 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
     if (quantised)
         for (int t = 0; t < n_tok; t++)
             k->quantize_x(x + (size_t)t * (size_t)w->n_in, w->n_in, jb.xa.q + (size_t)t * jb.xa.ldq,
-                       jb.xa.d + (size_t)t * jb.xa.ldb, jb.xa.s + (size_t)t * jb.xa.ldb);
+                          jb.xa.d + (size_t)t * jb.xa.ldb);
 
 #pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
     for (int g = 0; g < n_groups; g++)

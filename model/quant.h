@@ -252,11 +252,11 @@ const char *mm_kernel_name(void);
 /*
  * Activations quantised per block of 32 (matmul.c fills them before the
  * products): q int8 [n_tok][ldq] = round(x / d); d float [n_tok][ldb] the
- * block scales max|x| / 127; s float [n_tok][ldb] = d * sum(q).
+ * block scales max|x| / 127.
  */
 struct mm_xq {
     int8_t *q;
-    float *d, *s;
+    float *d;
     size_t ldq, ldb;
 };
 

@@ -1,0 +1,37 @@
+/*
+ * matmul_simd.h - small register helpers shared by the matrix-product
+ * kernel files (matmul.c, matmul_k.c, compiled once per kernel level, see
+ * cpu/kernel.h). Include it after cpu/kernel.h; it is empty in the scalar
+ * copy, so only code under KERN_SIMD may use it.
+ */
+#ifndef KVD_MATMUL_SIMD_H
+#define KVD_MATMUL_SIMD_H
+
+#include "cpu/kernel.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+#ifdef KERN_SIMD
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* An f16 (a block or super-block scale) at any alignment, in 8 f32 lanes. */
+INLINE __m256 f16_bcast(const uint8_t *p)
+{
+    short h;
+    memcpy(&h, p, 2);
+    return _mm256_cvtph_ps(_mm_set1_epi16(h));
+}
+
+/* The sum of 8 f32 lanes, in one fixed order. */
+INLINE float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#endif /* KVD_MATMUL_SIMD_H */
