@@ -210,6 +210,7 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .policy = pol,
         .max_running = (int)c->limits.max_running,
         .step_tokens = (int)c->limits.step_tokens,
+        .step_budget_ms = c->limits.step_budget_ms,
         .queue_length = (int)c->limits.queue_length,
         .session_idle_ms = c->eviction.session_idle_timeout_ms,
         .max_sessions = (int)c->eviction.max_sessions,

@@ -138,6 +138,7 @@ enum cfg_key {
     CFG_LIMITS_QUEUE_LENGTH,
     CFG_LIMITS_MAX_RUNNING,
     CFG_LIMITS_STEP_TOKENS,
+    CFG_LIMITS_STEP_BUDGET,
     CFG_LIMITS_ENGINE_STALL_TIMEOUT,
     CFG_AUTH_API_KEY,
     CFG_AUTH_API_KEY_FILE,
@@ -220,6 +221,8 @@ struct cfg_limits {
     int64_t queue_length;       /* requests waiting for a slot; beyond it, 429 */
     int64_t max_running;        /* sequences in one engine batch */
     int64_t step_tokens;        /* tokens per engine step (prefill chunks + decodes) */
+    uint64_t step_budget_ms;    /* while decodes wait, a step's time: prefill chunks are cut
+                                   to it at the measured speed; 0 = step_tokens only */
     uint64_t engine_stall_timeout_ms; /* a step longer than this: /health says 503; 0 = never */
 };
 

@@ -16,6 +16,7 @@
  * log-probabilities) fails that request with 503 and the engine lives on.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -404,8 +405,9 @@ int engine_set_limits(engine *e, const struct engine_limits *l, char *err, size_
         if (!r->sess)
             kv_seq_set_policy(r->seq, &l->policy);
     engine_log(&e->p.hooks, ENGINE_LOG_INFO,
-               "engine: new limits applied (max_running %d, step_tokens %d)", l->max_running,
-               l->step_tokens);
+               "engine: new limits applied (max_running %d, step_tokens %d, step_budget %" PRIu64
+               " ms)",
+               l->max_running, l->step_tokens, l->step_budget_ms);
     return 0;
 }
 

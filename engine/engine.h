@@ -13,7 +13,8 @@
  * loop, and takes the events each step produced (engine_take_events). A
  * step admits waiting requests into running sequences, builds ONE batch (a
  * decode token for every sequence past its prompt, then prefill chunks of
- * the others, oldest first, within step_tokens), reserves the batch's slots
+ * the others, oldest first, within step_tokens and, while decodes wait,
+ * within the step's time budget), reserves the batch's slots
  * in the cache (kv_reserve: the policies evict, idle sessions may be
  * dropped, or a sequence is refused), runs one forward pass, then samples,
  * detokenizes and scans for stop strings, posting text and finish events.
@@ -296,6 +297,9 @@ struct engine_limits {
     struct kv_policy policy;  /* for new sequences and every session */
     int max_running;          /* sequences in flight */
     int step_tokens;          /* tokens per forward (decode + prefill chunks) */
+    uint64_t step_budget_ms;  /* while decodes wait, prefill chunks are cut so a step
+                                 takes about this long at the measured speed; 0 = the
+                                 token budget only */
     int queue_length;         /* waiting requests beyond the free sequence slots
                                  (the host refuses more: the daemon answers 429) */
     uint64_t session_idle_ms; /* free sessions idle this long (0 = never) */

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "engine/engine.h"
+#include "engine/pace.h"
 
 /* ------------------------------------------------------------------------
  * Sessions (sessions.c)
@@ -196,6 +197,7 @@ struct engine {
     struct run **batch_runs;       /* [batch_cap] */
     int batch_cap;
     struct engine_event *ev_head, *ev_tail; /* posted, not yet taken */
+    struct engine_pace pace; /* what a step costs, measured (pace.c) */
     kv_prefix *prefix; /* the prefix cache, or NULL when off (prefix.c) */
     uint64_t prefix_prompt_tokens, prefix_hit_tokens; /* runs that may attach: prompt
                                                           tokens, and those attached */

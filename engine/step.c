@@ -6,7 +6,12 @@
  * prefill chunks of sequences still reading their prompt, oldest first, up
  * to step_tokens tokens in all. A long prompt is thus read a chunk per step
  * while the streams already running keep producing a token per step
- * (chunked prefill). Admission is FIFO into at most max_running sequences.
+ * (chunked prefill). With a step time budget (step_budget_ms), while
+ * decode tokens are in the batch the chunks are cut to what the budget
+ * holds at the speed measured so far (pace.c), so a stream waits at most
+ * about one budget for its next token; the oldest prompt still gets at
+ * least a page's worth of tokens every step. Admission is FIFO into at
+ * most max_running sequences.
  *
  * Before the forward, the batch's slots are reserved in the cache
  * (kv_reserve, all or nothing): the policies evict, idle sessions may be
@@ -180,6 +185,7 @@ static void admit(engine *e, uint64_t t)
 static int build_batch(engine *e)
 {
     int n = 0, budget = e->lim.step_tokens;
+    struct pace_work decode_work = {0};
     for (struct run *r = e->runs; r; r = r->next) {
         r->batch_slot = -1;
         if (r->phase == RUN_DECODE && budget > 0 && n < e->batch_cap &&
@@ -189,8 +195,13 @@ static int build_batch(engine *e)
             e->batch_runs[n] = r;
             r->batch_slot = n++;
             budget--;
+            struct pace_work w = pace_chunk_work(1, kv_seq_n_tokens(r->seq));
+            decode_work.tokens += w.tokens;
+            decode_work.pairs += w.pairs;
         }
     }
+    struct pace_plan plan; /* prompt chunks within the step's time budget (pace.h) */
+    pace_plan_start(&plan, &e->pace, e->lim.step_budget_ms, n, &decode_work, e->p.page_tokens);
     for (struct run *r = e->runs; r && budget > 0; r = r->next) {
         if (r->phase != RUN_PREFILL || n >= e->batch_cap)
             continue;
@@ -205,6 +216,8 @@ static int build_batch(engine *e)
             chunk = room;
         if (chunk <= 0)
             chunk = 1; /* let kv_reserve report -ENOSPC for this sequence */
+        else if ((chunk = pace_plan_chunk(&plan, chunk, kv_seq_n_tokens(r->seq))) == 0)
+            continue; /* the step is full in time: this prompt waits a step */
         bool final = chunk == left;
         e->batch[n] = (struct model_batch_seq){.seq = r->seq,
                                                .tokens = r->req->prompt + r->n_fed,
@@ -397,6 +410,20 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
     }
 }
 
+/* Teach the pacing model what this step's forward pass cost. */
+static void observe_pace(engine *e, int n, uint64_t ns)
+{
+    struct pace_work w = {0};
+    bool chunks = false;
+    for (int i = 0; i < n; i++) {
+        struct pace_work c = pace_chunk_work(e->batch[i].n_tokens, e->batch[i].first);
+        w.tokens += c.tokens;
+        w.pairs += c.pairs;
+        chunks |= e->batch_runs[i]->phase == RUN_PREFILL;
+    }
+    engine_pace_observe(&e->pace, &w, chunks, (double)ns / 1e9);
+}
+
 static bool one_step(engine *e, uint64_t t)
 {
     drop_cancelled(e);
@@ -406,7 +433,10 @@ static bool one_step(engine *e, uint64_t t)
         return false;
     if (!reserve_batch(e, &n))
         return true;
+    uint64_t t0 = engine_now_ns();
     int rc = model_forward(e->ctx, e->batch, n);
+    if (!rc)
+        observe_pace(e, n, engine_now_ns() - t0);
     if (rc) {
         /* A failed pass is a bug or a kernel error: take the slots back
          * and fail the whole batch. */

@@ -8,6 +8,7 @@
  * engine by hand; the serve tests start the real binary (KVD_BIN, set by
  * `make test`) and skip without it.
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -19,6 +20,8 @@
 #include <pthread.h>
 
 #include "engine/engine.h"
+#include "engine/engine_internal.h" /* white-box: the engine's pacing model */
+#include "engine/pace.h"
 #include "model/model.h"
 #include "tests/serve_fixture.h"
 
@@ -351,6 +354,247 @@ static void test_fork_answer(void **state)
 }
 
 /* ------------------------------------------------------------------------
+ * Step pacing (pace.c): prompt chunks sized to a step's time budget
+ * ------------------------------------------------------------------------ */
+
+/* The largest chunk after `context` tokens that a step holding one decode
+ * at decode_ctx fits into budget_s, by brute force over the model's
+ * formula (what pace_plan_chunk must find by bisection). */
+static int brute_chunk(double c0, double c1, double c2, double budget_s, int decode_ctx,
+                       int context, int most)
+{
+    int best = 0;
+    for (int n = 1; n <= most; n++) {
+        double dn = n, dl = context;
+        double tokens = 1 + dn, pairs = decode_ctx + 1 + dn * dl + dn * (dn + 1) / 2;
+        if (c0 + c1 * tokens + c2 * pairs <= budget_s)
+            best = n;
+    }
+    return best;
+}
+
+/*
+ * Chunk sizing with a known speed (no clock): the chunk is the largest
+ * whose predicted step fits the budget, it shrinks as the context it sits
+ * after grows (attention's pairs), a step without decodes or without a
+ * budget keeps the token budget, the first chunk never goes below the
+ * floor, and a second prompt gets only what the first left.
+ */
+static void test_pace_chunk_sizing(void **state)
+{
+    (void)state;
+    const double c0 = 0.020, c1 = 0.0005, c2 = 2e-8; /* 20 ms a step, 0.5 ms a token */
+    struct engine_pace p = {0};
+    engine_pace_set(&p, c0, c1, c2);
+    struct pace_work dec = pace_chunk_work(1, 4096);
+    assert_true(fabs(dec.pairs - 4097) < 1e-9);
+
+    int last = 1 << 20;
+    const int contexts[] = {0, 512, 4096, 16384, 65536};
+    for (int i = 0; i < 5; i++) {
+        struct pace_plan pl;
+        pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+        int got = pace_plan_chunk(&pl, 512, contexts[i]);
+        int want = brute_chunk(c0, c1, c2, 0.100, 4096, contexts[i], 512);
+        print_message("context %6d: chunk %3d tokens (predicted step %.1f ms)\n", contexts[i], got,
+                      1e3 * engine_pace_predict(&p, &pl.work));
+        assert_int_equal(got, want < 16 ? 16 : want);
+        assert_true(got < 512);
+        assert_true(got <= last);
+        assert_true(engine_pace_predict(&p, &pl.work) <= 0.100 || got == 16);
+        last = got;
+    }
+    assert_true(last < 100); /* at 64k the pairs dominate */
+
+    struct pace_plan pl;
+    /* nobody decoding: the token budget only */
+    struct pace_work none = {0};
+    pace_plan_start(&pl, &p, 100, 0, &none, 16);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 4096), 512);
+    /* no time budget: the token budget only */
+    pace_plan_start(&pl, &p, 0, 1, &dec, 16);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 4096), 512);
+    /* a budget below one decode step: the oldest prompt gets the floor (or
+     * what it has left), the next one nothing this step */
+    pace_plan_start(&pl, &p, 10, 1, &dec, 16);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 4096), 16);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 0);
+    pace_plan_start(&pl, &p, 10, 1, &dec, 16);
+    assert_int_equal(pace_plan_chunk(&pl, 5, 4096), 5);
+    /* two prompts share one budget: the second gets what the first left */
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    int a = pace_plan_chunk(&pl, 40, 0);
+    int b = pace_plan_chunk(&pl, 512, 0);
+    assert_int_equal(a, 40);
+    assert_true(b > 0 && b < brute_chunk(c0, c1, c2, 0.100, 4096, 0, 512));
+    assert_true(engine_pace_predict(&p, &pl.work) <= 0.100);
+}
+
+/*
+ * The fit: steps timed by a known linear law (a fixed part, per token,
+ * per pair) are predicted back from the observations alone; a single
+ * observation predicts in proportion to tokens; what prefill costs
+ * survives a long run of decode-only steps.
+ */
+static void test_pace_fit(void **state)
+{
+    (void)state;
+    const double c0 = 0.015, c1 = 0.0004, c2 = 3e-9;
+    struct engine_pace p = {0};
+    struct pace_work chunk = pace_chunk_work(512, 1000);
+    assert_false(p.known);
+    engine_pace_observe(&p, &chunk, true, 0.5);
+    assert_true(p.known);
+    struct pace_work half = pace_chunk_work(256, 1000);
+    assert_true(fabs(engine_pace_predict(&p, &half) - 0.25) < 1e-9);
+
+    p = (struct engine_pace){0};
+    for (int i = 0; i < 40; i++) {
+        int n = 1 + (i * 37) % 512, ctx = (i * 997) % 8192;
+        bool chunks = i % 3 != 0;
+        struct pace_work w = chunks ? pace_chunk_work(n, ctx) : pace_chunk_work(1, ctx);
+        engine_pace_observe(&p, &w, chunks, c0 + c1 * w.tokens + c2 * w.pairs);
+    }
+    for (int i = 0; i < 300; i++) { /* decodes only, at one context */
+        struct pace_work w = pace_chunk_work(1, 3000);
+        engine_pace_observe(&p, &w, false, c0 + c1 * w.tokens + c2 * w.pairs);
+    }
+    const int ns[] = {1, 16, 100, 512}, ctxs[] = {0, 4096, 16384};
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 3; j++) {
+            struct pace_work w = pace_chunk_work(ns[i], ctxs[j]);
+            double want = c0 + c1 * w.tokens + c2 * w.pairs;
+            double got = engine_pace_predict(&p, &w);
+            if (fabs(got - want) > 1e-6 * want)
+                fail_msg("chunk %d at %d: predicted %g s, law %g s", ns[i], ctxs[j], got, want);
+        }
+    /* observations are ignored once the coefficients are set */
+    engine_pace_set(&p, 1, 0, 0);
+    engine_pace_observe(&p, &chunk, true, 5);
+    assert_true(fabs(engine_pace_predict(&p, &chunk) - 1) < 1e-12);
+}
+
+/* Record each step's batch: sequences and tokens (the observe hook). */
+struct step_log {
+    int seqs[512], tokens[512];
+    int n;
+};
+
+static void log_step(void *ud, enum engine_obs what, double value)
+{
+    struct step_log *l = ud;
+    if (what == ENGINE_OBS_BATCH_SEQS && l->n < 512)
+        l->seqs[l->n] = (int)value;
+    if (what == ENGINE_OBS_BATCH_TOKENS && l->n < 512)
+        l->tokens[l->n++] = (int)value;
+}
+
+/* An engine of step_tokens 64 whose steps cost a known 1.2 ms + 0.25 ms a
+ * token (frozen: the clock is not read), budget_ms a step. */
+static engine *paced_engine(uint64_t budget_ms, struct step_log *log)
+{
+    struct kv_cache_params shape = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
+    model_kv_shape(lib_model, &shape);
+    struct engine_params p = {
+        .m = lib_model,
+        .cache_memory = kv_cache_memory_for(&shape, 64),
+        .page_tokens = 16,
+        .k_type = KV_F32,
+        .v_type = KV_F32,
+        .n_threads = 1,
+        .limits = {.policy = {.kind = KV_EVICT_NONE, .max_cache_tokens = 400},
+                   .max_running = 2,
+                   .step_tokens = 64,
+                   .step_budget_ms = budget_ms},
+        .hooks = {.observe = log_step, .ud = log},
+    };
+    char err[512];
+    engine *e = engine_create(&p, err, sizeof(err));
+    if (!e)
+        fail_msg("engine_create: %s", err);
+    engine_pace_set(&e->pace, 0.0012, 0.00025, 0);
+    return e;
+}
+
+/* Step e until requests 0..n-1 are done; their generated ids into ids. */
+static void run_paced(engine *e, int n, int32_t ids[][32])
+{
+    int got[2] = {0}, done = 0;
+    for (int steps = 0; done < n && steps < 500; steps++) {
+        engine_step(e, su_now() * 1e9);
+        for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
+            next = ev->next;
+            int i = (int)ev->req->id;
+            for (int k = 0; k < ev->n_tokens && got[i] < 32; k++)
+                ids[i][got[i]++] = ev->tokens[k];
+            if (ev->kind == ENGINE_EV_ERROR)
+                fail_msg("request %d failed: %s", i, ev->message);
+            done += ev->kind == ENGINE_EV_DONE;
+            engine_event_free(ev);
+        }
+    }
+    assert_int_equal(done, n);
+}
+
+/*
+ * Stall-free batching through the engine's own step loop, with a known
+ * speed: request 0 (a 100-token prompt) alone reads its prompt in chunks
+ * of the whole token budget (64, 36); while it decodes, request 1's prompt
+ * (300 tokens) is cut to what a 10 ms step holds beside the decode (1.2 ms
+ * + 0.25 ms * (1 + 34) = 9.95 ms: chunks of 34); once request 0 is done,
+ * request 1's chunks grow back to 64. The generated tokens are those of a
+ * run without a time budget (chunking never changes the numbers).
+ */
+static void test_pace_served_chunks(void **state)
+{
+    (void)state;
+    int32_t paced[2][32], plain[2][32];
+    struct step_log lp = {0}, l0 = {0};
+    for (int pass = 0; pass < 2; pass++) {
+        struct step_log *log = pass ? &l0 : &lp;
+        engine *e = paced_engine(pass ? 0 : 10, log);
+        struct engine_req *r[2] = {completion(100, 6), completion(300, 4)};
+        for (int i = 0; i < 2; i++) {
+            r[i]->id = (uint64_t)i;
+            r[i]->want_tokens = true;
+        }
+        engine_submit(e, r[0]);
+        /* request 0 alone: two prefill steps, then it decodes */
+        for (int i = 0; i < 3; i++)
+            engine_step(e, su_now() * 1e9);
+        engine_submit(e, r[1]);
+        memset(pass ? plain : paced, 0, sizeof(paced));
+        run_paced(e, 2, pass ? plain : paced);
+        for (int i = 0; i < 2; i++)
+            engine_req_free(r[i]);
+        engine_destroy(e);
+    }
+    /* alone: the token budget */
+    assert_true(lp.n > 3);
+    assert_int_equal(lp.tokens[0], 64);
+    assert_int_equal(lp.tokens[1], 36);
+    assert_int_equal(lp.tokens[2], 1);
+    int shrunk = 0, grown = 0, fed = 0;
+    for (int i = 3; i < lp.n && fed < 300; i++) {
+        bool beside = lp.seqs[i] == 2; /* request 0's decode + request 1's chunk */
+        int chunk = lp.tokens[i] - (beside ? 1 : 0), most = beside ? 34 : 64;
+        assert_int_equal(chunk, 300 - fed < most ? 300 - fed : most);
+        shrunk += beside;
+        grown += !beside;
+        fed += chunk;
+    }
+    print_message("paced: %d steps with chunks of 34 beside a decode, %d alone with up to 64; "
+                  "unpaced: %d steps\n",
+                  shrunk, grown, l0.n);
+    assert_int_equal(shrunk, 4);
+    assert_int_equal(grown, 3); /* 300 - 4 * 34 = 164 = 64 + 64 + 36 */
+    assert_int_equal(fed, 300);
+    /* without a budget request 1's first chunk takes the rest of the step */
+    assert_int_equal(l0.tokens[3], 64);
+    assert_memory_equal(paced, plain, sizeof(paced));
+}
+
+/* ------------------------------------------------------------------------
  * Through kvd serve
  * ------------------------------------------------------------------------ */
 
@@ -506,6 +750,9 @@ int main(void)
         cmocka_unit_test(test_logits_events),
         cmocka_unit_test(test_eviction_events),
         cmocka_unit_test(test_fork_answer),
+        cmocka_unit_test(test_pace_chunk_sizing),
+        cmocka_unit_test(test_pace_fit),
+        cmocka_unit_test(test_pace_served_chunks),
         cmocka_unit_test(test_serve_full_pool_queues),
         cmocka_unit_test(test_serve_stalled_engine_not_ready),
     };

@@ -1,0 +1,96 @@
+/*
+ * pace.h - the engine's step pacing: how long a step will take, learned
+ * from the steps already run, and how large a prompt chunk fits a step's
+ * time budget (engine room only; step.c is the one caller).
+ *
+ * The model. A step's forward pass costs
+ *
+ *     seconds = c_step + c_token * tokens + c_pair * pairs
+ *
+ * where tokens is the batch's token count (the weight matmuls: per token
+ * once the batch is large enough to be compute-bound) and pairs the
+ * query-key pairs its attention scores (a chunk of n tokens after L cached
+ * ones scores n*L + n*(n+1)/2 pairs; a decode token, L + 1). c_step is
+ * what a step costs whatever it holds: reading the weights once, when
+ * decodes alone cannot keep the cores busy. The three coefficients are
+ * fitted by least squares over recent steps, each weighing less by a
+ * constant factor per newer step of its kind, with no coefficient below
+ * zero (pace.c says how). Timing is the host's: the engine measures its own
+ * forward passes and reports them here.
+ *
+ * Everything here runs on the engine's thread; no allocation.
+ */
+#ifndef KVD_ENGINE_PACE_H
+#define KVD_ENGINE_PACE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* What a step computes: its size in the model's terms. */
+struct pace_work {
+    double tokens; /* tokens in the batch (decode + prefill) */
+    double pairs;  /* query-key pairs attention scores */
+};
+
+/* Decayed normal equations of the fit: sums of w*x*x', w*x*t, w*t*t over
+ * observed steps, x = (1, tokens, pairs) scaled (pace.c). */
+struct pace_sums {
+    double xx[3][3];
+    double xt[3];
+    double tt;
+};
+
+struct engine_pace {
+    /* [0]: steps with prompt chunks, [1]: decode-only steps. Each kind is
+     * forgotten only as steps of its own kind come, so a long run of
+     * decodes does not erase what prefill costs. */
+    struct pace_sums sums[2];
+    double coef[3]; /* seconds per step, per token, per pair (the fit) */
+    bool known;     /* at least one step observed (or coefficients set) */
+    bool frozen;    /* coefficients set by engine_pace_set: observations ignored */
+};
+
+/* The work of a chunk of n tokens after `context` cached ones. */
+struct pace_work pace_chunk_work(int n, int context);
+
+/* Record that a step of work w took `seconds` (chunks: it held prompt
+ * chunks, not only decodes), and refit. */
+void engine_pace_observe(struct engine_pace *p, const struct pace_work *w, bool chunks,
+                         double seconds);
+/* Predicted seconds for a step of work w (0 before any observation). */
+double engine_pace_predict(const struct engine_pace *p, const struct pace_work *w);
+/* Fix the coefficients (seconds per step, per token, per pair) and ignore
+ * observations from now on: for tests and benchmarks that need a known
+ * speed instead of the clock. */
+void engine_pace_set(struct engine_pace *p, double c_step, double c_token, double c_pair);
+
+/*
+ * One step's plan: its decode work first, then prompt chunks one at a
+ * time (oldest first), each as large as the time budget allows.
+ */
+struct pace_plan {
+    const struct engine_pace *pace;
+    double budget_s;       /* seconds a step may take; 0 = no time limit */
+    struct pace_work work; /* planned so far */
+    int decodes;           /* decode tokens in the step */
+    int chunks;            /* prompt chunks planned so far */
+    int floor;             /* the least the first chunk gets, tokens */
+};
+
+/* Start a plan for a step of `decodes` decode tokens whose work is w,
+ * under budget_ms (0 = none); the first chunk gets at least `floor` tokens
+ * (a prompt progresses every step whatever the budget). */
+void pace_plan_start(struct pace_plan *pl, const struct engine_pace *p, uint64_t budget_ms,
+                     int decodes, const struct pace_work *w, int floor);
+/*
+ * The size of the next prompt chunk: at most `most` tokens (what the
+ * prompt has left, the token budget and the sequence's room already
+ * applied) after `context` cached tokens, cut so that the step's predicted
+ * time stays within the budget when decodes are waiting. A step without
+ * decode tokens keeps the token budget only: nobody waits on it, and large
+ * chunks read a prompt fastest. The chunk is added to the plan. Returns
+ * 0..most.
+ */
+int pace_plan_chunk(struct pace_plan *pl, int most, int context);
+
+#endif /* KVD_ENGINE_PACE_H */
