@@ -20,8 +20,18 @@
 
 #define KV_PAGE_ALIGN 64 /* page_bytes is a multiple of this */
 
+/* The layer map of sliding-window layers (window.c). */
+struct kv_window {
+    int window;     /* W: the largest window of the windowed layers, 0 = none */
+    int n_global;   /* full-attention layers (their slots: the main page table) */
+    int n_groups;   /* pool pages per local page (0 without windowed layers) */
+    int16_t *slot;  /* [n_layer] the layer's slot in a page */
+    int16_t *group; /* [n_layer] -1: full attention; else its local group */
+};
+
 struct kv_cache {
     struct kv_layout layout; /* base, sizes, shape */
+    struct kv_window win;    /* windowed layers (window.c) */
     size_t map_bytes;        /* bytes mapped at base */
     int n_pages;
     bool mlocked;
@@ -43,6 +53,7 @@ struct kv_cache {
 
     uint64_t evictions, tokens_evicted, sessions_dropped;
     uint64_t turns_evicted, turn_cuts; /* turns.c */
+    uint64_t window_pages_dropped;     /* window.c: pool pages of local pages dropped */
 
     kv_drop_hook drop_hook; /* seq_state.c: told of each LRU drop, or NULL */
     void *drop_ud;
@@ -52,6 +63,19 @@ struct kv_cache {
 struct kv_rank {
     float mass;
     int32_t idx;
+};
+
+/* A sequence's local pages (window.c): slot k holds the windowed layers'
+ * K and V of one appended token, in append order, in local page k /
+ * page_tokens; each local page is one pool page per group. */
+struct kv_wseq {
+    int32_t *ptab;  /* group g's pool page of local page p at ptab[g * lp_cap + p] */
+    int n_lp, lp_cap;
+    int32_t *hidx;  /* [n_slots] history index of the slot's token */
+    int32_t *pos;   /* [n_slots] its position, INT32_MAX once evicted */
+    int n_slots, s_cap;
+    uint8_t *keep;  /* [lp_cap] scratch of the drop plan */
+    uint8_t *dead;  /* [s_cap] scratch of the drop */
 };
 
 struct kv_seq {
@@ -96,6 +120,8 @@ struct kv_seq {
     struct kv_turn *turns;
     int n_turns, turns_cap;
     int turn_low; /* leave down to this many tokens once turns must go */
+
+    struct kv_wseq win; /* the windowed layers' pages (window.c) */
 };
 
 /* --- pool.c ------------------------------------------------------------ */
@@ -108,13 +134,27 @@ void kv_pool_ref(kv_cache *cache, int32_t page);
 /* Drop one reference; the last one puts the page back on the free list
  * (returns true then). Asserts the page had a reference. */
 bool kv_pool_unref(kv_cache *cache, int32_t page);
+/* Copy-on-write of one page-table entry: when *slot is shared, point it at
+ * a fresh page holding a copy of every byte and drop the reference to the
+ * shared one. The caller checked that a page is free (its plan counted
+ * it). */
+void kv_pool_unshare(kv_cache *cache, int32_t *slot);
+/* kv_cache_check's count of the page-table entries it has seen. */
+struct kv_check_tally {
+    int32_t *held;           /* [n_pages] entries in page tables */
+    int32_t *last;           /* [n_pages] uid of the last sequence that listed it */
+    const uint8_t *free_seen; /* [n_pages] on the free list */
+};
+/* Count entry p of sequence uid: NULL, or what is wrong with it (out of
+ * range, free, listed twice by the sequence, in either page class). */
+const char *kv_check_entry(const kv_cache *c, struct kv_check_tally *t, int32_t uid, int32_t p);
 /* Ask the reclaim hook (kv_cache_set_reclaim) for up to n pages; returns
  * how many reached the free list (0 without a hook). */
 int kv_pool_reclaim(kv_cache *cache, int64_t n_pages);
 /* Whether page is shared: another table or an outside holder reads it. */
 static inline bool kv_pool_shared(const kv_cache *cache, int32_t page)
 {
-    return cache->refs[page] > 1;
+    return page >= 0 && cache->refs[page] > 1; /* -1: no page (window.c) */
 }
 /* Pages needed to hold n tokens. */
 static inline int kv_pages_for(const kv_cache *cache, int64_t n)
@@ -249,6 +289,64 @@ int kv_prefix_n_entries(const kv_prefix *px);
  * list; with a pool, no listed page free), O(pages): 0, -EFAULT with the
  * first broken one in err, or -ENOMEM. */
 int kv_prefix_check(const kv_prefix *px, char *err, size_t errlen);
+
+/* --- window.c --------------------------------------------------------- */
+
+/* Layer slots a page holds for params (n_layer without windowed layers);
+ * the pool pages of one local page in *n_groups (may be NULL). */
+int kv_window_page_layers(const struct kv_cache_params *p, int *n_groups);
+/* The layer map of the cache (kv_cache_create); 0, or an error in err. */
+int kv_window_init(kv_cache *c, const struct kv_cache_params *p, char *err, size_t errlen);
+void kv_window_deinit(kv_cache *c);
+/* Main pages a sequence of n_pages logical pages holds: none when every
+ * layer is windowed (its page table then holds -1s). */
+static inline int kv_main_pages(const kv_cache *c, int n_pages)
+{
+    return c->win.n_global > 0 ? n_pages : 0;
+}
+/* Bookkeeping room for `extra` more slots; 0 or -ENOMEM, nothing lost. */
+int kv_window_reserve(kv_seq *s, int64_t extra);
+/* What an append of n tokens asks of the pool for the local class: the
+ * pages it opens, plus a private copy of the page being filled where a
+ * fork shares it, minus the pages the drop before it (kv_window_drop)
+ * gives back to the pool (those no one else holds). May be negative. */
+int64_t kv_window_need(const kv_seq *s, int n);
+/* Local pool pages dropping s would give back: those no one else holds. */
+int64_t kv_window_unshared(const kv_seq *s);
+/* kv_seq_fork's part: child (empty, just created) takes parent's slots
+ * and a reference to each of its local pages. 0 or -ENOMEM (the child
+ * then holds none). */
+int kv_window_fork(kv_seq *child, const kv_seq *parent);
+/* Let go of the slots no query can see again (evicted_only: only those
+ * whose token was evicted - safe after an append, which a reservation may
+ * still undo). Cannot fail after kv_window_reserve. */
+void kv_window_drop(kv_seq *s, bool evicted_only);
+/* Slots for the sequence's last n tokens (just appended): pages allocated
+ * (planned by the caller), history and positions recorded. */
+void kv_window_append(kv_seq *s, int n);
+/* Every slot's position from the main table (after eviction, renumber). */
+void kv_window_sync(kv_seq *s);
+/* kv_seq_truncate's questions: 0, or -ESTALE when a query at next_pos
+ * over the first keep tokens would need a dropped token; then the cut. */
+int kv_window_truncate_ok(const kv_seq *s, int keep, int32_t next_pos);
+void kv_window_truncate(kv_seq *s, int n_hist);
+/* Whether the sequence may take this policy and turn table (window.c). */
+bool kv_window_accepts(const kv_seq *s, const struct kv_policy *p, const struct kv_turn *turns,
+                       int n);
+int kv_window_pages_held(const kv_seq *s);
+void kv_window_release(kv_seq *s);
+void kv_window_free_seq(kv_seq *s);
+/* The row of a windowed layer for retained token idx (kv_seq_k/_v). */
+void *kv_window_row(kv_seq *s, int layer, int kv_head, int idx, bool v);
+/* kv_cache_check's part: the local pages counted in the tally, the slots'
+ * order, completeness and positions. 0, or -EFAULT with err. */
+int kv_window_check(const kv_seq *s, struct kv_check_tally *t, char *err, size_t errlen);
+
+/* Every pool page the sequence holds, both classes. */
+static inline int kv_seq_pages_held(const kv_seq *s)
+{
+    return kv_main_pages(s->cache, s->n_pages) + kv_window_pages_held(s);
+}
 
 /* --- seq.c ------------------------------------------------------------- */
 

@@ -438,7 +438,10 @@ static void move_token_bytes(kv_seq *s, int dst, int src)
     kv_seq_unshare(s, dst / pt);
     const int32_t *ptab = s->ptab + s->p_off;
     int dp = ptab[dst / pt], ds = dst % pt, sp = ptab[src / pt], ss = src % pt;
-    for (int layer = 0; layer < l->n_layer; layer++)
+    /* every slot of the main pages (the windowed layers' own pages follow
+     * the history and never move: window.c) */
+    int slots = s->cache->win.n_global ? l->page_layers : 0;
+    for (int layer = 0; layer < slots; layer++)
         for (int h = 0; h < l->n_kv_head; h++) {
             memcpy(kv_layout_elem(l, dp, ds, layer, h, false),
                    kv_layout_elem(l, sp, ss, layer, h, false), l->k_row_bytes);

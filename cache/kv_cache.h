@@ -101,6 +101,9 @@ struct kv_cache_params {
     enum kv_type k_type; /* element type of K */
     enum kv_type v_type; /* element type of V */
     bool mlock;          /* try to lock the pages in RAM (see kv_cache_create) */
+    const int32_t *layer_window; /* NULL, or [n_layer] (copied): > 0, the layer's sliding
+                                    window W; those layers get their own pages, dropped
+                                    once no query can see them (window.c); 0 = full */
 };
 
 /*
@@ -158,23 +161,28 @@ struct kv_layout {
     size_t k_row_bytes, v_row_bytes;  /* one token of one head: kv_type_row_bytes */
     int page_tokens;                  /* tokens per page */
     int n_layer, n_kv_head, head_dim;
+    int page_layers;                  /* layer slots in a page: n_layer, or with windowed
+                                         layers the full-attention ones (all when none is:
+                                         window.c); kv_cache_layer_slot maps a layer */
     enum kv_type k_type, v_type;
 };
 
 void kv_cache_layout(kv_cache *cache, struct kv_layout *out);
 
-static inline size_t kv_layout_k_offset(const struct kv_layout *l, int layer)
+/* Offsets of a layer slot's K and V blocks (the slot is the layer itself
+ * without windowed layers; kv_cache_layer_slot in general). */
+static inline size_t kv_layout_k_offset(const struct kv_layout *l, int layer_slot)
 {
-    return (size_t)layer * (l->k_block_bytes + l->v_block_bytes);
+    return (size_t)layer_slot * (l->k_block_bytes + l->v_block_bytes);
 }
 
-static inline size_t kv_layout_v_offset(const struct kv_layout *l, int layer)
+static inline size_t kv_layout_v_offset(const struct kv_layout *l, int layer_slot)
 {
-    return kv_layout_k_offset(l, layer) + l->k_block_bytes;
+    return kv_layout_k_offset(l, layer_slot) + l->k_block_bytes;
 }
 
-/* First byte of token slot `slot` of page `page`, layer `layer`, KV head
- * `head`: the K row when v is false, the V row when true. */
+/* First byte of token slot `slot` of page `page`, layer slot `layer`, KV
+ * head `head`: the K row when v is false, the V row when true. */
 static inline void *kv_layout_elem(const struct kv_layout *l, int page, int slot, int layer,
                                    int head, bool v)
 {
@@ -185,6 +193,15 @@ static inline void *kv_layout_elem(const struct kv_layout *l, int page, int slot
     return l->base + off;
 }
 
+/* ------------------------------------------------------------------------
+ * Sliding-window layers (window.c: the essay)
+ * ------------------------------------------------------------------------ */
+
+/* The page slot of layer l (k_offset = kv_layout_k_offset(layout, slot)). */
+int kv_cache_layer_slot(const kv_cache *cache, int layer);
+/* W, the largest window of the windowed layers; 0 when no layer has one. */
+int kv_cache_window(const kv_cache *cache);
+
 struct kv_stats {
     int pages_total, pages_used, pages_free;
     uint64_t evictions;        /* eviction steps that removed at least one token */
@@ -193,6 +210,7 @@ struct kv_stats {
     uint64_t turns_evicted;    /* whole turns evicted in place (turns.c) */
     uint64_t turn_cuts;        /* evictions that had to cut into turns (turns.c) */
     int pages_shared;          /* pages with two or more holders (counted once in pages_used) */
+    uint64_t window_pages_dropped; /* pool pages of windowed layers dropped (window.c) */
     int sequences;             /* live sequences, sessions included */
     int sessions;              /* live sequences created as sessions */
 };
@@ -339,6 +357,22 @@ int kv_policy_check(const struct kv_policy *policy, int page_tokens, char *err, 
 int kv_policy_parse_kind(const char *name, enum kv_policy_kind *out);
 const char *kv_policy_kind_name(enum kv_policy_kind kind);
 
+/*
+ * Pool pages one sequence can occupy at its full budget in a cache of this
+ * shape (layer_window included) under policy pol, with appends of at most
+ * chunk_tokens tokens: kv_policy_budget's sequence_pages without windowed
+ * layers; with them, the main pages (none when every layer is windowed)
+ * plus the local class's - the window and a chunk, rounded to pages, plus
+ * two partly filled pages, per group - unless the policy can bring any
+ * dropped token back (scored policies under renumber; sink-window under
+ * renumber with window_tokens < W keeps its sinks) or the budget is within
+ * the window: then as many as the main ones. The one formula of the
+ * windowed budget: pool sizing, check-config and the serve start line
+ * read it. A chat's pinned head under renumber is kept beyond it.
+ */
+int64_t kv_cache_sequence_pages(const struct kv_cache_params *params, const struct kv_policy *pol,
+                                int chunk_tokens);
+
 /* ------------------------------------------------------------------------
  * Sequences and sessions
  * ------------------------------------------------------------------------ */
@@ -361,7 +395,8 @@ void kv_seq_destroy(kv_seq *seq);
  * A new sequence sharing every page of parent: the page table by reference
  * (no page is copied or allocated), positions, token ids, history indices,
  * scores, the policy, the pins, the turn table and, for a session child,
- * the history by copy. From then on the two are independent: each appends, evicts and
+ * the history by copy; with sliding-window layers, their local pages by
+ * reference and their slots by copy (window.c). From then on the two are independent: each appends, evicts and
  * is destroyed on its own, and the first write either makes into a page
  * they still share copies it (so a fork costs at most one page at its next
  * append: the partly full last page). A session child needs a session
@@ -383,7 +418,10 @@ kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen);
  * Returns 0; -EINVAL (n_pages < 0, NULL arrays, a page id out of range or
  * free, a sequence whose last page is not full); -ENOSPC (past
  * max_cache_tokens); -EOVERFLOW (positions or history past INT32_MAX);
- * -ENOMEM (bookkeeping). On error nothing changed.
+ * -ENOMEM (bookkeeping); -EOPNOTSUPP (a cache with sliding-window
+ * layers: the pages hold only the full-attention layers, so there is no
+ * slot for the windowed ones - no prefix cache there). On error nothing
+ * changed.
  */
 int kv_seq_attach(kv_seq *seq, const int32_t *pages, int n_pages, const int32_t *tokens);
 
@@ -476,9 +514,30 @@ int kv_reserve(struct kv_reservation *r, int n, int *failed);
 void kv_reserve_undo(struct kv_reservation *r, int n);
 
 /* The K (V) row of retained token idx: head_dim elements in k_type (v_type),
- * kv_type_row_bytes of them. idx < n_tokens. */
+ * kv_type_row_bytes of them. idx < n_tokens; for a windowed layer the
+ * token must still have its slot (the tokens just reserved always do). */
 void *kv_seq_k(kv_seq *seq, int layer, int kv_head, int idx);
 void *kv_seq_v(kv_seq *seq, int layer, int kv_head, int idx);
+
+/*
+ * What layer `layer` of the sequence attends to: the page table,
+ * positions and count of the main table for a full-attention layer; for a
+ * windowed one its local pages, whose slots hold every retained token a
+ * query can still see (evicted ones kept in a live page carry position
+ * INT32_MAX, which the causal mask hides). Borrowed until the sequence
+ * next changes.
+ */
+struct kv_seq_view {
+    const int32_t *page_table;
+    const int32_t *pos;
+    int n_kv;
+    bool local; /* the windowed class: attention mass goes to kv_seq_add_window_mass */
+};
+void kv_seq_layer_view(const kv_seq *seq, int layer, struct kv_seq_view *out);
+/* Slots of the windowed layers (0 without them): a windowed layer's n_kv. */
+int kv_seq_window_slots(const kv_seq *seq);
+/* kv_seq_add_mass for a windowed layer's mass ([kv_seq_window_slots]). */
+void kv_seq_add_window_mass(kv_seq *seq, const float *mass);
 
 /* Whether n more tokens fit without evicting: within max_cache_tokens and
  * with enough free pages in the pool (counting the copy of a shared, partly

@@ -225,6 +225,12 @@ int kv_seq_set_pins(kv_seq *s, const struct kv_span *spans, int n, char *err, si
     int rc = kv_pins_fit(&s->policy_set, s->cache->layout.page_tokens, v, m, &eff, err, errlen);
     if (rc)
         return rc;
+    if (!kv_window_accepts(s, &eff, s->turns, s->n_turns)) { /* window.c */
+        if (err)
+            snprintf(err, errlen, "pins: the window they leave could bring tokens the "
+                                  "sliding-window layers dropped back into sight (start over)");
+        return -ESTALE;
+    }
     memcpy(s->pins, v, sizeof(*v) * (size_t)m);
     s->n_pins = m;
     s->policy = eff;

@@ -128,7 +128,8 @@ static bool page_size(const struct kv_cache_params *p, size_t *krow, size_t *vro
     *vrow = kv_type_row_bytes(p->v_type, p->head_dim);
     if (!*krow || !*vrow || !mul_ok(*krow, (size_t)p->page_tokens * (size_t)p->n_kv_head, kblock) ||
         !mul_ok(*vrow, (size_t)p->page_tokens * (size_t)p->n_kv_head, vblock) ||
-        *kblock > SIZE_MAX - *vblock || !mul_ok(*kblock + *vblock, (size_t)p->n_layer, page) ||
+        *kblock > SIZE_MAX - *vblock ||
+        !mul_ok(*kblock + *vblock, (size_t)kv_window_page_layers(p, NULL), page) ||
         *page > SIZE_MAX - KV_PAGE_ALIGN)
         return false;
     *page = (*page + KV_PAGE_ALIGN - 1) / KV_PAGE_ALIGN * KV_PAGE_ALIGN;
@@ -228,6 +229,8 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
         return NULL;
     }
     c->n_pages = (int)n_pages;
+    if (kv_window_init(c, p, err, errlen))
+        goto out_free;
     c->free_stack = malloc(sizeof(int32_t) * n_pages);
     c->refs = calloc(n_pages, sizeof(int32_t));
     c->outside = calloc(n_pages, sizeof(int32_t));
@@ -265,6 +268,7 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
         .v_row_bytes = vrow,
         .page_tokens = p->page_tokens,
         .n_layer = p->n_layer,
+        .page_layers = kv_window_page_layers(p, NULL),
         .n_kv_head = p->n_kv_head,
         .head_dim = p->head_dim,
         .k_type = p->k_type,
@@ -277,6 +281,7 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
     return c;
 
 out_free:
+    kv_window_deinit(c);
     free(c->free_stack);
     free(c->refs);
     free(c->outside);
@@ -293,6 +298,7 @@ void kv_cache_destroy(kv_cache *c)
     if (c->mlocked)
         munlock(c->layout.base, c->map_bytes);
     munmap(c->layout.base, c->map_bytes);
+    kv_window_deinit(c);
     free(c->free_stack);
     free(c->refs);
     free(c->outside);
@@ -351,6 +357,7 @@ void kv_cache_stats(const kv_cache *c, struct kv_stats *out)
         .turns_evicted = c->turns_evicted,
         .turn_cuts = c->turn_cuts,
         .pages_shared = c->n_shared,
+        .window_pages_dropped = c->window_pages_dropped,
         .sequences = c->n_seqs,
         .sessions = c->n_sessions,
     };
@@ -369,16 +376,29 @@ int32_t kv_pool_alloc(kv_cache *c)
     return page;
 }
 
+/* A main page-table entry of -1 is no page: every layer is windowed, so
+ * main tables hold only placeholders (window.c). Taking or dropping a
+ * reference to one does nothing. */
+static bool no_page(const kv_cache *c, int32_t page)
+{
+    assert(page >= 0 || (page == -1 && !c->win.n_global));
+    return page < 0;
+}
+
 void kv_pool_ref(kv_cache *c, int32_t page)
 {
-    assert(page >= 0 && page < c->n_pages && c->refs[page] > 0);
+    if (no_page(c, page))
+        return;
+    assert(page < c->n_pages && c->refs[page] > 0);
     if (++c->refs[page] == 2)
         c->n_shared++;
 }
 
 bool kv_pool_unref(kv_cache *c, int32_t page)
 {
-    assert(page >= 0 && page < c->n_pages && c->refs[page] > 0);
+    if (no_page(c, page))
+        return false;
+    assert(page < c->n_pages && c->refs[page] > 0);
     int32_t left = --c->refs[page];
     if (left == 1)
         c->n_shared--;
@@ -386,6 +406,17 @@ bool kv_pool_unref(kv_cache *c, int32_t page)
         return false;
     c->free_stack[c->n_free++] = page;
     return true;
+}
+
+void kv_pool_unshare(kv_cache *c, int32_t *slot)
+{
+    if (!kv_pool_shared(c, *slot))
+        return;
+    int32_t fresh = kv_pool_alloc(c);
+    size_t pb = c->layout.page_bytes;
+    memcpy(c->layout.base + (size_t)fresh * pb, c->layout.base + (size_t)*slot * pb, pb);
+    kv_pool_unref(c, *slot);
+    *slot = fresh;
 }
 
 int kv_page_ref(kv_cache *c, int32_t page)
@@ -441,6 +472,19 @@ int kv_pool_reclaim(kv_cache *c, int64_t n_pages)
         goto out;                                                                                  \
     } while (0)
 
+const char *kv_check_entry(const kv_cache *c, struct kv_check_tally *t, int32_t uid, int32_t p)
+{
+    if (p < 0 || p >= c->n_pages)
+        return "is out of range";
+    if (t->free_seen[p])
+        return "is also on the free list";
+    if (t->last[p] == uid)
+        return "is held twice by the sequence";
+    t->last[p] = uid;
+    t->held[p]++;
+    return NULL;
+}
+
 /*
  * One pass over the free list and one over every page table, counting per
  * page: on the free list (must be once, with no reference) or referenced
@@ -485,17 +529,17 @@ int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
             FAIL("sequence %d holds %d pages for %d tokens", s->uid, s->n_pages, s->n_tokens);
         if (s->p_off + s->n_pages > s->p_cap || s->t_off + s->n_tokens > s->t_cap)
             FAIL("sequence %d arrays overrun their capacity", s->uid);
+        struct kv_check_tally tally = {.held = held, .last = last, .free_seen = free_seen};
         for (int j = 0; j < s->n_pages; j++) {
             int32_t p = s->ptab[s->p_off + j];
-            if (p < 0 || p >= c->n_pages)
-                FAIL("sequence %d page %d has id %d out of range", s->uid, j, p);
-            if (free_seen[p])
-                FAIL("page %d is both free and held by sequence %d", p, s->uid);
-            if (last[p] == s->uid)
-                FAIL("page %d is twice in the page table of sequence %d", p, s->uid);
-            last[p] = s->uid;
-            held[p]++;
+            if (p == -1 && !c->win.n_global)
+                continue; /* every layer windowed: no main pages */
+            const char *why = kv_check_entry(c, &tally, s->uid, p);
+            if (why)
+                FAIL("sequence %d page %d (id %d) %s", s->uid, j, p, why);
         }
+        if ((rc = kv_window_check(s, &tally, err, errlen)))
+            goto out;
         for (int i = 1; i < s->n_tokens; i++) {
             const int32_t *pos = s->pos + s->t_off, *h = s->hidx + s->t_off;
             if (pos[i] <= pos[i - 1] || h[i] <= h[i - 1])

@@ -183,6 +183,12 @@ kv_prefix *kv_prefix_create(kv_cache *cache, uint64_t fingerprint, int max_idle_
                      max_idle_pages);
         return NULL;
     }
+    if (kv_cache_window(cache) > 0) {
+        if (err)
+            snprintf(err, errlen, "prefix cache: the cache has sliding-window layers, whose "
+                                  "pages are per sequence (kv_seq_attach cannot share them)");
+        return NULL;
+    }
     kv_prefix *px = kv_prefix_new(kv_cache_n_pages(cache), kv_cache_page_tokens(cache), fingerprint,
                                   max_idle_pages);
     if (!px) {

@@ -190,8 +190,9 @@ static void record_tokens(kv_seq *s, const int32_t *tokens, int n)
  * The child holds what the parent holds, by reference for the pages and by
  * copy for everything a sequence changes on its own: positions, ids,
  * history indices, scores, the history of a session, the pins, the turn
- * table. Its
- * first write into a page they share copies that page (kv_seq_unshare).
+ * table. The windowed layers' local pages are shared the same way
+ * (window.c). Its first write into a page they share copies that page
+ * (kv_seq_unshare, kv_window_append).
  */
 kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen)
 {
@@ -237,6 +238,12 @@ kv_seq *kv_seq_fork(kv_seq *parent, bool session, char *err, size_t errlen)
         s->ptab[j] = page;
     }
     s->n_pages = parent->n_pages;
+    if (kv_window_fork(s, parent) < 0) { /* the windowed layers' pages, by reference */
+        kv_seq_destroy(s);
+        if (err)
+            snprintf(err, errlen, "kv fork: out of memory for the sliding-window slots");
+        return NULL;
+    }
     s->n_tokens = parent->n_tokens;
     s->n_appended = parent->n_appended;
     s->next_pos = parent->next_pos;
@@ -250,6 +257,8 @@ int kv_seq_attach(kv_seq *s, const int32_t *pages, int n_pages, const int32_t *t
     const int pt = c->layout.page_tokens;
     if (n_pages < 0 || (n_pages > 0 && (!pages || !tokens)) || s->n_tokens % pt != 0)
         return -EINVAL;
+    if (c->win.n_groups && n_pages > 0)
+        return -EOPNOTSUPP; /* the pages hold no slot of the windowed layers (window.c) */
     for (int j = 0; j < n_pages; j++)
         if (pages[j] < 0 || pages[j] >= c->n_pages || c->refs[pages[j]] == 0 ||
             c->refs[pages[j]] == INT32_MAX)
@@ -273,15 +282,7 @@ int kv_seq_attach(kv_seq *s, const int32_t *pages, int n_pages, const int32_t *t
 
 void kv_seq_unshare(kv_seq *s, int j)
 {
-    kv_cache *c = s->cache;
-    int32_t *slot = &s->ptab[s->p_off + j];
-    if (!kv_pool_shared(c, *slot))
-        return;
-    int32_t fresh = kv_pool_alloc(c);
-    size_t pb = c->layout.page_bytes;
-    memcpy(c->layout.base + (size_t)fresh * pb, c->layout.base + (size_t)*slot * pb, pb);
-    kv_pool_unref(c, *slot);
-    *slot = fresh;
+    kv_pool_unshare(s->cache, &s->ptab[s->p_off + j]);
 }
 
 void kv_seq_cut_to(kv_seq *s, int n)
@@ -297,6 +298,7 @@ void kv_seq_release_all(kv_seq *s)
 {
     for (int j = 0; j < s->n_pages; j++)
         kv_pool_unref(s->cache, s->ptab[s->p_off + j]);
+    kv_window_release(s);
     s->n_pages = s->p_off = 0;
     s->n_tokens = s->t_off = 0;
     s->n_appended = 0;
@@ -328,6 +330,7 @@ void kv_seq_destroy(kv_seq *s)
     free(s->rank);
     free(s->keep);
     free(s->hist);
+    kv_window_free_seq(s);
     free(s);
 }
 
@@ -338,6 +341,8 @@ int kv_seq_set_policy(kv_seq *s, const struct kv_policy *policy)
     struct kv_policy eff;
     if (kv_pins_fit(policy, s->cache->layout.page_tokens, s->pins, s->n_pins, &eff, NULL, 0))
         return -E2BIG;
+    if (!kv_window_accepts(s, &eff, s->turns, s->n_turns))
+        return -ESTALE;
     /* Key norms and attention masses do not mix: moving to or from knorm
      * starts the scores afresh (evict_scored.c). */
     bool knorm_was = s->policy.kind == KV_EVICT_KNORM, knorm_is = policy->kind == KV_EVICT_KNORM;
@@ -422,8 +427,11 @@ static void *token_row(kv_seq *s, int layer, int kv_head, int idx, bool v)
     const struct kv_layout *l = &s->cache->layout;
     assert(idx >= 0 && idx < s->n_tokens);
     assert(layer >= 0 && layer < l->n_layer && kv_head >= 0 && kv_head < l->n_kv_head);
+    if (s->cache->win.group[layer] >= 0)
+        return kv_window_row(s, layer, kv_head, idx, v);
     int pt = l->page_tokens;
-    return kv_layout_elem(l, s->ptab[s->p_off + idx / pt], idx % pt, layer, kv_head, v);
+    return kv_layout_elem(l, s->ptab[s->p_off + idx / pt], idx % pt, s->cache->win.slot[layer],
+                          kv_head, v);
 }
 
 void *kv_seq_k(kv_seq *s, int layer, int kv_head, int idx)
@@ -443,8 +451,12 @@ void *kv_seq_v(kv_seq *s, int layer, int kv_head, int idx)
  * written, minus the pages the eviction frees (only those no one else
  * holds). The copies a compaction makes come before it frees the tail it
  * read from, so the peak is the larger of those copies and the total.
+ * An append (append true) also drops the windowed layers' pages no query
+ * can see before anything else and fills their local pages after it
+ * (kv_window_need): its part joins the total. A cache whose every layer is
+ * windowed has no main pages: their part is nothing.
  */
-static int64_t pool_need(const kv_seq *s, int keep, int n)
+static int64_t pool_need(const kv_seq *s, int keep, int n, bool append)
 {
     const kv_cache *c = s->cache;
     const int32_t *ptab = s->ptab ? s->ptab + s->p_off : NULL; /* NULL before any page */
@@ -459,6 +471,10 @@ static int64_t pool_need(const kv_seq *s, int keep, int n)
     if (n > 0 && keep % pt != 0 && (e.last < e.write_lo || e.last >= e.write_hi))
         copies += kv_pool_shared(c, ptab[e.last]);
     int64_t total = kv_pages_for(c, (int64_t)keep + n) - kv_pages_for(c, keep) + copies - e.freed;
+    if (!c->win.n_global)
+        total = during = 0;
+    if (append)
+        total += kv_window_need(s, n);
     return total > during ? total : during;
 }
 
@@ -469,7 +485,7 @@ bool kv_seq_has_room(const kv_seq *s, int n)
     int64_t total = (int64_t)s->n_tokens + n;
     if (total > s->policy.max_cache_tokens)
         return false;
-    return pool_need(s, s->n_tokens, n) <= s->cache->n_free;
+    return pool_need(s, s->n_tokens, n, true) <= s->cache->n_free;
 }
 
 int kv_seq_max_append(const kv_seq *s)
@@ -492,21 +508,24 @@ int kv_seq_evict(kv_seq *s, int n_needed)
     if (keep < 0)
         return -ENOSPC;
     /* A compaction over shared pages copies them first. */
-    int64_t need = pool_need(s, keep, 0);
+    int64_t need = pool_need(s, keep, 0, false);
     if (need > s->cache->n_free)
         kv_pool_reclaim(s->cache, need - s->cache->n_free);
     if (need > s->cache->n_free)
         return -ENOMEM;
-    return kv_room_apply(s, keep);
+    int gone = kv_room_apply(s, keep);
+    kv_window_sync(s);
+    kv_window_drop(s, true);
+    return gone;
 }
 
 /* Pages dropping o would give back: those no one else holds. */
 static int64_t unshared_pages(const kv_seq *o)
 {
     int64_t n = 0;
-    for (int j = 0; j < o->n_pages; j++)
+    for (int j = 0; j < kv_main_pages(o->cache, o->n_pages); j++)
         n += !kv_pool_shared(o->cache, o->ptab[o->p_off + j]);
-    return n;
+    return n + kv_window_unshared(o);
 }
 
 /*
@@ -522,7 +541,8 @@ static int64_t plan_drops(kv_cache *c, const kv_seq *self, int64_t have, int64_t
     while (have + got < need) {
         kv_seq *best = NULL;
         for (kv_seq *o = c->seqs; o; o = o->next) {
-            if (o == self || !o->session || o->pinned || o->drop_plan || o->n_pages == 0)
+            if (o == self || !o->session || o->pinned || o->drop_plan ||
+                (o->n_pages == 0 && kv_window_pages_held(o) == 0))
                 continue;
             if (!best || kv_seq_lru_before(o, best))
                 best = o;
@@ -581,6 +601,8 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
         return -EOVERFLOW;
     if (n > max)
         return -ENOSPC;
+    if (kv_window_reserve(s, n) < 0)
+        return -ENOMEM;
 
     /* 1. The budget: how far must the policy shrink us? */
     int keep = s->n_tokens;
@@ -590,10 +612,11 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
             return -ENOSPC;
     }
 
-    /* 2. The pool: what it must hand out against what is free. If that is
-     * short, pages only an outside holder keeps (the prefix index) go
-     * first, then idle sessions (LRU)... */
-    int64_t need = pool_need(s, keep, n);
+    /* 2. The pool: what it must hand out against what is free (both page
+     * classes: the windowed layers' pages no query can see go first,
+     * window.c). If that is short, pages only an outside holder keeps (the
+     * prefix index) go first, then idle sessions (LRU)... */
+    int64_t need = pool_need(s, keep, n, true);
     int64_t have = c->n_free;
     if (need > have)
         have += kv_pool_reclaim(c, need - have);
@@ -602,16 +625,18 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
 
     /* 3. ...and only then does this sequence shrink below its budget: by
      * the fewest tokens that could cover the shortfall, and again while
-     * shared pages it gives up free nothing. */
+     * shared pages it gives up free nothing. A cache whose every layer is
+     * windowed has no main pages to give up: the local pages of evicted
+     * tokens go only after the append. */
     while (need > have) {
-        int64_t target = keep - (need - have - 1) * pt - 1;
+        int64_t target = c->win.n_global ? keep - (need - have - 1) * pt - 1 : -1;
         int shrunk = target >= 0 ? kv_room_plan(s, (int)target) : -1;
         if (shrunk < 0) {
             unmark_drops(c);
             return -ENOMEM;
         }
         keep = shrunk;
-        need = pool_need(s, keep, n);
+        need = pool_need(s, keep, n, true);
     }
 
     /* 4. Bookkeeping room, sized for the state before eviction (eviction
@@ -624,20 +649,24 @@ int kv_seq_append(kv_seq *s, const int32_t *tokens, int n, int *first)
 
     /* Nothing can fail from here on. */
     drop_marked(c);
+    kv_window_drop(s, false);
     kv_room_apply(s, keep);
     assert(s->n_tokens == keep);
     if (keep % pt != 0)
         kv_seq_unshare(s, s->n_pages - 1); /* the append writes into it */
 
     int new_pages = kv_pages_for(c, (int64_t)keep + n) - s->n_pages;
-    assert(new_pages <= c->n_free);
+    assert(kv_main_pages(c, new_pages) <= c->n_free);
     assert(s->p_off + s->n_pages + new_pages <= s->p_cap);
     for (int j = 0; j < new_pages; j++)
-        s->ptab[s->p_off + s->n_pages++] = kv_pool_alloc(c);
+        s->ptab[s->p_off + s->n_pages++] = c->win.n_global ? kv_pool_alloc(c) : -1;
 
     if (first)
         *first = s->n_tokens;
     record_tokens(s, tokens, n);
+    kv_window_append(s, n);
+    kv_window_sync(s);
+    kv_window_drop(s, true); /* what this append's eviction took */
     return 0;
 }
 
@@ -666,6 +695,7 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
         s->n_appended = n_hist;
         kv_turns_truncate(s, n_hist);
         kv_pins_truncate(s, n_hist);
+        kv_window_truncate(s, n_hist);
         return 0;
     }
     const int32_t *hidx = s->hidx + s->t_off, *pos = s->pos + s->t_off;
@@ -675,14 +705,16 @@ int kv_seq_truncate(kv_seq *s, int n_hist)
     /* Where the next token goes: right after the kept ones (renumber), or
      * at the position the cut token would have had (preserve: the gap of
      * evicted tokens between the last kept one and the cut stays). */
-    if (s->policy.renumber)
-        s->next_pos = keep > 0 ? pos[keep - 1] + 1 : 0;
-    else
-        s->next_pos = keep > 0 ? pos[keep - 1] + (n_hist - hidx[keep - 1]) : n_hist;
-
+    int32_t next = s->policy.renumber ? (keep > 0 ? pos[keep - 1] + 1 : 0)
+                   : keep > 0         ? pos[keep - 1] + (n_hist - hidx[keep - 1])
+                                      : n_hist;
+    if (kv_window_truncate_ok(s, keep, next))
+        return -ESTALE; /* the windowed layers dropped what that point needs */
+    s->next_pos = next;
     kv_seq_cut_to(s, keep);
     s->n_appended = n_hist;
     kv_turns_truncate(s, n_hist);
     kv_pins_truncate(s, n_hist);
+    kv_window_truncate(s, n_hist);
     return 0;
 }

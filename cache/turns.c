@@ -153,6 +153,12 @@ int kv_seq_set_turns(kv_seq *s, const struct kv_turn *turns, int n, int low_toke
         prev_end = turn_end(t);
     }
 #undef REJECT
+    if (!kv_window_accepts(s, &s->policy, turns, n)) {
+        if (err)
+            snprintf(err, errlen, "turns: the sliding-window layers dropped tokens this table "
+                                  "could bring back into their window (start the session over)");
+        return -ESTALE;
+    }
     if (n == 0) {
         kv_turns_clear(s);
         return 0;

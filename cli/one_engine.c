@@ -14,11 +14,11 @@ engine *srv_one_engine(const struct srv_one_engine_params *p, char *err, size_t 
     struct kv_cache_params shape = {
         .page_tokens = p->page_tokens, .k_type = p->k_type, .v_type = p->v_type};
     model_kv_shape(p->m, &shape);
-    struct kv_budget b;
-    kv_policy_budget(p->policy, shape.page_tokens, &b);
+    /* the windowed layers' pages beside the main ones (window.c) */
+    int64_t pages = kv_cache_sequence_pages(&shape, p->policy, p->step_tokens);
     struct engine_params ep = {
         .m = p->m,
-        .cache_memory = kv_cache_memory_for(&shape, b.sequence_pages),
+        .cache_memory = kv_cache_memory_for(&shape, pages),
         .page_tokens = shape.page_tokens,
         .k_type = p->k_type,
         .v_type = p->v_type,

@@ -71,6 +71,11 @@ int engine_prefix_init(engine *e, char *err, size_t errlen)
         engine_log(&e->p.hooks, ENGINE_LOG_INFO, "prefix cache: off");
         return 0;
     }
+    if (kv_cache_window(e->cache) > 0) { /* kv_seq_attach refuses such caches */
+        engine_log(&e->p.hooks, ENGINE_LOG_INFO,
+                   "prefix cache: off (sliding-window layers keep per-sequence pages)");
+        return 0;
+    }
     int share = e->p.prefix_cache_share < 0     ? 0
                 : e->p.prefix_cache_share > 100 ? 100
                                                 : e->p.prefix_cache_share;

@@ -254,7 +254,7 @@ static int set_policy_pins(const engine *e, kv_seq *seq, const struct kv_span *p
 {
     kv_seq_set_pins(seq, NULL, 0, NULL, 0);
     kv_seq_set_policy(seq, &e->lim.policy);
-    return kv_seq_set_pins(seq, pins, n_pins, err, errlen) ? -1 : 0;
+    return kv_seq_set_pins(seq, pins, n_pins, err, errlen);
 }
 
 /* Continue the session x: keep the history's prefix that matches the
@@ -271,12 +271,33 @@ static int attach_session(engine *e, struct run *r, struct engine_session *x,
     if (n == req->n_prompt)
         n--;
     if (n < n_h && kv_seq_truncate(x->seq, n) != 0) {
-        /* Cannot cut there: start the session over. */
+        /* Cannot cut there (or the sliding-window layers dropped what that
+         * point needs): start the session over. */
         kv_seq_truncate(x->seq, 0);
         n = 0;
     }
-    if (set_policy_pins(e, x->seq, pins, n_pins, err, errlen) ||
-        kv_seq_set_turns(x->seq, req->turns, req->n_turns, req->turn_low_tokens, err, errlen))
+    /* The configured policy may be refused only when the sliding-window
+     * layers dropped tokens it could bring back into their window: then
+     * the session starts over (so may the turn table below). */
+    if (kv_seq_set_policy(x->seq, &e->lim.policy) == -ESTALE) {
+        kv_seq_truncate(x->seq, 0);
+        n = 0;
+    }
+    int rc = set_policy_pins(e, x->seq, pins, n_pins, err, errlen);
+    if (rc == -ESTALE) {
+        kv_seq_truncate(x->seq, 0);
+        n = 0;
+        rc = set_policy_pins(e, x->seq, pins, n_pins, err, errlen);
+    }
+    if (rc)
+        return -1;
+    rc = kv_seq_set_turns(x->seq, req->turns, req->n_turns, req->turn_low_tokens, err, errlen);
+    if (rc == -ESTALE) {
+        kv_seq_truncate(x->seq, 0);
+        n = 0;
+        rc = kv_seq_set_turns(x->seq, req->turns, req->n_turns, req->turn_low_tokens, err, errlen);
+    }
+    if (rc)
         return -1;
     struct kv_turn_state ts;
     kv_seq_turn_state(x->seq, &ts);

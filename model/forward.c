@@ -481,9 +481,10 @@ static int prepare_mass(model_ctx *c, const struct model_batch_seq *seqs, int n_
     for (int s = 0; s < n_seqs; s++) {
         c->mass_off[s] = -1;
         c->mass_q[s] = kv_seq_mass_queries(seqs[s].seq, seqs[s].n_tokens);
-        if (c->mass_q[s] > 0) {
+        if (c->mass_q[s] > 0) { /* room for the main table's or the window's keys */
+            int n_main = kv_seq_n_tokens(seqs[s].seq), n_win = kv_seq_window_slots(seqs[s].seq);
             c->mass_off[s] = (int)need;
-            need += (size_t)kv_seq_n_tokens(seqs[s].seq);
+            need += (size_t)(n_main > n_win ? n_main : n_win);
         }
     }
     if (need > c->mass_cap) {
@@ -582,8 +583,8 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     struct attn_kv kv = {
         .base = kl->base,
         .page_bytes = kl->page_bytes,
-        .k_offset = kv_layout_k_offset(kl, l),
-        .v_offset = kv_layout_v_offset(kl, l),
+        .k_offset = kv_layout_k_offset(kl, kv_cache_layer_slot(cache, l)),
+        .v_offset = kv_layout_v_offset(kl, kv_cache_layer_slot(cache, l)),
         .page_tokens = kl->page_tokens,
         .k_type = (enum attn_type)kl->k_type,
         .v_type = (enum attn_type)kl->v_type,
@@ -599,12 +600,14 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
          * mass, as another): causality is by position, so the split
          * changes no output. */
         int n_q = seqs[s].n_tokens, n_mass = c->mass_q[s] > 0 ? c->mass_q[s] : n_q;
+        struct kv_seq_view view; /* a windowed layer reads its own pages */
+        kv_seq_layer_view(seq, l, &view);
         for (int part = n_mass < n_q ? 0 : 1; part < 2; part++) {
             int q0 = part ? n_q - n_mass : 0, nq = part ? n_mass : n_q - n_mass;
             c->aseq[n_aseq++] = (struct attn_seq){
-                .page_table = kv_seq_page_table(seq),
-                .pos = kv_seq_positions(seq),
-                .n_kv = kv_seq_n_tokens(seq),
+                .page_table = view.page_table,
+                .pos = view.pos,
+                .n_kv = view.n_kv,
                 .n_q = nq,
                 .q_pos = c->qpos + t + q0,
                 .q = c->q + (size_t)(t + q0) * m->q_dim,
@@ -616,10 +619,12 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     }
     for (int r = 0; r < R; r++) {
         kv_seq *seq = seqs[c->sel_seq[r]].seq;
+        struct kv_seq_view view;
+        kv_seq_layer_view(seq, l, &view);
         c->aseq[n_aseq++] = (struct attn_seq){
-            .page_table = kv_seq_page_table(seq),
-            .pos = kv_seq_positions(seq),
-            .n_kv = kv_seq_n_tokens(seq),
+            .page_table = view.page_table,
+            .pos = view.pos,
+            .n_kv = view.n_kv,
             .n_q = 1,
             .q_pos = c->qpos + c->sel_tok[r],
             .q = c->q + (size_t)r * m->q_dim,
@@ -629,9 +634,16 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     int rc = attn_run(L->local_rope ? c->attn_local : c->attn, &kv, c->aseq, n_aseq);
     if (rc)
         return rc;
-    for (int s = 0; s < n_seqs && R < 0; s++)
-        if (c->mass_off[s] >= 0)
+    for (int s = 0; s < n_seqs && R < 0; s++) {
+        if (c->mass_off[s] < 0)
+            continue;
+        struct kv_seq_view view;
+        kv_seq_layer_view(seqs[s].seq, l, &view);
+        if (view.local) /* the mass of the windowed layer's own slots */
+            kv_seq_add_window_mass(seqs[s].seq, c->mass + c->mass_off[s]);
+        else
             kv_seq_add_mass(seqs[s].seq, c->mass + c->mass_off[s]);
+    }
 
     /* Output projection and residual. */
     mm_matmul_scratch(c->xb, &L->wo, c->att, rows, nt, c->scratch);

@@ -477,6 +477,19 @@ static int load_vocab(model *m, const struct model_params *params, char *err, si
     return 0;
 }
 
+/* Each layer's sliding window as the cache takes it (kv_cache_params.layer_window). */
+static int layer_windows(model *m, char *err, size_t errlen)
+{
+    m->kv_windows = malloc(sizeof(int32_t) * (size_t)m->n_layer);
+    if (!m->kv_windows) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    for (int l = 0; l < m->n_layer; l++)
+        m->kv_windows[l] = m->layers[l].sliding_window;
+    return 0;
+}
+
 /* Architecture, hyper-parameters, tokenizer and every tensor. */
 static int load_weights(model *m, const struct model_params *params, char *err, size_t errlen)
 {
@@ -520,6 +533,8 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
     rc = load_tokenizer(m, params, err, errlen);
     if (!rc)
         rc = load_tensors(m, err, errlen);
+    if (!rc && m->sliding_window > 0)
+        rc = layer_windows(m, err, errlen);
 
     /* Offset-only biases: slopes from max_bias, or the shared T5 table. */
     if (!rc && m->pos.kind == POS_ALIBI)
@@ -588,6 +603,7 @@ void model_free(model *m)
     free(m->pos_data);
     free(m->rope_factors);
     free(m->rope_tables);
+    free(m->kv_windows);
     free(m->name);
     free(m);
 }
@@ -625,6 +641,7 @@ void model_kv_shape(const model *m, struct kv_cache_params *p)
     p->n_layer = m->n_layer;
     p->n_kv_head = m->n_kv_head;
     p->head_dim = m->head_dim;
+    p->layer_window = m->kv_windows;
 }
 
 /* ------------------------------------------------------------------------

@@ -111,6 +111,8 @@ struct model {
     float *rope_tables;    /* Phi-3 LongRoPE: [rope_dims] the long then the short table, or
                               NULL; the chosen one is copied into rope_factors */
     int rope_orig_ctx;     /* Phi-3 LongRoPE: rope.scaling.original_context_length, or 0 */
+    int32_t *kv_windows;   /* [n_layer] each layer's sliding window for the cache, or NULL
+                              without windowed layers (model_kv_shape) */
     float final_softcap;   /* 0, or the logits capped the same way (Gemma 2) */
     struct pos_scheme pos_local; /* RoPE of the layers with local_rope (Gemma 3: base
                                     rope.freq_base_swa or 10000, no scaling) */

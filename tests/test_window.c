@@ -1,0 +1,364 @@
+/*
+ * test_window.c - the per-layer budget of sliding-window layers
+ * (cache/window.c): the windowed layers' own pages, dropped once no query
+ * can see them.
+ *
+ * The test of the whole design is equivalence: a cache with the windowed
+ * class and a cache that keeps every layer for every token (the same
+ * shape with layer_window = NULL) give the same logits, step after step,
+ * through evictions under every policy and both position modes - while
+ * the windowed one holds fewer pages. Beside it: kv_cache_check after
+ * every step (every local page held once, every visible token with its
+ * slot at its main position), the pages a sequence holds never above
+ * kv_cache_sequence_pages, the edges (a window smaller than a page, one
+ * larger than the whole context, every layer windowed), the refusals
+ * (a truncation or a policy that would need a dropped token) and the
+ * memory of real shapes at 32k tokens.
+ */
+#include <errno.h>
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "model/mkmodel.h"
+#include "model/model_internal.h"
+#include "model/quant.h"
+#include "tests/arch_ref.h"
+
+static int group_setup(void **state)
+{
+    (void)state;
+    return tmp_dir_create("window");
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    return tmp_dir_remove();
+}
+
+/* A pool of `pages` pages for model m, windowed or dense (layer_window NULL). */
+static kv_cache *cache_for(const model *m, bool windowed, int page_tokens, int pages)
+{
+    struct kv_cache_params cp = {.page_tokens = page_tokens, .k_type = KV_F32, .v_type = KV_F32};
+    model_kv_shape(m, &cp);
+    if (!windowed)
+        cp.layer_window = NULL;
+    cp.memory_bytes = kv_cache_memory_for(&cp, pages);
+    char err[256];
+    kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
+    if (!c)
+        print_message("kv_cache_create: %s\n", err);
+    assert_non_null(c);
+    return c;
+}
+
+static void check_cache(const kv_cache *c)
+{
+    char err[256];
+    int rc = kv_cache_check(c, err, sizeof(err));
+    if (rc)
+        print_message("kv_cache_check: %s\n", err);
+    assert_int_equal(rc, 0);
+}
+
+struct shape {
+    const char *name;
+    const char *arch;
+    int layers, window;
+};
+
+static const struct shape shapes[] = {
+    {"gemma3 6 layers, W 6", "gemma3", 6, 6},    /* 5 local : 1 global: 5 groups */
+    {"gemma2 4 layers, W 5", "gemma2", 4, 5},    /* alternating: 1 group */
+    {"mistral 3 layers, W 7", "llama", 3, 7},    /* every layer windowed */
+    {"gemma3 W 3 < page 4", "gemma3", 6, 3},     /* a window smaller than a page */
+    {"mistral W 1000 > context", "llama", 2, 1000}, /* nothing ever leaves */
+};
+
+static struct model_mk_params shape_params(const struct shape *s)
+{
+    struct model_mk_params p;
+    model_mk_defaults(&p);
+    p.arch = s->arch;
+    p.n_embd = 64;
+    p.n_head = 4;
+    p.n_kv_head = 2;
+    p.n_layer = s->layers;
+    p.n_ff = 96;
+    p.n_vocab = 300;
+    p.seed = 7;
+    p.sliding_window = s->window;
+    if (strncmp(s->arch, "gemma", 5) == 0)
+        p.head_dim = 16;
+    return p;
+}
+
+struct pcase {
+    const char *name;
+    struct kv_policy pol;
+    bool exact; /* the policy lets out-of-window pages go (window.c's rule) */
+};
+
+static const struct pcase policies[] = {
+    {"none", {.kind = KV_EVICT_NONE, .max_cache_tokens = 160, .renumber = true}, true},
+    {"sink-window renumber",
+     {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 48, .sink_tokens = 4,
+      .window_tokens = 36, .renumber = true},
+     true},
+    {"sink-window preserve",
+     {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 48, .sink_tokens = 4,
+      .window_tokens = 36, .renumber = false},
+     true},
+    {"sink-window renumber, window 4 < W (sinks kept)",
+     {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 12, .sink_tokens = 4,
+      .window_tokens = 4, .renumber = true},
+     false},
+    {"h2o renumber (all kept)",
+     {.kind = KV_EVICT_H2O, .max_cache_tokens = 40, .sink_tokens = 2, .window_tokens = 12,
+      .heavy_tokens = 8, .renumber = true},
+     false},
+    {"h2o preserve",
+     {.kind = KV_EVICT_H2O, .max_cache_tokens = 40, .sink_tokens = 2, .window_tokens = 12,
+      .heavy_tokens = 8, .renumber = false},
+     true},
+};
+
+/* Pool pages the sequences hold (both classes). */
+static int held(const kv_cache *c)
+{
+    struct kv_stats st;
+    kv_cache_stats(c, &st);
+    return st.pages_used;
+}
+
+/* ... and their bytes (a windowed cache's pages are smaller). */
+static long held_bytes(const kv_cache *c)
+{
+    return (long)held(c) * (long)kv_cache_page_bytes(c);
+}
+
+/*
+ * One shape under one policy: a 10-token prompt then 140 decode steps in
+ * the windowed and the dense cache side by side. Returns the worst
+ * relative logit difference; *saved the bytes the dense cache holds at
+ * the end beyond the windowed one, *dropped the pool pages of local pages
+ * dropped.
+ */
+static float windowed_vs_dense(const char *path, const struct kv_policy *pol, long *saved,
+                               uint64_t *dropped)
+{
+    model *m = load_model(path);
+    const int pt = 4, steps = 140, n0 = 10;
+    kv_cache *cw = cache_for(m, true, pt, 400), *cd = cache_for(m, false, pt, 400);
+    kv_seq *sw = make_seq(cw, pol), *sd = make_seq(cd, pol);
+    model_ctx *ctx = make_ctx(m, n0, 1);
+    int nv = m->n_vocab;
+    float *lw = malloc(sizeof(float) * nv), *ld = malloc(sizeof(float) * nv);
+    int32_t toks[200];
+    fill_tokens(toks, n0 + steps, nv, 11);
+    struct kv_cache_params cp = {.page_tokens = pt, .k_type = KV_F32, .v_type = KV_F32};
+    model_kv_shape(m, &cp);
+    int64_t bound = kv_cache_sequence_pages(&cp, pol, n0);
+    float worst = 0.0f;
+    for (int at = 0; at < n0 + steps;) {
+        int n = at == 0 ? n0 : 1;
+        struct model_batch_seq bw = {.seq = sw, .tokens = toks + at, .n_tokens = n, .logits = lw};
+        struct model_batch_seq bd = {.seq = sd, .tokens = toks + at, .n_tokens = n, .logits = ld};
+        assert_int_equal(model_reserve_forward(ctx, &bw, 1, NULL), 0);
+        assert_int_equal(model_reserve_forward(ctx, &bd, 1, NULL), 0);
+        at += n;
+        float e = rel_diff(lw, ld, nv);
+        worst = e > worst ? e : worst;
+        check_cache(cw);
+        assert_true(held(cw) <= bound);
+        assert_true(kv_seq_n_tokens(sw) == kv_seq_n_tokens(sd));
+    }
+    *saved = held_bytes(cd) - held_bytes(cw);
+    struct kv_stats st;
+    kv_cache_stats(cw, &st);
+    *dropped = st.window_pages_dropped;
+    free(lw);
+    free(ld);
+    model_ctx_destroy(ctx);
+    kv_seq_destroy(sw);
+    kv_seq_destroy(sd);
+    kv_cache_destroy(cw);
+    kv_cache_destroy(cd);
+    model_free(m);
+    return worst;
+}
+
+static void test_windowed_equals_dense(void **state)
+{
+    (void)state;
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        struct model_mk_params p = shape_params(&shapes[s]);
+        char path[512];
+        write_model(&p, "w.gguf", path, sizeof(path));
+        for (size_t k = 0; k < sizeof(policies) / sizeof(policies[0]); k++) {
+            long saved;
+            uint64_t dropped;
+            float e = windowed_vs_dense(path, &policies[k].pol, &saved, &dropped);
+            print_message("  %-26s %-46s max rel diff %.1e, %6ld bytes saved, %3llu pages "
+                          "dropped\n",
+                          shapes[s].name, policies[k].name, e, saved, (unsigned long long)dropped);
+            assert_true(e < 1e-5f);
+            bool big = shapes[s].window >= 1000;
+            if (policies[k].exact && !big) {
+                assert_true(dropped > 0);
+                assert_true(saved > 0);
+            }
+            if (big) /* only what the policy evicted left: nothing beyond the dense cache */
+                assert_true(saved <= 0 && (policies[k].pol.kind != KV_EVICT_NONE || !dropped));
+        }
+    }
+}
+
+/* A session cut back past what the windowed layers still hold is refused
+ * (-ESTALE, nothing changed); a cut they can serve, and a cut to nothing,
+ * work. A policy that could bring a dropped token back is refused. */
+static void test_truncate_and_policy_refused(void **state)
+{
+    (void)state;
+    struct shape sh = {"gemma3", "gemma3", 6, 6};
+    struct model_mk_params p = shape_params(&sh);
+    char path[512];
+    write_model(&p, "t.gguf", path, sizeof(path));
+    model *m = load_model(path);
+    kv_cache *c = cache_for(m, true, 4, 200);
+    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 400,
+                            .sink_tokens = 4, .window_tokens = 100, .renumber = false};
+    char err[256];
+    kv_seq *s = kv_seq_create(c, &pol, true, err, sizeof(err));
+    assert_non_null(s);
+    model_ctx *ctx = make_ctx(m, 8, 1);
+    int32_t toks[64];
+    fill_tokens(toks, 64, m->n_vocab, 3);
+    for (int at = 0; at < 64; at += 8) {
+        struct model_batch_seq b = {.seq = s, .tokens = toks + at, .n_tokens = 8};
+        assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
+    }
+    check_cache(c);
+    struct kv_stats st;
+    kv_cache_stats(c, &st);
+    assert_true(st.window_pages_dropped > 0);
+    int used = st.pages_used;
+    /* back to 20 tokens: a query at 20 sees 15..19, long dropped */
+    assert_int_equal(kv_seq_truncate(s, 20), -ESTALE);
+    assert_int_equal(kv_seq_n_tokens(s), 64);
+    kv_cache_stats(c, &st);
+    assert_int_equal(st.pages_used, used);
+    check_cache(c);
+    /* back to 62: the window (57..61) is still there */
+    assert_int_equal(kv_seq_truncate(s, 62), 0);
+    check_cache(c);
+    /* sinks dropped under preserve: renumber with a window below W could
+     * bring them back; a window of W or more cannot */
+    struct kv_policy back = pol;
+    back.renumber = true;
+    back.window_tokens = 2;
+    back.max_cache_tokens = 12;
+    assert_int_equal(kv_seq_set_policy(s, &back), -ESTALE);
+    assert_int_equal(kv_seq_policy(s)->renumber, false);
+    back.window_tokens = 100;
+    back.max_cache_tokens = 400;
+    assert_int_equal(kv_seq_set_policy(s, &back), 0);
+    /* a turn table that pins dropped tokens before a turn is refused */
+    struct kv_turn t = {.hist_start = 40, .n_tokens = 10, .n_messages = 2};
+    assert_int_equal(kv_seq_set_turns(s, &t, 1, 0, err, sizeof(err)), -ESTALE);
+    assert_non_null(strstr(err, "sliding-window"));
+    assert_int_equal(kv_seq_truncate(s, 0), 0);
+    assert_int_equal(kv_seq_n_tokens(s), 0);
+    check_cache(c);
+    kv_cache_stats(c, &st);
+    assert_int_equal(st.pages_used, 0);
+    model_ctx_destroy(ctx);
+    kv_seq_destroy(s);
+    kv_cache_destroy(c);
+    model_free(m);
+}
+
+/* A negative window is refused by name; layer slots follow the map. */
+static void test_shape(void **state)
+{
+    (void)state;
+    int32_t win[6] = {4, 4, 4, 4, 4, 0};
+    struct kv_cache_params cp = {.memory_bytes = 1 << 20, .page_tokens = 4, .n_layer = 6,
+                                 .n_kv_head = 2, .head_dim = 16, .k_type = KV_F16,
+                                 .v_type = KV_F16, .layer_window = win};
+    char err[256];
+    kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
+    assert_non_null(c);
+    struct kv_layout l;
+    kv_cache_layout(c, &l);
+    assert_int_equal(l.page_layers, 1); /* one global layer: pages of one slot */
+    assert_int_equal(kv_cache_layer_slot(c, 5), 0);
+    assert_int_equal(kv_cache_window(c), 4);
+    kv_cache_destroy(c);
+    win[2] = -1;
+    assert_null(kv_cache_create(&cp, err, sizeof(err)));
+    assert_non_null(strstr(err, "layer 2 has a negative window"));
+}
+
+/*
+ * The memory at 32k tokens of two published shapes, f16 K/V, 16-token
+ * pages, policy none (every token kept by the full-attention layers),
+ * appends of 512 tokens: the one formula kv_cache_sequence_pages.
+ */
+static double session_mib(int n_layer, const int32_t *win, int kv_heads, int head_dim,
+                          int64_t *pages)
+{
+    struct kv_cache_params cp = {.page_tokens = 16, .n_layer = n_layer, .n_kv_head = kv_heads,
+                                 .head_dim = head_dim, .k_type = KV_F16, .v_type = KV_F16,
+                                 .layer_window = win};
+    struct kv_policy pol = {.kind = KV_EVICT_NONE, .max_cache_tokens = 32768, .renumber = true};
+    *pages = kv_cache_sequence_pages(&cp, &pol, 512);
+    return (double)kv_cache_memory_for(&cp, *pages) / (1 << 20);
+}
+
+static void test_memory_at_32k(void **state)
+{
+    (void)state;
+    int32_t g3[34], mi[32];
+    for (int l = 0; l < 34; l++)
+        g3[l] = l % 6 < 5 ? 1024 : 0; /* Gemma 3 4B: 5 local : 1 global, W 1024 */
+    for (int l = 0; l < 32; l++)
+        mi[l] = 4096; /* Mistral 7B v0.1: every layer, W 4096 */
+    struct {
+        const char *name;
+        int layers, heads, dim;
+        const int32_t *win;
+    } rows[2] = {{"Gemma 3 4B (34 layers, 4 KV heads x 256, W 1024 on 29)", 34, 4, 256, g3},
+                 {"Mistral 7B (32 layers, 8 KV heads x 128, W 4096 on all)", 32, 8, 128, mi}};
+    for (int r = 0; r < 2; r++) {
+        int64_t pw, pd;
+        double w = session_mib(rows[r].layers, rows[r].win, rows[r].heads, rows[r].dim, &pw);
+        double d = session_mib(rows[r].layers, NULL, rows[r].heads, rows[r].dim, &pd);
+        print_message("  %s: one 32k session %.0f MiB dense, %.0f MiB windowed (%.1f%% saved)\n",
+                      rows[r].name, d, w, 100.0 * (d - w) / d);
+        assert_true(w < d * 0.3);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_shape),
+        cmocka_unit_test(test_memory_at_32k),
+        cmocka_unit_test(test_truncate_and_policy_refused),
+        cmocka_unit_test(test_windowed_equals_dense),
+    };
+    return cmocka_run_group_tests_name("window", tests, group_setup, group_teardown);
+}
