@@ -17,6 +17,19 @@ enum kv_type srv_cfg_kv_type(enum cfg_kv_type t);
 void srv_cfg_policy(const struct cfg *c, struct kv_policy *out);
 
 /*
+ * The bytes one sequence takes at the config's full budget when the
+ * model's sliding-window layers keep only their window (the cache's
+ * kv_cache_sequence_pages, appends of limits.step_tokens), for
+ * cfg_check_memory; 0 when shape has no windowed layer. shape: the
+ * model's (model_kv_shape) with the config's K/V types. srv_cfg_session_note
+ * says it beside the bytes with every layer kept, for check-config and
+ * the serve start line ("" without windowed layers).
+ */
+uint64_t srv_cfg_window_bytes(const struct cfg *c, const struct kv_cache_params *shape);
+void srv_cfg_session_note(const struct cfg *c, const struct kv_cache_params *shape, char *buf,
+                          size_t len);
+
+/*
  * The KV type options of generate and eval: --kv-type T (K and V),
  * --k-type T, --v-type T, T one of f32, f16, bf16, q8_0, q4_0. Same
  * contract as srv_opt_value; a bad type prints what is accepted and sets *bad.

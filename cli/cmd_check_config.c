@@ -22,9 +22,13 @@
 #include "model/model.h"
 
 /* K and V bytes of one token for the config's model and KV types; 0 with
- * the reason in why when there is no model to ask. */
-static uint64_t model_token_bytes(const struct cfg *c, char *why, size_t len)
+ * the reason in why when there is no model to ask. With sliding-window
+ * layers, what one session takes when they keep only their window goes
+ * to window_note ("" otherwise). */
+static uint64_t model_token_bytes(const struct cfg *c, char *why, size_t len, char *window_note,
+                                  size_t note_len)
 {
+    window_note[0] = '\0';
     if (!c->model.path[0]) {
         snprintf(why, len, "set [model] path to see it in bytes");
         return 0;
@@ -36,6 +40,7 @@ static uint64_t model_token_bytes(const struct cfg *c, char *why, size_t len)
     struct kv_cache_params shape = {.k_type = srv_cfg_kv_type(cfg_k_type(c)),
                                     .v_type = srv_cfg_kv_type(cfg_v_type(c))};
     model_kv_shape(m, &shape);
+    srv_cfg_session_note(c, &shape, window_note, note_len); /* before the model goes */
     model_free(m);
     uint64_t bytes = kv_cache_token_bytes(&shape);
     if (!bytes)
@@ -67,8 +72,8 @@ static void print_layout(const struct cfg *c)
                "%d window]\n",
                name, p.sink_tokens, (long long)b.kept_tokens, p.window_tokens);
     long long pages = (long long)b.sequence_pages, page = (long long)c->cache.page_tokens;
-    char why[512];
-    uint64_t bytes = model_token_bytes(c, why, sizeof(why));
+    char why[512], note[400];
+    uint64_t bytes = model_token_bytes(c, why, sizeof(why), note, sizeof(note));
     if (bytes)
         printf("# one session: at most %d tokens in %lld pages of %lld tokens = %.2f MiB "
                "(%llu bytes a token)\n",
@@ -77,6 +82,8 @@ static void print_layout(const struct cfg *c)
     else
         printf("# one session: at most %d tokens in %lld pages of %lld tokens (bytes: %s)\n",
                p.max_cache_tokens, pages, page, why);
+    if (note[0]) /* the windowed layers' own budget (cache/window.c) */
+        printf("# %s\n", note);
 }
 
 static void check_config_usage(FILE *f)

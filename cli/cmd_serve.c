@@ -39,6 +39,8 @@ struct serve_state {
     struct cfg pending;          /* a reload that passed, not yet committed */
     uint64_t kv_bytes_per_token; /* K and V of one token, every layer and KV head */
     struct model_info info;      /* the loaded model (its strings are not kept valid) */
+    struct kv_cache_params shape; /* its cache shape; layer_window points at windows */
+    int32_t *windows;            /* [n_layer] copy of the model's sliding windows, or NULL */
     const char *sets[MAX_SETS + 2];
     int n_sets;
     char api_key[CFG_KEY_MAX + CFG_PATH_MAX];
@@ -323,6 +325,16 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs, m
                                     .v_type = srv_cfg_kv_type(cfg_v_type(c))};
     model_kv_shape(m, &shape);
     *loaded = m;
+    if (shape.layer_window) { /* kept for reloads: the model goes to the engine */
+        st->windows = malloc(sizeof(int32_t) * (size_t)shape.n_layer);
+        if (!st->windows) {
+            fprintf(stderr, "kvd serve: out of memory\n");
+            return 1;
+        }
+        memcpy(st->windows, shape.layer_window, sizeof(int32_t) * (size_t)shape.n_layer);
+        shape.layer_window = st->windows;
+    }
+    st->shape = shape;
     st->kv_bytes_per_token = kv_cache_token_bytes(&shape);
     if (!st->kv_bytes_per_token) { /* a block type the head size cannot take */
         fprintf(stderr,
@@ -332,7 +344,11 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs, m
         return 2;
     }
     cfg_errors_init(errs);
-    if (cfg_check_memory(c, st->kv_bytes_per_token, errs) != 0) {
+    char note[400];
+    srv_cfg_session_note(c, &shape, note, sizeof(note));
+    if (note[0])
+        srv_log(SRV_LOG_INFO, "cache: %s", note);
+    if (cfg_check_memory(c, st->kv_bytes_per_token, srv_cfg_window_bytes(c, &shape), errs) != 0) {
         print_errors(errs);
         return 2;
     }
@@ -368,7 +384,8 @@ static int serve_reload(const char *path, struct srv_serve_config *out, void *ud
         goto out;
     }
     /* max_cache_tokens applies live, the pool's size only at restart. */
-    if (cfg_check_memory(&st->pending, st->kv_bytes_per_token, errs) != 0) {
+    if (cfg_check_memory(&st->pending, st->kv_bytes_per_token,
+                         srv_cfg_window_bytes(&st->pending, &st->shape), errs) != 0) {
         report_errors(errs);
         goto out;
     }
@@ -507,6 +524,7 @@ out:
     if (st) {
         free(st->config_json);
         free(st->staged_json);
+        free(st->windows);
     }
     free(st);
     free(errs);

@@ -87,3 +87,48 @@ static void budget_hook(const struct cfg *c, struct cfg_budget *out)
 }
 
 const struct cfg_hooks srv_cfg_hooks = {.budget = budget_hook};
+
+uint64_t srv_cfg_window_bytes(const struct cfg *c, const struct kv_cache_params *shape)
+{
+    if (!shape->layer_window || !kv_cache_token_bytes(shape))
+        return 0;
+    struct kv_cache_params p = *shape;
+    p.page_tokens = (int)c->cache.page_tokens;
+    bool any = false;
+    for (int l = 0; l < p.n_layer; l++)
+        any = any || p.layer_window[l] > 0;
+    if (!any)
+        return 0;
+    struct kv_policy pol;
+    srv_cfg_policy(c, &pol);
+    int64_t pages = kv_cache_sequence_pages(&p, &pol, (int)c->limits.step_tokens);
+    uint64_t bytes = kv_cache_memory_for(&p, pages);
+    return bytes ? bytes : UINT64_MAX; /* overflow: more than any memory */
+}
+
+void srv_cfg_session_note(const struct cfg *c, const struct kv_cache_params *shape, char *buf,
+                          size_t len)
+{
+    uint64_t w = srv_cfg_window_bytes(c, shape);
+    if (!w) {
+        snprintf(buf, len, "%s", "");
+        return;
+    }
+    struct kv_policy pol;
+    srv_cfg_policy(c, &pol);
+    struct kv_budget b;
+    kv_policy_budget(&pol, (int)c->cache.page_tokens, &b);
+    double dense = (double)kv_cache_token_bytes(shape) * (double)b.sequence_pages *
+                   (double)c->cache.page_tokens;
+    int n_win = 0, win = 0;
+    for (int l = 0; l < shape->n_layer; l++) {
+        n_win += shape->layer_window[l] > 0;
+        win = shape->layer_window[l] > win ? shape->layer_window[l] : win;
+    }
+    snprintf(buf, len,
+             "one session at max_cache_tokens %d: %.1f MiB with the %d sliding-window layers "
+             "(of %d, window %d) keeping only their window, %.1f MiB with every layer keeping "
+             "every token (%.1f%% saved)",
+             pol.max_cache_tokens, (double)w / (1 << 20), n_win, shape->n_layer, win,
+             dense / (1 << 20), dense > 0 ? 100.0 * (dense - (double)w) / dense : 0.0);
+}

@@ -367,11 +367,14 @@ int64_t cfg_sequence_pages(const struct cfg *c);
  * The server's check once the model's dimensions are known: the pool must
  * hold one sequence at its full budget, cfg_sequence_pages() pages of
  * page_tokens tokens of kv_bytes_per_token bytes (K and V, every layer and
- * KV head, in cache.kv_type). Appends an error at [cache] memory's origin
- * naming the bytes needed. Returns 0 or -EINVAL (also when the product
- * overflows).
+ * KV head, in cache.kv_type) - or, when window_bytes is not 0, window_bytes:
+ * what the cache says one sequence takes when the model's sliding-window
+ * layers keep only their window (kv_cache_sequence_pages). Appends an error
+ * at [cache] memory's origin naming the bytes needed. Returns 0 or -EINVAL
+ * (also when the product overflows).
  */
-int cfg_check_memory(const struct cfg *c, uint64_t kv_bytes_per_token, struct cfg_errors *errs);
+int cfg_check_memory(const struct cfg *c, uint64_t kv_bytes_per_token, uint64_t window_bytes,
+                     struct cfg_errors *errs);
 
 /* --- hooks: rules another room owns ------------------------------------------- */
 

@@ -299,11 +299,13 @@ int64_t cfg_sequence_pages(const struct cfg *c)
     return b.sequence_pages;
 }
 
-int cfg_check_memory(const struct cfg *c, uint64_t kv_bytes_per_token, struct cfg_errors *errs)
+int cfg_check_memory(const struct cfg *c, uint64_t kv_bytes_per_token, uint64_t window_bytes,
+                     struct cfg_errors *errs)
 {
-    uint64_t pages = (uint64_t)cfg_sequence_pages(c), need;
-    bool overflow = __builtin_mul_overflow(pages, (uint64_t)c->cache.page_tokens, &need) ||
-                    __builtin_mul_overflow(need, kv_bytes_per_token, &need);
+    uint64_t pages = (uint64_t)cfg_sequence_pages(c), need = window_bytes;
+    bool overflow = !window_bytes &&
+                    (__builtin_mul_overflow(pages, (uint64_t)c->cache.page_tokens, &need) ||
+                     __builtin_mul_overflow(need, kv_bytes_per_token, &need));
     if (!overflow && c->cache.memory >= need)
         return 0;
     char mem[32], needed[32], tm[128], tp[128];
@@ -316,9 +318,16 @@ int cfg_check_memory(const struct cfg *c, uint64_t kv_bytes_per_token, struct cf
     term(c, CFG_CACHE_PAGE_TOKENS, tp, sizeof(tp));
     struct rules r = {.c = c, .errs = errs};
     const int k[] = {CFG_CACHE_MEMORY};
-    violation(&r, k, 1,
-              "one sequence at its full budget needs %s: %" PRIu64 " pages for %s at %s, "
-              "%" PRIu64 " bytes per token; raise memory or lower max_cache_tokens",
-              needed, pages, tm, tp, kv_bytes_per_token);
+    if (window_bytes)
+        violation(&r, k, 1,
+                  "one sequence at its full budget needs %s for %s at %s (the model's "
+                  "sliding-window layers keeping only their window); raise memory or lower "
+                  "max_cache_tokens",
+                  needed, tm, tp);
+    else
+        violation(&r, k, 1,
+                  "one sequence at its full budget needs %s: %" PRIu64 " pages for %s at %s, "
+                  "%" PRIu64 " bytes per token; raise memory or lower max_cache_tokens",
+                  needed, pages, tm, tp, kv_bytes_per_token);
     return -EINVAL;
 }

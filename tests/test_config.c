@@ -651,13 +651,17 @@ static void test_window_and_memory(void **state)
     struct cfg_errors *errs = new_errors();
     /* 512MiB / (257 pages * 16 tokens) = 130560 bytes per token, rounded down. */
     uint64_t fits = (512ull << 20) / (257 * 16);
-    assert_int_equal(cfg_check_memory(&c, fits, errs), 0);
-    assert_int_equal(cfg_check_memory(&c, fits + 1, errs), -EINVAL);
-    assert_int_equal(cfg_check_memory(&c, UINT64_MAX / 2, errs), -EINVAL);
-    assert_int_equal(errs->count, 2);
+    assert_int_equal(cfg_check_memory(&c, fits, 0, errs), 0);
+    assert_int_equal(cfg_check_memory(&c, fits + 1, 0, errs), -EINVAL);
+    assert_int_equal(cfg_check_memory(&c, UINT64_MAX / 2, 0, errs), -EINVAL);
+    /* a windowed model: the cache's bytes for one sequence decide alone */
+    assert_int_equal(cfg_check_memory(&c, UINT64_MAX / 2, 512ull << 20, errs), 0);
+    assert_int_equal(cfg_check_memory(&c, 1, (512ull << 20) + 1, errs), -EINVAL);
+    assert_int_equal(errs->count, 3);
     assert_string_equal(errs->list[0].key, "cache.memory");
     assert_non_null(strstr(errs->list[0].message, "needs"));
     assert_non_null(strstr(errs->list[1].message, "more than 2^64 bytes"));
+    assert_non_null(strstr(errs->list[2].message, "sliding-window layers keeping only their"));
     free(errs);
 }
 
