@@ -372,6 +372,13 @@ const char *kv_policy_kind_name(enum kv_policy_kind kind);
  */
 int64_t kv_cache_sequence_pages(const struct kv_cache_params *params, const struct kv_policy *pol,
                                 int chunk_tokens);
+/* The same for a sequence of `tokens` tokens (at most pol's budget) in this
+ * cache: the engine's admission counts pages with it. */
+int64_t kv_cache_pages_for(const kv_cache *cache, const struct kv_policy *pol, int tokens,
+                           int chunk_tokens);
+/* Pool pages one more token can open: 1, or with windowed layers one per
+ * group beside the main page (none when every layer is windowed). */
+int kv_cache_token_pages(const kv_cache *cache);
 
 /* ------------------------------------------------------------------------
  * Sequences and sessions
@@ -440,7 +447,11 @@ kv_cache *kv_seq_cache(const kv_seq *seq);
 
 int kv_seq_n_tokens(const kv_seq *seq);              /* retained tokens */
 const int32_t *kv_seq_page_table(const kv_seq *seq); /* [kv_seq_n_pages] page ids */
-int kv_seq_n_pages(const kv_seq *seq);
+int kv_seq_n_pages(const kv_seq *seq);              /* page table entries (logical pages) */
+/* Pool pages the sequence holds, both classes: kv_seq_n_pages without
+ * windowed layers; with them the main pages (none when every layer is
+ * windowed) and the windowed layers' own. What admission counts. */
+int kv_seq_pool_pages(const kv_seq *seq);
 const int32_t *kv_seq_positions(const kv_seq *seq); /* [n_tokens] */
 const int32_t *kv_seq_tokens(const kv_seq *seq);    /* [n_tokens] ids of retained tokens */
 /* [n_tokens] history index of each retained token (its place among all

@@ -265,16 +265,28 @@ void kv_window_release(kv_seq *s)
 /* First retained (main) index whose history index is >= h. */
 static int main_lower_bound(const kv_seq *s, int32_t h)
 {
-    const int32_t *hidx = s->hidx + s->t_off;
-    int lo = 0, hi = s->n_tokens;
+    return kv_hidx_lower(s, 0, h);
+}
+
+/* First index in [lo, hi) of the increasing array a whose value is >= h
+ * (hi when there is none). */
+static int lower_bound(const int32_t *a, int lo, int hi, int64_t h)
+{
     while (lo < hi) {
         int mid = lo + (hi - lo) / 2;
-        if (hidx[mid] < h)
+        if (a[mid] < h)
             lo = mid + 1;
         else
             hi = mid;
     }
     return lo;
+}
+
+/* The slot of history index h, or -1 when it has none. */
+static int slot_of(const kv_seq *s, int32_t h)
+{
+    int k = lower_bound(s->win.hidx, 0, s->win.n_slots, h);
+    return k < s->win.n_slots && s->win.hidx[k] == h ? k : -1;
 }
 
 /*
@@ -358,9 +370,10 @@ static bool slot_gone(const kv_seq *s, int k, int i)
 static int plan_drop(const kv_seq *s, uint8_t *keep)
 {
     int pt = s->cache->layout.page_tokens, n_lp = s->win.n_lp;
+    if (n_lp == 0)
+        return 0;
     memset(keep, 0, (size_t)n_lp);
-    if (n_lp > 0)
-        keep[n_lp - 1] = 1;
+    keep[n_lp - 1] = 1;
     FOR_SLOTS(s, k, i, {
         if (!keep[k / pt] && !slot_gone(s, k, i))
             keep[k / pt] = 1;
@@ -505,22 +518,9 @@ static bool complete_for(const kv_seq *s, int keep, int32_t next_pos)
 {
     const int32_t *pos = s->pos + s->t_off, *hidx = s->hidx + s->t_off;
     int64_t floor = (int64_t)next_pos - s->cache->win.window;
-    int k = 0;
-    for (int i = keep - 1; i >= 0 && pos[i] > floor; i--) {
-        /* slots are in history order: search from the end */
-        int lo = 0, hi = s->win.n_slots;
-        while (lo < hi) {
-            int mid = lo + (hi - lo) / 2;
-            if (s->win.hidx[mid] < hidx[i])
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo == s->win.n_slots || s->win.hidx[lo] != hidx[i])
+    for (int i = keep - 1; i >= 0 && pos[i] > floor; i--)
+        if (slot_of(s, hidx[i]) < 0)
             return false;
-        k++;
-    }
-    (void)k;
     return true;
 }
 
@@ -600,18 +600,9 @@ void *kv_window_row(kv_seq *s, int layer, int kv_head, int idx, bool v)
     int32_t h = s->hidx[s->t_off + idx];
     /* new tokens are the last slots: look there first */
     int k = s->win.n_slots - (s->n_tokens - idx);
-    if (k < 0 || s->win.hidx[k] != h) {
-        int lo = 0, hi = s->win.n_slots;
-        while (lo < hi) {
-            int mid = lo + (hi - lo) / 2;
-            if (s->win.hidx[mid] < h)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        k = lo;
-    }
-    assert(k < s->win.n_slots && s->win.hidx[k] == h);
+    if (k < 0 || s->win.hidx[k] != h)
+        k = slot_of(s, h);
+    assert(k >= 0);
     int pt = l->page_tokens, g = s->cache->win.group[layer];
     return kv_layout_elem(l, group_table(s, g)[k / pt], k % pt, s->cache->win.slot[layer],
                           kv_head, v);
@@ -630,18 +621,15 @@ void kv_seq_add_window_mass(kv_seq *s, const float *mass)
  * Accounting
  * ------------------------------------------------------------------------ */
 
-int64_t kv_cache_sequence_pages(const struct kv_cache_params *p, const struct kv_policy *pol,
-                                int chunk_tokens)
+/* The formula of kv_cache_sequence_pages, from the layer counts. */
+static int64_t sequence_pages(int n_global, int groups, int w, int pt, const struct kv_policy *pol,
+                              int chunk_tokens)
 {
     struct kv_budget b;
-    int pt = p->page_tokens > 0 ? p->page_tokens : 1;
     kv_policy_budget(pol, pt, &b);
-    int groups, ng, nl, w;
-    kv_window_page_layers(p, &groups);
-    count_layers(p, &ng, &nl, &w);
     if (!groups)
         return b.sequence_pages;
-    int64_t main_pages = ng > 0 ? b.sequence_pages : 0;
+    int64_t main_pages = n_global > 0 ? b.sequence_pages : 0;
     int64_t local = b.sequence_pages;
     bool stuck = pol->renumber && (kv_policy_scored(pol->kind) ||
                                    (pol->kind == KV_EVICT_SINK_WINDOW && pol->window_tokens < w));
@@ -653,6 +641,35 @@ int64_t kv_cache_sequence_pages(const struct kv_cache_params *p, const struct kv
     return main_pages + local * groups;
 }
 
+int64_t kv_cache_sequence_pages(const struct kv_cache_params *p, const struct kv_policy *pol,
+                                int chunk_tokens)
+{
+    int groups, ng, nl, w;
+    kv_window_page_layers(p, &groups);
+    count_layers(p, &ng, &nl, &w);
+    return sequence_pages(ng, groups, w, p->page_tokens > 0 ? p->page_tokens : 1, pol,
+                          chunk_tokens);
+}
+
+int64_t kv_cache_pages_for(const kv_cache *c, const struct kv_policy *pol, int tokens,
+                           int chunk_tokens)
+{
+    struct kv_policy p = *pol;
+    p.max_cache_tokens = tokens < pol->max_cache_tokens ? tokens : pol->max_cache_tokens;
+    return sequence_pages(c->win.n_global, c->win.n_groups, c->win.window,
+                          c->layout.page_tokens, &p, chunk_tokens);
+}
+
+int kv_cache_token_pages(const kv_cache *c)
+{
+    return (c->win.n_global > 0 || !c->win.n_groups ? 1 : 0) + c->win.n_groups;
+}
+
+int kv_seq_pool_pages(const kv_seq *s)
+{
+    return kv_seq_pages_held(s);
+}
+
 int kv_window_check(const kv_seq *s, uint8_t *seen, int *used, char *err, size_t errlen)
 {
     const kv_cache *c = s->cache;
@@ -660,6 +677,8 @@ int kv_window_check(const kv_seq *s, uint8_t *seen, int *used, char *err, size_t
     int pt = c->layout.page_tokens;
     if (!c->win.n_groups)
         return 0;
+    if (!err)
+        errlen = 0; /* snprintf(NULL, 0, ...) only measures */
     if (q->n_lp != (q->n_slots + pt - 1) / pt) {
         snprintf(err, errlen, "sequence %d holds %d local pages for %d window slots", s->uid,
                  q->n_lp, q->n_slots);
@@ -672,8 +691,6 @@ int kv_window_check(const kv_seq *s, uint8_t *seen, int *used, char *err, size_t
             return -EFAULT;
         }
     }
-    int32_t want_next = s->next_pos;
-    (void)want_next;
     for (int g = 0; g < c->win.n_groups; g++) {
         for (int p = 0; p < q->n_lp; p++) {
             int32_t id = group_table(s, g)[p];

@@ -211,9 +211,8 @@ static int create_cache(engine *e, char *err, size_t errlen)
     }
     if (warn[0])
         engine_log(&e->p.hooks, ENGINE_LOG_WARN, "kv cache: %s", warn);
-    struct kv_budget budget;
-    kv_policy_budget(&e->lim.policy, p->page_tokens, &budget);
-    long need = (long)budget.sequence_pages;
+    long need = (long)kv_cache_pages_for(e->cache, &e->lim.policy,
+                                         e->lim.policy.max_cache_tokens, e->lim.step_tokens);
     if (kv_cache_n_pages(e->cache) < need) {
         snprintf(err, errlen,
                  "[cache] memory holds %d pages of %d tokens (%zu bytes each); one sequence at "

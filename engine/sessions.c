@@ -163,7 +163,7 @@ int engine_sessions_idle_pages(const struct engine_sessions *t)
     for (int i = 0; i < t->n_buckets; i++)
         for (struct engine_session *x = t->buckets[i]; x; x = x->next)
             if (!x->busy)
-                n += kv_seq_n_pages(x->seq);
+                n += kv_seq_pool_pages(x->seq);
     return n;
 }
 

@@ -104,16 +104,12 @@ static void drop_cancelled(engine *e)
  * failing.
  */
 
-/* Pages a sequence holding `tokens` tokens takes under pol: the budget's
- * per-sequence pages for min(tokens, the budget). */
+/* Pool pages a sequence holding `tokens` tokens takes under pol: the
+ * budget's per-sequence pages for min(tokens, the budget), the
+ * sliding-window layers' own pages included (the cache's formula). */
 static int pages_for(const engine *e, const struct kv_policy *pol, int tokens)
 {
-    struct kv_policy p = {.kind = KV_EVICT_NONE,
-                          .max_cache_tokens =
-                              tokens < pol->max_cache_tokens ? tokens : pol->max_cache_tokens};
-    struct kv_budget b;
-    kv_policy_budget(&p, e->p.page_tokens, &b);
-    return (int)b.sequence_pages;
+    return (int)kv_cache_pages_for(e->cache, pol, tokens, e->lim.step_tokens);
 }
 
 /* Pages the admitted sequences will still take: the rest of each prompt,
@@ -122,10 +118,10 @@ static int pages_promised(const engine *e)
 {
     int n = 0;
     for (const struct run *r = e->runs; r; r = r->next) {
-        int have = kv_seq_n_pages(r->seq);
+        int have = kv_seq_pool_pages(r->seq);
         int need = r->phase == RUN_PREFILL
                        ? pages_for(e, kv_seq_policy(r->seq), r->req->n_prompt) - have
-                       : 1;
+                       : kv_cache_token_pages(e->cache);
         n += need > 0 ? need : 0;
     }
     return n;
@@ -139,7 +135,7 @@ static int pages_promised(const engine *e)
 static bool fits(engine *e, const struct engine_req *q, const struct engine_session *x,
                  bool *never)
 {
-    int own = x && !kv_seq_dropped(x->seq) ? kv_seq_n_pages(x->seq) : 0;
+    int own = x && !kv_seq_dropped(x->seq) ? kv_seq_pool_pages(x->seq) : 0;
     int shared, idle_cached; /* the prefix cache's part (engine/prefix.c) */
     engine_prefix_fit(e, q, own, &shared, &idle_cached);
     int need = pages_for(e, &e->lim.policy, q->n_prompt) - own - shared;

@@ -33,6 +33,7 @@
 #include "model/model_internal.h"
 #include "model/quant.h"
 #include "tests/arch_ref.h"
+#include "tests/serve_util.h"
 
 static int group_setup(void **state)
 {
@@ -350,6 +351,60 @@ static void test_memory_at_32k(void **state)
     }
 }
 
+/* Run `$KVD_BIN args`; its stderr (or stdout) into a file whose path goes
+ * to out. Returns the exit status. */
+static int run_kvd(const char *args, bool want_stdout, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s/cli.txt", tmp_dir);
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd), "%s %s %s'%s' </dev/null", getenv("KVD_BIN"), args,
+             want_stdout ? "2>/dev/null >" : ">/dev/null 2>", out);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+/*
+ * End to end: kvd generate sizes its pool by the windowed budget (one
+ * sequence, kv_cache_sequence_pages), so a run far longer than the window
+ * completes only if the accounting and the drops agree; kvd check-config
+ * prints one session both ways.
+ */
+static void test_commands(void **state)
+{
+    (void)state;
+    if (!getenv("KVD_BIN") || !*getenv("KVD_BIN")) {
+        print_message("skipping: KVD_BIN not set (make test sets it)\n");
+        skip();
+        return;
+    }
+    struct shape sh = {"gemma3", "gemma3", 6, 16};
+    struct model_mk_params p = shape_params(&sh);
+    p.n_ctx_train = 4096;
+    char path[512], out[600], args[2400];
+    write_model(&p, "cmd.gguf", path, sizeof(path));
+    char prompt[1200];
+    int n = 0;
+    for (int i = 0; i < 100; i++)
+        n += snprintf(prompt + n, sizeof(prompt) - (size_t)n, "w%d ", i);
+    snprintf(args, sizeof(args),
+             "generate --model %s --threads 1 --temp 0 --no-echo --ctx 1024 --batch 32 -n 300 "
+             "--prompt '%s'",
+             path, prompt);
+    assert_int_equal(run_kvd(args, false, out, sizeof(out)), 0);
+    assert_true(su_file_has(out, "decode:  300 tokens"));
+    char conf[600];
+    snprintf(conf, sizeof(conf), "%s/w.conf", tmp_dir);
+    FILE *f = fopen(conf, "w");
+    fprintf(f, "[model]\npath = %s\n[cache]\nmemory = 64MiB\n[eviction]\nmax_cache_tokens = "
+               "4096\n",
+            path);
+    fclose(f);
+    snprintf(args, sizeof(args), "check-config %s", conf);
+    assert_int_equal(run_kvd(args, true, out, sizeof(out)), 0);
+    assert_true(su_file_has(out, "with the 5 sliding-window layers (of 6, window 16) keeping only "
+                                 "their window"));
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -359,6 +414,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_memory_at_32k),
         cmocka_unit_test(test_truncate_and_policy_refused),
         cmocka_unit_test(test_windowed_equals_dense),
+        cmocka_unit_test(test_commands),
     };
     return cmocka_run_group_tests_name("window", tests, group_setup, group_teardown);
 }
