@@ -213,7 +213,7 @@ int kv_window_reserve(kv_seq *s, int64_t extra)
             free(nt);
             return -ENOMEM;
         }
-        for (int g = 0; g < w->n_groups; g++)
+        for (int g = 0; g < w->n_groups && q->n_lp > 0; g++)
             memcpy(nt + (size_t)g * (size_t)cap, q->ptab + (size_t)g * (size_t)q->lp_cap,
                    sizeof(int32_t) * (size_t)q->n_lp);
         free(q->ptab);
