@@ -406,7 +406,8 @@ void kv_seq_destroy(kv_seq *seq);
  * reference and their slots by copy (window.c). From then on the two are independent: each appends, evicts and
  * is destroyed on its own, and the first write either makes into a page
  * they still share copies it (so a fork costs at most one page at its next
- * append: the partly full last page). A session child needs a session
+ * append: the partly full last page, and one per local group of a cache
+ * with sliding-window layers). A session child needs a session
  * parent. The child is not pinned. Returns the child, or NULL with the
  * reason in err (no parent, a session child of a non-session parent,
  * out of memory for the bookkeeping); the parent is unchanged either way.

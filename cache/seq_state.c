@@ -146,6 +146,7 @@ int kv_seq_import(kv_seq *s, const struct kv_seq_state *st, char *err, size_t er
     }
     s->n_appended = st->n_hist;
     s->next_pos = st->next_pos;
+    kv_window_sync(s); /* the windowed layers' slots take the positions too */
     rc = kv_seq_set_turns(s, st->turns, st->n_turns, st->turn_low, err, errlen);
     if (rc) {
         kv_seq_release_all(s);

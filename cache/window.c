@@ -77,15 +77,32 @@
  * The budget
  * ---------------------------------------------------------------------------
  *
- * kv_seq_append plans local pages with the rest: the pages it may use are
- * the free ones plus every page the sequence holds (both classes), and it
- * needs the main pages after eviction plus the local pages after the drop
- * and the new slots. kv_cache_sequence_pages states what one sequence can
- * occupy at its full budget: the main pages of kv_policy_budget plus, per
- * group, the window and one append chunk (W + chunk tokens, rounded to
- * pages, plus the partly filled first and last pages) - or, when the
- * policy makes every token stuck or the budget is within the window, as
- * many local pages as main ones.
+ * kv_seq_append plans local pages with the rest (seq.c's pool_need): what
+ * the pool must hand out is the main class's part plus the local one's
+ * (kv_window_need): the pages the new slots open, plus a private copy of
+ * the page being filled where it is shared, minus the pages the drop
+ * gives back. The LRU counts both classes when it weighs an idle session.
+ * kv_cache_sequence_pages states what one sequence can occupy at its full
+ * budget: the main pages of kv_policy_budget plus, per group, the window
+ * and one append chunk (W + chunk tokens, rounded to pages, plus the partly
+ * filled first and last pages) - or, when the policy makes every token
+ * stuck or the budget is within the window, as many local pages as main
+ * ones.
+ *
+ * ---------------------------------------------------------------------------
+ * Shared pages
+ * ---------------------------------------------------------------------------
+ *
+ * Local pages are reference-counted like main ones (pool.c). A fork
+ * (kv_seq_fork) lists its parent's local pages and copies their slots'
+ * history indices and positions; the first append into a shared page
+ * being filled copies it (kv_window_append), dropped pages only lose a
+ * reference, and a compaction of scattered dead slots waits while a page
+ * it would write into is shared. What does not carry local pages is
+ * refused rather than served wrong: kv_seq_attach (a cached prefix's pages
+ * hold only the full-attention layers, so the prefix index is off for
+ * such caches) and the session file (engine/spill.c holds every layer's
+ * rows of every retained token).
  */
 #include "cache_internal.h"
 
@@ -248,7 +265,7 @@ static void release_from(kv_seq *s, int from, int slots)
 {
     for (int g = 0; g < s->cache->win.n_groups; g++)
         for (int p = from; p < s->win.n_lp; p++)
-            kv_pool_release(s->cache, group_table(s, g)[p], s->uid);
+            kv_pool_unref(s->cache, group_table(s, g)[p]);
     s->win.n_lp = from;
     s->win.n_slots = slots;
 }
@@ -256,6 +273,46 @@ static void release_from(kv_seq *s, int from, int slots)
 void kv_window_release(kv_seq *s)
 {
     release_from(s, 0, 0);
+}
+
+int64_t kv_window_unshared(const kv_seq *s)
+{
+    int64_t n = 0;
+    for (int g = 0; g < s->cache->win.n_groups; g++)
+        for (int p = 0; p < s->win.n_lp; p++)
+            n += !kv_pool_shared(s->cache, group_table(s, g)[p]);
+    return n;
+}
+
+/* Whether local pages [from, n_lp) are the sequence's alone in every group. */
+static bool unshared_from(const kv_seq *s, int from)
+{
+    for (int g = 0; g < s->cache->win.n_groups; g++)
+        for (int p = from; p < s->win.n_lp; p++)
+            if (kv_pool_shared(s->cache, group_table(s, g)[p]))
+                return false;
+    return true;
+}
+
+int kv_window_fork(kv_seq *child, const kv_seq *parent)
+{
+    const struct kv_wseq *pq = &parent->win;
+    struct kv_wseq *q = &child->win;
+    if (!child->cache->win.n_groups || pq->n_slots == 0)
+        return 0;
+    if (kv_window_reserve(child, pq->n_slots) < 0)
+        return -ENOMEM;
+    memcpy(q->hidx, pq->hidx, sizeof(int32_t) * (size_t)pq->n_slots);
+    memcpy(q->pos, pq->pos, sizeof(int32_t) * (size_t)pq->n_slots);
+    for (int g = 0; g < child->cache->win.n_groups; g++)
+        for (int p = 0; p < pq->n_lp; p++) {
+            int32_t page = group_table(parent, g)[p];
+            kv_pool_ref(child->cache, page);
+            group_table(child, g)[p] = page;
+        }
+    q->n_slots = pq->n_slots;
+    q->n_lp = pq->n_lp;
+    return 0;
 }
 
 /* ------------------------------------------------------------------------
@@ -384,20 +441,33 @@ static int plan_drop(const kv_seq *s, uint8_t *keep)
     return gone;
 }
 
-int kv_window_plan(const kv_seq *s, int n, int *keep_pages)
+/*
+ * The drop before an append frees the dropped pages no one else holds; the
+ * append then opens pages for the slots past the kept ones and writes into
+ * the page being filled (the last one, always kept), which costs a private
+ * copy per group where a fork shares it. A compaction of scattered dead
+ * slots (drop_dead) only ever needs fewer pages than this counts.
+ */
+int64_t kv_window_need(const kv_seq *s, int n)
 {
     const struct kv_window *w = &s->cache->win;
-    *keep_pages = 0;
     if (!w->n_groups)
         return 0;
-    int pt = s->cache->layout.page_tokens;
-    int gone = plan_drop(s, s->win.keep); /* scratch (kv_window_reserve sized it) */
-    int kept = s->win.n_lp - gone;
+    const kv_cache *c = s->cache;
+    int pt = c->layout.page_tokens, n_lp = s->win.n_lp;
+    uint8_t *keep = s->win.keep; /* scratch (kv_window_reserve sized it) */
+    int gone = plan_drop(s, keep);
+    int kept = n_lp - gone;
     /* slots in the kept pages (the last one may be partial), then n more */
-    int used = kept > 0 ? (kept - 1) * pt + (s->win.n_slots - (s->win.n_lp - 1) * pt) : 0;
-    int64_t pages = ((int64_t)used + n + pt - 1) / pt;
-    *keep_pages = kept;
-    return (int)(pages * w->n_groups);
+    int used = kept > 0 ? (kept - 1) * pt + (s->win.n_slots - (n_lp - 1) * pt) : 0;
+    int64_t need = (((int64_t)used + n + pt - 1) / pt - kept) * w->n_groups;
+    for (int g = 0; g < w->n_groups; g++) {
+        for (int p = 0; p < n_lp; p++)
+            need -= !keep[p] && !kv_pool_shared(c, group_table(s, g)[p]);
+        if (n > 0 && used % pt != 0)
+            need += kv_pool_shared(c, group_table(s, g)[n_lp - 1]);
+    }
+    return need;
 }
 
 /* Copy slot src's rows (every windowed layer, every KV head) to slot dst. */
@@ -426,7 +496,9 @@ static void move_slot(kv_seq *s, int dst, int src)
  * worth of dead slots is still scattered among the live ones (scored
  * policies and turns evict from the middle), the live slots are compacted
  * over them, their rows copied whole, never changed, and the pages past
- * the new end given back.
+ * the new end given back - unless a page they would write into is shared
+ * (a fork): then the dead slots stay until the pages are the sequence's
+ * own or whole pages of them go.
  */
 static void drop_dead(kv_seq *s, bool evicted_only)
 {
@@ -448,7 +520,7 @@ static void drop_dead(kv_seq *s, bool evicted_only)
             all = q->dead[k];
         if (all) {
             for (int g = 0; g < w->n_groups; g++)
-                kv_pool_release(s->cache, group_table(s, g)[p], s->uid);
+                kv_pool_unref(s->cache, group_table(s, g)[p]);
             n_dead -= n_in;
             continue;
         }
@@ -463,8 +535,13 @@ static void drop_dead(kv_seq *s, bool evicted_only)
     s->cache->window_pages_dropped += (uint64_t)(n_lp - d) * (uint64_t)w->n_groups;
     q->n_lp = d;
     q->n_slots = slots;
-    if (n_dead < pt)
-        return; /* not a page's worth: the moves would not pay */
+    int first = 0;
+    while (first < q->n_slots && !q->dead[first])
+        first++;
+    /* Not a page's worth, the moves would not pay; over pages a fork
+     * shares, they would cost copies the append's plan did not count. */
+    if (n_dead < pt || !unshared_from(s, first / pt))
+        return;
     int live = 0;
     for (int k = 0; k < q->n_slots; k++) {
         if (q->dead[k])
@@ -497,9 +574,12 @@ void kv_window_append(kv_seq *s, int n)
     int pt = s->cache->layout.page_tokens;
     int pages = (q->n_slots + n + pt - 1) / pt;
     assert(q->n_slots + n <= q->s_cap && pages <= q->lp_cap);
+    if (q->n_slots % pt != 0) /* the page being filled: a fork's copy first */
+        for (int g = 0; g < w->n_groups; g++)
+            kv_pool_unshare(s->cache, &group_table(s, g)[q->n_lp - 1]);
     for (int p = q->n_lp; p < pages; p++)
         for (int g = 0; g < w->n_groups; g++)
-            group_table(s, g)[p] = kv_pool_alloc(s->cache, s->uid);
+            group_table(s, g)[p] = kv_pool_alloc(s->cache);
     q->n_lp = pages;
     const int32_t *pos = s->pos + s->t_off, *hidx = s->hidx + s->t_off;
     for (int j = 0; j < n; j++) {
@@ -670,7 +750,7 @@ int kv_seq_pool_pages(const kv_seq *s)
     return kv_seq_pages_held(s);
 }
 
-int kv_window_check(const kv_seq *s, uint8_t *seen, int *used, char *err, size_t errlen)
+int kv_window_check(const kv_seq *s, struct kv_check_tally *t, char *err, size_t errlen)
 {
     const kv_cache *c = s->cache;
     const struct kv_wseq *q = &s->win;
@@ -694,15 +774,12 @@ int kv_window_check(const kv_seq *s, uint8_t *seen, int *used, char *err, size_t
     for (int g = 0; g < c->win.n_groups; g++) {
         for (int p = 0; p < q->n_lp; p++) {
             int32_t id = group_table(s, g)[p];
-            if (id < 0 || id >= c->n_pages || seen[id] || c->owner[id] != s->uid) {
-                snprintf(err, errlen,
-                         "sequence %d: local page %d (group %d) has id %d that is out of range, "
-                         "free, held twice or tagged with another owner",
-                         s->uid, p, g, id);
+            const char *why = kv_check_entry(c, t, s->uid, id);
+            if (why) {
+                snprintf(err, errlen, "sequence %d local page %d of group %d (id %d) %s",
+                         s->uid, p, g, id, why);
                 return -EFAULT;
             }
-            seen[id] = 2;
-            (*used)++;
         }
     }
     /* every retained token a query at next_pos can see has its slot, with

@@ -182,7 +182,7 @@ void engine_session_describe(const struct engine_session *x, struct engine_sessi
     kv_cache_layout(c, &l);
     out->k_type = l.k_type;
     out->v_type = l.v_type;
-    out->kv_pages = kv_seq_n_pages(x->seq);
+    out->kv_pages = kv_seq_pool_pages(x->seq); /* both page classes (cache/window.c) */
     out->kv_bytes = (uint64_t)out->kv_pages * l.page_bytes;
     const struct kv_span *pins;
     out->n_pins = kv_seq_pins(x->seq, &pins);

@@ -50,6 +50,11 @@ int engine_spill_init(engine *e, const char *dir, uint64_t max_bytes, char *err,
                "sessions: saved to %s when they leave memory (max_disk %" PRIu64
                " bytes; model fingerprint %016" PRIx64 ")",
                dir, max_bytes, fp);
+    if (kv_cache_window(e->cache) > 0) /* spill_write refuses them */
+        engine_log(&e->p.hooks, ENGINE_LOG_WARN,
+                   "sessions: not saved to disk after all: the model has sliding-window layers, "
+                   "which keep per-sequence pages a session file does not hold; a session "
+                   "leaving memory is lost (its next request is a cache miss)");
     return 0;
 }
 

@@ -356,6 +356,11 @@ int spill_write(const char *dir, const char *path, const char *id, kv_seq *seq,
                  id_len, SPILL_ID_MAX);
         return -ENAMETOOLONG;
     }
+    if (kv_cache_window(kv_seq_cache(seq)) > 0) {
+        snprintf(err, errlen, "the model has sliding-window layers, whose rows of tokens past "
+                              "their window are gone: a file holds every layer's rows");
+        return -EOPNOTSUPP;
+    }
     memcpy(h.id, id, id_len + 1);
     h.n_hist = kv_seq_history(seq, NULL);
     h.n_tokens = kv_seq_n_tokens(seq);

@@ -27,6 +27,7 @@
 #include <sys/resource.h>
 
 #include "engine/engine.h"
+#include "model/mkmodel.h"
 #include "model/model.h"
 #include "tests/serve_fixture.h"
 
@@ -56,6 +57,7 @@ struct setup {
     struct kv_policy pol;
     int pages;
     int max_sessions;
+    bool prefix_cache;
 };
 
 static engine *make_engine(const struct setup *s)
@@ -75,6 +77,7 @@ static engine *make_engine(const struct setup *s)
                    .max_sessions = s->max_sessions ? s->max_sessions : 8},
         .hooks = {.log = hook_log},
         .spill_dir = s->dir,
+        .prefix_cache = s->prefix_cache,
         .spill_max_bytes = 0,
     };
     char err[512];
@@ -519,6 +522,54 @@ static void test_fault_disk_full(void **state)
     assert_int_equal(count_files(s.dir, ".kvs", NULL, 0), 0);
 }
 
+/*
+ * A model with sliding-window layers (cache/window.c): a session file holds
+ * every layer's rows of every retained token, and those layers dropped the
+ * rows past their window, so its sessions are not saved. The start says
+ * so, the save is a log line with the reason, and the next engine's answer
+ * is a fresh session's (a cache miss, never a wrong answer); the prefix
+ * cache is off with its reason too.
+ */
+static void test_windowed_not_saved(void **state)
+{
+    (void)state;
+    struct model_mk_params mp;
+    model_mk_defaults(&mp);
+    mp.arch = "gemma3";
+    mp.n_embd = 64;
+    mp.n_head = 4;
+    mp.n_kv_head = 2;
+    mp.head_dim = 16;
+    mp.n_layer = 6;
+    mp.n_ff = 96;
+    mp.n_vocab = 600;
+    mp.sliding_window = 16;
+    mp.seed = 3;
+    char path[700], err[512];
+    snprintf(path, sizeof(path), "%s/windowed.gguf", tmpdir);
+    assert_int_equal(model_mk_write(&mp, path, err, sizeof(err)), 0);
+    struct model_params lp = {.path = path};
+    model *m = model_load(&lp, err, sizeof(err));
+    assert_non_null(m);
+    struct setup s = {.m = m, .dir = fresh_dir("windowed"), .kv = KV_F16, .pol = sink_window,
+                      .pages = 64, .prefix_cache = true};
+    logs[0] = '\0';
+    engine *a = make_engine(&s);
+    assert_true(logged("prefix cache: off (sliding-window layers keep per-sequence pages)"));
+    assert_true(logged("sessions: not saved to disk after all"));
+    int32_t p1[N1], p2[N2];
+    fill_prompt(p1, N1, 0);
+    struct answer a1 = run(a, "s", p1, N1, G1);
+    engine_save_sessions(a);
+    engine_destroy(a);
+    assert_true(logged("session s lost: cannot save it (shutdown)"));
+    assert_true(logged("sliding-window layers"));
+    assert_int_equal(count_files(s.dir, ".kvs", NULL, 0) + count_files(s.dir, ".tmp", NULL, 0), 0);
+    second_prompt(p2, p1, &a1);
+    expect_miss(&s, p2);
+    model_free(m);
+}
+
 /* ------------------------------------------------------------------------
  * Through the daemon: restart, kill -9 while writing, the routes
  * ------------------------------------------------------------------------ */
@@ -769,6 +820,7 @@ int main(void)
         cmocka_unit_test(test_fault_foreign),
         cmocka_unit_test(test_fault_readonly_dir),
         cmocka_unit_test(test_fault_disk_full),
+        cmocka_unit_test(test_windowed_not_saved),
         cmocka_unit_test(test_restart_continues),
         cmocka_unit_test(test_kill_during_write),
     };

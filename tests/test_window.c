@@ -225,6 +225,145 @@ static void test_windowed_equals_dense(void **state)
     }
 }
 
+/* One decode step of token *tok on the windowed sequence sw and its dense
+ * twin sd; returns the relative logit difference. */
+static float step_pair(model_ctx *ctx, kv_seq *sw, kv_seq *sd, const int32_t *tok, int n,
+                       float *lw, float *ld, int nv)
+{
+    struct model_batch_seq bw = {.seq = sw, .tokens = tok, .n_tokens = n, .logits = lw};
+    struct model_batch_seq bd = {.seq = sd, .tokens = tok, .n_tokens = n, .logits = ld};
+    assert_int_equal(model_reserve_forward(ctx, &bw, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(ctx, &bd, 1, NULL), 0);
+    return rel_diff(lw, ld, nv);
+}
+
+/*
+ * kv_seq_fork of a windowed sequence: the child takes the parent's local
+ * pages by reference and copies the one it writes. Parent and child then
+ * decode different tokens, interleaved, each beside its dense twin (the
+ * same fork in a cache keeping every layer): logits equal step after step
+ * means neither one's writes reached the other's pages. Returns the worst
+ * difference; the shared pages are asserted.
+ */
+static float fork_vs_dense(const char *path, const struct kv_policy *pol)
+{
+    model *m = load_model(path);
+    const int pt = 4, n0 = 10, before = 29, after = 60; /* a partly full page at the fork */
+    kv_cache *cw = cache_for(m, true, pt, 600), *cd = cache_for(m, false, pt, 600);
+    kv_seq *pw = make_seq(cw, pol), *pd = make_seq(cd, pol);
+    model_ctx *ctx = make_ctx(m, n0, 1);
+    int nv = m->n_vocab;
+    float *lw = malloc(sizeof(float) * nv), *ld = malloc(sizeof(float) * nv);
+    int32_t a[200], b[200];
+    fill_tokens(a, n0 + before + after, nv, 21);
+    fill_tokens(b, after, nv, 22);
+    float worst = step_pair(ctx, pw, pd, a, n0, lw, ld, nv);
+    for (int i = n0; i < n0 + before; i++) {
+        float e = step_pair(ctx, pw, pd, a + i, 1, lw, ld, nv);
+        worst = e > worst ? e : worst;
+    }
+    char err[256];
+    kv_seq *fw = kv_seq_fork(pw, false, err, sizeof(err)), *fd = kv_seq_fork(pd, false, err, 256);
+    assert_non_null(fw);
+    assert_non_null(fd);
+    check_cache(cw);
+    struct kv_stats st;
+    kv_cache_stats(cw, &st);
+    assert_true(st.pages_shared > 0);
+    for (int i = 0; i < after; i++) {
+        float e = step_pair(ctx, fw, fd, b + i, 1, lw, ld, nv); /* the child */
+        worst = e > worst ? e : worst;
+        check_cache(cw);
+        e = step_pair(ctx, pw, pd, a + n0 + before + i, 1, lw, ld, nv); /* the parent */
+        worst = e > worst ? e : worst;
+        check_cache(cw);
+    }
+    kv_seq_destroy(fw);
+    kv_seq_destroy(fd);
+    check_cache(cw);
+    kv_cache_stats(cw, &st);
+    assert_int_equal(st.pages_shared, 0);
+    free(lw);
+    free(ld);
+    model_ctx_destroy(ctx);
+    kv_seq_destroy(pw);
+    kv_seq_destroy(pd);
+    kv_cache_stats(cw, &st);
+    assert_int_equal(st.pages_used, 0);
+    kv_cache_destroy(cw);
+    kv_cache_destroy(cd);
+    model_free(m);
+    return worst;
+}
+
+static void test_fork_equals_dense(void **state)
+{
+    (void)state;
+    static const int pick[] = {0, 2, 3}; /* 5:1 groups, every layer windowed, W < page */
+    for (size_t s = 0; s < sizeof(pick) / sizeof(pick[0]); s++) {
+        const struct shape *sh = &shapes[pick[s]];
+        struct model_mk_params p = shape_params(sh);
+        char path[512];
+        write_model(&p, "f.gguf", path, sizeof(path));
+        for (size_t k = 0; k < sizeof(policies) / sizeof(policies[0]); k++) {
+            float e = fork_vs_dense(path, &policies[k].pol);
+            print_message("  fork: %-26s %-46s max rel diff %.1e\n", sh->name, policies[k].name,
+                          e);
+            assert_true(e < 1e-5f);
+        }
+    }
+}
+
+/*
+ * What the windowed class does not share: a cached prefix's pages hold
+ * only the full-attention layers, so kv_seq_attach and the prefix index
+ * refuse a windowed cache by name; a session state put back with
+ * kv_seq_import gives the windowed slots its positions (kv_cache_check
+ * compares them with the main table's).
+ */
+static void test_attach_refused_import_synced(void **state)
+{
+    (void)state;
+    struct shape sh = {"gemma3", "gemma3", 6, 6};
+    struct model_mk_params p = shape_params(&sh);
+    char path[512];
+    write_model(&p, "a.gguf", path, sizeof(path));
+    model *m = load_model(path);
+    kv_cache *c = cache_for(m, true, 4, 100);
+    struct kv_policy pol = {.kind = KV_EVICT_NONE, .max_cache_tokens = 64, .renumber = false};
+    kv_seq *a = make_seq(c, &pol), *b = make_seq(c, &pol);
+    int32_t toks[8];
+    fill_tokens(toks, 8, m->n_vocab, 5);
+    assert_int_equal(kv_seq_append(a, toks, 8, NULL), 0);
+    const int32_t *pages = kv_seq_page_table(a);
+    assert_int_equal(kv_seq_attach(b, pages, 2, toks), -EOPNOTSUPP);
+    assert_int_equal(kv_seq_n_tokens(b), 0);
+    char err[256];
+    assert_null(kv_prefix_create(c, 1, 10, err, sizeof(err)));
+    assert_non_null(strstr(err, "sliding-window"));
+    /* a session's state with positions 10, 12, 14, ... */
+    char serr[256];
+    kv_seq *s = kv_seq_create(c, &pol, true, serr, sizeof(serr));
+    assert_non_null(s);
+    int32_t pos[8], hidx[8], hist[20];
+    float mass[8] = {0};
+    fill_tokens(hist, 20, m->n_vocab, 6);
+    for (int i = 0; i < 8; i++) {
+        hidx[i] = 2 * i + 3;
+        pos[i] = 10 + 2 * i;
+        toks[i] = hist[hidx[i]];
+    }
+    struct kv_seq_state st = {.n_hist = 20, .hist = hist, .n_tokens = 8, .ids = toks,
+                              .pos = pos, .hidx = hidx, .mass = mass, .next_pos = 30};
+    assert_int_equal(kv_seq_import(s, &st, serr, sizeof(serr)), 0);
+    check_cache(c);
+    kv_seq_destroy(s);
+    kv_seq_destroy(a);
+    kv_seq_destroy(b);
+    kv_cache_destroy(c);
+    model_free(m);
+}
+
 /* A session cut back past what the windowed layers still hold is refused
  * (-ESTALE, nothing changed); a cut they can serve, and a cut to nothing,
  * work. A policy that could bring a dropped token back is refused. */
@@ -414,6 +553,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_memory_at_32k),
         cmocka_unit_test(test_truncate_and_policy_refused),
         cmocka_unit_test(test_windowed_equals_dense),
+        cmocka_unit_test(test_fork_equals_dense),
+        cmocka_unit_test(test_attach_refused_import_synced),
         cmocka_unit_test(test_commands),
     };
     return cmocka_run_group_tests_name("window", tests, group_setup, group_teardown);
