@@ -364,6 +364,117 @@ static void test_attach_refused_import_synced(void **state)
     model_free(m);
 }
 
+/* A tiny deterministic generator for the random walk below. */
+static uint32_t walk_next(uint32_t *st)
+{
+    *st = *st * 1664525u + 1013904223u;
+    return *st >> 8;
+}
+
+/* One random step on the sequences of a walk: append, fork, destroy,
+ * truncate or evict; a refused append or truncation leaves the pool and the
+ * sequence as they were. */
+static void walk_step(kv_cache *c, kv_seq **seqs, int n_seqs, uint32_t *st, int *forks,
+                      int *short_pool)
+{
+    int i = (int)(walk_next(st) % (uint32_t)n_seqs), op = (int)(walk_next(st) % 10);
+    const struct kv_policy *pol = &policies[walk_next(st) % 6].pol;
+    struct kv_stats before, after;
+    kv_cache_stats(c, &before);
+    char err[256];
+    if (!seqs[i]) {
+        seqs[i] = kv_seq_create(c, pol, walk_next(st) % 2, err, sizeof(err));
+        assert_non_null(seqs[i]);
+        return;
+    }
+    kv_seq *s = seqs[i];
+    int n_before = kv_seq_n_tokens(s);
+    if (op < 6) {
+        int32_t toks[24];
+        int n = 1 + (int)(walk_next(st) % 24);
+        fill_tokens(toks, n, 300, walk_next(st));
+        kv_seq_touch(s, walk_next(st) % 1000);
+        int rc = kv_seq_append(s, toks, n, NULL);
+        kv_cache_stats(c, &after);
+        if (rc) {
+            assert_true(rc == -ENOMEM || rc == -ENOSPC);
+            *short_pool += rc == -ENOMEM;
+            assert_int_equal(after.pages_used, before.pages_used);
+            assert_int_equal(kv_seq_n_tokens(s), n_before);
+        }
+    } else if (op == 6) {
+        for (int j = 0; j < n_seqs; j++)
+            if (!seqs[j]) {
+                seqs[j] = kv_seq_fork(s, kv_seq_is_session(s), err, sizeof(err));
+                assert_non_null(seqs[j]);
+                (*forks)++;
+                break;
+            }
+    } else if (op == 7) {
+        kv_seq_destroy(s);
+        seqs[i] = NULL;
+    } else if (op == 8 && kv_seq_is_session(s)) {
+        int n_hist = kv_seq_history(s, NULL);
+        int to = n_hist > 0 ? (int)(walk_next(st) % (uint32_t)(n_hist + 1)) : 0;
+        int rc = kv_seq_truncate(s, to);
+        kv_cache_stats(c, &after);
+        if (rc) {
+            assert_int_equal(rc, -ESTALE);
+            assert_int_equal(after.pages_used, before.pages_used);
+            assert_int_equal(kv_seq_n_tokens(s), n_before);
+        }
+    } else {
+        int rc = kv_seq_evict(s, (int)(walk_next(st) % 16));
+        assert_true(rc >= 0 || rc == -ENOSPC || rc == -ENOMEM);
+    }
+}
+
+/*
+ * The pool's arithmetic over both page classes, on random walks: appends
+ * of 1..24 tokens, forks, destroys, truncations and evictions of up to 8
+ * sequences (half of them sessions the LRU may drop) under every policy
+ * above, in pools small enough to run short. kv_cache_check after every
+ * step (references, local pages, slots), and an append whose plan came up
+ * short would trip kv_pool_alloc's assert. No model: the bytes are not
+ * the point here, test_fork_equals_dense reads them.
+ */
+static void test_random_walk_accounting(void **state)
+{
+    (void)state;
+    int32_t g3[6] = {6, 6, 6, 6, 6, 0}, all[3] = {7, 7, 7}, g2[4] = {5, 0, 5, 0};
+    struct {
+        int n_layer;
+        const int32_t *win;
+    } shapes_w[3] = {{6, g3}, {3, all}, {4, g2}};
+    int forks = 0, short_pool = 0;
+    for (int k = 0; k < 3; k++) {
+        struct kv_cache_params cp = {.page_tokens = 4, .n_layer = shapes_w[k].n_layer,
+                                     .n_kv_head = 1, .head_dim = 16, .k_type = KV_F16,
+                                     .v_type = KV_F16, .layer_window = shapes_w[k].win};
+        cp.memory_bytes = kv_cache_memory_for(&cp, 90);
+        char err[256];
+        kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
+        assert_non_null(c);
+        kv_seq *seqs[8] = {0};
+        uint32_t st = 1234u + (uint32_t)k;
+        for (int step = 0; step < 3000; step++) {
+            walk_step(c, seqs, 8, &st, &forks, &short_pool);
+            check_cache(c);
+        }
+        for (int j = 0; j < 8; j++)
+            kv_seq_destroy(seqs[j]);
+        struct kv_stats fin;
+        kv_cache_stats(c, &fin);
+        assert_int_equal(fin.pages_used, 0);
+        print_message("  walk %d: %llu sessions dropped, %llu window pages dropped\n", k,
+                      (unsigned long long)fin.sessions_dropped,
+                      (unsigned long long)fin.window_pages_dropped);
+        kv_cache_destroy(c);
+    }
+    print_message("  %d forks, %d appends refused for pages\n", forks, short_pool);
+    assert_true(forks > 0 && short_pool > 0);
+}
+
 /* A session cut back past what the windowed layers still hold is refused
  * (-ESTALE, nothing changed); a cut they can serve, and a cut to nothing,
  * work. A policy that could bring a dropped token back is refused. */
@@ -555,6 +666,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_windowed_equals_dense),
         cmocka_unit_test(test_fork_equals_dense),
         cmocka_unit_test(test_attach_refused_import_synced),
+        cmocka_unit_test(test_random_walk_accounting),
         cmocka_unit_test(test_commands),
     };
     return cmocka_run_group_tests_name("window", tests, group_setup, group_teardown);
