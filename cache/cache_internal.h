@@ -217,6 +217,10 @@ float kv_evict_score(const kv_seq *seq, int i, int lo, int hi);
 
 /* --- pins.c ------------------------------------------------------------ */
 
+/* The first index in [lo, hi) of the increasing array a whose value is
+ * >= h (hi when there is none): the one binary search over history
+ * indices (retained tokens, the windowed layers' slots). */
+int kv_lower_bound(const int32_t *a, int lo, int hi, int64_t h);
 /* The first retained index >= from whose history index is >= h (n_tokens
  * when none): retained history indices increase. */
 int kv_hidx_lower(const kv_seq *seq, int from, int64_t h);

@@ -256,18 +256,21 @@ void kv_pins_truncate(kv_seq *s, int n_hist)
  * Pinned retained tokens
  * ------------------------------------------------------------------------ */
 
-int kv_hidx_lower(const kv_seq *s, int from, int64_t h)
+int kv_lower_bound(const int32_t *a, int lo, int hi, int64_t h)
 {
-    const int32_t *hidx = s->hidx + s->t_off;
-    int lo = from, hi = s->n_tokens;
     while (lo < hi) {
         int mid = lo + (hi - lo) / 2;
-        if (hidx[mid] < h)
+        if (a[mid] < h)
             lo = mid + 1;
         else
             hi = mid;
     }
     return lo;
+}
+
+int kv_hidx_lower(const kv_seq *s, int from, int64_t h)
+{
+    return kv_lower_bound(s->hidx + s->t_off, from, s->n_tokens, h);
 }
 
 void kv_pins_range(const kv_seq *s, int k, int *lo, int *hi)

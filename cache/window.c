@@ -325,24 +325,10 @@ static int main_lower_bound(const kv_seq *s, int32_t h)
     return kv_hidx_lower(s, 0, h);
 }
 
-/* First index in [lo, hi) of the increasing array a whose value is >= h
- * (hi when there is none). */
-static int lower_bound(const int32_t *a, int lo, int hi, int64_t h)
-{
-    while (lo < hi) {
-        int mid = lo + (hi - lo) / 2;
-        if (a[mid] < h)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
 /* The slot of history index h, or -1 when it has none. */
 static int slot_of(const kv_seq *s, int32_t h)
 {
-    int k = lower_bound(s->win.hidx, 0, s->win.n_slots, h);
+    int k = kv_lower_bound(s->win.hidx, 0, s->win.n_slots, h);
     return k < s->win.n_slots && s->win.hidx[k] == h ? k : -1;
 }
 
