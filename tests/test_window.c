@@ -79,10 +79,10 @@ struct shape {
 };
 
 static const struct shape shapes[] = {
-    {"gemma3 6 layers, W 6", "gemma3", 6, 6},    /* 5 local : 1 global: 5 groups */
-    {"gemma2 4 layers, W 5", "gemma2", 4, 5},    /* alternating: 1 group */
-    {"mistral 3 layers, W 7", "llama", 3, 7},    /* every layer windowed */
-    {"gemma3 W 3 < page 4", "gemma3", 6, 3},     /* a window smaller than a page */
+    {"gemma3 6 layers, W 6", "gemma3", 6, 6},       /* 5 local : 1 global: 5 groups */
+    {"gemma2 4 layers, W 5", "gemma2", 4, 5},       /* alternating: 1 group */
+    {"mistral 3 layers, W 7", "llama", 3, 7},       /* every layer windowed */
+    {"gemma3 W 3 < page 4", "gemma3", 6, 3},        /* a window smaller than a page */
     {"mistral W 1000 > context", "llama", 2, 1000}, /* nothing ever leaves */
 };
 
@@ -113,24 +113,41 @@ struct pcase {
 static const struct pcase policies[] = {
     {"none", {.kind = KV_EVICT_NONE, .max_cache_tokens = 160, .renumber = true}, true},
     {"sink-window renumber",
-     {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 48, .sink_tokens = 4,
-      .window_tokens = 36, .renumber = true},
+     {.kind = KV_EVICT_SINK_WINDOW,
+      .max_cache_tokens = 48,
+      .sink_tokens = 4,
+      .window_tokens = 36,
+      .renumber = true},
      true},
     {"sink-window preserve",
-     {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 48, .sink_tokens = 4,
-      .window_tokens = 36, .renumber = false},
+     {.kind = KV_EVICT_SINK_WINDOW,
+      .max_cache_tokens = 48,
+      .sink_tokens = 4,
+      .window_tokens = 36,
+      .renumber = false},
      true},
     {"sink-window renumber, window 4 < W (sinks kept)",
-     {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 12, .sink_tokens = 4,
-      .window_tokens = 4, .renumber = true},
+     {.kind = KV_EVICT_SINK_WINDOW,
+      .max_cache_tokens = 12,
+      .sink_tokens = 4,
+      .window_tokens = 4,
+      .renumber = true},
      false},
     {"h2o renumber (all kept)",
-     {.kind = KV_EVICT_H2O, .max_cache_tokens = 40, .sink_tokens = 2, .window_tokens = 12,
-      .heavy_tokens = 8, .renumber = true},
+     {.kind = KV_EVICT_H2O,
+      .max_cache_tokens = 40,
+      .sink_tokens = 2,
+      .window_tokens = 12,
+      .heavy_tokens = 8,
+      .renumber = true},
      false},
     {"h2o preserve",
-     {.kind = KV_EVICT_H2O, .max_cache_tokens = 40, .sink_tokens = 2, .window_tokens = 12,
-      .heavy_tokens = 8, .renumber = false},
+     {.kind = KV_EVICT_H2O,
+      .max_cache_tokens = 40,
+      .sink_tokens = 2,
+      .window_tokens = 12,
+      .heavy_tokens = 8,
+      .renumber = false},
      true},
 };
 
@@ -148,6 +165,51 @@ static long held_bytes(const kv_cache *c)
     return (long)held(c) * (long)kv_cache_page_bytes(c);
 }
 
+/* A model run side by side over a windowed cache and a dense one (the same
+ * shape with layer_window NULL), f32 K/V: the worst logit difference so
+ * far. */
+struct pair {
+    model *m;
+    model_ctx *ctx;
+    kv_cache *cw, *cd;
+    float *lw, *ld;
+    float worst;
+};
+
+static void pair_open(struct pair *p, const char *path, int page_tokens, int pages, int batch)
+{
+    p->m = load_model(path);
+    p->cw = cache_for(p->m, true, page_tokens, pages);
+    p->cd = cache_for(p->m, false, page_tokens, pages);
+    p->ctx = make_ctx(p->m, batch, 1);
+    p->lw = malloc(sizeof(float) * (size_t)p->m->n_vocab);
+    p->ld = malloc(sizeof(float) * (size_t)p->m->n_vocab);
+    p->worst = 0.0f;
+}
+
+/* Feed tok[0..n) to the windowed sequence sw and its dense twin sd; the
+ * difference joins worst, and the windowed cache is checked. */
+static void pair_step(struct pair *p, kv_seq *sw, kv_seq *sd, const int32_t *tok, int n)
+{
+    struct model_batch_seq bw = {.seq = sw, .tokens = tok, .n_tokens = n, .logits = p->lw};
+    struct model_batch_seq bd = {.seq = sd, .tokens = tok, .n_tokens = n, .logits = p->ld};
+    assert_int_equal(model_reserve_forward(p->ctx, &bw, 1, NULL), 0);
+    assert_int_equal(model_reserve_forward(p->ctx, &bd, 1, NULL), 0);
+    float e = rel_diff(p->lw, p->ld, p->m->n_vocab);
+    p->worst = e > p->worst ? e : p->worst;
+    check_cache(p->cw);
+}
+
+static void pair_close(struct pair *p)
+{
+    free(p->lw);
+    free(p->ld);
+    model_ctx_destroy(p->ctx);
+    kv_cache_destroy(p->cw);
+    kv_cache_destroy(p->cd);
+    model_free(p->m);
+}
+
 /*
  * One shape under one policy: a 10-token prompt then 140 decode steps in
  * the windowed and the dense cache side by side. Returns the worst
@@ -158,44 +220,30 @@ static long held_bytes(const kv_cache *c)
 static float windowed_vs_dense(const char *path, const struct kv_policy *pol, long *saved,
                                uint64_t *dropped)
 {
-    model *m = load_model(path);
     const int pt = 4, steps = 140, n0 = 10;
-    kv_cache *cw = cache_for(m, true, pt, 400), *cd = cache_for(m, false, pt, 400);
-    kv_seq *sw = make_seq(cw, pol), *sd = make_seq(cd, pol);
-    model_ctx *ctx = make_ctx(m, n0, 1);
-    int nv = m->n_vocab;
-    float *lw = malloc(sizeof(float) * nv), *ld = malloc(sizeof(float) * nv);
+    struct pair p;
+    pair_open(&p, path, pt, 400, n0);
+    kv_seq *sw = make_seq(p.cw, pol), *sd = make_seq(p.cd, pol);
     int32_t toks[200];
-    fill_tokens(toks, n0 + steps, nv, 11);
+    fill_tokens(toks, n0 + steps, p.m->n_vocab, 11);
     struct kv_cache_params cp = {.page_tokens = pt, .k_type = KV_F32, .v_type = KV_F32};
-    model_kv_shape(m, &cp);
+    model_kv_shape(p.m, &cp);
     int64_t bound = kv_cache_sequence_pages(&cp, pol, n0);
-    float worst = 0.0f;
     for (int at = 0; at < n0 + steps;) {
         int n = at == 0 ? n0 : 1;
-        struct model_batch_seq bw = {.seq = sw, .tokens = toks + at, .n_tokens = n, .logits = lw};
-        struct model_batch_seq bd = {.seq = sd, .tokens = toks + at, .n_tokens = n, .logits = ld};
-        assert_int_equal(model_reserve_forward(ctx, &bw, 1, NULL), 0);
-        assert_int_equal(model_reserve_forward(ctx, &bd, 1, NULL), 0);
+        pair_step(&p, sw, sd, toks + at, n);
         at += n;
-        float e = rel_diff(lw, ld, nv);
-        worst = e > worst ? e : worst;
-        check_cache(cw);
-        assert_true(held(cw) <= bound);
+        assert_true(held(p.cw) <= bound);
         assert_true(kv_seq_n_tokens(sw) == kv_seq_n_tokens(sd));
     }
-    *saved = held_bytes(cd) - held_bytes(cw);
+    *saved = held_bytes(p.cd) - held_bytes(p.cw);
     struct kv_stats st;
-    kv_cache_stats(cw, &st);
+    kv_cache_stats(p.cw, &st);
     *dropped = st.window_pages_dropped;
-    free(lw);
-    free(ld);
-    model_ctx_destroy(ctx);
     kv_seq_destroy(sw);
     kv_seq_destroy(sd);
-    kv_cache_destroy(cw);
-    kv_cache_destroy(cd);
-    model_free(m);
+    float worst = p.worst;
+    pair_close(&p);
     return worst;
 }
 
@@ -225,18 +273,6 @@ static void test_windowed_equals_dense(void **state)
     }
 }
 
-/* One decode step of token *tok on the windowed sequence sw and its dense
- * twin sd; returns the relative logit difference. */
-static float step_pair(model_ctx *ctx, kv_seq *sw, kv_seq *sd, const int32_t *tok, int n,
-                       float *lw, float *ld, int nv)
-{
-    struct model_batch_seq bw = {.seq = sw, .tokens = tok, .n_tokens = n, .logits = lw};
-    struct model_batch_seq bd = {.seq = sd, .tokens = tok, .n_tokens = n, .logits = ld};
-    assert_int_equal(model_reserve_forward(ctx, &bw, 1, NULL), 0);
-    assert_int_equal(model_reserve_forward(ctx, &bd, 1, NULL), 0);
-    return rel_diff(lw, ld, nv);
-}
-
 /*
  * kv_seq_fork of a windowed sequence: the child takes the parent's local
  * pages by reference and copies the one it writes. Parent and child then
@@ -247,52 +283,39 @@ static float step_pair(model_ctx *ctx, kv_seq *sw, kv_seq *sd, const int32_t *to
  */
 static float fork_vs_dense(const char *path, const struct kv_policy *pol)
 {
-    model *m = load_model(path);
     const int pt = 4, n0 = 10, before = 29, after = 60; /* a partly full page at the fork */
-    kv_cache *cw = cache_for(m, true, pt, 600), *cd = cache_for(m, false, pt, 600);
-    kv_seq *pw = make_seq(cw, pol), *pd = make_seq(cd, pol);
-    model_ctx *ctx = make_ctx(m, n0, 1);
-    int nv = m->n_vocab;
-    float *lw = malloc(sizeof(float) * nv), *ld = malloc(sizeof(float) * nv);
+    struct pair p;
+    pair_open(&p, path, pt, 600, n0);
+    kv_seq *pw = make_seq(p.cw, pol), *pd = make_seq(p.cd, pol);
     int32_t a[200], b[200];
-    fill_tokens(a, n0 + before + after, nv, 21);
-    fill_tokens(b, after, nv, 22);
-    float worst = step_pair(ctx, pw, pd, a, n0, lw, ld, nv);
-    for (int i = n0; i < n0 + before; i++) {
-        float e = step_pair(ctx, pw, pd, a + i, 1, lw, ld, nv);
-        worst = e > worst ? e : worst;
-    }
+    fill_tokens(a, n0 + before + after, p.m->n_vocab, 21);
+    fill_tokens(b, after, p.m->n_vocab, 22);
+    pair_step(&p, pw, pd, a, n0);
+    for (int i = n0; i < n0 + before; i++)
+        pair_step(&p, pw, pd, a + i, 1);
     char err[256];
     kv_seq *fw = kv_seq_fork(pw, false, err, sizeof(err)), *fd = kv_seq_fork(pd, false, err, 256);
     assert_non_null(fw);
     assert_non_null(fd);
-    check_cache(cw);
+    check_cache(p.cw);
     struct kv_stats st;
-    kv_cache_stats(cw, &st);
+    kv_cache_stats(p.cw, &st);
     assert_true(st.pages_shared > 0);
     for (int i = 0; i < after; i++) {
-        float e = step_pair(ctx, fw, fd, b + i, 1, lw, ld, nv); /* the child */
-        worst = e > worst ? e : worst;
-        check_cache(cw);
-        e = step_pair(ctx, pw, pd, a + n0 + before + i, 1, lw, ld, nv); /* the parent */
-        worst = e > worst ? e : worst;
-        check_cache(cw);
+        pair_step(&p, fw, fd, b + i, 1);               /* the child */
+        pair_step(&p, pw, pd, a + n0 + before + i, 1); /* the parent */
     }
     kv_seq_destroy(fw);
     kv_seq_destroy(fd);
-    check_cache(cw);
-    kv_cache_stats(cw, &st);
+    check_cache(p.cw);
+    kv_cache_stats(p.cw, &st);
     assert_int_equal(st.pages_shared, 0);
-    free(lw);
-    free(ld);
-    model_ctx_destroy(ctx);
     kv_seq_destroy(pw);
     kv_seq_destroy(pd);
-    kv_cache_stats(cw, &st);
+    kv_cache_stats(p.cw, &st);
     assert_int_equal(st.pages_used, 0);
-    kv_cache_destroy(cw);
-    kv_cache_destroy(cd);
-    model_free(m);
+    float worst = p.worst;
+    pair_close(&p);
     return worst;
 }
 
@@ -307,8 +330,7 @@ static void test_fork_equals_dense(void **state)
         write_model(&p, "f.gguf", path, sizeof(path));
         for (size_t k = 0; k < sizeof(policies) / sizeof(policies[0]); k++) {
             float e = fork_vs_dense(path, &policies[k].pol);
-            print_message("  fork: %-26s %-46s max rel diff %.1e\n", sh->name, policies[k].name,
-                          e);
+            print_message("  fork: %-26s %-46s max rel diff %.1e\n", sh->name, policies[k].name, e);
             assert_true(e < 1e-5f);
         }
     }
@@ -353,8 +375,14 @@ static void test_attach_refused_import_synced(void **state)
         pos[i] = 10 + 2 * i;
         toks[i] = hist[hidx[i]];
     }
-    struct kv_seq_state st = {.n_hist = 20, .hist = hist, .n_tokens = 8, .ids = toks,
-                              .pos = pos, .hidx = hidx, .mass = mass, .next_pos = 30};
+    struct kv_seq_state st = {.n_hist = 20,
+                              .hist = hist,
+                              .n_tokens = 8,
+                              .ids = toks,
+                              .pos = pos,
+                              .hidx = hidx,
+                              .mass = mass,
+                              .next_pos = 30};
     assert_int_equal(kv_seq_import(s, &st, serr, sizeof(serr)), 0);
     check_cache(c);
     kv_seq_destroy(s);
@@ -448,9 +476,13 @@ static void test_random_walk_accounting(void **state)
     } shapes_w[3] = {{6, g3}, {3, all}, {4, g2}};
     int forks = 0, short_pool = 0;
     for (int k = 0; k < 3; k++) {
-        struct kv_cache_params cp = {.page_tokens = 4, .n_layer = shapes_w[k].n_layer,
-                                     .n_kv_head = 1, .head_dim = 16, .k_type = KV_F16,
-                                     .v_type = KV_F16, .layer_window = shapes_w[k].win};
+        struct kv_cache_params cp = {.page_tokens = 4,
+                                     .n_layer = shapes_w[k].n_layer,
+                                     .n_kv_head = 1,
+                                     .head_dim = 16,
+                                     .k_type = KV_F16,
+                                     .v_type = KV_F16,
+                                     .layer_window = shapes_w[k].win};
         cp.memory_bytes = kv_cache_memory_for(&cp, 90);
         char err[256];
         kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
@@ -487,8 +519,11 @@ static void test_truncate_and_policy_refused(void **state)
     write_model(&p, "t.gguf", path, sizeof(path));
     model *m = load_model(path);
     kv_cache *c = cache_for(m, true, 4, 200);
-    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 400,
-                            .sink_tokens = 4, .window_tokens = 100, .renumber = false};
+    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW,
+                            .max_cache_tokens = 400,
+                            .sink_tokens = 4,
+                            .window_tokens = 100,
+                            .renumber = false};
     char err[256];
     kv_seq *s = kv_seq_create(c, &pol, true, err, sizeof(err));
     assert_non_null(s);
@@ -544,9 +579,14 @@ static void test_shape(void **state)
 {
     (void)state;
     int32_t win[6] = {4, 4, 4, 4, 4, 0};
-    struct kv_cache_params cp = {.memory_bytes = 1 << 20, .page_tokens = 4, .n_layer = 6,
-                                 .n_kv_head = 2, .head_dim = 16, .k_type = KV_F16,
-                                 .v_type = KV_F16, .layer_window = win};
+    struct kv_cache_params cp = {.memory_bytes = 1 << 20,
+                                 .page_tokens = 4,
+                                 .n_layer = 6,
+                                 .n_kv_head = 2,
+                                 .head_dim = 16,
+                                 .k_type = KV_F16,
+                                 .v_type = KV_F16,
+                                 .layer_window = win};
     char err[256];
     kv_cache *c = kv_cache_create(&cp, err, sizeof(err));
     assert_non_null(c);
@@ -569,8 +609,12 @@ static void test_shape(void **state)
 static double session_mib(int n_layer, const int32_t *win, int kv_heads, int head_dim,
                           int64_t *pages)
 {
-    struct kv_cache_params cp = {.page_tokens = 16, .n_layer = n_layer, .n_kv_head = kv_heads,
-                                 .head_dim = head_dim, .k_type = KV_F16, .v_type = KV_F16,
+    struct kv_cache_params cp = {.page_tokens = 16,
+                                 .n_layer = n_layer,
+                                 .n_kv_head = kv_heads,
+                                 .head_dim = head_dim,
+                                 .k_type = KV_F16,
+                                 .v_type = KV_F16,
                                  .layer_window = win};
     struct kv_policy pol = {.kind = KV_EVICT_NONE, .max_cache_tokens = 32768, .renumber = true};
     *pages = kv_cache_sequence_pages(&cp, &pol, 512);
@@ -645,8 +689,9 @@ static void test_commands(void **state)
     char conf[600];
     snprintf(conf, sizeof(conf), "%s/w.conf", tmp_dir);
     FILE *f = fopen(conf, "w");
-    fprintf(f, "[model]\npath = %s\n[cache]\nmemory = 64MiB\n[eviction]\nmax_cache_tokens = "
-               "4096\n",
+    fprintf(f,
+            "[model]\npath = %s\n[cache]\nmemory = 64MiB\n[eviction]\nmax_cache_tokens = "
+            "4096\n",
             path);
     fclose(f);
     snprintf(args, sizeof(args), "check-config %s", conf);
