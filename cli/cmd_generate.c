@@ -354,6 +354,7 @@ int srv_cmd_generate(int argc, char **argv)
             info.n_layer, info.n_head, info.n_kv_head, info.n_vocab);
     char kern[256];
     fprintf(stderr, "kvd generate: kernels %s\n", model_kernels_describe(kern, sizeof(kern)));
+    fprintf(stderr, "kvd generate: weights %s\n", model_pack_describe(m, kern, sizeof(kern)));
     fprintf(stderr, "kvd generate: attention %s, K %s, V %s%s%s\n",
             attn_path_name(info.attn_softcap),
             kv_type_name(o.k_type), kv_type_name(o.v_type),

@@ -307,6 +307,7 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs, m
         return 1;
     }
     model_get_info(m, &st->info);
+    srv_log(SRV_LOG_INFO, "model weights: %s", model_pack_describe(m, err, sizeof(err)));
     srv_rope_note(&st->info, mp.n_ctx, err, sizeof(err));
     if (err[0])
         srv_log(SRV_LOG_INFO, "model: %s", err);

@@ -15,10 +15,11 @@
 const char *model_kernels_describe(char *buf, size_t len)
 {
     char level[96];
+    const char *pack = mm_pack_kernel_name();
     snprintf(buf, len,
-             "%s: matmul %s, K formats %s, read-only formats %s, attention %s, q8_0 keys %s",
-             cpu_describe(level, sizeof(level)), mm_kernel_name(), mm_k_kernel_name(),
-             mm_blocks_kernel_name(),
-             attn_simd_name(), attn_q8_name());
+             "%s: matmul %s (repacked: %s), K formats %s, read-only formats %s, attention %s, "
+             "q8_0 keys %s",
+             cpu_describe(level, sizeof(level)), mm_kernel_name(), pack ? pack : "none",
+             mm_k_kernel_name(), mm_blocks_kernel_name(), attn_simd_name(), attn_q8_name());
     return buf;
 }

@@ -71,6 +71,63 @@ struct mm_k_kernels {
 
 KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
 
+/*
+ * Repacked weights (matmul_pack_run.c writes them at load, matmul_pack.c's
+ * kernels read them; see matmul_pack.c's opening essay). Rows are taken in
+ * groups of MM_PACK_ROWS, the last one padded with zero rows, and each
+ * group is stored so that one 64-byte load holds a slice of all its rows:
+ *
+ *   q8_0  per block of 32 inputs: 8 chunks of 64 bytes, chunk k holding for
+ *         row r = 0..15 its weights 4k..4k+3 as unsigned bytes w + 128
+ *         (bytes 4r..4r+3); after the group's nb such blocks, its nb x 16
+ *         f16 scales (block b's at 32 b). Group stride: MM_PACK_Q8_BLOCK *
+ *         nb rounded up to 64.
+ */
+#define MM_PACK_ROWS 16
+#define MM_PACK_Q8_QUANTS 512 /* bytes of one block's weights in a group */
+#define MM_PACK_Q8_BLOCK (MM_PACK_Q8_QUANTS + 2 * MM_PACK_ROWS)
+
+/* Bytes of one group of MM_PACK_ROWS rows of w, repacked (0: a type that
+ * is never repacked). */
+static inline size_t mm_pack_group_bytes(const struct mm_weight *w)
+{
+    if (w->type == GGML_TYPE_Q8_0)
+        return ((size_t)(w->n_in / QT_QK) * MM_PACK_Q8_BLOCK + 63) / 64 * 64;
+    return 0;
+}
+
+/*
+ * Activations for the repacked kernels, quantised as struct mm_xq's (per
+ * block of 32, the same values) but stored by tiles of MM_PACK_NT tokens so
+ * that a tile's tokens are one pointer and constant offsets apart: tile j,
+ * block b, token t of the tile:
+ *   q  int8   at q + ((j * nb + b) * MM_PACK_NT + t) * 32   (32 bytes)
+ *   d  float  at d + (j * nb + b) * MM_PACK_NT + t           the block scale
+ *   c  int32  at c + (j * nb + b) * MM_PACK_NT + t           -128 * sum(q)
+ * (a last tile of fewer tokens leaves its other slots unused).
+ */
+#define MM_PACK_NT 6
+
+/* The work of one product over repacked weights. */
+struct mm_pack_job {
+    const struct mm_weight *w; /* w->packed set */
+    const int8_t *q;
+    const float *d;
+    const int32_t *c;
+    float *out; /* [n_tok][n_out] */
+    int n_tok;
+};
+
+struct mm_pack_kernels {
+    const char *name; /* NULL: the level has no kernels over repacked weights */
+    /* Whether the level multiplies repacked weights of type. */
+    bool (*has)(enum ggml_type type);
+    /* Row groups [g0, g1) of every token of the job. */
+    void (*groups)(const struct mm_pack_job *jb, int g0, int g1);
+};
+
+KERN_DECLARE(const struct mm_pack_kernels, mm_pack_kernels);
+
 static inline bool mm_is_float_type(enum ggml_type t)
 {
     return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;

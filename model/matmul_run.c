@@ -69,6 +69,7 @@ int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out
     w->n_out = n_out;
     w->data = data;
     w->row_bytes = qt_row_bytes(type, n_in);
+    w->packed = NULL;
     return 0;
 }
 
@@ -98,7 +99,11 @@ static void xq_layout(struct mm_xq *xa, void *scratch, int n_in, int n_tok)
 
 size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
 {
-    if (mm_is_float_type(w->type) || n_tok <= 0)
+    if (n_tok <= 0)
+        return 0;
+    if (w->packed) /* enough for either path: the level may change between calls */
+        return mm_pack_scratch_bytes(w, n_tok);
+    if (mm_is_float_type(w->type))
         return 0;
     if (mm_k_type(w->type))
         return mm_k_scratch_bytes(w->n_in, n_tok);
@@ -116,6 +121,10 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
     assert(w && w->data && qt_type_supported(w->type));
     if (n_tok <= 0)
         return;
+    if (mm_pack_ready(w)) {
+        mm_pack_matmul(out, w, x, n_tok, n_threads, scratch); /* matmul_pack_run.c */
+        return;
+    }
     if (mm_k_type(w->type)) {
         mm_k_matmul(out, w, x, n_tok, n_threads, scratch); /* matmul_k.c */
         return;

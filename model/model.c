@@ -543,6 +543,8 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
         rc = model_pos_t5(m, params, err, errlen);
     if (!rc && m->pos.kind != POS_T5)
         rc = model_pos_no_t5_tables(m, err, errlen);
+    if (!rc)
+        rc = model_pack_weights(m, err, errlen);
     return rc;
 }
 
@@ -597,6 +599,7 @@ void model_free(model *m)
     if (!m)
         return;
     tok_free(m->tok);
+    model_pack_free(m);
     gguf_close(m->file);
     free(m->layers);
     free(m->vecs);

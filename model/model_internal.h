@@ -128,6 +128,12 @@ struct model {
     struct model_layer *layers; /* [n_layer] */
     float *vecs;                /* storage of every f32 vector above */
     float *pos_data;            /* ALiBi slopes [n_head] or T5 table [n_head][buckets] */
+
+    /* The repacked copies of the matrices (model_pack.c), or NULL. */
+    void *pack_mem;
+    size_t pack_bytes; /* its size */
+    int pack_count;    /* matrices repacked */
+    double pack_ms;    /* time it took at load */
 };
 
 /* ------------------------------------------------------------------------
@@ -157,6 +163,14 @@ int model_meta_float(const gguf_file *f, const char *arch, const char *suffix, f
  */
 int model_load_matrix(const gguf_file *f, const char *name, int n_in, int n_out, bool required,
                       struct mm_weight *w, bool *found, char *err, size_t errlen);
+
+/*
+ * Repack every matrix a product reads for the kernel level in use, if it
+ * has kernels for the type (model_pack.c); nothing to do is not an error.
+ * 0, or -ENOMEM with err saying so. model_pack_free gives the copy back.
+ */
+int model_pack_weights(model *m, char *err, size_t errlen);
+void model_pack_free(model *m);
 
 /*
  * A vector of n elements by name, converted to f32 at dst and checked

@@ -168,8 +168,8 @@ static inline void qt_q4k_scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *
     memcpy(&a, s, 4);
     memcpy(&b, s + 4, 4);
     memcpy(&c, s + 8, 4);
-    *sc = (uint64_t)(a & 0x3f3f3f3f) |
-          (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
+    *sc = (uint64_t)(a & 0x3f3f3f3f) | (uint64_t)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4))
+                                           << 32;
     *mn = (uint64_t)(b & 0x3f3f3f3f) |
           (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
 }
@@ -212,6 +212,7 @@ struct mm_weight {
     int n_out;           /* rows */
     const void *data;    /* n_out * row_bytes bytes, any alignment */
     size_t row_bytes;    /* qt_row_bytes(type, n_in) */
+    const void *packed;  /* the rows repacked for the prefill kernels (mm_pack_weight), or NULL */
 };
 
 /*
@@ -248,6 +249,33 @@ void mm_scratch_release(void);
 
 /* The kernels of the level in use (cpu/cpu.h): "avx512-vnni", "avx2" or "scalar". */
 const char *mm_kernel_name(void);
+
+/*
+ * Repacked weights (matmul_pack_run.c, kernels in matmul_pack.c): the rows
+ * of a matrix stored again, interleaved in groups of 16, in the layout the
+ * kernel level's register-blocked kernels read, so a prefill runs near the
+ * CPU's multiply-add peak. The copy is the caller's memory (a model makes
+ * one at load, model_pack.c); w->data stays valid and is what the other
+ * levels read.
+ *
+ * mm_pack_bytes: the bytes w's copy needs at the kernel level in use, 0
+ * when that level has no kernels over repacked weights of w's type (then
+ * nothing is to be done). mm_pack_weight writes the copy to dst (that many
+ * bytes, 64-byte aligned, not freed while w is used) and sets w->packed.
+ * From then on mm_matmul takes the copy whenever the level in use has
+ * kernels for it (mm_pack_ready), for one token or many alike, so prefill
+ * and decode sum each output in the same order.
+ */
+size_t mm_pack_bytes(const struct mm_weight *w);
+void mm_pack_weight(struct mm_weight *w, void *dst);
+bool mm_pack_ready(const struct mm_weight *w);
+/* The kernels over repacked weights at the level in use ("avx512-vnni
+ * 16-row"), or NULL when it has none. */
+const char *mm_pack_kernel_name(void);
+/* mm_matmul_scratch's work for a weight with mm_pack_ready, and its scratch. */
+size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);
+void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
+                    void *scratch);
 
 /*
  * Activations quantised per block of 32 (matmul.c fills them before the

@@ -5,10 +5,10 @@
  * The centre is a plain reference forward (tests/arch_ref.h, shared with
  * test_arch.c), written separately from model/forward.c: its own RMSNorm,
  * RoPE that rotates keys when they are stored (and re-rotates them on
- * eviction, as llama.cpp's context shift does), matrix-vector products over weights dequantised to f32, and a
- * softmax over materialised scores, one token at a time. kvd's forward,
- * with its batched quantised products, unrotated keys and fused kernel,
- * must agree with it on models of several shapes and weight types.
+ * eviction, as llama.cpp's context shift does), matrix-vector products over weights dequantised to
+ * f32, and a softmax over materialised scores, one token at a time. kvd's forward, with its batched
+ * quantised products, unrotated keys and fused kernel, must agree with it on models of several
+ * shapes and weight types.
  *
  * Real-model tests read ../shared/models (KVD_SHARED) and skip with a
  * message when it is absent; CLI tests run the binary named by KVD_BIN.
@@ -240,7 +240,9 @@ static void test_forward_thread_invariant(void **state)
             int from = phase ? 40 : 0, to = phase ? LONG : 40;
             for (int done = from; done < to;) {
                 int n = to - done < 64 ? to - done : 64;
-                struct model_batch_seq b = {.seq = seq, .tokens = toks + done, .n_tokens = n,
+                struct model_batch_seq b = {.seq = seq,
+                                            .tokens = toks + done,
+                                            .n_tokens = n,
                                             .logits = threads == 1 ? base[phase] : lg};
                 assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
                 done += n;
@@ -251,8 +253,8 @@ static void test_forward_thread_invariant(void **state)
                 assert_memory_equal(base[0], lg, sizeof(float) * nv);
             else {
                 float e = max_abs_diff(base[1], lg, nv) / max_abs(base[1], nv);
-                print_message("  %d threads, %d tokens: max rel diff to 1 thread %.2e\n",
-                              threads, LONG, e);
+                print_message("  %d threads, %d tokens: max rel diff to 1 thread %.2e\n", threads,
+                              LONG, e);
                 assert_true(e <= 1e-5f);
             }
         }
@@ -414,8 +416,12 @@ static void test_forward_h2o_mass(void **state)
     (void)state;
     model *m = small_model("h2o.gguf");
     kv_cache *cache = make_cache(m, KV_F32, 4, 64);
-    struct kv_policy pol = {.kind = KV_EVICT_H2O, .max_cache_tokens = 32, .sink_tokens = 2,
-                            .window_tokens = 8, .heavy_tokens = 8, .renumber = true};
+    struct kv_policy pol = {.kind = KV_EVICT_H2O,
+                            .max_cache_tokens = 32,
+                            .sink_tokens = 2,
+                            .window_tokens = 8,
+                            .heavy_tokens = 8,
+                            .renumber = true};
     kv_seq *seq = make_seq(cache, &pol);
     model_ctx *ctx = make_ctx(m, 16, 2);
     int32_t t[48];
@@ -478,8 +484,11 @@ static void test_evict_one_layer_equals_fresh(void **state)
     model *m = load_model(path);
     int nv = m->n_vocab;
     kv_cache *cache = make_cache(m, KV_F32, 4, 256);
-    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 28,
-                            .sink_tokens = 4, .window_tokens = 16, .renumber = true};
+    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW,
+                            .max_cache_tokens = 28,
+                            .sink_tokens = 4,
+                            .window_tokens = 16,
+                            .renumber = true};
     kv_seq *seq = make_seq(cache, &pol);
     model_ctx *ctx = make_ctx(m, 32, 2);
     int32_t t[120];
@@ -500,11 +509,11 @@ static void test_evict_one_layer_equals_fresh(void **state)
         if (kv_seq_hist_index(seq)[n - 1] == n - 1)
             continue; /* nothing evicted yet */
         /* Fresh forward over exactly the retained tokens. */
-        kv_seq *fresh = make_seq(cache, &(struct kv_policy){.kind = KV_EVICT_NONE,
-                                                            .max_cache_tokens = 32,
-                                                            .renumber = true});
-        struct model_batch_seq f = {.seq = fresh, .tokens = kv_seq_tokens(seq), .n_tokens = n,
-                                    .logits = fr};
+        kv_seq *fresh = make_seq(
+            cache,
+            &(struct kv_policy){.kind = KV_EVICT_NONE, .max_cache_tokens = 32, .renumber = true});
+        struct model_batch_seq f = {
+            .seq = fresh, .tokens = kv_seq_tokens(seq), .n_tokens = n, .logits = fr};
         assert_int_equal(model_reserve_forward(ctx, &f, 1, NULL), 0);
         float e = max_abs_diff(lg, fr, nv) / max_abs(fr, nv);
         worst = e > worst ? e : worst;
@@ -527,9 +536,9 @@ static void test_evict_one_layer_equals_fresh(void **state)
 }
 
 struct drift {
-    float first_diff;  /* max rel logit diff at the first eviction */
-    float last_diff;   /* ... at the last check */
-    float worst_diff;  /* over all checks */
+    float first_diff;   /* max rel logit diff at the first eviction */
+    float last_diff;    /* ... at the last check */
+    float worst_diff;   /* over all checks */
     double ref_key_err; /* layer-0 keys: reference's stored vs exact rotation (max rel L2) */
     double kvd_key_err; /* layer-0 keys: kvd's stored (rotated exactly) vs exact */
     int evictions, max_rerot;
@@ -551,8 +560,11 @@ static struct drift evict_vs_rerotating(const char *path, enum kv_type kvt, int 
     int sink_pages = (sink + page_tokens - 1) / page_tokens;
     int budget = sink_pages * page_tokens + window + page_tokens;
     kv_cache *cache = make_cache(m, kvt, page_tokens, budget + 2 * page_tokens);
-    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = budget,
-                            .sink_tokens = sink, .window_tokens = window, .renumber = true};
+    struct kv_policy pol = {.kind = KV_EVICT_SINK_WINDOW,
+                            .max_cache_tokens = budget,
+                            .sink_tokens = sink,
+                            .window_tokens = window,
+                            .renumber = true};
     kv_seq *seq = make_seq(cache, &pol);
     struct ref_seq rs;
     ref_seq_init(&rs, &r, budget + 1, kvt == KV_F16);
@@ -644,8 +656,8 @@ static void test_evict_multilayer_equals_rerotating_reference(void **state)
     char path[512];
     write_model(&p, "evict3.gguf", path, sizeof(path));
     struct drift d = evict_vs_rerotating(path, KV_F32, 4, 4, 16, 20, 21);
-    print_message("  3-layer mkmodel, f32 KV: %d evictions, max rel logit diff %.2e\n",
-                  d.evictions, d.worst_diff);
+    print_message("  3-layer mkmodel, f32 KV: %d evictions, max rel logit diff %.2e\n", d.evictions,
+                  d.worst_diff);
     assert_true(d.worst_diff < 1e-4f);
 
     /* qwen2 (NeoX pairs, biases on keys) too. */
@@ -653,8 +665,8 @@ static void test_evict_multilayer_equals_rerotating_reference(void **state)
     p.n_layer = 2;
     write_model(&p, "evict-qwen2.gguf", path, sizeof(path));
     d = evict_vs_rerotating(path, KV_F32, 2, 2, 10, 20, 22);
-    print_message("  qwen2 mkmodel, f32 KV: %d evictions, max rel logit diff %.2e\n",
-                  d.evictions, d.worst_diff);
+    print_message("  qwen2 mkmodel, f32 KV: %d evictions, max rel logit diff %.2e\n", d.evictions,
+                  d.worst_diff);
     assert_true(d.worst_diff < 1e-4f);
 }
 
@@ -725,16 +737,16 @@ static void greedy(model *m, const char *prompt, int n_gen, int n_batch, int pre
     for (int done = 0; done < np; done += chunk) {
         int n = np - done < chunk ? np - done : chunk;
         for (int s = 0; s < n_batch; s++)
-            b[s] = (struct model_batch_seq){.seq = seq[s], .tokens = ptoks + done, .n_tokens = n,
-                                            .logits = lg + s * nv};
+            b[s] = (struct model_batch_seq){
+                .seq = seq[s], .tokens = ptoks + done, .n_tokens = n, .logits = lg + s * nv};
         assert_int_equal(model_reserve_forward(ctx, b, n_batch, NULL), 0);
     }
     for (int g = 0; g < n_gen; g++) {
         for (int s = 0; s < n_batch; s++) {
             cur[s] = argmax(lg + s * nv, nv);
             gen[s][g] = cur[s];
-            b[s] = (struct model_batch_seq){.seq = seq[s], .tokens = &cur[s], .n_tokens = 1,
-                                            .logits = lg + s * nv};
+            b[s] = (struct model_batch_seq){
+                .seq = seq[s], .tokens = &cur[s], .n_tokens = 1, .logits = lg + s * nv};
         }
         assert_int_equal(model_reserve_forward(ctx, b, n_batch, NULL), 0);
     }
@@ -795,8 +807,8 @@ static void test_stories_greedy(void **state)
         letters += (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
     }
     assert_true(letters > len / 2);
-    static const char *common[] = {" the ", " was ", " a ", " and ", " to ", " She ", " He ",
-                                   " her ", " his ", " they ", " day", " happy", " play"};
+    static const char *common[] = {" the ", " was ", " a ",    " and ", " to ",   " She ", " He ",
+                                   " her ", " his ", " they ", " day",  " happy", " play"};
     int found = 0;
     for (size_t i = 0; i < sizeof(common) / sizeof(common[0]); i++)
         found += strstr(text, common[i]) != NULL;
@@ -853,8 +865,8 @@ static void test_stories_ctx128_identical(void **state)
         struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 190, .logits = lg[k][0]};
         assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         for (int i = 190; i < 200; i++) {
-            b = (struct model_batch_seq){.seq = seq, .tokens = t + i, .n_tokens = 1,
-                                         .logits = lg[k][1]};
+            b = (struct model_batch_seq){
+                .seq = seq, .tokens = t + i, .n_tokens = 1, .logits = lg[k][1]};
             assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
         }
         model_ctx_destroy(ctx);
@@ -883,8 +895,8 @@ static void write_mutant(const char *src, const char *dst, const char *drop, con
 {
     struct mutation mu = {.drop_key = drop, .drop_tensor = drop};
     if (arch)
-        mu.set[0] = (struct kv_set){.key = "general.architecture", .type = GGUF_TYPE_STRING,
-                                    .s = arch};
+        mu.set[0] =
+            (struct kv_set){.key = "general.architecture", .type = GGUF_TYPE_STRING, .s = arch};
     if (reshape) {
         char err[256];
         gguf_file *f = gguf_open(src, err, sizeof(err));
@@ -972,6 +984,25 @@ static void test_load_info(void **state)
     assert_int_equal(model_bos(m), 1);
     assert_true(model_is_eog(m, 2));
     assert_false(model_is_eog(m, 100));
+
+    /* repacked at load when the level has kernels for q8_0 (model_pack.c):
+     * 2 layers x 7 matrices + the (tied) output, each with its copy */
+    char line[256];
+    model_pack_describe(m, line, sizeof line);
+    print_message("  weights: %s\n", line);
+    struct mm_weight *ws[] = {&m->layers[0].wq, &m->layers[1].down, &m->output};
+    if (mm_pack_kernel_name()) {
+        assert_int_equal(m->pack_count, 15);
+        assert_true(m->pack_bytes >= 15 * 16 * 34 * 2); /* at least the rows' bytes */
+        assert_non_null(strstr(line, "15 matrices repacked"));
+        for (int k = 0; k < 3; k++)
+            assert_true(ws[k]->packed && mm_pack_ready(ws[k]));
+        assert_null(m->tok_embd.packed); /* read row by row, never repacked */
+    } else {
+        assert_int_equal(m->pack_count, 0);
+        assert_null(m->pack_mem);
+        assert_non_null(strstr(line, "as stored"));
+    }
     model_free(m);
 }
 
@@ -1100,8 +1131,8 @@ static void test_mkmodel_healthy(void **state)
         write_model(&ps[k], name, path, sizeof(path));
         double sd, top;
         logit_health(path, &sd, &top);
-        print_message("  dim %d, %d layers%s: logit std %.2f, top probability %.3f\n",
-                      ps[k].n_embd, ps[k].n_layer, ps[k].tied ? " (tied)" : "", sd, top);
+        print_message("  dim %d, %d layers%s: logit std %.2f, top probability %.3f\n", ps[k].n_embd,
+                      ps[k].n_layer, ps[k].tied ? " (tied)" : "", sd, top);
         assert_true(sd > 0.5 && sd < 10.0);
         assert_true(top < 0.9);
     }
@@ -1161,7 +1192,8 @@ static void test_cli(void **state)
     snprintf(path, sizeof(path), "%s/cli.gguf", tmp_dir);
     snprintf(args, sizeof(args),
              "mkmodel --out '%s' --dim 64 --layers 2 --heads 4 --kv-heads 2 --ff 64 --vocab 700 "
-             "--type q8_0 --seed 3", path);
+             "--type q8_0 --seed 3",
+             path);
     assert_int_equal(run_kvd(args, &out, &err), 0);
     assert_non_null(strstr(out, "wrote"));
     free(out);

@@ -783,7 +783,7 @@ static int plain_ro_block(enum ggml_type type, const uint8_t *blk, float *y, flo
     }
 }
 
-static const enum ggml_type RO_TYPES[7] = {GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+static const enum ggml_type RO_TYPES[7] = {GGML_TYPE_Q4_1,   GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
                                            GGML_TYPE_IQ4_NL, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,
                                            GGML_TYPE_Q5_K};
 
@@ -946,76 +946,94 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
     assert_int_equal(mm_weight_init(&w, type, n_in, n_out, data, err, sizeof err), 0);
     assert_int_equal(w.row_bytes, rb);
 
-    const int threads[3] = {1, 2, 3};
-    for (int k = 0; k < 3; k++) {
-        for (size_t i = 0; i < (size_t)n_out * n_tok; i++)
-            out[k][i] = NAN; /* every output must be written */
-        assert_int_equal(mm_matmul(out[k], &w, x, n_tok, threads[k]), 0);
-    }
-    /* caller-provided scratch gives the same result */
-    size_t sb = mm_scratch_bytes(&w, n_tok);
-    assert_true(quantised ? sb > 0 : sb == 0);
-    void *scratch = sb ? aligned_alloc(64, (sb + 63) / 64 * 64) : NULL;
+    /* pass 0: the rows as stored; pass 1: repacked (mm_pack_weight), when the
+     * level in use has kernels over repacked weights of this type */
+    void *packed = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            size_t pb = mm_pack_bytes(&w);
+            if (!pb)
+                break;
+            packed = aligned_alloc(64, (pb + 63) / 64 * 64);
+            assert_non_null(packed);
+            mm_pack_weight(&w, packed);
+            assert_ptr_equal(w.packed, packed);
+            assert_true(mm_pack_ready(&w));
+        }
+        char tname[64];
+        snprintf(tname, sizeof tname, "%s%s", qt_type_name(type), pass ? " (repacked)" : "");
+        const int threads[3] = {1, 2, 3};
+        for (int k = 0; k < 3; k++) {
+            for (size_t i = 0; i < (size_t)n_out * n_tok; i++)
+                out[k][i] = NAN; /* every output must be written */
+            assert_int_equal(mm_matmul(out[k], &w, x, n_tok, threads[k]), 0);
+        }
+        /* caller-provided scratch gives the same result */
+        size_t sb = mm_scratch_bytes(&w, n_tok);
+        assert_true(quantised ? sb > 0 : sb == 0);
+        void *scratch = sb ? aligned_alloc(64, (sb + 63) / 64 * 64) : NULL;
 
-    /* batch invariance: a token alone gives bit for bit what it gave in the batch */
-    for (int t = 0; t < n_tok; t += (n_tok > 2 ? n_tok / 2 : 1)) {
-        assert_int_equal(mm_matmul(out[3], &w, x + (size_t)t * n_in, 1, 2), 0);
-        for (int o = 0; o < n_out; o++)
-            if (f32_bits(out[3][o]) != f32_bits(out[0][(size_t)t * n_out + o]))
-                fail_msg("%s: token %d alone differs from token %d of %d at row %d",
-                         qt_type_name(type), t, t, n_tok, o);
-    }
-    mm_matmul_scratch(out[3], &w, x, n_tok, 2, scratch);
-    free(scratch);
+        /* batch invariance: a token alone gives bit for bit what it gave in the batch */
+        for (int t = 0; t < n_tok; t += (n_tok > 2 ? n_tok / 2 : 1)) {
+            assert_int_equal(mm_matmul(out[3], &w, x + (size_t)t * n_in, 1, 2), 0);
+            for (int o = 0; o < n_out; o++)
+                if (f32_bits(out[3][o]) != f32_bits(out[0][(size_t)t * n_out + o]))
+                    fail_msg("%s: token %d alone differs from token %d of %d at row %d", tname, t,
+                             t, n_tok, o);
+        }
+        mm_matmul_scratch(out[3], &w, x, n_tok, 2, scratch);
+        free(scratch);
 
-    for (int t = 0; t < n_tok; t++) {
-        const float *xt = x + (size_t)t * n_in;
-        for (int o = 0; o < n_out; o++) {
-            const float *wo = W + (size_t)o * n_in, *mo = mag + (size_t)o * n_in;
-            double ref = 0, absum = 0, qbound = 0;
-            for (int i = 0; i < n_in; i++) {
-                ref += (double)wo[i] * xt[i];
-                absum += (double)mo[i] * fabs(xt[i]);
-            }
-            double tol;
-            if (quantised) {
-                for (int b = 0; b < n_in; b += ab) {
-                    double amax = 0, wsum = 0;
-                    for (int i = b; i < b + ab; i++) {
-                        amax = fmax(amax, fabs(xt[i]));
-                        wsum += fabs(wo[i]);
-                    }
-                    qbound += 0.5 * amax / 127 * (1 + 1e-5) * wsum;
-                }
-                tol = qbound + (n_in + 16) * 0x1p-22 * absum;
-            } else {
-                tol = (n_in + 16) * 0x1p-23 * absum;
-            }
-            size_t at = (size_t)t * n_out + o;
-            double got = out[0][at];
-            if (!(fabs(got - ref) <= tol))
-                fail_msg("%s %dx%d tok %d/%d row %d: got %.9g, want %.9g (tol %.3g)",
-                         qt_type_name(type), n_out, n_in, t, n_tok, o, got, ref, tol);
-            if (quantised) {
-                /* against the same quantised activations: only f32 rounding remains */
-                const float *xh = xhat + (size_t)t * n_in;
-                double ref2 = 0, absum2 = 0;
+        for (int t = 0; t < n_tok; t++) {
+            const float *xt = x + (size_t)t * n_in;
+            for (int o = 0; o < n_out; o++) {
+                const float *wo = W + (size_t)o * n_in, *mo = mag + (size_t)o * n_in;
+                double ref = 0, absum = 0, qbound = 0;
                 for (int i = 0; i < n_in; i++) {
-                    ref2 += (double)wo[i] * xh[i];
-                    absum2 += (double)mo[i] * fabs(xh[i]);
+                    ref += (double)wo[i] * xt[i];
+                    absum += (double)mo[i] * fabs(xt[i]);
                 }
-                double tol2 = (n_in + 16) * 0x1p-22 * absum2;
-                if (!(fabs(got - ref2) <= tol2))
-                    fail_msg("%s %dx%d tok %d/%d row %d: got %.9g, want %.9g with the "
-                             "activations quantised (tol %.3g)",
-                             qt_type_name(type), n_out, n_in, t, n_tok, o, got, ref2, tol2);
+                double tol;
+                if (quantised) {
+                    for (int b = 0; b < n_in; b += ab) {
+                        double amax = 0, wsum = 0;
+                        for (int i = b; i < b + ab; i++) {
+                            amax = fmax(amax, fabs(xt[i]));
+                            wsum += fabs(wo[i]);
+                        }
+                        qbound += 0.5 * amax / 127 * (1 + 1e-5) * wsum;
+                    }
+                    tol = qbound + (n_in + 16) * 0x1p-22 * absum;
+                } else {
+                    tol = (n_in + 16) * 0x1p-23 * absum;
+                }
+                size_t at = (size_t)t * n_out + o;
+                double got = out[0][at];
+                if (!(fabs(got - ref) <= tol))
+                    fail_msg("%s %dx%d tok %d/%d row %d: got %.9g, want %.9g (tol %.3g)", tname,
+                             n_out, n_in, t, n_tok, o, got, ref, tol);
+                if (quantised) {
+                    /* against the same quantised activations: only f32 rounding remains */
+                    const float *xh = xhat + (size_t)t * n_in;
+                    double ref2 = 0, absum2 = 0;
+                    for (int i = 0; i < n_in; i++) {
+                        ref2 += (double)wo[i] * xh[i];
+                        absum2 += (double)mo[i] * fabs(xh[i]);
+                    }
+                    double tol2 = (n_in + 16) * 0x1p-22 * absum2;
+                    if (!(fabs(got - ref2) <= tol2))
+                        fail_msg("%s %dx%d tok %d/%d row %d: got %.9g, want %.9g with the "
+                                 "activations quantised (tol %.3g)",
+                                 tname, n_out, n_in, t, n_tok, o, got, ref2, tol2);
+                }
+                for (int k = 1; k < 4; k++)
+                    if (f32_bits(out[k][at]) != f32_bits(out[0][at]))
+                        fail_msg("%s: run %d differs from the 1-thread result at tok %d row %d",
+                                 tname, k, t, o);
             }
-            for (int k = 1; k < 4; k++)
-                if (f32_bits(out[k][at]) != f32_bits(out[0][at]))
-                    fail_msg("%s: run %d differs from the 1-thread result at tok %d row %d",
-                             qt_type_name(type), k, t, o);
         }
     }
+    free(packed);
     free(raw);
     free(W);
     free(mag);
@@ -1166,6 +1184,58 @@ static void test_matmul_level_names(void **state)
     assert_int_equal(cpu_level(), cpu_best());
 }
 
+/*
+ * A weight repacked at the best level, then multiplied at each level the
+ * CPU runs: where the level has no kernels over repacked weights it runs
+ * the stored rows (the same bits as the weight never repacked); where it
+ * has them, they run (results differ from the stored rows' only in f32
+ * order, which check_matmul bounds). Names: one per level, NULL for none.
+ */
+static void test_matmul_packed_levels(void **state)
+{
+    (void)state;
+    enum { N_IN = 96, N_OUT = 37, N_TOK = 7 };
+    size_t rb = qt_row_bytes(GGML_TYPE_Q8_0, N_IN);
+    uint8_t *data = malloc(rb * N_OUT);
+    float x[N_IN * N_TOK], a[N_OUT * N_TOK], b[N_OUT * N_TOK];
+    rng_seed(17);
+    fill_weights(GGML_TYPE_Q8_0, data, N_IN, N_OUT);
+    for (int t = 0; t < N_TOK; t++)
+        random_row(x + t * N_IN, N_IN);
+    struct mm_weight w, plain;
+    char err[100];
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q8_0, N_IN, N_OUT, data, err, sizeof err), 0);
+    assert_null(w.packed);
+    plain = w;
+    size_t pb = mm_pack_bytes(&w);
+    void *packed = pb ? aligned_alloc(64, (pb + 63) / 64 * 64) : NULL;
+    if (packed)
+        mm_pack_weight(&w, packed);
+    enum cpu_level levels[CPU_N_LEVELS];
+    int n_levels = cl_levels(CPU_SCALAR, levels);
+    for (int l = 0; l < n_levels; l++) {
+        cl_force(levels[l]);
+        const char *name = mm_pack_kernel_name();
+        print_message("level %s: repacked kernels %s\n", cpu_level_name(levels[l]),
+                      name ? name : "none");
+        if (levels[l] == CPU_AVX512)
+            assert_string_equal(name, "avx512-vnni 16-row");
+        else
+            assert_null(name);
+        assert_int_equal(mm_pack_ready(&w), packed && name);
+        assert_int_equal(mm_matmul(a, &w, x, N_TOK, 2), 0);
+        assert_int_equal(mm_matmul(b, &plain, x, N_TOK, 2), 0);
+        if (!mm_pack_ready(&w))
+            assert_memory_equal(a, b, sizeof a);
+        else
+            for (int i = 0; i < N_OUT * N_TOK; i++)
+                assert_true(fabsf(a[i] - b[i]) <= 1e-4f * (1.0f + fabsf(b[i])));
+    }
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+    free(packed);
+    free(data);
+}
+
 static void test_weight_init_errors(void **state)
 {
     (void)state;
@@ -1261,6 +1331,7 @@ int main(void)
         cmocka_unit_test(test_matmul_q5_K),
         cmocka_unit_test(test_matmul_q6_K),
         cmocka_unit_test(test_matmul_larger),
+        cmocka_unit_test(test_matmul_packed_levels),
     };
     return cmocka_run_group_tests_name("quant", tests, NULL, NULL);
 }

@@ -7,6 +7,7 @@
 #define KVD_BENCH_UTIL_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -30,8 +31,7 @@ static inline double bench_now(void)
  * a read-only stream such as decoding. Returns 0 if the arrays cannot be
  * allocated.
  */
-static inline double bench_triad(int threads, size_t n, size_t piece, int sweeps,
-                                 double *bus_gbs)
+static inline double bench_triad(int threads, size_t n, size_t piece, int sweeps, double *bus_gbs)
 {
     float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float)),
           *c = malloc(n * sizeof(float));
@@ -80,6 +80,34 @@ static inline void bench_load_average(char *buf, size_t len)
     if (fscanf(f, "%lf %lf %lf", &a, &b, &c) == 3)
         snprintf(buf, len, "%.2f %.2f %.2f", a, b, c);
     fclose(f);
+}
+
+/* The calling thread's CPU time in seconds: on a machine shared with other
+ * work it counts only the cycles this thread ran, unlike the wall clock. */
+static inline double bench_thread_cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A pseudo-random float in [-1, 1) from *state (an LCG: fixed data, not
+ * statistics). */
+static inline float bench_rnd(uint64_t *state)
+{
+    *state = *state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*state >> 11) * 0x1p-52 - 1.0);
+}
+
+/* 64-byte aligned memory, or exit naming the benchmark. */
+static inline void *bench_xalloc(const char *bench, size_t n)
+{
+    void *p = aligned_alloc(64, (n + 63) / 64 * 64);
+    if (!p) {
+        fprintf(stderr, "%s: out of memory allocating %zu bytes\n", bench, n);
+        exit(1);
+    }
+    return p;
 }
 
 #endif /* KVD_BENCH_UTIL_H */

@@ -1,0 +1,170 @@
+/*
+ * matmul_pack_run.c - weights repacked for matmul_pack.c's kernels: the
+ * layout written (matmul_internal.h describes it), the scratch of the
+ * activations, and the entry mm_matmul hands a repacked weight to.
+ *
+ * A weight is repacked only when the kernel level in use when it is packed
+ * has kernels for its type (mm_pack_bytes says 0 otherwise), and a product
+ * takes the repacked copy only when the level in use at the call has them
+ * too: a level forced lower between calls (tests, comparisons) runs
+ * matmul.c over the original rows, which stay valid.
+ */
+#include "model/matmul_internal.h"
+
+#include <assert.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+static const struct mm_pack_kernels *const pkernels[CPU_N_LEVELS] = KERN_TABLE(mm_pack_kernels);
+static const struct mm_kernels *const kernels[CPU_N_LEVELS] = KERN_TABLE(mm_kernels);
+
+static const struct mm_pack_kernels *pkern(void)
+{
+    return pkernels[cpu_level()];
+}
+
+const char *mm_pack_kernel_name(void)
+{
+    return pkern()->name;
+}
+
+bool mm_pack_ready(const struct mm_weight *w)
+{
+    return w->packed && pkern()->has(w->type);
+}
+
+static size_t n_groups(const struct mm_weight *w)
+{
+    return ((size_t)w->n_out + MM_PACK_ROWS - 1) / MM_PACK_ROWS;
+}
+
+size_t mm_pack_bytes(const struct mm_weight *w)
+{
+    if (!pkern()->has(w->type))
+        return 0;
+    return n_groups(w) * mm_pack_group_bytes(w);
+}
+
+/* One group of q8_0 rows (matmul_internal.h); rows past n_out are zeros. */
+static void pack_q8_group(const struct mm_weight *w, size_t g, uint8_t *dst)
+{
+    const int nb = w->n_in / QT_QK;
+    uint8_t *scales = dst + (size_t)nb * MM_PACK_Q8_QUANTS;
+    for (int r = 0; r < MM_PACK_ROWS; r++) {
+        size_t o = g * MM_PACK_ROWS + (size_t)r;
+        const uint8_t *row =
+            o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row ? row + 34 * (size_t)b : NULL;
+            uint8_t *q = dst + (size_t)b * MM_PACK_Q8_QUANTS + 4 * r;
+            for (int k = 0; k < 8; k++)
+                for (int j = 0; j < 4; j++)
+                    q[64 * k + j] = blk ? (uint8_t)(blk[2 + 4 * k + j] ^ 0x80) : 0x80;
+            uint8_t *s = scales + 32 * (size_t)b + 2 * r;
+            s[0] = blk ? blk[0] : 0;
+            s[1] = blk ? blk[1] : 0;
+        }
+    }
+}
+
+void mm_pack_weight(struct mm_weight *w, void *dst)
+{
+    assert(dst && ((uintptr_t)dst & 63) == 0 && mm_pack_bytes(w) > 0);
+    const size_t gb = mm_pack_group_bytes(w);
+    const size_t used = (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_BLOCK;
+    uint8_t *p = dst;
+    for (size_t g = 0; g < n_groups(w); g++) {
+        pack_q8_group(w, g, p + g * gb);
+        memset(p + g * gb + used, 0, gb - used); /* the padding after the scales */
+    }
+    w->packed = dst;
+}
+
+/* ------------------------------------------------------------------------
+ * Activations (layout: struct mm_pack_job, matmul_internal.h): quantised by
+ * the level's matmul.c function into a row of scratch, then spread over
+ * the token tiles with each block's correction -128 * sum(q).
+ * ------------------------------------------------------------------------ */
+
+static size_t round_up(size_t n, size_t a)
+{
+    return (n + a - 1) / a * a;
+}
+
+struct pack_scratch {
+    int8_t *q, *row_q;
+    float *d, *row_d;
+    int32_t *c;
+};
+
+/* The arrays in scratch, each 64-byte aligned; returns the bytes used. */
+static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch,
+                             struct pack_scratch *ps)
+{
+    const size_t nb = (size_t)w->n_in / QT_QK;
+    const size_t slots = round_up((size_t)n_tok, MM_PACK_NT) * nb; /* (token, block) pairs */
+    uint8_t *base = scratch, *p = base;
+    if (ps)
+        ps->q = (int8_t *)p;
+    p += round_up(slots * QT_QK, 64);
+    if (ps)
+        ps->d = (float *)p;
+    p += round_up(slots * sizeof(float), 64);
+    if (ps)
+        ps->c = (int32_t *)p;
+    p += round_up(slots * sizeof(int32_t), 64);
+    if (ps)
+        ps->row_q = (int8_t *)p;
+    p += round_up(nb * QT_QK, 64);
+    if (ps)
+        ps->row_d = (float *)p;
+    p += round_up(nb * sizeof(float), 64);
+    return (size_t)(p - base);
+}
+
+size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok)
+{
+    return scratch_layout(w, n_tok, NULL, NULL);
+}
+
+/* Token t's activations into its tile's slots. */
+static void quantize_token(const struct mm_weight *w, const float *x, int t,
+                           const struct pack_scratch *ps)
+{
+    const int nb = w->n_in / QT_QK;
+    kernels[cpu_level()]->quantize_x(x, w->n_in, ps->row_q, ps->row_d);
+    const size_t tile0 = (size_t)(t / MM_PACK_NT) * (size_t)nb * MM_PACK_NT;
+    for (int b = 0; b < nb; b++) {
+        const int8_t *q = ps->row_q + QT_QK * b;
+        size_t slot = tile0 + (size_t)b * MM_PACK_NT + (size_t)(t % MM_PACK_NT);
+        int s = 0;
+        for (int i = 0; i < QT_QK; i++)
+            s += q[i];
+        memcpy(ps->q + slot * QT_QK, q, QT_QK);
+        ps->d[slot] = ps->row_d[b];
+        ps->c[slot] = -128 * s;
+    }
+}
+
+void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
+                    void *scratch)
+{
+    assert(mm_pack_ready(w) && scratch && ((uintptr_t)scratch & 63) == 0);
+    struct pack_scratch ps;
+    scratch_layout(w, n_tok, scratch, &ps);
+    /* by the calling thread, before the team starts (see matmul_run.c) */
+    for (int t = 0; t < n_tok; t++)
+        quantize_token(w, x + (size_t)t * (size_t)w->n_in, t, &ps);
+    struct mm_pack_job jb = {.w = w, .q = ps.q, .d = ps.d, .c = ps.c, .out = out, .n_tok = n_tok};
+
+    /* threads take pairs of groups (the kernel's tile height) */
+    const int ng = (int)n_groups(w), units = (ng + 1) / 2;
+    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
+    if (nth > units)
+        nth = units;
+    const struct mm_pack_kernels *pk = pkern();
+#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+    for (int u = 0; u < units; u++)
+        pk->groups(&jb, 2 * u, 2 * u + 2 < ng ? 2 * u + 2 : ng);
+}

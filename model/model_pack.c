@@ -1,0 +1,126 @@
+/*
+ * model_pack.c - a model's weight matrices repacked once, at load, for the
+ * prefill kernels (matmul_pack.c), and what that costs.
+ *
+ * Which matrices: every matrix a product reads (each layer's q, k, v, o,
+ * gate, up, down, and the output matrix), when the kernel level in use at
+ * load has kernels over repacked weights of its type (mm_pack_bytes); the
+ * token embedding is read row by row and stays as mapped. A model whose
+ * types have no such kernels at this level gets no copy, and says so.
+ *
+ * Memory: the copies are one anonymous mapping owned by the model (the
+ * same bytes as the mapped rows, plus each matrix's last group of 16 rows
+ * padded). The mapped rows of a packed matrix are not read again at this
+ * level, so their pages are given back (MADV_DONTNEED on the whole pages a
+ * matrix covers): the process's resident memory holds one copy of the
+ * weights, not two. They stay mapped: a level forced lower later (tests,
+ * comparisons) or the tied embedding reads them in again from the file.
+ * model_pack_describe says what was done, for the logs.
+ */
+#include "model/model_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+/* Every matrix of m a product reads, into ws (at most 7 per layer + 1). */
+static int product_matrices(model *m, struct mm_weight **ws)
+{
+    int n = 0;
+    for (int l = 0; l < m->n_layer; l++) {
+        struct model_layer *L = &m->layers[l];
+        struct mm_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down};
+        for (int i = 0; i < 7; i++)
+            if (lw[i]->data) /* gate: SwiGLU only */
+                ws[n++] = lw[i];
+    }
+    ws[n++] = &m->output;
+    return n;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Give back the whole pages of a mapped matrix's rows. */
+static void release_rows(const struct mm_weight *w)
+{
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)w->data, b = a + w->row_bytes * (size_t)w->n_out;
+    a = (a + page - 1) / page * page;
+    b = b / page * page;
+    if (b > a)
+        (void)madvise((void *)a, b - a, MADV_DONTNEED); /* advice: failure changes nothing */
+}
+
+int model_pack_weights(model *m, char *err, size_t errlen)
+{
+    struct mm_weight **ws = malloc(sizeof(*ws) * (7 * (size_t)m->n_layer + 1));
+    if (!ws) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    const double t0 = mono_s();
+    int n = product_matrices(m, ws);
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += (mm_pack_bytes(ws[i]) + 63) / 64 * 64;
+    if (total == 0) {
+        free(ws);
+        return 0;
+    }
+    void *mem = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) {
+        snprintf(err, errlen, "repacking the weights: cannot map %zu bytes", total);
+        free(ws);
+        return -ENOMEM;
+    }
+    uint8_t *p = mem;
+    int packed = 0;
+    for (int i = 0; i < n; i++) {
+        size_t b = mm_pack_bytes(ws[i]);
+        if (!b || ws[i]->packed) /* the tied output twice, or nothing to do */
+            continue;
+        mm_pack_weight(ws[i], p);
+        p += (b + 63) / 64 * 64;
+        packed++;
+    }
+    for (int i = 0; i < n; i++)
+        if (ws[i]->packed)
+            release_rows(ws[i]);
+    m->pack_mem = mem;
+    m->pack_bytes = total;
+    m->pack_count = packed;
+    m->pack_ms = (mono_s() - t0) * 1e3;
+    free(ws);
+    return 0;
+}
+
+void model_pack_free(model *m)
+{
+    if (m->pack_mem)
+        munmap(m->pack_mem, m->pack_bytes);
+    m->pack_mem = NULL;
+    m->pack_bytes = 0;
+}
+
+const char *model_pack_describe(const model *m, char *buf, size_t len)
+{
+    const char *k = mm_pack_kernel_name();
+    if (!m->pack_count)
+        snprintf(buf, len, "weights as stored (no repacked kernels for %s at this level)",
+                 m->weight_type ? m->weight_type : "these types");
+    else
+        snprintf(buf, len,
+                 "%d matrices repacked for %s in %.0f ms: %.1f MiB owned, the mapped rows "
+                 "released",
+                 m->pack_count, k ? k : "kernels of another level", m->pack_ms,
+                 (double)m->pack_bytes / (1024.0 * 1024.0));
+    return buf;
+}
