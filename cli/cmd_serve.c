@@ -183,6 +183,7 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .max_prompt_tokens = (int)c->limits.max_prompt_tokens,
         .max_tokens = (int)c->limits.max_tokens,
         .default_max_tokens = (int)c->limits.max_tokens,
+        .max_choices = (int)c->limits.max_choices,
         .api_key = st->api_key,
         .policy = pol,
         .page_tokens = (int)c->cache.page_tokens,

@@ -135,6 +135,7 @@ enum cfg_key {
     CFG_LIMITS_WRITE_BUFFER,
     CFG_LIMITS_MAX_PROMPT_TOKENS,
     CFG_LIMITS_MAX_TOKENS,
+    CFG_LIMITS_MAX_CHOICES,
     CFG_LIMITS_QUEUE_LENGTH,
     CFG_LIMITS_MAX_RUNNING,
     CFG_LIMITS_STEP_TOKENS,
@@ -218,6 +219,7 @@ struct cfg_limits {
     uint64_t write_buffer;      /* stream bytes left unread before generation pauses */
     int64_t max_prompt_tokens;  /* prompts longer than this are rejected (400) */
     int64_t max_tokens;         /* cap on a request's max_tokens */
+    int64_t max_choices;        /* cap on a request's n (OpenAI choices) */
     int64_t queue_length;       /* requests waiting for a slot; beyond it, 429 */
     int64_t max_running;        /* sequences in one engine batch */
     int64_t step_tokens;        /* tokens per engine step (prefill chunks + decodes) */

@@ -280,7 +280,12 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
             LIVE, "prompts longer than this are rejected with 400"),
     [CFG_LIMITS_MAX_TOKENS] =
         INT("limits", "max_tokens", limits.max_tokens, "4096", 1, 1 << 24, "tokens", LIVE,
-            "cap on a request's max_tokens, and its value when the request omits it"),
+            "cap on a request's max_tokens (times its n choices), and its value when the request "
+            "omits it"),
+    /* at most ENGINE_MAX_CHOICES (engine/engine.h) */
+    [CFG_LIMITS_MAX_CHOICES] =
+        INT("limits", "max_choices", limits.max_choices, "8", 1, 128, "choices", LIVE,
+            "cap on a request's n (OpenAI choices per request; 400 above)"),
     [CFG_LIMITS_QUEUE_LENGTH] =
         INT("limits", "queue_length", limits.queue_length, "64", 0, 65536, "requests", LIVE,
             "requests waiting for a batch slot; beyond it, 429 with Retry-After; 0 = no waiting"),

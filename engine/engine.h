@@ -94,6 +94,10 @@ enum engine_logits {
 /* The most keep ranges one request may pin. */
 #define ENGINE_MAX_KEEP 32
 
+/* The most choices one completion may ask for (OpenAI `n`; the host's
+ * configured limit is at most this). */
+#define ENGINE_MAX_CHOICES 128
+
 /* The most alternatives a request may ask for per sampled token. */
 #define ENGINE_MAX_TOP_LOGPROBS 1000
 /* The most log-probability entries, tokens x (alternatives + 1), of one
@@ -148,6 +152,10 @@ struct engine_req {
                                       keeps exactly what the prompt left in it, whatever the
                                       answer's appends evicted (kvd eval scores a generated
                                       answer, then reads the prompt's cache) */
+    int n_choices;                 /* answers to generate (OpenAI n), 0 or 1 = one; more are
+                                      decoded on forks sharing the prompt's pages, choice i
+                                      seeded sampling.seed + i (engine/choices.c);
+                                      1..ENGINE_MAX_CHOICES */
     uint64_t t_submit_ns;          /* monotonic; the host's submission time (TTFT) */
     atomic_int cancel;             /* 0, ENGINE_CANCEL_CLIENT or ENGINE_CANCEL_ABORT: set by
                                       any thread, acted on at the start of the next step */
@@ -196,7 +204,11 @@ enum engine_event_kind {
     ENGINE_EV_TEXT,    /* generated text (and ids) of a running request */
     ENGINE_EV_LOGITS,  /* a request's logits after prompt[position] (req->logits) */
     ENGINE_EV_EVICTED, /* the request's sequence lost tokens this step (want_evictions) */
-    ENGINE_EV_DONE,    /* final: finish reason, usage (or session info) */
+    ENGINE_EV_CHOICE,  /* one choice of several ended (not final): its finish,
+                          stop_index and usage (completion_tokens its own) */
+    ENGINE_EV_DONE,    /* final: finish reason, usage (or session info); with n_choices
+                          > 1 the last choice's finish, completion_tokens summed over
+                          every choice, the rest choice 0's */
     ENGINE_EV_ERROR,   /* final: status + message, nothing (more) generated */
     /* Posted by a host that loads the model itself (the daemon's engine
      * thread), never by the engine: */
@@ -260,6 +272,7 @@ void engine_session_list_free(struct engine_session_list *l);
 struct engine_event {
     enum engine_event_kind kind;
     struct engine_req *req; /* borrowed; NULL for READY and FATAL */
+    int choice;             /* TEXT, EVICTED, CHOICE, DONE: which choice (0..n_choices-1) */
     char *text;             /* TEXT: new text (may be ""), NUL-terminated */
     size_t len;
     int32_t *tokens; /* TEXT with want_tokens: ids sampled */

@@ -173,6 +173,10 @@ struct run {
     int n_prefix;   /* of n_cached, tokens attached from the prefix cache (prefix.c) */
     int prefix_full; /* full pages of seq when it last published */
     bool prefix_counted; /* may attach: counted in the engine's prefix figures */
+    int choice;              /* which of the request's choices this run decodes (0: the
+                                first, the one that read the prompt) */
+    struct run_group *group; /* n_choices > 1, once the prompt is read: its siblings
+                                (choices.c); NULL before and for one choice */
     kv_seq *prompt_seq; /* fork_answer: the prompt's sequence, kept as the prompt left it
                            while the answer decodes on seq, its fork (NULL before) */
     struct run *next;
@@ -232,11 +236,21 @@ int engine_pins_plan(const engine *e, const struct engine_req *req, const kv_seq
  * the sequence from here. False when the fork failed: the run was failed
  * (503) and freed. */
 bool engine_run_fork_answer(engine *e, struct run *r);
+/* Sample the next token from r->logits (its log-probabilities first) and
+ * take it: true if the run ended (and was freed). */
+bool engine_run_sample(engine *e, struct run *r, uint64_t t);
+/* Remove r from the running list and free it (its sequence goes back to
+ * the pool unless a session holds it); engine_run_state_free frees only
+ * what the run allocated, for a run never put on the list. */
+void engine_run_free(engine *e, struct run *r);
+void engine_run_state_free(struct run *r);
 /* A token was sampled: true if the run ended (and was freed). */
 bool engine_run_take_token(engine *e, struct run *r, int32_t tok, uint64_t t);
 /* Give the run's pages back and put its request at the head of the queue
  * (it has sent nothing yet: it is admitted again when pages allow). */
 void engine_run_requeue(engine *e, struct run *r);
+/* r's usage so far (its own tokens; t_end the time it ends). */
+void engine_run_usage(const struct run *r, struct engine_usage *u, uint64_t t_end);
 /* Post the final DONE event and free the run. */
 void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int stop_index);
 /* Post a final error and free the run. */
@@ -262,6 +276,33 @@ void engine_prefix_trim(engine *e);
  * holds `own` = 0 pages) and idle pages the pool can take back besides. */
 void engine_prefix_fit(engine *e, const struct engine_req *q, int own, int *shared, int *idle);
 void engine_prefix_stats(const engine *e, struct engine_stats *st);
+
+/* choices.c: n choices of one prompt (n_choices > 1). */
+/* Pages admission charges for q's answers besides its prompt: n_choices x
+ * an answer's pages when it asks for more than one, else 0. */
+int engine_choices_pages(const engine *e, const struct engine_req *q);
+/* Sequence slots q takes once its prompt is read (n_choices, at least 1). */
+int engine_choices_n(const struct engine_req *q);
+/* r read its prompt: fork the other choices (each samples its first token
+ * from r's logits here; r samples its own after). False when that failed:
+ * r was failed (503) and freed. */
+bool engine_choices_fork(engine *e, struct run *r, uint64_t t);
+/* r (one of a group) ends with finish: true if this was handled here
+ * (another choice is still running: a CHOICE event; or a sibling failed:
+ * its error) and r freed; false for the last choice, whose DONE the caller
+ * posts with engine_choices_usage applied. */
+bool engine_choices_end(engine *e, struct run *r, enum engine_finish finish, int stop_index);
+/* The last choice's DONE: usage summed over the group, and the counts for
+ * the finished hook (prefilled, cached: the prompt's, once). */
+void engine_choices_usage(const struct run *r, struct engine_usage *u, uint64_t *prefilled,
+                          uint64_t *cached, uint64_t *generated);
+/* r (one of a group) failed: the first failure's error is the request's,
+ * posted when the last sibling is gone; r is freed. */
+void engine_choices_fail(engine *e, struct run *r, int status, const char *message);
+/* Whether a sibling of r failed (r is to end at the next step). */
+bool engine_choices_failed(const struct run *r);
+/* engine_run_free's part: r leaves its group (freed with its last run). */
+void engine_choices_leave(struct run *r);
 
 /* step.c: one step. */
 bool engine_do_step(engine *e, uint64_t t);

@@ -30,6 +30,7 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,7 +56,7 @@ static void observe(engine *e, enum engine_obs what, double v)
  * The end of a run
  * ------------------------------------------------------------------------ */
 
-static void run_usage(const struct run *r, struct engine_usage *u, uint64_t t_end)
+void engine_run_usage(const struct run *r, struct engine_usage *u, uint64_t t_end)
 {
     u->prompt_tokens = r->req->n_prompt;
     u->completion_tokens = r->n_gen;
@@ -76,7 +77,7 @@ static void run_usage(const struct run *r, struct engine_usage *u, uint64_t t_en
 }
 
 /* Free a run's own state (not its sequence or session). */
-static void run_state_free(struct run *r)
+void engine_run_state_free(struct run *r)
 {
     model_sampler_destroy(r->smp);
     model_detok_destroy(r->detok);
@@ -89,8 +90,10 @@ static void run_state_free(struct run *r)
 
 /* Remove r from the running list and free it: its sequence goes back to
  * the pool unless it belongs to a session. */
-static void run_free(engine *e, struct run *r)
+void engine_run_free(engine *e, struct run *r)
 {
+    if (r->group)
+        engine_choices_leave(r);
     if (r->prompt_seq) { /* the answer's fork goes; the prompt's sequence is as it was */
         kv_seq_destroy(r->seq);
         r->seq = r->prompt_seq;
@@ -110,7 +113,7 @@ static void run_free(engine *e, struct run *r)
     } else {
         kv_seq_destroy(r->seq);
     }
-    run_state_free(r);
+    engine_run_state_free(r);
 }
 
 void engine_run_requeue(engine *e, struct run *r)
@@ -118,7 +121,7 @@ void engine_run_requeue(engine *e, struct run *r)
     struct engine_req *req = r->req;
     engine_log(&e->p.hooks, ENGINE_LOG_DEBUG,
                "request %" PRIu64 ": no pages for its prompt yet; back to the queue", req->id);
-    run_free(e, r);
+    engine_run_free(e, r);
     req->next = e->wait_head;
     e->wait_head = req;
     if (!e->wait_tail)
@@ -128,12 +131,19 @@ void engine_run_requeue(engine *e, struct run *r)
 
 void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int stop_index)
 {
+    if (r->group && engine_choices_end(e, r, finish, stop_index))
+        return; /* one choice of several: its siblings go on */
     uint64_t t = engine_now_ns();
+    uint64_t prefilled = (uint64_t)(r->n_fed - r->n_cached), cached = (uint64_t)r->n_cached,
+             generated = (uint64_t)r->n_gen;
     struct engine_event *ev = engine_final_event(r->req, ENGINE_EV_DONE);
     if (ev) {
         ev->finish = finish;
         ev->stop_index = stop_index;
-        run_usage(r, &ev->usage, t);
+        engine_run_usage(r, &ev->usage, t);
+        ev->choice = r->choice;
+        if (r->group)
+            engine_choices_usage(r, &ev->usage, &prefilled, &cached, &generated);
         if (ev->usage.turns_cut > 0)
             engine_log(&e->p.hooks, ENGINE_LOG_WARN,
                        "request %" PRIu64 ": whole turns could not make room (the answer "
@@ -142,22 +152,28 @@ void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int 
                        r->req->id, ev->usage.turns_cut);
     }
     if (e->p.hooks.finished)
-        e->p.hooks.finished(e->p.hooks.ud, finish, (uint64_t)(r->n_fed - r->n_cached),
-                            (uint64_t)r->n_cached, (uint64_t)r->n_gen);
+        e->p.hooks.finished(e->p.hooks.ud, finish, prefilled, cached, generated);
     engine_log(&e->p.hooks, ENGINE_LOG_DEBUG,
                "request %" PRIu64 " done: %d prompt (%d cached), %d generated, finish %d",
                r->req->id, r->req->n_prompt, r->n_cached, r->n_gen, (int)finish);
     engine_post(e, ev);
-    run_free(e, r);
+    engine_run_free(e, r);
 }
 
 void engine_run_fail(engine *e, struct run *r, int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
+    if (r->group) { /* the request's error waits for the last sibling */
+        char msg[sizeof(r->req->final_ev->message)];
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+        engine_choices_fail(e, r, status, msg);
+        return;
+    }
     engine_post_verror(e, r->req, status, fmt, ap);
     va_end(ap);
-    run_free(e, r);
+    engine_run_free(e, r);
 }
 
 /* ------------------------------------------------------------------------
@@ -207,6 +223,7 @@ static bool emit_text(engine *e, struct run *r, size_t n, const int32_t *toks, i
     struct engine_event *ev = engine_event_new(ENGINE_EV_TEXT, r->req);
     if (!ev)
         goto out_nomem;
+    ev->choice = r->choice;
     ev->lp = lp;
     lp = NULL;
     ev->text = malloc(n + 1);
@@ -371,7 +388,7 @@ struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
     return r;
 
 out_free:
-    run_state_free(r);
+    engine_run_state_free(r);
 out_fail:
     if (status == 400)
         engine_post_error(e, req, 400, "%s", err);
@@ -432,6 +449,18 @@ static void take_eog(engine *e, struct run *r, int32_t tok)
     engine_run_finish(e, r, k >= 0 ? ENGINE_FINISH_STOP : ENGINE_FINISH_EOG, k);
 }
 
+bool engine_run_sample(engine *e, struct run *r, uint64_t t)
+{
+    /* before ignore_eos and the sampler change the logits */
+    if (r->req->want_logprobs)
+        engine_lp_prepare(&r->lp, r->logits, e->n_vocab);
+    if (r->req->ignore_eos)
+        for (int k = 0; k < e->n_eog; k++)
+            r->logits[e->eog[k]] = -INFINITY;
+    int32_t tok = model_sample(r->smp, r->logits, r->hist, r->n_hist);
+    return engine_run_take_token(e, r, tok, t);
+}
+
 /*
  * A token was sampled for r: record it, turn it into text, look for stop
  * strings, and decide whether r goes on. Returns true if r ended (and was
@@ -439,9 +468,10 @@ static void take_eog(engine *e, struct run *r, int32_t tok)
  */
 bool engine_run_take_token(engine *e, struct run *r, int32_t tok, uint64_t t)
 {
-    if (r->n_gen == 0)
-        observe(e, ENGINE_OBS_TTFT, (double)(t - r->req->t_submit_ns) / 1e9);
-    else
+    if (r->n_gen == 0) {
+        if (r->choice == 0) /* the request's first token; its siblings' come with it */
+            observe(e, ENGINE_OBS_TTFT, (double)(t - r->req->t_submit_ns) / 1e9);
+    } else
         observe(e, ENGINE_OBS_ITL, (double)(t - r->t_last_ns) / 1e9);
     if (r->n_gen == 0)
         r->t_first_ns = t;

@@ -75,6 +75,10 @@ static void drop_cancelled(engine *e)
     for (struct run *r = e->runs, *next; r; r = next) {
         next = r->next;
         int c = atomic_load(&r->req->cancel);
+        if (engine_choices_failed(r)) {
+            engine_choices_fail(e, r, 0, NULL); /* a sibling failed: the request ends */
+            continue;
+        }
         if (!c)
             continue;
         if (c == ENGINE_CANCEL_ABORT && !engine_run_flush(e, r))
@@ -120,7 +124,8 @@ static int pages_promised(const engine *e)
     for (const struct run *r = e->runs; r; r = r->next) {
         int have = kv_seq_pool_pages(r->seq);
         int need = r->phase == RUN_PREFILL
-                       ? pages_for(e, kv_seq_policy(r->seq), r->req->n_prompt) - have
+                       ? pages_for(e, kv_seq_policy(r->seq), r->req->n_prompt) - have +
+                             engine_choices_pages(e, r->req)
                        : kv_cache_token_pages(e->cache);
         n += need > 0 ? need : 0;
     }
@@ -138,7 +143,8 @@ static bool fits(engine *e, const struct engine_req *q, const struct engine_sess
     int own = x && !kv_seq_dropped(x->seq) ? kv_seq_pool_pages(x->seq) : 0;
     int shared, idle_cached; /* the prefix cache's part (engine/prefix.c) */
     engine_prefix_fit(e, q, own, &shared, &idle_cached);
-    int need = pages_for(e, &e->lim.policy, q->n_prompt) - own - shared;
+    int need = pages_for(e, &e->lim.policy, q->n_prompt) - own - shared +
+               engine_choices_pages(e, q);
     struct kv_stats st;
     kv_cache_stats(e->cache, &st);
     *never = need > st.pages_total - own - shared;
@@ -160,15 +166,19 @@ static void admit(engine *e, uint64_t t)
             prev = q;
             continue;
         }
+        int slots = engine_choices_n(q); /* n choices run as n sequences */
+        if (e->n_running > 0 && e->n_running + slots > e->lim.max_running)
+            break;
         bool never = false;
         if (!fits(e, q, x, &never) && !never)
             break; /* wait for pages, in order */
         waiting_remove(e, prev, q);
         if (never)
             engine_post_error(e, q, 503,
-                              "the prompt (%d tokens) cannot fit the KV pool (%d pages of %d "
+                              "the prompt (%d tokens)%s cannot fit the KV pool (%d pages of %d "
                               "tokens) even when empty",
-                              q->n_prompt, kv_cache_n_pages(e->cache), e->p.page_tokens);
+                              q->n_prompt, slots > 1 ? " and its choices' answers" : "",
+                              kv_cache_n_pages(e->cache), e->p.page_tokens);
         else
             engine_run_admit(e, q, t);
     }
@@ -359,6 +369,7 @@ static bool post_evicted(engine *e, struct run *r)
         engine_run_fail(e, r, 503, "out of memory for the request's events; retry later");
         return false;
     }
+    ev->choice = r->choice;
     ev->evicted = evicted - r->evicted;
     ev->usage.evicted_tokens = evicted;
     ev->usage.retained_tokens = retained;
@@ -387,7 +398,7 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
                 engine_run_finish(e, r, ENGINE_FINISH_LENGTH, -1);
                 continue;
             }
-            if (!engine_run_fork_answer(e, r))
+            if (!engine_run_fork_answer(e, r) || !engine_choices_fork(e, r, t_done))
                 continue;
         } else {
             if (!r->sess)
@@ -395,14 +406,7 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
             if (!post_evicted(e, r))
                 continue;
         }
-        /* before ignore_eos and the sampler change the logits */
-        if (r->req->want_logprobs)
-            engine_lp_prepare(&r->lp, r->logits, e->n_vocab);
-        if (r->req->ignore_eos)
-            for (int k = 0; k < e->n_eog; k++)
-                r->logits[e->eog[k]] = -INFINITY;
-        int32_t tok = model_sample(r->smp, r->logits, r->hist, r->n_hist);
-        engine_run_take_token(e, r, tok, t_done);
+        engine_run_sample(e, r, t_done);
     }
 }
 

@@ -19,6 +19,7 @@ struct srv_api_params {
     int max_prompt_tokens;   /* 400 above this */
     int max_tokens;          /* the largest max_tokens / n_predict accepted */
     int default_max_tokens;  /* when the request says none */
+    int max_choices;         /* the largest n (OpenAI choices per request) accepted */
     const char *api_key;     /* NULL or "" = no auth (copied) */
     struct kv_policy policy; /* to reject prompts that can never fit (policy none) */
     int page_tokens;         /* tokens per KV page (pinned spans' budget) */

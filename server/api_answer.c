@@ -122,34 +122,46 @@ static void stream_start(struct call *call)
     srv_http_stream_begin(call->conn, 200, "text/event-stream", "X-Accel-Buffering: no\r\n");
 }
 
-/* One OpenAI choice object; logprobs (stolen) may be NULL (null). */
-static json_t *openai_chunk(struct call *call, json_t *text, const char *finish, json_t *logprobs)
+/* One OpenAI completion object with choice `index`; logprobs (stolen) may
+ * be NULL (null). */
+static json_t *openai_chunk(struct call *call, int index, json_t *text, const char *finish,
+                            json_t *logprobs)
 {
     return json_pack("{s:s, s:s, s:I, s:s, s:[{s:o, s:i, s:o, s:o}]}", "id", call->id, "object",
                      "text_completion", "created", (json_int_t)call->created, "model",
-                     call->a->model_name, "choices", "text", text, "index", 0, "logprobs",
+                     call->a->model_name, "choices", "text", text, "index", index, "logprobs",
                      logprobs ? logprobs : json_null(), "finish_reason",
                      finish ? json_string(finish) : json_null());
 }
 
-/* One chat.completion.chunk; delta and logprobs (may be NULL: null) stolen. */
-static json_t *chat_chunk(struct call *call, json_t *delta, const char *finish, json_t *logprobs)
+/* One chat.completion.chunk of choice `index`; delta and logprobs (may be
+ * NULL: null) stolen. */
+static json_t *chat_chunk(struct call *call, int index, json_t *delta, const char *finish,
+                          json_t *logprobs)
 {
     return json_pack("{s:s, s:s, s:I, s:s, s:n, s:[{s:i, s:o, s:o, s:o}]}", "id", call->id,
                      "object", "chat.completion.chunk", "created", (json_int_t)call->created,
-                     "model", call->a->model_name, "system_fingerprint", "choices", "index", 0,
+                     "model", call->a->model_name, "system_fingerprint", "choices", "index", index,
                      "delta", delta, "logprobs", logprobs ? logprobs : json_null(),
                      "finish_reason", finish ? json_string(finish) : json_null());
 }
 
-/* The first chunk of a chat stream says who speaks. */
-static void chat_role_chunk(struct call *call)
+/* The first chunk of each choice of a chat stream says who speaks. */
+static void chat_role_chunk(struct call *call, int index)
 {
-    if (call->role_sent)
+    if (call->ch[index].role_sent)
         return;
-    call->role_sent = true;
-    sse_send(call, chat_chunk(call, json_pack("{s:s, s:s}", "role", "assistant", "content", ""),
-                              NULL, NULL));
+    call->ch[index].role_sent = true;
+    sse_send(call, chat_chunk(call, index,
+                              json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL,
+                              NULL));
+}
+
+/* The choice an event is about (an index out of range is the engine's bug:
+ * choice 0 then). */
+static int choice_of(const struct call *call, const struct engine_event *ev)
+{
+    return ev->choice >= 0 && ev->choice < call->n_choices ? ev->choice : 0;
 }
 
 static void on_text(struct call *call, const struct engine_event *ev)
@@ -171,22 +183,24 @@ static void on_text(struct call *call, const struct engine_event *ev)
     }
     if (!call->conn)
         return;
+    int ci = choice_of(call, ev);
+    struct call_choice *ch = &call->ch[ci];
     if (!call->stream) {
-        if (call->len + ev->len + 1 > call->cap) {
-            size_t cap = call->cap ? call->cap * 2 : 256;
-            while (cap < call->len + ev->len + 1)
+        if (ch->len + ev->len + 1 > ch->cap) {
+            size_t cap = ch->cap ? ch->cap * 2 : 256;
+            while (cap < ch->len + ev->len + 1)
                 cap *= 2;
-            char *nt = realloc(call->text, cap);
+            char *nt = realloc(ch->text, cap);
             if (!nt) {
                 srv_call_out_of_memory(call);
                 return;
             }
-            call->text = nt;
-            call->cap = cap;
+            ch->text = nt;
+            ch->cap = cap;
         }
-        memcpy(call->text + call->len, ev->text, ev->len);
-        call->len += ev->len;
-        if (ev->lp && srv_lp_buf_add(call, ev->lp))
+        memcpy(ch->text + ch->len, ev->text, ev->len);
+        ch->len += ev->len;
+        if (ev->lp && srv_lp_buf_add(call, ch, ev->lp))
             srv_call_out_of_memory(call);
         return;
     }
@@ -194,13 +208,14 @@ static void on_text(struct call *call, const struct engine_event *ev)
         return;
     stream_start(call);
     if (call->kind == CALL_CHAT) {
-        chat_role_chunk(call);
-        json_t *lp = ev->lp ? srv_lp_stream_json(call, ev->lp) : NULL;
-        sse_send(call, chat_chunk(call, json_pack("{s:o}", "content", srv_json_text(ev->text, ev->len)),
+        chat_role_chunk(call, ci);
+        json_t *lp = ev->lp ? srv_lp_stream_json(call, ch, ev->lp) : NULL;
+        sse_send(call, chat_chunk(call, ci,
+                                  json_pack("{s:o}", "content", srv_json_text(ev->text, ev->len)),
                                   NULL, lp));
     } else if (call->kind == CALL_OPENAI) {
-        json_t *lp = ev->lp ? srv_lp_stream_json(call, ev->lp) : NULL;
-        sse_send(call, openai_chunk(call, srv_json_text(ev->text, ev->len), NULL, lp));
+        json_t *lp = ev->lp ? srv_lp_stream_json(call, ch, ev->lp) : NULL;
+        sse_send(call, openai_chunk(call, ci, srv_json_text(ev->text, ev->len), NULL, lp));
     } else {
         json_t *v = json_pack("{s:o, s:b, s:i, s:i}", "content", srv_json_text(ev->text, ev->len),
                               "stop", 0, "id_slot", 0, "index", 0);
@@ -212,7 +227,7 @@ static void on_text(struct call *call, const struct engine_event *ev)
         }
         if (ev->lp)
             json_object_set_new(v, "completion_probabilities",
-                                srv_lp_stream_json(call, ev->lp));
+                                srv_lp_stream_json(call, ch, ev->lp));
         sse_send(call, v);
     }
 }
@@ -242,8 +257,29 @@ static json_t *llama_final(struct call *call, const struct engine_event *ev, jso
     }
     /* streamed, each event carried its own */
     if (v && call->logprobs && !call->stream)
-        json_object_set_new(v, "completion_probabilities", srv_lp_marker());
+        json_object_set_new(v, "completion_probabilities", srv_lp_marker(0));
     return v;
+}
+
+/* The choices of a non-streamed OpenAI or chat answer (new): each one's
+ * text, finish and the marker where its log-probabilities go. */
+static json_t *answer_choices(struct call *call)
+{
+    json_t *arr = json_array();
+    for (int i = 0; arr && i < call->n_choices; i++) {
+        const struct call_choice *ch = &call->ch[i];
+        json_t *text = srv_json_text(ch->text ? ch->text : "", ch->len);
+        json_t *lp = call->logprobs ? srv_lp_marker(i) : json_null();
+        const char *finish = openai_finish(ch->finish);
+        json_array_append_new(
+            arr, call->kind == CALL_CHAT
+                     ? json_pack("{s:i, s:{s:s, s:o, s:n}, s:o, s:s}", "index", i, "message",
+                                 "role", "assistant", "content", text, "refusal", "logprobs", lp,
+                                 "finish_reason", finish)
+                     : json_pack("{s:o, s:i, s:o, s:s}", "text", text, "index", i, "logprobs", lp,
+                                 "finish_reason", finish));
+    }
+    return arr;
 }
 
 /* Answer a non-streamed request's final JSON (stolen), with its
@@ -281,10 +317,11 @@ static void on_cut(struct call *call, const struct engine_event *ev)
              : ev->finish == ENGINE_FINISH_POOL
                  ? "the KV cache ran out of pages (eviction and idle sessions gave none back)"
                  : "a reload switched eviction to policy none and the sequence's cache is full");
-    if (call->kind == CALL_LLAMA) {
+    if (call->kind == CALL_LLAMA) { /* one choice */
+        const struct call_choice *ch = &call->ch[0];
         json_t *v = llama_final(call, ev,
                                 call->stream ? json_string("")
-                                             : srv_json_text(call->text ? call->text : "", call->len));
+                                             : srv_json_text(ch->text ? ch->text : "", ch->len));
         json_object_set_new(v, "error",
                             json_pack("{s:s, s:s, s:n, s:s}", "message", msg, "type",
                                       srv_error_type(503), "param", "code", code));
@@ -358,17 +395,25 @@ static void on_done(struct call *call, const struct engine_event *ev)
                       si->kv_pages, "bytes", (json_int_t)si->kv_bytes, "pinned", pinned));
         return;
     }
+    struct engine_event cut;
+    if (engine_finish_cut(call->cut) && !engine_finish_cut(ev->finish)) {
+        cut = *ev; /* a choice was cut short: so is the answer */
+        cut.finish = call->cut;
+        ev = &cut;
+    }
     if (ev->finish == ENGINE_FINISH_CANCEL)
         return;
     if (engine_finish_cut(ev->finish)) {
         on_cut(call, ev);
         return;
     }
+    int ci = choice_of(call, ev);
+    call->ch[ci].finish = ev->finish;
     const struct engine_usage *u = &ev->usage;
     if (call->stream && call->kind == CALL_CHAT) {
         stream_start(call);
-        chat_role_chunk(call);
-        sse_send(call, chat_chunk(call, json_object(), openai_finish(ev->finish), NULL));
+        chat_role_chunk(call, ci);
+        sse_send(call, chat_chunk(call, ci, json_object(), openai_finish(ev->finish), NULL));
         if (call->include_usage)
             sse_send(call, json_pack("{s:s, s:s, s:I, s:s, s:n, s:[], s:o}", "id", call->id,
                                      "object", "chat.completion.chunk", "created",
@@ -383,7 +428,8 @@ static void on_done(struct call *call, const struct engine_event *ev)
     if (call->stream) {
         stream_start(call);
         if (call->kind == CALL_OPENAI) {
-            sse_send(call, openai_chunk(call, json_string(""), openai_finish(ev->finish), NULL));
+            sse_send(call,
+                     openai_chunk(call, ci, json_string(""), openai_finish(ev->finish), NULL));
             if (call->include_usage) {
                 sse_send(call,
                          json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", call->id, "object",
@@ -399,27 +445,47 @@ static void on_done(struct call *call, const struct engine_event *ev)
             srv_http_stream_end(call->conn);
         return;
     }
-    json_t *text = srv_json_text(call->text ? call->text : "", call->len);
     if (call->kind == CALL_CHAT) {
-        json_t *lp = call->logprobs ? srv_lp_marker() : NULL;
-        respond_answer(call,
-                     json_pack("{s:s, s:s, s:I, s:s, s:n, s:[{s:i, s:{s:s, s:o, s:n}, s:o, s:s}], "
-                               "s:o}",
-                               "id", call->id, "object", "chat.completion", "created",
-                               (json_int_t)call->created, "model", call->a->model_name,
-                               "system_fingerprint", "choices", "index", 0, "message", "role",
-                               "assistant", "content", text, "refusal", "logprobs",
-                               lp ? lp : json_null(), "finish_reason", openai_finish(ev->finish),
-                               "usage", chat_usage(call, u)));
+        respond_answer(call, json_pack("{s:s, s:s, s:I, s:s, s:n, s:o, s:o}", "id", call->id,
+                                       "object", "chat.completion", "created",
+                                       (json_int_t)call->created, "model", call->a->model_name,
+                                       "system_fingerprint", "choices", answer_choices(call),
+                                       "usage", chat_usage(call, u)));
+    } else if (call->kind == CALL_OPENAI) {
+        respond_answer(call, json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", call->id, "object",
+                                       "text_completion", "created", (json_int_t)call->created,
+                                       "model", call->a->model_name, "choices",
+                                       answer_choices(call), "usage", usage_json(u)));
+    } else {
+        const struct call_choice *ch = &call->ch[0];
+        respond_answer(call, llama_final(call, ev, srv_json_text(ch->text ? ch->text : "", ch->len)));
+    }
+}
+
+/*
+ * One choice of several ended (the request goes on with the others). A
+ * stream gets that choice's finish chunk now. A choice the server cut short
+ * makes the whole answer cut: the other choices are ended (they would be
+ * thrown away) and the final event answers as on_cut says.
+ */
+static void on_choice(struct call *call, const struct engine_event *ev)
+{
+    int ci = choice_of(call, ev);
+    call->ch[ci].finish = ev->finish;
+    if (engine_finish_cut(ev->finish)) {
+        if (!engine_finish_cut(call->cut))
+            call->cut = ev->finish;
+        atomic_store(&call->req->cancel, ENGINE_CANCEL_CLIENT);
         return;
     }
-    if (call->kind == CALL_OPENAI) {
-        json_t *lp = call->logprobs ? srv_lp_marker() : NULL;
-        json_t *v = openai_chunk(call, text, openai_finish(ev->finish), lp);
-        json_object_set_new(v, "usage", usage_json(u));
-        respond_answer(call, v);
-    } else {
-        respond_answer(call, llama_final(call, ev, text));
+    if (ev->finish == ENGINE_FINISH_CANCEL || !call->conn || !call->stream)
+        return;
+    stream_start(call);
+    if (call->kind == CALL_CHAT) {
+        chat_role_chunk(call, ci);
+        sse_send(call, chat_chunk(call, ci, json_object(), openai_finish(ev->finish), NULL));
+    } else if (call->kind == CALL_OPENAI) {
+        sse_send(call, openai_chunk(call, ci, json_string(""), openai_finish(ev->finish), NULL));
     }
 }
 
@@ -473,6 +539,9 @@ bool srv_api_pump(srv_api *a, char *err, size_t errlen)
             break;
         case ENGINE_EV_LOGITS: /* never asked for by the API */
         case ENGINE_EV_EVICTED:
+            break;
+        case ENGINE_EV_CHOICE:
+            on_choice(ev->req->owner, ev);
             break;
         case ENGINE_EV_DONE:
             /* whole turns a session's cache evicted in place */

@@ -73,7 +73,8 @@ static size_t utf8_chars(const char *s, size_t n)
  * likely one keeps it, and a U+0000 in a name is written U+FFFD there
  * (many JSON parsers refuse it in a key). text_offset counts code points
  * of the completion. */
-static void openai_parts(struct call *call, const struct engine_logprob *lp, json_t *out[4])
+static void openai_parts(struct call *call, struct call_choice *ch, const struct engine_logprob *lp,
+                         json_t *out[4])
 {
     out[0] = token_name(call, lp->token, lp->piece, lp->piece_len);
     out[1] = json_logprob(lp->logprob);
@@ -104,8 +105,8 @@ static void openai_parts(struct call *call, const struct engine_logprob *lp, jso
         json_decref(k);
     }
     out[2] = top;
-    out[3] = json_integer((json_int_t)call->lp_chars);
-    call->lp_chars += utf8_chars(lp->piece, lp->piece_len);
+    out[3] = json_integer((json_int_t)ch->lp_chars);
+    ch->lp_chars += utf8_chars(lp->piece, lp->piece_len);
 }
 
 /* llama.cpp's completion_probabilities entry for one token (new). */
@@ -152,14 +153,15 @@ static json_t *chat_entry(struct call *call, const struct engine_logprob *lp)
     return v;
 }
 
-json_t *srv_lp_stream_json(struct call *call, const struct engine_logprob *lp)
+json_t *srv_lp_stream_json(struct call *call, struct call_choice *ch,
+                           const struct engine_logprob *lp)
 {
     if (call->kind == CALL_CHAT)
         return json_pack("{s:[o]}", "content", chat_entry(call, lp));
     if (call->kind == CALL_LLAMA)
         return json_pack("[o]", llama_entry(call, lp));
     json_t *v[4];
-    openai_parts(call, lp, v);
+    openai_parts(call, ch, lp, v);
     return json_pack("{s:[o], s:[o], s:[o], s:[o]}", "tokens", v[0], "token_logprobs", v[1],
                      "top_logprobs", v[2], "text_offset", v[3]);
 }
@@ -212,17 +214,17 @@ static int list_add(struct lp_list *l, json_t *v)
     return 0;
 }
 
-int srv_lp_buf_add(struct call *call, const struct engine_logprob *lp)
+int srv_lp_buf_add(struct call *call, struct call_choice *ch, const struct engine_logprob *lp)
 {
-    if (!call->lp && !(call->lp = calloc(1, sizeof(*call->lp))))
+    if (!ch->lp && !(ch->lp = calloc(1, sizeof(*ch->lp))))
         return -1;
-    struct lp_list *l = call->lp->list;
+    struct lp_list *l = ch->lp->list;
     if (call->kind == CALL_CHAT)
         return list_add(&l[0], chat_entry(call, lp));
     if (call->kind == CALL_LLAMA)
         return list_add(&l[0], llama_entry(call, lp));
     json_t *v[4];
-    openai_parts(call, lp, v);
+    openai_parts(call, ch, lp, v);
     int rc = 0;
     for (int i = 0; i < 4; i++)
         rc |= list_add(&l[i], v[i]);
@@ -236,29 +238,26 @@ void srv_lp_buf_free(struct srv_lp_buf *b)
     free(b);
 }
 
-/* Where the log-probabilities go in an answer's tree: a string no text
- * can produce next to a key (a quote inside a JSON string is escaped, so
- * `":"` followed by this never occurs within one). */
-#define LP_MARKER "\x01kvd-logprobs\x01"
-#define LP_MARKER_DUMPED "\":\"\\u0001kvd-logprobs\\u0001\""
+/* Where choice i's log-probabilities go in an answer's tree: a string no
+ * text can produce next to a key (a quote inside a JSON string is escaped,
+ * so `":"` followed by this never occurs within one). */
+#define LP_MARKER "\x01kvd-logprobs-%d\x01"
+#define LP_MARKER_DUMPED "\":\"\\u0001kvd-logprobs-%d\\u0001\""
 
-json_t *srv_lp_marker(void)
+json_t *srv_lp_marker(int i)
 {
-    return json_string(LP_MARKER);
+    char b[64];
+    snprintf(b, sizeof(b), LP_MARKER, i);
+    return json_string(b);
 }
 
-/*
- * Answer v (stolen; its log-probabilities replaced by srv_lp_marker) with
- * the call's log-probabilities spliced in as text: OpenAI's logprobs
- * object, chat's {"content": [...]}, llama.cpp's array. Returns 0, or -1
- * (nothing sent) when memory runs out or the marker is missing.
- */
-int srv_lp_respond(struct call *call, int status, json_t *v)
+/* The text that stands for choice ch's log-probabilities: up to 9 pieces
+ * into piece/plen. Returns their count. */
+static int lp_pieces(const struct call *call, const struct call_choice *ch, const char *piece[9],
+                     size_t plen[9])
 {
     static const struct lp_list none[4];
-    const struct lp_list *l = call->lp ? call->lp->list : none;
-    const char *piece[9];
-    size_t plen[9];
+    const struct lp_list *l = ch->lp ? ch->lp->list : none;
     int n = 0;
 #define PIECE(s, len) (piece[n] = (s), plen[n++] = (len))
     if (call->kind == CALL_OPENAI) {
@@ -276,33 +275,57 @@ int srv_lp_respond(struct call *call, int status, json_t *v)
         PIECE(call->kind == CALL_CHAT ? "]}" : "]", call->kind == CALL_CHAT ? 2 : 1);
     }
 #undef PIECE
+    return n;
+}
+
+/* Append n bytes to out (grown): 0, or -1 when memory runs out. */
+static int out_add(struct lp_list *out, const char *s, size_t n)
+{
+    if (n == 0)
+        return 0;
+    if (list_grow(out, n))
+        return -1;
+    memcpy(out->s + out->len, s, n);
+    out->len += n;
+    return 0;
+}
+
+/*
+ * Answer v (stolen; each choice's log-probabilities replaced by
+ * srv_lp_marker(i)) with every choice's log-probabilities spliced in as
+ * text: OpenAI's logprobs object, chat's {"content": [...]}, llama.cpp's
+ * array. Returns 0, or -1 (nothing sent) when memory runs out or a marker
+ * is missing.
+ */
+int srv_lp_respond(struct call *call, int status, json_t *v)
+{
     char *d = v ? json_dumps(v, SRV_JSON_FLAGS) : NULL;
     json_decref(v);
-    char *at = d ? strstr(d, LP_MARKER_DUMPED) : NULL;
-    if (!at) {
-        free(d);
-        return -1;
+    struct lp_list out = {0};
+    const char *at = d;
+    int rc = d ? 0 : -1;
+    for (int i = 0; rc == 0 && i < call->n_choices; i++) {
+        char mark[80];
+        snprintf(mark, sizeof(mark), LP_MARKER_DUMPED, i);
+        const char *m = strstr(at, mark);
+        if (!m) {
+            rc = -1;
+            break;
+        }
+        const char *piece[9];
+        size_t plen[9];
+        int n = lp_pieces(call, &call->ch[i], piece, plen);
+        rc = out_add(&out, at, (size_t)(m - at) + 2); /* up to and with the ":" */
+        for (int k = 0; rc == 0 && k < n; k++)
+            rc = out_add(&out, piece[k], plen[k]);
+        at = m + strlen(mark) - 1; /* from the marker's closing quote on */
+        at++;
     }
-    size_t head = (size_t)(at - d) + 2, cut = strlen(LP_MARKER_DUMPED) - 2;
-    size_t tail = strlen(d) - head - cut, total = head + tail;
-    for (int i = 0; i < n; i++)
-        total += plen[i];
-    char *out = malloc(total);
-    if (!out) {
-        free(d);
-        return -1;
-    }
-    memcpy(out, d, head);
-    size_t o = head;
-    for (int i = 0; i < n; i++) {
-        if (plen[i])
-            memcpy(out + o, piece[i], plen[i]);
-        o += plen[i];
-    }
-    memcpy(out + o, d + head + cut, tail);
+    if (rc == 0)
+        rc = out_add(&out, at, strlen(at));
+    if (rc == 0 && call->conn)
+        srv_http_respond(call->conn, status, "application/json", "", out.s, out.len);
+    free(out.s);
     free(d);
-    if (call->conn)
-        srv_http_respond(call->conn, status, "application/json", "", out, total);
-    free(out);
-    return 0;
+    return rc;
 }

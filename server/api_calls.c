@@ -71,10 +71,13 @@ static struct call *call_new(srv_api *a, srv_conn *c, enum call_kind kind)
 void srv_call_free(struct call *call)
 {
     engine_req_free(call->req);
-    free(call->text);
+    for (int i = 0; call->ch && i < call->n_choices; i++) {
+        free(call->ch[i].text);
+        srv_lp_buf_free(call->ch[i].lp);
+    }
+    free(call->ch);
     free(call->toks);
     json_decref(call->settings);
-    srv_lp_buf_free(call->lp);
     free(call);
 }
 
@@ -223,12 +226,18 @@ void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c)
 {
     struct prep_job *p = calloc(1, sizeof(*p));
     struct call *call = p ? call_new(a, conn, kind_of_shape[c->shape]) : NULL;
+    int n = c->req->n_choices > 1 ? c->req->n_choices : 1;
+    if (call && !(call->ch = calloc((size_t)n, sizeof(*call->ch)))) {
+        srv_call_free(call);
+        call = NULL;
+    }
     if (!call) {
         free(p);
         srv_completion_clear(c);
         answer_oom(conn);
         return;
     }
+    call->n_choices = n;
     call->stream = c->stream;
     call->include_usage = c->include_usage;
     call->return_tokens = c->return_tokens;

@@ -313,13 +313,14 @@ void srv_decode_logprob_work(const struct engine_req *r, bool stream, const char
 {
     if (!r->want_logprobs || stream)
         return;
-    long long entries = (long long)r->max_tokens * (r->n_top_logprobs + 1);
+    int n = r->n_choices > 1 ? r->n_choices : 1;
+    long long entries = (long long)n * r->max_tokens * (r->n_top_logprobs + 1);
     if (entries > ENGINE_MAX_LOGPROB_ENTRIES)
         srv_fail(e, param, "invalid_value",
-                 "%d tokens with %d alternatives each make %lld log-probability entries; a "
-                 "non-streamed answer may have at most %d (tokens x (alternatives + 1)): ask "
-                 "for fewer tokens or alternatives, or stream",
-                 r->max_tokens, r->n_top_logprobs, entries, ENGINE_MAX_LOGPROB_ENTRIES);
+                 "%d choices of %d tokens with %d alternatives each make %lld log-probability "
+                 "entries; a non-streamed answer may have at most %d (choices x tokens x "
+                 "(alternatives + 1)): ask for fewer choices, tokens or alternatives, or stream",
+                 n, r->max_tokens, r->n_top_logprobs, entries, ENGINE_MAX_LOGPROB_ENTRIES);
 }
 
 int srv_decode_prompt(const struct srv_api_limits *lim, const json_t *body, bool mixed,
@@ -344,6 +345,34 @@ int srv_decode_max_tokens(const struct srv_api_limits *lim, const json_t *body, 
     return e->status ? -1 : 0;
 }
 
+void srv_decode_choices(const struct srv_api_limits *lim, const json_t *body, bool max_given,
+                        struct engine_req *r, struct srv_api_error *e)
+{
+    long long i = 0;
+    json_t *v = srv_field(body, "n");
+    if (v && json_is_integer(v) && json_integer_value(v) > lim->max_choices) {
+        srv_fail(e, "n", "invalid_value",
+                 "n (%lld) exceeds the limit of %d choices per request ([limits] max_choices)",
+                 (long long)json_integer_value(v), lim->max_choices);
+        return;
+    }
+    if (srv_get_int(body, "n", 1, lim->max_choices > 1 ? lim->max_choices : 1, &i, e) <= 0 ||
+        i == 1)
+        return;
+    r->n_choices = (int)i;
+    /* Every choice generates up to max_tokens: the request's work is n x that. */
+    if (!max_given) {
+        int share = lim->max_tokens / r->n_choices;
+        if (r->max_tokens > share)
+            r->max_tokens = share > 0 ? share : 1;
+    } else if (i * r->max_tokens > lim->max_tokens) {
+        srv_fail(e, "n", "invalid_value",
+                 "n (%d) x max_tokens (%d) = %lld tokens exceeds the limit of %d tokens one "
+                 "request may generate ([limits] max_tokens)",
+                 r->n_choices, r->max_tokens, i * r->max_tokens, lim->max_tokens);
+    }
+}
+
 void srv_decode_openai_sampling(const struct srv_api_limits *lim, struct engine_req *r)
 {
     model_sampling_defaults(&r->sampling);
@@ -360,11 +389,6 @@ void srv_decode_openai_shared(const json_t *body, struct engine_req *r, struct s
 {
     long long i;
     const char *s;
-    if (srv_get_int(body, "n", 1, 1 << 30, &i, e) > 0 && i != 1)
-        srv_fail(e, "n", "unsupported",
-                 "n = %lld is not supported: kvd returns one choice per request; send %lld "
-                 "requests (with different seeds)",
-                 i, i);
     if (srv_get_int(body, "seed", INT64_MIN, INT64_MAX, &i, e) > 0)
         r->sampling.seed = (uint64_t)i;
     srv_get_bool(body, "stream", &c->stream, e);

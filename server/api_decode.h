@@ -34,6 +34,7 @@ struct srv_api_limits {
     int max_prompt_tokens;  /* 400 above this */
     int max_tokens;         /* the largest max_tokens / n_predict accepted */
     int default_max_tokens; /* OpenAI shapes, when the request says none */
+    int max_choices;        /* the largest n (OpenAI choices per request) accepted */
     int max_session_id;     /* longest session id accepted */
     struct kv_policy policy; /* prompts that can never fit (policy none), chat turns,
                                 pinned spans against the budget */

@@ -71,6 +71,7 @@ int srv_decode_chat(const struct srv_api_limits *lim, json_t *body, const char *
     if (srv_decode_max_tokens(lim, body, key, r, e) < 0)
         goto out;
     srv_decode_openai_shared(body, r, out, e);
+    srv_decode_choices(lim, body, out->max_tokens_given, r, e);
     bool lp = false;
     srv_get_bool(body, "logprobs", &lp, e);
     int top = 0;

@@ -1,7 +1,7 @@
 /*
  * api_decode_openai.c - POST /v1/completions (OpenAI): prompt, max_tokens,
  * temperature, top_p, stop, stream, seed, logprobs, ... into a plain
- * request. Features kvd does not have (n > 1, best_of, echo, suffix,
+ * request. Features kvd does not have (best_of, echo, suffix,
  * logit_bias) are refused by name rather than ignored.
  */
 #include <jansson.h>
@@ -22,6 +22,7 @@ int srv_decode_openai(const struct srv_api_limits *lim, json_t *body, const char
     if (srv_decode_max_tokens(lim, body, "max_tokens", r, e) < 0)
         goto out;
     srv_decode_openai_shared(body, r, out, e);
+    srv_decode_choices(lim, body, srv_field(body, "max_tokens") != NULL, r, e);
     if (srv_get_int(body, "best_of", 1, 1 << 30, &i, e) > 0 && i != 1)
         srv_fail(e, "best_of", "unsupported", "best_of > 1 is not supported");
     bool b = false;

@@ -50,6 +50,17 @@ enum call_kind {
     CALL_SESSION_LIST
 };
 
+/* One choice's answer (a request has n_choices of them, OpenAI's n). */
+struct call_choice {
+    char *text; /* non-streamed: the text so far */
+    size_t len, cap;
+    struct srv_lp_buf *lp; /* non-streamed: the log-probabilities so far, as JSON text
+                              (api_answer_lp.c; owned) */
+    size_t lp_chars;       /* OpenAI text_offset of the next token, in code points */
+    bool role_sent;        /* chat stream: the first chunk (delta.role) went out */
+    enum engine_finish finish; /* its finish, once it ended (CHOICE or DONE event) */
+};
+
 /* One accepted request, from its decoding to its last answer byte (loop
  * thread only). */
 struct call {
@@ -63,17 +74,14 @@ struct call {
     bool started;       /* stream headers sent */
     char id[48];
     int64_t created;
-    char *text; /* non-streamed: the text so far */
-    size_t len, cap;
+    struct call_choice *ch; /* [n_choices] each choice's answer (OpenAI n; owned) */
+    int n_choices;
+    enum engine_finish cut; /* a choice was cut short (engine_finish_cut), else EOG */
     int32_t *toks; /* llama.cpp return_tokens */
     int n_toks, cap_toks;
     json_t *settings; /* llama.cpp generation_settings (owned) */
     bool logprobs;    /* OpenAI logprobs / llama.cpp n_probs asked for */
     bool id_tokens;   /* OpenAI return_tokens_as_token_ids: "token_id:ID" strings */
-    struct srv_lp_buf *lp; /* non-streamed: the log-probabilities so far, as JSON text
-                              (api_answer_lp.c; owned) */
-    size_t lp_chars;       /* OpenAI text_offset of the next token, in code points */
-    bool role_sent;        /* chat stream: the first chunk (delta.role) went out */
     int evicted_messages;  /* chat: messages of the conversation not in the prompt */
     const char *turn_eviction; /* chat, unit = turn: "in_place" or "rerender" (static) */
     char turn_fallback[240];   /* chat on a session: why its turns were rendered again
@@ -203,6 +211,11 @@ int srv_decode_prompt(const struct srv_api_limits *lim, const json_t *body, bool
 /* r->max_tokens from body[key] (left as is when absent). */
 int srv_decode_max_tokens(const struct srv_api_limits *lim, const json_t *body, const char *key,
                           struct engine_req *r, struct srv_api_error *e);
+/* OpenAI's n (1..lim->max_choices) into r->n_choices, and n x max_tokens
+ * within lim->max_tokens (a request that names no max_tokens gets its
+ * share; max_given: it named one). */
+void srv_decode_choices(const struct srv_api_limits *lim, const json_t *body, bool max_given,
+                        struct engine_req *r, struct srv_api_error *e);
 /* OpenAI's defaults: plain sampling at temperature 1, lim->seed. */
 void srv_decode_openai_sampling(const struct srv_api_limits *lim, struct engine_req *r);
 /* What OpenAI's completion and chat routes share: n, seed, stream,
@@ -274,14 +287,15 @@ void srv_call_free(struct call *call);
 /* One token's log-probabilities as a stream event carries them (new):
  * OpenAI's logprobs object, chat's {"content": [entry]}, llama.cpp's
  * [entry]. */
-json_t *srv_lp_stream_json(struct call *call, const struct engine_logprob *lp);
+json_t *srv_lp_stream_json(struct call *call, struct call_choice *ch,
+                           const struct engine_logprob *lp);
 /* Add one token's to a non-streamed answer's (serialised now, kept as
  * text). -1 when memory runs out. */
-int srv_lp_buf_add(struct call *call, const struct engine_logprob *lp);
+int srv_lp_buf_add(struct call *call, struct call_choice *ch, const struct engine_logprob *lp);
 void srv_lp_buf_free(struct srv_lp_buf *b);
-/* The placeholder to put in an answer's tree where its log-probabilities
- * go (new), then answer with srv_lp_respond. */
-json_t *srv_lp_marker(void);
+/* The placeholder to put in an answer's tree where choice i's
+ * log-probabilities go (new), then answer with srv_lp_respond. */
+json_t *srv_lp_marker(int i);
 int srv_lp_respond(struct call *call, int status, json_t *v);
 
 #endif /* KVD_SERVER_API_INTERNAL_H */

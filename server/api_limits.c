@@ -24,6 +24,7 @@ void srv_api_limits(srv_api *a, struct srv_api_limits *lim)
         .max_prompt_tokens = a->p.max_prompt_tokens,
         .max_tokens = a->p.max_tokens,
         .default_max_tokens = a->p.default_max_tokens,
+        .max_choices = a->p.max_choices,
         .max_session_id = a->p.max_session_id,
         .policy = a->p.policy,
         .page_tokens = a->p.page_tokens,

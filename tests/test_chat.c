@@ -240,8 +240,8 @@ static void test_errors(void **state)
 {
     (void)state;
     NEED_SERVER();
-    expect_error(json_pack("{s:[o],s:i}", "messages", msg("user", "x"), "n", 2), 400, "n",
-                 "n = 2 is not supported");
+    expect_error(json_pack("{s:[o],s:i}", "messages", msg("user", "x"), "n", 1000), 400, "n",
+                 "[limits] max_choices");
     expect_error(json_pack("{s:i}", "max_tokens", 3), 400, "messages", "'messages' is required");
     expect_error(json_pack("{s:[]}", "messages"), 400, "messages", "non-empty array");
     expect_error(json_pack("{s:[o]}", "messages", msg("wizard", "x")), 400, "messages",
