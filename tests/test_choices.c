@@ -56,8 +56,7 @@ static engine *choices_engine(int pages)
 
 /* A completion of n_prompt ids generating max_tokens, n choices, sampled
  * at temperature 0.9 with seed (temperature 0: greedy). */
-static struct engine_req *completion(int n_prompt, int max_tokens, int n, float temp,
-                                     uint64_t seed)
+static struct engine_req *completion(int n_prompt, int max_tokens, int n, float temp, uint64_t seed)
 {
     struct engine_req *r = engine_req_new(ENGINE_REQ_COMPLETION);
     assert_non_null(r);
@@ -329,8 +328,8 @@ static json_t *choices_of(json_t *v, int n)
     assert_true(json_is_array(ch));
     assert_int_equal(json_array_size(ch), (size_t)n);
     for (int i = 0; i < n; i++)
-        assert_int_equal(json_integer_value(json_object_get(json_array_get(ch, (size_t)i), "index")),
-                         i);
+        assert_int_equal(
+            json_integer_value(json_object_get(json_array_get(ch, (size_t)i), "index")), i);
     return ch;
 }
 
@@ -382,8 +381,7 @@ static void test_serve_n_completions(void **state)
     assert_string_not_equal(text_at(ca, 1), text_at(ca, 2));
     assert_string_equal(text_at(ca, 0), text_at(choices_of(one, 1), 0));
     assert_int_equal(usage_int(a, "completion_tokens", NULL), 30);
-    assert_int_equal(usage_int(a, "total_tokens", NULL),
-                     30 + usage_int(a, "prompt_tokens", NULL));
+    assert_int_equal(usage_int(a, "total_tokens", NULL), 30 + usage_int(a, "prompt_tokens", NULL));
     json_decref(a);
     json_decref(b);
     json_decref(one);
@@ -503,9 +501,9 @@ static void test_serve_n_stream(void **state)
     json_decref(whole);
 
     read_stream(port, "/v1/chat/completions",
-                json_pack("{s:[{s:s, s:s}], s:i, s:i, s:i, s:b, s:b, s:{s:b}}", "messages",
-                          "role", "user", "content", "Hi", "n", 2, "max_tokens", 6, "seed", 4,
-                          "ignore_eos", 1, "stream", 1, "stream_options", "include_usage", 1),
+                json_pack("{s:[{s:s, s:s}], s:i, s:i, s:i, s:b, s:b, s:{s:b}}", "messages", "role",
+                          "user", "content", "Hi", "n", 2, "max_tokens", 6, "seed", 4, "ignore_eos",
+                          1, "stream", 1, "stream_options", "include_usage", 1),
                 2, &s);
     assert_true(s.done);
     for (int i = 0; i < 2; i++) {
@@ -545,30 +543,30 @@ static void test_serve_n_limits(void **state)
                "between");
     expect_400(port, "/v1/completions", json_pack("{s:s, s:i}", "prompt", "x", "n", 9), "n",
                "max_choices");
-    expect_400(port, "/v1/chat/completions",
-               json_pack("{s:[{s:s, s:s}], s:i}", "messages", "role", "user", "content", "x", "n",
-                         9),
-               "n", "max_choices");
+    expect_400(
+        port, "/v1/chat/completions",
+        json_pack("{s:[{s:s, s:s}], s:i}", "messages", "role", "user", "content", "x", "n", 9), "n",
+        "max_choices");
     expect_400(port, "/v1/completions",
                json_pack("{s:s, s:i, s:i}", "prompt", "x", "n", 3, "max_tokens", 200), "n",
                "[limits] max_tokens");
     expect_400(port, "/v1/chat/completions",
-               json_pack("{s:[{s:s, s:s}], s:i, s:i}", "messages", "role", "user", "content",
-                         "x", "n", 2, "max_completion_tokens", 300),
+               json_pack("{s:[{s:s, s:s}], s:i, s:i}", "messages", "role", "user", "content", "x",
+                         "n", 2, "max_completion_tokens", 300),
                "n", "[limits] max_tokens");
     expect_400(port, "/v1/completions",
                json_pack("{s:s, s:i, s:i}", "prompt", "x", "n", 2, "best_of", 3), "best_of",
                "best_of");
     /* 8 x 64 tokens x (512 + 1) entries > 2^18; one choice would fit */
-    expect_400(port, "/v1/completions",
-               json_pack("{s:s, s:i, s:i, s:i}", "prompt", "x", "n", 8, "max_tokens", 64,
-                         "logprobs", 512),
-               "logprobs", "choices");
+    expect_400(
+        port, "/v1/completions",
+        json_pack("{s:s, s:i, s:i, s:i}", "prompt", "x", "n", 8, "max_tokens", 64, "logprobs", 512),
+        "logprobs", "choices");
     /* no max_tokens: 512 / 4 = 128 each (ignore_eos: all of them) */
     int st;
-    json_t *v = post(port, "/v1/completions",
-                     json_pack("{s:s, s:i, s:b}", "prompt", "x", "n", 4, "ignore_eos", 1), NULL,
-                     &st);
+    json_t *v =
+        post(port, "/v1/completions",
+             json_pack("{s:s, s:i, s:b}", "prompt", "x", "n", 4, "ignore_eos", 1), NULL, &st);
     assert_int_equal(st, 200);
     assert_int_equal(usage_int(v, "completion_tokens", NULL), 4 * 128);
     json_decref(v);
@@ -603,8 +601,8 @@ static void test_serve_n_cancel(void **state)
     SKIP_WITHOUT_KVD();
     struct su_proc s;
     static const char *const args[] = {
-        "--set", "limits.max_running=4",       "--set", "limits.max_tokens=1000000",
-        "--set", "cache.memory=4MiB",          "--set", "eviction.max_cache_tokens=128",
+        "--set", "limits.max_running=4", "--set", "limits.max_tokens=1000000",
+        "--set", "cache.memory=4MiB",    "--set", "eviction.max_cache_tokens=128",
         "--set", "server.threads=1",
     };
     assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
