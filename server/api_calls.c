@@ -238,6 +238,8 @@ void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c)
         return;
     }
     call->n_choices = n;
+    for (int i = 0; i < n; i++) /* what max_tokens 0 ends with before any choice forks */
+        call->ch[i].finish = ENGINE_FINISH_LENGTH;
     call->stream = c->stream;
     call->include_usage = c->include_usage;
     call->return_tokens = c->return_tokens;
