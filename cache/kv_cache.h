@@ -749,6 +749,8 @@ struct kv_seq_state {
     int n_turns;           /* the turn table (kv_seq_set_turns), 0 for none */
     const struct kv_turn *turns;
     int turn_low;          /* its low-water mark */
+    int n_pins;            /* pinned spans (kv_seq_pins), 0..KV_MAX_PINS */
+    const struct kv_span *pins; /* [n_pins] history indices, normalized */
 };
 
 /* The state of a session sequence (borrowed: valid until the sequence
@@ -764,10 +766,12 @@ void kv_seq_get_state(const kv_seq *seq, struct kv_seq_state *out);
  * since it comes from outside the process: every history index in
  * [0, n_hist) and increasing, hist[hidx[i]] == ids[i], positions >= 0 and
  * increasing, next_pos past the last one, scores finite, the turn table
- * valid (kv_seq_set_turns).
+ * valid (kv_seq_set_turns), the pins valid and within the sequence's
+ * policy (kv_seq_set_pins).
  *
  * Returns 0; -EINVAL with the reason in err (a state that fails those
- * checks, a sequence that is not an empty session); -ENOSPC: more retained
+ * checks, a sequence that is not an empty session); -E2BIG: pins the
+ * sequence's policy has no room for (a reload shrank it); -ENOSPC: more retained
  * tokens than the policy's max_cache_tokens; -ENOMEM: the pool cannot
  * supply the pages, or bookkeeping memory ran out. On every error the
  * sequence is empty again.

@@ -7,10 +7,11 @@
  * the same retained tokens with the same position numbers (the kernel
  * rotates keys from them), the same history indices (truncation and turns
  * work on them), the same scores (h2o's accumulated mass decides the next
- * eviction) and the same next position. kv_seq_get_state lends all of it;
- * kv_seq_import puts it back into an empty session sequence and leaves the
- * K and V rows to the caller, who writes them through kv_seq_k / kv_seq_v
- * exactly as the forward pass writes new tokens. The rows travel in their
+ * eviction), the same pinned spans and the same next position.
+ * kv_seq_get_state lends all of it; kv_seq_import puts it back into an
+ * empty session sequence and leaves the K and V rows to the caller, who
+ * writes them through kv_seq_k / kv_seq_v exactly as the forward pass
+ * writes new tokens. The rows travel in their
  * stored type, byte for byte, so a restored token is the token that was
  * saved (invariant 1 holds across the restart too).
  *
@@ -56,6 +57,7 @@ void kv_seq_get_state(const kv_seq *s, struct kv_seq_state *out)
         .turns = s->turns,
         .turn_low = s->turn_low,
     };
+    out->n_pins = kv_seq_pins(s, &out->pins);
 }
 
 /* Fill err and return -EINVAL: kv_seq_import's refusal. */
@@ -148,6 +150,8 @@ int kv_seq_import(kv_seq *s, const struct kv_seq_state *st, char *err, size_t er
     s->next_pos = st->next_pos;
     kv_window_sync(s); /* the windowed layers' slots take the positions too */
     rc = kv_seq_set_turns(s, st->turns, st->n_turns, st->turn_low, err, errlen);
+    if (rc == 0)
+        rc = kv_seq_set_pins(s, st->pins, st->n_pins, err, errlen);
     if (rc) {
         kv_seq_release_all(s);
         return rc;

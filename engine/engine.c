@@ -417,6 +417,7 @@ void engine_get_stats(const engine *e, struct engine_stats *st)
     kv_cache_stats(e->cache, &st->kv);
     st->kv_page_bytes = kv_cache_page_bytes(e->cache);
     engine_prefix_stats(e, st);
+    st->spill = e->sessions.spill_stats;
 }
 
 const kv_cache *engine_cache(const engine *e)

@@ -416,6 +416,17 @@ int engine_check_limits(const struct engine_limits *l, int page_tokens, int max_
  * reason in err and nothing changed. */
 int engine_set_limits(engine *e, const struct engine_limits *l, char *err, size_t errlen);
 
+/* Sessions written to and read from [sessions] dir (engine/sessions_spill.c). */
+struct engine_spill_stats {
+    uint64_t saved;          /* sessions written (instead of lost) */
+    uint64_t save_failed;    /* ... that could not be written, and were lost */
+    uint64_t restored;       /* sessions read back */
+    uint64_t refused;        /* files refused when read (another model or format, corrupted,
+                                truncated, no room): a cache miss */
+    uint64_t bytes_saved;    /* file bytes written */
+    uint64_t bytes_restored; /* file bytes read back */
+};
+
 struct engine_stats {
     int waiting;  /* submitted completions not yet admitted */
     int running;  /* admitted, not yet ended */
@@ -426,6 +437,7 @@ struct engine_stats {
     struct kv_prefix_stats prefix; /* the index (zeros when off) */
     uint64_t prefix_prompt_tokens; /* prompt tokens of requests that could attach */
     uint64_t prefix_hit_tokens;    /* ... of them attached from the prefix cache */
+    struct engine_spill_stats spill; /* zeros without [sessions] dir */
 };
 void engine_get_stats(const engine *e, struct engine_stats *st);
 /* The engine's cache (for hosts that report on it; never change it). */

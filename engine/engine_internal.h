@@ -43,6 +43,7 @@ struct engine_sessions {
     int n;                            /* sessions */
     const struct engine_hooks *hooks; /* for the log lines of drops */
     struct spill_store *spill;        /* [sessions] dir (sessions_spill.c), or NULL */
+    struct engine_spill_stats spill_stats; /* what it wrote and read */
 };
 
 /* 0, or -ENOMEM (nothing to free). */

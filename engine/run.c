@@ -355,6 +355,7 @@ struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
     r->n_hist = req->n_prompt;
     bool in_session = req->session && e->lim.max_sessions > 0;
     struct engine_session *x = in_session ? engine_sessions_find(&e->sessions, req->session) : NULL;
+    bool live = x && !kv_seq_dropped(x->seq); /* else it may come back from disk */
     struct kv_span pins[KV_MAX_PINS];
     int n_pins = engine_pins_plan(e, req, x ? x->seq : NULL, pins, err, sizeof(err));
     if (n_pins < 0) {
@@ -366,6 +367,11 @@ struct run *engine_run_admit(engine *e, struct engine_req *req, uint64_t t)
         x = engine_session_open(e, req->session, err, sizeof(err));
         if (!x)
             goto out_free;
+        /* read back from [sessions] dir: plan again with the pins it kept */
+        if (!live && (n_pins = engine_pins_plan(e, req, x->seq, pins, err, sizeof(err))) < 0) {
+            status = 400;
+            goto out_free;
+        }
         if (attach_session(e, r, x, pins, n_pins, err, sizeof(err)) != 0)
             goto out_free;
     } else {

@@ -66,10 +66,15 @@ void engine_session_save(struct engine_sessions *t, struct engine_session *x, co
     uint64_t t0 = engine_now_ns();
     int rc = spill_store_save(t->spill, x->id, x->seq, x->last_used_unix_ms, err, sizeof(err));
     if (rc) {
+        t->spill_stats.save_failed++;
         engine_log(t->hooks, ENGINE_LOG_WARN, "session %s lost: cannot save it (%s): %s", x->id,
                    why, err);
         return;
     }
+    struct spill_entry se;
+    t->spill_stats.saved++;
+    if (spill_store_find(t->spill, x->id, &se))
+        t->spill_stats.bytes_saved += se.bytes;
     engine_log(t->hooks, ENGINE_LOG_INFO,
                "session %s saved to disk (%s): %d tokens of a history of %d in %.1f ms", x->id,
                why, kv_seq_n_tokens(x->seq), kv_seq_history(x->seq, NULL),
@@ -97,12 +102,15 @@ static void restore(engine *e, struct engine_session *x)
     if (rc == -ENOENT)
         return; /* never saved: a new session */
     if (rc) {
+        t->spill_stats.refused++;
         engine_log(t->hooks, ENGINE_LOG_WARN,
                    "session %s: its file is refused (%s): starting it afresh (a cache miss)%s",
                    x->id, err, rc == -EBADMSG ? "; the file is removed" : "");
         return;
     }
     x->last_used_unix_ms = se.last_used_ms;
+    t->spill_stats.restored++;
+    t->spill_stats.bytes_restored += se.bytes;
     engine_log(t->hooks, ENGINE_LOG_INFO,
                "session %s restored from disk: %d tokens of a history of %d, %" PRIu64
                " bytes in %.1f ms",

@@ -33,7 +33,7 @@
 
 #define SPILL_MAGIC "KVDSESS1"
 #define SPILL_ENDIAN 0x01020304u
-#define SPILL_VERSION 1u
+#define SPILL_VERSION 2u /* 2: pinned spans */
 #define IO_BUF (1u << 20)
 #define SHAPE_WORDS 7
 #define POLICY_WORDS 9
@@ -308,7 +308,7 @@ static void put_payload(struct io *o, kv_seq *seq)
     int32_t pol[POLICY_WORDS] = {(int32_t)p->kind,  p->max_cache_tokens, p->sink_tokens,
                                  p->window_tokens,  p->heavy_tokens,     p->observe_tokens,
                                  p->pool_tokens,    p->knorm_smallest,   p->renumber};
-    int32_t misc[MISC_WORDS] = {st.next_pos, st.n_turns, st.turn_low, 0};
+    int32_t misc[MISC_WORDS] = {st.next_pos, st.n_turns, st.turn_low, st.n_pins};
     out_put(o, shape, sizeof(shape));
     out_put(o, pol, sizeof(pol));
     out_put(o, misc, sizeof(misc));
@@ -322,6 +322,10 @@ static void put_payload(struct io *o, kv_seq *seq)
         out_i32(o, st.turns[t].hist_start);
         out_i32(o, st.turns[t].n_tokens);
         out_i32(o, st.turns[t].n_messages);
+    }
+    for (int k = 0; k < st.n_pins; k++) {
+        out_i32(o, st.pins[k].start);
+        out_i32(o, st.pins[k].end);
     }
     for (int layer = 0; layer < l.n_layer; layer++) {
         if (layer == l.n_layer / 2)
@@ -479,6 +483,7 @@ struct arrays {
     int32_t *hist, *ids, *pos, *hidx;
     float *mass;
     struct kv_turn *turns;
+    struct kv_span pins[KV_MAX_PINS];
 };
 
 static void arrays_free(struct arrays *a)
@@ -521,10 +526,10 @@ static int get_prologue(struct io *in, kv_seq *seq, int32_t pol[POLICY_WORDS],
     return 0;
 }
 
-/* Read the arrays (n_turns from misc) after checking that they and the
- * rows add up to the payload exactly. */
+/* Read the arrays (n_turns and n_pins from misc) after checking that they
+ * and the rows add up to the payload exactly. */
 static int get_arrays(struct io *in, const struct spill_head *h, kv_seq *seq, int32_t n_turns,
-                      struct arrays *a, char *err, size_t errlen)
+                      int32_t n_pins, struct arrays *a, char *err, size_t errlen)
 {
     struct kv_layout l;
     kv_cache_layout(kv_seq_cache(seq), &l);
@@ -534,7 +539,11 @@ static int get_arrays(struct io *in, const struct spill_head *h, kv_seq *seq, in
         snprintf(err, errlen, "%d turns in a history of %" PRIu64, n_turns, nh);
         return -EBADMSG;
     }
-    want += 12ull * (uint64_t)n_turns;
+    if (n_pins < 0 || n_pins > KV_MAX_PINS) {
+        snprintf(err, errlen, "%d pinned spans (at most %d)", n_pins, KV_MAX_PINS);
+        return -EBADMSG;
+    }
+    want += 12ull * (uint64_t)n_turns + 8ull * (uint64_t)n_pins;
     want += nt * (uint64_t)l.n_layer * (uint64_t)l.n_kv_head * (l.k_row_bytes + l.v_row_bytes);
     if (want != h->payload_bytes) {
         snprintf(err, errlen, "payload of %" PRIu64 " bytes, its counts make %" PRIu64,
@@ -560,6 +569,10 @@ static int get_arrays(struct io *in, const struct spill_head *h, kv_seq *seq, in
         a->turns[t].hist_start = in_i32(in);
         a->turns[t].n_tokens = in_i32(in);
         a->turns[t].n_messages = in_i32(in);
+    }
+    for (int k = 0; k < n_pins; k++) {
+        a->pins[k].start = in_i32(in);
+        a->pins[k].end = in_i32(in);
     }
     if (in->err) {
         snprintf(err, errlen, "truncated payload");
@@ -619,7 +632,7 @@ int spill_read(const char *path, const char *id, uint64_t fingerprint, kv_seq *s
     }
     sum_init(&in.sum);
     if ((rc = get_prologue(&in, seq, pol, misc, err, errlen)) != 0 ||
-        (rc = get_arrays(&in, &h, seq, misc[1], &a, err, errlen)) != 0)
+        (rc = get_arrays(&in, &h, seq, misc[1], misc[3], &a, err, errlen)) != 0)
         goto out;
     /* Scores of knorm (key norms) and of the others (attention mass) do not
      * mix: moving between them starts afresh, as kv_seq_set_policy does. */
@@ -636,12 +649,16 @@ int spill_read(const char *path, const char *id, uint64_t fingerprint, kv_seq *s
                               .next_pos = misc[0],
                               .n_turns = misc[1],
                               .turns = a.turns,
-                              .turn_low = misc[2]};
+                              .turn_low = misc[2],
+                              .n_pins = misc[3],
+                              .pins = a.pins};
     char why[256];
     rc = kv_seq_import(seq, &st, why, sizeof(why));
     if (rc) {
         snprintf(err, errlen, "%s: %s", path, why);
-        rc = rc == -EINVAL ? -EBADMSG : rc;
+        /* a state the cache refuses is a bad file; pins the policy in
+         * effect has no room for (a reload shrank it) are this config's */
+        rc = rc == -EINVAL ? -EBADMSG : rc == -E2BIG ? -ESTALE : rc;
         goto out;
     }
     get_rows(&in, seq);

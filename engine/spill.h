@@ -18,7 +18,7 @@
  *
  *   header, SPILL_HEAD_BYTES:
  *     0   magic "KVDSESS1"           8   u32 0x01020304 (byte order)
- *     12  u32 version (1)            16  u64 fingerprint (spill_fingerprint)
+ *     12  u32 version (2)            16  u64 fingerprint (spill_fingerprint)
  *     24  u64 payload bytes          32  u64 payload checksum
  *     40  i64 last used (unix ms)    48  i32 history tokens
  *     52  i32 retained tokens        56  i32 id length (1..SPILL_ID_MAX)
@@ -30,11 +30,12 @@
  *     the policy the session ran under: i32 kind, max_cache_tokens,
  *            sink_tokens, window_tokens, heavy_tokens, observe_tokens,
  *            pool_tokens, knorm_smallest, renumber
- *     i32 next position, turns, turn low-water mark, 0
+ *     i32 next position, turns, turn low-water mark, pinned spans
  *     i32 history [history tokens]
  *     i32 ids, positions, history indices [retained tokens each]
  *     f32 scores [retained tokens]
  *     i32 turns [turns][3]: history start, tokens, messages
+ *     i32 pinned spans [pinned spans][2]: history start, end (excluded)
  *     K and V rows in their stored type: for each layer, for each KV
  *     head, the K rows of every retained token, then their V rows.
  *
@@ -51,8 +52,12 @@
  * the cache refuses); -ESTALE written for another model or another KV
  * layout; -ENOSPC / -ENOMEM no room in the pool (or too many tokens for
  * the policy); file system errors as they come (-EROFS, -EACCES, -ENOSPC
- * for a full disk, -EIO). Every refusal leaves the sequence empty and the
- * engine goes on with a cache miss. Engine thread only.
+ * for a full disk, -EIO). A file of another format version (1 had no
+ * pinned spans) is -ESTALE and left alone, as another model's is; the
+ * session's next save writes over it. Pinned spans the policy in effect
+ * has no room for (a reload shrank the budget) are -ESTALE too. Every
+ * refusal leaves the sequence empty and the engine goes on with a cache
+ * miss. Engine thread only.
  */
 #ifndef KVD_ENGINE_SPILL_H
 #define KVD_ENGINE_SPILL_H

@@ -278,6 +278,27 @@ static void render_prefix(struct tbuf *b, const struct srv_engine_gauges *g)
                    p->pages_reclaimed);
 }
 
+/* Sessions on disk ([sessions] dir; engine/sessions_spill.c). */
+static void render_spill(struct tbuf *b, const struct srv_engine_gauges *g)
+{
+    render_counter(b, "kvd_sessions_spilled_total",
+                   "Sessions written to [sessions] dir instead of lost.", g->spill_saved);
+    render_counter(b, "kvd_sessions_spill_failed_total",
+                   "Sessions that could not be written to [sessions] dir, and were lost.",
+                   g->spill_save_failed);
+    render_counter(b, "kvd_sessions_restored_total", "Sessions read back from [sessions] dir.",
+                   g->spill_restored);
+    render_counter(b, "kvd_sessions_restore_refused_total",
+                   "Session files refused when read (another model or format, corrupted, "
+                   "truncated, no room): a cache miss.",
+                   g->spill_refused);
+    render_counter(b, "kvd_sessions_spilled_bytes_total",
+                   "Bytes of session files written to [sessions] dir.", g->spill_bytes_saved);
+    render_counter(b, "kvd_sessions_restored_bytes_total",
+                   "Bytes of session files read back from [sessions] dir.",
+                   g->spill_bytes_restored);
+}
+
 char *srv_metrics_render(srv_metrics *m, size_t *len)
 {
     /* Copy under the lock, format outside it. */
@@ -371,6 +392,7 @@ char *srv_metrics_render(srv_metrics *m, size_t *len)
                    "Idle sessions dropped whole because the pool was short.", c.g.sessions_dropped);
     if (c.g.prefix_on)
         render_prefix(&b, &c.g);
+    render_spill(&b, &c.g);
     render_gauge(&b, "kvd_config_generation",
                  "Config generation: 1 at start, +1 for each successful reload.",
                  (double)c.config_generation);

@@ -34,6 +34,10 @@ struct srv_engine_gauges {
     struct kv_prefix_stats prefix;     /* its index */
     uint64_t prefix_prompt_tokens;     /* prompt tokens of requests that could attach */
     uint64_t prefix_hit_tokens;        /* ... of them attached from the prefix cache */
+    /* [sessions] dir (engine_spill_stats): sessions written, lost for a failed
+     * write, read back, files refused on reading; file bytes written, read */
+    uint64_t spill_saved, spill_save_failed, spill_restored, spill_refused;
+    uint64_t spill_bytes_saved, spill_bytes_restored;
 };
 
 /* Every function is thread-safe (one mutex, never held with another). */

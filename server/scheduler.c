@@ -202,6 +202,12 @@ static void publish(srv_sched *s)
         .prefix = st.prefix,
         .prefix_prompt_tokens = st.prefix_prompt_tokens,
         .prefix_hit_tokens = st.prefix_hit_tokens,
+        .spill_saved = st.spill.saved,
+        .spill_save_failed = st.spill.save_failed,
+        .spill_restored = st.spill.restored,
+        .spill_refused = st.spill.refused,
+        .spill_bytes_saved = st.spill.bytes_saved,
+        .spill_bytes_restored = st.spill.bytes_restored,
     };
     srv_metrics_engine(s->metrics, &g);
 }

@@ -102,8 +102,10 @@ struct answer {
 };
 
 /* Run prompt[0..n) on session sess (max_tokens tokens, greedy, EOS
- * ignored) to its end. */
-static struct answer run(engine *e, const char *sess, const int32_t *prompt, int n, int max_tokens)
+ * ignored) to its end, pinning prompt tokens [keep_start, keep_end) (none
+ * when equal). */
+static struct answer run_keep(engine *e, const char *sess, const int32_t *prompt, int n,
+                              int max_tokens, int keep_start, int keep_end)
 {
     struct answer a = {0};
     struct engine_req *r = engine_req_new(ENGINE_REQ_COMPLETION);
@@ -116,6 +118,12 @@ static struct answer run(engine *e, const char *sess, const int32_t *prompt, int
     r->ignore_eos = true;
     r->want_tokens = true;
     r->session = sess ? strdup(sess) : NULL;
+    if (keep_end > keep_start) {
+        r->keep = malloc(sizeof(*r->keep));
+        assert_non_null(r->keep);
+        r->keep[0] = (struct kv_span){keep_start, keep_end};
+        r->n_keep_ranges = 1;
+    }
     model_sampling_defaults(&r->sampling);
     r->sampling.temperature = 0;
     assert_int_equal(engine_submit(e, r), 0);
@@ -139,6 +147,40 @@ static struct answer run(engine *e, const char *sess, const int32_t *prompt, int
     assert_true(done);
     engine_req_free(r);
     return a;
+}
+
+static struct answer run(engine *e, const char *sess, const int32_t *prompt, int n, int max_tokens)
+{
+    return run_keep(e, sess, prompt, n, max_tokens, 0, 0);
+}
+
+/* The engine's counters of [sessions] dir. */
+static struct engine_spill_stats spill_stats(const engine *e)
+{
+    struct engine_stats st;
+    engine_get_stats(e, &st);
+    return st.spill;
+}
+
+/* Session id's pinned spans (GET /v1/sessions/ID's) into sp; the count. */
+static int session_pins(engine *e, const char *id, struct kv_span sp[KV_MAX_PINS])
+{
+    struct engine_req *r = engine_req_new(ENGINE_REQ_SESSION_INFO);
+    assert_non_null(r);
+    r->session = strdup(id);
+    assert_int_equal(engine_submit(e, r), 0);
+    int n = -1;
+    for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
+        next = ev->next;
+        if (ev->kind == ENGINE_EV_DONE && ev->req == r) {
+            assert_true(ev->session.found);
+            n = ev->session.n_pins;
+            memcpy(sp, ev->session.pins, sizeof(*sp) * (size_t)n);
+        }
+        engine_event_free(ev);
+    }
+    engine_req_free(r);
+    return n;
 }
 
 static void assert_same(const struct answer *a, const struct answer *b)
@@ -279,8 +321,18 @@ static void test_lru_saves(void **state)
     assert_same(&a1, &r1);
     run(e, "two", q, N1, 4);
     assert_true(logged("session one saved to disk (max_sessions)"));
+    struct engine_spill_stats ss = spill_stats(e);
+    assert_int_equal(ss.saved, 1);
+    assert_true(ss.bytes_saved > 0);
+    assert_int_equal(ss.restored, 0);
     second_prompt(p2, p1, &a1);
     struct answer a2 = run(e, "one", p2, N2, G1);
+    /* "two" went to disk for "one" to come back, whose file was as long */
+    ss = spill_stats(e);
+    assert_int_equal(ss.saved, 2);
+    assert_int_equal(ss.restored, 1);
+    assert_true(ss.bytes_restored > 0 && ss.bytes_restored < ss.bytes_saved);
+    assert_int_equal(ss.refused, 0);
     struct answer r2 = run(ref, "one", p2, N2, G1);
     assert_int_equal(a2.cached, r2.cached);
     assert_same(&a2, &r2);
@@ -302,6 +354,53 @@ static void test_lru_saves(void **state)
     engine_destroy(ref);
 }
 
+/*
+ * Pinned spans travel in the file (format 2): a session whose first request
+ * pinned prompt tokens [100, 120) is saved and read back by another engine
+ * with the same pins, keeps those tokens through the evictions of its next
+ * request, and ends exactly as the session that never left (the same
+ * tokens, the same retained ids; without its pins it would have evicted
+ * them).
+ */
+static void test_pins_saved(void **state)
+{
+    (void)state;
+    struct kv_policy pol = sink_window;
+    pol.window_auto = true; /* the pins take their room from the window */
+    struct setup s = {.m = lib_model, .dir = fresh_dir("pins"), .kv = KV_F16, .pol = pol,
+                      .pages = 64};
+    engine *a = make_engine(&s);
+    int32_t p1[N1], p2[N2];
+    fill_prompt(p1, N1, 0);
+    struct answer a1 = run_keep(a, "s", p1, N1, G1, 100, 120);
+    struct kv_span sp[KV_MAX_PINS];
+    assert_int_equal(session_pins(a, "s", sp), 1);
+    engine_save_sessions(a);
+    engine *b = make_engine(&s);
+    second_prompt(p2, p1, &a1);
+    logs[0] = '\0';
+    struct answer b2 = run(b, "s", p2, N2, G1);
+    assert_true(logged("session s restored from disk"));
+    assert_int_equal(session_pins(b, "s", sp), 1);
+    assert_int_equal(sp[0].start, 100);
+    assert_int_equal(sp[0].end, 120);
+    struct answer a2 = run(a, "s", p2, N2, G1);
+    assert_int_equal(b2.cached, a2.cached);
+    assert_same(&b2, &a2);
+    int na, nb;
+    const int32_t *ta = engine_session_tokens(a, "s", &na);
+    const int32_t *tb = engine_session_tokens(b, "s", &nb);
+    assert_int_equal(na, nb);
+    assert_memory_equal(ta, tb, sizeof(int32_t) * (size_t)na);
+    bool kept = false; /* the pinned tokens, in a row, among the few retained */
+    for (int i = 0; i + 20 <= nb && !kept; i++)
+        kept = memcmp(tb + i, p1 + 100, sizeof(int32_t) * 20) == 0;
+    assert_true(kept);
+    assert_true(nb < N2 - 100);
+    engine_destroy(a);
+    engine_destroy(b);
+}
+
 /* ------------------------------------------------------------------------
  * Faults: every bad file or directory is a log line and a miss
  * ------------------------------------------------------------------------ */
@@ -320,11 +419,16 @@ static void save_one(const struct setup *s, int32_t *p1, struct answer *a1, char
 }
 
 /* The second request on an engine of setup s must be a miss that answers
- * as a fresh session does. */
-static void expect_miss(const struct setup *s, const int32_t *p2)
+ * as a fresh session does; `refused` files were refused on the way (the
+ * engine's counters: nothing restored). */
+static void expect_miss(const struct setup *s, const int32_t *p2, int refused)
 {
     engine *b = make_engine(s);
     struct answer b2 = run(b, "s", p2, N2, G1);
+    struct engine_spill_stats ss = spill_stats(b);
+    assert_int_equal(ss.refused, refused);
+    assert_int_equal(ss.restored, 0);
+    assert_int_equal(ss.bytes_restored, 0);
     engine_destroy(b);
     struct setup plain = *s;
     plain.dir = NULL;
@@ -368,7 +472,7 @@ static void damaged_is_miss(const char *name, void (*damage)(const char *path, i
     damage(path, k);
     logs[0] = '\0';
     second_prompt(p2, p1, &a1);
-    expect_miss(&s, p2);
+    expect_miss(&s, p2, 1);
     if (!logged(want))
         fail_msg("no log line with '%s' in:\n%s", want, logs);
     assert_true(logged("its file is refused"));
@@ -402,6 +506,32 @@ static void test_fault_truncated(void **state)
         damaged_is_miss("trunc", cut, k, "truncated");
 }
 
+/* A file of format version 1 (before pinned spans) is refused and left
+ * alone, a miss like another model's file; the session's next save writes
+ * over it. */
+static void test_fault_old_version(void **state)
+{
+    (void)state;
+    struct setup s = {.m = lib_model, .dir = fresh_dir("v1"), .kv = KV_F16, .pol = sink_window,
+                      .pages = 64};
+    int32_t p1[N1], p2[N2];
+    struct answer a1;
+    char path[700];
+    save_one(&s, p1, &a1, path, sizeof(path));
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    uint32_t v1 = 1;
+    assert_int_equal(fseek(f, 12, SEEK_SET), 0);
+    assert_int_equal(fwrite(&v1, 4, 1, f), 1);
+    fclose(f);
+    second_prompt(p2, p1, &a1);
+    logs[0] = '\0';
+    expect_miss(&s, p2, 1);
+    assert_true(logged("format version (1)"));
+    assert_true(logged("its file is refused"));
+    assert_int_equal(count_files(s.dir, ".kvs", NULL, 0), 1);
+}
+
 /* A file written for another model (or another KV type) is refused and
  * left alone: it may be another daemon's. */
 static void test_fault_foreign(void **state)
@@ -422,7 +552,7 @@ static void test_fault_foreign(void **state)
     second_prompt(p2, p1, &a1);
     s.m = lib_model; /* the same shapes, another model */
     logs[0] = '\0';
-    expect_miss(&s, p2);
+    expect_miss(&s, p2, 1);
     assert_true(logged("written for another model"));
     /* The fresh session was saved nowhere yet; the foreign file stays. */
     assert_int_equal(count_files(s.dir, ".kvs", NULL, 0), 1);
@@ -430,7 +560,7 @@ static void test_fault_foreign(void **state)
     s.m = other;
     s.kv = KV_F32;
     logs[0] = '\0';
-    expect_miss(&s, p2);
+    expect_miss(&s, p2, 1);
     assert_true(logged("written for another model or KV type"));
     model_free(other);
     su_remove_dir(dir2);
@@ -479,12 +609,15 @@ static void test_fault_readonly_dir(void **state)
     fill_prompt(p1, N1, 0);
     struct answer a1 = run(a, "s", p1, N1, G1);
     engine_save_sessions(a); /* fails, says so, and the engine goes on */
+    struct engine_spill_stats ss = spill_stats(a);
+    assert_int_equal(ss.save_failed, 1);
+    assert_int_equal(ss.saved, 0);
     engine_destroy(a);
     make_readonly(s.dir, false);
     assert_true(logged("session s lost: cannot save it (shutdown)"));
     assert_int_equal(count_files(s.dir, ".kvs", NULL, 0) + count_files(s.dir, ".tmp", NULL, 0), 0);
     second_prompt(p2, p1, &a1);
-    expect_miss(&s, p2);
+    expect_miss(&s, p2, 0);
 }
 
 /* A full disk, as the file-size limit makes one (EFBIG where ENOSPC would
@@ -709,6 +842,8 @@ static void test_restart_continues(void **state)
     assert_string_equal(json_string_value(json_object_get(item, "id")), "long");
     assert_string_equal(json_string_value(json_object_get(item, "state")), "saved");
     assert_int_equal(json_integer_value(json_object_get(item, "tokens")), n_hist);
+    double file_bytes = (double)json_integer_value(json_object_get(item, "bytes"));
+    assert_true(file_bytes > 0);
     json_decref(list);
     va = turn(a.port, "long", p2, 16);
     vr = turn(ref.port, "long", p2, 16);
@@ -720,6 +855,10 @@ static void test_restart_continues(void **state)
     assert_true(json_equal(json_object_get(va, "tokens"), json_object_get(vr, "tokens")));
     assert_int_equal(kvd_int(va, "retained_tokens"), kvd_int(vr, "retained_tokens"));
     assert_true(su_file_has(a.log, "session long restored from disk"));
+    assert_true(su_metric(a.port, "kvd_sessions_restored_total") == 1);
+    assert_true(su_metric(a.port, "kvd_sessions_restored_bytes_total") == file_bytes);
+    assert_true(su_metric(a.port, "kvd_sessions_restore_refused_total") == 0);
+    assert_true(su_metric(a.port, "kvd_sessions_spilled_total") == 0);
     json_decref(va);
     json_decref(vr);
 
@@ -815,6 +954,8 @@ int main(void)
         cmocka_unit_test(test_roundtrip_sink_window),
         cmocka_unit_test(test_roundtrip_h2o),
         cmocka_unit_test(test_lru_saves),
+        cmocka_unit_test(test_pins_saved),
+        cmocka_unit_test(test_fault_old_version),
         cmocka_unit_test(test_fault_corrupted),
         cmocka_unit_test(test_fault_truncated),
         cmocka_unit_test(test_fault_foreign),
