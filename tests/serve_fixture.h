@@ -246,6 +246,25 @@ SU_FN void check_error_json(const struct resp *r)
     json_decref(v);
 }
 
+/* POST body to /v1/completions as a stream on c (open; the caller closes
+ * it) and read its head and first chunk: 0, or -1. */
+SU_FN int start_stream(struct hc *c, int port, const char *body)
+{
+    if (hc_open(c, port))
+        return -1;
+    if (hc_request(c, "POST", "/v1/completions", NULL, body))
+        return -1;
+    struct resp r;
+    if (hc_read_head(c, &r) || r.status != 200)
+        return -1;
+    char *d;
+    size_t n;
+    if (hc_read_chunk(c, &d, &n) != 1)
+        return -1;
+    free(d);
+    return 0;
+}
+
 /* The prompt's token ids (the in-process model's tokenizer) as a JSON array. */
 SU_FN json_t *tokens_json(const char *text, bool bos)
 {

@@ -572,24 +572,6 @@ static void test_serve_n_limits(void **state)
     json_decref(v);
 }
 
-/* Start an n-choice stream and read its head and first chunk. */
-static int start_stream(struct hc *c, int port, const char *body)
-{
-    if (hc_open(c, port))
-        return -1;
-    if (hc_request(c, "POST", "/v1/completions", NULL, body))
-        return -1;
-    struct resp r;
-    if (hc_read_head(c, &r) || r.status != 200)
-        return -1;
-    char *d;
-    size_t n;
-    if (hc_read_chunk(c, &d, &n) != 1)
-        return -1;
-    free(d);
-    return 0;
-}
-
 /*
  * A client leaving mid-stream ends every choice: three sequences run while
  * it reads; when it goes, none does, and every page is back in the pool

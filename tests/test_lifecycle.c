@@ -50,24 +50,6 @@
  * Tests: queue, cancellation, auth, reload, timeouts, shutdown
  * ------------------------------------------------------------------------ */
 
-/* Start a stream and read its head and first chunk. */
-static int start_stream(struct hc *c, int port, const char *body)
-{
-    if (hc_open(c, port))
-        return -1;
-    if (hc_request(c, "POST", "/v1/completions", NULL, body))
-        return -1;
-    struct resp r;
-    if (hc_read_head(c, &r) || r.status != 200)
-        return -1;
-    char *d;
-    size_t n;
-    if (hc_read_chunk(c, &d, &n) != 1)
-        return -1;
-    free(d);
-    return 0;
-}
-
 static void test_queue_full_and_cancel(void **state)
 {
     (void)state;
