@@ -61,11 +61,12 @@ int engine_choices_n(const struct engine_req *q)
 }
 
 /*
- * An answer's pages: the pages of max_tokens tokens plus the copy of the
- * prompt's shared last page(s) its first token makes, but never more than
- * a sequence may hold (a policy that evicts keeps each fork within its
- * budget; the prompt's pages it lets go are shared and free nothing). The
- * cache's formula counts them (kv_cache_pages_for), windowed layers too.
+ * An answer's pages: those of max_tokens tokens as the cache counts a
+ * sequence's (kv_cache_pages_for, windowed layers too: one page more than
+ * the tokens fill, which is the copy of the prompt's shared last page the
+ * first token makes), but never more than a sequence may hold (a policy
+ * that evicts keeps each fork within its budget; the prompt's pages it lets
+ * go are shared and free nothing).
  */
 int engine_choices_pages(const engine *e, const struct engine_req *q)
 {
@@ -73,10 +74,8 @@ int engine_choices_pages(const engine *e, const struct engine_req *q)
     if (n <= 1)
         return 0;
     const struct kv_policy *pol = &e->lim.policy;
-    int64_t answer = kv_cache_pages_for(e->cache, pol, q->max_tokens, e->lim.step_tokens) +
-                     kv_cache_token_pages(e->cache);
-    int64_t whole = kv_cache_pages_for(e->cache, pol, pol->max_cache_tokens, e->lim.step_tokens);
-    return (int)((answer < whole ? answer : whole) * n);
+    int64_t answer = kv_cache_pages_for(e->cache, pol, q->max_tokens, e->lim.step_tokens);
+    return (int)(answer * n);
 }
 
 /* Choice i's run: a fork of r's sequence and a copy of everything r's

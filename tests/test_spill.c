@@ -699,7 +699,7 @@ static void test_windowed_not_saved(void **state)
     assert_true(logged("sliding-window layers"));
     assert_int_equal(count_files(s.dir, ".kvs", NULL, 0) + count_files(s.dir, ".tmp", NULL, 0), 0);
     second_prompt(p2, p1, &a1);
-    expect_miss(&s, p2);
+    expect_miss(&s, p2, 0);
     model_free(m);
 }
 
