@@ -82,8 +82,17 @@ static void print_layout(const struct cfg *c)
     else
         printf("# one session: at most %d tokens in %lld pages of %lld tokens (bytes: %s)\n",
                p.max_cache_tokens, pages, page, why);
-    if (note[0]) /* the windowed layers' own budget (cache/window.c) */
-        printf("# %s\n", note);
+    if (!note[0])
+        return;
+    /* the windowed layers' own budget (cache/window.c), and what such a
+     * model runs without (engine/prefix.c, engine/spill.c say so at start) */
+    printf("# %s\n", note);
+    if (c->cache.prefix_cache)
+        printf("# prefix cache: off for this model (sliding-window layers keep per-sequence "
+               "pages)\n");
+    if (c->sessions.dir[0])
+        printf("# [sessions] dir: this model's sessions are not saved (its sliding-window "
+               "layers drop rows a session file holds)\n");
 }
 
 static void check_config_usage(FILE *f)

@@ -22,6 +22,7 @@
 #include "engine/engine.h"
 #include "engine/engine_internal.h" /* white-box: the engine's pacing model */
 #include "engine/pace.h"
+#include "model/mkmodel.h"
 #include "model/model.h"
 #include "tests/serve_fixture.h"
 
@@ -249,13 +250,14 @@ static void test_eviction_events(void **state)
 }
 
 /* An engine for sessions (up to 4) under pol, 32 pages of 16 tokens. */
-static engine *session_engine(const struct kv_policy *pol)
+static engine *session_engine(const model *m, const struct kv_policy *pol)
 {
     struct kv_cache_params shape = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
-    model_kv_shape(lib_model, &shape);
+    model_kv_shape(m, &shape);
+    int64_t pages = 2 * kv_cache_sequence_pages(&shape, pol, 64); /* two sequences' worth */
     struct engine_params p = {
-        .m = lib_model,
-        .cache_memory = kv_cache_memory_for(&shape, 32),
+        .m = m,
+        .cache_memory = kv_cache_memory_for(&shape, pages > 32 ? pages : 32),
         .page_tokens = 16,
         .k_type = KV_F32,
         .v_type = KV_F32,
@@ -308,9 +310,10 @@ static void run_answer(engine *e, const char *session, bool fork, int max_tokens
  * answer's appends evicted; and the answer is the one the sequence itself
  * would have decoded.
  */
-static void test_fork_answer(void **state)
+/* The checks on model m; returns the pool pages of sliding-window layers
+ * the forking engine dropped (cache/window.c). */
+static uint64_t fork_answer_case(const model *m)
 {
-    (void)state;
     struct kv_policy pol = {
         .kind = KV_EVICT_SINK_WINDOW, .sink_tokens = 4, .window_tokens = 32, .renumber = true};
     struct kv_budget b;
@@ -318,11 +321,12 @@ static void test_fork_answer(void **state)
     pol.max_cache_tokens = (int)b.need_tokens; /* 64: the 100-token prompt evicts, so does the answer */
     int32_t forked[40], plain[40], alone[40], none[1];
     struct engine_usage uf, up, ua, u0;
-    engine *ef = session_engine(&pol), *e0 = session_engine(&pol), *ep = session_engine(&pol);
+    engine *ef = session_engine(m, &pol), *e0 = session_engine(m, &pol),
+           *ep = session_engine(m, &pol);
     run_answer(ef, "s", true, 40, forked, &uf);
     run_answer(e0, "s", false, 0, none, &u0);   /* the prompt alone */
     run_answer(ep, "s", false, 40, plain, &up); /* the answer in the session itself */
-    engine *ea = session_engine(&pol);
+    engine *ea = session_engine(m, &pol);
     run_answer(ea, NULL, false, 40, alone, &ua);
     engine_destroy(ea);
 
@@ -351,6 +355,38 @@ static void test_fork_answer(void **state)
     engine_destroy(ef);
     engine_destroy(e0);
     engine_destroy(ep);
+    return sf.kv.window_pages_dropped;
+}
+
+/* On the scratch model, and on a Gemma 3 shape whose five local layers in
+ * six keep only their 16-token window (cache/window.c): the fork shares
+ * those layers' pages too and copies the one it writes. */
+static void test_fork_answer(void **state)
+{
+    (void)state;
+    assert_int_equal(fork_answer_case(lib_model), 0);
+    struct model_mk_params mp;
+    model_mk_defaults(&mp);
+    mp.arch = "gemma3";
+    mp.n_embd = 64;
+    mp.n_head = 4;
+    mp.n_kv_head = 2;
+    mp.head_dim = 16;
+    mp.n_layer = 6;
+    mp.n_ff = 96;
+    mp.n_vocab = 300;
+    mp.sliding_window = 16;
+    char path[700], err[512];
+    snprintf(path, sizeof(path), "%s/windowed.gguf", tmpdir);
+    assert_int_equal(model_mk_write(&mp, path, err, sizeof(err)), 0);
+    struct model_params lp = {.path = path};
+    model *m = model_load(&lp, err, sizeof(err));
+    assert_non_null(m);
+    uint64_t dropped = fork_answer_case(m);
+    print_message("windowed model: %llu pool pages of its local layers dropped\n",
+                  (unsigned long long)dropped);
+    assert_true(dropped > 0);
+    model_free(m);
 }
 
 /* ------------------------------------------------------------------------

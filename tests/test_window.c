@@ -691,13 +691,15 @@ static void test_commands(void **state)
     FILE *f = fopen(conf, "w");
     fprintf(f,
             "[model]\npath = %s\n[cache]\nmemory = 64MiB\n[eviction]\nmax_cache_tokens = "
-            "4096\n",
-            path);
+            "4096\n[sessions]\ndir = %s\n",
+            path, tmp_dir);
     fclose(f);
     snprintf(args, sizeof(args), "check-config %s", conf);
     assert_int_equal(run_kvd(args, true, out, sizeof(out)), 0);
     assert_true(su_file_has(out, "with the 5 sliding-window layers (of 6, window 16) keeping only "
                                  "their window"));
+    assert_true(su_file_has(out, "prefix cache: off for this model (sliding-window layers"));
+    assert_true(su_file_has(out, "[sessions] dir: this model's sessions are not saved"));
 }
 
 int main(int argc, char **argv)
