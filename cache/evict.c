@@ -59,9 +59,16 @@
  * last is full and only whole pages leave, logical token i stays at page
  * i / page_tokens, slot i % page_tokens: no byte moves at all.
  *
- * When the sequence sits at its budget, each page-sized run of appended
- * tokens costs one eviction step of one page, so the step's cost is spread
- * over page_tokens tokens. kv_policy_check demands
+ * When the sequence sits at its budget, each step frees the budget's step
+ * (kv_budget.step_tokens) where the window leaves that many evictable
+ * pages: a page below budgets of 512 pages, else 1/256 of the budget. The
+ * renumber is O(retained), so a one-page step at 128k costs microseconds
+ * per evicted token, more than a context shift's re-rotation per token;
+ * freeing budget / 256 at once spreads it to about 256 position writes per
+ * evicted token at every budget (bench_cache measures both). The automatic
+ * window leaves exactly that slack; an explicit window bounds the step by
+ * the slack it leaves, and the tokens kept are always the sinks and at
+ * least the window. kv_policy_check demands
  * max_cache_tokens >= sp*page_tokens + window_tokens + page_tokens so that a
  * full sequence always has at least one evictable page.
  *
@@ -164,6 +171,24 @@ int kv_policy_parse_kind(const char *name, enum kv_policy_kind *out)
     return -EINVAL;
 }
 
+/* Budget / STEP_DIVISOR, in whole pages, is sink-window's eviction step. */
+#define STEP_DIVISOR 256
+
+/* sink-window: the step (kv_cache.h's budget terms): budget / STEP_DIVISOR
+ * in whole pages, at least one, within the slack an explicit window leaves
+ * (at the budget only the pages before the window may go) and, for the
+ * automatic window, the room (the window keeps at least a page). */
+static int64_t eviction_step(const struct kv_policy *p, int64_t page, const struct kv_budget *b)
+{
+    int64_t step = p->max_cache_tokens / (STEP_DIVISOR * page) * page;
+    int64_t slack = p->window_tokens > 0 ? p->max_cache_tokens - b->kept_tokens - p->window_tokens
+                                         : b->window_room;
+    slack = slack / page * page;
+    if (step > slack)
+        step = slack;
+    return step > page ? step : page;
+}
+
 void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budget *out)
 {
     int64_t page = page_tokens > 0 ? page_tokens : 1;
@@ -174,6 +199,7 @@ void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budg
         .need_tokens = 1,
         .sequence_pages = (max > 0 ? (max + page - 1) / page : 0) + 1,
     };
+    out->step_tokens = page;
     switch (p->kind) {
     case KV_EVICT_SINK_WINDOW:
         out->kept_tokens = (sinks + page - 1) / page * page; /* sinks are whole pages */
@@ -185,8 +211,12 @@ void kv_policy_budget(const struct kv_policy *p, int page_tokens, struct kv_budg
     }
     out->floor_tokens = out->kept_tokens + page;
     out->window_room = max - out->floor_tokens;
-    if (p->window_tokens <= 0)
-        out->window_tokens = out->window_room > 0 ? out->window_room : 0;
+    if (p->kind == KV_EVICT_SINK_WINDOW)
+        out->step_tokens = eviction_step(p, page, out);
+    if (p->window_tokens <= 0) {
+        int64_t w = out->window_room - (out->step_tokens - page);
+        out->window_tokens = w > 0 ? w : 0;
+    }
     out->need_tokens = out->floor_tokens + p->window_tokens;
 }
 
@@ -330,8 +360,16 @@ int kv_evict_plan(const kv_seq *s, int target)
         return h2o_keep(s); /* one step down to the floor */
     switch (s->policy.kind) {
     case KV_EVICT_SINK_WINDOW: {
+        /* the fewest whole pages, or the budget's step where the window
+         * leaves that many evictable: the step's O(retained) renumber is
+         * spread over at least step_tokens tokens */
         int pt = s->cache->layout.page_tokens;
-        int pages = (s->n_tokens - target + pt - 1) / pt; /* fewest whole pages */
+        int pages = (s->n_tokens - target + pt - 1) / pt;
+        struct kv_budget b;
+        kv_policy_budget(&s->policy, pt, &b);
+        int step = (int)(b.step_tokens / pt), ev = evictable_pages(s);
+        if (pages < step)
+            pages = step < ev ? step : ev;
         return s->n_tokens - pages * pt;
     }
     default:

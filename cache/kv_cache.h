@@ -304,6 +304,15 @@ bool kv_policy_scored(enum kv_policy_kind kind);
  *   floor    kept + one page: a full sequence needs one page eviction
  *            can free;
  *   room     max_cache_tokens - floor: the largest window that fits;
+ *   step     sink-window: what one eviction step frees at the budget. A
+ *            step renumbers every retained position (O(retained)), so a
+ *            step of one page costs per evicted token in proportion to
+ *            the budget; the step is 1/256 of the budget in whole pages
+ *            (one page up to 4,096 tokens of 16-token pages), which keeps
+ *            that cost near 256 position writes per evicted token at
+ *            every budget. An explicit window bounds it by the slack it
+ *            leaves; the automatic window is room less the step's extra
+ *            pages, so at the budget the step's pages are evictable;
  *   need     floor + window_tokens: the smallest max_cache_tokens the
  *            policy accepts (kv_policy_check's rule).
  *
@@ -317,7 +326,12 @@ struct kv_budget {
     int64_t window_room;    /* max_cache_tokens - floor_tokens; negative when the
                                kept tokens alone leave no page to free */
     int64_t window_tokens;  /* the window in effect: window_tokens when > 0, else
-                               window_room (0 if negative); none: as set */
+                               window_room less step_tokens' pages beyond the
+                               first (0 if negative); none: as set */
+    int64_t step_tokens;    /* sink-window: the most one eviction step frees at the
+                               budget, whole pages: 1/256 of max_cache_tokens (at
+                               least one page) within the slack the window leaves;
+                               other kinds: one page */
     int64_t need_tokens;    /* floor + window_tokens as set (1 for none) */
     int64_t sequence_pages; /* pages one sequence can occupy at its full budget:
                                ceil(max_cache_tokens / page_tokens) + 1 (eviction

@@ -167,8 +167,8 @@ int kv_pins_fit(const struct kv_policy *p, int page_tokens, const struct kv_span
     struct kv_budget b;
     kv_policy_budget(p, page_tokens, &b);
     int64_t room = b.window_room - cost; /* the largest window the pins leave */
-    if (p->window_auto && room >= page_tokens) {
-        out->window_tokens = (int)room;
+    if (p->window_auto && room - (b.step_tokens - page_tokens) >= page_tokens) {
+        out->window_tokens = (int)(room - (b.step_tokens - page_tokens)); /* as budget's */
         return 0;
     }
     if (!p->window_auto && p->window_tokens <= room)

@@ -401,7 +401,7 @@ int srv_cmd_generate(int argc, char **argv)
     struct kv_budget budget;
     kv_policy_budget(&o.policy, pt, &budget);
     if (o.policy.kind != KV_EVICT_NONE && !o.window_set)
-        o.policy.window_tokens = (int)budget.window_room; /* fill the budget */
+        o.policy.window_tokens = (int)budget.window_tokens; /* fill the budget */
     if (kv_policy_check(&o.policy, pt, err, sizeof(err))) {
         fprintf(stderr, "kvd generate: %s\n", err);
         status = 2;

@@ -219,7 +219,7 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
     [CFG_EVICTION_WINDOW_TOKENS] =
         INT("eviction", "window_tokens", eviction.window_tokens, "0", 0, 1 << 24, "tokens", LIVE,
             "most recent tokens kept; 0 = what the budget leaves after the sinks (scored policies: "
-            "and heavy tokens) and one page"),
+            "and heavy tokens) and one eviction step"),
     [CFG_EVICTION_HEAVY_TOKENS] =
         INT("eviction", "heavy_tokens", eviction.heavy_tokens, "1024", 0, 1 << 24, "tokens", LIVE,
             "h2o, tova, knorm, snapkv: middle tokens kept by the policy's score"),

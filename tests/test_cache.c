@@ -658,6 +658,82 @@ static void test_sink_window_pages(void **state)
     kv_cache_destroy(c);
 }
 
+/* Fill s to n tokens, ids 0.. in order. */
+static void fill_to(kv_seq *s, int n)
+{
+    static int32_t ids[1024];
+    while (kv_seq_n_tokens(s) < n) {
+        int m = n - kv_seq_n_tokens(s) < 1024 ? n - kv_seq_n_tokens(s) : 1024;
+        for (int i = 0; i < m; i++)
+            ids[i] = kv_seq_n_tokens(s) + i;
+        assert_int_equal(kv_seq_append(s, ids, m, NULL), 0);
+    }
+}
+
+/*
+ * Multi-page steps: at a budget of 8192 tokens (16-token pages) the
+ * sink-window step is 1/256 of it, 32 tokens: the automatic window leaves
+ * them, and each eviction at the budget frees both pages at once, the
+ * window intact, positions renumbered. An explicit window that leaves only
+ * one page of slack keeps one-page steps. At 128k the step is 512 tokens.
+ */
+static void test_sink_window_step(void **state)
+{
+    (void)state;
+    const int pt = 16;
+    struct kv_budget b;
+    struct kv_policy pol = sink_window(8192, 4, 0, true);
+    kv_policy_budget(&pol, pt, &b);
+    assert_int_equal(b.step_tokens, 32);
+    assert_int_equal(b.window_tokens, 8192 - 16 - 32);
+    assert_int_equal(b.window_room, 8192 - 16 - 16); /* the largest explicit window */
+    pol.window_tokens = (int)b.window_tokens;
+    kv_policy_budget(&pol, pt, &b);
+    assert_int_equal(b.step_tokens, 32); /* resolved, the same step */
+
+    kv_cache *c = make_cache(2u << 20, pt, 1, 1, 4, KV_F16);
+    kv_seq *s = make_seq(c, pol, false);
+    fill_to(s, 8192);
+    struct kv_stats st;
+    kv_cache_stats(c, &st);
+    assert_int_equal(st.evictions, 0);
+    int32_t id = 8192;
+    for (int k = 1; k <= 40; k++, id++) {
+        assert_int_equal(kv_seq_append(s, &id, 1, NULL), 0);
+        int n = kv_seq_n_tokens(s);
+        const int32_t *ids = kv_seq_tokens(s);
+        for (int i = 0; i < 16; i++)
+            assert_int_equal(ids[i], i);
+        assert_true(n - 16 >= pol.window_tokens); /* the window survives */
+        for (int i = 16; i < n; i++)
+            assert_int_equal(ids[i], id - (n - 1 - i));
+        assert_int_equal(kv_seq_positions(s)[n - 1], n - 1);
+    }
+    kv_cache_stats(c, &st);
+    assert_int_equal(st.evictions, 2); /* 40 tokens past the budget: two steps */
+    assert_int_equal(st.tokens_evicted, 64);
+    kv_seq_destroy(s);
+
+    /* an explicit window with one page of slack: one page a step */
+    pol = sink_window(8192, 4, 8192 - 16 - 16, true);
+    kv_policy_budget(&pol, pt, &b);
+    assert_int_equal(b.step_tokens, 16);
+    s = make_seq(c, pol, false);
+    fill_to(s, 8192);
+    assert_int_equal(kv_seq_append(s, &id, 1, NULL), 0);
+    kv_cache_stats(c, &st);
+    assert_int_equal(st.tokens_evicted, 64 + 16);
+    assert_int_equal(kv_seq_n_tokens(s), 8193 - 16);
+    kv_seq_destroy(s);
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+
+    pol = sink_window(131072, 4, 0, true);
+    kv_policy_budget(&pol, pt, &b);
+    assert_int_equal(b.step_tokens, 512);
+    assert_int_equal(b.window_tokens, 131072 - 16 - 512);
+}
+
 /* positions = preserve keeps first positions; new tokens continue after. */
 static void test_preserve_positions(void **state)
 {
@@ -1051,6 +1127,7 @@ int main(void)
         cmocka_unit_test(test_append_basic),
         cmocka_unit_test(test_none_refuses),
         cmocka_unit_test(test_sink_window_pages),
+        cmocka_unit_test(test_sink_window_step),
         cmocka_unit_test(test_preserve_positions),
         cmocka_unit_test(test_no_rewrite_sink_window),
         cmocka_unit_test(test_no_rewrite_h2o),
