@@ -237,7 +237,7 @@ static struct result run(const struct shape *sh, int retained)
         context_shift(s, sh, -PT);
         ts[i] = now() - t0;
     }
-    r.shift_ns = median(ts, 3) * 1e9 * retained / kv_seq_n_tokens(s);
+    r.shift_ns = median(ts, 3) * 1e9;
     kv_seq_destroy(s);
     kv_cache_destroy(c);
     return r;
@@ -259,9 +259,8 @@ int main(void)
             double page_tok = r.page_ns / PT, step_tok = r.step_ns / r.step_tokens;
             double shift_tok = r.shift_ns / sizes[i];
             printf("%8s %9d | %10.0f %9.1f %11.0f | %6d %10.0f %9.1f | %11.1f | %9.2fx %9.2fx\n",
-                   shapes[k].name, sizes[i], r.page_ns, page_tok, r.page_preserve_ns,
-                   r.step_tokens, r.step_ns, step_tok, shift_tok, shift_tok / page_tok,
-                   shift_tok / step_tok);
+                   shapes[k].name, sizes[i], r.page_ns, page_tok, r.page_preserve_ns, r.step_tokens,
+                   r.step_ns, step_tok, shift_tok, shift_tok / page_tok, shift_tok / step_tok);
             fflush(stdout);
         }
     printf("(1 page: one sink-window step freeing one %d-token page, renumber (and preserve); "
