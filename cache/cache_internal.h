@@ -41,6 +41,12 @@ struct kv_cache {
     int32_t *refs;    /* [n_pages] references: page-table entries + outside ones; 0 = free */
     int32_t *outside; /* [n_pages] of them, taken with kv_page_ref */
     int n_shared;     /* pages with refs >= 2 */
+    /* Pages with outside references, by the sequences holding them too
+     * (refs - outside), exact at every reference change (pool.c,
+     * kept_account): */
+    int kept_idle;           /* no sequence */
+    int kept_shared;         /* two or more sequences */
+    int64_t kept_refs_saved; /* sum of (sequences - 1) over the kept_shared pages */
 
     /* kv_cache_set_reclaim: gives back pages only an outside holder keeps. */
     int (*reclaim)(void *ctx, kv_cache *cache, int n_pages);

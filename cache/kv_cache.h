@@ -213,6 +213,11 @@ struct kv_stats {
     uint64_t window_pages_dropped; /* pool pages of windowed layers dropped (window.c) */
     int sequences;             /* live sequences, sessions included */
     int sessions;              /* live sequences created as sessions */
+    /* Pages an outside holder keeps (kv_page_ref: the prefix index), by the
+     * sequences that hold them besides; exact at any moment, O(1) to read: */
+    int kept_idle;             /* no sequence: only the outside holder (reclaimable) */
+    int kept_shared;           /* two or more sequences */
+    uint64_t kept_refs_saved;  /* sequences' references beyond the first, over kept pages */
 };
 
 void kv_cache_stats(const kv_cache *cache, struct kv_stats *out);
@@ -221,7 +226,8 @@ void kv_cache_stats(const kv_cache *cache, struct kv_stats *out);
  * Consistency check, O(pages + tokens): every page is either on the free
  * list exactly once with no reference, or held: its reference count equals
  * the page tables listing it plus its outside references (kv_page_ref),
- * and no page table lists it twice; the shared-page count agrees; every
+ * and no page table lists it twice; the shared-page count and the kept-page
+ * gauges agree; every
  * sequence holds ceil(n_tokens / page_tokens) pages; history indices and
  * positions increase. Returns 0, -ENOMEM, or -EFAULT with the first broken
  * invariant in err. For tests and debug builds.
@@ -819,7 +825,7 @@ typedef struct kv_prefix kv_prefix;
 
 struct kv_prefix_stats {
     int pages_listed;           /* pages in the index */
-    /* as of the last kv_prefix_trim (one pass over the index): */
+    /* exact when read (the pool's kept-page gauges, struct kv_stats): */
     int pages_idle;             /* listed pages no sequence holds (reclaimable) */
     int pages_shared;           /* ... held by two or more sequences */
     uint64_t page_refs_saved;   /* sequences' references to listed pages beyond the
@@ -865,11 +871,11 @@ int kv_prefix_publish(kv_prefix *px, kv_seq *seq);
  * *idle_pages (may be NULL) how many of them are idle: admission's
  * arithmetic. Changes nothing but a scratch buffer. */
 int kv_prefix_lookup(kv_prefix *px, const int32_t *tokens, int n_tokens, int *idle_pages);
-/* Idle pages (reclaimable), O(listed pages). */
+/* Idle pages (reclaimable), O(1). */
 int kv_prefix_idle_pages(const kv_prefix *px);
-/* Give back idle pages, oldest first, down to the cap, and take the
- * stats' gauges; returns the pages given back. O(listed pages): once per
- * engine step. */
+/* Give back idle pages, oldest first, down to the cap; returns the pages
+ * given back. O(1) when under the cap (once per engine step), else a walk
+ * from the old end of the recency list. */
 int kv_prefix_trim(kv_prefix *px);
 void kv_prefix_get_stats(const kv_prefix *px, struct kv_prefix_stats *out);
 

@@ -30,6 +30,7 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -358,6 +359,9 @@ void kv_cache_stats(const kv_cache *c, struct kv_stats *out)
         .turn_cuts = c->turn_cuts,
         .pages_shared = c->n_shared,
         .window_pages_dropped = c->window_pages_dropped,
+        .kept_idle = c->kept_idle,
+        .kept_shared = c->kept_shared,
+        .kept_refs_saved = (uint64_t)c->kept_refs_saved,
         .sequences = c->n_seqs,
         .sessions = c->n_sessions,
     };
@@ -385,7 +389,26 @@ static bool no_page(const kv_cache *c, int32_t page)
     return page < 0;
 }
 
-void kv_pool_ref(kv_cache *c, int32_t page)
+/*
+ * The kept-page gauges (struct kv_stats: kept_*) count the pages an
+ * outside holder keeps by how many sequences hold them besides. They are
+ * kept exact at every change of a kept page's counts, the page's share
+ * taken away before (sign -1) and put back after (sign +1), so reading
+ * them costs nothing: the prefix cache's gauges and its idle count used to
+ * be a walk over every listed page, once per engine step.
+ */
+static void kept_account(kv_cache *c, int32_t page, int sign)
+{
+    if (page < 0 || c->outside[page] == 0)
+        return;
+    int32_t seqs = c->refs[page] - c->outside[page];
+    c->kept_idle += sign * (seqs == 0);
+    c->kept_shared += sign * (seqs >= 2);
+    c->kept_refs_saved += sign * (int64_t)(seqs >= 2 ? seqs - 1 : 0);
+}
+
+/* The bare count changes, gauges aside. */
+static void count_ref(kv_cache *c, int32_t page)
 {
     if (no_page(c, page))
         return;
@@ -394,7 +417,7 @@ void kv_pool_ref(kv_cache *c, int32_t page)
         c->n_shared++;
 }
 
-bool kv_pool_unref(kv_cache *c, int32_t page)
+static bool count_unref(kv_cache *c, int32_t page)
 {
     if (no_page(c, page))
         return false;
@@ -406,6 +429,21 @@ bool kv_pool_unref(kv_cache *c, int32_t page)
         return false;
     c->free_stack[c->n_free++] = page;
     return true;
+}
+
+void kv_pool_ref(kv_cache *c, int32_t page)
+{
+    kept_account(c, page, -1);
+    count_ref(c, page);
+    kept_account(c, page, +1);
+}
+
+bool kv_pool_unref(kv_cache *c, int32_t page)
+{
+    kept_account(c, page, -1);
+    bool freed = count_unref(c, page);
+    kept_account(c, page, +1); /* a freed page has no outside reference: no-op */
+    return freed;
 }
 
 void kv_pool_unshare(kv_cache *c, int32_t *slot)
@@ -423,8 +461,10 @@ int kv_page_ref(kv_cache *c, int32_t page)
 {
     if (!c || page < 0 || page >= c->n_pages || c->refs[page] == 0 || c->refs[page] == INT32_MAX)
         return -EINVAL;
-    kv_pool_ref(c, page);
+    kept_account(c, page, -1);
+    count_ref(c, page);
     c->outside[page]++;
+    kept_account(c, page, +1);
     return 0;
 }
 
@@ -432,8 +472,10 @@ int kv_page_unref(kv_cache *c, int32_t page)
 {
     if (!c || page < 0 || page >= c->n_pages || c->outside[page] == 0)
         return -EINVAL;
+    kept_account(c, page, -1);
     c->outside[page]--;
-    kv_pool_unref(c, page);
+    count_unref(c, page);
+    kept_account(c, page, +1);
     return 0;
 }
 
@@ -548,7 +590,8 @@ int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
         if (s->n_tokens > 0 && s->hidx[s->t_off + s->n_tokens - 1] >= s->n_appended)
             FAIL("sequence %d: history index beyond the %d tokens appended", s->uid, s->n_appended);
     }
-    int used = 0, shared = 0;
+    int used = 0, shared = 0, kept_idle = 0, kept_shared = 0;
+    int64_t kept_saved = 0;
     for (int p = 0; p < c->n_pages; p++) {
         if (free_seen[p])
             continue;
@@ -560,11 +603,21 @@ int kv_cache_check(const kv_cache *c, char *err, size_t errlen)
                  p, c->refs[p], held[p], c->outside[p]);
         used++;
         shared += c->refs[p] > 1;
+        if (c->outside[p] > 0) {
+            kept_idle += held[p] == 0;
+            kept_shared += held[p] >= 2;
+            kept_saved += held[p] >= 2 ? held[p] - 1 : 0;
+        }
     }
     if (used + c->n_free != c->n_pages)
         FAIL("%d used + %d free != %d pages", used, c->n_free, c->n_pages);
     if (shared != c->n_shared)
         FAIL("%d pages are shared, the count says %d", shared, c->n_shared);
+    if (kept_idle != c->kept_idle || kept_shared != c->kept_shared ||
+        kept_saved != c->kept_refs_saved)
+        FAIL("kept pages: %d idle, %d shared, %" PRId64 " references saved; the gauges say %d, %d, "
+             "%" PRId64,
+             kept_idle, kept_shared, kept_saved, c->kept_idle, c->kept_shared, c->kept_refs_saved);
     if (n_seqs != c->n_seqs || n_sessions != c->n_sessions)
         FAIL("sequence counts %d/%d disagree with the list %d/%d", c->n_seqs, c->n_sessions, n_seqs,
              n_sessions);

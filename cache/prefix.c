@@ -62,7 +62,10 @@
  * The pool asks for idle pages (its reclaim hook) whenever it runs short,
  * before it drops any idle session or any running sequence evicts a token;
  * the engine trims them to the share cap ([cache] prefix_cache_share)
- * after each step.
+ * after each step. How many are idle, and how many are shared, is counted
+ * by the pool itself at every reference change (its kept-page gauges): the
+ * index is its only outside holder, so neither the trim nor /metrics walks
+ * the index to count them.
  *
  * Only childless entries are taken back: removing a page from the middle of
  * a chain would leave the pages after it unreachable yet held. A chain is
@@ -105,7 +108,7 @@ struct kv_prefix {
     int32_t lru_new, lru_old;  /* recency list ends, or -1 */
     int32_t *scratch;          /* [n_pages] matched pages (attach, lookup) */
     int n_entries;
-    struct kv_prefix_stats st; /* counters (the gauges are computed) */
+    struct kv_prefix_stats st; /* counters (the gauges are the pool's) */
 };
 
 /* ------------------------------------------------------------------------
@@ -452,34 +455,23 @@ static int reclaim_hook(void *ctx, kv_cache *cache, int n_pages)
     return release_idle(px, n_pages);
 }
 
+/* The index is the cache's only outside holder and lists a page once, so
+ * the pool's kept pages are the listed ones and its gauges are the
+ * index's, kept exact at every reference change (pool.c): nothing here
+ * walks the index to count them. */
 int kv_prefix_idle_pages(const kv_prefix *px)
 {
-    int n = 0;
-    for (int32_t p = px->lru_new; p >= 0; p = px->e[p].lnext)
-        n += page_idle(px, p);
-    return n;
-}
-
-/* The gauges of the stats, in one pass over the entries. */
-static void survey(kv_prefix *px)
-{
-    struct kv_prefix_stats *st = &px->st;
-    st->pages_idle = st->pages_shared = 0;
-    st->page_refs_saved = 0;
-    for (int32_t p = px->lru_new; p >= 0; p = px->e[p].lnext) {
-        int refs = kv_page_refs(px->cache, p); /* the index's + the sequences' */
-        st->pages_idle += refs == 1;
-        st->pages_shared += refs >= 3;
-        st->page_refs_saved += refs >= 3 ? (uint64_t)(refs - 2) : 0;
-    }
+    if (!px->cache)
+        return 0;
+    struct kv_stats st;
+    kv_cache_stats(px->cache, &st);
+    return st.kept_idle;
 }
 
 int kv_prefix_trim(kv_prefix *px)
 {
     int idle = kv_prefix_idle_pages(px);
-    int done = idle > px->max_idle ? release_idle(px, idle - px->max_idle) : 0;
-    survey(px);
-    return done;
+    return idle > px->max_idle ? release_idle(px, idle - px->max_idle) : 0;
 }
 
 /* ------------------------------------------------------------------------
@@ -593,4 +585,11 @@ void kv_prefix_get_stats(const kv_prefix *px, struct kv_prefix_stats *out)
 {
     *out = px->st;
     out->pages_listed = px->n_entries;
+    if (px->cache) {
+        struct kv_stats st;
+        kv_cache_stats(px->cache, &st);
+        out->pages_idle = st.kept_idle;
+        out->pages_shared = st.kept_shared;
+        out->page_refs_saved = st.kept_refs_saved;
+    }
 }

@@ -7,6 +7,7 @@
  * White-box: the index's calls are cache_internal.h's.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -457,6 +458,111 @@ static void test_reclaim_before_sessions(void **state)
     kv_cache_destroy(c);
 }
 
+/* The gauges the obvious way: every listed page's reference count read. */
+static void gauges_ok(kv_cache *c, const kv_prefix *px)
+{
+    int idle = 0, shared = 0, listed = 0;
+    uint64_t saved = 0;
+    for (int32_t p = 0; p < kv_cache_n_pages(c); p++) {
+        if (!kv_prefix_listed(px, p))
+            continue;
+        int refs = kv_page_refs(c, p); /* the index's + the sequences' */
+        listed++;
+        idle += refs == 1;
+        shared += refs >= 3;
+        saved += refs >= 3 ? (uint64_t)(refs - 2) : 0;
+    }
+    struct kv_prefix_stats ps;
+    kv_prefix_get_stats(px, &ps);
+    assert_int_equal(ps.pages_listed, listed);
+    assert_int_equal(ps.pages_idle, idle);
+    assert_int_equal(ps.pages_shared, shared);
+    assert_int_equal(ps.page_refs_saved, saved);
+    assert_int_equal(kv_prefix_idle_pages(px), idle);
+    pool_ok(c, px); /* kv_cache_check recounts the pool's gauges too */
+}
+
+/*
+ * The gauges (idle, shared, references saved) are kept by the pool at
+ * every reference change, never surveyed: through random publishes,
+ * attaches, forks, evictions, session drops, reclaims and trims on a pool
+ * too small for everything, they equal a count over the listed pages after
+ * every operation, and a trim leaves at most the cap idle.
+ */
+#define G_LIVE 6
+static void test_gauges_stay_exact(void **state)
+{
+    (void)state;
+    kv_cache *c = make_cache(24 * 1024, CPT, 2, 2, 8, KV_F32); /* 24 pages */
+    const int cap = 3;
+    kv_prefix *px = make_prefix(c, cap);
+    kv_seq *live[G_LIVE] = {0};
+    uint32_t seed = 77;
+    int n_attached = 0, n_forks = 0, n_trimmed = 0;
+    for (int step = 0; step < 3000; step++) {
+        int slot = (int)(rng(&seed) % G_LIVE), op = (int)(rng(&seed) % 6);
+        kv_seq *s = live[slot];
+        if (s && (op == 0 || kv_seq_dropped(s))) { /* a request ends */
+            kv_seq_destroy(s);
+            live[slot] = NULL;
+        } else if (!s && op <= 2) { /* a request: one of 3 system prompts + its own */
+            int32_t prompt[28];
+            int sys = (int)(rng(&seed) % 3), n = 12 + (int)(rng(&seed) % 17);
+            for (int i = 0; i < n; i++)
+                prompt[i] = i < 12 ? 1000 * (sys + 1) + i : (int32_t)(rng(&seed) % 50);
+            bool evicts = rng(&seed) % 4 == 0;
+            s = make_seq(c, evicts ? sink_window(16, 4, 8, true) : none_policy(64),
+                         rng(&seed) % 2 == 0);
+            int got = kv_prefix_attach(px, s, prompt, n - 1);
+            assert_true(got >= 0);
+            n_attached += got > 0;
+            gauges_ok(c, px);
+            int first = 0;
+            if (kv_seq_append(s, prompt + got, n - got, &first) != 0) { /* pool short */
+                kv_seq_destroy(s);
+                gauges_ok(c, px);
+                continue;
+            }
+            kv_seq_touch(s, (uint64_t)step);
+            kv_prefix_publish(px, s);
+            live[slot] = s;
+        } else if (s && op == 3) { /* fork: every page one more holder */
+            kv_seq *f = kv_seq_fork(s, false, NULL, 0);
+            assert_non_null(f);
+            int other = (slot + 1) % G_LIVE;
+            kv_seq_destroy(live[other]);
+            live[other] = f;
+            n_forks++;
+        } else if (s && op == 4) { /* decode a few tokens (may evict, may reclaim) */
+            int32_t more[6];
+            for (int i = 0; i < 6; i++)
+                more[i] = (int32_t)(rng(&seed) % 50);
+            int first = 0;
+            if (kv_seq_append(s, more, 1 + (int)(rng(&seed) % 6), &first) == 0)
+                kv_prefix_publish(px, s);
+        } else if (op == 5) {
+            int idle = kv_prefix_idle_pages(px);
+            int done = kv_prefix_trim(px);
+            n_trimmed += done;
+            assert_int_equal(done, idle > cap ? idle - cap : 0);
+            assert_true(kv_prefix_idle_pages(px) <= cap);
+        }
+        gauges_ok(c, px);
+    }
+    struct kv_prefix_stats ps;
+    kv_prefix_get_stats(px, &ps);
+    print_message("gauges: %d attaches, %d forks, %d trimmed, %" PRIu64 " reclaimed\n", n_attached,
+                  n_forks, n_trimmed, ps.pages_reclaimed);
+    /* the walk reached every path it is meant to */
+    assert_true(n_attached > 0 && n_forks > 0 && n_trimmed > 0 && ps.pages_reclaimed > 0);
+    for (int i = 0; i < G_LIVE; i++)
+        kv_seq_destroy(live[i]);
+    gauges_ok(c, px);
+    kv_prefix_destroy(px);
+    assert_cache_ok(c);
+    kv_cache_destroy(c);
+}
+
 /* ------------------------------------------------------------------------
  * Through the daemon: 64 requests sharing a 2,000-token prefix
  * ------------------------------------------------------------------------ */
@@ -655,6 +761,7 @@ int main(void)
         cmocka_unit_test(test_attach_shares_pages),
         cmocka_unit_test(test_evict_drops_reference),
         cmocka_unit_test(test_reclaim_before_sessions),
+        cmocka_unit_test(test_gauges_stay_exact),
     };
     const struct CMUnitTest served[] = {
         cmocka_unit_test(test_64_share_a_prefix),
