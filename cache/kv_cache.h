@@ -824,6 +824,7 @@ void kv_cache_set_drop_hook(kv_cache *cache, kv_drop_hook fn, void *ud);
 typedef struct kv_prefix kv_prefix;
 
 struct kv_prefix_stats {
+    uint64_t fingerprint;       /* the chains' root, as given to kv_prefix_create */
     int pages_listed;           /* pages in the index */
     /* exact when read (the pool's kept-page gauges, struct kv_stats): */
     int pages_idle;             /* listed pages no sequence holds (reclaimable) */

@@ -98,6 +98,7 @@ struct kv_prefix_entry {
 struct kv_prefix {
     kv_cache *cache; /* NULL for a bare index (tests) */
     int n_pages, page_tokens;
+    uint64_t fingerprint;      /* as given */
     uint64_t root;             /* h(-1): the fingerprint, mixed */
     uint64_t hash_mask;        /* all ones; tests narrow it to force collisions */
     int max_idle;              /* idle pages kept at most (kv_prefix_trim) */
@@ -153,6 +154,7 @@ kv_prefix *kv_prefix_new(int n_pages, int page_tokens, uint64_t fingerprint, int
         return NULL;
     px->n_pages = n_pages;
     px->page_tokens = page_tokens;
+    px->fingerprint = fingerprint;
     px->root = mix64(fingerprint ^ 0x6b76642d70726566ull); /* "kvd-pref" */
     px->hash_mask = UINT64_MAX;
     px->max_idle = max_idle < 0 ? 0 : max_idle > n_pages ? n_pages : max_idle;
@@ -584,6 +586,7 @@ int kv_prefix_publish(kv_prefix *px, kv_seq *seq)
 void kv_prefix_get_stats(const kv_prefix *px, struct kv_prefix_stats *out)
 {
     *out = px->st;
+    out->fingerprint = px->fingerprint;
     out->pages_listed = px->n_entries;
     if (px->cache) {
         struct kv_stats st;

@@ -33,36 +33,17 @@
 #include <string.h>
 
 #include "engine/engine_internal.h"
+#include "engine/spill.h"
 
-/* FNV-1a over bytes, continuing from h. */
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
-
-static uint64_t fnv_str(uint64_t h, const char *s)
-{
-    return fnv(h, s ? s : "", s ? strlen(s) + 1 : 1);
-}
-
-/* The model and KV layout the pages were computed with: the chains' root.
- * One index serves one engine, so this separates nothing in a running
- * process; it keeps keys honest should an index ever outlive its model. */
+/* The chains' root: what computed the pages, named as a saved session
+ * names it (spill_fingerprint over model_fingerprint, the model's one
+ * fingerprint owner: its metadata, tensors and load settings, then the K
+ * and V types). One index serves one engine, so this separates nothing in
+ * a running process; it keeps keys honest should an index ever outlive its
+ * model, and two models of one shape never name a page alike. */
 static uint64_t fingerprint(const engine *e)
 {
-    struct model_info mi;
-    model_get_info(e->m, &mi);
-    int shape[] = {mi.n_vocab,       mi.n_embd,        mi.n_layer,      mi.n_head,
-                   mi.n_kv_head,     mi.head_dim,      mi.n_ff,         (int)mi.pos,
-                   (int)e->p.k_type, (int)e->p.v_type, e->p.page_tokens};
-    uint64_t h = 14695981039346656037ull;
-    h = fnv_str(h, mi.arch);
-    h = fnv_str(h, mi.name);
-    h = fnv_str(h, mi.weight_type);
-    return fnv(h, shape, sizeof(shape));
+    return spill_fingerprint(model_fingerprint(e->m), e->p.k_type, e->p.v_type);
 }
 
 int engine_prefix_init(engine *e, char *err, size_t errlen)
@@ -81,14 +62,15 @@ int engine_prefix_init(engine *e, char *err, size_t errlen)
                                                 : e->p.prefix_cache_share;
     int pages = kv_cache_n_pages(e->cache);
     int max_idle = (int)((int64_t)pages * share / 100);
-    e->prefix = kv_prefix_create(e->cache, fingerprint(e), max_idle, err, errlen);
+    uint64_t fp = fingerprint(e);
+    e->prefix = kv_prefix_create(e->cache, fp, max_idle, err, errlen);
     if (!e->prefix)
         return -1;
     enum kv_policy_kind k = e->lim.policy.kind;
     engine_log(&e->p.hooks, ENGINE_LOG_INFO,
-               "prefix cache: on, full pages of %d tokens shared by prompt prefix; up to %d idle "
-               "pages kept (%d%% of %d); policy %s %s",
-               e->p.page_tokens, max_idle, share, pages, kv_policy_kind_name(k),
+               "prefix cache: on, full pages of %d tokens shared by prompt prefix (model "
+               "fingerprint %016" PRIx64 "); up to %d idle pages kept (%d%% of %d); policy %s %s",
+               e->p.page_tokens, fp, max_idle, share, pages, kv_policy_kind_name(k),
                kv_policy_scored(k) ? "gathers scores while reading a prompt: its requests publish "
                                      "pages but never attach them"
                                    : "attaches cached prefixes");

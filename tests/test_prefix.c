@@ -22,6 +22,8 @@
 
 #include "cache/cache_internal.h"
 #include "cache/kv_cache.h"
+#include "engine/engine.h"
+#include "engine/spill.h"
 #include "tests/cache_model.h"
 #include "tests/serve_fixture.h"
 
@@ -738,6 +740,92 @@ static void test_share_cap_zero(void **state)
     assert_non_null(strstr(out, "prefix_cache_share"));
 }
 
+/* ------------------------------------------------------------------------
+ * The chains' root is the model's fingerprint
+ * ------------------------------------------------------------------------ */
+
+/* The fingerprint an engine with the prefix cache roots its chains at,
+ * over the model file at path with K and V in kv_type. */
+static uint64_t engine_root(const char *path, enum kv_type kv_type)
+{
+    char err[512];
+    struct model_params mp = {.path = path};
+    model *m = model_load(&mp, err, sizeof(err));
+    if (!m)
+        fail_msg("model_load %s: %s", path, err);
+    struct kv_cache_params shape = {.page_tokens = 16, .k_type = kv_type, .v_type = kv_type};
+    model_kv_shape(m, &shape);
+    struct engine_params p = {
+        .m = m,
+        .cache_memory = kv_cache_memory_for(&shape, 32),
+        .page_tokens = 16,
+        .k_type = kv_type,
+        .v_type = kv_type,
+        .n_threads = 1,
+        .prefix_cache = true,
+        .prefix_cache_share = 50,
+        .limits = {.policy = none_policy(256), .max_running = 2, .step_tokens = 64},
+    };
+    engine *e = engine_create(&p, err, sizeof(err));
+    if (!e)
+        fail_msg("engine_create: %s", err);
+    struct engine_stats st;
+    engine_get_stats(e, &st);
+    assert_true(st.prefix_on);
+    /* one owner: the model's fingerprint with the K and V types, as a
+     * saved session carries it */
+    assert_true(st.prefix.fingerprint == spill_fingerprint(model_fingerprint(m), kv_type, kv_type));
+    engine_destroy(e);
+    model_free(m);
+    return st.prefix.fingerprint;
+}
+
+/* Copy src to dst with the file's last byte changed: the last tensor's
+ * last weight, when (as in the scratch model) no padding follows it. */
+static void copy_with_last_byte_changed(const char *src, const char *dst)
+{
+    FILE *in = fopen(src, "rb"), *out = fopen(dst, "wb");
+    assert_non_null(in);
+    assert_non_null(out);
+    char buf[1 << 16];
+    size_t n, total = 0;
+    while ((n = fread(buf, 1, sizeof(buf), in)) > 0) {
+        assert_int_equal(fwrite(buf, 1, n, out), n);
+        total += n;
+    }
+    fclose(in);
+    assert_true(total > 0);
+    assert_int_equal(fseek(out, -1, SEEK_END), 0);
+    long at = ftell(out);
+    FILE *again = fopen(src, "rb");
+    assert_non_null(again);
+    assert_int_equal(fseek(again, at, SEEK_SET), 0);
+    int last = fgetc(again);
+    fclose(again);
+    fputc(last ^ 0x40, out);
+    assert_int_equal(fclose(out), 0);
+}
+
+/*
+ * Two models alike in architecture, name, weight type and every shape,
+ * whose weights differ in one byte, root their chains apart, so no page one
+ * computed can match a prompt of the other (test_match_longest: the same
+ * tokens under another root match nothing); the same file loaded twice
+ * roots them alike, and the K and V type counts.
+ */
+static void test_models_never_share(void **state)
+{
+    (void)state;
+    char other[600];
+    snprintf(other, sizeof(other), "%s/other.gguf", tmpdir);
+    copy_with_last_byte_changed(model_path, other);
+    uint64_t a = engine_root(model_path, KV_F32), a2 = engine_root(model_path, KV_F32);
+    uint64_t b = engine_root(other, KV_F32), a16 = engine_root(model_path, KV_F16);
+    assert_true(a == a2);
+    assert_true(a != b);
+    assert_true(a != a16);
+}
+
 static int group_setup(void **state)
 {
     (void)state;
@@ -766,6 +854,7 @@ int main(void)
     const struct CMUnitTest served[] = {
         cmocka_unit_test(test_64_share_a_prefix),
         cmocka_unit_test(test_share_cap_zero),
+        cmocka_unit_test(test_models_never_share),
     };
     int bad = cmocka_run_group_tests(tests, NULL, NULL);
     return bad + cmocka_run_group_tests(served, group_setup, group_teardown);
