@@ -63,6 +63,7 @@ void engine_req_free(struct engine_req *r)
         free(r->stop[i]);
     free(r->stop);
     free(r->session);
+    free(r->list.after);
     free(r->turns);
     free(r->keep);
     free(r->final_ev);
@@ -356,7 +357,7 @@ int engine_submit(engine *e, struct engine_req *r)
     case ENGINE_REQ_SESSION_LIST: {
         struct engine_event *ev = engine_final_event(r, ENGINE_EV_DONE);
         if (ev)
-            ev->list = engine_session_list_build(e);
+            ev->list = engine_session_list_build(e, &r->list);
         engine_post(e, ev);
         return 0;
     }

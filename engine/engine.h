@@ -56,7 +56,19 @@ enum engine_req_kind {
     ENGINE_REQ_SESSION_INFO,   /* describe req->session */
     ENGINE_REQ_SESSION_DELETE, /* free req->session */
     ENGINE_REQ_SESSION_MAP,    /* map req->session's cache (cache_map.h) */
-    ENGINE_REQ_SESSION_LIST,   /* list every session, in memory and on disk */
+    ENGINE_REQ_SESSION_LIST,   /* list one page of the sessions, in memory and on disk */
+};
+
+/* GET /v1/sessions: sessions per page when the request names no limit,
+ * and at most (session_list.c). */
+#define ENGINE_LIST_DEFAULT 100
+#define ENGINE_LIST_MAX 1000
+
+/* The page of sessions an ENGINE_REQ_SESSION_LIST asks for. */
+struct engine_list_opts {
+    int limit;   /* 1..ENGINE_LIST_MAX sessions (0: ENGINE_LIST_DEFAULT) */
+    char *after; /* the ids after this one (bytewise order), or NULL: from the first
+                    (owned by the request) */
 };
 
 /* Why a completion ended. */
@@ -146,6 +158,7 @@ struct engine_req {
     int n_top_logprobs;            /* ... with this many most likely tokens
                                       (0..min(n_vocab, ENGINE_MAX_TOP_LOGPROBS)) */
     struct engine_map_opts map;    /* ENGINE_REQ_SESSION_MAP: ranges and text */
+    struct engine_list_opts list;  /* ENGINE_REQ_SESSION_LIST: the page */
     enum engine_logits logits;     /* forced-continuation scoring (ENGINE_EV_LOGITS) */
     bool fork_answer;              /* decode the answer on a fork of the sequence (kv_seq_fork)
                                       and drop the fork at the end: the sequence, a session's,
@@ -264,7 +277,8 @@ struct engine_session_item {
 
 struct engine_session_list {
     int n;
-    struct engine_session_item *items; /* [n], in memory first */
+    struct engine_session_item *items; /* [n], by id (bytewise), after the cursor */
+    bool has_more;                     /* more sessions follow the last item */
 };
 void engine_session_list_free(struct engine_session_list *l);
 

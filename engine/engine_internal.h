@@ -97,9 +97,10 @@ struct engine_session *engine_session_open(engine *e, const char *id, char *err,
 bool engine_session_describe_saved(engine *e, const char *id, struct engine_session_info *out);
 /* DELETE's part: remove id's file; true if there was one. */
 bool engine_session_forget_saved(engine *e, const char *id);
-/* GET /v1/sessions: every session, in memory and on disk (new; NULL when
- * out of memory). */
-struct engine_session_list *engine_session_list_build(engine *e);
+/* GET /v1/sessions: one page of the sessions, in memory and on disk, in id
+ * order (session_list.c; new; NULL when out of memory). */
+struct engine_session_list *engine_session_list_build(engine *e,
+                                                      const struct engine_list_opts *opts);
 
 /* ------------------------------------------------------------------------
  * Stop strings (stop.c)

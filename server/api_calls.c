@@ -140,14 +140,14 @@ static const enum call_kind kind_of_shape[] = {
 /* A completion whose prompt is being prepared off the loop thread. */
 struct prep_job {
     struct srv_api_job job;
-    struct call *call;           /* not yet submitted: call->req is NULL */
-    struct srv_completion comp;  /* the decoded request (the worker's meanwhile) */
-    struct srv_prepare_ctx ctx;  /* what the worker reads besides comp */
-    int before;                  /* chat session: messages its prompts left out */
-    bool fallback_logged;        /* chat session: its fallback to rendering was logged */
-    struct srv_prepare_fit fit;  /* out */
-    struct srv_api_error e;      /* out */
-    int rc;                      /* out: srv_prepare's */
+    struct call *call;          /* not yet submitted: call->req is NULL */
+    struct srv_completion comp; /* the decoded request (the worker's meanwhile) */
+    struct srv_prepare_ctx ctx; /* what the worker reads besides comp */
+    int before;                 /* chat session: messages its prompts left out */
+    bool fallback_logged;       /* chat session: its fallback to rendering was logged */
+    struct srv_prepare_fit fit; /* out */
+    struct srv_api_error e;     /* out */
+    int rc;                     /* out: srv_prepare's */
 };
 
 static void prep_run(struct srv_api_job *j)
@@ -272,14 +272,9 @@ void srv_call_session(srv_api *a, srv_conn *conn, const char *id, enum call_kind
     bool del = kind == CALL_SESSION_DELETE;
     struct call *call = call_new(a, conn, kind);
     if (call)
-        call->req = engine_req_new(del                         ? ENGINE_REQ_SESSION_DELETE
-                                   : kind == CALL_SESSION_MAP  ? ENGINE_REQ_SESSION_MAP
-                                   : kind == CALL_SESSION_LIST ? ENGINE_REQ_SESSION_LIST
-                                                               : ENGINE_REQ_SESSION_INFO);
-    if (call && call->req && kind == CALL_SESSION_LIST) {
-        call_submit(a, call);
-        return;
-    }
+        call->req = engine_req_new(del                        ? ENGINE_REQ_SESSION_DELETE
+                                   : kind == CALL_SESSION_MAP ? ENGINE_REQ_SESSION_MAP
+                                                              : ENGINE_REQ_SESSION_INFO);
     if (call && call->req) {
         call->req->session = strdup(id);
         if (map)
@@ -293,5 +288,23 @@ void srv_call_session(srv_api *a, srv_conn *conn, const char *id, enum call_kind
         answer_oom(conn);
         return;
     }
+    call_submit(a, call);
+}
+
+void srv_call_sessions(srv_api *a, srv_conn *conn, struct engine_list_opts *list)
+{
+    struct call *call = call_new(a, conn, CALL_SESSION_LIST);
+    if (call)
+        call->req = engine_req_new(ENGINE_REQ_SESSION_LIST);
+    if (!call || !call->req) {
+        if (call)
+            srv_call_free(call);
+        free(list->after);
+        list->after = NULL;
+        answer_oom(conn);
+        return;
+    }
+    call->req->list = *list;
+    list->after = NULL;
     call_submit(a, call);
 }

@@ -268,11 +268,19 @@ void srv_api_limits(srv_api *a, struct srv_api_limits *lim);
  * outcome is answered. */
 void srv_call_start(srv_api *a, srv_conn *conn, struct srv_completion *c);
 /* Submit a session request (GET/DELETE /v1/sessions/ID, GET .../ID/map
- * with its options; GET /v1/sessions with id NULL). */
+ * with its options). */
 void srv_call_session(srv_api *a, srv_conn *conn, const char *id, enum call_kind kind,
                       const struct engine_map_opts *map);
+/* Submit GET /v1/sessions for the page list asks for (list->after moves
+ * into the request: NULL after the call). */
+void srv_call_sessions(srv_api *a, srv_conn *conn, struct engine_list_opts *list);
 /* --- api_sessions.c: GET /v1/sessions ---------------------------------------- */
-/* Answer the list (ev->list; 500 when it is NULL). */
+/* The list's query (limit=N, after=ID; api_sessions.c says what they may
+ * be): 0 with *out set (out->after new, or NULL), or -EINVAL / -ENOMEM
+ * with the parameter's name in param and the reason in msg. */
+int srv_sessions_parse_query(const char *query, int max_session_id, struct engine_list_opts *out,
+                             char *param, size_t plen, char *msg, size_t mlen);
+/* Answer the page (ev->list; 500 when it is NULL). */
 void srv_sessions_respond(srv_conn *conn, const struct engine_event *ev);
 
 /* Memory ran out assembling a non-streamed answer: 500 now (never a cut

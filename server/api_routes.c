@@ -8,6 +8,7 @@
  * they do (completions in api_calls.c, tokens in api_tokens.c, the chat
  * template in api_chat.c).
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -113,17 +114,31 @@ static void route_session(srv_api *a, srv_conn *c, const struct srv_http_req *re
                  !strcmp(req->method, "DELETE") ? CALL_SESSION_DELETE : CALL_SESSION_GET, NULL);
 }
 
-/* GET /v1/sessions: every session, in memory and saved on disk. */
+/* GET /v1/sessions?limit=N&after=ID: a page of the sessions, in memory
+ * and saved on disk (api_sessions.c). */
 static void route_sessions(srv_api *a, srv_conn *c, const struct srv_http_req *req,
                            const char *rest)
 {
-    (void)req;
     (void)rest;
+    struct srv_api_limits lim;
+    srv_api_limits(a, &lim);
+    struct engine_list_opts list;
+    char param[64], msg[256];
+    int rc = srv_sessions_parse_query(req->query, lim.max_session_id, &list, param, sizeof(param),
+                                      msg, sizeof(msg));
+    if (rc != 0) {
+        if (rc == -ENOMEM)
+            srv_api_error(c, 503, NULL, NULL, NULL, "%s", msg);
+        else
+            srv_api_error(c, 400, param, NULL, NULL, "%s: %s", param, msg);
+        return;
+    }
     if (!a->m) {
+        free(list.after);
         srv_api_error(c, 503, NULL, NULL, NULL, "the model is loading");
         return;
     }
-    srv_call_session(a, c, NULL, CALL_SESSION_LIST, NULL);
+    srv_call_sessions(a, c, &list);
 }
 
 static bool map_match(const char *path)

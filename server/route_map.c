@@ -35,6 +35,7 @@
 
 #include "server/errors.h"
 #include "server/log.h"
+#include "server/query.h"
 #include "server/route_map.h"
 
 #define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
@@ -59,35 +60,29 @@ bool srv_map_path(const char *path, char *id, size_t idlen)
     return true;
 }
 
-/* One "name=value" of the query, value parsed; -EINVAL with the reason. */
-static int query_param(const char *name, size_t nlen, const char *val, size_t vlen,
-                       struct engine_map_opts *o, char *msg, size_t mlen)
+/* One "name=value" of the query (srv_query_fn); ctx: the options. */
+static int query_param(void *ctx, const char *name, size_t nlen, const char *val, size_t vlen,
+                       char *msg, size_t mlen)
 {
-    char v[32];
-    if (vlen >= sizeof(v)) {
-        snprintf(msg, mlen, "the value is too long");
-        return -EINVAL;
-    }
-    memcpy(v, val, vlen);
-    v[vlen] = '\0';
-    if (nlen == 6 && !strncmp(name, "ranges", 6)) {
-        char *end;
-        errno = 0;
-        long n = strtol(v, &end, 10);
-        if (!vlen || *end || errno || n < ENGINE_MAP_MIN_RANGES || n > ENGINE_MAP_MAX_RANGES) {
-            snprintf(msg, mlen, "ranges must be an integer in [%d, %d], not '%s'",
-                     ENGINE_MAP_MIN_RANGES, ENGINE_MAP_MAX_RANGES, v);
+    struct engine_map_opts *o = ctx;
+    if (srv_query_is(name, nlen, "ranges")) {
+        long n;
+        if (srv_query_int(val, vlen, ENGINE_MAP_MIN_RANGES, ENGINE_MAP_MAX_RANGES, &n) != 0) {
+            snprintf(msg, mlen, "ranges must be an integer in [%d, %d], not '%.*s'",
+                     ENGINE_MAP_MIN_RANGES, ENGINE_MAP_MAX_RANGES, (int)(vlen < 32 ? vlen : 32),
+                     val);
             return -EINVAL;
         }
         o->max_ranges = (int)n;
         return 0;
     }
-    if (nlen == 4 && !strncmp(name, "text", 4)) {
-        if (strcmp(v, "0") != 0 && strcmp(v, "1") != 0) {
-            snprintf(msg, mlen, "text must be 0 or 1, not '%s'", v);
+    if (srv_query_is(name, nlen, "text")) {
+        if (vlen != 1 || (val[0] != '0' && val[0] != '1')) {
+            snprintf(msg, mlen, "text must be 0 or 1, not '%.*s'", (int)(vlen < 32 ? vlen : 32),
+                     val);
             return -EINVAL;
         }
-        o->text = v[0] == '1';
+        o->text = val[0] == '1';
         return 0;
     }
     snprintf(msg, mlen, "unknown parameter; the map takes ranges=N and text=0|1");
@@ -99,23 +94,7 @@ int srv_map_parse_query(const char *query, struct engine_map_opts *out, char *pa
 {
     out->max_ranges = ENGINE_MAP_DEFAULT_RANGES;
     out->text = true;
-    for (const char *p = query ? query : ""; *p;) {
-        size_t len = strcspn(p, "&");
-        const char *eq = memchr(p, '=', len);
-        size_t nlen = eq ? (size_t)(eq - p) : len;
-        if (len > 0) {
-            snprintf(param, plen, "%.*s", (int)(nlen < 48 ? nlen : 48), p);
-            if (!eq) {
-                snprintf(msg, mlen, "expected name=value");
-                return -EINVAL;
-            }
-            if (query_param(p, nlen, eq + 1, len - nlen - 1, out, msg, mlen) != 0)
-                return -EINVAL;
-        }
-        p += len + (p[len] == '&');
-    }
-    param[0] = '\0';
-    return 0;
+    return srv_query_each(query, query_param, out, param, plen, msg, mlen);
 }
 
 size_t srv_map_json_bound(const struct engine_cache_map *map)

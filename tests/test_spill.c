@@ -13,7 +13,8 @@
  * is a fresh session's. Through the real daemon ($KVD_BIN): a session of
  * 10,000 tokens on stories260K survives SIGTERM and a restart with the
  * output of a daemon that never stopped; a daemon killed halfway through
- * writing leaves no file that is read; GET and DELETE /v1/sessions.
+ * writing leaves no file that is read; GET and DELETE /v1/sessions, the
+ * list in pages (limit, after, has_more) in-process and through the route.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -227,9 +228,11 @@ static int count_files(const char *dir, const char *suffix, char *out, size_t ou
     return n;
 }
 
-static const struct kv_policy sink_window = {
-    .kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 128, .sink_tokens = 4,
-    .window_tokens = 96, .renumber = true};
+static const struct kv_policy sink_window = {.kind = KV_EVICT_SINK_WINDOW,
+                                             .max_cache_tokens = 128,
+                                             .sink_tokens = 4,
+                                             .window_tokens = 96,
+                                             .renumber = true};
 static const struct kv_policy h2o = {.kind = KV_EVICT_H2O,
                                      .max_cache_tokens = 128,
                                      .sink_tokens = 4,
@@ -258,8 +261,11 @@ static void second_prompt(int32_t *p2, const int32_t *p1, const struct answer *a
  */
 static void roundtrip(const struct kv_policy *pol, enum kv_type kv)
 {
-    struct setup s = {.m = lib_model, .dir = fresh_dir(pol->kind == KV_EVICT_H2O ? "rt-h2o" : "rt"),
-                      .kv = kv, .pol = *pol, .pages = 64};
+    struct setup s = {.m = lib_model,
+                      .dir = fresh_dir(pol->kind == KV_EVICT_H2O ? "rt-h2o" : "rt"),
+                      .kv = kv,
+                      .pol = *pol,
+                      .pages = 64};
     engine *a = make_engine(&s);
     int32_t p1[N1], p2[N2];
     fill_prompt(p1, N1, 0);
@@ -402,6 +408,100 @@ static void test_pins_saved(void **state)
 }
 
 /* ------------------------------------------------------------------------
+ * GET /v1/sessions in pages
+ * ------------------------------------------------------------------------ */
+
+/* One page of the session list from the engine (limit 0: the default;
+ * after NULL: from the first). */
+static struct engine_session_list *list_page(engine *e, int limit, const char *after)
+{
+    struct engine_req *r = engine_req_new(ENGINE_REQ_SESSION_LIST);
+    assert_non_null(r);
+    r->list.limit = limit;
+    r->list.after = after ? strdup(after) : NULL;
+    assert_int_equal(engine_submit(e, r), 0);
+    struct engine_session_list *l = NULL;
+    for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
+        next = ev->next;
+        if (ev->kind == ENGINE_EV_DONE) {
+            l = ev->list;
+            ev->list = NULL;
+        }
+        engine_event_free(ev);
+    }
+    engine_req_free(r);
+    assert_non_null(l);
+    return l;
+}
+
+#define N_LIST 130 /* sessions: more than a default page */
+
+/*
+ * 130 sessions, created out of id order, all but the 4 max_sessions keeps
+ * saved to disk: the default page is the first 100 ids in order with
+ * has_more, the page after its last id the other 30 without; together
+ * they hold every session exactly once, memory and disk alike. A cursor
+ * between two ids, before the first or at the last, and a page that ends
+ * exactly at the last id, list what they should.
+ */
+static void test_list_pages(void **state)
+{
+    (void)state;
+    struct setup s = {.m = lib_model, .kv = KV_F32, .pol = sink_window, .pages = 64};
+    s.dir = fresh_dir("list");
+    s.max_sessions = 4;
+    engine *e = make_engine(&s);
+    char id[16];
+    for (int k = 0; k < N_LIST; k++) {
+        int i = (k * 37) % N_LIST; /* 37 is prime to 130: every id once, shuffled */
+        int32_t p[4];
+        fill_prompt(p, 4, i);
+        snprintf(id, sizeof(id), "s%03d", i);
+        run(e, id, p, 4, 1);
+    }
+    struct engine_session_list *a = list_page(e, 0, NULL);
+    assert_int_equal(a->n, ENGINE_LIST_DEFAULT);
+    assert_true(a->has_more);
+    struct engine_session_list *b = list_page(e, 0, a->items[a->n - 1].id);
+    assert_int_equal(b->n, N_LIST - ENGINE_LIST_DEFAULT);
+    assert_false(b->has_more);
+    int saved = 0;
+    for (int i = 0; i < N_LIST; i++) {
+        const struct engine_session_item *it = i < a->n ? &a->items[i] : &b->items[i - a->n];
+        snprintf(id, sizeof(id), "s%03d", i);
+        assert_string_equal(it->id, id);
+        assert_int_equal(it->history_tokens, 4);
+        saved += it->saved;
+    }
+    assert_int_equal(saved, N_LIST - 4);
+    engine_session_list_free(a);
+    engine_session_list_free(b);
+
+    a = list_page(e, ENGINE_LIST_MAX, NULL); /* all of them */
+    assert_int_equal(a->n, N_LIST);
+    assert_false(a->has_more);
+    engine_session_list_free(a);
+    a = list_page(e, 3, "s0505"); /* between s050 and s051 */
+    assert_int_equal(a->n, 3);
+    assert_string_equal(a->items[0].id, "s051");
+    assert_true(a->has_more);
+    engine_session_list_free(a);
+    a = list_page(e, 7, "s122"); /* s123 .. s129: the page ends at the last */
+    assert_int_equal(a->n, 7);
+    assert_string_equal(a->items[6].id, "s129");
+    assert_false(a->has_more);
+    engine_session_list_free(a);
+    a = list_page(e, 5, "a"); /* before every id */
+    assert_string_equal(a->items[0].id, "s000");
+    engine_session_list_free(a);
+    a = list_page(e, 5, "s129"); /* after every id */
+    assert_int_equal(a->n, 0);
+    assert_false(a->has_more);
+    engine_session_list_free(a);
+    engine_destroy(e);
+}
+
+/* ------------------------------------------------------------------------
  * Faults: every bad file or directory is a log line and a miss
  * ------------------------------------------------------------------------ */
 
@@ -463,8 +563,8 @@ static long file_size(const char *path)
 static void damaged_is_miss(const char *name, void (*damage)(const char *path, int k), int k,
                             const char *want)
 {
-    struct setup s = {.m = lib_model, .dir = fresh_dir(name), .kv = KV_F16, .pol = sink_window,
-                      .pages = 64};
+    struct setup s = {
+        .m = lib_model, .dir = fresh_dir(name), .kv = KV_F16, .pol = sink_window, .pages = 64};
     int32_t p1[N1], p2[N2];
     struct answer a1;
     char path[700];
@@ -543,8 +643,8 @@ static void test_fault_foreign(void **state)
     struct model_params mp = {.path = path2};
     model *other = model_load(&mp, err, sizeof(err));
     assert_non_null(other);
-    struct setup s = {.m = other, .dir = fresh_dir("foreign"), .kv = KV_F16,
-                      .pol = sink_window, .pages = 64};
+    struct setup s = {
+        .m = other, .dir = fresh_dir("foreign"), .kv = KV_F16, .pol = sink_window, .pages = 64};
     int32_t p1[N1], p2[N2];
     struct answer a1;
     char path[700];
@@ -586,8 +686,8 @@ static bool make_readonly(const char *dir, bool on)
 static void test_fault_readonly_dir(void **state)
 {
     (void)state;
-    struct setup s = {.m = lib_model, .dir = fresh_dir("ro"), .kv = KV_F16, .pol = sink_window,
-                      .pages = 64};
+    struct setup s = {
+        .m = lib_model, .dir = fresh_dir("ro"), .kv = KV_F16, .pol = sink_window, .pages = 64};
     if (!make_readonly(s.dir, true)) {
         print_message("cannot make a directory read-only here (mode or immutable flag): skipped\n");
         skip();
@@ -627,8 +727,8 @@ static void test_fault_readonly_dir(void **state)
 static void test_fault_disk_full(void **state)
 {
     (void)state;
-    struct setup s = {.m = lib_model, .dir = fresh_dir("full"), .kv = KV_F16,
-                      .pol = sink_window, .pages = 64};
+    struct setup s = {
+        .m = lib_model, .dir = fresh_dir("full"), .kv = KV_F16, .pol = sink_window, .pages = 64};
     int32_t p1[N1], p2[N2];
     struct answer a1;
     char path[700];
@@ -730,11 +830,11 @@ static void stop(struct su_proc *p)
 static json_t *turn(int port, const char *session, json_t *ids, int n_predict)
 {
     int st;
-    json_t *v = su_post(port, "/completion", NULL,
-                        json_pack("{s:O, s:i, s:f, s:s, s:b}", "prompt", ids, "n_predict",
-                                  n_predict, "temperature", 0.0, "session", session,
-                                  "return_tokens", 1),
-                        &st);
+    json_t *v =
+        su_post(port, "/completion", NULL,
+                json_pack("{s:O, s:i, s:f, s:s, s:b}", "prompt", ids, "n_predict", n_predict,
+                          "temperature", 0.0, "session", session, "return_tokens", 1),
+                &st);
     if (st != 200)
         print_message("turn: status %d\n", st);
     assert_int_equal(st, 200);
@@ -808,7 +908,7 @@ static void test_restart_continues(void **state)
     const char *dir = fresh_dir("restart");
     char set_dir[700];
     snprintf(set_dir, sizeof(set_dir), "sessions.dir=%s", dir);
-    const char *with_dir[] = {"--set", set_dir, "--set", "eviction.max_cache_tokens=512",
+    const char *with_dir[] = {"--set", set_dir,           "--set", "eviction.max_cache_tokens=512",
                               "--set", "server.threads=1"};
     const char *plain[] = {"--set", "eviction.max_cache_tokens=512", "--set", "server.threads=1"};
     struct su_proc a, ref;
@@ -932,6 +1032,85 @@ static void test_kill_during_write(void **state)
     stop(&s);
 }
 
+/* GET path, which must answer status; its "error.param" when it is not
+ * 200, else its body (new). */
+static json_t *list_get(int port, const char *path, int status)
+{
+    json_t *v = NULL;
+    int st = get_json(port, "GET", path, &v);
+    if (st != status)
+        fail_msg("GET %s: %d, expected %d", path, st, status);
+    assert_non_null(v);
+    return v;
+}
+
+/*
+ * Through the daemon: pages of limit=2 follow the ids in order, each
+ * naming its first and last id, the next asked for with after=<last_id>
+ * (percent-encoded as URLSearchParams sends ':'); a bad limit, cursor or
+ * parameter is a 400 naming it.
+ */
+static void test_list_route(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct su_proc srv;
+    start(&srv, "list", model_path, NULL, 0);
+    const char *ids[] = {"b", "a:1", "d", "a.2", "c"}; /* in order: a.2 a:1 b c d */
+    json_t *prompt = json_pack("[i, i, i, i]", 5, 6, 7, 8);
+    for (int i = 0; i < 5; i++)
+        json_decref(turn(srv.port, ids[i], prompt, 1));
+    json_decref(prompt);
+
+    static const struct {
+        const char *path, *first, *last;
+        int n;
+        bool more;
+    } pages[] = {
+        {"/v1/sessions?limit=2", "a.2", "a:1", 2, true},
+        {"/v1/sessions?limit=2&after=a%3A1", "b", "c", 2, true},
+        {"/v1/sessions?after=c&limit=2", "d", "d", 1, false},
+        {"/v1/sessions", "a.2", "d", 5, false},
+    };
+    for (size_t k = 0; k < sizeof(pages) / sizeof(pages[0]); k++) {
+        json_t *v = list_get(srv.port, pages[k].path, 200);
+        assert_string_equal(json_string_value(json_object_get(v, "object")), "list");
+        assert_int_equal(json_array_size(json_object_get(v, "data")), pages[k].n);
+        assert_string_equal(json_string_value(json_object_get(v, "first_id")), pages[k].first);
+        assert_string_equal(json_string_value(json_object_get(v, "last_id")), pages[k].last);
+        assert_true(json_is_true(json_object_get(v, "has_more")) == pages[k].more);
+        json_t *first = json_array_get(json_object_get(v, "data"), 0);
+        assert_string_equal(json_string_value(json_object_get(first, "id")), pages[k].first);
+        assert_string_equal(json_string_value(json_object_get(first, "state")), "memory");
+        json_decref(v);
+    }
+    json_t *v = list_get(srv.port, "/v1/sessions?after=d", 200); /* past the last */
+    assert_int_equal(json_array_size(json_object_get(v, "data")), 0);
+    assert_true(json_is_null(json_object_get(v, "first_id")));
+    assert_true(json_is_null(json_object_get(v, "last_id")));
+    assert_true(json_is_false(json_object_get(v, "has_more")));
+    json_decref(v);
+
+    static const struct {
+        const char *query, *param;
+    } bad[] = {
+        {"limit=0", "limit"},     {"limit=1001", "limit"}, {"limit=ten", "limit"},
+        {"limit=", "limit"},      {"limit", "limit"},      {"after=", "after"},
+        {"after=a%20b", "after"}, {"after=%zz", "after"},  {"after=a%3", "after"},
+        {"order=asc", "order"},
+    };
+    for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+        char path[128];
+        snprintf(path, sizeof(path), "/v1/sessions?%s", bad[k].query);
+        v = list_get(srv.port, path, 400);
+        json_t *err = json_object_get(v, "error");
+        assert_string_equal(json_string_value(json_object_get(err, "param")), bad[k].param);
+        assert_non_null(strstr(json_string_value(json_object_get(err, "message")), bad[k].param));
+        json_decref(v);
+    }
+    stop(&srv);
+}
+
 /* ------------------------------------------------------------------------
  * The program
  * ------------------------------------------------------------------------ */
@@ -964,6 +1143,8 @@ int main(void)
         cmocka_unit_test(test_windowed_not_saved),
         cmocka_unit_test(test_restart_continues),
         cmocka_unit_test(test_kill_during_write),
+        cmocka_unit_test(test_list_pages),
+        cmocka_unit_test(test_list_route),
     };
     return cmocka_run_group_tests_name("spill", tests, group_setup, group_teardown);
 }

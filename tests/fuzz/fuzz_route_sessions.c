@@ -4,7 +4,8 @@
  * /v1/sessions/ID path) and what the session routes answer. Each input is
  * "ID\nBODY": BODY is posted to /completion with ID in X-Session-Id (when
  * ID fits in a header line), then GET and DELETE /v1/sessions/ID follow,
- * with ID percent-escaped where a request target cannot carry it. All on
+ * with ID percent-escaped where a request target cannot carry it, and GET
+ * /v1/sessions with ID as its cursor and as its query. All on
  * the real `kvd serve` in this process (tests/fuzz/route_fuzz.h says how,
  * and what every answer must be). Seeds in corpus/route_sessions/, tokens
  * in route_sessions.dict. Built and run by `make fuzz`.
@@ -39,5 +40,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     path[p] = '\0';
     route_request("GET", path, "", (const uint8_t *)"", 0);
     route_request("DELETE", path, "", (const uint8_t *)"", 0);
+
+    /* The list: the id as its cursor, then the bytes as a query of their
+     * own (printable ones as they are). */
+    char list[32 + 3 * 1024 + 1];
+    snprintf(list, sizeof(list), "/v1/sessions?limit=2&after=%s", path + strlen("/v1/sessions/"));
+    route_request("GET", list, "", (const uint8_t *)"", 0);
+    p = (size_t)snprintf(list, sizeof(list), "/v1/sessions?");
+    for (size_t i = 0; i < id_len; i++)
+        if (data[i] > 0x20 && data[i] < 0x7f && data[i] != '#')
+            list[p++] = (char)data[i];
+    list[p] = '\0';
+    route_request("GET", list, "", (const uint8_t *)"", 0);
     return 0;
 }
