@@ -48,13 +48,6 @@
 #define COLD_BYTES ((size_t)1 << 30)
 #define MAX_L (128 * 1024)
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void *xalloc(size_t n)
 {
     void *p = aligned_alloc(64, (n + 63) / 64 * 64);
@@ -100,7 +93,7 @@ static double peak_gflops(int threads, const char **how)
     const long iters = 20000000;
     double best = 1e30;
     for (int rep = 0; rep < 3; rep++) {
-        double t0 = now();
+        double t0 = bench_now();
         float sink = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
         {
@@ -136,7 +129,7 @@ static double peak_gflops(int threads, const char **how)
                 sink += acc[j];
 #endif
         }
-        double dt = now() - t0;
+        double dt = bench_now() - t0;
         volatile float keep = sink;
         (void)keep;
         best = dt < best ? dt : best;
@@ -270,7 +263,7 @@ static double time_calls(attn_ctx *ctx, const struct pool *p, struct batch *b, i
                          bool cold, int *layer)
 {
     int nl = layers_for(L);
-    double t0 = now();
+    double t0 = bench_now();
     for (int c = 0; c < calls; c++) {
         if (cold)
             *layer = (*layer + 1) % nl;
@@ -280,7 +273,7 @@ static double time_calls(attn_ctx *ctx, const struct pool *p, struct batch *b, i
             exit(1);
         }
     }
-    return (now() - t0) / calls;
+    return (bench_now() - t0) / calls;
 }
 
 /*
@@ -308,19 +301,19 @@ static double time_reference(const struct attn_params *prm, const struct pool *p
                              int L)
 {
     struct attn_kv kv = kv_view(p, L, 0);
-    double t0 = now();
+    double t0 = bench_now();
     if (attn_reference(prm, &kv, &b->seq, 1)) {
         fprintf(stderr, "bench_attention: attn_reference failed (out of memory?)\n");
         return -1;
     }
-    return now() - t0;
+    return bench_now() - t0;
 }
 
 int main(void)
 {
     static const int Ls[] = {1024, 4096, 16384, 65536, 131072};
     static const enum pos_kind kinds[4] = {POS_NONE, POS_ROPE, POS_ALIBI, POS_T5};
-    double t_start = now();
+    double t_start = bench_now();
 
     printf("attention: %d query heads, %d KV heads, head dim %d, f16 KV, pages of %d, "
            "%d threads, %s path\n",
@@ -452,7 +445,7 @@ int main(void)
     printf("schemes beyond 16k prefill not timed (NONE only) to keep the run short\n");
     printf("targets: decode >= 0.70 of triad at L >= 16k; rope <= 1.3x none; alibi, t5 <= 1.1x "
            "none; prefill as a fraction of peak\n");
-    printf("total %.0f s\n", now() - t_start);
+    printf("total %.0f s\n", bench_now() - t_start);
 
     for (int k = 0; k < 4; k++)
         attn_destroy(ctx[k]);

@@ -14,13 +14,7 @@
 
 #include "model/gguf.h"
 #include "model/tokenizer.h"
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "tests/bench/bench_util.h"
 
 static char *read_file(const char *path, size_t *len)
 {
@@ -48,7 +42,7 @@ static double time_encode(const tok_vocab *v, const char *text, size_t len, int 
     double best = 1e30;
     int32_t *ids = NULL;
     for (int r = 0; r < 3; r++) {
-        double t0 = now();
+        double t0 = bench_now();
         int n = tok_encode(v, text, len, false, NULL, 0);
         if (n < 0)
             return -1;
@@ -56,7 +50,7 @@ static double time_encode(const tok_vocab *v, const char *text, size_t len, int 
         ids = malloc(sizeof *ids * ((size_t)n + 1));
         if (!ids || tok_encode(v, text, len, false, ids, n) != n)
             return -1;
-        double t = now() - t0;
+        double t = bench_now() - t0;
         if (t < best)
             best = t;
         *n_tokens = n;
@@ -75,14 +69,14 @@ static double time_stream(const tok_vocab *v, const char *text, size_t len, size
         return -1;
     double best = 1e30;
     for (int r = 0; r < 3; r++) {
-        double t0 = now();
+        double t0 = bench_now();
         struct tok_stream s;
         tok_stream_init(&s, v, true);
         size_t total = 0;
         for (int i = 0; i < n; i++)
             total += (size_t)tok_stream_push(&s, v, ids[i], buf, cap);
         total += (size_t)tok_stream_flush(&s, buf, cap);
-        double t = now() - t0;
+        double t = bench_now() - t0;
         if (t < best)
             best = t;
         *out_len = total;
@@ -101,9 +95,9 @@ static void bench(const char *shared, const char *rel, const char *text, size_t 
         printf("%-32s skipped: %s\n", rel, err);
         return;
     }
-    double t0 = now();
+    double t0 = bench_now();
     tok_vocab *v = tok_load(f, err, sizeof err);
-    double t_load = now() - t0;
+    double t_load = bench_now() - t0;
     gguf_close(f);
     if (!v) {
         printf("%-32s tok_load: %s\n", rel, err);
