@@ -1086,6 +1086,61 @@ AR_FN void ref_logits_seeded(const struct ref_model *r, int n, uint32_t seed, fl
     ref_fresh(r, toks, pos, n, out);
 }
 
+/*
+ * Whether a part of an architecture matters: how far the reference's
+ * logits for n seeded tokens move when cut(r, path, ctx) takes the part
+ * out of the reference of the model p describes (written to path): the
+ * relative difference, printed under `what`. A test asserts it is well
+ * above the forward's tolerance against the reference, so a forward that
+ * ignored the part could not pass.
+ */
+AR_FN float ref_part_effect(const struct model_mk_params *p, const char *what, int n, uint32_t seed,
+                            void (*cut)(struct ref_model *r, const char *path, void *ctx),
+                            void *ctx)
+{
+    char path[512];
+    write_model(p, "parts.gguf", path, sizeof(path));
+    struct ref_model r;
+    ref_load(&r, path);
+    float *a = malloc(sizeof(float) * r.n_vocab), *b = malloc(sizeof(float) * r.n_vocab);
+    assert_non_null(a);
+    assert_non_null(b);
+    ref_logits_seeded(&r, n, seed, a);
+    cut(&r, path, ctx);
+    ref_logits_seeded(&r, n, seed, b);
+    float e = rel_diff(a, b, r.n_vocab);
+    print_message("  without the %-26s the logits move by %.2e\n", what, e);
+    free(a);
+    free(b);
+    ref_free(&r);
+    return e;
+}
+
+/*
+ * kvd's logits (into out, [n_vocab]) after n (<= 64) seeded tokens read in
+ * one forward pass of the model file at path, f32 KV, `threads` threads;
+ * returns the largest of them in magnitude.
+ */
+AR_FN float forward_logits(const char *path, int n, uint32_t seed, int threads, float *out)
+{
+    model *m = load_model(path);
+    kv_cache *cache = make_cache(m, KV_F32, 16, 64);
+    struct kv_policy pol = policy_none(64);
+    kv_seq *seq = make_seq(cache, &pol);
+    model_ctx *ctx = make_ctx(m, n, threads);
+    int32_t t[64];
+    assert_true(n <= 64);
+    fill_tokens(t, n, m->n_vocab, seed);
+    struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = n, .logits = out};
+    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
+    float mx = max_abs(out, m->n_vocab);
+    model_ctx_destroy(ctx);
+    kv_seq_destroy(seq);
+    kv_cache_destroy(cache);
+    model_free(m);
+    return mx;
+}
+
 /* ------------------------------------------------------------------------
  * GGUF surgery for hostile files and hand-set tables
  * ------------------------------------------------------------------------ */

@@ -156,25 +156,6 @@ static void test_forward_matches_reference(void **state)
  * table changed give different logits, so a forward that ignored them
  * could not pass the reference test above.
  */
-static float logits_of(const char *path, float *lg)
-{
-    model *m = load_model(path);
-    kv_cache *cache = make_cache(m, KV_F32, 16, 64);
-    struct kv_policy pol = policy_none(48);
-    kv_seq *seq = make_seq(cache, &pol);
-    model_ctx *ctx = make_ctx(m, 32, 2);
-    int32_t t[24];
-    fill_tokens(t, 24, m->n_vocab, 5);
-    struct model_batch_seq b = {.seq = seq, .tokens = t, .n_tokens = 24, .logits = lg};
-    assert_int_equal(model_reserve_forward(ctx, &b, 1, NULL), 0);
-    float mx = max_abs(lg, m->n_vocab);
-    model_ctx_destroy(ctx);
-    kv_seq_destroy(seq);
-    kv_cache_destroy(cache);
-    model_free(m);
-    return mx;
-}
-
 static void test_parts_matter(void **state)
 {
     (void)state;
@@ -203,8 +184,8 @@ static void test_parts_matter(void **state)
         write_model(&pairs[i].a, "parts-a.gguf", pa, sizeof(pa));
         write_model(&pairs[i].b, "parts-b.gguf", pb, sizeof(pb));
         float la[300], lb[300];
-        float mx = logits_of(pa, la);
-        logits_of(pb, lb);
+        float mx = forward_logits(pa, 24, 5, 2, la);
+        forward_logits(pb, 24, 5, 2, lb);
         float e = max_abs_diff(la, lb, 300) / mx;
         print_message("  %-32s: logits differ by %.2e (relative)\n", pairs[i].what, e);
         assert_true(e > 1e-3f);

@@ -227,6 +227,32 @@ static void test_forward_matches_reference(void **state)
         forward_vs_reference_types(cases[i].name, gcase_params(&cases[i], GGML_TYPE_F32));
 }
 
+/* The reference without Gemma part *(int *)ctx, numbered as in
+ * test_parts_matter (ref_part_effect). */
+static void gemma_cut(struct ref_model *r, const char *path, void *ctx)
+{
+    (void)path;
+    int part = *(const int *)ctx;
+    for (int l = 0; l < r->n_layer; l++) {
+        struct ref_layer *L = &r->L[l];
+        if (part == 2 || part == 3) {
+            float **pp = part == 2 ? &L->post_attn : &L->post_ffn;
+            free(*pp);
+            *pp = NULL;
+        }
+        if (part == 5)
+            L->window = 0;
+    }
+    if (part == 0)
+        r->attn_cap = 0;
+    if (part == 1)
+        r->final_cap = 0;
+    if (part == 4)
+        r->emb_scale = 1;
+    if (part == 6)
+        r->theta_local = r->theta;
+}
+
 /*
  * Every Gemma part matters: the reference (which the forward matches to
  * 1e-5) gives other logits with the part left out, by far more than 1e-5.
@@ -239,39 +265,8 @@ static void test_parts_matter(void **state)
                                "post-MLP norm",      "embedding scale", "local windows",
                                "local RoPE base"};
     for (int part = 0; part < PARTS; part++) {
-        const struct gcase *c = &cases[part < 6 ? 0 : 3];
-        struct model_mk_params p = gcase_params(c, GGML_TYPE_F32);
-        char path[512];
-        write_model(&p, "parts.gguf", path, sizeof(path));
-        struct ref_model r;
-        ref_load(&r, path);
-        float *a = malloc(sizeof(float) * r.n_vocab), *b = malloc(sizeof(float) * r.n_vocab);
-        ref_logits_seeded(&r, 24, 9, a);
-        for (int l = 0; l < r.n_layer; l++) {
-            struct ref_layer *L = &r.L[l];
-            if (part == 2 || part == 3) {
-                float **pp = part == 2 ? &L->post_attn : &L->post_ffn;
-                free(*pp);
-                *pp = NULL;
-            }
-            if (part == 5)
-                L->window = 0;
-        }
-        if (part == 0)
-            r.attn_cap = 0;
-        if (part == 1)
-            r.final_cap = 0;
-        if (part == 4)
-            r.emb_scale = 1;
-        if (part == 6)
-            r.theta_local = r.theta;
-        ref_logits_seeded(&r, 24, 9, b);
-        float e = rel_diff(a, b, r.n_vocab);
-        print_message("  without the %-19s the logits move by %.2e\n", what[part], e);
-        assert_true(e > 1e-3f);
-        free(a);
-        free(b);
-        ref_free(&r);
+        struct model_mk_params p = gcase_params(&cases[part < 6 ? 0 : 3], GGML_TYPE_F32);
+        assert_true(ref_part_effect(&p, what[part], 24, 9, gemma_cut, &part) > 1e-3f);
     }
 }
 

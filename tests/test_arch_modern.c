@@ -102,6 +102,18 @@ static void test_forward_matches_reference(void **state)
         forward_vs_reference_types(cases[i].name, case_params(&cases[i], GGML_TYPE_F32));
 }
 
+/* The reference without Qwen3's q/k norms (ref_part_effect). */
+static void drop_qk_norms(struct ref_model *r, const char *path, void *ctx)
+{
+    (void)path;
+    (void)ctx;
+    for (int l = 0; l < r->n_layer; l++) {
+        free(r->L[l].q_norm);
+        free(r->L[l].k_norm);
+        r->L[l].q_norm = r->L[l].k_norm = NULL;
+    }
+}
+
 /*
  * Every part matters: the model with rope_freqs, YaRN or the q/k norms
  * differs from the same weights without them (else the tests above could
@@ -126,59 +138,17 @@ static void test_parts_matter(void **state)
         char a[512], b[512];
         write_model(&pairs[k].with, "with.gguf", a, sizeof(a));
         write_model(&pairs[k].without, "without.gguf", b, sizeof(b));
-        model *ma = load_model(a), *mb = load_model(b);
-        int nv = ma->n_vocab;
-        float *la = malloc(sizeof(float) * nv), *lb = malloc(sizeof(float) * nv);
-        int32_t toks[40];
-        fill_tokens(toks, 40, nv, 5);
-        model *ms[2] = {ma, mb};
-        float *ls[2] = {la, lb};
-        for (int j = 0; j < 2; j++) {
-            kv_cache *cache = make_cache(ms[j], KV_F32, 16, 8);
-            struct kv_policy pol = policy_none(64);
-            kv_seq *seq = make_seq(cache, &pol);
-            model_ctx *ctx = make_ctx(ms[j], 40, 1);
-            struct model_batch_seq bs = {
-                .seq = seq, .tokens = toks, .n_tokens = 40, .logits = ls[j]};
-            assert_int_equal(model_reserve_forward(ctx, &bs, 1, NULL), 0);
-            model_ctx_destroy(ctx);
-            kv_seq_destroy(seq);
-            kv_cache_destroy(cache);
-        }
-        float e = rel_diff(la, lb, nv);
+        float la[300], lb[300];
+        forward_logits(a, 40, 5, 1, la);
+        forward_logits(b, 40, 5, 1, lb);
+        float e = rel_diff(la, lb, 300);
         print_message("  case %d: logits with and without the part differ by %.2e\n", k, e);
         assert_true(e > 1e-3f);
-        free(la);
-        free(lb);
-        model_free(ma);
-        model_free(mb);
     }
     /* Qwen3's norms: the reference (which the forward matches) computes
      * other logits when they are left out of it. */
-    char path[512];
     struct model_mk_params q3 = case_params(&cases[4], GGML_TYPE_F32);
-    write_model(&q3, "q3.gguf", path, sizeof(path));
-    struct ref_model r;
-    ref_load(&r, path);
-    int nv = r.n_vocab;
-    float *l1 = malloc(sizeof(float) * nv), *l2 = malloc(sizeof(float) * nv);
-    int32_t toks[12], pos[12];
-    fill_tokens(toks, 12, nv, 9);
-    for (int i = 0; i < 12; i++)
-        pos[i] = i;
-    ref_fresh(&r, toks, pos, 12, l1);
-    for (int l = 0; l < r.n_layer; l++) {
-        free(r.L[l].q_norm);
-        free(r.L[l].k_norm);
-        r.L[l].q_norm = r.L[l].k_norm = NULL;
-    }
-    ref_fresh(&r, toks, pos, 12, l2);
-    float e = rel_diff(l1, l2, nv);
-    print_message("  qwen3 without its q/k norms differs by %.2e\n", e);
-    assert_true(e > 1e-3f);
-    free(l1);
-    free(l2);
-    ref_free(&r);
+    assert_true(ref_part_effect(&q3, "qwen3 q/k norms", 12, 9, drop_qk_norms, NULL) > 1e-3f);
 }
 
 /* ------------------------------------------------------------------------

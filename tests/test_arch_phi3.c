@@ -250,6 +250,40 @@ static void test_context_from_commands(void **state)
     assert_int_equal(su_stop(&s, SIGTERM, 30), 0);
 }
 
+/* The reference without Phi-3 part *(int *)ctx, numbered as in
+ * test_parts_matter (ref_part_effect; path: the model's file). */
+static void phi3_cut(struct ref_model *r, const char *path, void *ctx)
+{
+    int part = *(const int *)ctx;
+    if (part == 0)
+        r->amp = 1.0;
+    if (part == 1) { /* the short table where the long one belongs */
+        ref_phi3_ctx = 48;
+        struct ref_model rs;
+        ref_load(&rs, path);
+        ref_phi3_ctx = 0;
+        memcpy(r->rope_ff, rs.rope_ff, sizeof(float) * (size_t)r->n_rot / 2);
+        ref_free(&rs);
+    }
+    for (int l = 0; l < r->n_layer; l++) {
+        struct ref_layer *L = &r->L[l];
+        if (part == 2) {
+            float *t = L->gate;
+            L->gate = L->up;
+            L->up = t;
+        }
+        if (part == 3) { /* Q's first kv rows swapped with K's */
+            size_t n = (size_t)r->n_kv * r->hd * r->d;
+            float *tmp = malloc(sizeof(float) * n);
+            assert_non_null(tmp);
+            memcpy(tmp, L->wq, sizeof(float) * n);
+            memcpy(L->wq, L->wk, sizeof(float) * n);
+            memcpy(L->wk, tmp, sizeof(float) * n);
+            free(tmp);
+        }
+    }
+}
+
 /* Each part matters: the reference (which kvd matches) moves without it. */
 static void test_parts_matter(void **state)
 {
@@ -258,46 +292,7 @@ static void test_parts_matter(void **state)
                            "QKV order (K before Q)"};
     for (int part = 0; part < 4; part++) {
         struct model_mk_params p = pcase_params(&cases[3], GGML_TYPE_F32);
-        char path[512];
-        write_model(&p, "parts.gguf", path, sizeof(path));
-        struct ref_model r;
-        ref_load(&r, path);
-        float *a = malloc(sizeof(float) * r.n_vocab), *b = malloc(sizeof(float) * r.n_vocab);
-        ref_logits_seeded(&r, 24, 3, a);
-        if (part == 0)
-            r.amp = 1.0;
-        if (part == 1) {
-            ref_phi3_ctx = 48;
-            struct ref_model rs;
-            ref_load(&rs, path);
-            ref_phi3_ctx = 0;
-            memcpy(r.rope_ff, rs.rope_ff, sizeof(float) * (size_t)r.n_rot / 2);
-            ref_free(&rs);
-        }
-        for (int l = 0; l < r.n_layer; l++) {
-            struct ref_layer *L = &r.L[l];
-            float *t;
-            if (part == 2) {
-                t = L->gate;
-                L->gate = L->up;
-                L->up = t;
-            }
-            if (part == 3) { /* Q's first kv rows swapped with K's */
-                size_t n = (size_t)r.n_kv * r.hd * r.d;
-                float *tmp = malloc(sizeof(float) * n);
-                memcpy(tmp, L->wq, sizeof(float) * n);
-                memcpy(L->wq, L->wk, sizeof(float) * n);
-                memcpy(L->wk, tmp, sizeof(float) * n);
-                free(tmp);
-            }
-        }
-        ref_logits_seeded(&r, 24, 3, b);
-        float e = rel_diff(a, b, r.n_vocab);
-        print_message("  without the %-26s the logits move by %.2e\n", what[part], e);
-        assert_true(e > 1e-3f);
-        free(a);
-        free(b);
-        ref_free(&r);
+        assert_true(ref_part_effect(&p, what[part], 24, 3, phi3_cut, &part) > 1e-3f);
     }
 }
 
