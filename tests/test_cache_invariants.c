@@ -33,6 +33,7 @@
 #include "cache/cache_internal.h"
 #include "cache/kv_cache.h"
 #include "tests/cache_model.h"
+#include "tests/kernel_eq.h"
 
 /* ------------------------------------------------------------------------
  * Invariant 2: randomized accounting stress against the model
@@ -805,76 +806,6 @@ static void ref_attention(const struct attn_params *P, const struct attn_kv *kv,
     free(score);
 }
 
-/* K and V of token `id` in a one-layer model: a function of the id alone. */
-static void write_token_kv(kv_seq *s, int idx, int32_t id, int n_kv_head, int hd)
-{
-    for (int h = 0; h < n_kv_head; h++) {
-        float *k = kv_seq_k(s, 0, h, idx), *v = kv_seq_v(s, 0, h, idx);
-        uint32_t r = mix((uint32_t)id, (uint32_t)h) | 1u;
-        for (int d = 0; d < hd; d++) {
-            k[d] = (float)(rng_next(&r) % 2001) / 1000.0f - 1.0f;
-            v[d] = (float)(rng_next(&r) % 2001) / 1000.0f - 1.0f;
-        }
-    }
-}
-
-static struct attn_kv attn_kv_of(kv_cache *c)
-{
-    struct kv_layout l;
-    kv_cache_layout(c, &l);
-    return (struct attn_kv){.base = l.base,
-                            .page_bytes = l.page_bytes,
-                            .k_offset = kv_layout_k_offset(&l, 0),
-                            .v_offset = kv_layout_v_offset(&l, 0),
-                            .page_tokens = l.page_tokens,
-                            .k_type = (enum attn_type)l.k_type,
-                            .v_type = (enum attn_type)l.v_type};
-}
-
-static double max_abs_diff(const float *a, const float *b, int n)
-{
-    double m = 0;
-    for (int i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        if (d > m)
-            m = d;
-    }
-    return m;
-}
-
-enum { EQ_HEADS = 4, EQ_KV_HEADS = 2, EQ_DIM = 16, EQ_PT = 4 };
-
-/* Attention of the last query over seq, with positions `pos` (NULL: the
- * sequence's own), by the test's reference (out[0]), attn_reference
- * (out[1]) and the fused attn_run (out[2]). */
-static void attend_last(const struct attn_params *P, kv_cache *c, kv_seq *s, const int32_t *pos,
-                        const float *q, float out[3][EQ_HEADS * EQ_DIM])
-{
-    struct attn_kv kv = attn_kv_of(c);
-    int n = kv_seq_n_tokens(s);
-    if (!pos)
-        pos = kv_seq_positions(s);
-    int32_t q_pos = pos[n - 1];
-    struct attn_seq sq = {.page_table = kv_seq_page_table(s),
-                          .pos = pos,
-                          .n_kv = n,
-                          .n_q = 1,
-                          .q_pos = &q_pos,
-                          .q = q,
-                          .out = out[0]};
-    ref_attention(P, &kv, &sq);
-    sq.out = out[1];
-    assert_int_equal(attn_reference(P, &kv, &sq, 1), 0);
-    char err[256];
-    attn_ctx *ctx = attn_create(P, err, sizeof(err));
-    if (!ctx)
-        print_message("attn_create: %s\n", err);
-    assert_non_null(ctx);
-    sq.out = out[2];
-    assert_int_equal(attn_run(ctx, &kv, &sq, 1), 0);
-    attn_destroy(ctx);
-}
-
 /*
  * Stream tokens through an evicting sequence in renumber mode, then compare
  * the last query's attention with a fresh cache holding exactly the tokens
@@ -890,7 +821,7 @@ static void run_equivalence(const struct attn_params *P, struct kv_policy pol)
     for (int32_t id = 1000; id < 1090; id++) {
         int first;
         assert_int_equal(kv_seq_append(s, &id, 1, &first), 0);
-        write_token_kv(s, first, id, EQ_KV_HEADS, EQ_DIM);
+        eq_write_token(s, first, id);
         /* The model: evict as the policy says, then append. */
         if (m.n + 1 > pol.max_cache_tokens)
             m_evict(&m, m_plan(&m, pol.max_cache_tokens - 1, EQ_PT), EQ_PT);
@@ -925,37 +856,28 @@ static void run_equivalence(const struct attn_params *P, struct kv_policy pol)
     for (int i = 0; i < n; i++) {
         int first;
         assert_int_equal(kv_seq_append(f, &m.t[i].id, 1, &first), 0);
-        write_token_kv(f, first, m.t[i].id, EQ_KV_HEADS, EQ_DIM);
+        eq_write_token(f, first, m.t[i].id);
     }
 
     float q[EQ_HEADS * EQ_DIM];
     for (int i = 0; i < EQ_HEADS * EQ_DIM; i++)
         q[i] = (float)(rng_next(&rng) % 2001) / 1000.0f - 1.0f;
     float out_e[3][EQ_HEADS * EQ_DIM], out_f[3][EQ_HEADS * EQ_DIM], out_p[3][EQ_HEADS * EQ_DIM];
-    attend_last(P, c, s, NULL, q, out_e);
-    attend_last(P, fc, f, NULL, q, out_f);
+    eq_attend_last(P, c, s, NULL, q, ref_attention, out_e);
+    eq_attend_last(P, fc, f, NULL, q, ref_attention, out_f);
     /* And the check can fail: the same cache read at its original
      * positions (with gaps) gives a different answer. */
-    attend_last(P, c, s, orig_pos, q, out_p);
+    eq_attend_last(P, c, s, orig_pos, q, ref_attention, out_p);
     for (int k = 0; k < 3; k++) {
-        assert_true(max_abs_diff(out_e[k], out_f[k], EQ_HEADS * EQ_DIM) <= 1e-6);
-        assert_true(max_abs_diff(out_p[k], out_f[k], EQ_HEADS * EQ_DIM) > 1e-4);
+        assert_true(eq_max_diff(out_e[k], out_f[k], EQ_HEADS * EQ_DIM) <= 1e-6);
+        assert_true(eq_max_diff(out_p[k], out_f[k], EQ_HEADS * EQ_DIM) > 1e-4);
         /* The attention room's kernels agree with the plain reference. */
-        assert_true(max_abs_diff(out_e[k], out_e[0], EQ_HEADS * EQ_DIM) <= 1e-4);
+        assert_true(eq_max_diff(out_e[k], out_e[2], EQ_HEADS * EQ_DIM) <= 1e-4);
     }
 
     kv_cache_destroy(fc);
     kv_cache_destroy(c);
     mseq_free(&m);
-}
-
-static struct attn_params eq_params(void)
-{
-    return (struct attn_params){.n_head = EQ_HEADS,
-                                .n_kv_head = EQ_KV_HEADS,
-                                .head_dim = EQ_DIM,
-                                .scale = 1.0f / 4.0f,
-                                .n_threads = 1};
 }
 
 static void run_fork_equivalence(const struct attn_params *P, struct kv_policy pol);
@@ -1020,9 +942,9 @@ static void attend_fresh(const struct attn_params *P, const int32_t *ids, int n,
     for (int i = 0; i < n; i++) {
         int first;
         assert_int_equal(kv_seq_append(f, &ids[i], 1, &first), 0);
-        write_token_kv(f, first, ids[i], EQ_KV_HEADS, EQ_DIM);
+        eq_write_token(f, first, ids[i]);
     }
-    attend_last(P, fc, f, NULL, q, out);
+    eq_attend_last(P, fc, f, NULL, q, ref_attention, out);
     kv_cache_destroy(fc);
 }
 
@@ -1031,7 +953,7 @@ static void append_written(kv_seq *s, int32_t id)
 {
     int first;
     assert_int_equal(kv_seq_append(s, &id, 1, &first), 0);
-    write_token_kv(s, first, id, EQ_KV_HEADS, EQ_DIM);
+    eq_write_token(s, first, id);
 }
 
 /*
@@ -1064,17 +986,17 @@ static void run_fork_equivalence(const struct attn_params *P, struct kv_policy p
     for (int k = 0; k < 2; k++) {
         kv_seq *s = both[k];
         assert_true(kv_seq_tokens(s)[0] == 1000); /* the shared prefix's first page stays */
-        attend_last(P, c, s, NULL, q, out[k]);
+        eq_attend_last(P, c, s, NULL, q, ref_attention, out[k]);
         attend_fresh(P, kv_seq_tokens(s), kv_seq_n_tokens(s), q, fresh[k]);
         for (int r = 0; r < 3; r++)
-            assert_true(max_abs_diff(out[k][r], fresh[k][r], EQ_HEADS * EQ_DIM) <= 1e-6);
+            assert_true(eq_max_diff(out[k][r], fresh[k][r], EQ_HEADS * EQ_DIM) <= 1e-6);
     }
     /* The two did diverge: the check compares different caches. */
-    assert_true(max_abs_diff(out[0][0], out[1][0], EQ_HEADS * EQ_DIM) > 1e-4);
+    assert_true(eq_max_diff(out[0][0], out[1][0], EQ_HEADS * EQ_DIM) > 1e-4);
     kv_seq_destroy(a); /* the child reads the same after its parent goes */
     float again[3][EQ_HEADS * EQ_DIM];
-    attend_last(P, c, b, NULL, q, again);
-    assert_true(max_abs_diff(again[0], out[1][0], EQ_HEADS * EQ_DIM) == 0);
+    eq_attend_last(P, c, b, NULL, q, ref_attention, again);
+    assert_true(eq_max_diff(again[0], out[1][0], EQ_HEADS * EQ_DIM) == 0);
     assert_cache_ok(c);
     kv_cache_destroy(c);
 }

@@ -45,6 +45,7 @@
 #include "model/quant.h"
 #include "engine/cache_map.h"
 #include "tests/arch_ref.h"
+#include "tests/kernel_eq.h"
 #include "tests/serve_util.h"
 
 /* ------------------------------------------------------------------------
@@ -721,69 +722,6 @@ static void test_accounting_stress(void **state)
  * 3. Equivalence at the kernel
  * ------------------------------------------------------------------------ */
 
-enum { EQ_HEADS = 4, EQ_KV_HEADS = 2, EQ_DIM = 16, EQ_PT = 4 };
-
-/* K and V of token `id`: a function of the id alone. */
-static void write_token_kv(kv_seq *s, int idx, int32_t id)
-{
-    for (int h = 0; h < EQ_KV_HEADS; h++) {
-        float *k = kv_seq_k(s, 0, h, idx), *v = kv_seq_v(s, 0, h, idx);
-        uint32_t r = (uint32_t)id * 2654435761u + (uint32_t)h * 40503u + 1u;
-        for (int d = 0; d < EQ_DIM; d++) {
-            k[d] = (float)(rng_next(&r) % 2001) / 1000.0f - 1.0f;
-            v[d] = (float)(rng_next(&r) % 2001) / 1000.0f - 1.0f;
-        }
-        kv_seq_add_key_norm(s, idx, k, EQ_DIM);
-    }
-}
-
-static struct attn_kv attn_kv_of(kv_cache *c)
-{
-    struct kv_layout l;
-    kv_cache_layout(c, &l);
-    return (struct attn_kv){.base = l.base,
-                            .page_bytes = l.page_bytes,
-                            .k_offset = kv_layout_k_offset(&l, 0),
-                            .v_offset = kv_layout_v_offset(&l, 0),
-                            .page_tokens = l.page_tokens,
-                            .k_type = ATTN_F32,
-                            .v_type = ATTN_F32};
-}
-
-/* The last token's query over s at positions pos (NULL: its own), by the
- * fused kernel (out[0]) and the reference (out[1]). */
-static void attend_last(const struct attn_params *P, kv_cache *c, kv_seq *s, const int32_t *pos,
-                        const float *q, float out[2][EQ_HEADS * EQ_DIM])
-{
-    struct attn_kv kv = attn_kv_of(c);
-    int n = kv_seq_n_tokens(s);
-    if (!pos)
-        pos = kv_seq_positions(s);
-    int32_t q_pos = pos[n - 1];
-    struct attn_seq sq = {.page_table = kv_seq_page_table(s),
-                          .pos = pos,
-                          .n_kv = n,
-                          .n_q = 1,
-                          .q_pos = &q_pos,
-                          .q = q,
-                          .out = out[0]};
-    char err[256];
-    attn_ctx *ctx = attn_create(P, err, sizeof(err));
-    assert_non_null(ctx);
-    assert_int_equal(attn_run(ctx, &kv, &sq, 1), 0);
-    attn_destroy(ctx);
-    sq.out = out[1];
-    assert_int_equal(attn_reference(P, &kv, &sq, 1), 0);
-}
-
-static double max_diff(const float *a, const float *b, int n)
-{
-    double m = 0;
-    for (int i = 0; i < n; i++)
-        m = fabs((double)a[i] - b[i]) > m ? fabs((double)a[i] - b[i]) : m;
-    return m;
-}
-
 static void run_equivalence_pinned(const struct attn_params *P, struct kv_policy pol,
                                    const struct kv_span *pins, int n_pins)
 {
@@ -804,7 +742,7 @@ static void run_equivalence_pinned(const struct attn_params *P, struct kv_policy
         int first;
         assert_int_equal(kv_seq_append(s, ids, n, &first), 0);
         for (int i = 0; i < n; i++)
-            write_token_kv(s, first + i, ids[i]);
+            eq_write_token(s, first + i, ids[i]);
         float mass[256];
         for (int i = 0; i < kv_seq_n_tokens(s); i++)
             mass[i] = (float)(rng_next(&rng) % 1000) / 100.0f;
@@ -834,18 +772,18 @@ static void run_equivalence_pinned(const struct attn_params *P, struct kv_policy
         int first;
         int32_t t = kv_seq_tokens(s)[i];
         assert_int_equal(kv_seq_append(f, &t, 1, &first), 0);
-        write_token_kv(f, first, t);
+        eq_write_token(f, first, t);
     }
     float q[EQ_HEADS * EQ_DIM];
     for (int i = 0; i < EQ_HEADS * EQ_DIM; i++)
         q[i] = (float)(rng_next(&rng) % 2001) / 1000.0f - 1.0f;
     float oe[2][EQ_HEADS * EQ_DIM], of[2][EQ_HEADS * EQ_DIM], op[2][EQ_HEADS * EQ_DIM];
-    attend_last(P, c, s, NULL, q, oe);
-    attend_last(P, fc, f, NULL, q, of);
-    attend_last(P, c, s, hist_pos, q, op); /* the check can fail: gaps differ */
+    eq_attend_last(P, c, s, NULL, q, NULL, oe);
+    eq_attend_last(P, fc, f, NULL, q, NULL, of);
+    eq_attend_last(P, c, s, hist_pos, q, NULL, op); /* the check can fail: gaps differ */
     for (int k = 0; k < 2; k++) {
-        assert_true(max_diff(oe[k], of[k], EQ_HEADS * EQ_DIM) <= 1e-6);
-        assert_true(max_diff(op[k], of[k], EQ_HEADS * EQ_DIM) > 1e-4);
+        assert_true(eq_max_diff(oe[k], of[k], EQ_HEADS * EQ_DIM) <= 1e-6);
+        assert_true(eq_max_diff(op[k], of[k], EQ_HEADS * EQ_DIM) > 1e-4);
     }
     kv_cache_destroy(fc);
     kv_cache_destroy(c);
@@ -883,15 +821,6 @@ static void run_equivalence_all(const struct attn_params *P)
     run_equivalence(P, scored(KV_EVICT_KNORM, 32, 3, 7, 9));
     run_equivalence(P, small);
     run_equivalence(P, snap);
-}
-
-static struct attn_params eq_params(void)
-{
-    return (struct attn_params){.n_head = EQ_HEADS,
-                                .n_kv_head = EQ_KV_HEADS,
-                                .head_dim = EQ_DIM,
-                                .scale = 0.25f,
-                                .n_threads = 1};
 }
 
 static void test_equivalence_rope(void **state)
