@@ -18,6 +18,8 @@
 # "kernel levels" below; ARCH=x86-64-v2 makes a binary that runs on any
 # x86-64 of the last fifteen years at the kernels' full speed),
 # BUILD (object directory), WERROR=1 (warnings are errors; CI sets it),
+# THREADS (pool: kvd's own thread pool, cpu/pool.h, the default; omp: the
+# same parallel regions on OpenMP's team, objects in build-omp/),
 # TESTS (build and run only these test programs, e.g. TESTS="attention cache"),
 # LLHTTP_DIR (where Debian's node-llhttp puts its C sources), RUN_ARGS (what
 # `make run` passes to `kvd serve`), DEPS_CMD (what `make deps` runs).
@@ -25,17 +27,27 @@
 CC      ?= gcc
 ARCH    ?= native
 OPT     ?= -O3
-BUILD   ?= build
+THREADS ?= pool
+BUILD   ?= build$(if $(filter omp,$(THREADS)),-omp)
 WERROR  ?=
 SHARED  ?= ../shared
 
 LLHTTP_DIR     ?= /usr/share/llhttp
 LLHTTP_INCLUDE ?= /usr/share/include/llhttp
 
+ifeq ($(filter pool omp,$(THREADS)),)
+$(error THREADS=$(THREADS): want pool (kvd's thread pool) or omp (OpenMP))
+endif
+# OpenMP: the whole build with THREADS=omp; otherwise only the benchmarks
+# (their bandwidth probes) and test_pool (which checks the partition against
+# OpenMP's) use it.
+OMP      := -fopenmp
+THR_FLAGS := $(if $(filter omp,$(THREADS)),$(OMP) -DKVD_THREADS_OMP)
+
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes $(if $(WERROR),-Werror)
 CPPFLAGS += -D_GNU_SOURCE -I. -I$(LLHTTP_INCLUDE) -MMD -MP
-CFLAGS   += -std=c11 $(OPT) -march=$(ARCH) -g -fopenmp $(WARN) $(SANITIZE)
-LDFLAGS  += -fopenmp $(SANITIZE)
+CFLAGS   += -std=c11 $(OPT) -march=$(ARCH) -g $(THR_FLAGS) $(WARN) $(SANITIZE)
+LDFLAGS  += $(THR_FLAGS) $(SANITIZE)
 LDLIBS   += -luv -ljansson -linih -lpcre2-8 -lm -lpthread
 TESTLIBS := -lcmocka
 
@@ -114,7 +126,8 @@ LINK_model     := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_config    := $(CONFIG_OBJ) $(BUILD)/cli/wiring.o $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_template  := $(TEMPLATE_OBJ)
 # test_cpu includes cpu/cpu.c itself (white-box)
-LINK_cpu       := $(filter-out $(CPU_OBJ),$(ATTN_OBJ))
+LINK_cpu       := $(filter-out $(BUILD)/cpu/cpu.o,$(ATTN_OBJ))
+LINK_pool      := $(BUILD)/cpu/pool.o
 # Model-room pieces with their own test programs (built before forward.c exists).
 LINK_gguf      := $(filter $(BUILD)/model/gguf%.o,$(MODEL_OBJ))
 LINK_tokenizer := $(filter $(BUILD)/model/gguf%.o $(BUILD)/model/tokenizer%.o,$(MODEL_OBJ))
@@ -173,6 +186,10 @@ $(BUILD)/tests/test_%: tests/test_%.c $$(if $$(LINK_$$*),$$(LINK_$$*),$(ALL_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(filter %.o,$^) $(LDFLAGS) $(TESTLIBS) $(LDLIBS)
 
+# test_pool compares cpu_pool_for's partition with OpenMP's own.
+$(BUILD)/tests/test_pool: private CFLAGS += $(OMP)
+$(BUILD)/tests/test_pool: private LDFLAGS += $(OMP)
+
 tests: $(TEST_BIN) $(BUILD)/kvd
 
 # `make test` and `make run` install the packages in a make invocation of
@@ -195,7 +212,7 @@ asan:
 # --- benchmarks ----------------------------------------------------------------
 $(BUILD)/bench/%: tests/bench/%.c $(ALL_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_OBJ) $(LDFLAGS) $(LDLIBS)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(OMP) -o $@ $< $(ALL_OBJ) $(LDFLAGS) $(OMP) $(LDLIBS)
 
 benches: $(BENCH_BIN)
 
@@ -295,6 +312,6 @@ format:
 	clang-format -i $$(git ls-files '*.c' '*.h')
 
 clean:
-	rm -rf build build-asan $(FUZZ_BUILD) kvd
+	rm -rf build build-omp build-asan $(FUZZ_BUILD) kvd
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -17,8 +17,9 @@
  * position. A negative offset looks back; a key is visible to a query iff
  * pos_k <= pos_q.
  *
- * This room depends on libc and OpenMP only. It owns no memory of the cache:
- * callers describe where pages are with the plain structs below.
+ * This room depends on libc and the thread pool (cpu/pool.h) only. It owns
+ * no memory of the cache: callers describe where pages are with the plain
+ * structs below.
  */
 #ifndef KVD_ATTENTION_H
 #define KVD_ATTENTION_H
@@ -283,7 +284,7 @@ struct attn_params {
     float softcap;         /* 0, or every score q.k * scale becomes softcap * tanh(score /
                               softcap) before bias and masks (Gemma 2's attention logit
                               soft-capping, in the tile loop: attn_softcap.c); finite */
-    int n_threads;         /* OpenMP threads; 0 = the runtime's default */
+    int n_threads;         /* threads; 0 = the default count (cpu/pool.h) */
     bool force_scalar;     /* run the portable scalar path even where a SIMD path
                               was compiled (tests compare both) */
 };

@@ -2,7 +2,7 @@
  * attention_internal.h - what the kernel files (attn*.c, kvtype.c) share.
  *
  * The fused kernel is split in two layers. attn.c plans the work (which
- * sequence, query block, KV heads and key range each OpenMP work item
+ * sequence, query block, KV heads and key range each work item
  * covers), walks the key tiles, resolves page addresses and computes RoPE
  * angles per tile. The arithmetic on one tile - scores, the online-softmax
  * update, P.V, staging rotated keys - goes through a table of tile
@@ -268,6 +268,15 @@ attn_qk_q8_fn attn_q8_path(const char *name);
  * tables: never freed.
  */
 const struct attn_ops *attn_softcap_ops(const struct attn_ops *base, float softcap);
+
+/* --- parameters (attn_params.c) -------------------------------------------------- */
+
+/* printf into err (nothing when err is NULL or errlen 0). */
+__attribute__((format(printf, 3, 4))) void attn_fail(char *err, size_t errlen, const char *fmt,
+                                                     ...);
+
+/* 0, or -EINVAL with err naming the parameter that is out of range. */
+int attn_check_params(const struct attn_params *p, char *err, size_t errlen);
 
 /* The portable table (attn_scalar.c). */
 extern const struct attn_ops attn_scalar_ops;

@@ -8,7 +8,8 @@
  * bias either - ALiBi's slope * (pos_k - pos_q), T5's table[bucket] and RoPE's
  * rotation of each key by its own position are computed per tile.
  *
- * Work is cut into items, run by one OpenMP team with dynamic scheduling:
+ * Work is cut into items, run on the thread pool (cpu/pool.h), each item
+ * taken by whichever thread is free next:
  *
  *   - A unit is (sequence, query block, KV heads). A decode-like sequence
  *     (n_q * n_head rows fit in one thread's scratch) is one unit with ALL
@@ -62,18 +63,20 @@
  * mass, when asked for, is a second pass over the keys once every row's
  * final (m, l) is known: exact probabilities, no O(L) buffer.
  *
- * Threads: one parallel region per call; a context serves one caller at a
- * time (its scratch is per OpenMP thread, not per caller).
+ * Threads: one parallel region per call (two with the mass); a context
+ * serves one caller at a time (its scratch is per pool thread index, not
+ * per caller).
  */
 #include "attention_internal.h"
 
 #include <errno.h>
 #include <math.h>
-#include <omp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+#include "cpu/pool.h"
 
 #define CACHE_LINE 64
 #define QROWS 64            /* query rows per unit when a sequence is split by KV head */
@@ -194,90 +197,9 @@ static void *ctx_alloc(attn_ctx *ctx, size_t bytes)
     return p;
 }
 
-static __attribute__((format(printf, 3, 4))) void fail(char *err, size_t errlen, const char *fmt,
-                                                       ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 /* ------------------------------------------------------------------------
  * Lifecycle
  * ------------------------------------------------------------------------ */
-
-static int check_params(const struct attn_params *p, char *err, size_t errlen)
-{
-    if (p->n_head < 1 || p->n_kv_head < 1 || p->n_head % p->n_kv_head) {
-        fail(err, errlen, "n_head %d must be a positive multiple of n_kv_head %d", p->n_head,
-             p->n_kv_head);
-        return -EINVAL;
-    }
-    if (p->head_dim < 1 || p->head_dim > 1024) {
-        fail(err, errlen, "head_dim %d is outside 1..1024", p->head_dim);
-        return -EINVAL;
-    }
-    if (!(p->scale > 0.0f) || !isfinite(p->scale) || !(p->softcap >= 0.0f) ||
-        !isfinite(p->softcap)) {
-        fail(err, errlen, "scale %g must be positive, softcap %g >= 0", (double)p->scale,
-             (double)p->softcap);
-        return -EINVAL;
-    }
-    if (p->n_threads < 0 || p->n_threads > 1024) {
-        fail(err, errlen, "n_threads %d is outside 0..1024", p->n_threads);
-        return -EINVAL;
-    }
-    const struct pos_scheme *ps = &p->pos;
-    switch (ps->kind) {
-    case POS_NONE:
-        return 0;
-    case POS_ROPE:
-        if (ps->rope_dims < 2 || ps->rope_dims % 2 || ps->rope_dims > p->head_dim) {
-            fail(err, errlen, "rope_dims %d must be even, >= 2 and <= head_dim %d", ps->rope_dims,
-                 p->head_dim);
-            return -EINVAL;
-        }
-        if (!(ps->rope_theta > 0.0f) || !isfinite(ps->rope_theta)) {
-            fail(err, errlen, "rope_theta %g must be positive", (double)ps->rope_theta);
-            return -EINVAL;
-        }
-        if (!(ps->rope_freq_scale > 0.0f) || !isfinite(ps->rope_freq_scale)) {
-            fail(err, errlen, "rope_freq_scale %g must be positive (1 = no scaling)",
-                 (double)ps->rope_freq_scale);
-            return -EINVAL;
-        }
-        for (int i = 0; ps->rope_freq_factors && i < ps->rope_dims / 2; i++) {
-            if (!(ps->rope_freq_factors[i] > 0.0f) || !isfinite(ps->rope_freq_factors[i])) {
-                fail(err, errlen, "rope frequency factor %d (%g) must be positive", i,
-                     (double)ps->rope_freq_factors[i]);
-                return -EINVAL;
-            }
-        }
-        if (ps->rope_pairing != POS_ROPE_ADJACENT && ps->rope_pairing != POS_ROPE_NEOX) {
-            fail(err, errlen, "unknown rope pairing %d", (int)ps->rope_pairing);
-            return -EINVAL;
-        }
-        return 0;
-    case POS_ALIBI:
-        if (!ps->alibi_slopes) {
-            fail(err, errlen, "alibi needs alibi_slopes[n_head]");
-            return -EINVAL;
-        }
-        return 0;
-    case POS_T5:
-        if (!ps->t5_table) {
-            fail(err, errlen, "t5 needs t5_table[n_head][t5_num_buckets]");
-            return -EINVAL;
-        }
-        return pos_t5_check(ps->t5_num_buckets, ps->t5_max_distance, ps->t5_bidirectional, err,
-                            errlen);
-    }
-    fail(err, errlen, "unknown position scheme %d", (int)ps->kind);
-    return -EINVAL;
-}
 
 /* Carve one thread's scratch out of mem (or only measure it when mem is NULL). */
 static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int D, int half)
@@ -334,14 +256,14 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
 attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen)
 {
     if (!params) {
-        fail(err, errlen, "no parameters");
+        attn_fail(err, errlen, "no parameters");
         return NULL;
     }
-    if (check_params(params, err, errlen))
+    if (attn_check_params(params, err, errlen))
         return NULL;
     attn_ctx *ctx = calloc(1, sizeof(*ctx));
     if (!ctx) {
-        fail(err, errlen, "out of memory (%zu bytes for the context)", sizeof(*ctx));
+        attn_fail(err, errlen, "out of memory (%zu bytes for the context)", sizeof(*ctx));
         return NULL;
     }
     ctx->bytes = sizeof(*ctx);
@@ -350,9 +272,7 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
     ctx->ops = attn_softcap_ops(params->force_scalar || !simd ? &attn_scalar_ops : simd,
                                 params->softcap);
     ctx->qk_q8 = attn_q8_select(params->force_scalar, &(const char *){NULL}); /* name unused */
-    ctx->n_threads = params->n_threads > 0 ? params->n_threads : omp_get_max_threads();
-    if (ctx->n_threads < 1)
-        ctx->n_threads = 1;
+    ctx->n_threads = cpu_pool_threads(params->n_threads);
     ctx->group = params->n_head / params->n_kv_head;
     ctx->rows_max = params->n_head > QROWS ? params->n_head : QROWS;
     const struct pos_scheme *ps = &params->pos;
@@ -411,7 +331,7 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
     return ctx;
 
 out_nomem:
-    fail(err, errlen, "out of memory creating the attention context");
+    attn_fail(err, errlen, "out of memory creating the attention context");
     attn_destroy(ctx);
     return NULL;
 }
@@ -1114,6 +1034,37 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
  * Entry point
  * ------------------------------------------------------------------------ */
 
+/* Items [next, end) of one region, each taken by whichever thread is free
+ * next (thread t uses scratch t); the last part of a split unit to finish
+ * merges it. */
+struct run_job {
+    attn_ctx *ctx;
+    const struct attn_kv *kv;
+    const struct attn_seq *seqs;
+    _Atomic int next;
+    int end;
+    bool mass; /* mass items (after every attention item is done) */
+};
+
+static void run_items(void *arg, int t, int nth)
+{
+    (void)nth;
+    struct run_job *j = arg;
+    struct tscratch *w = &j->ctx->ts[t];
+    for (int i; (i = atomic_fetch_add(&j->next, 1)) < j->end;) {
+        const struct item *it = &j->ctx->items[i];
+        if (j->mass) {
+            run_mass_item(j->ctx, w, j->kv, j->seqs, it);
+            continue;
+        }
+        run_attn_item(j->ctx, w, j->kv, j->seqs, it);
+        struct unit *u = &j->ctx->units[it->unit];
+        if (it->part >= 0 &&
+            atomic_fetch_add_explicit(&u->done, 1, memory_order_acq_rel) == u->nsplit - 1)
+            merge_unit(j->ctx, j->seqs, u);
+    }
+}
+
 int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seqs, int n_seqs)
 {
     if (!ctx)
@@ -1166,29 +1117,15 @@ int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seq
     int nu, ni, na;
     plan(ctx, seqs, n_seqs, &nu, &ni, &na);
 
-    const bool has_mass = ni > na;
-#pragma omp parallel num_threads(ctx->n_threads)
-    {
-        struct tscratch *w = &ctx->ts[omp_get_thread_num()];
-
-        /* attention items; the last part of a split unit to finish merges it */
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int i = 0; i < na; i++) {
-            const struct item *it = &ctx->items[i];
-            run_attn_item(ctx, w, kv, seqs, it);
-            struct unit *u = &ctx->units[it->unit];
-            if (it->part >= 0 &&
-                atomic_fetch_add_explicit(&u->done, 1, memory_order_acq_rel) == u->nsplit - 1)
-                merge_unit(ctx, seqs, u);
-        }
-
-        /* attention mass: needs every row's final (m, l) */
-        if (has_mass) {
-#pragma omp barrier
-#pragma omp for schedule(dynamic, 1)
-            for (int i = na; i < ni; i++)
-                run_mass_item(ctx, w, kv, seqs, &ctx->items[i]);
-        }
+    /* the attention items, then the mass: a second region, as it needs
+     * every row's final (m, l) */
+    struct run_job j = {ctx, kv, seqs, 0, na, false};
+    cpu_pool_run(ctx->n_threads, run_items, &j);
+    if (ni > na) {
+        j.next = na;
+        j.end = ni;
+        j.mass = true;
+        cpu_pool_run(ctx->n_threads, run_items, &j);
     }
 
     /* no query saw the keys of a sequence without queries */

@@ -24,6 +24,7 @@
 #include "attention_internal.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 
 /* s[t] = cap * tanh(s[t] / cap) for the tile's nt scores; masked and padded
@@ -85,16 +86,11 @@ static void build_tables(void)
 
 const struct attn_ops *attn_softcap_ops(const struct attn_ops *base, float softcap)
 {
-    static bool built;
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
     if (!(softcap > 0.0f))
         return base;
     /* Contexts may be created from several threads: build the tables once. */
-#pragma omp critical(attn_softcap_tables)
-    {
-        if (!built)
-            build_tables();
-        built = true;
-    }
+    pthread_once(&once, build_tables);
     return base == &attn_scalar_ops ? &capped_scalar : &capped_simd;
 }
 

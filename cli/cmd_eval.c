@@ -37,13 +37,12 @@
 #include <string.h>
 #include <time.h>
 
-#include <omp.h>
-
 #include "cli/cli.h"
 #include "cli/cli_internal.h"
 #include "cli/eval_policy.h"
 #include "cli/eval_retrieval.h"
 #include "config/args.h"
+#include "cpu/pool.h"
 #include "engine/engine.h"
 #include "model/model.h"
 
@@ -120,7 +119,7 @@ static void eval_usage(FILE *f)
             "  --kld-ref T          also run each policy and dense with K/V in type T (e.g. f32)\n"
             "                       and report the mean KL divergence of the next-token\n"
             "                       distributions against it\n"
-            "  --threads N          OpenMP threads (default: all cores)\n"
+            "  --threads N          compute threads (default: OMP_NUM_THREADS, else all CPUs)\n"
             "  --json               print results as JSON\n"
             "  --losses OUT.npy|OUT.bin   per-token losses of the first policy\n"
             "  --plot OUT.png       per-segment perplexity against position (gnuplot),\n"
@@ -837,7 +836,7 @@ static void describe_path(const struct eval_opts *o, const struct model_info *in
             "tokens%s%s%s%s\n"
             "tokens: %d; training length %d (2x = %d, 4x = %d)\n",
             info->name, info->arch, info->n_layer, info->n_head, info->n_kv_head, info->head_dim,
-            attn_path_name(info->attn_softcap), o->threads ? o->threads : omp_get_max_threads(),
+            attn_path_name(info->attn_softcap), cpu_pool_threads(o->threads),
             kv_type_name(o->k_type), kv_type_name(o->v_type), pos_kind_name(info->pos),
             o->page_tokens,
             o->k_type == KV_Q8_0 && info->pos != POS_ROPE ? "; q8_0 key scores: int8 " : "",

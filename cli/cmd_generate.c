@@ -75,7 +75,7 @@ static void generate_usage(FILE *f)
             "  --preserve         keep positions after eviction (default: renumber)\n"
             "  --kv-type T        K and V type: f32 | f16 | bf16 | q8_0 | q4_0 (default f16)\n"
             "  --k-type T, --v-type T  the K or the V type alone\n"
-            "  --threads N        OpenMP threads (default: all)\n"
+            "  --threads N        compute threads (default: OMP_NUM_THREADS, else all CPUs)\n"
             "  --batch N          prefill chunk in tokens (default 256)\n"
             "  --no-echo          print only the generated text, not the prompt\n"
             "  --alibi-max-bias F ALiBi max_bias for a file that lacks it\n"
@@ -352,7 +352,7 @@ int srv_cmd_generate(int argc, char **argv)
             "%d layers, %d heads (%d kv), vocab %d\n",
             info.name, info.arch, pos_kind_name(info.pos), info.weight_type, info.n_embd,
             info.n_layer, info.n_head, info.n_kv_head, info.n_vocab);
-    char kern[256];
+    char kern[384];
     fprintf(stderr, "kvd generate: kernels %s\n", model_kernels_describe(kern, sizeof(kern)));
     fprintf(stderr, "kvd generate: weights %s\n", model_pack_describe(m, kern, sizeof(kern)));
     fprintf(stderr, "kvd generate: attention %s, K %s, V %s%s%s\n",

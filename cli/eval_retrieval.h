@@ -47,7 +47,7 @@ struct eval_ret_row {
 /* What the task runs on (borrowed). */
 struct eval_ret_in {
     const model *m;
-    int n_threads; /* OpenMP threads of a step (0 = default) */
+    int n_threads; /* compute threads of a step (0 = default, cpu/pool.h) */
     int max_batch; /* tokens per engine step (prefill chunk) */
     const struct eval_ret_opts *r;
     const struct eval_ret_row *rows;

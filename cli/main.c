@@ -12,6 +12,7 @@
 #include "cli/cli_internal.h"
 #include "config/config.h"
 #include "cpu/cpu.h"
+#include "cpu/pool.h"
 #include "load/load.h"
 
 static int cmd_version(int argc, char **argv);
@@ -54,7 +55,10 @@ static int cmd_help(int argc, char **argv)
     return 0;
 }
 
+#ifdef KVD_THREADS_OMP
 /*
+ * (Built with THREADS=omp only: kvd's own pool, cpu/pool.h, spins briefly
+ * and then sleeps, which is what this chooses for OpenMP's team.)
  * The daemon's OpenMP workers share the cores with the loop thread. With
  * libgomp's default wait policy, idle workers spin between engine steps and
  * take the CPU the loop thread needs to parse requests and flush tokens, so
@@ -70,6 +74,7 @@ static void passive_openmp(char **argv)
     execv("/proc/self/exe", argv);
     /* exec failed (no /proc): run on with the default policy */
 }
+#endif
 
 int main(int argc, char **argv)
 {
@@ -89,11 +94,21 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }
+    /* OMP_NUM_THREADS and KVD_SPIN_US (cpu/pool.h): a bad one stops here too */
+    if (cpu_pool_init_env(err, sizeof(err))) {
+        fprintf(stderr, "kvd: %s\n", err);
+        return 2;
+    }
+#ifdef KVD_THREADS_OMP
     if (!strcmp(name, "serve"))
         passive_openmp(argv);
+#endif
     for (size_t i = 0; i < N_ELEMS(commands); i++)
-        if (!strcmp(name, commands[i].name))
-            return commands[i].run(argc - 1, argv + 1);
+        if (!strcmp(name, commands[i].name)) {
+            int rc = commands[i].run(argc - 1, argv + 1);
+            cpu_pool_shutdown();
+            return rc;
+        }
     fprintf(stderr, "kvd: unknown command '%s' (try 'kvd help')\n", name);
     return 2;
 }

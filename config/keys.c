@@ -158,7 +158,9 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
         "server", "listen", server.listen, "127.0.0.1:8080", RESTART, false, check_listen,
         "address and port to accept HTTP on (HOST:PORT, [IPv6]:PORT; port 0 = any free port)"),
     [CFG_SERVER_THREADS] = INT("server", "threads", server.threads, "0", 0, 1024, "threads",
-                               RESTART, "compute threads of the engine; 0 = one per core"),
+                               RESTART,
+                               "compute threads of the engine; 0 = OMP_NUM_THREADS if set, "
+                               "else one per CPU"),
     [CFG_SERVER_DRAIN_TIMEOUT] =
         DURATION("server", "drain_timeout", server.drain_timeout_ms, "30s", 0, HOUR, LIVE,
                  "on SIGTERM, how long running requests may finish before they are cut"),

@@ -361,7 +361,7 @@ struct engine_params {
     bool mlock;
     bool prefix_cache;      /* share the pages of equal prompt prefixes (prefix.c) */
     int prefix_cache_share; /* percent of the pool idle cached pages may keep, 0..100 */
-    int n_threads;       /* OpenMP threads of a step (0 = default) */
+    int n_threads;       /* compute threads of a step (0 = default, cpu/pool.h) */
     int max_step_tokens; /* forward capacity (>= limits.step_tokens; 0 = that) */
     struct engine_limits limits;
     struct engine_hooks hooks;

@@ -40,15 +40,16 @@
  * model_ctx_create; model_forward allocates nothing, except that an H2O
  * sequence longer than any seen before grows the attention-mass scratch.
  * Threading: a model_ctx belongs to the engine thread; parallelism is the
- * OpenMP team inside the matrix products and the attention kernel.
+ * thread pool (cpu/pool.h) inside the matrix products, the attention kernel
+ * and the MLP's element-wise activations.
  */
 #include <errno.h>
 #include <math.h>
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/pool.h"
 #include "model/model_internal.h"
 
 /* Rows of logits computed per output-matrix pass. */
@@ -57,7 +58,7 @@
 struct model_ctx {
     const model *m;
     int max_tokens; /* tokens per call, all sequences together */
-    int n_threads;  /* OpenMP threads of matmuls and attention (0 = default) */
+    int n_threads;  /* threads of matmuls and attention (0 = default, cpu/pool.h) */
     attn_ctx *attn;       /* every layer's kernel context, but ... */
     attn_ctx *attn_local; /* ... the local_rope layers' (their own RoPE), or NULL */
 
@@ -101,6 +102,13 @@ static void *alloc_floats(size_t n, bool *ok)
     if (!p)
         *ok = false;
     return p;
+}
+
+static void start_threads(void *arg, int t, int nth)
+{
+    (void)arg;
+    (void)t;
+    (void)nth;
 }
 
 model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads, char *err,
@@ -197,13 +205,9 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
         snprintf(err, errlen, "out of memory for %zu bytes of matmul scratch", sb);
         goto fail;
     }
-    /* Start the OpenMP team now, so the first forward is not the one that
-     * pays for creating threads. */
-    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
-#pragma omp parallel num_threads(nt)
-    {
-        (void)0;
-    }
+    /* Start the threads now, so the first forward is not the one that pays
+     * for creating them. */
+    cpu_pool_run(cpu_pool_threads(n_threads), start_threads, NULL);
     return c;
 
 fail:
@@ -353,35 +357,51 @@ static void clamp_rows(float *x, size_t n, float c)
         x[i] = x[i] < -c ? -c : x[i] > c ? c : x[i];
 }
 
-/* hb = gelu(hb), elementwise: BLOOM's tanh approximation, or the exact erf
- * form (MPT). */
-static void gelu(float *hb, size_t n, enum model_act act, int n_threads)
+/* The MLP's element-wise activations, on hb in place (hb2: the gated
+ * products' second operand):
+ *   EW_GELU_TANH  hb = gelu(hb), BLOOM's tanh approximation
+ *   EW_GELU_ERF   hb = gelu(hb), the exact erf form (MPT)
+ *   EW_GEGLU      hb = gelu_tanh(hb) * hb2 (Gemma's gated MLP)
+ *   EW_SWIGLU     hb = silu(hb) * hb2 */
+enum ew_op { EW_GELU_TANH, EW_GELU_ERF, EW_GEGLU, EW_SWIGLU };
+
+struct ew_job {
+    enum ew_op op;
+    float *hb;
+    const float *hb2;
+};
+
+static void ew_range(void *arg, size_t i0, size_t i1, int t)
 {
-    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
-    if (act == MODEL_ACT_GELU_TANH) {
-#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
-        for (size_t i = 0; i < n; i++) {
-            float x = hb[i];
+    (void)t;
+    const struct ew_job *j = arg;
+    float *restrict hb = j->hb;
+    const float *restrict hb2 = j->hb2;
+    for (size_t i = i0; i < i1; i++) {
+        float x = hb[i];
+        switch (j->op) {
+        case EW_GELU_TANH:
             hb[i] = 0.5f * x * (1.0f + tanhf(0.79788456f * x * (1.0f + 0.044715f * x * x)));
-        }
-    } else {
-#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
-        for (size_t i = 0; i < n; i++) {
-            float x = hb[i];
+            break;
+        case EW_GELU_ERF:
             hb[i] = 0.5f * x * (1.0f + erff(x * 0.70710678f));
+            break;
+        case EW_GEGLU:
+            hb[i] = 0.5f * x * (1.0f + tanhf(0.79788456f * x * (1.0f + 0.044715f * x * x))) * hb2[i];
+            break;
+        case EW_SWIGLU:
+            hb[i] = x / (1.0f + expf(-x)) * hb2[i];
+            break;
         }
     }
 }
 
-/* hb = gelu_tanh(hb) * hb2, elementwise over n values (Gemma's gated MLP). */
-static void geglu(float *restrict hb, const float *restrict hb2, size_t n, int n_threads)
+/* Apply op over n values; threads only past 64k values (fewer are not
+ * worth a hand-off). */
+static void elementwise(enum ew_op op, float *hb, const float *hb2, size_t n, int n_threads)
 {
-    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
-#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        float x = hb[i];
-        hb[i] = 0.5f * x * (1.0f + tanhf(0.79788456f * x * (1.0f + 0.044715f * x * x))) * hb2[i];
-    }
+    struct ew_job j = {op, hb, hb2};
+    cpu_pool_for(n >= 65536 ? cpu_pool_threads(n_threads) : 1, n, ew_range, &j);
 }
 
 /* x = c * tanh(x / c) over n values: Gemma 2's final logit soft-cap; c = 0: nothing. */
@@ -389,17 +409,6 @@ static void softcap_rows(float *x, size_t n, float c)
 {
     for (size_t i = 0; c > 0.0f && i < n; i++)
         x[i] = c * tanhf(x[i] / c);
-}
-
-/* hb = silu(hb) * hb2, elementwise over n values. */
-static void swiglu(float *restrict hb, const float *restrict hb2, size_t n, int n_threads)
-{
-    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
-#pragma omp parallel for num_threads(nt) if (n >= 65536) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        float g = hb[i];
-        hb[i] = g / (1.0f + expf(-g)) * hb2[i];
-    }
 }
 
 /* The cache's and the kernel's type enums are passed through by value. */
@@ -658,13 +667,14 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         mm_matmul_scratch(c->hb, &L->gate, c->xb, rows, nt, c->scratch);
         mm_matmul_scratch(c->hb2, &L->up, c->xb, rows, nt, c->scratch);
         if (m->act == MODEL_ACT_SWIGLU)
-            swiglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+            elementwise(EW_SWIGLU, c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
         else
-            geglu(c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+            elementwise(EW_GEGLU, c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
     } else {
         mm_matmul_scratch(c->hb, &L->up, c->xb, rows, nt, c->scratch);
         add_bias(c->hb, L->b_up, rows, m->n_ff);
-        gelu(c->hb, (size_t)rows * m->n_ff, m->act, nt);
+        elementwise(m->act == MODEL_ACT_GELU_TANH ? EW_GELU_TANH : EW_GELU_ERF, c->hb, NULL,
+                    (size_t)rows * m->n_ff, nt);
     }
     mm_matmul_scratch(c->xb, &L->down, c->hb, rows, nt, c->scratch);
     add_bias(c->xb, L->b_down, rows, d);

@@ -47,7 +47,7 @@
  * Work split and invariance
  * ---------------------------------------------------------------------------
  *
- * As in matmul.c: OpenMP threads take groups of MM_GROUP rows
+ * As in matmul.c: the pool's threads take groups of MM_GROUP rows
  * (matmul_k_run.c); inside, tiles of
  * MR rows x NT tokens walk whole rows, each super-block's weights decoded
  * in registers once per tile and its activations loaded once per MR rows.
@@ -72,7 +72,6 @@
 #include <assert.h>
 #include <errno.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 

@@ -11,8 +11,9 @@
 #include "model/matmul_internal.h"
 
 #include <assert.h>
-#include <omp.h>
 #include <stdint.h>
+
+#include "cpu/pool.h"
 
 static const struct mm_k_kernels *const kernels[CPU_N_LEVELS] = KERN_TABLE(mm_k_kernels);
 
@@ -62,6 +63,23 @@ static void kx_layout(struct mm_kx *a, void *scratch, int n_in, int n_tok)
     a->bs = (int16_t *)p;
 }
 
+struct mm_k_groups {
+    const struct mm_k_kernels *k;
+    const struct mm_k_job *jb;
+};
+
+/* A thread's share of the row groups (cpu/pool.h's static chunks). */
+static void run_groups(void *arg, size_t g0, size_t g1, int t)
+{
+    (void)t;
+    const struct mm_k_groups *r = arg;
+    const int n_out = r->jb->w->n_out;
+    for (int g = (int)g0; g < (int)g1; g++) {
+        int o0 = g * MM_GROUP, o1 = o0 + MM_GROUP < n_out ? o0 + MM_GROUP : n_out;
+        r->k->rows(r->jb, o0, o1);
+    }
+}
+
 void mm_k_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
                  void *scratch)
 {
@@ -80,12 +98,6 @@ void mm_k_matmul(float *out, const struct mm_weight *w, const float *x, int n_to
                     a->d + (size_t)t * a->ldd, a->bs + (size_t)t * a->lds);
 
     const int n_groups = (w->n_out + MM_GROUP - 1) / MM_GROUP;
-    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
-    if (nth > n_groups)
-        nth = n_groups;
-#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
-    for (int g = 0; g < n_groups; g++) {
-        int o0 = g * MM_GROUP, o1 = o0 + MM_GROUP < w->n_out ? o0 + MM_GROUP : w->n_out;
-        k->rows(&jb, o0, o1);
-    }
+    cpu_pool_for(cpu_pool_threads(n_threads), (size_t)n_groups, run_groups,
+                 &(struct mm_k_groups){k, &jb});
 }

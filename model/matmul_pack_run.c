@@ -12,9 +12,10 @@
 #include "model/matmul_internal.h"
 
 #include <assert.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu/pool.h"
 
 static const struct mm_pack_kernels *const pkernels[CPU_N_LEVELS] = KERN_TABLE(mm_pack_kernels);
 static const struct mm_kernels *const kernels[CPU_N_LEVELS] = KERN_TABLE(mm_kernels);
@@ -147,6 +148,21 @@ static void quantize_token(const struct mm_weight *w, const float *x, int t,
     }
 }
 
+struct pack_units {
+    const struct mm_pack_kernels *pk;
+    const struct mm_pack_job *jb;
+    int ng;
+};
+
+/* A thread's share of the pairs of groups (cpu/pool.h's static chunks). */
+static void run_units(void *arg, size_t u0, size_t u1, int t)
+{
+    (void)t;
+    const struct pack_units *r = arg;
+    for (int u = (int)u0; u < (int)u1; u++)
+        r->pk->groups(r->jb, 2 * u, 2 * u + 2 < r->ng ? 2 * u + 2 : r->ng);
+}
+
 void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
                     void *scratch)
 {
@@ -160,11 +176,6 @@ void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n
 
     /* threads take pairs of groups (the kernel's tile height) */
     const int ng = (int)n_groups(w), units = (ng + 1) / 2;
-    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
-    if (nth > units)
-        nth = units;
-    const struct mm_pack_kernels *pk = pkern();
-#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
-    for (int u = 0; u < units; u++)
-        pk->groups(&jb, 2 * u, 2 * u + 2 < ng ? 2 * u + 2 : ng);
+    cpu_pool_for(cpu_pool_threads(n_threads), (size_t)units, run_units,
+                 &(struct pack_units){pkern(), &jb, ng});
 }

@@ -12,10 +12,11 @@
 
 #include <assert.h>
 #include <errno.h>
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu/pool.h"
 
 static const struct mm_kernels *const kernels[CPU_N_LEVELS] = KERN_TABLE(mm_kernels);
 
@@ -115,6 +116,20 @@ size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
  * Entry points
  * ------------------------------------------------------------------------ */
 
+struct mm_groups {
+    const struct mm_kernels *k;
+    const struct mm_job *jb;
+};
+
+/* A thread's share of the row groups (cpu/pool.h's static chunks). */
+static void run_groups(void *arg, size_t g0, size_t g1, int t)
+{
+    (void)t;
+    const struct mm_groups *r = arg;
+    for (size_t g = g0; g < g1; g++)
+        r->k->run_group(r->jb, (int)g);
+}
+
 void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, int n_tok,
                        int n_threads, void *scratch)
 {
@@ -137,9 +152,7 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
         xq_layout(&jb.xa, scratch, w->n_in, n_tok);
     }
     const int n_groups = (w->n_out + MM_GROUP - 1) / MM_GROUP;
-    int nth = n_threads > 0 ? n_threads : omp_get_max_threads();
-    if (nth > n_groups)
-        nth = n_groups;
+    int nth = cpu_pool_threads(n_threads);
 
     /* The activations are quantised by the calling thread before the team
      * starts (a few microseconds per token, under 1% of a prefill's
@@ -149,9 +162,7 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
             k->quantize_x(x + (size_t)t * (size_t)w->n_in, w->n_in, jb.xa.q + (size_t)t * jb.xa.ldq,
                           jb.xa.d + (size_t)t * jb.xa.ldb);
 
-#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
-    for (int g = 0; g < n_groups; g++)
-        k->run_group(&jb, g);
+    cpu_pool_for(nth, (size_t)n_groups, run_groups, &(struct mm_groups){k, &jb});
 }
 
 /* The calling thread's scratch for mm_matmul: grown, never shrunk. */

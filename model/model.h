@@ -6,7 +6,8 @@
  * and position scheme are built once. All mutable state of a forward pass
  * lives in a model_ctx (activation buffers sized for the largest batch,
  * the attention kernel's workspace), owned by the one engine thread that
- * also owns the kv_cache. Parallelism is OpenMP inside model_forward.
+ * also owns the kv_cache. Parallelism is the thread pool (cpu/pool.h) inside
+ * model_forward.
  *
  * One model_forward call processes a batch of tokens drawn from several
  * sequences: prefill chunks and single decode tokens together. For each
@@ -143,8 +144,8 @@ int model_detok_flush(model_detok *d, char *out, size_t cap);
 
 /*
  * Per-engine forward state. max_batch_tokens bounds the tokens of one
- * model_forward call (all sequences together). n_threads: OpenMP threads
- * (0 = runtime default). Returns NULL with the reason in err.
+ * model_forward call (all sequences together). n_threads: compute threads
+ * (0 = the default count, cpu/pool.h). Returns NULL with the reason in err.
  */
 model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads, char *err,
                             size_t errlen);

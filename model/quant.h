@@ -12,7 +12,7 @@
  *             per block of 32.
  *
  *   matmul.c  out[t][o] = sum_i W[o][i] * x[t][i] for a weight matrix W in
- *             any supported format, SIMD inside a row and OpenMP over rows;
+ *             any supported format, SIMD inside a row and threads over rows;
  *             matmul_blocks.c the kernels for quant_blocks.c's formats.
  *
  * The central idea of the products: a weight block is decoded in registers
@@ -228,8 +228,8 @@ int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out
 size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok);
 
 /*
- * out[n_tok][n_out] = x[n_tok][n_in] . W^T, with n_threads OpenMP threads
- * (0 = the OpenMP default; 1 = no parallel region). out must not overlap x.
+ * out[n_tok][n_out] = x[n_tok][n_in] . W^T, with n_threads threads (0 = the
+ * default count, cpu/pool.h; 1 = no parallel region). out must not overlap x.
  * Results do not depend on the number of threads nor on the other tokens of
  * the batch: each output is summed in the same order whatever the split.
  *

@@ -25,16 +25,18 @@
  * A source type kvd cannot decode is refused with its name.
  *
  * Memory: the writer holds the whole output (its tensor data is copied
- * in); the input stays mapped. Rows are quantised by an OpenMP team.
+ * in); the input stays mapped. Rows are quantised by the thread pool
+ * (cpu/pool.h), each thread its own contiguous run of rows.
  */
 #include "model/requantize.h"
 
 #include <errno.h>
-#include <omp.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/pool.h"
 #include "model/quant.h"
 
 static const struct model_quant_target targets[] = {
@@ -110,35 +112,59 @@ static enum ggml_type fallback(const struct gguf_tensor *t, enum ggml_type want,
     return t->type;
 }
 
+/* One tensor's conversion, shared by the threads; the first failure (the
+ * lowest row among those that failed) is kept under `lock`. */
+struct convert_job {
+    const struct gguf_tensor *t;
+    enum ggml_type to;
+    uint8_t *dst;
+    int n;
+    size_t rb_in, rb_out;
+    pthread_mutex_t lock;
+    int failed;
+    size_t bad_row;
+};
+
+static void convert_rows(void *arg, size_t r0, size_t r1, int t)
+{
+    (void)t;
+    struct convert_job *j = arg;
+    float *x = malloc(sizeof(float) * (size_t)j->n);
+    for (size_t r = r0; r < r1; r++) {
+        int rc =
+            !x ? -ENOMEM
+               : qt_dequantize_row(j->t->type, (const uint8_t *)j->t->data + r * j->rb_in, x, j->n);
+        rc = rc ? rc : qt_quantize_row(j->to, x, j->dst + r * j->rb_out, j->n);
+        if (rc) {
+            pthread_mutex_lock(&j->lock);
+            if (!j->failed || r < j->bad_row) {
+                j->failed = rc;
+                j->bad_row = r;
+            }
+            pthread_mutex_unlock(&j->lock);
+            break; /* this thread's later rows cannot fail earlier */
+        }
+    }
+    free(x);
+}
+
 /* Rewrite one tensor's rows (ne[0] elements each) from its type to `to`. */
 static int convert(const struct gguf_tensor *t, enum ggml_type to, uint8_t *dst, int n_threads,
                    char *err, size_t errlen)
 {
     int n = (int)t->ne[0];
-    size_t rows = t->n_elements / t->ne[0];
-    size_t rb_in = qt_row_bytes(t->type, n), rb_out = qt_row_bytes(to, n);
-    int failed = 0;
-    size_t bad_row = 0;
-#pragma omp parallel num_threads(n_threads > 0 ? n_threads : omp_get_max_threads())
-    {
-        float *x = malloc(sizeof(float) * (size_t)n);
-#pragma omp for schedule(static)
-        for (size_t r = 0; r < rows; r++) {
-            int rc = !x ? -ENOMEM
-                        : qt_dequantize_row(t->type, (const uint8_t *)t->data + r * rb_in, x, n);
-            rc = rc ? rc : qt_quantize_row(to, x, dst + r * rb_out, n);
-            if (rc) {
-#pragma omp critical(quantize_fail)
-                if (!failed) {
-                    failed = rc;
-                    bad_row = r;
-                }
-            }
-        }
-        free(x);
-    }
+    struct convert_job j = {.t = t,
+                            .to = to,
+                            .dst = dst,
+                            .n = n,
+                            .rb_in = qt_row_bytes(t->type, n),
+                            .rb_out = qt_row_bytes(to, n),
+                            .lock = PTHREAD_MUTEX_INITIALIZER};
+    cpu_pool_for(cpu_pool_threads(n_threads), t->n_elements / t->ne[0], convert_rows, &j);
+    pthread_mutex_destroy(&j.lock);
+    int failed = j.failed;
     if (failed)
-        snprintf(err, errlen, "tensor %s: row %zu cannot be written as %s (%s)", t->name, bad_row,
+        snprintf(err, errlen, "tensor %s: row %zu cannot be written as %s (%s)", t->name, j.bad_row,
                  qt_type_name(to),
                  failed == -ERANGE   ? "a scale beyond f16"
                  : failed == -ENOMEM ? "out of memory"

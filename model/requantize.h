@@ -28,7 +28,7 @@ const struct model_quant_target *model_quant_target(const char *name);
 struct model_quant_params {
     const char *in, *out; /* GGUF paths; out is written atomically */
     const struct model_quant_target *target;
-    int n_threads;        /* 0 = OpenMP's default */
+    int n_threads;        /* 0 = the default count (cpu/pool.h) */
     /* Called once per tensor with what happened to it (may be NULL). note is
      * NULL, or why the tensor did not get the type the rule gives it. */
     void (*report)(void *ctx, const char *tensor, enum ggml_type from, enum ggml_type to,

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cpu/cpu.h"
+#include "cpu/pool.h"
 #include "model/quant.h"
 #include "server/api_internal.h"
 #include "server/log.h"
@@ -238,13 +239,15 @@ static bool engine_stalled(srv_api *a, char *msg, size_t len)
     return true;
 }
 
-/* Which kernels run (cpu/cpu.h, model_kernels_describe): /health's "kernels". */
+/* Which kernels run (cpu/cpu.h, model_kernels_describe) and on which threads
+ * (cpu/pool.h): /health's "kernels". */
 static json_t *kernels_json(void)
 {
-    char line[256];
-    return json_pack("{s:s, s:s, s:b, s:s, s:s, s:s}", "level", cpu_level_name(cpu_level()),
+    char line[384], threads[160];
+    return json_pack("{s:s, s:s, s:b, s:s, s:s, s:s, s:s}", "level", cpu_level_name(cpu_level()),
                      "best", cpu_level_name(cpu_best()), "forced", cpu_forced(), "matmul",
-                     mm_kernel_name(), "attention", attn_simd_name(), "description",
+                     mm_kernel_name(), "attention", attn_simd_name(), "threads",
+                     cpu_pool_describe(threads, sizeof(threads)), "description",
                      model_kernels_describe(line, sizeof(line)));
 }
 

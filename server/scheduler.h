@@ -30,7 +30,7 @@ struct srv_sched_params {
     bool mlock;
     bool prefix_cache;      /* share the pages of equal prompt prefixes */
     int prefix_cache_share; /* percent of the pool idle cached pages may keep */
-    int n_threads;       /* OpenMP threads of a step (0 = default) */
+    int n_threads;       /* compute threads of a step (0 = default, cpu/pool.h) */
     int max_step_tokens; /* forward capacity (>= limits.step_tokens) */
     struct engine_limits limits;
     const char *spill_dir;    /* [sessions] dir (borrowed; "" = none) */

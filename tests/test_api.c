@@ -21,6 +21,7 @@
 #include <poll.h>
 
 #include "server/api_decode.h"
+#include "tests/proc_ticks.h"
 #include "tests/serve_fixture.h"
 
 /* {"prompt": "hello world hello world ..."} of about `bytes` bytes (new). */
@@ -349,6 +350,51 @@ static void test_logprob_answers_memory(void **state)
     server_stop(&p);
 }
 
+/*
+ * The compute threads (cpu/pool.h) of a served model sleep when the server
+ * is idle: after answers have woken them, their CPU time over one second
+ * stays at a tick or two (spinning workers would take a whole core each),
+ * so the loop thread keeps the cores. /health names the pool.
+ */
+static void test_idle_workers_sleep(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    static const char *const args[] = {"--set", "server.threads=3"};
+    struct su_proc p = {0};
+    serve(&p, "idle", args, 2);
+    for (int k = 0; k < 3; k++) {
+        struct su_resp r;
+        assert_int_equal(su_http(p.port, "POST", "/v1/completions", NULL,
+                                 "{\"prompt\":\"Once\",\"max_tokens\":8}", &r),
+                         200);
+        su_resp_free(&r);
+    }
+    struct resp r;
+    assert_int_equal(http(p.port, "GET", "/health", NULL, NULL, &r), 200);
+    json_t *h = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    assert_non_null(h);
+    const char *threads =
+        json_string_value(json_object_get(json_object_get(h, "kernels"), "threads"));
+    assert_non_null(threads);
+    print_message("threads: %s\n", threads);
+    bool pool = !strncmp(threads, "kvd pool", 8);
+    json_decref(h);
+    if (pool) {
+        su_sleep_ms(200); /* well past the spin time */
+        int n0 = 0, n1 = 0;
+        long t0 = pt_thread_ticks(p.pid, "kvd-pool-", &n0);
+        su_sleep_ms(1000);
+        long t1 = pt_thread_ticks(p.pid, "kvd-pool-", &n1);
+        print_message("%d workers: %ld clock ticks in 1 s (%ld a second of one core)\n", n1,
+                      t1 - t0, sysconf(_SC_CLK_TCK));
+        assert_true(t0 >= 0 && n0 == 2 && n1 == 2);
+        assert_true(t1 - t0 <= 2);
+    }
+    server_stop(&p);
+}
+
 /* ------------------------------------------------------------------------ */
 
 static int group_setup(void **state)
@@ -371,6 +417,7 @@ int main(void)
         cmocka_unit_test(test_tokenizing_off_loop),
         cmocka_unit_test(test_client_leaves_during_prepare),
         cmocka_unit_test(test_logprob_answers_memory),
+        cmocka_unit_test(test_idle_workers_sleep),
     };
     return cmocka_run_group_tests_name("api", tests, group_setup, group_teardown);
 }

@@ -1,0 +1,439 @@
+/*
+ * pool.c - the compute threads (see pool.h for the contract).
+ *
+ * Why not OpenMP's team. libgomp makes the same kind of pool, but how its
+ * idle threads wait is one process-wide choice made from the environment
+ * before main: spin (the default: the tools' speed, but a daemon's idle
+ * workers then burn the cores its loop thread needs) or sleep at once
+ * (OMP_WAIT_POLICY=passive, which `kvd serve` had to re-exec itself to get,
+ * and which pays a futex wake per region: several per layer per token). A
+ * pool of our own can do both: spin for a bounded time, then sleep.
+ *
+ * The hand-off. Each worker has its own sequence word, on its own cache
+ * line. To hand out a region the caller writes the region (body, argument,
+ * nth) into the pool, sets `pending` to the number of workers taking part,
+ * and bumps the sequence word of each of them; a worker that sees its word
+ * change runs its index and decrements `pending`. Only the workers a region
+ * needs are touched, so a 1-thread step wakes nobody. Waiting, on either
+ * side, is wait_change(): spin on the word for spin_ns, then announce
+ * "sleeping" and futex-wait on the word. The waker bumps the word first and
+ * then looks at the flag; the sleeper sets the flag first and then looks at
+ * the word (both sequentially consistent), so at least one of them sees
+ * the other and no wake is lost, while a waker facing a spinning waiter
+ * makes no system call at all. The caller waits for `pending` to reach 0 in
+ * the same way, woken by the worker whose decrement reaches 0.
+ *
+ * One region at a time: the caller holds `lock` from hand-out to the last
+ * decrement, so the region fields are never rewritten while a worker reads
+ * them, and a worker reads them only after its word changed (acquire),
+ * which the caller bumped after writing them (release).
+ */
+#include "cpu/pool.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef KVD_THREADS_OMP
+#include <omp.h>
+#else
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+
+#define SPIN_US_DEFAULT 50
+#define SPIN_US_MAX 100000
+
+/* ------------------------------------------------------------------------
+ * Settings: thread count and spin time, from the environment once
+ * ------------------------------------------------------------------------ */
+
+enum { BAD_THREADS = 1, BAD_SPIN = 2 };
+
+static struct {
+    _Atomic int n_default; /* 0 until read */
+    _Atomic int from_env;  /* 1: OMP_NUM_THREADS gave n_default */
+    _Atomic long spin_ns;
+    _Atomic int bad; /* BAD_* of variables ignored (lazy read only) */
+} S;
+
+static int cpus_usable(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+/* An integer in [lo, hi] at the start of s, ending at '\0' or at stop. */
+static int parse_bounded(const char *s, char stop, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || (*end && *end != stop) || v < lo || v > hi)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* Read both variables; on a bad one fill err, and fall back to the default
+ * for it only when lazy (the caller chose not to refuse). */
+static int read_env(bool lazy, char *err, size_t errlen)
+{
+    const char *t = getenv("OMP_NUM_THREADS"), *s = getenv("KVD_SPIN_US");
+    long n = 0, us = SPIN_US_DEFAULT;
+    int bad = 0;
+    if (t && *t && parse_bounded(t, ',', 1, CPU_POOL_MAX, &n)) {
+        snprintf(err, errlen, "OMP_NUM_THREADS=\"%s\": want a thread count in [1, %d]", t,
+                 CPU_POOL_MAX);
+        bad |= BAD_THREADS;
+        n = 0;
+    }
+    if (s && *s && parse_bounded(s, '\0', 0, SPIN_US_MAX, &us)) {
+        snprintf(err, errlen, "KVD_SPIN_US=\"%s\": want microseconds in [0, %d]", s, SPIN_US_MAX);
+        bad |= BAD_SPIN;
+        us = SPIN_US_DEFAULT;
+    }
+    if (bad && !lazy)
+        return -1;
+    atomic_store(&S.from_env, n > 0);
+    atomic_store(&S.spin_ns, us * 1000);
+    atomic_store(&S.bad, bad);
+    atomic_store(&S.n_default, n > 0 ? (int)n : cpus_usable());
+    return 0;
+}
+
+#ifndef KVD_THREADS_OMP
+static void settings(void)
+{
+    char err[160];
+    if (!atomic_load(&S.n_default))
+        read_env(true, err, sizeof(err));
+}
+#endif
+
+int cpu_pool_init_env(char *err, size_t errlen)
+{
+    return read_env(false, err, errlen);
+}
+
+int cpu_pool_threads(int requested)
+{
+    if (requested > 0)
+        return requested < CPU_POOL_MAX ? requested : CPU_POOL_MAX;
+#ifdef KVD_THREADS_OMP
+    int n = omp_get_max_threads();
+    return n < 1 ? 1 : n < CPU_POOL_MAX ? n : CPU_POOL_MAX;
+#else
+    settings();
+    return atomic_load(&S.n_default);
+#endif
+}
+
+void cpu_pool_chunk(size_t n, int nth, int t, size_t *i0, size_t *i1)
+{
+    size_t q = n / (size_t)nth, r = n % (size_t)nth;
+    size_t lo = (size_t)t < r ? (size_t)t * (q + 1) : (size_t)t * q + r;
+    *i0 = lo;
+    *i1 = lo + q + ((size_t)t < r);
+}
+
+/* A thread inside a region (a worker always; a caller during its region):
+ * regions it starts run inline. */
+static _Thread_local bool in_region;
+
+static void run_inline(int nth, cpu_pool_fn fn, void *arg)
+{
+    for (int t = 0; t < nth; t++)
+        fn(arg, t, nth);
+}
+
+/* ------------------------------------------------------------------------
+ * The pool
+ * ------------------------------------------------------------------------ */
+
+#ifndef KVD_THREADS_OMP
+
+struct worker {
+    _Alignas(64) _Atomic uint32_t seq; /* bumped to hand this worker a region */
+    _Atomic uint32_t sleeping;         /* 1 while it may be in futex wait on seq */
+    pthread_t th;
+    int id; /* its thread index in every region */
+};
+
+static struct {
+    pthread_mutex_t lock; /* held for a whole region, a growth, a shutdown */
+    _Atomic int n;        /* workers started: w[1..n] (written under lock) */
+    struct worker *w[CPU_POOL_MAX];
+    _Atomic int refused; /* pthread_create errors seen (indices ran on the caller) */
+    /* the region being run: written under lock, before the hand-off */
+    cpu_pool_fn fn;
+    void *arg;
+    int nth;
+    _Atomic bool stop;
+    _Atomic uint32_t pending; /* workers of this region still running */
+    _Atomic uint32_t caller_sleeping;
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t val)
+{
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *word)
+{
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+/* Wait until *word != seen (until_zero: until *word == 0) and return its
+ * value: spin for spin_ns, then sleep, announcing it in *sleeping. */
+static uint32_t wait_word(_Atomic uint32_t *word, uint32_t seen, bool until_zero,
+                          _Atomic uint32_t *sleeping)
+{
+#define DONE(v) (until_zero ? (v) == 0 : (v) != seen)
+    uint32_t v;
+    long limit = atomic_load_explicit(&S.spin_ns, memory_order_relaxed), t0 = 0;
+    for (unsigned i = 0; limit > 0; i++) {
+        v = atomic_load_explicit(word, memory_order_acquire);
+        if (DONE(v))
+            return v;
+        if ((i & 63) == 0) {
+            long t = now_ns();
+            if (!t0)
+                t0 = t;
+            else if (t - t0 >= limit)
+                break;
+        }
+        cpu_relax();
+    }
+    for (;;) {
+        atomic_store(sleeping, 1);
+        v = atomic_load(word);
+        if (!DONE(v))
+            futex_wait(word, v);
+        atomic_store(sleeping, 0);
+        v = atomic_load_explicit(word, memory_order_acquire);
+        if (DONE(v))
+            return v;
+    }
+#undef DONE
+}
+
+static void *worker_main(void *p)
+{
+    struct worker *w = p;
+    in_region = true;
+    uint32_t seen = 0;
+    for (;;) {
+        seen = wait_word(&w->seq, seen, false, &w->sleeping);
+        if (atomic_load(&P.stop))
+            return NULL;
+        P.fn(P.arg, w->id, P.nth);
+        if (atomic_fetch_sub(&P.pending, 1) == 1 && atomic_load(&P.caller_sleeping))
+            futex_wake(&P.pending);
+    }
+}
+
+static void hand_to(struct worker *w)
+{
+    atomic_fetch_add(&w->seq, 1);
+    if (atomic_load(&w->sleeping))
+        futex_wake(&w->seq);
+}
+
+/* The child of a fork has the memory but not the threads. */
+static void after_fork_child(void)
+{
+    pthread_mutex_init(&P.lock, NULL);
+    for (int i = 1; i <= P.n; i++)
+        free(P.w[i]);
+    P.n = 0;
+}
+
+/* Start workers up to index want (under lock). Returns how many run. */
+static int grow(int want)
+{
+    settings();
+    static bool atfork;
+    if (!atfork)
+        atfork = !pthread_atfork(NULL, NULL, after_fork_child);
+    while (P.n < want) {
+        struct worker *w = aligned_alloc(64, sizeof(*w));
+        if (!w)
+            break;
+        memset(w, 0, sizeof(*w));
+        int id = P.n + 1;
+        w->id = id;
+        if (pthread_create(&w->th, NULL, worker_main, w)) {
+            free(w);
+            P.refused++;
+            break;
+        }
+        char name[16];
+        snprintf(name, sizeof(name), "kvd-pool-%d", id % 10000);
+        pthread_setname_np(w->th, name);
+        P.w[id] = w;
+        P.n = id; /* after w[id]: a lock-free reader of n may look */
+    }
+    return P.n < want ? P.n : want;
+}
+
+/* Lock rule: P.lock only, held from the hand-out until every worker of the
+ * region has decremented pending; bodies run under it and take no lock of
+ * the pool's (their nested regions run inline). */
+void cpu_pool_run(int nth, cpu_pool_fn fn, void *arg)
+{
+    nth = nth < CPU_POOL_MAX ? nth : CPU_POOL_MAX;
+    if (nth <= 1 || in_region) {
+        run_inline(nth < 1 ? 1 : nth, fn, arg);
+        return;
+    }
+    pthread_mutex_lock(&P.lock);
+    int live = grow(nth - 1);
+    P.fn = fn;
+    P.arg = arg;
+    P.nth = nth;
+    atomic_store(&P.pending, (uint32_t)live);
+    for (int i = 1; i <= live; i++)
+        hand_to(P.w[i]);
+    in_region = true;
+    fn(arg, 0, nth);
+    for (int t = live + 1; t < nth; t++) /* indices no worker could take */
+        fn(arg, t, nth);
+    in_region = false;
+    wait_word(&P.pending, 0, true, &P.caller_sleeping);
+    pthread_mutex_unlock(&P.lock);
+}
+
+int cpu_pool_workers(void)
+{
+    return atomic_load(&P.n);
+}
+
+void cpu_pool_shutdown(void)
+{
+    pthread_mutex_lock(&P.lock);
+    atomic_store(&P.stop, true);
+    for (int i = 1; i <= P.n; i++)
+        hand_to(P.w[i]);
+    for (int i = 1; i <= P.n; i++) {
+        pthread_join(P.w[i]->th, NULL);
+        free(P.w[i]);
+    }
+    P.n = 0;
+    atomic_store(&P.stop, false);
+    pthread_mutex_unlock(&P.lock);
+}
+
+const char *cpu_pool_describe(char *buf, size_t len)
+{
+    settings();
+    int n = atomic_load(&S.n_default), bad = atomic_load(&S.bad);
+    char src[48];
+    if (atomic_load(&S.from_env))
+        snprintf(src, sizeof(src), "OMP_NUM_THREADS");
+    else
+        snprintf(src, sizeof(src), "%d CPUs", cpus_usable());
+    int refused = atomic_load(&P.refused);
+    snprintf(buf, len, "kvd pool, %d threads by default (%s), spin %ld us%s%s%s", n, src,
+             atomic_load(&S.spin_ns) / 1000,
+             bad & BAD_THREADS ? ", bad OMP_NUM_THREADS ignored" : "",
+             bad & BAD_SPIN ? ", bad KVD_SPIN_US ignored" : "",
+             refused ? ", threads refused by the system: their indices ran on the caller" : "");
+    return buf;
+}
+
+#else /* KVD_THREADS_OMP: the same regions on OpenMP's team */
+
+void cpu_pool_run(int nth, cpu_pool_fn fn, void *arg)
+{
+    nth = nth < CPU_POOL_MAX ? nth : CPU_POOL_MAX;
+    if (nth <= 1 || in_region) {
+        run_inline(nth < 1 ? 1 : nth, fn, arg);
+        return;
+    }
+    /* libgomp may give fewer threads than asked (thread limits): the
+     * indices past the team's size run on the team's thread 0 */
+#pragma omp parallel num_threads(nth)
+    {
+        int t = omp_get_thread_num(), got = omp_get_num_threads();
+        in_region = true;
+        fn(arg, t, nth);
+        for (int u = got + t; t == 0 && u < nth; u++)
+            fn(arg, u, nth);
+        in_region = false;
+    }
+}
+
+int cpu_pool_workers(void)
+{
+    return 0;
+}
+
+void cpu_pool_shutdown(void)
+{
+}
+
+const char *cpu_pool_describe(char *buf, size_t len)
+{
+    const char *policy = getenv("OMP_WAIT_POLICY");
+    snprintf(buf, len, "OpenMP, %d threads by default, OMP_WAIT_POLICY=%s", cpu_pool_threads(0),
+             policy ? policy : "(unset)");
+    return buf;
+}
+
+#endif
+
+/* ------------------------------------------------------------------------
+ * Parallel for
+ * ------------------------------------------------------------------------ */
+
+struct for_job {
+    cpu_pool_range_fn fn;
+    void *arg;
+    size_t n;
+};
+
+static void for_body(void *p, int t, int nth)
+{
+    const struct for_job *j = p;
+    size_t i0, i1;
+    cpu_pool_chunk(j->n, nth, t, &i0, &i1);
+    if (i0 < i1)
+        j->fn(j->arg, i0, i1, t);
+}
+
+void cpu_pool_for(int nth, size_t n, cpu_pool_range_fn fn, void *arg)
+{
+    if (n == 0)
+        return;
+    if ((size_t)nth > n)
+        nth = (int)n;
+    struct for_job j = {fn, arg, n};
+    cpu_pool_run(nth, for_body, &j);
+}
