@@ -5,6 +5,7 @@
 #   make run        deps, build, make the default model, start the daemon
 #   make test       deps, build and run every test program, print a summary
 #   make asan       the tests under AddressSanitizer + UBSan (build-asan/)
+#   make tsan       the thread pool's tests under ThreadSanitizer (build-tsan/)
 #   make bench      build and run the benchmarks in tests/bench/
 #   make fuzz       build the libFuzzer targets in tests/fuzz/ and run each
 #                   FUZZ_SECONDS (default 60) under ASan + UBSan
@@ -143,7 +144,7 @@ TEST_BIN   := $(patsubst %,$(BUILD)/tests/test_%,$(TEST_NAMES))
 BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
 BENCH_BIN  := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all deps run test asan bench format clean tests benches deploy-deps deploy-check \
+.PHONY: all deps run test asan tsan bench format clean tests benches deploy-deps deploy-check \
         fuzz fuzzers soak
 all: kvd
 
@@ -208,6 +209,16 @@ asan:
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  $(MAKE) BUILD=build-asan OPT=-O1 \
 	  SANITIZE="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" test
+
+# ThreadSanitizer on the thread pool's own tests (build-tsan/; not in CI).
+# test_pool compares the partition with OpenMP's, whose runtime is not
+# instrumented: tests/tsan.supp names that test; a forked child may start
+# threads (die_after_fork=0: the pool's fork test does exactly that).
+tsan:
+	@$(MAKE) --no-print-directory BUILD=build-tsan OPT=-O1 SANITIZE=-fsanitize=thread \
+	  build-tsan/tests/test_pool
+	TSAN_OPTIONS="halt_on_error=1 suppressions=tests/tsan.supp die_after_fork=0" \
+	  build-tsan/tests/test_pool
 
 # --- benchmarks ----------------------------------------------------------------
 $(BUILD)/bench/%: tests/bench/%.c $(ALL_OBJ)
@@ -312,6 +323,6 @@ format:
 	clang-format -i $$(git ls-files '*.c' '*.h')
 
 clean:
-	rm -rf build build-omp build-asan $(FUZZ_BUILD) kvd
+	rm -rf build build-omp build-asan build-tsan $(FUZZ_BUILD) kvd
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -15,7 +15,7 @@
  * and bumps the sequence word of each of them; a worker that sees its word
  * change runs its index and decrements `pending`. Only the workers a region
  * needs are touched, so a 1-thread step wakes nobody. Waiting, on either
- * side, is wait_change(): spin on the word for spin_ns, then announce
+ * side, is wait_word(): spin on the word for spin_ns, then announce
  * "sleeping" and futex-wait on the word. The waker bumps the word first and
  * then looks at the flag; the sleeper sets the flag first and then looks at
  * the word (both sequentially consistent), so at least one of them sees
@@ -23,10 +23,19 @@
  * makes no system call at all. The caller waits for `pending` to reach 0 in
  * the same way, woken by the worker whose decrement reaches 0.
  *
+ * Late workers. On a machine with more runnable threads than cores a
+ * worker may not run for milliseconds after its hand-out, and a region
+ * that waited for it would take that long. So each index is claimed, once,
+ * by an exchange on its worker's `taken` flag: the worker claims its own
+ * when it wakes, and the caller, done with index 0, claims and runs every
+ * index whose worker has not started yet. The partition is the same
+ * whoever runs a chunk (chunk t is chunk t on any thread), so the results
+ * are too; only the timing changes.
+ *
  * One region at a time: the caller holds `lock` from hand-out to the last
  * decrement, so the region fields are never rewritten while a worker reads
- * them, and a worker reads them only after its word changed (acquire),
- * which the caller bumped after writing them (release).
+ * them, and a worker reads them only after its claim succeeded (acquire),
+ * on a flag the caller reset after writing them (release).
  */
 #include "cpu/pool.h"
 
@@ -166,6 +175,7 @@ static void run_inline(int nth, cpu_pool_fn fn, void *arg)
 struct worker {
     _Alignas(64) _Atomic uint32_t seq; /* bumped to hand this worker a region */
     _Atomic uint32_t sleeping;         /* 1 while it may be in futex wait on seq */
+    _Atomic uint32_t taken;            /* 0: its index of this region is still unclaimed */
     pthread_t th;
     int id; /* its thread index in every region */
 };
@@ -253,6 +263,8 @@ static void *worker_main(void *p)
         seen = wait_word(&w->seq, seen, false, &w->sleeping);
         if (atomic_load(&P.stop))
             return NULL;
+        if (atomic_exchange(&w->taken, 1)) /* the caller ran it already */
+            continue;
         P.fn(P.arg, w->id, P.nth);
         if (atomic_fetch_sub(&P.pending, 1) == 1 && atomic_load(&P.caller_sleeping))
             futex_wake(&P.pending);
@@ -287,6 +299,7 @@ static int grow(int want)
         if (!w)
             break;
         memset(w, 0, sizeof(*w));
+        atomic_store(&w->taken, 1); /* nothing to run until a region says so */
         int id = P.n + 1;
         w->id = id;
         if (pthread_create(&w->th, NULL, worker_main, w)) {
@@ -319,13 +332,25 @@ void cpu_pool_run(int nth, cpu_pool_fn fn, void *arg)
     P.arg = arg;
     P.nth = nth;
     atomic_store(&P.pending, (uint32_t)live);
-    for (int i = 1; i <= live; i++)
+    for (int i = 1; i <= live; i++) {
+        atomic_store(&P.w[i]->taken, 0); /* after the fields: a claim sees them */
         hand_to(P.w[i]);
+    }
     in_region = true;
     fn(arg, 0, nth);
     for (int t = live + 1; t < nth; t++) /* indices no worker could take */
         fn(arg, t, nth);
+    /* indices whose workers have not started yet (asleep, or descheduled on
+     * a busy machine) run here rather than be waited for */
+    uint32_t stolen = 0;
+    for (int i = live; i >= 1; i--)
+        if (!atomic_exchange(&P.w[i]->taken, 1)) {
+            fn(arg, i, nth);
+            stolen++;
+        }
     in_region = false;
+    if (stolen)
+        atomic_fetch_sub(&P.pending, stolen);
     wait_word(&P.pending, 0, true, &P.caller_sleeping);
     pthread_mutex_unlock(&P.lock);
 }

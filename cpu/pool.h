@@ -3,10 +3,11 @@
  * kernel runs on (the matmuls, attention, the element-wise loops of the
  * forward pass, requantizing).
  *
- * A region is a function run once per thread index t = 0..nth-1, each
- * index on its own thread: index 0 on the calling thread, the others on the
- * pool's workers, which are started once (the first region that needs them)
- * and then live until cpu_pool_shutdown. A worker that finishes a region
+ * A region is a function run once per thread index t = 0..nth-1: index 0
+ * on the calling thread, the others on the pool's workers, which are
+ * started once (the first region that needs them) and then live until
+ * cpu_pool_shutdown; an index whose worker has not started by the time the
+ * caller is done with index 0 runs on the caller instead. A worker that finishes a region
  * spins for a short while (KVD_SPIN_US, 50 microseconds by default) watching
  * for the next one, then sleeps on a futex; the caller waits for the last
  * worker the same way. So the regions of one forward pass, microseconds
@@ -15,9 +16,9 @@
  *
  * Partition. cpu_pool_for splits [0, n) exactly as OpenMP's
  * `schedule(static)` does: nth contiguous chunks in index order, the first
- * n % nth of them one element longer (cpu_pool_chunk says which). Which
- * chunk a thread gets depends only on n and nth, never on timing, so a
- * kernel whose chunks are independent gives the same bits at any thread
+ * n % nth of them one element longer (cpu_pool_chunk says which). The
+ * chunks depend only on n and nth, never on timing or on which thread runs
+ * them, so a kernel whose chunks are independent gives the same bits at any thread
  * count and in any batch.
  *
  * Threads, the rules in full:
@@ -32,12 +33,16 @@
  *    partition, and so the results, are those of a parallel run.
  *  - Bodies must not wait for one another (no barriers, no spinning on
  *    another index's progress): an index may run after another has
- *    returned. Work that needs a barrier is two regions.
+ *    returned, on another thread than its own (the caller runs the indices
+ *    of workers that have not started when it is done with index 0; never
+ *    two threads the same index at once). Work that needs a barrier is two
+ *    regions.
  *  - The pool grows to the largest nth asked for (up to CPU_POOL_MAX) and
  *    never shrinks until cpu_pool_shutdown. If the system refuses a thread,
  *    the indices that thread would have run run on the caller after its
  *    own (the same results, later), and cpu_pool_describe says so.
- *  - After fork() the child has no workers; its first region starts them.
+ *  - After fork() the child has no workers; its first region starts them
+ *    (not in the OpenMP build: libgomp's team does not survive a fork).
  *
  * Thread count. Callers pass the count they were configured with
  * (`--threads`, [server] threads); 0 means cpu_pool_threads(0): the
@@ -62,12 +67,12 @@
 /* A region's body: thread index t of nth. */
 typedef void (*cpu_pool_fn)(void *arg, int t, int nth);
 
-/* A parallel-for body: the indices [i0, i1) of thread t's chunk (never
- * empty). */
+/* A parallel-for body: the indices [i0, i1) of chunk t (never empty). */
 typedef void (*cpu_pool_range_fn)(void *arg, size_t i0, size_t i1, int t);
 
 /*
- * Run fn(arg, t, nth) for every t in 0..nth-1, t = 0 on the calling thread;
+ * Run fn(arg, t, nth) once for every t in 0..nth-1, t = 0 on the calling
+ * thread, each other t on a worker or, if it is late, on the caller;
  * return when all have returned. nth <= 1 runs fn(arg, 0, 1) inline, with
  * no lock and no worker. nth above CPU_POOL_MAX is cut to it. May block
  * while another thread's region runs (see the rules above).
@@ -76,7 +81,7 @@ void cpu_pool_run(int nth, cpu_pool_fn fn, void *arg);
 
 /*
  * Split [0, n) into nth static chunks (cpu_pool_chunk) and run fn on each
- * non-empty one, chunk t on thread t. nth is first cut to n (the chunks of
+ * non-empty one, chunk t as region index t. nth is first cut to n (the chunks of
  * threads past n would be empty), so nth >= n costs n threads at most.
  */
 void cpu_pool_for(int nth, size_t n, cpu_pool_range_fn fn, void *arg);
