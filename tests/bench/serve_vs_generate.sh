@@ -8,7 +8,11 @@
 # For each binary: `kvd generate` greedy from a short prompt (its "decode:"
 # line), then `kvd serve` on a free loopback port answering the same prompt
 # as one stream, then as two concurrent streams (/completion's
-# timings.predicted_per_token_ms, each stream's own). ROUNDS (default 2)
+# timings.predicted_per_token_ms, each stream's own). Beside each wall-clock
+# figure, the CPU time the process spent per generated token (all its
+# threads; generate's includes loading and the short prefill): on a busy
+# machine wall time mostly measures the share of the cores a process got,
+# and CPU time shows what spinning costs. ROUNDS (default 2)
 # repeats the whole set, binaries interleaved, so a busy machine's swings
 # hit every binary alike; THREADS (default 2) is --threads and
 # server.threads. Every row carries `uptime`'s load at its start. Prints,
@@ -31,6 +35,14 @@ body="{\"prompt\":\"$prompt\",\"n_predict\":$n,\"temperature\":0,\"ignore_eos\":
 # one stream's ms per generated token from a /completion answer
 per_token() { sed -n 's/.*"predicted_per_token_ms": *\([0-9.]*\).*/\1/p' "$1"; }
 
+# user + system clock ticks of process $1 so far
+ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{ print $12 + $13 }'; }
+hz=$(getconf CLK_TCK)
+# CPU ms per token from ticks before, after and tokens
+cpu_ms() { awk -v a="$1" -v b="$2" -v n="$3" -v hz="$hz" 'BEGIN { printf "%.1f", (b - a) * 1000 / hz / n }'; }
+# children's user + system seconds so far, from the shell's `times`
+child_s() { times | tail -n 1 | awk '{ for (i = 1; i <= 2; i++) { split($i, p, "m"); s += p[1] * 60 + p[2] } print s }'; }
+
 serve_rows() { # binary label
     "$1" serve --model "$model" --listen 127.0.0.1:0 --set server.threads="$threads" \
         >"$tmp/out" 2>"$tmp/log" &
@@ -44,26 +56,35 @@ serve_rows() { # binary label
     url="http://127.0.0.1:$port/completion"
     curl -s -d "$body" "$url" >/dev/null # warm up
     l=$(load)
+    t0=$(ticks $pid)
     curl -s -d "$body" "$url" >"$tmp/a"
-    printf '%-40s serve, 1 stream       %8.2f ms/token  (load %s)\n' "$2" "$(per_token "$tmp/a")" "$l"
+    t1=$(ticks $pid)
+    printf '%-40s serve, 1 stream       %8.2f ms/token, CPU %s ms/token  (load %s)\n' "$2" \
+        "$(per_token "$tmp/a")" "$(cpu_ms "$t0" "$t1" "$n")" "$l"
     l=$(load)
+    t0=$(ticks $pid)
     curl -s -d "$body" "$url" >"$tmp/b1" &
     c1=$!
     curl -s -d "$body" "$url" >"$tmp/b2"
     wait $c1
-    printf '%-40s serve, 2 streams      %8.2f %8.2f ms/token  (load %s)\n' "$2" \
-        "$(per_token "$tmp/b1")" "$(per_token "$tmp/b2")" "$l"
+    t1=$(ticks $pid)
+    printf '%-40s serve, 2 streams      %8.2f %8.2f ms/token, CPU %s ms/token  (load %s)\n' "$2" \
+        "$(per_token "$tmp/b1")" "$(per_token "$tmp/b2")" "$(cpu_ms "$t0" "$t1" $((2 * n)))" "$l"
     kill -TERM $pid
     wait $pid 2>/dev/null
 }
 
 gen_row() { # binary label
     l=$(load)
+    c0=$(child_s)
     line=$("$1" generate --model "$model" --prompt "$prompt" -n "$n" --temp 0 --no-echo \
         --threads "$threads" 2>&1 >/dev/null | grep 'decode:')
     ms=$(echo "$line" | sed -n 's/.*decode: *\([0-9]*\) tokens in \([0-9.]*\) s.*/\1 \2/p' |
         awk '{ if ($1 > 0) printf "%.2f", 1000 * $2 / $1 }')
-    printf '%-40s generate              %8s ms/token  (load %s)\n' "$2" "$ms" "$l"
+    c1=$(child_s)
+    cpu=$(awk -v a="$c0" -v b="$c1" -v n="$n" 'BEGIN { printf "%.1f", (b - a) * 1000 / n }')
+    printf '%-40s generate              %8s ms/token, CPU %s ms/token  (load %s)\n' "$2" "$ms" \
+        "$cpu" "$l"
 }
 
 echo "model $model, $n tokens, $threads threads, $rounds rounds"
