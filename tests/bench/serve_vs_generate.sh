@@ -40,8 +40,9 @@ ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{ print $12 + $13 }'; }
 hz=$(getconf CLK_TCK)
 # CPU ms per token from ticks before, after and tokens
 cpu_ms() { awk -v a="$1" -v b="$2" -v n="$3" -v hz="$hz" 'BEGIN { printf "%.1f", (b - a) * 1000 / hz / n }'; }
-# children's user + system seconds so far, from the shell's `times`
-child_s() { times | tail -n 1 | awk '{ for (i = 1; i <= 2; i++) { split($i, p, "m"); s += p[1] * 60 + p[2] } print s }'; }
+# children's user + system seconds in a file the shell's `times` wrote (not
+# run in a subshell: a subshell's children are not the shell's)
+child_s() { tail -n 1 "$1" | awk '{ for (i = 1; i <= 2; i++) { split($i, p, "m"); s += p[1] * 60 + p[2] } print s }'; }
 
 serve_rows() { # binary label
     "$1" serve --model "$model" --listen 127.0.0.1:0 --set server.threads="$threads" \
@@ -76,13 +77,14 @@ serve_rows() { # binary label
 
 gen_row() { # binary label
     l=$(load)
-    c0=$(child_s)
-    line=$("$1" generate --model "$model" --prompt "$prompt" -n "$n" --temp 0 --no-echo \
-        --threads "$threads" 2>&1 >/dev/null | grep 'decode:')
+    times >"$tmp/t0"
+    "$1" generate --model "$model" --prompt "$prompt" -n "$n" --temp 0 --no-echo \
+        --threads "$threads" 2>"$tmp/gen" >/dev/null
+    line=$(grep 'decode:' "$tmp/gen")
     ms=$(echo "$line" | sed -n 's/.*decode: *\([0-9]*\) tokens in \([0-9.]*\) s.*/\1 \2/p' |
         awk '{ if ($1 > 0) printf "%.2f", 1000 * $2 / $1 }')
-    c1=$(child_s)
-    cpu=$(awk -v a="$c0" -v b="$c1" -v n="$n" 'BEGIN { printf "%.1f", (b - a) * 1000 / n }')
+    times >"$tmp/t1"
+    cpu=$(awk -v a="$(child_s "$tmp/t0")" -v b="$(child_s "$tmp/t1")" -v n="$n" 'BEGIN { printf "%.1f", (b - a) * 1000 / n }')
     printf '%-40s generate              %8s ms/token, CPU %s ms/token  (load %s)\n' "$2" "$ms" \
         "$cpu" "$l"
 }
