@@ -603,6 +603,65 @@ static void test_serve_n_cancel(void **state)
     server_stop(&s);
 }
 
+/*
+ * A choice cut short cuts the answer: an n = 3 stream running at a drain
+ * whose deadline passes sees its choices end ENGINE_FINISH_ABORT one by
+ * one; the stream ends with one error event (cut_short_shutdown) and
+ * [DONE], and no chunk of any choice carries a finish_reason.
+ */
+static void test_serve_n_cut_short(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    struct su_proc s;
+    static const char *const args[] = {
+        "--set", "server.drain_timeout=200ms", "--set", "limits.max_tokens=1000000",
+        "--set", "cache.memory=4MiB",          "--set", "eviction.max_cache_tokens=128",
+        "--set", "server.threads=1",
+    };
+    assert_int_equal(server_start(&s, args, (int)(sizeof(args) / sizeof(args[0]))), 0);
+    struct hc c;
+    assert_int_equal(start_stream(&c, s.port,
+                                  "{\"prompt\":\"endless\",\"n\":3,\"max_tokens\":300000,"
+                                  "\"ignore_eos\":true,\"stream\":true}"),
+                     0);
+    assert_true(su_wait_metric(s.port, "kvd_running_sequences", 3));
+    kill(s.pid, SIGTERM);
+    struct resp r = {0};
+    body_append(&r, "", 0);
+    for (;;) {
+        char *d;
+        size_t n;
+        int k = hc_read_chunk(&c, &d, &n);
+        assert_true(k >= 0);
+        if (k == 0)
+            break;
+        body_append(&r, d, n);
+        free(d);
+    }
+    bool done;
+    json_t *evs = sse_events(r.body, &done);
+    assert_true(done);
+    int errors = 0;
+    for (size_t i = 0; i < json_array_size(evs); i++) {
+        json_t *ev = json_array_get(evs, i);
+        json_t *err = json_object_get(ev, "error");
+        if (err) {
+            errors++;
+            assert_int_equal(i, json_array_size(evs) - 1);
+            assert_string_equal(json_string_value(json_object_get(err, "code")),
+                                "cut_short_shutdown");
+        }
+        json_t *ch = json_array_get(json_object_get(ev, "choices"), 0);
+        assert_true(!ch || json_is_null(json_object_get(ch, "finish_reason")));
+    }
+    assert_int_equal(errors, 1);
+    json_decref(evs);
+    resp_free(&r);
+    hc_close(&c);
+    assert_int_equal(server_wait(&s), 0);
+}
+
 /* ------------------------------------------------------------------------ */
 
 static int group_setup(void **state)
@@ -629,6 +688,7 @@ int main(void)
         cmocka_unit_test(test_serve_n_stream),
         cmocka_unit_test(test_serve_n_limits),
         cmocka_unit_test(test_serve_n_cancel),
+        cmocka_unit_test(test_serve_n_cut_short),
     };
     return cmocka_run_group_tests_name("choices", tests, group_setup, group_teardown);
 }
