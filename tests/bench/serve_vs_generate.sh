@@ -26,7 +26,10 @@ rounds=${ROUNDS:-2}
 threads=${THREADS:-2}
 prompt="Once upon a time there was a"
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+pid=""
+# the server goes with the script, however the script ends
+trap '[ -n "$pid" ] && kill -TERM $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+trap 'exit 1' INT TERM PIPE
 
 load() { uptime | sed 's/.*load average: //; s/,.*//'; }
 
@@ -73,6 +76,7 @@ serve_rows() { # binary label
         "$(per_token "$tmp/b1")" "$(per_token "$tmp/b2")" "$(cpu_ms "$t0" "$t1" $((2 * n)))" "$l"
     kill -TERM $pid
     wait $pid 2>/dev/null
+    pid=""
 }
 
 gen_row() { # binary label
