@@ -82,6 +82,8 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
  *         (bytes 4r..4r+3); after the group's nb such blocks, its nb x 16
  *         f16 scales (block b's at 32 b). Group stride: MM_PACK_Q8_BLOCK *
  *         nb rounded up to 64.
+ *   f32, f16, bf16  per input k: the 16 rows' elements k, as stored (64
+ *         or 32 bytes). Group stride: 16 x n_in x the element size.
  */
 #define MM_PACK_ROWS 16
 #define MM_PACK_Q8_QUANTS 512 /* bytes of one block's weights in a group */
@@ -93,6 +95,10 @@ static inline size_t mm_pack_group_bytes(const struct mm_weight *w)
 {
     if (w->type == GGML_TYPE_Q8_0)
         return ((size_t)(w->n_in / QT_QK) * MM_PACK_Q8_BLOCK + 63) / 64 * 64;
+    if (w->type == GGML_TYPE_F32)
+        return (size_t)w->n_in * MM_PACK_ROWS * 4;
+    if (w->type == GGML_TYPE_F16 || w->type == GGML_TYPE_BF16)
+        return (size_t)w->n_in * MM_PACK_ROWS * 2;
     return 0;
 }
 
@@ -105,8 +111,13 @@ static inline size_t mm_pack_group_bytes(const struct mm_weight *w)
  *   d  float  at d + (j * nb + b) * MM_PACK_NT + t           the block scale
  *   c  int32  at c + (j * nb + b) * MM_PACK_NT + t           -128 * sum(q)
  * (a last tile of fewer tokens leaves its other slots unused).
+ *
+ * For float weights the activations stay f32, transposed by tiles of
+ * MM_PACK_FNT tokens: tile j, input k, token t at
+ *   x  float  at x + (j * n_in + k) * MM_PACK_FNT + t
  */
 #define MM_PACK_NT 6
+#define MM_PACK_FNT 12
 
 /* The work of one product over repacked weights. */
 struct mm_pack_job {
@@ -114,7 +125,8 @@ struct mm_pack_job {
     const int8_t *q;
     const float *d;
     const int32_t *c;
-    float *out; /* [n_tok][n_out] */
+    const float *x; /* float weights: the transposed activations */
+    float *out;     /* [n_tok][n_out] */
     int n_tok;
 };
 

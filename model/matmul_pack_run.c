@@ -69,10 +69,34 @@ static void pack_q8_group(const struct mm_weight *w, size_t g, uint8_t *dst)
     }
 }
 
+/* One group of float rows: element k of the 16 rows side by side. */
+static void pack_float_group(const struct mm_weight *w, size_t g, uint8_t *dst)
+{
+    const size_t esz = w->type == GGML_TYPE_F32 ? 4 : 2;
+    for (int r = 0; r < MM_PACK_ROWS; r++) {
+        size_t o = g * MM_PACK_ROWS + (size_t)r;
+        const uint8_t *row =
+            o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
+        for (int k = 0; k < w->n_in; k++) {
+            uint8_t *e = dst + ((size_t)k * MM_PACK_ROWS + (size_t)r) * esz;
+            if (row)
+                memcpy(e, row + (size_t)k * esz, esz);
+            else
+                memset(e, 0, esz);
+        }
+    }
+}
+
 void mm_pack_weight(struct mm_weight *w, void *dst)
 {
     assert(dst && ((uintptr_t)dst & 63) == 0 && mm_pack_bytes(w) > 0);
     const size_t gb = mm_pack_group_bytes(w);
+    if (w->type != GGML_TYPE_Q8_0) {
+        for (size_t g = 0; g < n_groups(w); g++)
+            pack_float_group(w, g, (uint8_t *)dst + g * gb);
+        w->packed = dst;
+        return;
+    }
     const size_t used = (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_BLOCK;
     uint8_t *p = dst;
     for (size_t g = 0; g < n_groups(w); g++) {
@@ -95,7 +119,7 @@ static size_t round_up(size_t n, size_t a)
 
 struct pack_scratch {
     int8_t *q, *row_q;
-    float *d, *row_d;
+    float *d, *row_d, *x;
     int32_t *c;
 };
 
@@ -103,9 +127,14 @@ struct pack_scratch {
 static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch,
                              struct pack_scratch *ps)
 {
+    uint8_t *base = scratch, *p = base;
+    if (w->type != GGML_TYPE_Q8_0) { /* float weights: the transposed tiles */
+        if (ps)
+            ps->x = (float *)p;
+        return round_up(round_up((size_t)n_tok, MM_PACK_FNT) * (size_t)w->n_in * sizeof(float), 64);
+    }
     const size_t nb = (size_t)w->n_in / QT_QK;
     const size_t slots = round_up((size_t)n_tok, MM_PACK_NT) * nb; /* (token, block) pairs */
-    uint8_t *base = scratch, *p = base;
     if (ps)
         ps->q = (int8_t *)p;
     p += round_up(slots * QT_QK, 64);
@@ -148,6 +177,16 @@ static void quantize_token(const struct mm_weight *w, const float *x, int t,
     }
 }
 
+/* Token t's f32 activations into its tile's column. */
+static void transpose_token(const struct mm_weight *w, const float *x, int t,
+                            const struct pack_scratch *ps)
+{
+    float *dst = ps->x + (size_t)(t / MM_PACK_FNT) * (size_t)w->n_in * MM_PACK_FNT +
+                 (size_t)(t % MM_PACK_FNT);
+    for (int k = 0; k < w->n_in; k++)
+        dst[(size_t)k * MM_PACK_FNT] = x[k];
+}
+
 struct pack_units {
     const struct mm_pack_kernels *pk;
     const struct mm_pack_job *jb;
@@ -167,12 +206,18 @@ void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n
                     void *scratch)
 {
     assert(mm_pack_ready(w) && scratch && ((uintptr_t)scratch & 63) == 0);
-    struct pack_scratch ps;
+    struct pack_scratch ps = {0};
     scratch_layout(w, n_tok, scratch, &ps);
     /* by the calling thread, before the team starts (see matmul_run.c) */
-    for (int t = 0; t < n_tok; t++)
-        quantize_token(w, x + (size_t)t * (size_t)w->n_in, t, &ps);
-    struct mm_pack_job jb = {.w = w, .q = ps.q, .d = ps.d, .c = ps.c, .out = out, .n_tok = n_tok};
+    for (int t = 0; t < n_tok; t++) {
+        const float *xt = x + (size_t)t * (size_t)w->n_in;
+        if (w->type == GGML_TYPE_Q8_0)
+            quantize_token(w, xt, t, &ps);
+        else
+            transpose_token(w, xt, t, &ps);
+    }
+    struct mm_pack_job jb = {
+        .w = w, .q = ps.q, .d = ps.d, .c = ps.c, .x = ps.x, .out = out, .n_tok = n_tok};
 
     /* threads take pairs of groups (the kernel's tile height) */
     const int ng = (int)n_groups(w), units = (ng + 1) / 2;
