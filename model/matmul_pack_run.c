@@ -69,22 +69,25 @@ static void pack_q8_group(const struct mm_weight *w, size_t g, uint8_t *dst)
     }
 }
 
-/* One group of float rows: element k of the 16 rows side by side. */
+/* One group of float rows: element k of the 16 rows side by side (rows
+ * past n_out are zeros). Elements are copied as 2- or 4-byte words. */
 static void pack_float_group(const struct mm_weight *w, size_t g, uint8_t *dst)
 {
     const size_t esz = w->type == GGML_TYPE_F32 ? 4 : 2;
+    const uint8_t *rows[MM_PACK_ROWS];
     for (int r = 0; r < MM_PACK_ROWS; r++) {
         size_t o = g * MM_PACK_ROWS + (size_t)r;
-        const uint8_t *row =
-            o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
-        for (int k = 0; k < w->n_in; k++) {
-            uint8_t *e = dst + ((size_t)k * MM_PACK_ROWS + (size_t)r) * esz;
-            if (row)
-                memcpy(e, row + (size_t)k * esz, esz);
-            else
-                memset(e, 0, esz);
-        }
+        rows[r] = o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
     }
+    for (int k = 0; k < w->n_in; k++, dst += MM_PACK_ROWS * esz)
+        for (int r = 0; r < MM_PACK_ROWS; r++) {
+            if (!rows[r])
+                memset(dst + (size_t)r * esz, 0, esz);
+            else if (esz == 2)
+                memcpy(dst + 2 * (size_t)r, rows[r] + 2 * (size_t)k, 2);
+            else
+                memcpy(dst + 4 * (size_t)r, rows[r] + 4 * (size_t)k, 4);
+        }
 }
 
 void mm_pack_weight(struct mm_weight *w, void *dst)
