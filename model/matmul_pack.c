@@ -87,6 +87,17 @@
 #define P_MG 2          /* row groups per tile */
 #define P_NT MM_PACK_NT /* tokens per tile */
 
+/* Group g's outputs for nt tokens from t0: the rows that exist (a padded
+ * last group stores fewer lanes). */
+INLINE void store_group(const struct mm_pack_job *jb, int g, int t0, int nt, const __m512 *acc)
+{
+    const int o0 = g * MM_PACK_ROWS, n = jb->w->n_out - o0;
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    for (int t = 0; t < nt; t++)
+        _mm512_mask_storeu_ps(jb->out + (size_t)(t0 + t) * (size_t)jb->w->n_out + (size_t)o0, m,
+                              acc[t]);
+}
+
 /* mg groups from g0 x nt tokens of token tile j, q8_0. mg and nt are
  * constants where this is inlined, so the loops below unroll into
  * registers; a tile's activations are one pointer apart by constants. */
@@ -141,39 +152,30 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
         }
     }
 
-    /* the rows that exist: a padded last group stores fewer lanes */
-    const int t0 = j * P_NT;
-    for (int g = 0; g < mg; g++) {
-        int o0 = (g0 + g) * MM_PACK_ROWS, n = w->n_out - o0;
-        __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-        for (int t = 0; t < nt; t++)
-            _mm512_mask_storeu_ps(jb->out + (size_t)(t0 + t) * (size_t)w->n_out + (size_t)o0, m,
-                                  acc[g][t]);
-    }
+    for (int g = 0; g < mg; g++)
+        store_group(jb, g0 + g, j * P_NT, nt, acc[g]);
 }
 
-/* The tile for nt tokens (1..P_NT), with constant arguments. */
-#define Q8_TILES(mg)                                                                               \
-    static void q8_tile_##mg(const struct mm_pack_job *jb, int g0, int j, int nt)                  \
+/* Token-count cases of the tile switches below: each a call with constants. */
+#define T_CASE(call, n)                                                                            \
+    case n:                                                                                        \
+        call(n);                                                                                   \
+        break;
+
+/* The q8_0 tile for nt tokens (1..P_NT), with constant arguments. */
+#define Q8_CALL(n) q8_tile(jb, g0, mg, j, n)
+#define Q8_TILES(mg_)                                                                              \
+    static void q8_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)                 \
     {                                                                                              \
+        const int mg = mg_;                                                                        \
         switch (nt) {                                                                              \
-        case 1:                                                                                    \
-            q8_tile(jb, g0, mg, j, 1);                                                             \
-            break;                                                                                 \
-        case 2:                                                                                    \
-            q8_tile(jb, g0, mg, j, 2);                                                             \
-            break;                                                                                 \
-        case 3:                                                                                    \
-            q8_tile(jb, g0, mg, j, 3);                                                             \
-            break;                                                                                 \
-        case 4:                                                                                    \
-            q8_tile(jb, g0, mg, j, 4);                                                             \
-            break;                                                                                 \
-        case 5:                                                                                    \
-            q8_tile(jb, g0, mg, j, 5);                                                             \
-            break;                                                                                 \
+            T_CASE(Q8_CALL, 1)                                                                     \
+            T_CASE(Q8_CALL, 2)                                                                     \
+            T_CASE(Q8_CALL, 3)                                                                     \
+            T_CASE(Q8_CALL, 4)                                                                     \
+            T_CASE(Q8_CALL, 5)                                                                     \
         default:                                                                                   \
-            q8_tile(jb, g0, mg, j, P_NT);                                                          \
+            Q8_CALL(P_NT);                                                                         \
             break;                                                                                 \
         }                                                                                          \
     }
@@ -223,41 +225,31 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, in
                 acc[g][t] = _mm512_fmadd_ps(wv[g], xv, acc[g][t]);
         }
     }
-    const int t0 = j * F_NT;
-    for (int g = 0; g < mg; g++) {
-        int o0 = (g0 + g) * MM_PACK_ROWS, n = w->n_out - o0;
-        __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-        for (int t = 0; t < nt; t++)
-            _mm512_mask_storeu_ps(jb->out + (size_t)(t0 + t) * (size_t)w->n_out + (size_t)o0, m,
-                                  acc[g][t]);
-    }
+    for (int g = 0; g < mg; g++)
+        store_group(jb, g0 + g, j * F_NT, nt, acc[g]);
 }
 
-#define F_CASE(n)                                                                                  \
-    case n:                                                                                        \
-        f_tile(jb, type, g0, mg, j, n);                                                            \
-        break;
-
-/* The tile for nt tokens (1..F_NT), type and mg constant. */
+/* The float tile for nt tokens (1..F_NT), type and mg constant. */
+#define F_CALL(n) f_tile(jb, type, g0, mg, j, n)
 #define F_TILES(name, type_, mg_)                                                                  \
     static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
         const enum ggml_type type = type_;                                                         \
         const int mg = mg_;                                                                        \
         switch (nt) {                                                                              \
-            F_CASE(1)                                                                              \
-            F_CASE(2)                                                                              \
-            F_CASE(3)                                                                              \
-            F_CASE(4)                                                                              \
-            F_CASE(5)                                                                              \
-            F_CASE(6)                                                                              \
-            F_CASE(7)                                                                              \
-            F_CASE(8)                                                                              \
-            F_CASE(9)                                                                              \
-            F_CASE(10)                                                                             \
-            F_CASE(11)                                                                             \
+            T_CASE(F_CALL, 1)                                                                      \
+            T_CASE(F_CALL, 2)                                                                      \
+            T_CASE(F_CALL, 3)                                                                      \
+            T_CASE(F_CALL, 4)                                                                      \
+            T_CASE(F_CALL, 5)                                                                      \
+            T_CASE(F_CALL, 6)                                                                      \
+            T_CASE(F_CALL, 7)                                                                      \
+            T_CASE(F_CALL, 8)                                                                      \
+            T_CASE(F_CALL, 9)                                                                      \
+            T_CASE(F_CALL, 10)                                                                     \
+            T_CASE(F_CALL, 11)                                                                     \
         default:                                                                                   \
-            f_tile(jb, type, g0, mg, j, F_NT);                                                     \
+            F_CALL(F_NT);                                                                          \
             break;                                                                                 \
         }                                                                                          \
     }
