@@ -88,12 +88,10 @@ int model_pack_weights(model *m, char *err, size_t errlen)
         if (!b || ws[i]->packed) /* the tied output twice, or nothing to do */
             continue;
         mm_pack_weight(ws[i], p);
+        release_rows(ws[i]); /* at once: the peak holds one matrix twice, not the model */
         p += (b + 63) / 64 * 64;
         packed++;
     }
-    for (int i = 0; i < n; i++)
-        if (ws[i]->packed)
-            release_rows(ws[i]);
     m->pack_mem = mem;
     m->pack_bytes = total;
     m->pack_count = packed;
