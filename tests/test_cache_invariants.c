@@ -1064,14 +1064,18 @@ static void test_bounded_memory(void **state)
                   rss_end / 1024);
     assert_true(st.evictions > 5000);
     assert_int_equal(kv_seq_tokens(s)[kv_seq_n_tokens(s) - 1], 199999);
-    /* Growth allowance: 256 KiB (the bookkeeping arrays settle at twice the
-     * budget once after the first eviction), far under the 14 MiB of pool
-     * the stream would touch if pages were not recycled. AddressSanitizer's
-     * own bookkeeping creeps by a few KiB per thousand tokens: 2 MiB there. */
+    /* Growth allowance: 1 MiB, far under the 14 MiB of pool the stream would
+     * touch if pages were not recycled, and under the 1.2 MiB a leak of 6
+     * bytes per token would add. The bookkeeping arrays settle at twice the
+     * budget once after the first eviction; the rest is the process, not the
+     * cache: the same stream measured 64-284 KiB from run to run (the
+     * allocation sequence is fixed; the spread came with the load of the
+     * machine), so a tighter bound failed on noise. AddressSanitizer's own
+     * bookkeeping creeps by a few KiB per thousand tokens: 2 MiB there. */
 #if defined(__SANITIZE_ADDRESS__)
     const long allowance = 2L << 20;
 #else
-    const long allowance = 256L << 10;
+    const long allowance = 1L << 20;
 #endif
     assert_true(rss_end - rss_full <= allowance);
     kv_cache_destroy(c);
