@@ -50,20 +50,14 @@
 
 static void *xalloc(size_t n)
 {
-    void *p = aligned_alloc(64, (n + 63) / 64 * 64);
-    if (!p) {
-        fprintf(stderr, "bench_attention: out of memory allocating %zu bytes\n", n);
-        exit(1);
-    }
-    return p;
+    return bench_xalloc("bench_attention", n);
 }
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
 static float rnd(void) /* [-1, 1) */
 {
-    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(rng >> 11) * 0x1p-52 - 1.0);
+    return bench_rnd(&rng);
 }
 
 /* IEEE half from a float in [-1, 1) (round to nearest; no overflow possible). */
