@@ -6,7 +6,8 @@
 #   make test       deps, build and run every test program, print a summary
 #   make asan       the tests under AddressSanitizer + UBSan (build-asan/)
 #   make tsan       the thread pool's tests under ThreadSanitizer (build-tsan/)
-#   make bench      build and run the benchmarks in tests/bench/
+#   make bench      build and run the benchmarks in tests/bench/, then the
+#                   speed table (bench-table: BEFORE=, FULL=1, CTX=, see below)
 #   make fuzz       build the libFuzzer targets in tests/fuzz/ and run each
 #                   FUZZ_SECONDS (default 60) under ASan + UBSan
 #   make soak       an hour (SOAK_SECONDS) of mixed traffic against kvd serve,
@@ -144,7 +145,7 @@ TEST_BIN   := $(patsubst %,$(BUILD)/tests/test_%,$(TEST_NAMES))
 BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
 BENCH_BIN  := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all deps run test asan tsan bench format clean tests benches deploy-deps deploy-check \
+.PHONY: all deps run test asan tsan bench bench-table format clean tests benches deploy-deps deploy-check \
         fuzz fuzzers soak
 all: kvd
 
@@ -191,6 +192,9 @@ $(BUILD)/tests/test_%: tests/test_%.c $$(if $$(LINK_$$*),$$(LINK_$$*),$(ALL_OBJ)
 $(BUILD)/tests/test_pool: private CFLAGS += $(OMP)
 $(BUILD)/tests/test_pool: private LDFLAGS += $(OMP)
 
+# test_bench_table runs the speed table's driver (BUILD/bench/) on a tiny model.
+$(BUILD)/tests/test_bench_table: $(BUILD)/bench/bench_table
+
 tests: $(TEST_BIN) $(BUILD)/kvd
 
 # `make test` and `make run` install the packages in a make invocation of
@@ -227,8 +231,31 @@ $(BUILD)/bench/%: tests/bench/%.c $(ALL_OBJ)
 
 benches: $(BENCH_BIN)
 
-bench: benches
-	@for b in $(BENCH_BIN); do echo "== $$b"; KVD_SHARED=$(SHARED) $$b || exit 1; done
+# The table (tests/bench/bench_table.c) drives whole kvd binaries, so it
+# runs with arguments, after the other benchmarks: decode and prefill
+# tokens/s of the SmolLM-135M shape beside their rooflines, then the
+# serve-vs-generate comparison on its q8_0 model. Knobs: BEFORE=OLD_KVD (a
+# second binary, alternated with this one: both columns and the ratio),
+# FULL=1 (512 to 64k for every type; the default runs 512 and 4k, and 16k
+# for q8_0), CTX=512,4k (these contexts for every type), TYPES=q8_0,f16,
+# KV=f16,q8_0, ROUNDS=N (the best of N). `make bench-table` runs only them.
+BENCH_TABLE  := $(BUILD)/bench/bench_table
+BENCH_MODELS ?= $(BUILD)/bench/models
+BENCH_TABLE_ARGS = --kvd $(BUILD)/kvd --models $(BENCH_MODELS) $(if $(BEFORE),--before $(BEFORE)) \
+                   $(if $(FULL),--full) $(if $(CTX),--ctx $(CTX)) $(if $(TYPES),--types $(TYPES)) \
+                   $(if $(KV),--kv $(KV)) $(if $(ROUNDS),--rounds $(ROUNDS))
+
+bench: benches $(BUILD)/kvd
+	@for b in $(filter-out $(BENCH_TABLE),$(BENCH_BIN)); do echo "== $$b"; \
+	  KVD_SHARED=$(SHARED) $$b || exit 1; done
+	@$(MAKE) --no-print-directory bench-table
+
+bench-table: $(BENCH_TABLE) $(BUILD)/kvd
+	@echo "== $(BENCH_TABLE)"
+	@$(BENCH_TABLE) $(BENCH_TABLE_ARGS)
+	@m=$(BENCH_MODELS)/576x30_q8_0.gguf; if [ -f $$m ]; then \
+	  echo "== serve vs generate"; sh tests/bench/serve_vs_generate.sh $$m 32 $(BEFORE) $(BUILD)/kvd; \
+	  else echo "serve vs generate: skipped ($$m is written by the table's q8_0 rows)"; fi
 
 # --- fuzzing -------------------------------------------------------------------
 # Each tests/fuzz/fuzz_NAME.c is a libFuzzer target, built with clang and

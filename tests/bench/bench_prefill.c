@@ -31,11 +31,8 @@
 
 #include "cpu/cpu.h"
 #include "model/quant.h"
+#include "tests/bench/bench_peak.h"
 #include "tests/bench/bench_util.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #define N_TOK 512
 #define ROUNDS 5
@@ -56,56 +53,6 @@ static void *xalloc(size_t n)
 {
     return bench_xalloc("bench_prefill", n);
 }
-
-/* ------------------------------------------------------------------------
- * Peaks: independent chains of one instruction, per second of thread time
- * ------------------------------------------------------------------------ */
-
-#if defined(__x86_64__)
-#define PEAK_ITERS 2000000
-
-__attribute__((target("avx512f,avx512vnni"))) static double vnni_peak(void)
-{
-    __m512i a[12];
-    for (int i = 0; i < 12; i++)
-        a[i] = _mm512_set1_epi32(i);
-    const __m512i u = _mm512_set1_epi8(1), s = _mm512_set1_epi8(-1);
-    double t0 = bench_thread_cpu();
-    for (int n = 0; n < PEAK_ITERS; n++)
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; i++)
-            a[i] = _mm512_dpbusd_epi32(a[i], u, s);
-    for (int i = 1; i < 12; i++)
-        a[0] = _mm512_add_epi32(a[0], a[i]);
-    double dt = bench_thread_cpu() - t0;
-    int32_t sink[16];
-    _mm512_storeu_si512(sink, a[0]);
-    volatile int32_t keep = sink[0];
-    (void)keep;
-    return 2.0 * 64 * 12 * (double)PEAK_ITERS / dt / 1e9;
-}
-
-__attribute__((target("avx512f"))) static double fma_peak(void)
-{
-    __m512 a[12];
-    for (int i = 0; i < 12; i++)
-        a[i] = _mm512_set1_ps((float)i);
-    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
-    double t0 = bench_thread_cpu();
-    for (int n = 0; n < PEAK_ITERS; n++)
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; i++)
-            a[i] = _mm512_fmadd_ps(a[i], m, c);
-    for (int i = 1; i < 12; i++)
-        a[0] = _mm512_add_ps(a[0], a[i]);
-    double dt = bench_thread_cpu() - t0;
-    float sink[16];
-    _mm512_storeu_ps(sink, a[0]);
-    volatile float keep = sink[0];
-    (void)keep;
-    return 2.0 * 16 * 12 * (double)PEAK_ITERS / dt / 1e9;
-}
-#endif
 
 /* ------------------------------------------------------------------------
  * One layer's products
@@ -183,14 +130,12 @@ int main(int argc, char **argv)
     char load0[64], load1[64], lvl[96];
     bench_load_average(load0, sizeof load0);
     double vnni = 0.0, fma = 0.0;
-#if defined(__x86_64__)
     /* the best of 5 each: a clock slowed for a moment by the neighbours
      * would otherwise lower the peak and flatter the fractions */
     for (int i = 0; i < 5 && cpu_level() >= CPU_AVX512; i++) {
-        vnni = fmax(vnni, vnni_peak());
-        fma = fmax(fma, fma_peak());
+        vnni = fmax(vnni, bench_peak_vnni());
+        fma = fmax(fma, bench_peak_fma());
     }
-#endif
     const char *pk = mm_pack_kernel_name();
     printf("kernels %s: matmul %s, repacked %s\n", cpu_describe(lvl, sizeof lvl), mm_kernel_name(),
            pk ? pk : "none at this level");

@@ -1,0 +1,126 @@
+/*
+ * bench_peak.h - the multiply-add peaks of one core, measured: what a
+ * compute-bound kernel's "fraction of peak" divides by.
+ *
+ * Each peak is a loop of twelve independent chains of one instruction and
+ * nothing else (enough chains to cover the instruction's latency on every
+ * core kvd meets), timed by the thread's own CPU time: on a machine shared
+ * with other work the wall clock counts the neighbours, the thread's CPU
+ * time only the cycles it ran. Callers take the best of a few calls (a
+ * clock slowed for a moment would lower the peak and flatter the
+ * fractions) and multiply by the threads they run on.
+ *
+ *   vpdpbusd   (AVX-512 VNNI) 64 int8 multiply-adds per instruction
+ *   vfmadd     (AVX-512 F)    16 f32 multiply-adds
+ *   vdpbf16ps  (AVX-512 BF16) 32 bf16 multiply-adds into f32
+ *
+ * Each returns operations per second in units of 1e9 (2 per multiply-add),
+ * or 0 when the CPU lacks the instruction: a caller prints "not measured",
+ * never a guess.
+ */
+#ifndef KVD_BENCH_PEAK_H
+#define KVD_BENCH_PEAK_H
+
+#include <stdint.h>
+
+#include "tests/bench/bench_util.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define BENCH_PEAK_ITERS 2000000
+
+__attribute__((target("avx512f,avx512vnni"))) static inline double bench_peak_vnni_run(void)
+{
+    __m512i a[12];
+    for (int i = 0; i < 12; i++)
+        a[i] = _mm512_set1_epi32(i);
+    const __m512i u = _mm512_set1_epi8(1), s = _mm512_set1_epi8(-1);
+    double t0 = bench_thread_cpu();
+    for (int n = 0; n < BENCH_PEAK_ITERS; n++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm512_dpbusd_epi32(a[i], u, s);
+    for (int i = 1; i < 12; i++)
+        a[0] = _mm512_add_epi32(a[0], a[i]);
+    double dt = bench_thread_cpu() - t0;
+    int32_t sink[16];
+    _mm512_storeu_si512(sink, a[0]);
+    volatile int32_t keep = sink[0];
+    (void)keep;
+    return 2.0 * 64 * 12 * (double)BENCH_PEAK_ITERS / dt / 1e9;
+}
+
+__attribute__((target("avx512f"))) static inline double bench_peak_fma_run(void)
+{
+    __m512 a[12];
+    for (int i = 0; i < 12; i++)
+        a[i] = _mm512_set1_ps((float)i);
+    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
+    double t0 = bench_thread_cpu();
+    for (int n = 0; n < BENCH_PEAK_ITERS; n++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm512_fmadd_ps(a[i], m, c);
+    for (int i = 1; i < 12; i++)
+        a[0] = _mm512_add_ps(a[0], a[i]);
+    double dt = bench_thread_cpu() - t0;
+    float sink[16];
+    _mm512_storeu_ps(sink, a[0]);
+    volatile float keep = sink[0];
+    (void)keep;
+    return 2.0 * 16 * 12 * (double)BENCH_PEAK_ITERS / dt / 1e9;
+}
+
+__attribute__((target("avx512f,avx512bf16"))) static inline double bench_peak_bf16_run(void)
+{
+    __m512 a[12];
+    for (int i = 0; i < 12; i++)
+        a[i] = _mm512_set1_ps((float)i);
+    const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), /* 1.0 */
+        y = (__m512bh)_mm512_set1_epi16((short)0xb380);    /* -6e-8 */
+    double t0 = bench_thread_cpu();
+    for (int n = 0; n < BENCH_PEAK_ITERS; n++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm512_dpbf16_ps(a[i], x, y);
+    for (int i = 1; i < 12; i++)
+        a[0] = _mm512_add_ps(a[0], a[i]);
+    double dt = bench_thread_cpu() - t0;
+    float sink[16];
+    _mm512_storeu_ps(sink, a[0]);
+    volatile float keep = sink[0];
+    (void)keep;
+    return 2.0 * 32 * 12 * (double)BENCH_PEAK_ITERS / dt / 1e9;
+}
+#endif
+
+/* One measurement each, or 0 when the CPU lacks the instruction. */
+static inline double bench_peak_vnni(void)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"))
+        return bench_peak_vnni_run();
+#endif
+    return 0.0;
+}
+
+static inline double bench_peak_fma(void)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f"))
+        return bench_peak_fma_run();
+#endif
+    return 0.0;
+}
+
+static inline double bench_peak_bf16(void)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
+        return bench_peak_bf16_run();
+#endif
+    return 0.0;
+}
+
+#endif /* KVD_BENCH_PEAK_H */

@@ -1,0 +1,267 @@
+/*
+ * test_bench_table.c - `make bench`'s table driver (tests/bench/
+ * bench_table.c) runs and prints a well-formed table.
+ *
+ * The driver reads `kvd generate`'s report lines ("prefill: N tokens in T s
+ * (R tokens/s)", "decode: ..."), so a change to that report that the
+ * driver no longer understands shows here, not first in a benchmark run.
+ * Each test runs the driver on its tiny model (64 wide, 2 layers, contexts
+ * of 64 to 1k tokens: seconds) against $KVD_BIN and checks the table's
+ * shape: the machine and peak lines, one row per cell the plan runs, every
+ * figure a positive number, every fraction a percentage, the cells not run
+ * listed, each binary's kernels line; with --before, both columns and
+ * their ratio; a binary that fails is a "failed" cell, a note saying why
+ * and exit status 1; a bad option exit status 2. No figure is compared
+ * with any speed: nothing here asserts a time.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include "tests/serve_util.h"
+
+static const char *kvd_bin;
+static char bench_bin[600];
+static char tmpdir[256];
+static char models[300];
+
+#define SKIP_WITHOUT_KVD()                                                                         \
+    do {                                                                                           \
+        if (!kvd_bin) {                                                                            \
+            print_message("KVD_BIN is not set (run through `make test`): skipped\n");              \
+            skip();                                                                                \
+        }                                                                                          \
+    } while (0)
+
+static int setup(void **state)
+{
+    (void)state;
+    kvd_bin = getenv("KVD_BIN");
+    if (!kvd_bin)
+        return 0;
+    /* the Makefile builds the driver beside the binary: BUILD/bench/ */
+    const char *slash = strrchr(kvd_bin, '/');
+    int dir_len = slash ? (int)(slash - kvd_bin) : 1;
+    snprintf(bench_bin, sizeof bench_bin, "%.*s/bench/bench_table", dir_len,
+             slash ? kvd_bin : ".");
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/kvd-test-bench-table-XXXXXX");
+    if (!mkdtemp(tmpdir))
+        return -1;
+    snprintf(models, sizeof models, "%s/models", tmpdir);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    return su_remove_dir(tmpdir);
+}
+
+/* Run the driver with args (NULL-terminated, after the program name);
+ * its stdout into a malloc'd string, its exit status into *status. */
+static char *run_driver(const char *const *args, int *status)
+{
+    const char *argv[32] = {bench_bin};
+    int n = 1;
+    for (; args[n - 1] && n < 31; n++)
+        argv[n] = args[n - 1];
+    argv[n] = NULL;
+    struct su_proc p = {0};
+    snprintf(p.log, sizeof p.log, "%s/driver.log", tmpdir);
+    int fd = -1;
+    assert_int_equal(su_spawn(&p, (char *const *)argv, &fd), 0);
+    size_t cap = 1 << 16, len = 0;
+    char *out = malloc(cap);
+    assert_non_null(out);
+    for (ssize_t k; (k = read(fd, out + len, cap - 1 - len)) > 0;) {
+        len += (size_t)k;
+        if (len + 1 == cap) {
+            cap *= 2;
+            out = realloc(out, cap);
+            assert_non_null(out);
+        }
+    }
+    out[len] = '\0';
+    close(fd);
+    *status = su_wait(&p, 300);
+    if (*status != 0 && *status != 1)
+        su_dump_log(&p);
+    return out;
+}
+
+/* The cells of a table row "| a | b | ... |", trimmed, into cells (each
+ * at most 63 bytes); the count, or -1 when the line is not a row. */
+static int row_cells(const char *line, char cells[][64], int max)
+{
+    if (line[0] != '|')
+        return -1;
+    int n = 0;
+    const char *p = line + 1;
+    for (const char *bar; (bar = strchr(p, '|')) && n < max; p = bar + 1) {
+        while (*p == ' ')
+            p++;
+        int len = (int)(bar - p);
+        while (len > 0 && p[len - 1] == ' ')
+            len--;
+        snprintf(cells[n++], 64, "%.*s", len, p);
+    }
+    return n;
+}
+
+/* The table's row for type/ctx (e.g. "q8_0", "64"), or NULL. */
+static const char *find_row(const char *out, const char *type, const char *ctx, char *line,
+                            size_t len)
+{
+    char want[64];
+    snprintf(want, sizeof want, "| %s | f16 | %s |", type, ctx);
+    const char *at = strstr(out, want);
+    if (!at)
+        return NULL;
+    size_t n = strcspn(at, "\n");
+    snprintf(line, len, "%.*s", (int)n, at);
+    return line;
+}
+
+static void assert_positive(const char *cell)
+{
+    char *end;
+    double v = strtod(cell, &end);
+    if (end == cell || *end || !(v > 0)) {
+        print_message("not a positive number: '%s'\n", cell);
+        fail();
+    }
+}
+
+static void assert_percent(const char *cell)
+{
+    char *end;
+    double v = strtod(cell, &end);
+    if (end == cell || strcmp(end, "%") || v < 0) {
+        print_message("not a percentage: '%s'\n", cell);
+        fail();
+    }
+}
+
+/* "12% → 15%": the before and after fractions. */
+static void assert_two_percents(const char *cell)
+{
+    char a[64], b[64];
+    const char *arrow = strstr(cell, " → ");
+    assert_non_null(arrow);
+    snprintf(a, sizeof a, "%.*s", (int)(arrow - cell), cell);
+    snprintf(b, sizeof b, "%s", arrow + strlen(" → "));
+    assert_percent(a);
+    assert_percent(b);
+}
+
+static void test_one_binary(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *args[] = {"--tiny", "--kvd", kvd_bin, "--models", models, "--types",
+                          "f32,q8_0", NULL};
+    int status;
+    char *out = run_driver(args, &status);
+    print_message("%s", out);
+    assert_int_equal(status, 0);
+    assert_non_null(strstr(out, "machine: "));
+    assert_non_null(strstr(out, "peaks of one core, measured now"));
+    assert_non_null(strstr(out, "| weights | KV | context | bus GB/s | decode tok/s | "
+                                "decode roofline | of roofline | prefill tok/s | "
+                                "prefill roofline | of roofline | load |"));
+    /* the default plan: every type at 64 and 256, q8_0 also at 1k */
+    const char *cells_run[][2] = {{"f32", "64"}, {"f32", "256"}, {"q8_0", "64"},
+                                  {"q8_0", "256"}, {"q8_0", "1k"}};
+    for (size_t i = 0; i < sizeof cells_run / sizeof *cells_run; i++) {
+        char line[512], c[16][64];
+        assert_non_null(find_row(out, cells_run[i][0], cells_run[i][1], line, sizeof line));
+        assert_int_equal(row_cells(line, c, 16), 11);
+        for (int k = 3; k < 10; k++)
+            if (k == 6 || k == 9)
+                assert_percent(c[k]);
+            else
+                assert_positive(c[k]);
+    }
+    char line[512];
+    assert_null(find_row(out, "f32", "1k", line, sizeof line));
+    assert_non_null(strstr(out, "not run (--full, or --ctx"));
+    assert_non_null(strstr(out, " f32 1k"));
+    assert_non_null(strstr(out, " q8_0 2k"));
+    assert_non_null(strstr(out, "kvd = "));
+    assert_non_null(strstr(out, ": kernels "));
+    free(out);
+}
+
+static void test_before_after(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *args[] = {"--tiny", "--kvd", kvd_bin, "--before", kvd_bin, "--models", models,
+                          "--types", "q8_0", "--ctx", "64", "--rounds", "2", NULL};
+    int status;
+    char *out = run_driver(args, &status);
+    print_message("%s", out);
+    assert_int_equal(status, 0);
+    assert_non_null(strstr(out, "| decode before | decode after | × |"));
+    char line[512], c[20][64];
+    assert_non_null(find_row(out, "q8_0", "64", line, sizeof line));
+    assert_int_equal(row_cells(line, c, 20), 15);
+    const int positive[] = {3, 4, 5, 6, 7, 9, 10, 11, 12};
+    for (size_t i = 0; i < sizeof positive / sizeof *positive; i++)
+        assert_positive(c[positive[i]]);
+    assert_two_percents(c[8]);
+    assert_two_percents(c[13]);
+    assert_null(find_row(out, "q8_0", "256", line, sizeof line)); /* --ctx: only 64 */
+    assert_non_null(strstr(out, "before = "));
+    assert_non_null(strstr(out, "after = "));
+    free(out);
+}
+
+static void test_failing_binary(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *args[] = {"--tiny", "--kvd", "/bin/false", "--models", models, "--types",
+                          "q8_0", "--ctx", "64", NULL};
+    int status;
+    char *out = run_driver(args, &status);
+    print_message("%s", out);
+    assert_int_equal(status, 1);
+    char line[512], c[16][64];
+    assert_non_null(find_row(out, "q8_0", "64", line, sizeof line));
+    assert_int_equal(row_cells(line, c, 16), 11);
+    assert_string_equal(c[4], "failed");
+    assert_string_equal(c[7], "failed");
+    assert_non_null(strstr(out, "note: q8_0 f16-KV 64 kvd: "));
+    free(out);
+}
+
+static void test_bad_options(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *bad[][4] = {{"--kvd", kvd_bin, "--ctx", "5"},
+                            {"--kvd", kvd_bin, "--types", "q4_0"},
+                            {"--kvd", kvd_bin, "--kv", "f32"},
+                            {"--ctx", "512", "--full", "--tiny"}};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        const char *args[] = {bad[i][0], bad[i][1], bad[i][2], bad[i][3], NULL};
+        int status;
+        free(run_driver(args, &status));
+        assert_int_equal(status, 2);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_one_binary),
+        cmocka_unit_test(test_before_after),
+        cmocka_unit_test(test_failing_binary),
+        cmocka_unit_test(test_bad_options),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
