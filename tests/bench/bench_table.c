@@ -21,8 +21,9 @@
  *    from the GGUF (every tensor, the tied embedding read in full as the
  *    output matrix; with a separate output matrix the embedding is one
  *    row). The bandwidth is bench_util.h's triad on the same threads,
- *    measured just before the row, counting the write-allocate read: the
- *    ceiling of a read-only stream.
+ *    measured just before and just after the row's runs (the better of
+ *    the two: a neighbour's burst lowers a triad, nothing raises it),
+ *    counting the write-allocate read: the ceiling of a read-only stream.
  *  - Prefill is compute-bound. Operations per token = 2 x the weights'
  *    multiply-adds (the output matrix once per prompt: only the last
  *    token's logits are computed) + attention's 4 x heads x head_dim x
@@ -704,6 +705,16 @@ static int type_index(const struct opts *o, enum ggml_type t)
     return 0;
 }
 
+/* The bus bandwidth on the table's threads (GB/s, the write-allocate read
+ * counted), if better than *best. */
+static void triad_into(const struct opts *o, double *best)
+{
+    double bus = 0;
+    size_t n = o->shape == &TINY ? (size_t)4 << 20 : (size_t)32 << 20;
+    bench_triad(o->threads, n, n, 3, &bus);
+    *best = fmax(*best, bus);
+}
+
 static void run_row(const struct opts *o, const struct model_cost *cost, const model *tok,
                     struct row *r, int order)
 {
@@ -719,9 +730,7 @@ static void run_row(const struct opts *o, const struct model_cost *cost, const m
     bench_load_average(r->load, sizeof r->load);
     r->load[strcspn(r->load, " ")] = '\0';
     double bus = 0;
-    size_t n = o->shape == &TINY ? (size_t)4 << 20 : (size_t)32 << 20;
-    bench_triad(o->threads, n, n, 3, &bus);
-    r->bus_gbs = bus;
+    triad_into(o, &bus);
     fprintf(stderr, "bench_table: %s %s-KV %s: a prompt of %d tokens (%zu bytes), bus %.1f GB/s, "
             "load %s\n", gguf_ggml_type_name(r->type), kv_type_name(r->kv),
             ctx_name(r->ctx, cn, sizeof cn), n_tok, strlen(prompt), bus, r->load);
@@ -741,6 +750,8 @@ static void run_row(const struct opts *o, const struct model_cost *cost, const m
                     bench_now() - t0, run.note[0] ? "; " : "", run.note);
             keep_best(&r->best[b], &run);
         }
+    triad_into(o, &bus); /* and after: the better of the two is the bus beside the row */
+    r->bus_gbs = bus;
     r->decode_roof = decode_roofline(o, cost, r);
     r->prefill_roof = prefill_roofline(o, cost, r);
     free(prompt);
@@ -832,8 +843,8 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
 {
     char cn[16];
     printf("\ntokens/s; decode: %d greedy tokens after the prompt (its roofline: weight + K/V "
-           "bytes at the mean context ÷ the bus, triad with write-allocate, measured before the "
-           "row); prefill: the whole real prompt in chunks of %d (its roofline: weight ops at "
+           "bytes at the mean context ÷ the bus, triad with write-allocate, the better of one "
+           "before and one after the row); prefill: the whole real prompt in chunks of %d (its roofline: weight ops at "
            "the type's peak + attention ops at the f32 FMA peak, x %d threads). The weight "
            "peak: q8_0 vpdpbusd, bf16 %s, f32 and f16 f32 FMA.\n",
            o->n_gen, o->batch, o->threads, weight_peak_name(GGML_TYPE_BF16));
