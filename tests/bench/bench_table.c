@@ -842,12 +842,18 @@ static void print_table(const struct opts *o, const struct row *rows, int n)
 static void print_notes(const struct opts *o, const struct row *rows, int n)
 {
     char cn[16];
-    printf("\ntokens/s; decode: %d greedy tokens after the prompt (its roofline: weight + K/V "
-           "bytes at the mean context ÷ the bus, triad with write-allocate, the better of one "
-           "before and one after the row); prefill: the whole real prompt in chunks of %d (its roofline: weight ops at "
-           "the type's peak + attention ops at the f32 FMA peak, x %d threads). The weight "
-           "peak: q8_0 vpdpbusd, bf16 %s, f32 and f16 f32 FMA.\n",
+    printf("\ntokens/s, each cell one `kvd generate` run. Decode: %d greedy tokens after the "
+           "prompt; its roofline is weight + K/V bytes at the mean context over the bus (triad, "
+           "write-allocate counted, the better of one before and one after the row). Prefill: "
+           "the whole prompt, real text the binary tokenizes and reads in chunks of %d (no "
+           "synthetic fill at any context, 64k included); its roofline is weight ops at the "
+           "type's peak + attention ops at the f32 FMA peak, x %d threads. Weight peaks: q8_0 "
+           "vpdpbusd, bf16 %s, f32 and f16 f32 FMA.\n",
            o->n_gen, o->batch, o->threads, weight_peak_name(GGML_TYPE_BF16));
+    printf("each run: KVD generate --model %s/%dx%d_TYPE.gguf --prompt TEXT -n %d --temp 0 "
+           "--threads %d --batch %d --ctx P+%d --kv-type KV --no-echo\n",
+           o->models, o->shape->n_embd, o->shape->n_layer, o->n_gen, o->threads, o->batch,
+           o->n_gen + 64);
     for (int i = 0; i < n; i++)
         for (int b = 0; b < o->n_bins; b++)
             if (rows[i].run && rows[i].best[b].note[0])
