@@ -51,6 +51,7 @@
 
 #include "cpu/pool.h"
 #include "model/model_internal.h"
+#include "model/ops.h"
 
 /* Rows of logits computed per output-matrix pass. */
 #define LOGIT_ROWS 32
@@ -267,40 +268,14 @@ size_t model_ctx_attn_bytes(const model_ctx *c)
  * Kernels of the forward (the matrix products are in matmul.c)
  * ------------------------------------------------------------------------ */
 
-/* out[i] = x[i] / rms(x) * w[i]; out may equal x. */
-static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
-{
-    double ss = 0.0;
-    for (int i = 0; i < n; i++)
-        ss += (double)x[i] * x[i];
-    float r = 1.0f / sqrtf((float)(ss / n) + eps);
-    for (int i = 0; i < n; i++)
-        out[i] = x[i] * r * w[i];
-}
-
-/* out[i] = (x[i] - mean) / sqrt(var + eps) * w[i] + b[i] (b may be NULL);
- * out may equal x. Sums in double, as rmsnorm's. */
-static void layernorm(float *out, const float *x, const float *w, const float *b, int n, float eps)
-{
-    double s = 0.0;
-    for (int i = 0; i < n; i++)
-        s += x[i];
-    float mean = (float)(s / n);
-    double ss = 0.0;
-    for (int i = 0; i < n; i++)
-        ss += (double)(x[i] - mean) * (x[i] - mean);
-    float r = 1.0f / sqrtf((float)(ss / n) + eps);
-    for (int i = 0; i < n; i++)
-        out[i] = (x[i] - mean) * r * w[i] + (b ? b[i] : 0.0f);
-}
-
-/* The model's norm of one row of n_embd: RMSNorm or LayerNorm. */
+/* The model's norm of one row of n_embd: RMSNorm or LayerNorm (ops.c). */
 static void norm_row(const model *m, float *out, const float *x, const float *w, const float *b)
 {
+    const struct ops_kernels *k = ops_kernels_now();
     if (m->norm == MODEL_NORM_LAYER)
-        layernorm(out, x, w, b, m->n_embd, m->norm_eps);
+        k->layernorm(out, x, w, b, m->n_embd, m->norm_eps);
     else
-        rmsnorm(out, x, w, m->n_embd, m->norm_eps);
+        k->rmsnorm(out, x, w, m->n_embd, m->norm_eps);
 }
 
 static void norm_rows(const model *m, float *out, const float *x, const float *w, const float *b,
@@ -333,8 +308,9 @@ static void head_norm_rows(const model *m, float *x, const float *w, int n_heads
     if (!w)
         return;
     int hd = m->head_dim;
+    const struct ops_kernels *k = ops_kernels_now();
     for (int h = 0; h < n_heads; h++)
-        rmsnorm(x + (size_t)h * hd, x + (size_t)h * hd, w, hd, m->norm_eps);
+        k->rmsnorm(x + (size_t)h * hd, x + (size_t)h * hd, w, hd, m->norm_eps);
 }
 
 /* Phi-3's LongRoPE amplitude: the rotated dims of every q head of n_rows
@@ -375,24 +351,24 @@ static void ew_range(void *arg, size_t i0, size_t i1, int t)
 {
     (void)t;
     const struct ew_job *j = arg;
-    float *restrict hb = j->hb;
-    const float *restrict hb2 = j->hb2;
-    for (size_t i = i0; i < i1; i++) {
-        float x = hb[i];
-        switch (j->op) {
-        case EW_GELU_TANH:
-            hb[i] = 0.5f * x * (1.0f + tanhf(0.79788456f * x * (1.0f + 0.044715f * x * x)));
-            break;
-        case EW_GELU_ERF:
-            hb[i] = 0.5f * x * (1.0f + erff(x * 0.70710678f));
-            break;
-        case EW_GEGLU:
-            hb[i] = 0.5f * x * (1.0f + tanhf(0.79788456f * x * (1.0f + 0.044715f * x * x))) * hb2[i];
-            break;
-        case EW_SWIGLU:
-            hb[i] = x / (1.0f + expf(-x)) * hb2[i];
-            break;
-        }
+    const struct ops_kernels *k = ops_kernels_now();
+    float *restrict hb = j->hb + i0;
+    const float *restrict hb2 = j->hb2 ? j->hb2 + i0 : NULL;
+    size_t n = i1 - i0;
+    switch (j->op) {
+    case EW_GELU_TANH:
+        k->gelu_tanh(hb, NULL, n);
+        break;
+    case EW_GEGLU:
+        k->gelu_tanh(hb, hb2, n);
+        break;
+    case EW_SWIGLU:
+        k->swiglu(hb, hb2, n);
+        break;
+    case EW_GELU_ERF: /* MPT: libm's erff at every level */
+        for (size_t i = 0; i < n; i++)
+            hb[i] = 0.5f * hb[i] * (1.0f + erff(hb[i] * 0.70710678f));
+        break;
     }
 }
 

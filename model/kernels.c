@@ -12,6 +12,7 @@
 #include "attention/attention.h"
 #include "cpu/cpu.h"
 #include "cpu/pool.h"
+#include "model/ops.h"
 #include "model/quant.h"
 
 const char *model_kernels_describe(char *buf, size_t len)
@@ -20,9 +21,9 @@ const char *model_kernels_describe(char *buf, size_t len)
     const char *pack = mm_pack_kernel_name();
     snprintf(buf, len,
              "%s: matmul %s (repacked: %s), K formats %s, read-only formats %s, attention %s, "
-             "q8_0 keys %s; threads: %s",
+             "q8_0 keys %s, element-wise and norms %s; threads: %s",
              cpu_describe(level, sizeof(level)), mm_kernel_name(), pack ? pack : "none",
              mm_k_kernel_name(), mm_blocks_kernel_name(), attn_simd_name(), attn_q8_name(),
-             cpu_pool_describe(threads, sizeof(threads)));
+             ops_kernels_now()->name, cpu_pool_describe(threads, sizeof(threads)));
     return buf;
 }
