@@ -525,8 +525,11 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
 
     /* Attention: norm, k/v (and q) for all tokens at once. */
     norm_rows(m, c->xb, c->x, L->attn_norm, L->attn_norm_b, T);
-    mm_matmul_scratch(c->k, &L->wk, c->xb, T, nt, c->scratch);
-    mm_matmul_scratch(c->v, &L->wv, c->xb, T, nt, c->scratch);
+    /* Q with K and V in one region, but in the last layer (R >= 0), where
+     * only the rows kept need a query: see below. */
+    float *outs[3] = {c->k, c->v, c->q};
+    const struct mm_weight *ws[3] = {&L->wk, &L->wv, &L->wq};
+    mm_matmul_many(outs, ws, R < 0 ? 3 : 2, c->xb, T, nt, c->scratch);
     add_bias(c->k, L->bk, T, m->kv_dim);
     add_bias(c->v, L->bv, T, m->kv_dim);
     head_norm_rows(m, c->k, L->k_norm, T * m->n_kv_head);
@@ -557,8 +560,8 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
         compact_rows(c->xb, c->sel_tok, R, d);
         compact_rows(c->x, c->sel_tok, R, d);
         rows = R;
+        mm_matmul_scratch(c->q, &L->wq, c->xb, rows, nt, c->scratch);
     }
-    mm_matmul_scratch(c->q, &L->wq, c->xb, rows, nt, c->scratch);
     add_bias(c->q, L->bq, rows, m->q_dim);
     head_norm_rows(m, c->q, L->q_norm, rows * m->n_head);
     rope_amplitude(m, c->q, rows);
@@ -640,8 +643,9 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     /* Feed-forward: SwiGLU, GELU-gated (Gemma), or a GELU MLP with biases. */
     norm_rows(m, c->xb, c->x, L->ffn_norm, L->ffn_norm_b, rows);
     if (m->act == MODEL_ACT_SWIGLU || m->act == MODEL_ACT_GEGLU) {
-        mm_matmul_scratch(c->hb, &L->gate, c->xb, rows, nt, c->scratch);
-        mm_matmul_scratch(c->hb2, &L->up, c->xb, rows, nt, c->scratch);
+        float *gu[2] = {c->hb, c->hb2};
+        const struct mm_weight *wgu[2] = {&L->gate, &L->up};
+        mm_matmul_many(gu, wgu, 2, c->xb, rows, nt, c->scratch);
         if (m->act == MODEL_ACT_SWIGLU)
             elementwise(EW_SWIGLU, c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
         else

@@ -190,25 +190,42 @@ static void transpose_token(const struct mm_weight *w, const float *x, int t,
         dst[(size_t)k * MM_PACK_FNT] = x[k];
 }
 
+/* The products of one call, their pairs of groups (the kernel's tile
+ * height) numbered one after another: product i's pair v is unit
+ * u_end[i - 1] + v. */
 struct pack_units {
     const struct mm_pack_kernels *pk;
-    const struct mm_pack_job *jb;
-    int ng;
+    const struct mm_pack_job *jb; /* [n] */
+    int ng[MM_MANY_MAX];    /* groups of product i */
+    int u_end[MM_MANY_MAX]; /* units of products 0..i */
 };
 
-/* A thread's share of the pairs of groups (cpu/pool.h's static chunks). */
+/* A thread's share of the units (cpu/pool.h's static chunks): the same
+ * calls of the kernel, whatever the split. */
 static void run_units(void *arg, size_t u0, size_t u1, int t)
 {
     (void)t;
     const struct pack_units *r = arg;
-    for (int u = (int)u0; u < (int)u1; u++)
-        r->pk->groups(r->jb, 2 * u, 2 * u + 2 < r->ng ? 2 * u + 2 : r->ng);
+    int i = 0;
+    for (int u = (int)u0; u < (int)u1; u++) {
+        while (u >= r->u_end[i])
+            i++;
+        int v = u - (i ? r->u_end[i - 1] : 0);
+        r->pk->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i]);
+    }
 }
 
 void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
                     void *scratch)
 {
-    assert(mm_pack_ready(w) && scratch && ((uintptr_t)scratch & 63) == 0);
+    mm_pack_matmul_many(&out, &w, 1, x, n_tok, n_threads, scratch);
+}
+
+void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, int n, const float *x,
+                         int n_tok, int n_threads, void *scratch)
+{
+    const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
+    assert(n >= 1 && n <= MM_MANY_MAX && scratch && ((uintptr_t)scratch & 63) == 0);
     struct pack_scratch ps = {0};
     scratch_layout(w, n_tok, scratch, &ps);
     /* by the calling thread, before the team starts (see matmul_run.c) */
@@ -219,11 +236,14 @@ void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n
         else
             transpose_token(w, xt, t, &ps);
     }
-    struct mm_pack_job jb = {
-        .w = w, .q = ps.q, .d = ps.d, .c = ps.c, .x = ps.x, .out = out, .n_tok = n_tok};
-
-    /* threads take pairs of groups (the kernel's tile height) */
-    const int ng = (int)n_groups(w), units = (ng + 1) / 2;
-    cpu_pool_for(cpu_pool_threads(n_threads), (size_t)units, run_units,
-                 &(struct pack_units){pkern(), &jb, ng});
+    struct mm_pack_job jb[MM_MANY_MAX];
+    struct pack_units r = {.pk = pkern(), .jb = jb};
+    for (int i = 0; i < n; i++) {
+        assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in);
+        jb[i] = (struct mm_pack_job){.w = ws[i], .q = ps.q, .d = ps.d, .c = ps.c, .x = ps.x,
+                                     .out = out[i], .n_tok = n_tok};
+        r.ng[i] = (int)n_groups(ws[i]);
+        r.u_end[i] = (i ? r.u_end[i - 1] : 0) + (r.ng[i] + 1) / 2;
+    }
+    cpu_pool_for(cpu_pool_threads(n_threads), (size_t)r.u_end[n - 1], run_units, &r);
 }

@@ -165,6 +165,21 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
     cpu_pool_for(nth, (size_t)n_groups, run_groups, &(struct mm_groups){k, &jb});
 }
 
+void mm_matmul_many(float *const *out, const struct mm_weight *const *w, int n, const float *x,
+                    int n_tok, int n_threads, void *scratch)
+{
+    assert(n >= 1 && n <= MM_MANY_MAX);
+    bool one_region = true;
+    for (int i = 0; i < n; i++)
+        one_region = one_region && mm_pack_ready(w[i]) && w[i]->type == w[0]->type &&
+                     w[i]->n_in == w[0]->n_in;
+    if (one_region && n_tok > 0)
+        mm_pack_matmul_many(out, w, n, x, n_tok, n_threads, scratch); /* matmul_pack_run.c */
+    else
+        for (int i = 0; i < n; i++)
+            mm_matmul_scratch(out[i], w[i], x, n_tok, n_threads, scratch);
+}
+
 /* The calling thread's scratch for mm_matmul: grown, never shrunk. */
 static _Thread_local struct {
     void *p;

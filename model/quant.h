@@ -247,6 +247,17 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
                        int n_threads, void *scratch);
 void mm_scratch_release(void);
 
+/*
+ * The n products out[i][n_tok][w[i]->n_out] = x . W_i^T of one x (n <=
+ * MM_MANY_MAX; Q, K and V; gate and up), each exactly as mm_matmul_scratch
+ * gives it, but in one parallel region with x prepared once when every W_i
+ * is repacked (mm_pack_ready) with one type and n_in; otherwise one
+ * product after another. scratch as mm_matmul_scratch's, for the largest.
+ */
+#define MM_MANY_MAX 4
+void mm_matmul_many(float *const *out, const struct mm_weight *const *w, int n, const float *x,
+                    int n_tok, int n_threads, void *scratch);
+
 /* The kernels of the level in use (cpu/cpu.h): "avx512-vnni", "avx2" or "scalar". */
 const char *mm_kernel_name(void);
 
@@ -276,6 +287,9 @@ const char *mm_pack_kernel_name(void);
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);
 void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
                     void *scratch);
+/* mm_matmul_many's work when every weight is mm_pack_ready, of one type and n_in. */
+void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *w, int n, const float *x,
+                         int n_tok, int n_threads, void *scratch);
 
 /*
  * Activations quantised per block of 32 (matmul.c fills them before the

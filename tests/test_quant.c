@@ -1236,6 +1236,65 @@ static void test_matmul_packed_levels(void **state)
     free(data);
 }
 
+/*
+ * mm_matmul_many: Q8_0 and F16 weights of odd heights (odd numbers of row
+ * groups), repacked when the level has kernels for them, and a set mixing
+ * types (one product after another): every output the bits of mm_matmul
+ * on its own, at 1, 2 and 3 threads.
+ */
+static void test_matmul_many(void **state)
+{
+    (void)state;
+    enum { N_IN = 96, N_TOK = 7, NW = 3 };
+    static const int n_out[NW] = {37, 80, 16};
+    static const enum ggml_type sets[3][NW] = {
+        {GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0},
+        {GGML_TYPE_F16, GGML_TYPE_F16, GGML_TYPE_F16},
+        {GGML_TYPE_Q8_0, GGML_TYPE_F16, GGML_TYPE_Q8_0}};
+    float x[N_IN * N_TOK];
+    rng_seed(29);
+    for (int t = 0; t < N_TOK; t++)
+        random_row(x + t * N_IN, N_IN);
+    for (int set = 0; set < 3; set++) {
+        struct mm_weight w[NW];
+        void *data[NW], *packed[NW];
+        float *one[NW], *many[NW];
+        size_t scratch_bytes = 64;
+        for (int i = 0; i < NW; i++) {
+            enum ggml_type ty = sets[set][i];
+            data[i] = malloc(qt_row_bytes(ty, N_IN) * n_out[i]);
+            fill_weights(ty, data[i], N_IN, n_out[i]);
+            char err[100];
+            assert_int_equal(mm_weight_init(&w[i], ty, N_IN, n_out[i], data[i], err, sizeof err),
+                             0);
+            size_t pb = mm_pack_bytes(&w[i]);
+            packed[i] = pb ? aligned_alloc(64, (pb + 63) / 64 * 64) : NULL;
+            if (packed[i])
+                mm_pack_weight(&w[i], packed[i]);
+            one[i] = malloc(sizeof(float) * N_TOK * n_out[i]);
+            many[i] = malloc(sizeof(float) * N_TOK * n_out[i]);
+            size_t sb = mm_scratch_bytes(&w[i], N_TOK);
+            scratch_bytes = sb > scratch_bytes ? sb : scratch_bytes;
+        }
+        void *scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
+        const struct mm_weight *wp[NW] = {&w[0], &w[1], &w[2]};
+        for (int th = 1; th <= 3; th++) {
+            for (int i = 0; i < NW; i++)
+                assert_int_equal(mm_matmul(one[i], &w[i], x, N_TOK, th), 0);
+            mm_matmul_many(many, wp, NW, x, N_TOK, th, scratch);
+            for (int i = 0; i < NW; i++)
+                assert_memory_equal(one[i], many[i], sizeof(float) * N_TOK * n_out[i]);
+        }
+        free(scratch);
+        for (int i = 0; i < NW; i++) {
+            free(data[i]);
+            free(packed[i]);
+            free(one[i]);
+            free(many[i]);
+        }
+    }
+}
+
 static void test_weight_init_errors(void **state)
 {
     (void)state;
@@ -1332,6 +1391,7 @@ int main(void)
         cmocka_unit_test(test_matmul_q6_K),
         cmocka_unit_test(test_matmul_larger),
         cmocka_unit_test(test_matmul_packed_levels),
+        cmocka_unit_test(test_matmul_many),
     };
     return cmocka_run_group_tests_name("quant", tests, NULL, NULL);
 }
