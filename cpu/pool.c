@@ -23,6 +23,19 @@
  * makes no system call at all. The caller waits for `pending` to reach 0 in
  * the same way, woken by the worker whose decrement reaches 0.
  *
+ * Holds. A forward pass is a few hundred regions, mostly microseconds
+ * apart, but its caller also has serial stretches between some of them
+ * (quantising a prompt's activations for the next product: hundreds of
+ * microseconds), longer than the spin; a worker then sleeps, and the next
+ * region pays a futex wake and the worker's wake-up latency, which on a
+ * virtual machine can be tens of microseconds, a share of every product.
+ * While the pool is held (cpu_pool_hold: the forward pass holds it), a
+ * waiter whose spin ran out keeps looking for up to CPU_POOL_HOLD_US more,
+ * with sched_yield between looks instead of pause: on an idle core that is
+ * still a fast loop, and on a crowded one it gives the core to whoever
+ * wants it (the caller itself, if it shares the core). Outside holds an
+ * idle daemon's workers sleep after the spin exactly as before.
+ *
  * Late workers. On a machine with more runnable threads than cores a
  * worker may not run for milliseconds after its hand-out, and a region
  * that waited for it would take that long. So each index is claimed, once,
@@ -192,6 +205,8 @@ static struct {
     _Atomic bool stop;
     _Atomic uint32_t pending; /* workers of this region still running */
     _Atomic uint32_t caller_sleeping;
+    _Atomic int held;    /* cpu_pool_hold count */
+    _Atomic long sleeps; /* futex waits entered */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static void futex_wait(_Atomic uint32_t *word, uint32_t val)
@@ -221,31 +236,43 @@ static long now_ns(void)
 }
 
 /* Wait until *word != seen (until_zero: until *word == 0) and return its
- * value: spin for spin_ns, then sleep, announcing it in *sleeping. */
+ * value: spin for spin_ns; while the pool is held, keep looking with
+ * sched_yield between looks up to CPU_POOL_HOLD_US more; then sleep,
+ * announcing it in *sleeping. */
 static uint32_t wait_word(_Atomic uint32_t *word, uint32_t seen, bool until_zero,
                           _Atomic uint32_t *sleeping)
 {
 #define DONE(v) (until_zero ? (v) == 0 : (v) != seen)
     uint32_t v;
     long limit = atomic_load_explicit(&S.spin_ns, memory_order_relaxed), t0 = 0;
+    bool yielding = false;
     for (unsigned i = 0; limit > 0; i++) {
         v = atomic_load_explicit(word, memory_order_acquire);
         if (DONE(v))
             return v;
-        if ((i & 63) == 0) {
+        if ((i & 63) == 0 || yielding) {
             long t = now_ns();
             if (!t0)
                 t0 = t;
-            else if (t - t0 >= limit)
-                break;
+            else if (t - t0 >= limit) {
+                if (!atomic_load_explicit(&P.held, memory_order_relaxed) ||
+                    t - t0 >= limit + CPU_POOL_HOLD_US * 1000L)
+                    break;
+                yielding = true;
+            }
         }
-        cpu_relax();
+        if (yielding)
+            sched_yield();
+        else
+            cpu_relax();
     }
     for (;;) {
         atomic_store(sleeping, 1);
         v = atomic_load(word);
-        if (!DONE(v))
+        if (!DONE(v)) {
+            atomic_fetch_add_explicit(&P.sleeps, 1, memory_order_relaxed);
             futex_wait(word, v);
+        }
         atomic_store(sleeping, 0);
         v = atomic_load_explicit(word, memory_order_acquire);
         if (DONE(v))
@@ -360,6 +387,21 @@ int cpu_pool_workers(void)
     return atomic_load(&P.n);
 }
 
+void cpu_pool_hold(void)
+{
+    atomic_fetch_add(&P.held, 1);
+}
+
+void cpu_pool_release(void)
+{
+    atomic_fetch_sub(&P.held, 1);
+}
+
+long cpu_pool_sleeps(void)
+{
+    return atomic_load_explicit(&P.sleeps, memory_order_relaxed);
+}
+
 void cpu_pool_shutdown(void)
 {
     pthread_mutex_lock(&P.lock);
@@ -416,6 +458,19 @@ void cpu_pool_run(int nth, cpu_pool_fn fn, void *arg)
 }
 
 int cpu_pool_workers(void)
+{
+    return 0;
+}
+
+void cpu_pool_hold(void)
+{
+}
+
+void cpu_pool_release(void)
+{
+}
+
+long cpu_pool_sleeps(void)
 {
     return 0;
 }

@@ -731,14 +731,15 @@ int model_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs)
 
     struct kv_layout kl;
     kv_cache_layout(cache, &kl);
-    for (int l = 0; l < m->n_layer; l++) {
+    cpu_pool_hold(); /* the pass's regions follow one another: keep the workers up */
+    for (int l = 0; l < m->n_layer && !rc; l++) {
         int rows = l == m->n_layer - 1 && compact ? R : -1;
         rc = layer_forward(c, l, seqs, n_seqs, T, rows, cache, &kl);
-        if (rc)
-            return rc;
     }
-    output_logits(c, seqs, R, compact);
-    return 0;
+    if (!rc)
+        output_logits(c, seqs, R, compact);
+    cpu_pool_release();
+    return rc;
 }
 
 int model_reserve_forward(model_ctx *c, const struct model_batch_seq *seqs, int n_seqs,

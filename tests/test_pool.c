@@ -424,6 +424,44 @@ static void test_env(void **state)
 }
 
 /* ------------------------------------------------------------------------
+ * Holds: workers stay up across gaps longer than the spin
+ * ------------------------------------------------------------------------ */
+
+/* 20 regions of 3 threads, each after a 300 us gap of the caller's (six
+ * times the default spin), without and with a hold: without, each gap
+ * puts the workers to sleep; held, they wait it out (on a crowded machine
+ * a worker that yields for longer than the hold may still sleep, so the
+ * test asks only for far fewer). */
+static void test_hold(void **state)
+{
+    (void)state;
+#ifdef KVD_THREADS_OMP
+    skip(); /* OpenMP's team: its wait policy decides */
+#else
+    _Atomic long n = 0;
+    long slept[2];
+    for (int held = 0; held < 2; held++) {
+        cpu_pool_run(3, count_one, &n);
+        if (held)
+            cpu_pool_hold();
+        long s0 = cpu_pool_sleeps();
+        for (int r = 0; r < 20; r++) {
+            usleep(300);
+            cpu_pool_run(3, count_one, &n);
+        }
+        slept[held] = cpu_pool_sleeps() - s0;
+        if (held)
+            cpu_pool_release();
+    }
+    fprintf(stderr, "futex sleeps over 20 gaps of 300 us: %ld without a hold, %ld held\n", slept[0],
+            slept[1]);
+    assert_int_equal(n, 2 * 21 * 3);
+    assert_true(slept[0] >= 10);
+    assert_true(slept[1] * 2 <= slept[0]);
+#endif
+}
+
+/* ------------------------------------------------------------------------
  * Idle workers sleep
  * ------------------------------------------------------------------------ */
 
@@ -465,6 +503,7 @@ int main(void)
         cmocka_unit_test(test_shutdown_restart),
         cmocka_unit_test(test_after_fork),
         cmocka_unit_test(test_env),
+        cmocka_unit_test(test_hold),
         cmocka_unit_test(test_idle_workers_sleep),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
