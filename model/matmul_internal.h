@@ -119,14 +119,15 @@ static inline size_t mm_pack_group_bytes(const struct mm_weight *w)
 #define MM_PACK_NT 6
 #define MM_PACK_FNT 12
 
-/* The work of one product over repacked weights. */
+/* The work of one product over repacked weights. Its threads write the
+ * activations' slots of their own token tiles only (matmul_pack_run.c). */
 struct mm_pack_job {
     const struct mm_weight *w; /* w->packed set */
-    const int8_t *q;
-    const float *d;
-    const int32_t *c;
-    const float *x; /* float weights: the transposed activations */
-    float *out;     /* [n_tok][n_out] */
+    int8_t *q;
+    float *d;
+    int32_t *c;
+    float *x;   /* float weights: the transposed activations */
+    float *out; /* [n_tok][n_out] */
     int n_tok;
 };
 
@@ -134,8 +135,12 @@ struct mm_pack_kernels {
     const char *name; /* NULL: the level has no kernels over repacked weights */
     /* Whether the level multiplies repacked weights of type. */
     bool (*has)(enum ggml_type type);
-    /* Row groups [g0, g1) of every token of the job. */
-    void (*groups)(const struct mm_pack_job *jb, int g0, int g1);
+    /* Token t's activations xt[n_in] into its q8_0 slots (q, d, c above),
+     * the values of struct mm_kernels' quantize_x for the same level. */
+    void (*quantize)(const struct mm_pack_job *jb, const float *xt, int t);
+    /* Row groups [g0, g1) of the token tiles [j0, j1) (of the type's tile
+     * width: MM_PACK_NT for q8_0, MM_PACK_FNT for float weights). */
+    void (*groups)(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1);
 };
 
 KERN_DECLARE(const struct mm_pack_kernels, mm_pack_kernels);

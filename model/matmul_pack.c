@@ -263,8 +263,8 @@ F_TILES(bf16_tile_2, GGML_TYPE_BF16, 2)
 typedef void tile_fn(const struct mm_pack_job *jb, int g0, int j, int nt);
 
 /* Row groups outside, token tiles inside: the groups' weights stay in
- * cache while every token passes. */
-static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1)
+ * cache while the tiles [j0, j1) pass. */
+static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     tile_fn *one, *two;
     int tnt = F_NT;
@@ -284,10 +284,40 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1)
     }
     for (int g = g0; g < g1; g += P_MG) {
         int mg = g1 - g < P_MG ? g1 - g : P_MG;
-        for (int j = 0; j * tnt < jb->n_tok; j++) {
+        for (int j = j0; j < j1; j++) {
             int nt = jb->n_tok - j * tnt < tnt ? jb->n_tok - j * tnt : tnt;
             (mg == 2 ? two : one)(jb, g, j, nt);
         }
+    }
+}
+
+/* Token t's activations into its tile's q8_0 slots: per block of 32 the
+ * values of matmul.c's quantize_x at this level (the same f32 operations:
+ * max|x| exact in any order, d = amax / 127, q = round-to-even(x * (127 /
+ * amax)) saturated to int8), with the block's correction -128 * sum(q)
+ * summed from the saturated bytes themselves. Written straight into the
+ * slots, one block at a time: no row copy, no scalar pass. */
+static void quantize_avx512(const struct mm_pack_job *jb, const float *xt, int t)
+{
+    const int nb = jb->w->n_in / QT_QK;
+    const size_t slot0 = (size_t)(t / P_NT) * (size_t)nb * P_NT + (size_t)(t % P_NT);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+    for (int b = 0; b < nb; b++, xt += QT_QK) {
+        const size_t slot = slot0 + (size_t)b * P_NT;
+        __m512 v0 = _mm512_loadu_ps(xt), v1 = _mm512_loadu_ps(xt + 16);
+        float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+        __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        i0 = _mm512_min_epi32(_mm512_max_epi32(i0, lo), hi); /* NaN's INT_MIN: -128, as packs */
+        i1 = _mm512_min_epi32(_mm512_max_epi32(i1, lo), hi);
+        int8_t *q = jb->q + slot * QT_QK;
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
+        jb->d[slot] = amax / 127.0f;
+        jb->c[slot] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     }
 }
 
@@ -300,6 +330,7 @@ static bool has_avx512(enum ggml_type type)
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {
     .name = "avx512-vnni 16-row",
     .has = has_avx512,
+    .quantize = quantize_avx512,
     .groups = groups_avx512,
 };
 
@@ -314,6 +345,7 @@ static bool has_none(enum ggml_type type)
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {
     .name = NULL,
     .has = has_none,
+    .quantize = NULL,
     .groups = NULL,
 };
 

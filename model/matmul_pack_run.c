@@ -18,7 +18,6 @@
 #include "cpu/pool.h"
 
 static const struct mm_pack_kernels *const pkernels[CPU_N_LEVELS] = KERN_TABLE(mm_pack_kernels);
-static const struct mm_kernels *const kernels[CPU_N_LEVELS] = KERN_TABLE(mm_kernels);
 
 static const struct mm_pack_kernels *pkern(void)
 {
@@ -110,9 +109,9 @@ void mm_pack_weight(struct mm_weight *w, void *dst)
 }
 
 /* ------------------------------------------------------------------------
- * Activations (layout: struct mm_pack_job, matmul_internal.h): quantised by
- * the level's matmul.c function into a row of scratch, then spread over
- * the token tiles with each block's correction -128 * sum(q).
+ * Activations (layout: struct mm_pack_job, matmul_internal.h): q8_0's
+ * quantised by the level's kernel straight into their tile's slots, float
+ * weights' transposed by tiles.
  * ------------------------------------------------------------------------ */
 
 static size_t round_up(size_t n, size_t a)
@@ -120,39 +119,28 @@ static size_t round_up(size_t n, size_t a)
     return (n + a - 1) / a * a;
 }
 
-struct pack_scratch {
-    int8_t *q, *row_q;
-    float *d, *row_d, *x;
-    int32_t *c;
-};
-
-/* The arrays in scratch, each 64-byte aligned; returns the bytes used. */
+/* The arrays in scratch, each 64-byte aligned, into jb (if non-NULL);
+ * returns the bytes used. */
 static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch,
-                             struct pack_scratch *ps)
+                             struct mm_pack_job *jb)
 {
     uint8_t *base = scratch, *p = base;
     if (w->type != GGML_TYPE_Q8_0) { /* float weights: the transposed tiles */
-        if (ps)
-            ps->x = (float *)p;
+        if (jb)
+            jb->x = (float *)p;
         return round_up(round_up((size_t)n_tok, MM_PACK_FNT) * (size_t)w->n_in * sizeof(float), 64);
     }
     const size_t nb = (size_t)w->n_in / QT_QK;
     const size_t slots = round_up((size_t)n_tok, MM_PACK_NT) * nb; /* (token, block) pairs */
-    if (ps)
-        ps->q = (int8_t *)p;
+    if (jb)
+        jb->q = (int8_t *)p;
     p += round_up(slots * QT_QK, 64);
-    if (ps)
-        ps->d = (float *)p;
+    if (jb)
+        jb->d = (float *)p;
     p += round_up(slots * sizeof(float), 64);
-    if (ps)
-        ps->c = (int32_t *)p;
+    if (jb)
+        jb->c = (int32_t *)p;
     p += round_up(slots * sizeof(int32_t), 64);
-    if (ps)
-        ps->row_q = (int8_t *)p;
-    p += round_up(nb * QT_QK, 64);
-    if (ps)
-        ps->row_d = (float *)p;
-    p += round_up(nb * sizeof(float), 64);
     return (size_t)(p - base);
 }
 
@@ -161,57 +149,97 @@ size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok)
     return scratch_layout(w, n_tok, NULL, NULL);
 }
 
-/* Token t's activations into its tile's slots. */
-static void quantize_token(const struct mm_weight *w, const float *x, int t,
-                           const struct pack_scratch *ps)
+/* Token t's f32 activations into its tile's column. */
+static void transpose_token(const struct mm_pack_job *jb, const float *xt, int t)
 {
-    const int nb = w->n_in / QT_QK;
-    kernels[cpu_level()]->quantize_x(x, w->n_in, ps->row_q, ps->row_d);
-    const size_t tile0 = (size_t)(t / MM_PACK_NT) * (size_t)nb * MM_PACK_NT;
-    for (int b = 0; b < nb; b++) {
-        const int8_t *q = ps->row_q + QT_QK * b;
-        size_t slot = tile0 + (size_t)b * MM_PACK_NT + (size_t)(t % MM_PACK_NT);
-        int s = 0;
-        for (int i = 0; i < QT_QK; i++)
-            s += q[i];
-        memcpy(ps->q + slot * QT_QK, q, QT_QK);
-        ps->d[slot] = ps->row_d[b];
-        ps->c[slot] = -128 * s;
+    const int n_in = jb->w->n_in;
+    float *dst = jb->x + (size_t)(t / MM_PACK_FNT) * (size_t)n_in * MM_PACK_FNT +
+                 (size_t)(t % MM_PACK_FNT);
+    for (int k = 0; k < n_in; k++)
+        dst[(size_t)k * MM_PACK_FNT] = xt[k];
+}
+
+/* ------------------------------------------------------------------------
+ * The split among threads
+ *
+ * Two ways, each giving every (row, token) sum the same operations (the
+ * kernels' tiles are invariant, matmul_pack.c), so the bits depend neither
+ * on the split nor on the thread count:
+ *
+ *  - by token tiles, when the batch has at least MM_PACK_SPLIT_TILES tiles
+ *    per thread (prefill): each thread prepares the activations of its own
+ *    tiles (quantises or transposes them) and multiplies them by every row
+ *    group. The preparation runs in parallel and needs no barrier, since a
+ *    thread reads only slots it wrote; each thread reads the whole weight
+ *    matrix, which a chunk of hundreds of tokens amortises (and the second
+ *    reader mostly finds it in the shared L3).
+ *  - by pairs of row groups otherwise (decoding, short chunks): the calling
+ *    thread prepares every token first, then each thread streams its share
+ *    of the weights once. A few tiles split by tokens would leave a thread
+ *    idle for most of a tile; rows split evenly at any batch size.
+ *
+ * Preparing by the calling thread before a 512-token chunk cost ~9% of
+ * the products' time, serial: on two threads a seventh of the wall time.
+ * ------------------------------------------------------------------------ */
+
+#define MM_PACK_SPLIT_TILES 8
+
+/* One call: n products of one x (mm_matmul_many; n = 1 for mm_matmul),
+ * their jobs sharing the activations' slots. By rows, the pairs of groups
+ * (the kernel's tile height) of all products are numbered one after
+ * another: product i's pair v is unit u_end[i - 1] + v. */
+struct pack_run {
+    const struct mm_pack_kernels *pk;
+    const struct mm_pack_job *jb; /* [n] */
+    const float *x;               /* [n_tok][n_in] */
+    int n, tw;                    /* products; tile width in tokens */
+    int ng[MM_MANY_MAX];          /* row groups of product i */
+    int u_end[MM_MANY_MAX];       /* units of products 0..i */
+};
+
+/* Tokens [t0, t1)'s activations into the scratch (laid out by jb[0]). */
+static void prepare(const struct pack_run *r, int t0, int t1)
+{
+    const struct mm_pack_job *jb = r->jb;
+    for (int t = t0; t < t1; t++) {
+        const float *xt = r->x + (size_t)t * (size_t)jb->w->n_in;
+        if (jb->w->type == GGML_TYPE_Q8_0)
+            r->pk->quantize(jb, xt, t);
+        else
+            transpose_token(jb, xt, t);
     }
 }
 
-/* Token t's f32 activations into its tile's column. */
-static void transpose_token(const struct mm_weight *w, const float *x, int t,
-                            const struct pack_scratch *ps)
+static int n_tiles(const struct pack_run *r)
 {
-    float *dst = ps->x + (size_t)(t / MM_PACK_FNT) * (size_t)w->n_in * MM_PACK_FNT +
-                 (size_t)(t % MM_PACK_FNT);
-    for (int k = 0; k < w->n_in; k++)
-        dst[(size_t)k * MM_PACK_FNT] = x[k];
+    return (r->jb->n_tok + r->tw - 1) / r->tw;
 }
 
-/* The products of one call, their pairs of groups (the kernel's tile
- * height) numbered one after another: product i's pair v is unit
- * u_end[i - 1] + v. */
-struct pack_units {
-    const struct mm_pack_kernels *pk;
-    const struct mm_pack_job *jb; /* [n] */
-    int ng[MM_MANY_MAX];    /* groups of product i */
-    int u_end[MM_MANY_MAX]; /* units of products 0..i */
-};
+/* A thread's token tiles [j0, j1): their activations, then every group of
+ * every product. */
+static void run_tiles(void *arg, size_t j0, size_t j1, int t)
+{
+    (void)t;
+    const struct pack_run *r = arg;
+    int t1 = (int)j1 * r->tw < r->jb->n_tok ? (int)j1 * r->tw : r->jb->n_tok;
+    prepare(r, (int)j0 * r->tw, t1);
+    for (int i = 0; i < r->n; i++)
+        r->pk->groups(&r->jb[i], 0, r->ng[i], (int)j0, (int)j1);
+}
 
-/* A thread's share of the units (cpu/pool.h's static chunks): the same
- * calls of the kernel, whatever the split. */
+/* A thread's share of the units [u0, u1), every tile: the same calls of
+ * the kernel, whatever the split. */
 static void run_units(void *arg, size_t u0, size_t u1, int t)
 {
     (void)t;
-    const struct pack_units *r = arg;
+    const struct pack_run *r = arg;
     int i = 0;
     for (int u = (int)u0; u < (int)u1; u++) {
         while (u >= r->u_end[i])
             i++;
         int v = u - (i ? r->u_end[i - 1] : 0);
-        r->pk->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i]);
+        r->pk->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i], 0,
+                      n_tiles(r));
     }
 }
 
@@ -226,24 +254,25 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
 {
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
     assert(n >= 1 && n <= MM_MANY_MAX && scratch && ((uintptr_t)scratch & 63) == 0);
-    struct pack_scratch ps = {0};
-    scratch_layout(w, n_tok, scratch, &ps);
-    /* by the calling thread, before the team starts (see matmul_run.c) */
-    for (int t = 0; t < n_tok; t++) {
-        const float *xt = x + (size_t)t * (size_t)w->n_in;
-        if (w->type == GGML_TYPE_Q8_0)
-            quantize_token(w, xt, t, &ps);
-        else
-            transpose_token(w, xt, t, &ps);
-    }
     struct mm_pack_job jb[MM_MANY_MAX];
-    struct pack_units r = {.pk = pkern(), .jb = jb};
+    struct pack_run r = {.pk = pkern(), .jb = jb, .x = x, .n = n};
+    r.tw = w->type == GGML_TYPE_Q8_0 ? MM_PACK_NT : MM_PACK_FNT;
+    scratch_layout(w, n_tok, scratch, &jb[0]);
     for (int i = 0; i < n; i++) {
         assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in);
-        jb[i] = (struct mm_pack_job){.w = ws[i], .q = ps.q, .d = ps.d, .c = ps.c, .x = ps.x,
-                                     .out = out[i], .n_tok = n_tok};
+        jb[i] = jb[0];
+        jb[i].w = ws[i];
+        jb[i].out = out[i];
+        jb[i].n_tok = n_tok;
         r.ng[i] = (int)n_groups(ws[i]);
         r.u_end[i] = (i ? r.u_end[i - 1] : 0) + (r.ng[i] + 1) / 2;
     }
-    cpu_pool_for(cpu_pool_threads(n_threads), (size_t)r.u_end[n - 1], run_units, &r);
+
+    const int nth = cpu_pool_threads(n_threads), tiles = n_tiles(&r);
+    if (nth > 1 && tiles >= MM_PACK_SPLIT_TILES * nth) {
+        cpu_pool_for(nth, (size_t)tiles, run_tiles, &r);
+        return;
+    }
+    prepare(&r, 0, n_tok); /* by the calling thread, before the team starts */
+    cpu_pool_for(nth, (size_t)r.u_end[n - 1], run_units, &r);
 }

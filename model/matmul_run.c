@@ -102,14 +102,16 @@ size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
 {
     if (n_tok <= 0)
         return 0;
-    if (w->packed) /* enough for either path: the level may change between calls */
-        return mm_pack_scratch_bytes(w, n_tok);
+    /* a repacked weight: enough for either path, the level may change between calls */
+    size_t packed = w->packed ? mm_pack_scratch_bytes(w, n_tok) : 0, rows;
     if (mm_is_float_type(w->type))
-        return 0;
-    if (mm_k_type(w->type))
-        return mm_k_scratch_bytes(w->n_in, n_tok);
-    size_t nb = (size_t)w->n_in / QT_QK;
-    return (size_t)n_tok * (round_up((size_t)w->n_in, 64) + sizeof(float) * round_up(nb, 16));
+        rows = 0;
+    else if (mm_k_type(w->type))
+        rows = mm_k_scratch_bytes(w->n_in, n_tok);
+    else
+        rows = (size_t)n_tok * (round_up((size_t)w->n_in, 64) +
+                                sizeof(float) * round_up((size_t)w->n_in / QT_QK, 16));
+    return packed > rows ? packed : rows;
 }
 
 /* ------------------------------------------------------------------------

@@ -1164,6 +1164,18 @@ static void test_matmul_larger(void **state)
     assert_int_equal(cpu_force("auto", NULL, 0), 0);
 }
 
+/* Batches long enough that the products over repacked weights split them
+ * among threads by token tiles (matmul_pack_run.c: at least 8 tiles per
+ * thread, of 6 tokens for q8_0 and 12 for float weights): still bit for
+ * bit the 1-thread result at 2 and 3 threads, and a token alone gives what
+ * it gave in the batch; a last partial tile (151, 293 tokens) included. */
+static void test_matmul_token_split(void **state)
+{
+    (void)state;
+    check_matmul(GGML_TYPE_Q8_0, 256, 37, 151);
+    check_matmul(GGML_TYPE_F16, 64, 21, 293);
+}
+
 /* Each level's copy of the kernels is the one that runs when it is forced. */
 static void test_matmul_level_names(void **state)
 {
@@ -1245,13 +1257,15 @@ static void test_matmul_packed_levels(void **state)
 static void test_matmul_many(void **state)
 {
     (void)state;
-    enum { N_IN = 96, N_TOK = 7, NW = 3 };
+    /* 7 tokens: split by rows; 293: by token tiles (matmul_pack_run.c), at 2 and 3 threads */
+    enum { N_IN = 96, N_TOK = 293, NW = 3 };
+    static const int n_toks[2] = {7, N_TOK};
     static const int n_out[NW] = {37, 80, 16};
     static const enum ggml_type sets[3][NW] = {
         {GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0},
         {GGML_TYPE_F16, GGML_TYPE_F16, GGML_TYPE_F16},
         {GGML_TYPE_Q8_0, GGML_TYPE_F16, GGML_TYPE_Q8_0}};
-    float x[N_IN * N_TOK];
+    static float x[N_IN * N_TOK];
     rng_seed(29);
     for (int t = 0; t < N_TOK; t++)
         random_row(x + t * N_IN, N_IN);
@@ -1278,13 +1292,15 @@ static void test_matmul_many(void **state)
         }
         void *scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
         const struct mm_weight *wp[NW] = {&w[0], &w[1], &w[2]};
-        for (int th = 1; th <= 3; th++) {
-            for (int i = 0; i < NW; i++)
-                assert_int_equal(mm_matmul(one[i], &w[i], x, N_TOK, th), 0);
-            mm_matmul_many(many, wp, NW, x, N_TOK, th, scratch);
-            for (int i = 0; i < NW; i++)
-                assert_memory_equal(one[i], many[i], sizeof(float) * N_TOK * n_out[i]);
-        }
+        for (int k = 0; k < 2; k++)
+            for (int th = 1; th <= 3; th++) {
+                const int nt = n_toks[k];
+                for (int i = 0; i < NW; i++)
+                    assert_int_equal(mm_matmul(one[i], &w[i], x, nt, th), 0);
+                mm_matmul_many(many, wp, NW, x, nt, th, scratch);
+                for (int i = 0; i < NW; i++)
+                    assert_memory_equal(one[i], many[i], sizeof(float) * nt * n_out[i]);
+            }
         free(scratch);
         for (int i = 0; i < NW; i++) {
             free(data[i]);
@@ -1392,6 +1408,7 @@ int main(void)
         cmocka_unit_test(test_matmul_larger),
         cmocka_unit_test(test_matmul_packed_levels),
         cmocka_unit_test(test_matmul_many),
+        cmocka_unit_test(test_matmul_token_split),
     };
     return cmocka_run_group_tests_name("quant", tests, NULL, NULL);
 }
