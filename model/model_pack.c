@@ -16,6 +16,15 @@
  * weights, not two. They stay mapped: a level forced lower later (tests,
  * comparisons) or the tied embedding reads them in again from the file.
  * model_pack_describe says what was done, for the logs.
+ *
+ * Pages: the copy is mapped on a 2 MiB boundary and advised as huge pages
+ * (MADV_HUGEPAGE; transparent huge pages are often "madvise" only). A
+ * decoding step streams every weight once, and in 4 KiB pages each page
+ * costs a TLB miss (a two-level walk under a hypervisor) and restarts the
+ * hardware prefetcher: on the 576x30 q8_0 shape the weights' matrix-vector
+ * products took ~15% less time on one thread in 2 MiB pages, measured
+ * side by side in one process. The advice may be refused; nothing depends
+ * on it but speed.
  */
 #include "model/model_internal.h"
 
@@ -59,6 +68,27 @@ static void release_rows(const struct mm_weight *w)
         (void)madvise((void *)a, b - a, MADV_DONTNEED); /* advice: failure changes nothing */
 }
 
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* bytes of anonymous memory starting on a 2 MiB boundary, advised as huge
+ * pages; NULL if it cannot be mapped. munmap(p, bytes) frees it. */
+static void *map_huge(size_t bytes)
+{
+    size_t span = bytes + HUGE_PAGE;
+    uint8_t *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+        return NULL;
+    uint8_t *p = (uint8_t *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t head = (size_t)(p - raw), used = (bytes + page - 1) / page * page;
+    if (head)
+        munmap(raw, head);
+    if (span - head > used)
+        munmap(p + used, span - head - used);
+    (void)madvise(p, used, MADV_HUGEPAGE); /* advice: refused, it only costs speed */
+    return p;
+}
+
 int model_pack_weights(model *m, char *err, size_t errlen)
 {
     struct mm_weight **ws = malloc(sizeof(*ws) * (7 * (size_t)m->n_layer + 1));
@@ -75,8 +105,8 @@ int model_pack_weights(model *m, char *err, size_t errlen)
         free(ws);
         return 0;
     }
-    void *mem = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mem == MAP_FAILED) {
+    void *mem = map_huge(total);
+    if (!mem) {
         snprintf(err, errlen, "repacking the weights: cannot map %zu bytes", total);
         free(ws);
         return -ENOMEM;
@@ -116,8 +146,8 @@ const char *model_pack_describe(const model *m, char *buf, size_t len)
                  m->weight_type ? m->weight_type : "these types");
     else
         snprintf(buf, len,
-                 "%d matrices repacked for %s in %.0f ms: %.1f MiB owned, the mapped rows "
-                 "released",
+                 "%d matrices repacked for %s in %.0f ms: %.1f MiB owned (2 MiB pages "
+                 "advised), the mapped rows released",
                  m->pack_count, k ? k : "kernels of another level", m->pack_ms,
                  (double)m->pack_bytes / (1024.0 * 1024.0));
     return buf;
