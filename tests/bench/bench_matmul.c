@@ -21,6 +21,17 @@
  * disturbed by other processes. The load average is printed before and
  * after.
  *
+ * Where the kernel level repacks q8_0 (model_pack.c does at load, and
+ * decoding then runs the repacked tile), a "q8_0 rp" row measures that copy
+ * the same way.
+ *
+ * Then the decoding step of a model as kvd loads it: the SmolLM-135M shape
+ * (576 x 30 layers, 9 heads, 3 KV heads, ffn 1536, tied 49152-row output),
+ * q8_0, its 211 matrices repacked into one 2 MiB-aligned mapping advised as
+ * huge pages, one token through all of them on 2 threads, the triad's bus
+ * figure (4 arrays) measured beside it: the matrix part of a decoding
+ * step's roofline, in ms per token and the fraction of the bus reached.
+ *
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads, counted as
  * 12 bytes per element like STREAM) measured in the same run gives the
  * machine's bandwidth; "cold/triad" is the fraction of it a decoding step
@@ -38,6 +49,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <sys/mman.h>
 
 #include "model/quant.h"
 #include "tests/bench/bench_util.h"
@@ -118,10 +131,10 @@ static void make_matrix(enum ggml_type type, uint8_t *data, size_t rb)
  * way the matrix-vector products are: in pieces of 3 x 8 MiB timed one by
  * one while sweeping the arrays, keeping the fastest piece.
  */
-static double triad_gbs(void)
+static double triad_gbs(double *bus)
 {
     /* 3 x 192 MiB in pieces of 3 x 8 MiB */
-    return bench_triad(THREADS, (size_t)48 << 20, (size_t)2 << 20, 3, NULL);
+    return bench_triad(THREADS, (size_t)48 << 20, (size_t)2 << 20, 3, bus);
 }
 
 /* One call's time. */
@@ -217,6 +230,141 @@ static int bench_kquant(void)
     return 0;
 }
 
+/* One row of the table: w, whose copies (its rows, or with packed its
+ * repacked copies) lie stride bytes apart from base. Cold: a different copy
+ * each call, 3 sweeps over all copies, the fastest call (a call whose
+ * threads were not preempted); hot: the same matrix, best call of many;
+ * 64 tokens: best of 8. */
+static void measure_row(const char *name, const struct mm_weight *w0, uint8_t *base, size_t stride,
+                        int copies, bool packed, const float *x, float *out, double triad)
+{
+    const int n_tok = 64;
+    const size_t bytes = w0->row_bytes * (size_t)w0->n_out;
+    struct mm_weight w = *w0;
+    mm_matmul(out, &w, x, 1, THREADS); /* warm-up: threads, scratch */
+    double best = 1e30;
+    for (int i = 0; i < 3 * copies; i++) {
+        if (packed)
+            w.packed = base + stride * (size_t)(i % copies);
+        else
+            w.data = base + stride * (size_t)(i % copies);
+        double t0 = now();
+        mm_matmul(out, &w, x, 1, THREADS);
+        best = fmin(best, now() - t0);
+    }
+    double cold = (double)bytes / best / 1e9;
+
+    w = *w0;
+    best = 1e30;
+    for (int i = 0; i < 40; i++) {
+        double t0 = now();
+        mm_matmul(out, &w, x, 1, THREADS);
+        best = fmin(best, now() - t0);
+    }
+    double hot = (double)bytes / best / 1e9;
+
+    best = 1e30;
+    for (int rep = 0; rep < 8; rep++) {
+        double t0 = now();
+        mm_matmul(out, &w, x, n_tok, THREADS);
+        best = fmin(best, now() - t0);
+    }
+    double gflops = 2.0 * N * (double)N * n_tok / best / 1e9;
+    printf("%-7s %9.1f %12.1f %11.2f %11.1f %16.1f\n", name, (double)bytes / (1 << 20), cold,
+           cold / triad, hot, gflops);
+    fflush(stdout);
+}
+
+/* ------------------------------------------------------------------------
+ * A model's decoding step: every matrix once, one token
+ * ------------------------------------------------------------------------ */
+
+#define SM_LAYERS 30
+#define SM_MATS (7 * SM_LAYERS + 1)
+#define HUGE_2M ((size_t)2 << 20)
+
+static const int sm_shapes[8][2] = {/* n_in, n_out: q k v o gate up down, output */
+                                    {576, 576},  {576, 192},  {576, 192}, {576, 576},
+                                    {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}};
+
+/* bytes on a 2 MiB boundary advised as huge pages, as model_pack.c maps the copy */
+static uint8_t *map_huge(size_t bytes)
+{
+    uint8_t *raw = mmap(NULL, bytes + HUGE_2M, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) {
+        fprintf(stderr, "bench_matmul: cannot map %zu bytes\n", bytes);
+        exit(1);
+    }
+    uint8_t *p = (uint8_t *)(((uintptr_t)raw + HUGE_2M - 1) & ~(uintptr_t)(HUGE_2M - 1));
+    (void)madvise(p, bytes, MADV_HUGEPAGE);
+    return p;
+}
+
+static void bench_model_decode(double bus)
+{
+    uint8_t *proto[8];
+    for (int m = 0; m < 8; m++) { /* one matrix per shape; the layers copy them */
+        size_t rb = qt_row_bytes(GGML_TYPE_Q8_0, sm_shapes[m][0]);
+        proto[m] = xalloc(rb * (size_t)sm_shapes[m][1]);
+        float *row = xalloc(sizeof(float) * (size_t)sm_shapes[m][0]);
+        for (int o = 0; o < sm_shapes[m][1]; o++) {
+            for (int i = 0; i < sm_shapes[m][0]; i++)
+                row[i] = rnd();
+            qt_quantize_row(GGML_TYPE_Q8_0, row, proto[m] + rb * (size_t)o, sm_shapes[m][0]);
+        }
+        free(row);
+    }
+    static struct mm_weight w[SM_MATS];
+    size_t total = 0, bytes = 0;
+    for (int k = 0; k < SM_MATS; k++) {
+        const int m = k == SM_MATS - 1 ? 7 : k % 7;
+        char err[200];
+        if (mm_weight_init(&w[k], GGML_TYPE_Q8_0, sm_shapes[m][0], sm_shapes[m][1], proto[m], err,
+                           sizeof err)) {
+            fprintf(stderr, "bench_matmul: %s\n", err);
+            exit(1);
+        }
+        total += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
+        bytes += w[k].row_bytes * (size_t)w[k].n_out;
+    }
+    if (!total) {
+        printf("\nmodel decode: no repacked q8_0 kernels at this level\n");
+        goto out;
+    }
+    uint8_t *mem = map_huge(total), *p = mem;
+    for (int k = 0; k < SM_MATS; k++) {
+        mm_pack_weight(&w[k], p);
+        p += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
+    }
+    float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
+    for (int i = 0; i < 1536; i++)
+        x[i] = rnd();
+    double best = 1e30, sum = 0;
+    const int steps = 30;
+    for (int s = 0; s < steps; s++) {
+        double t0 = now();
+        for (int k = 0; k < SM_MATS; k++)
+            mm_matmul(out, &w[k], x, 1, THREADS);
+        double dt = now() - t0;
+        sum += dt;
+        best = fmin(best, dt);
+    }
+    printf("\nmodel decode, 576x30 q8_0 (%d matrices, %.1f MB, repacked for %s, 2 MiB pages "
+           "advised), 1 token, %d threads, best of %d steps:\n"
+           "  %.2f ms per token (mean %.2f) = %.1f GB/s = %.2f of the bus (%.1f GB/s, triad's 4 "
+           "arrays) = %.0f tokens/s at most from the weights alone\n",
+           SM_MATS, (double)bytes / 1e6, mm_pack_kernel_name(), THREADS, steps, best * 1e3,
+           sum / steps * 1e3, (double)bytes / best / 1e9, (double)bytes / best / 1e9 / bus, bus,
+           1.0 / best);
+    munmap(mem, total + HUGE_2M);
+    free(x);
+    free(out);
+out:
+    for (int m = 0; m < 8; m++)
+        free(proto[m]);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "kquant"))
@@ -232,13 +380,14 @@ int main(int argc, char **argv)
         GGML_TYPE_IQ4_NL, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q5_K};
     const int n_types = (int)(sizeof types / sizeof types[0]);
     const int n_tok = 64;
-
-    double triad = triad_gbs();
+    double bus = 0;
+    double triad = triad_gbs(&bus);
     printf("matrix %dx%d, %d threads, kernels: %s (q4_K q5_K q6_K: %s; q4_1 q5_0 q5_1 iq4_nl "
            "q2_K q3_K: %s)\n",
            N, N, THREADS, mm_kernel_name(), mm_k_kernel_name(), mm_blocks_kernel_name());
-    printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s\n\n", triad);
-    printf("%-6s %9s %12s %11s %11s %16s\n", "type", "MiB", "cold GB/s", "cold/triad", "hot GB/s",
+    printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s (the bus moves 4 arrays: %.1f GB/s)\n\n",
+           triad, bus);
+    printf("%-7s %9s %12s %11s %11s %16s\n", "type", "MiB", "cold GB/s", "cold/triad", "hot GB/s",
            "GFLOP/s @64 tok");
 
     float *x = xalloc(sizeof(float) * N * n_tok);
@@ -255,55 +404,29 @@ int main(int argc, char **argv)
         for (int c = 1; c < copies; c++)
             memcpy(data + bytes * (size_t)c, data, bytes);
 
-        struct mm_weight w[2];
+        struct mm_weight w;
         char err[200];
-        if (mm_weight_init(&w[0], type, N, N, data, err, sizeof err) != 0) {
+        if (mm_weight_init(&w, type, N, N, data, err, sizeof err) != 0) {
             fprintf(stderr, "bench_matmul: %s\n", err);
             return 1;
         }
-
-        /* cold: a different copy each call, 3 sweeps over all copies; the
-         * fastest call (a call whose threads were not preempted) */
-        mm_matmul(out, &w[0], x, 1, THREADS); /* warm-up: threads, scratch */
-        double best = 1e30;
-        for (int i = 0; i < 3 * copies; i++) {
-            w[1] = w[0];
-            w[1].data = data + bytes * (size_t)(i % copies);
-            double t0 = now();
-            mm_matmul(out, &w[1], x, 1, THREADS);
-            double dt = now() - t0;
-            if (dt < best)
-                best = dt;
+        measure_row(qt_type_name(type), &w, data, bytes, copies, false, x, out, triad);
+        size_t pb = type == GGML_TYPE_Q8_0 ? mm_pack_bytes(&w) : 0;
+        if (pb) { /* decoding's own path at this level: the repacked copies */
+            pb = (pb + 63) / 64 * 64;
+            uint8_t *packed = map_huge(pb * (size_t)copies);
+            for (int c = 0; c < copies; c++) {
+                struct mm_weight wc = w;
+                wc.data = data + bytes * (size_t)c;
+                mm_pack_weight(&wc, packed + pb * (size_t)c);
+            }
+            w.packed = packed;
+            measure_row("q8_0 rp", &w, packed, pb, copies, true, x, out, triad);
+            munmap(packed, pb * (size_t)copies + HUGE_2M);
         }
-        double cold = (double)bytes / best / 1e9;
-
-        /* hot: the same matrix; best single call of many */
-        best = 1e30;
-        for (int i = 0; i < 40; i++) {
-            double t0 = now();
-            mm_matmul(out, &w[0], x, 1, THREADS);
-            double dt = now() - t0;
-            if (dt < best)
-                best = dt;
-        }
-        double hot = (double)bytes / best / 1e9;
-
-        /* matrix-matrix, best of 8 */
-        best = 1e30;
-        for (int rep = 0; rep < 8; rep++) {
-            double t0 = now();
-            mm_matmul(out, &w[0], x, n_tok, THREADS);
-            double dt = now() - t0;
-            if (dt < best)
-                best = dt;
-        }
-        double gflops = 2.0 * N * (double)N * n_tok / best / 1e9;
-
-        printf("%-6s %9.1f %12.1f %11.2f %11.1f %16.1f\n", qt_type_name(type),
-               (double)bytes / (1 << 20), cold, cold / triad, hot, gflops);
-        fflush(stdout);
         free(data);
     }
+    bench_model_decode(bus);
     mm_scratch_release();
     free(x);
     free(out);
