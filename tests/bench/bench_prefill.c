@@ -18,9 +18,9 @@
  * more about the others than about the kernel, while a thread's CPU time
  * counts only the cycles it ran (caches shared with neighbours still
  * interfere, so compare figures of one run). The two-thread wall-clock
- * time of the same layer is printed beside it, against the peak of both
- * cores measured by wall clock the same way (each core its own chains, at
- * once), and the load average before and after. Rounds alternate the
+ * time of the same layer is printed beside it, against the vpdpbusd peak
+ * of both cores at once (each by its own CPU time, summed), and the load
+ * average before and after. Rounds alternate the
  * variants, so a load change slows them alike. Products over repacked
  * weights split a 512-token chunk among threads by token tiles, each
  * thread quantising its own tokens (matmul_pack_run.c).
