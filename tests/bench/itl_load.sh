@@ -1,0 +1,77 @@
+#!/bin/sh
+# itl_load.sh - inter-token latency of `kvd serve` while long prompts
+# arrive: streams decoding beside a prefill, for one or more kvd binaries
+# (e.g. a build before a change and one after) in one run.
+#
+#   sh tests/bench/itl_load.sh MODEL.gguf KVD [KVD...]
+#
+# For each binary: `kvd serve` on a free loopback port (prefix cache off,
+# so every prompt is read in full), then that binary's `kvd load` with
+# PROMPT_TOKENS-token prompts (default 4096), CONCURRENCY streams (default
+# 2), REQUESTS requests (default 6) of MAX_TOKENS tokens (default 64),
+# streamed. Printed per binary: ITL p50 and p99 and their ratio (the
+# scheduler's goal is p99 <= 3 x p50: a prompt chunk must not stall the
+# decoding streams), output tokens/s, TTFT p50, and `uptime`'s load at the
+# start. SET="limits.step_budget=0 ..." adds --set options to serve; THREADS
+# (default 2) is server.threads; ROUNDS (default 1) repeats the set,
+# binaries interleaved. Prints, never asserts.
+set -u
+[ $# -ge 2 ] || { echo "usage: $0 MODEL KVD [KVD...]" >&2; exit 2; }
+model=$1; shift
+rounds=${ROUNDS:-1}
+threads=${THREADS:-2}
+prompt=${PROMPT_TOKENS:-4096}
+conc=${CONCURRENCY:-2}
+reqs=${REQUESTS:-6}
+maxt=${MAX_TOKENS:-64}
+tmp=$(mktemp -d)
+pid=""
+trap '[ -n "$pid" ] && kill -TERM $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+trap 'exit 1' INT TERM PIPE
+
+load() { uptime | sed 's/.*load average: //; s/,.*//'; }
+
+# a column of the one data row of kvd load's CSV, by header name
+col() { awk -F, -v c="$2" 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == c) k = i } NR == 2 { print $k }' "$1"; }
+
+row() { # binary
+    sets=""
+    for s in ${SET:-}; do sets="$sets --set $s"; done
+    # shellcheck disable=SC2086 # $sets is a list of options
+    "$1" serve --model "$model" --listen 127.0.0.1:0 --set server.threads="$threads" \
+        --set cache.prefix_cache=false $sets >"$tmp/out" 2>"$tmp/log" &
+    pid=$!
+    port=""
+    for _ in $(seq 600); do
+        port=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$tmp/out")
+        [ -n "$port" ] && curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        sleep 0.1
+    done
+    l=$(load)
+    rm -f "$tmp/csv"
+    "$1" load --url "http://127.0.0.1:$port" --prompt-tokens "$prompt" --concurrency "$conc" \
+        --requests "$reqs" --max-tokens "$maxt" --csv "$tmp/csv" >"$tmp/load" 2>&1
+    kill -TERM $pid
+    wait $pid 2>/dev/null
+    pid=""
+    if [ ! -s "$tmp/csv" ]; then
+        printf '%-40s failed: %s\n' "$1" "$(tail -n 1 "$tmp/load")"
+        return
+    fi
+    p50=$(col "$tmp/csv" itl_p50_ms)
+    p99=$(col "$tmp/csv" itl_p99_ms)
+    printf '%-40s %6s %4s %9.1f %9.1f %6.2f %9.2f %10.0f %6s\n' "$1" "$(col "$tmp/csv" ok)" \
+        "$(col "$tmp/csv" errors)" "$p50" "$p99" "$(awk -v a="$p50" -v b="$p99" \
+        'BEGIN { print a > 0 ? b / a : 0 }')" "$(col "$tmp/csv" out_tok_per_s)" \
+        "$(col "$tmp/csv" ttft_p50_ms)" "$l"
+}
+
+echo "model $model; $prompt-token prompts, $conc streams, $reqs requests of $maxt tokens," \
+    "$threads threads, prefix cache off${SET:+, --set $SET}"
+printf '%-40s %6s %4s %9s %9s %6s %9s %10s %6s\n' binary ok err "ITL p50" "ITL p99" "p99/50" \
+    "out tok/s" "TTFT p50" load
+for r in $(seq "$rounds"); do
+    for b in "$@"; do
+        row "$b"
+    done
+done
