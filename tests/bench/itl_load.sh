@@ -62,7 +62,7 @@ row() { # binary
     p99=$(col "$tmp/csv" itl_p99_ms)
     printf '%-40s %6s %4s %9.1f %9.1f %6.2f %9.2f %10.0f %6s\n' "$1" "$(col "$tmp/csv" ok)" \
         "$(col "$tmp/csv" errors)" "$p50" "$p99" "$(awk -v a="$p50" -v b="$p99" \
-        'BEGIN { print a > 0 ? b / a : 0 }')" "$(col "$tmp/csv" out_tok_per_s)" \
+        'BEGIN { print (a > 0 ? b / a : 0) }')" "$(col "$tmp/csv" out_tok_per_s)" \
         "$(col "$tmp/csv" ttft_p50_ms)" "$l"
 }
 
