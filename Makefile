@@ -75,7 +75,8 @@ DEPLOY_PACKAGES := haproxy python3-yaml systemd
 # level, compiled for ARCH like the rest. A new kernel file joins by being
 # named in KERNEL_SRC and following cpu/kernel.h. Targets other than x86-64
 # carry the scalar level only.
-KERNEL_SRC    := attention/attn_simd.c model/matmul.c model/matmul_k.c model/matmul_pack.c model/ops.c
+KERNEL_SRC    := attention/attn_simd.c model/matmul.c model/matmul_k.c model/matmul_pack.c model/ops.c \
+                 model/matmul_bf16.c
 KERNEL_IS_X86 := $(filter x86_64-% i686-% i386-%,$(shell $(CC) -dumpmachine))
 KERNEL_LEVELS := $(if $(KERNEL_IS_X86),avx2 avx512)
 LEVEL_FLAGS_avx2   := -march=x86-64-v3 -DKVD_LEVEL_AVX2
@@ -135,6 +136,7 @@ LINK_gguf      := $(filter $(BUILD)/model/gguf%.o,$(MODEL_OBJ))
 LINK_tokenizer := $(filter $(BUILD)/model/gguf%.o $(BUILD)/model/tokenizer%.o,$(MODEL_OBJ))
 LINK_ops       := $(filter $(BUILD)/model/ops%.o,$(MODEL_OBJ)) $(CPU_OBJ)
 LINK_quant     := $(filter $(BUILD)/model/quant%.o $(BUILD)/model/matmul%.o,$(MODEL_OBJ)) $(CPU_OBJ)
+LINK_bf16      := $(LINK_quant)
 LINK_sampler   := $(filter $(BUILD)/model/sampler%.o,$(MODEL_OBJ))
 LINK_arch      := $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ)
 LINK_load      := $(LOAD_OBJ) $(CONFIG_OBJ) $(MODEL_OBJ) $(CACHE_OBJ) $(ATTN_OBJ) $(LLHTTP_OBJ)

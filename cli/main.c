@@ -14,6 +14,7 @@
 #include "cpu/cpu.h"
 #include "cpu/pool.h"
 #include "load/load.h"
+#include "model/quant.h"
 
 static int cmd_version(int argc, char **argv);
 static int cmd_help(int argc, char **argv);
@@ -91,6 +92,11 @@ int main(int argc, char **argv)
     /* KVD_CPU forces a lower kernel level (cpu/cpu.h); a bad one stops here */
     char err[256];
     if (cpu_init_env(err, sizeof(err))) {
+        fprintf(stderr, "kvd: %s\n", err);
+        return 2;
+    }
+    /* KVD_F16=bf16 multiplies F16 weights as bf16 (model/quant.h) */
+    if (mm_f16_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }

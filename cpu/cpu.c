@@ -36,9 +36,10 @@ struct feature {
     int bit;
 };
 
-/* cpuid words: leaf 1 ecx, leaf 7 ebx, leaf 7 ecx, leaf 0x80000001 ecx, and
- * the OS-saved state as a pseudo-word (bit 0: ymm, bit 1: zmm + masks). */
-enum { W1_ECX, W7_EBX, W7_ECX, WX_ECX, W_OS, N_WORDS };
+/* cpuid words: leaf 1 ecx, leaf 7 ebx, leaf 7 ecx, leaf 7.1 eax, leaf
+ * 0x80000001 ecx, and the OS-saved state as a pseudo-word (bit 0: ymm,
+ * bit 1: zmm + masks). */
+enum { W1_ECX, W7_EBX, W7_ECX, W71_EAX, WX_ECX, W_OS, N_WORDS };
 
 static const struct feature avx2_features[] = {
     {"avx", W1_ECX, 28},   {"fma", W1_ECX, 12},  {"f16c", W1_ECX, 29},   {"movbe", W1_ECX, 22},
@@ -50,6 +51,8 @@ static const struct feature avx512_features[] = {
     {"avx512dq", W7_EBX, 17}, {"avx512vl", W7_EBX, 31}, {"avx512vnni", W7_ECX, 11},
     {"os-zmm-state", W_OS, 1},
 };
+/* Within the avx512 level: the bf16 dot product (cpu.h, cpu_bf16). */
+static const struct feature bf16_feature = {"avx512bf16", W71_EAX, 5};
 
 static void read_cpuid(unsigned w[N_WORDS])
 {
@@ -62,6 +65,11 @@ static void read_cpuid(unsigned w[N_WORDS])
         __cpuid_count(7, 0, a, b, c, d);
         w[W7_EBX] = b;
         w[W7_ECX] = c;
+        if (a >= 1) { /* sub-leaves of 7 */
+            unsigned a1, b1, c1, d1;
+            __cpuid_count(7, 1, a1, b1, c1, d1);
+            w[W71_EAX] = a1;
+        }
     }
     if (__get_cpuid(0x80000001u, &a, &b, &c, &d))
         w[WX_ECX] = c;
@@ -134,6 +142,30 @@ bool cpu_level_supported(enum cpu_level l, char *missing, size_t missing_len)
 /* -1 until decided; then the level in use. best is -1 until computed. */
 static _Atomic int current_level = -1;
 static _Atomic int best_level = -1;
+/* avx512bf16: -1 until asked, then whether the CPU has it; whether forced off */
+static _Atomic int bf16_cpu = -1;
+static _Atomic int bf16_off = 0;
+
+bool cpu_bf16_supported(void)
+{
+    int h = atomic_load_explicit(&bf16_cpu, memory_order_relaxed);
+    if (h < 0) {
+        h = 0;
+#ifdef CPU_X86
+        unsigned w[N_WORDS];
+        read_cpuid(w);
+        h = cpu_level_supported(CPU_AVX512, NULL, 0) && check(w, &bf16_feature, 1, NULL, 0);
+#endif
+        atomic_store_explicit(&bf16_cpu, h, memory_order_relaxed);
+    }
+    return h;
+}
+
+bool cpu_bf16(void)
+{
+    return cpu_level() == CPU_AVX512 && cpu_level_built(CPU_AVX512) &&
+           !atomic_load_explicit(&bf16_off, memory_order_relaxed) && cpu_bf16_supported();
+}
 
 enum cpu_level cpu_best(void)
 {
@@ -171,14 +203,18 @@ int cpu_force(const char *name, char *err, size_t errlen)
 {
     if (!strcmp(name, "auto")) {
         atomic_store_explicit(&current_level, (int)cpu_best(), memory_order_relaxed);
+        atomic_store_explicit(&bf16_off, 0, memory_order_relaxed);
         return 0;
     }
-    int l = -1;
+    /* the avx512 level with its avx512bf16 kernels turned off */
+    const bool nobf16 = !strcmp(name, "avx512-nobf16");
+    int l = nobf16 ? CPU_AVX512 : -1;
     for (int i = 0; i < CPU_N_LEVELS; i++)
         if (!strcmp(name, level_names[i]))
             l = i;
     if (l < 0) {
-        snprintf(err, errlen, "unknown kernel level '%s' (auto, scalar, avx2, avx512)", name);
+        snprintf(err, errlen,
+                 "unknown kernel level '%s' (auto, scalar, avx2, avx512, avx512-nobf16)", name);
         return -1;
     }
     if (!cpu_level_built((enum cpu_level)l)) {
@@ -193,6 +229,7 @@ int cpu_force(const char *name, char *err, size_t errlen)
         return -1;
     }
     atomic_store_explicit(&current_level, l, memory_order_relaxed);
+    atomic_store_explicit(&bf16_off, nobf16, memory_order_relaxed);
     return 0;
 }
 
@@ -211,15 +248,24 @@ int cpu_init_env(char *err, size_t errlen)
 
 bool cpu_forced(void)
 {
-    return cpu_level() != cpu_best();
+    return cpu_level() != cpu_best() ||
+           (atomic_load_explicit(&bf16_off, memory_order_relaxed) && cpu_bf16_supported());
 }
 
 const char *cpu_describe(char *buf, size_t len)
 {
     enum cpu_level l = cpu_level(), b = cpu_best();
-    if (l == b)
-        snprintf(buf, len, "%s (the best this CPU and build have)", level_names[l]);
+    /* at avx512, whether its avx512bf16 kernels run, and why not */
+    const bool has = cpu_bf16_supported();
+    const char *bf = l != CPU_AVX512 ? ""
+                     : cpu_bf16()    ? "; with avx512bf16"
+                     : has           ? " without avx512bf16"
+                                     : "; no avx512bf16 on this CPU";
+    const char *best_bf = b == CPU_AVX512 && has ? " with avx512bf16" : "";
+    if (!cpu_forced())
+        snprintf(buf, len, "%s (the best this CPU and build have%s)", level_names[l], bf);
     else
-        snprintf(buf, len, "%s (forced; this CPU's best is %s)", level_names[l], level_names[b]);
+        snprintf(buf, len, "%s (forced%s; this CPU's best is %s%s)", level_names[l], bf,
+                 level_names[b], best_bf);
     return buf;
 }

@@ -17,6 +17,13 @@
  *   avx2    x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE
  *   avx512  x86-64-v4 (AVX-512 F, CD, BW, DQ, VL) and AVX-512 VNNI
  *
+ * Within the avx512 level, AVX-512 BF16 (vdpbf16ps, two bf16 products per
+ * f32 lane) is an optional feature, not a level of its own: only the
+ * kernels over bf16 weights use it (model/matmul_bf16.c), and they ask
+ * cpu_bf16() at each call. The name "avx512-nobf16" forces the avx512
+ * level with it off (what a CPU without it runs), for tests and
+ * comparisons. cpu_describe says which.
+ *
  * Threads: cpu_level() may be called from any thread at any time; the
  * level is fixed by the first call. cpu_force and cpu_init_env change it
  * and must not run while kernels run (tests call them between cases).
@@ -54,8 +61,8 @@ bool cpu_level_built(enum cpu_level l);
 bool cpu_level_supported(enum cpu_level l, char *missing, size_t missing_len);
 
 /*
- * Use the level named name from now on: one of the names above, or "auto"
- * (the best). Returns 0, or -1 with err saying why: an unknown name (the
+ * Use the level named name from now on: one of the names above,
+ * "avx512-nobf16", or "auto" (the best). Returns 0, or -1 with err saying why: an unknown name (the
  * names are listed), a level this build does not carry, or one the CPU
  * lacks (the missing features named). On failure the level is unchanged.
  */
@@ -66,12 +73,20 @@ int cpu_force(const char *name, char *err, size_t errlen);
 int cpu_init_env(char *err, size_t errlen);
 
 /*
- * One line for logs and answers: the level in use, and either "best on
- * this CPU" or "forced; CPU best avx512". Returns buf.
+ * One line for logs and answers: the level in use (at avx512, with or
+ * without avx512bf16), and either "the best this CPU and build have" or
+ * "forced; this CPU's best is avx512 with avx512bf16". Returns buf.
  */
 const char *cpu_describe(char *buf, size_t len);
 
-/* Whether the level in use was forced below the best. */
+/* Whether the level in use was forced below the best (or avx512bf16 off). */
 bool cpu_forced(void);
+
+/* Whether the CPU has AVX-512 BF16 (and the avx512 level it belongs to). */
+bool cpu_bf16_supported(void);
+
+/* Whether kernels may use AVX-512 BF16 now: the level in use is avx512,
+ * the CPU has it, and it was not forced off ("avx512-nobf16"). */
+bool cpu_bf16(void);
 
 #endif /* KVD_CPU_H */

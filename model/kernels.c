@@ -17,13 +17,14 @@
 
 const char *model_kernels_describe(char *buf, size_t len)
 {
-    char level[96], threads[160];
+    char level[96], threads[160], bf16[96];
     const char *pack = mm_pack_kernel_name();
     snprintf(buf, len,
-             "%s: matmul %s (repacked: %s), K formats %s, read-only formats %s, attention %s, "
+             "%s: matmul %s (repacked: %s; %s), K formats %s, read-only formats %s, attention %s, "
              "q8_0 keys %s, element-wise and norms %s; threads: %s",
              cpu_describe(level, sizeof(level)), mm_kernel_name(), pack ? pack : "none",
-             mm_k_kernel_name(), mm_blocks_kernel_name(), attn_simd_name(), attn_q8_name(),
-             ops_kernels_now()->name, cpu_pool_describe(threads, sizeof(threads)));
+             mm_bf16_describe(bf16, sizeof(bf16)), mm_k_kernel_name(), mm_blocks_kernel_name(),
+             attn_simd_name(), attn_q8_name(), ops_kernels_now()->name,
+             cpu_pool_describe(threads, sizeof(threads)));
     return buf;
 }

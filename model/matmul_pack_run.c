@@ -9,6 +9,7 @@
  * too: a level forced lower between calls (tests, comparisons) runs
  * matmul.c over the original rows, which stay valid.
  */
+#include "model/matmul_bf16.h"
 #include "model/matmul_internal.h"
 
 #include <assert.h>
@@ -31,6 +32,8 @@ const char *mm_pack_kernel_name(void)
 
 bool mm_pack_ready(const struct mm_weight *w)
 {
+    if (w->packed && w->packed_bf16) /* bf16 pairs: matmul_bf16_run.c */
+        return mm_bf16_ready();
     return w->packed && pkern()->has(w->type);
 }
 
@@ -41,6 +44,8 @@ static size_t n_groups(const struct mm_weight *w)
 
 size_t mm_pack_bytes(const struct mm_weight *w)
 {
+    if (mm_bf16_wants(w))
+        return mm_bf16_pack_bytes(w);
     if (!pkern()->has(w->type))
         return 0;
     return n_groups(w) * mm_pack_group_bytes(w);
@@ -92,6 +97,11 @@ static void pack_float_group(const struct mm_weight *w, size_t g, uint8_t *dst)
 void mm_pack_weight(struct mm_weight *w, void *dst)
 {
     assert(dst && ((uintptr_t)dst & 63) == 0 && mm_pack_bytes(w) > 0);
+    if (mm_bf16_wants(w)) {
+        mm_bf16_pack_weight(w, dst);
+        return;
+    }
+    w->packed_bf16 = false;
     const size_t gb = mm_pack_group_bytes(w);
     if (w->type != GGML_TYPE_Q8_0) {
         for (size_t g = 0; g < n_groups(w); g++)
@@ -146,6 +156,8 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
 
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok)
 {
+    if (w->packed_bf16)
+        return mm_bf16_scratch_bytes(w, n_tok);
     return scratch_layout(w, n_tok, NULL, NULL);
 }
 
@@ -254,12 +266,17 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
 {
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
     assert(n >= 1 && n <= MM_MANY_MAX && scratch && ((uintptr_t)scratch & 63) == 0);
+    if (w->packed_bf16) {
+        mm_bf16_matmul_many(out, ws, n, x, n_tok, n_threads, scratch);
+        return;
+    }
     struct mm_pack_job jb[MM_MANY_MAX];
     struct pack_run r = {.pk = pkern(), .jb = jb, .x = x, .n = n};
     r.tw = w->type == GGML_TYPE_Q8_0 ? MM_PACK_NT : MM_PACK_FNT;
     scratch_layout(w, n_tok, scratch, &jb[0]);
     for (int i = 0; i < n; i++) {
-        assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in);
+        assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in &&
+               !ws[i]->packed_bf16);
         jb[i] = jb[0];
         jb[i].w = ws[i];
         jb[i].out = out[i];

@@ -71,6 +71,7 @@ int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out
     w->data = data;
     w->row_bytes = qt_row_bytes(type, n_in);
     w->packed = NULL;
+    w->packed_bf16 = false;
     return 0;
 }
 
@@ -174,7 +175,7 @@ void mm_matmul_many(float *const *out, const struct mm_weight *const *w, int n, 
     bool one_region = true;
     for (int i = 0; i < n; i++)
         one_region = one_region && mm_pack_ready(w[i]) && w[i]->type == w[0]->type &&
-                     w[i]->n_in == w[0]->n_in;
+                     w[i]->n_in == w[0]->n_in && w[i]->packed_bf16 == w[0]->packed_bf16;
     if (one_region && n_tok > 0)
         mm_pack_matmul_many(out, w, n, x, n_tok, n_threads, scratch); /* matmul_pack_run.c */
     else

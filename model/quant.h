@@ -213,6 +213,7 @@ struct mm_weight {
     const void *data;    /* n_out * row_bytes bytes, any alignment */
     size_t row_bytes;    /* qt_row_bytes(type, n_in) */
     const void *packed;  /* the rows repacked for the prefill kernels (mm_pack_weight), or NULL */
+    bool packed_bf16;    /* packed holds bf16 pairs for AVX-512 BF16 (model/matmul_bf16.h) */
 };
 
 /*
@@ -283,6 +284,19 @@ bool mm_pack_ready(const struct mm_weight *w);
 /* The kernels over repacked weights at the level in use ("avx512-vnni
  * 16-row"), or NULL when it has none. */
 const char *mm_pack_kernel_name(void);
+/*
+ * BF16 and F16 weights with AVX-512 BF16 (model/matmul_bf16.h): BF16
+ * weights are repacked in bf16 pairs wherever cpu_bf16(); F16 weights only
+ * when mm_f16_set_bf16(true) was called before they are packed (they are
+ * then rounded to bf16; by default they stay exact). mm_f16_init_env sets
+ * it from KVD_F16=exact|bf16 (unset or empty: unchanged), or returns -1
+ * with err naming the variable. mm_bf16_describe: one phrase saying how
+ * bf16 and f16 weights are multiplied now, for the kernels line.
+ */
+void mm_f16_set_bf16(bool on);
+bool mm_f16_bf16(void);
+int mm_f16_init_env(char *err, size_t errlen);
+const char *mm_bf16_describe(char *buf, size_t len);
 /* mm_matmul_scratch's work for a weight with mm_pack_ready, and its scratch. */
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);
 void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,

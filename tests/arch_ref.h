@@ -544,11 +544,14 @@ AR_FN void ref_norm(const struct ref_model *r, float *o, const float *x, const f
 }
 
 /*
- * When set, ref_matvec first rounds its input to 8 bits per block of 32
- * (scale max|x|/127, round to nearest) as quant.h says quantised products
- * do: the reference then differs from kvd only by summation order.
+ * When set, ref_matvec first rounds its input as the products do, so the
+ * reference differs from kvd only by summation order: REF_ROUND_Q8 to 8
+ * bits per block of 32 (scale max|x|/127, round to nearest) as quant.h
+ * says quantised products do; REF_ROUND_BF16 each value to bf16, as the
+ * avx512bf16 products over bf16 weights do (model/matmul_bf16.c).
  */
-static bool ref_round_act;
+enum { REF_ROUND_NONE, REF_ROUND_Q8, REF_ROUND_BF16 };
+static int ref_round_act;
 
 /* o[n_out] = W[n_out][n_in] x + b, accumulated in double. */
 AR_FN void ref_matvec(float *o, const float *W, const float *b, const float *x, int n_out,
@@ -559,7 +562,9 @@ AR_FN void ref_matvec(float *o, const float *W, const float *b, const float *x, 
         xq = malloc(sizeof(float) * (size_t)n_in);
         assert_non_null(xq);
         memcpy(xq, x, sizeof(float) * (size_t)n_in);
-        for (int i0 = 0; i0 < n_in; i0 += 32) {
+        for (int i = 0; ref_round_act == REF_ROUND_BF16 && i < n_in; i++)
+            xq[i] = qt_bf16_to_f32(qt_f32_to_bf16(xq[i]));
+        for (int i0 = 0; ref_round_act == REF_ROUND_Q8 && i0 < n_in; i0 += 32) {
             float amax = 0.0f;
             for (int i = i0; i < i0 + 32; i++)
                 amax = fabsf(xq[i]) > amax ? fabsf(xq[i]) : amax;

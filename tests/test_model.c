@@ -28,6 +28,7 @@
 
 #include <cmocka.h>
 
+#include "cpu/cpu.h"
 #include "model/mkmodel.h"
 #include "model/model_internal.h"
 #include "model/quant.h"
@@ -161,14 +162,14 @@ static void test_forward_matches_reference_f32(void **state)
 static void test_forward_matches_reference_types(void **state)
 {
     (void)state;
-    static const struct {
+    const struct {
         enum ggml_type type;
         const char *name;
-        bool quant;
-    } types[] = {{GGML_TYPE_F16, "f16", false},
-                 {GGML_TYPE_BF16, "bf16", false},
-                 {GGML_TYPE_Q8_0, "q8_0", true},
-                 {GGML_TYPE_Q4_0, "q4_0", true}};
+        int quant; /* how the products round activations: REF_ROUND_* */
+    } types[] = {{GGML_TYPE_F16, "f16", REF_ROUND_NONE},
+                 {GGML_TYPE_BF16, "bf16", cpu_bf16() ? REF_ROUND_BF16 : REF_ROUND_NONE},
+                 {GGML_TYPE_Q8_0, "q8_0", REF_ROUND_Q8},
+                 {GGML_TYPE_Q4_0, "q4_0", REF_ROUND_Q8}};
     for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {
         for (size_t i = 1; i <= 2; i++) { /* the GQA/tied and the qwen2 shapes */
             struct model_mk_params p = shape_params(&shapes[i], types[t].type);
@@ -182,9 +183,9 @@ static void test_forward_matches_reference_types(void **state)
                 assert_true(e < 1e-4f);
                 continue;
             }
-            ref_round_act = true;
+            ref_round_act = types[t].quant;
             float eq = check_against_reference(path, KV_F32, 2);
-            ref_round_act = false;
+            ref_round_act = REF_ROUND_NONE;
             print_message("  %-18s %s weights: max rel diff %.2e (f32 activations); "
                           "activations rounded as the kernel does: %d of %d within 1e-4, "
                           "max %.2e\n",

@@ -1,0 +1,189 @@
+/*
+ * matmul_bf16.c - out[t][o] = sum_i W[o][i] * x[t][i] with AVX-512 BF16's
+ * vdpbf16ps over weights repacked in bf16 pairs (matmul_bf16.h's layout,
+ * written at load by matmul_bf16_run.c).
+ *
+ * ---------------------------------------------------------------------------
+ * Why a dot product of pairs
+ * ---------------------------------------------------------------------------
+ *
+ * matmul_pack.c's float tile spends one f32 FMA per (row, token, input):
+ * 16 products per instruction, and on this core the FMA is the limit. One
+ * vdpbf16ps multiplies 16 lanes x 2 bf16 pairs and adds both products to
+ * the lane's f32 sum: 32 products per instruction at the FMA's issue rate
+ * (bench_prefill measures both peaks beside each other). Stored with the
+ * 16 rows' pairs side by side, one 64-byte load holds inputs 2p and 2p + 1
+ * of every row of a group, and the token's pair (x[2p], x[2p + 1]) comes
+ * broadcast from memory: as in matmul_pack.c, the lanes are the output
+ * rows and nothing is summed across lanes. A tile is 2 groups (32 rows) x
+ * 12 tokens: 24 accumulators, 2 weight loads per 24 dot products.
+ *
+ * ---------------------------------------------------------------------------
+ * Numerics
+ * ---------------------------------------------------------------------------
+ *
+ * The weights are bf16: exact for a BF16 file; for F16 (only when asked,
+ * see matmul_bf16.h) rounded to nearest at load. The activations are
+ * rounded to bf16 here (to nearest even, the same bits as qt_f32_to_bf16),
+ * a relative error of at most 2^-8 each. The product of two bf16 (8
+ * significant bits each) is exact in f32, and vdpbf16ps adds the lane's
+ * two products to the f32 sum one after the other, each addition rounded
+ * to nearest (bf16 subnormal inputs and subnormal results count as zero,
+ * as the instruction defines). So an output is the exact sum over the
+ * rounded activations, plus n_in f32 roundings of the running sum: the
+ * bound tests/test_bf16.c checks. Each (row, token) sum is the same
+ * sequence of instructions in every tile shape (the tails use smaller
+ * tiles of the same code, a token's pairs sit in its own column), so a
+ * result depends neither on the other tokens of the batch nor on how the
+ * groups are split among threads, and decoding one token (a 2 x 1 tile,
+ * streaming a group's pairs as one sequential read) is the same
+ * computation as the prefill.
+ *
+ * Levels: only the avx512 copy has these kernels, compiled for the
+ * avx512bf16 target function by function (the rest of the level does not
+ * assume it), and matmul_bf16_run.c calls them only while cpu_bf16().
+ */
+#include "model/matmul_bf16.h"
+
+#include "model/matmul_simd.h"
+
+#if defined(KERN_AVX512)
+
+#define BF16_FN __attribute__((target("avx512bf16")))
+#define BF16_INLINE static inline __attribute__((always_inline, target("avx512bf16")))
+
+#define B_MG 2          /* row groups per tile */
+#define B_NT MM_BF16_NT /* tokens per tile */
+
+/* 16 floats rounded to bf16 to nearest even (NaN kept quiet), in the low
+ * halves of 16 32-bit lanes: qt_f32_to_bf16's bits. */
+INLINE __m512i round16(__m512 f)
+{
+    const __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_blend_epi32(
+        nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+/* One token's pairs into its column: 16 inputs (8 pairs) at a time. */
+static void round_x_avx512(const float *x, int n_in, uint32_t *dst)
+{
+    int i = 0;
+    for (; i + 16 <= n_in; i += 16, dst += 8 * B_NT) {
+        uint32_t pairs[8];
+        _mm256_storeu_si256((__m256i *)pairs,
+                            _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + i))));
+        for (int p = 0; p < 8; p++)
+            dst[p * B_NT] = pairs[p];
+    }
+    for (; i < n_in; i += 2, dst += B_NT) {
+        uint32_t lo = qt_f32_to_bf16(x[i]), hi = i + 1 < n_in ? qt_f32_to_bf16(x[i + 1]) : 0;
+        *dst = lo | hi << 16;
+    }
+}
+
+/* Group g's outputs for nt tokens from t0: the rows that exist. */
+INLINE void store_group(const struct mm_bf16_job *jb, int g, int t0, int nt, const __m512 *acc)
+{
+    const int o0 = g * MM_PACK_ROWS, n = jb->w->n_out - o0;
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    for (int t = 0; t < nt; t++)
+        _mm512_mask_storeu_ps(jb->out + (size_t)(t0 + t) * (size_t)jb->w->n_out + (size_t)o0, m,
+                              acc[t]);
+}
+
+/* mg groups from g0 x nt tokens of token tile j: one f32 chain per row and
+ * token along the pairs. mg and nt are constants where this is inlined. */
+BF16_INLINE void b_tile(const struct mm_bf16_job *jb, int g0, int mg, int j, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const int np = mm_bf16_pairs(w);
+    const size_t gb = mm_bf16_group_bytes(w);
+    const uint8_t *gp[B_MG];
+    for (int g = 0; g < mg; g++)
+        gp[g] = (const uint8_t *)w->packed + (size_t)(g0 + g) * gb;
+    const uint32_t *xt = jb->x + (size_t)j * (size_t)np * B_NT;
+
+    __m512 acc[B_MG][B_NT];
+    for (int g = 0; g < mg; g++)
+        for (int t = 0; t < nt; t++)
+            acc[g][t] = _mm512_setzero_ps();
+    for (int p = 0; p < np; p++, xt += B_NT) {
+        __m512bh wv[B_MG];
+        for (int g = 0; g < mg; g++)
+            wv[g] = (__m512bh)_mm512_load_si512((const void *)(gp[g] + (size_t)p * 64));
+        for (int t = 0; t < nt; t++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[t]);
+            for (int g = 0; g < mg; g++)
+                acc[g][t] = _mm512_dpbf16_ps(acc[g][t], wv[g], xv);
+        }
+    }
+    for (int g = 0; g < mg; g++)
+        store_group(jb, g0 + g, j * B_NT, nt, acc[g]);
+}
+
+#define B_CASE(n)                                                                                  \
+    case n:                                                                                        \
+        b_tile(jb, g0, mg, j, n);                                                                  \
+        break;
+
+/* The tile for nt tokens (1..B_NT), mg constant. */
+#define B_TILES(mg_)                                                                               \
+    BF16_FN static void b_tile_##mg_(const struct mm_bf16_job *jb, int g0, int j, int nt)          \
+    {                                                                                              \
+        const int mg = mg_;                                                                        \
+        switch (nt) {                                                                              \
+            B_CASE(1)                                                                              \
+            B_CASE(2)                                                                              \
+            B_CASE(3)                                                                              \
+            B_CASE(4)                                                                              \
+            B_CASE(5)                                                                              \
+            B_CASE(6)                                                                              \
+            B_CASE(7)                                                                              \
+            B_CASE(8)                                                                              \
+            B_CASE(9)                                                                              \
+            B_CASE(10)                                                                             \
+            B_CASE(11)                                                                             \
+        default:                                                                                   \
+            b_tile(jb, g0, mg, j, B_NT);                                                           \
+            break;                                                                                 \
+        }                                                                                          \
+    }
+B_TILES(1)
+B_TILES(2)
+
+/* Row groups outside, token tiles inside: the groups' pairs stay in cache
+ * while every token passes. */
+static void groups_avx512(const struct mm_bf16_job *jb, int g0, int g1)
+{
+    for (int g = g0; g < g1; g += B_MG) {
+        const int mg = g1 - g < B_MG ? g1 - g : B_MG;
+        for (int j = 0; j * B_NT < jb->n_tok; j++) {
+            const int nt = jb->n_tok - j * B_NT < B_NT ? jb->n_tok - j * B_NT : B_NT;
+            if (mg == 2)
+                b_tile_2(jb, g, j, nt);
+            else
+                b_tile_1(jb, g, j, nt);
+        }
+    }
+}
+
+const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
+    .name = "avx512bf16 16-row pairs",
+    .round_x = round_x_avx512,
+    .groups = groups_avx512,
+};
+
+#else /* no bf16 kernels at this level */
+
+const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
+    .name = NULL,
+    .round_x = NULL,
+    .groups = NULL,
+};
+
+#endif

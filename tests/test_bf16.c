@@ -1,0 +1,417 @@
+/*
+ * test_bf16.c - BF16 and F16 weights with AVX-512 BF16 (model/matmul_bf16.c,
+ * matmul_bf16_run.c): the bound, invariance across batches and threads,
+ * the other paths when the feature is off or the level lower, the F16
+ * choice, and what the kvd binary prints.
+ *
+ * The bound. Each activation is rounded to bf16 (8 significant bits, to
+ * nearest: |x^ - x| <= 2^-8 |x|); a bf16 x bf16 product is exact in f32;
+ * the n_in products are added into one f32 sum, each addition rounded
+ * (|error| <= 2^-24 of the running sum, whose magnitude is at most
+ * S^ = sum |w x^|). So against the exact product over the stored weights,
+ *     |out - sum w x| <= 2^-8 S + n_in 2^-24 (1 + 2^-8) S,  S = sum |w x|
+ * (for f16 weights rounded to bf16 at load, another 2^-8 S); and against
+ * the exact product over x^ rounded here as the kernel must round it, only
+ * the summation term remains. The second check is what fails if the
+ * kernel rounds differently (truncates, say), the first if it is wrong.
+ * The CPU flushes bf16 subnormal inputs and results to zero; the data
+ * here has none (it would add n_in 2^-126 to the bound).
+ *
+ * On a CPU without avx512bf16 the bf16 cases are skipped with a message;
+ * the other paths still run.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include <cmocka.h>
+
+#include "model/quant.h"
+#include "tests/cpu_levels.h"
+
+static uint64_t rng_state;
+
+static float rng_unit(void) /* [-1, 1), splitmix64 */
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) * 0x1p-52 - 1.0);
+}
+
+static uint32_t bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* A weight matrix of type (f16 or bf16) with random rows spanning a few
+ * decades, its values as stored in W. */
+struct mat {
+    struct mm_weight w;
+    uint8_t *data;
+    float *W;
+    void *packed;
+};
+
+static void mat_init(struct mat *m, enum ggml_type type, int n_in, int n_out)
+{
+    size_t rb = qt_row_bytes(type, n_in);
+    m->data = malloc(rb * (size_t)n_out);
+    m->W = malloc(sizeof(float) * (size_t)n_in * (size_t)n_out);
+    m->packed = NULL;
+    assert_non_null(m->data);
+    assert_non_null(m->W);
+    float *row = malloc(sizeof(float) * (size_t)n_in);
+    for (int o = 0; o < n_out; o++) {
+        float scale = powf(10.0f, 2.0f * rng_unit());
+        for (int i = 0; i < n_in; i++)
+            row[i] = scale * rng_unit();
+        assert_int_equal(qt_quantize_row(type, row, m->data + rb * (size_t)o, n_in), 0);
+        assert_int_equal(
+            qt_dequantize_row(type, m->data + rb * (size_t)o, m->W + (size_t)o * n_in, n_in), 0);
+    }
+    free(row);
+    char err[160];
+    assert_int_equal(mm_weight_init(&m->w, type, n_in, n_out, m->data, err, sizeof err), 0);
+}
+
+/* Repack at the level in use; true if a copy was made. */
+static bool mat_pack(struct mat *m)
+{
+    size_t pb = mm_pack_bytes(&m->w);
+    if (!pb)
+        return false;
+    m->packed = aligned_alloc(64, (pb + 63) / 64 * 64);
+    assert_non_null(m->packed);
+    mm_pack_weight(&m->w, m->packed);
+    return true;
+}
+
+static void mat_free(struct mat *m)
+{
+    free(m->data);
+    free(m->W);
+    free(m->packed);
+}
+
+static float *random_x(int n_in, int n_tok)
+{
+    float *x = malloc(sizeof(float) * (size_t)n_in * (size_t)n_tok);
+    assert_non_null(x);
+    for (int i = 0; i < n_in * n_tok; i++)
+        x[i] = powf(10.0f, rng_unit()) * rng_unit();
+    return x;
+}
+
+/*
+ * out against the bound of the opening comment. Wr: the weights the
+ * kernel multiplies (W itself, or W rounded to bf16 for f16-as-bf16), and
+ * wextra the extra relative term their rounding adds (0 or 2^-8).
+ */
+static void check_bound(const struct mat *m, const float *Wr, double wextra, const float *x,
+                        const float *out, int n_tok, const char *what)
+{
+    const int n_in = m->w.n_in, n_out = m->w.n_out;
+    const double gamma = n_in * 0x1p-24 * (1 + 0x1p-8) * (1 + 0x1p-8);
+    for (int t = 0; t < n_tok; t++) {
+        const float *xt = x + (size_t)t * n_in;
+        for (int o = 0; o < n_out; o++) {
+            const float *wo = m->W + (size_t)o * n_in, *wr = Wr + (size_t)o * n_in;
+            double ref = 0, s = 0, ref_r = 0, s_r = 0;
+            for (int i = 0; i < n_in; i++) {
+                double xr = qt_bf16_to_f32(qt_f32_to_bf16(xt[i]));
+                ref += (double)wo[i] * xt[i];
+                s += fabs((double)wo[i] * xt[i]);
+                ref_r += (double)wr[i] * xr;
+                s_r += fabs((double)wr[i] * xr);
+            }
+            double got = out[(size_t)t * n_out + o];
+            double tol = (0x1p-8 + wextra) * s * (1 + 0x1p-7) + gamma * s;
+            if (!(fabs(got - ref) <= tol))
+                fail_msg("%s %dx%d tok %d row %d: got %.9g, want %.9g (tol %.3g)", what, n_out,
+                         n_in, t, o, got, ref, tol);
+            double tol_r = gamma * s_r;
+            if (!(fabs(got - ref_r) <= tol_r))
+                fail_msg("%s %dx%d tok %d row %d: got %.9g, want %.9g over the bf16-rounded "
+                         "activations (tol %.3g)",
+                         what, n_out, n_in, t, o, got, ref_r, tol_r);
+        }
+    }
+}
+
+static bool bf16_here(void)
+{
+    if (cpu_bf16_supported())
+        return true;
+    print_message("skipping: this CPU has no avx512bf16 (the other paths are tested)\n");
+    return false;
+}
+
+/* BF16 weights at avx512 with the feature: packed in pairs, within the
+ * bound, the same bits for 1, 2 and 3 threads and for a token alone (the
+ * decode path) as inside any batch. Shapes: odd n_in (a padded pair), a
+ * padded last group, tile tails of every size up to 2 x 12. */
+static void test_bf16_bound_invariance(void **state)
+{
+    (void)state;
+    if (!bf16_here()) {
+        skip();
+        return;
+    }
+    cl_force(CPU_AVX512);
+    assert_true(cpu_bf16());
+    const int shapes[][3] = {{576, 70, 29}, {97, 37, 13}, {32, 16, 1}, {1536, 48, 25}, {3, 5, 4}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int n_in = shapes[s][0], n_out = shapes[s][1], n_tok = shapes[s][2];
+        rng_state = 1000 + s;
+        struct mat m;
+        mat_init(&m, GGML_TYPE_BF16, n_in, n_out);
+        assert_true(mat_pack(&m));
+        assert_true(m.w.packed_bf16);
+        assert_true(mm_pack_ready(&m.w));
+        float *x = random_x(n_in, n_tok);
+        const size_t n = (size_t)n_out * (size_t)n_tok;
+        float *out[4];
+        for (int k = 0; k < 4; k++) {
+            out[k] = malloc(sizeof(float) * n);
+            for (size_t i = 0; i < n; i++)
+                out[k][i] = NAN;
+        }
+        for (int k = 0; k < 3; k++)
+            assert_int_equal(mm_matmul(out[k], &m.w, x, n_tok, k + 1), 0);
+        check_bound(&m, m.W, 0.0, x, out[0], n_tok, "bf16");
+        assert_memory_equal(out[0], out[1], sizeof(float) * n);
+        assert_memory_equal(out[0], out[2], sizeof(float) * n);
+        /* every token alone (decode) and every split of the batch */
+        for (int t = 0; t < n_tok; t++) {
+            assert_int_equal(mm_matmul(out[3], &m.w, x + (size_t)t * n_in, 1, 2), 0);
+            for (int o = 0; o < n_out; o++)
+                if (bits(out[3][o]) != bits(out[0][(size_t)t * n_out + o]))
+                    fail_msg("bf16 %dx%d: token %d alone differs at row %d", n_out, n_in, t, o);
+        }
+        for (int cut = 1; cut < n_tok; cut += 5) {
+            assert_int_equal(mm_matmul(out[3], &m.w, x, cut, 2), 0);
+            assert_int_equal(
+                mm_matmul(out[3] + (size_t)cut * n_out, &m.w, x + (size_t)cut * n_in, n_tok - cut, 1),
+                0);
+            assert_memory_equal(out[3], out[0], sizeof(float) * n);
+        }
+        for (int k = 0; k < 4; k++)
+            free(out[k]);
+        free(x);
+        mat_free(&m);
+    }
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+}
+
+/*
+ * A BF16 weight packed in pairs, then multiplied at every level the CPU
+ * runs and with the feature forced off: where the bf16 kernels do not run
+ * the copy is not used and the stored rows give exactly what a weight
+ * never packed gives (the f32 path: exact products). Packed with the
+ * feature off, a BF16 weight takes matmul_pack.c's exact f32 tile.
+ */
+static void test_bf16_lower_levels(void **state)
+{
+    (void)state;
+    enum { N_IN = 130, N_OUT = 33, N_TOK = 9 };
+    rng_state = 77;
+    struct mat m;
+    mat_init(&m, GGML_TYPE_BF16, N_IN, N_OUT);
+    struct mm_weight plain = m.w;
+    bool pairs = false;
+    if (cpu_bf16_supported()) {
+        cl_force(CPU_AVX512);
+        assert_true(mat_pack(&m) && m.w.packed_bf16);
+        pairs = true;
+    }
+    float *x = random_x(N_IN, N_TOK), a[N_OUT * N_TOK], b[N_OUT * N_TOK];
+    enum cpu_level levels[CPU_N_LEVELS];
+    int n_levels = cl_levels(CPU_SCALAR, levels);
+    for (int l = 0; l <= n_levels; l++) {
+        char err[200], line[200];
+        /* the levels, then avx512 without its bf16 kernels */
+        const char *name = l < n_levels ? cpu_level_name(levels[l]) : "avx512-nobf16";
+        if (l == n_levels && cpu_force(name, err, sizeof err)) {
+            print_message("%s refused here: %s\n", name, err);
+            break;
+        }
+        if (l < n_levels)
+            cl_force(levels[l]);
+        const bool bf = l < n_levels && levels[l] == CPU_AVX512 && cpu_bf16_supported();
+        assert_int_equal(cpu_bf16(), bf);
+        mm_bf16_describe(line, sizeof line);
+        print_message("%s: %s\n", name, line);
+        assert_int_equal(strstr(line, "bf16 by avx512bf16") != NULL, bf);
+        if (l == n_levels)
+            assert_non_null(strstr(line, "exact by f32 FMA"));
+        assert_int_equal(mm_pack_ready(&m.w), pairs && bf);
+        assert_int_equal(mm_matmul(a, &m.w, x, N_TOK, 2), 0);
+        assert_int_equal(mm_matmul(b, &plain, x, N_TOK, 2), 0);
+        if (!mm_pack_ready(&m.w))
+            assert_memory_equal(a, b, sizeof a);
+        else
+            check_bound(&m, m.W, 0.0, x, a, N_TOK, "bf16 pairs");
+    }
+    if (cpu_force("avx512-nobf16", NULL, 0) == 0) {
+        struct mat m2;
+        rng_state = 77;
+        mat_init(&m2, GGML_TYPE_BF16, N_IN, N_OUT);
+        assert_true(mat_pack(&m2));
+        assert_false(m2.w.packed_bf16); /* matmul_pack.c's layout, exact widening */
+        assert_int_equal(mm_matmul(a, &m2.w, x, N_TOK, 2), 0);
+        assert_int_equal(cpu_force("auto", NULL, 0), 0);
+        /* that copy still runs (exactly, f32) when the feature is back on */
+        assert_true(mm_pack_ready(&m2.w));
+        assert_int_equal(mm_matmul(b, &m2.w, x, N_TOK, 1), 0);
+        assert_memory_equal(a, b, sizeof a);
+        mat_free(&m2);
+    }
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+    free(x);
+    mat_free(&m);
+}
+
+/* F16 weights stay exact by default (matmul_pack.c's layout); asked, they
+ * are rounded to bf16 at load, within the bound with the weights' own
+ * rounding added, batch- and thread-invariant like BF16. */
+static void test_f16_choice(void **state)
+{
+    (void)state;
+    enum { N_IN = 576, N_OUT = 40, N_TOK = 14 };
+    rng_state = 5;
+    struct mat m;
+    mat_init(&m, GGML_TYPE_F16, N_IN, N_OUT);
+    float *x = random_x(N_IN, N_TOK), a[N_OUT * N_TOK], b[N_OUT * N_TOK];
+    assert_false(mm_f16_bf16());
+    if (mat_pack(&m))
+        assert_false(m.w.packed_bf16);
+    free(m.packed);
+    m.packed = NULL;
+    m.w.packed = NULL;
+
+    mm_f16_set_bf16(true);
+    if (bf16_here()) {
+        cl_force(CPU_AVX512);
+        char line[200];
+        assert_non_null(strstr(mm_bf16_describe(line, sizeof line), "f16 rounded to bf16"));
+        assert_true(mat_pack(&m) && m.w.packed_bf16);
+        float *Wr = malloc(sizeof(float) * N_IN * N_OUT);
+        for (int i = 0; i < N_IN * N_OUT; i++)
+            Wr[i] = qt_bf16_to_f32(qt_f32_to_bf16(m.W[i]));
+        assert_int_equal(mm_matmul(a, &m.w, x, N_TOK, 2), 0);
+        check_bound(&m, Wr, 0x1p-8, x, a, N_TOK, "f16 as bf16");
+        for (int t = 0; t < N_TOK; t++) {
+            assert_int_equal(mm_matmul(b, &m.w, x + (size_t)t * N_IN, 1, 1), 0);
+            assert_memory_equal(b, a + (size_t)t * N_OUT, sizeof(float) * N_OUT);
+        }
+        free(Wr);
+    }
+    mm_f16_set_bf16(false);
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+    free(x);
+    mat_free(&m);
+}
+
+/* KVD_F16: exact, bf16, unset or empty; anything else refused by name. */
+static void test_f16_env(void **state)
+{
+    (void)state;
+    char err[200];
+    unsetenv("KVD_F16");
+    assert_int_equal(mm_f16_init_env(err, sizeof err), 0);
+    assert_false(mm_f16_bf16());
+    setenv("KVD_F16", "bf16", 1);
+    assert_int_equal(mm_f16_init_env(err, sizeof err), 0);
+    assert_true(mm_f16_bf16());
+    setenv("KVD_F16", "exact", 1);
+    assert_int_equal(mm_f16_init_env(err, sizeof err), 0);
+    assert_false(mm_f16_bf16());
+    setenv("KVD_F16", "fp8", 1);
+    assert_int_equal(mm_f16_init_env(err, sizeof err), -1);
+    assert_non_null(strstr(err, "KVD_F16: unknown value 'fp8' (exact, bf16)"));
+    assert_false(mm_f16_bf16());
+    unsetenv("KVD_F16");
+}
+
+/* Run `env VARS kvd args`; stderr into buf. Exit status. */
+static int run_kvd(const char *vars, const char *args, const char *dir, char *buf, size_t len)
+{
+    char cmd[1400], pe[200];
+    snprintf(pe, sizeof pe, "%s/err.txt", dir);
+    snprintf(cmd, sizeof cmd, "env %s %s %s >/dev/null 2>'%s' </dev/null", vars, getenv("KVD_BIN"),
+             args, pe);
+    int st = system(cmd);
+    FILE *f = fopen(pe, "rb");
+    assert_non_null(f);
+    size_t n = fread(buf, 1, len - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+/* The kvd binary prints the path it takes and runs a BF16 model on each:
+ * the bf16 kernels, F16 asked as bf16, the feature forced off, the lower
+ * levels; a bad KVD_F16 stops it, naming the variable. */
+static void test_binary(void **state)
+{
+    (void)state;
+    if (!getenv("KVD_BIN") || !*getenv("KVD_BIN")) {
+        print_message("skipping: KVD_BIN not set (make test sets it)\n");
+        skip();
+        return;
+    }
+    char dir[] = "/tmp/kvd-test-bf16-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    static char err[65536];
+    char args[600];
+    snprintf(args, sizeof args,
+             "mkmodel --out '%s/m.gguf' --dim 64 --layers 2 --heads 4 --kv-heads 2 --ff 128 "
+             "--vocab 300 --type bf16",
+             dir);
+    assert_int_equal(run_kvd("", args, dir, err, sizeof err), 0);
+    snprintf(args, sizeof args, "generate --model '%s/m.gguf' --prompt hello -n 4 --temp 0", dir);
+
+    assert_int_equal(run_kvd("KVD_F16=half", args, dir, err, sizeof err), 2);
+    assert_non_null(strstr(err, "kvd: KVD_F16: unknown value 'half'"));
+    struct {
+        const char *vars, *want;
+        bool need_bf16;
+    } runs[] = {
+        {"KVD_CPU=auto", "bf16 by avx512bf16 16-row pairs, f16 exact", true},
+        {"KVD_CPU=auto KVD_F16=bf16", "f16 rounded to bf16 (KVD_F16=bf16)", true},
+        {"KVD_CPU=avx512-nobf16", "bf16 and f16 exact by f32 FMA (avx512bf16 forced off)", true},
+        {"KVD_CPU=avx2", "bf16 and f16 exact", false},
+        {"KVD_CPU=scalar", "bf16 and f16 exact", false},
+    };
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        if (runs[r].need_bf16 && !cpu_bf16_supported())
+            continue;
+        int rc = run_kvd(runs[r].vars, args, dir, err, sizeof err);
+        if (rc != 0 || !strstr(err, runs[r].want))
+            fail_msg("%s: exit %d, no '%s' in:\n%s", runs[r].vars, rc, runs[r].want, err);
+    }
+    snprintf(args, sizeof args, "rm -rf '%s'", dir);
+    assert_int_equal(system(args), 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bf16_bound_invariance),
+        cmocka_unit_test(test_bf16_lower_levels),
+        cmocka_unit_test(test_f16_choice),
+        cmocka_unit_test(test_f16_env),
+        cmocka_unit_test(test_binary),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
