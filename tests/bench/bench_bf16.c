@@ -31,11 +31,8 @@
 
 #include "cpu/cpu.h"
 #include "model/quant.h"
+#include "tests/bench/bench_peak.h"
 #include "tests/bench/bench_util.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #define N_TOK 512
 #define ROUNDS 5
@@ -58,51 +55,7 @@ static void *xalloc(size_t n)
  * Peaks: independent chains of one instruction, per second of thread time
  * ------------------------------------------------------------------------ */
 
-#if defined(__x86_64__)
-#define PEAK_ITERS 2000000
-
-__attribute__((target("avx512f"))) static double fma_peak(void)
-{
-    __m512 a[12];
-    for (int i = 0; i < 12; i++)
-        a[i] = _mm512_set1_ps((float)i);
-    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
-    double t0 = bench_thread_cpu();
-    for (int n = 0; n < PEAK_ITERS; n++)
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; i++)
-            a[i] = _mm512_fmadd_ps(a[i], m, c);
-    for (int i = 1; i < 12; i++)
-        a[0] = _mm512_add_ps(a[0], a[i]);
-    double dt = bench_thread_cpu() - t0;
-    float sink[16];
-    _mm512_storeu_ps(sink, a[0]);
-    volatile float keep = sink[0];
-    (void)keep;
-    return 2.0 * 16 * 12 * (double)PEAK_ITERS / dt / 1e9;
-}
-
-__attribute__((target("avx512f,avx512bf16"))) static double bf16_peak(void)
-{
-    __m512 a[12];
-    for (int i = 0; i < 12; i++)
-        a[i] = _mm512_set1_ps((float)i);
-    const __m512bh u = (__m512bh)_mm512_set1_epi32(0x3f803f80), v = (__m512bh)_mm512_set1_epi32(0);
-    double t0 = bench_thread_cpu();
-    for (int n = 0; n < PEAK_ITERS; n++)
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; i++)
-            a[i] = _mm512_dpbf16_ps(a[i], u, v);
-    for (int i = 1; i < 12; i++)
-        a[0] = _mm512_add_ps(a[0], a[i]);
-    double dt = bench_thread_cpu() - t0;
-    float sink[16];
-    _mm512_storeu_ps(sink, a[0]);
-    volatile float keep = sink[0];
-    (void)keep;
-    return 2.0 * 32 * 12 * (double)PEAK_ITERS / dt / 1e9;
-}
-#endif
+/* the peaks: tests/bench/bench_peak.h */
 
 /* ------------------------------------------------------------------------
  * Layers, packed as one path wants
@@ -232,8 +185,8 @@ int main(int argc, char **argv)
     double fma = 0, dpb = 0;
 #if defined(__x86_64__)
     for (int i = 0; i < 5; i++) {
-        fma = fmax(fma, fma_peak());
-        dpb = fmax(dpb, bf16_peak());
+        fma = fmax(fma, bench_peak_fma());
+        dpb = fmax(dpb, bench_peak_bf16());
     }
 #endif
     double bus = 0;
