@@ -28,12 +28,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include <cmocka.h>
 
 #include "model/quant.h"
 #include "tests/cpu_levels.h"
+#include "tests/kvd_run.h"
 
 static uint64_t rng_state;
 
@@ -200,9 +200,9 @@ static void test_bf16_bound_invariance(void **state)
         }
         for (int cut = 1; cut < n_tok; cut += 5) {
             assert_int_equal(mm_matmul(out[3], &m.w, x, cut, 2), 0);
-            assert_int_equal(
-                mm_matmul(out[3] + (size_t)cut * n_out, &m.w, x + (size_t)cut * n_in, n_tok - cut, 1),
-                0);
+            assert_int_equal(mm_matmul(out[3] + (size_t)cut * n_out, &m.w, x + (size_t)cut * n_in,
+                                       n_tok - cut, 1),
+                             0);
             assert_memory_equal(out[3], out[0], sizeof(float) * n);
         }
         for (int k = 0; k < 4; k++)
@@ -343,22 +343,6 @@ static void test_f16_env(void **state)
     unsetenv("KVD_F16");
 }
 
-/* Run `env VARS kvd args`; stderr into buf. Exit status. */
-static int run_kvd(const char *vars, const char *args, const char *dir, char *buf, size_t len)
-{
-    char cmd[1400], pe[200];
-    snprintf(pe, sizeof pe, "%s/err.txt", dir);
-    snprintf(cmd, sizeof cmd, "env %s %s %s >/dev/null 2>'%s' </dev/null", vars, getenv("KVD_BIN"),
-             args, pe);
-    int st = system(cmd);
-    FILE *f = fopen(pe, "rb");
-    assert_non_null(f);
-    size_t n = fread(buf, 1, len - 1, f);
-    buf[n] = '\0';
-    fclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-}
-
 /* The kvd binary prints the path it takes and runs a BF16 model on each:
  * the bf16 kernels, F16 asked as bf16, the feature forced off, the lower
  * levels; a bad KVD_F16 stops it, naming the variable. */
@@ -372,17 +356,18 @@ static void test_binary(void **state)
     }
     char dir[] = "/tmp/kvd-test-bf16-XXXXXX";
     assert_non_null(mkdtemp(dir));
-    static char err[65536];
-    char args[600];
+    char args[600], *err;
     snprintf(args, sizeof args,
              "mkmodel --out '%s/m.gguf' --dim 64 --layers 2 --heads 4 --kv-heads 2 --ff 128 "
              "--vocab 300 --type bf16",
              dir);
-    assert_int_equal(run_kvd("", args, dir, err, sizeof err), 0);
+    assert_int_equal(kvd_run("", args, dir, &err), 0);
+    free(err);
     snprintf(args, sizeof args, "generate --model '%s/m.gguf' --prompt hello -n 4 --temp 0", dir);
 
-    assert_int_equal(run_kvd("KVD_F16=half", args, dir, err, sizeof err), 2);
+    assert_int_equal(kvd_run("KVD_F16=half", args, dir, &err), 2);
     assert_non_null(strstr(err, "kvd: KVD_F16: unknown value 'half'"));
+    free(err);
     struct {
         const char *vars, *want;
         bool need_bf16;
@@ -396,9 +381,10 @@ static void test_binary(void **state)
     for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
         if (runs[r].need_bf16 && !cpu_bf16_supported())
             continue;
-        int rc = run_kvd(runs[r].vars, args, dir, err, sizeof err);
+        int rc = kvd_run(runs[r].vars, args, dir, &err);
         if (rc != 0 || !strstr(err, runs[r].want))
             fail_msg("%s: exit %d, no '%s' in:\n%s", runs[r].vars, rc, runs[r].want, err);
+        free(err);
     }
     snprintf(args, sizeof args, "rm -rf '%s'", dir);
     assert_int_equal(system(args), 0);

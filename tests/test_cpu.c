@@ -22,6 +22,7 @@
 
 #include "attention/attention.h"
 #include "cpu/cpu.c"
+#include "tests/kvd_run.h"
 
 /* cpuid words with every feature of the lists set */
 static void all_features(unsigned w[N_WORDS])
@@ -50,7 +51,7 @@ static void test_missing_named(void **state)
     assert_string_equal(missing, "avx512vnni");
 
     all_features(w);
-    w[W_OS] = 1u; /* ymm state saved, zmm not */
+    w[W_OS] = 1u;             /* ymm state saved, zmm not */
     w[W1_ECX] &= ~(1u << 29); /* and no f16c */
     missing[0] = '\0';
     assert_false(check(w, avx2_features, 9, missing, sizeof(missing)));
@@ -130,19 +131,9 @@ static char dir[] = "/tmp/kvd-test-cpu-XXXXXX";
 /* Run `env KVD_CPU=level kvd args`, stderr into *err (malloc'd). Exit status. */
 static int run_kvd(const char *level, const char *args, char **err)
 {
-    char cmd[1200], pe[128];
-    snprintf(pe, sizeof(pe), "%s/err.txt", dir);
-    snprintf(cmd, sizeof(cmd), "KVD_CPU='%s' %s %s >/dev/null 2>'%s' </dev/null", level,
-             getenv("KVD_BIN"), args, pe);
-    int st = system(cmd);
-    FILE *f = fopen(pe, "rb");
-    assert_non_null(f);
-    *err = calloc(1, 65536);
-    assert_non_null(*err);
-    size_t n = fread(*err, 1, 65535, f);
-    (*err)[n] = '\0';
-    fclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+    char vars[100];
+    snprintf(vars, sizeof(vars), "KVD_CPU='%s'", level);
+    return kvd_run(vars, args, dir, err);
 }
 
 static void test_binary(void **state)
