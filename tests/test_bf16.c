@@ -213,6 +213,62 @@ static void test_bf16_bound_invariance(void **state)
     assert_int_equal(cpu_force("auto", NULL, 0), 0);
 }
 
+/* Q, K and V of one x in one region (mm_matmul_many) over bf16 pairs: each
+ * output bit for bit as its product alone, for a batch and for one token;
+ * a mix of pairs and another layout runs one product after another. */
+static void test_bf16_many(void **state)
+{
+    (void)state;
+    if (!bf16_here()) {
+        skip();
+        return;
+    }
+    cl_force(CPU_AVX512);
+    enum { N_IN = 192, N_TOK = 15 };
+    const int n_outs[3] = {192, 64, 40};
+    struct mat m[3];
+    rng_state = 31;
+    for (int i = 0; i < 3; i++) {
+        mat_init(&m[i], GGML_TYPE_BF16, N_IN, n_outs[i]);
+        assert_true(mat_pack(&m[i]) && m[i].w.packed_bf16);
+    }
+    float *x = random_x(N_IN, N_TOK);
+    for (int n_tok = 1; n_tok <= N_TOK; n_tok += N_TOK - 1) {
+        float *alone[3], *many[3];
+        const struct mm_weight *ws[3];
+        size_t need = 0;
+        for (int i = 0; i < 3; i++) {
+            alone[i] = malloc(sizeof(float) * (size_t)n_outs[i] * n_tok);
+            many[i] = malloc(sizeof(float) * (size_t)n_outs[i] * n_tok);
+            assert_int_equal(mm_matmul(alone[i], &m[i].w, x, n_tok, 1), 0);
+            ws[i] = &m[i].w;
+            size_t b = mm_scratch_bytes(ws[i], n_tok);
+            need = b > need ? b : need;
+        }
+        void *scratch = aligned_alloc(64, (need + 63) / 64 * 64);
+        mm_matmul_many(many, ws, 3, x, n_tok, 2, scratch);
+        for (int i = 0; i < 3; i++)
+            assert_memory_equal(many[i], alone[i], sizeof(float) * (size_t)n_outs[i] * n_tok);
+        /* the first weight in matmul_pack.c's layout instead: not one region */
+        struct mm_weight plain = m[0].w;
+        plain.packed = NULL;
+        plain.packed_bf16 = false;
+        ws[0] = &plain;
+        mm_matmul_many(many, ws, 3, x, n_tok, 2, scratch);
+        for (int i = 1; i < 3; i++)
+            assert_memory_equal(many[i], alone[i], sizeof(float) * (size_t)n_outs[i] * n_tok);
+        free(scratch);
+        for (int i = 0; i < 3; i++) {
+            free(alone[i]);
+            free(many[i]);
+        }
+    }
+    for (int i = 0; i < 3; i++)
+        mat_free(&m[i]);
+    free(x);
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+}
+
 /*
  * A BF16 weight packed in pairs, then multiplied at every level the CPU
  * runs and with the feature forced off: where the bf16 kernels do not run
@@ -394,6 +450,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bf16_bound_invariance),
+        cmocka_unit_test(test_bf16_many),
         cmocka_unit_test(test_bf16_lower_levels),
         cmocka_unit_test(test_f16_choice),
         cmocka_unit_test(test_f16_env),
