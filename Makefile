@@ -77,6 +77,7 @@ DEPLOY_PACKAGES := haproxy python3-yaml systemd
 # carry the scalar level only.
 KERNEL_SRC    := attention/attn_simd.c model/matmul.c model/matmul_k.c model/matmul_pack.c model/ops.c \
                  model/matmul_bf16.c
+KERNEL_SRC    += attention/attn_rope.c
 KERNEL_IS_X86 := $(filter x86_64-% i686-% i386-%,$(shell $(CC) -dumpmachine))
 KERNEL_LEVELS := $(if $(KERNEL_IS_X86),avx2 avx512)
 LEVEL_FLAGS_avx2   := -march=x86-64-v3 -DKVD_LEVEL_AVX2

@@ -237,6 +237,40 @@ struct attn_ops {
                     int head_dim);
 };
 
+/* --- RoPE angles of a tile's keys (attn_rope.c) ---------------------------------- */
+
+/* A key position = block (a multiple of 4096) + 64 * hi + lo: see attn_rope.c. */
+#define ATTN_ROPE_BLOCK_SHIFT 12
+#define ATTN_ROPE_LO 64
+
+/* A context's frequencies and angle tables (built by attn_create, read only). */
+struct attn_rope_tabs {
+    int half;              /* rotated pairs */
+    const double *theta;   /* [half] freq_scale * inv_freq */
+    const float *lo_c, *lo_s; /* [ATTN_ROPE_LO][half] cos/sin of lo * theta */
+    const float *hi_c, *hi_s; /* [ATTN_ROPE_LO][half] cos/sin of 64 * hi * theta */
+};
+
+/* One thread's cached angles: at its current 4096-block start, and that plus 64 * hi. */
+struct attn_rope_state {
+    float *base_c, *base_s; /* [half] */
+    float *cur_c, *cur_s;   /* [half] */
+    int64_t base_block;     /* -1 = none */
+    int cur_hi;             /* -1 = none */
+};
+
+/*
+ * cos[t][i], sin[t][i] (rows of half floats) of pair i's angle at kpos[t],
+ * t < nt. Every level gives the same bits.
+ */
+typedef void (*attn_rope_fn)(const struct attn_rope_tabs *tb, struct attn_rope_state *st,
+                             const int32_t *kpos, int nt, float *cs, float *sn);
+
+/* The copy of the kernel level in use (the scalar one when asked), its level name in *name. */
+attn_rope_fn attn_rope_select(bool scalar, const char **name);
+/* One copy by level name ("avx512", "avx2", "scalar"), NULL if this CPU or build lacks it. */
+attn_rope_fn attn_rope_path(const char *name);
+
 /* --- scores against q8_0 keys in integers (attn_q8.c) ---------------------------- */
 
 /*

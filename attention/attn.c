@@ -33,10 +33,9 @@
  * prefetcher follows poorly.
  *
  * RoPE: the query is rotated once per item, exactly (posenc, double
- * angles). A key's angle pos * theta_i is built by angle addition from a
- * base at the start of the position's 4096-block (cos/sin in double, cached
- * per thread) times a table for 64 * hi and one for lo (pos = block + 64 hi
- * + lo): three float roundings, any position, holes or not. Adjacent pairs
+ * angles). A key's angles are built per tile by angle addition
+ * (attn_rope.c, a kernel file: three float roundings, any position, holes
+ * or not), once for every KV head of the unit. Adjacent pairs
  * are de-interleaved in rotated keys and prepared queries alike, so the
  * rotation always has the NeoX halves form.
  *
@@ -82,8 +81,6 @@
 #define QROWS 64            /* query rows per unit when a sequence is split by KV head */
 #define SPLIT_PER_THREAD 4  /* items per thread the split-K aims for */
 #define MIN_SPLIT_KEYS 256  /* keys per split part, at least */
-#define ROPE_BLOCK_SHIFT 12 /* base angle every 4096 positions ... */
-#define ROPE_LO 64          /* ... times hi (64 steps of 64) and lo (64 steps of 1) */
 
 /* ------------------------------------------------------------------------
  * Types
@@ -112,11 +109,8 @@ struct tscratch {
     uint8_t *q8_u1, *q8_u2;   /* [rows_max][head_dim] their levels */
     float *q8_d;              /* [rows_max][head_dim / 32] their block scales */
     float *cs, *sn;           /* [ATTN_TILE][half] cos and sin of each key's angles */
-    float *base_c, *base_s;   /* [half] angles at the cached 4096-block start */
-    float *cur_c, *cur_s;     /* [half] ... plus 64 * hi */
+    struct attn_rope_state rope; /* cached angles of the last block (attn_rope.c) */
     float *qbuf;              /* [head_dim + rot] a query being rotated, its cos/sin */
-    int64_t base_block;       /* block of base_c/base_s, -1 = none */
-    int cur_hi;               /* hi of cur_c/cur_s, -1 = none */
 };
 
 /* (sequence, query block, KV heads): rows share one scratch in one item. */
@@ -155,11 +149,13 @@ struct attn_ctx {
     int group;     /* query heads per KV head */
     int rows_max;  /* rows one item may hold */
     int rot, half; /* RoPE rotated dims and pairs; 0 without RoPE */
+    attn_rope_fn rope_angles;   /* the keys' angles per tile (attn_rope.c) */
+    struct attn_rope_tabs rope; /* its tables (the arrays below) */
 
     double *inv_freq;   /* [half] posenc's frequencies (queries) */
     double *theta;      /* [half] freq_scale * inv_freq (keys) */
-    float *lo_c, *lo_s; /* [ROPE_LO][half] cos/sin of lo * theta */
-    float *hi_c, *hi_s; /* [ROPE_LO][half] cos/sin of 64 * hi * theta */
+    float *lo_c, *lo_s; /* [ATTN_ROPE_LO][half] cos/sin of lo * theta */
+    float *hi_c, *hi_s; /* [ATTN_ROPE_LO][half] cos/sin of 64 * hi * theta */
     struct pos_t5_lut lut;
     bool has_lut;
     float *t5bias; /* [n_head][lut.n + 1] table[h][bucket(-d)], refreshed per run */
@@ -236,15 +232,15 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(q8_d, (size_t)rows_max * (D / ATTN_QK + 1));
     CARVE(cs, (size_t)ATTN_TILE * (half ? half : 1));
     CARVE(sn, (size_t)ATTN_TILE * (half ? half : 1));
-    CARVE(base_c, half ? half : 1);
-    CARVE(base_s, half ? half : 1);
-    CARVE(cur_c, half ? half : 1);
-    CARVE(cur_s, half ? half : 1);
+    CARVE(rope.base_c, half ? half : 1);
+    CARVE(rope.base_s, half ? half : 1);
+    CARVE(rope.cur_c, half ? half : 1);
+    CARVE(rope.cur_s, half ? half : 1);
     CARVE(qbuf, 2 * D + 2);
 #undef CARVE
     if (mem) {
-        w->base_block = -1;
-        w->cur_hi = -1;
+        w->rope.base_block = -1;
+        w->rope.cur_hi = -1;
         for (int r = 0; r < rows_max; r++)
             w->q8[r] = (struct attn_q8row){.u1 = w->q8_u1 + (size_t)r * D,
                                            .u2 = w->q8_u2 + (size_t)r * D,
@@ -284,7 +280,7 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
         int half = ctx->half;
         ctx->inv_freq = ctx_alloc(ctx, sizeof(double) * (size_t)half);
         ctx->theta = ctx_alloc(ctx, sizeof(double) * (size_t)half);
-        size_t tab = sizeof(float) * ROPE_LO * (size_t)half;
+        size_t tab = sizeof(float) * ATTN_ROPE_LO * (size_t)half;
         ctx->lo_c = ctx_alloc(ctx, tab);
         ctx->lo_s = ctx_alloc(ctx, tab);
         ctx->hi_c = ctx_alloc(ctx, tab);
@@ -294,16 +290,23 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
         pos_rope_freqs(ctx->inv_freq, ps);
         for (int i = 0; i < half; i++)
             ctx->theta[i] = (double)ps->rope_freq_scale * ctx->inv_freq[i];
-        for (int j = 0; j < ROPE_LO; j++) {
+        for (int j = 0; j < ATTN_ROPE_LO; j++) {
             for (int i = 0; i < half; i++) {
                 double a = (double)j * ctx->theta[i];
-                double b = (double)(j * ROPE_LO) * ctx->theta[i];
+                double b = (double)(j * ATTN_ROPE_LO) * ctx->theta[i];
                 ctx->lo_c[j * half + i] = (float)cos(a);
                 ctx->lo_s[j * half + i] = (float)sin(a);
                 ctx->hi_c[j * half + i] = (float)cos(b);
                 ctx->hi_s[j * half + i] = (float)sin(b);
             }
         }
+        ctx->rope = (struct attn_rope_tabs){.half = half,
+                                            .theta = ctx->theta,
+                                            .lo_c = ctx->lo_c,
+                                            .lo_s = ctx->lo_s,
+                                            .hi_c = ctx->hi_c,
+                                            .hi_s = ctx->hi_s};
+        ctx->rope_angles = attn_rope_select(params->force_scalar, NULL);
     }
     if (ps->kind == POS_T5) {
         if (pos_t5_lut_init(&ctx->lut, ps->t5_bidirectional, ps->t5_num_buckets,
@@ -641,42 +644,6 @@ static void plan(attn_ctx *ctx, const struct attn_seq *seqs, int n_seqs, int *n_
  * The tile loop
  * ------------------------------------------------------------------------ */
 
-/* cos/sin of every pair's angle for the tile's key positions (angle addition). */
-static void rope_tile(const attn_ctx *ctx, struct tscratch *w, int nt)
-{
-    const int half = ctx->half;
-    for (int t = 0; t < nt; t++) {
-        int32_t p = w->kpos[t];
-        int64_t blk = (int64_t)p >> ROPE_BLOCK_SHIFT;
-        if (blk != w->base_block) {
-            double p0 = (double)(blk << ROPE_BLOCK_SHIFT);
-            for (int i = 0; i < half; i++) {
-                double a = p0 * ctx->theta[i];
-                w->base_c[i] = (float)cos(a);
-                w->base_s[i] = (float)sin(a);
-            }
-            w->base_block = blk;
-            w->cur_hi = -1;
-        }
-        int d = p & ((1 << ROPE_BLOCK_SHIFT) - 1);
-        int hi = d / ROPE_LO, lo = d % ROPE_LO;
-        if (hi != w->cur_hi) {
-            const float *hc = ctx->hi_c + (size_t)hi * half, *hs = ctx->hi_s + (size_t)hi * half;
-            for (int i = 0; i < half; i++) {
-                w->cur_c[i] = w->base_c[i] * hc[i] - w->base_s[i] * hs[i];
-                w->cur_s[i] = w->base_s[i] * hc[i] + w->base_c[i] * hs[i];
-            }
-            w->cur_hi = hi;
-        }
-        const float *lc = ctx->lo_c + (size_t)lo * half, *ls = ctx->lo_s + (size_t)lo * half;
-        float *c = w->cs + (size_t)t * half, *s = w->sn + (size_t)t * half;
-        for (int i = 0; i < half; i++) {
-            c[i] = w->cur_c[i] * lc[i] - w->cur_s[i] * ls[i];
-            s[i] = w->cur_s[i] * lc[i] + w->cur_c[i] * ls[i];
-        }
-    }
-}
-
 /*
  * Load the positions and page-slot offsets of keys [k0, k0 + nt) into the
  * scratch, padded to ATTN_TILE. Returns the smallest position.
@@ -893,7 +860,7 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
         if (load_tile(w, kv, sq, k0, nt) > u->qmax)
             continue; /* every key of the tile is in every query's future */
         if (ctx->rot)
-            rope_tile(ctx, w, nt);
+            ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
         int nt_next = it->k1 - (k0 + ATTN_TILE);
         nt_next = nt_next < ATTN_TILE ? nt_next : ATTN_TILE;
         if (nt_next > 0)
@@ -1016,7 +983,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
                 if (load_tile(w, kv, sq, k0, nt) > qmax)
                     continue;
                 if (ctx->rot)
-                    rope_tile(ctx, w, nt);
+                    ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
                 head_scores(ctx, w, kv, g, nt, 0, rows, NULL);
                 float *mass = sq->mass + k0;
                 for (int r = 0; r < rows; r++) {

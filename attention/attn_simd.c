@@ -415,8 +415,8 @@ INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *con
     }
 }
 
-static void qk_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                    enum attn_type type, int D, const struct attn_prefetch *pf)
+INLINE void qk_types(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                     enum attn_type type, int D, const struct attn_prefetch *pf)
 {
     switch (type) {
     case ATTN_F32:
@@ -432,6 +432,19 @@ static void qk_simd(float *S, const float *const *q, int nrows, const void *cons
     case ATTN_Q4_0:
         break;
     }
+}
+
+/* Head sizes of 64 and 128 get their own copies: with D a constant the
+ * loops unroll fully and no lane mask or tail test is left in them. */
+static void qk_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                    enum attn_type type, int D, const struct attn_prefetch *pf)
+{
+    if (D == 64)
+        qk_types(S, q, nrows, kp, nt, type, 64, pf);
+    else if (D == 128)
+        qk_types(S, q, nrows, kp, nt, type, 128, pf);
+    else
+        qk_types(S, q, nrows, kp, nt, type, D, pf);
 }
 
 /* ------------------------------------------------------------------------
@@ -521,11 +534,10 @@ INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void
     }
 }
 
-static void qk_rope_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                         enum attn_type type, int D, int rot, enum pos_rope_pairing pairing,
-                         const float *cs, const float *sn, int ld, const struct attn_prefetch *pf)
+INLINE void qk_rope_types(float *S, const float *const *q, int nrows, const void *const *kp,
+                          int nt, enum attn_type type, int D, int rot, bool neox, const float *cs,
+                          const float *sn, int ld, const struct attn_prefetch *pf)
 {
-    bool neox = pairing == POS_ROPE_NEOX;
     switch (type) {
     case ATTN_F32:
         qk_rope_typed(S, q, nrows, kp, nt, ATTN_F32, D, rot, neox, cs, sn, ld, pf);
@@ -540,6 +552,24 @@ static void qk_rope_simd(float *S, const float *const *q, int nrows, const void 
     case ATTN_Q4_0:
         break;
     }
+}
+
+/* Whole heads of 64 and 128 rotated get their own copies, as in qk_simd. */
+static void qk_rope_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                         enum attn_type type, int D, int rot, enum pos_rope_pairing pairing,
+                         const float *cs, const float *sn, int ld, const struct attn_prefetch *pf)
+{
+    bool neox = pairing == POS_ROPE_NEOX;
+    if (D == 64 && rot == 64 && ld == 32 && neox)
+        qk_rope_types(S, q, nrows, kp, nt, type, 64, 64, true, cs, sn, 32, pf);
+    else if (D == 64 && rot == 64 && ld == 32)
+        qk_rope_types(S, q, nrows, kp, nt, type, 64, 64, false, cs, sn, 32, pf);
+    else if (D == 128 && rot == 128 && ld == 64 && neox)
+        qk_rope_types(S, q, nrows, kp, nt, type, 128, 128, true, cs, sn, 64, pf);
+    else if (D == 128 && rot == 128 && ld == 64)
+        qk_rope_types(S, q, nrows, kp, nt, type, 128, 128, false, cs, sn, 64, pf);
+    else
+        qk_rope_types(S, q, nrows, kp, nt, type, D, rot, neox, cs, sn, ld, pf);
 }
 
 /* ------------------------------------------------------------------------
@@ -651,8 +681,8 @@ INLINE void pv_typed(float *acc, int nrows, const float *P, const void *const *v
         pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 1);
 }
 
-static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp, int nt,
-                    enum attn_type type, int D)
+INLINE void pv_types(float *acc, int nrows, const float *P, const void *const *vp, int nt,
+                     enum attn_type type, int D)
 {
     switch (type) {
     case ATTN_F32:
@@ -668,6 +698,17 @@ static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp
     case ATTN_Q4_0:
         break;
     }
+}
+
+static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp, int nt,
+                    enum attn_type type, int D)
+{
+    if (D == 64)
+        pv_types(acc, nrows, P, vp, nt, type, 64);
+    else if (D == 128)
+        pv_types(acc, nrows, P, vp, nt, type, 128);
+    else
+        pv_types(acc, nrows, P, vp, nt, type, D);
 }
 
 /* ------------------------------------------------------------------------
@@ -697,9 +738,9 @@ INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_typ
     }
 }
 
-static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_type type, int D,
-                         int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
-                         int ld_cs)
+INLINE void stage_types(float *out, const void *const *kp, int nt, enum attn_type type, int D,
+                        int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                        int ld_cs)
 {
     switch (type) {
     case ATTN_F32:
@@ -715,6 +756,22 @@ static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_ty
     case ATTN_Q4_0:
         break;
     }
+}
+
+static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_type type, int D,
+                         int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                         int ld_cs)
+{
+    if (D == 64 && rot == 0)
+        stage_types(out, kp, nt, type, 64, 0, pairing, cs, sn, ld_cs);
+    else if (D == 64 && rot == 64 && ld_cs == 32)
+        stage_types(out, kp, nt, type, 64, 64, pairing, cs, sn, 32);
+    else if (D == 128 && rot == 0)
+        stage_types(out, kp, nt, type, 128, 0, pairing, cs, sn, ld_cs);
+    else if (D == 128 && rot == 128 && ld_cs == 64)
+        stage_types(out, kp, nt, type, 128, 128, pairing, cs, sn, 64);
+    else
+        stage_types(out, kp, nt, type, D, rot, pairing, cs, sn, ld_cs);
 }
 
 /* ------------------------------------------------------------------------

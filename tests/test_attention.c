@@ -1064,6 +1064,73 @@ static void test_kernel_q8_scores(void **state)
     print_message("  q8_0 scores run on %s\n", attn_q8_name());
 }
 
+/*
+ * The keys' RoPE angles (attn_rope.c): every level's copy gives the scalar
+ * copy's bits, for pair counts 1..64 and positions that cross 64- and
+ * 4096-blocks, jump (holes) and go back (shuffled), and each is within a
+ * few float roundings of cos/sin in double.
+ */
+static void test_kernel_rope_angles(void **state)
+{
+    (void)state;
+    enum { NPOS = 300, HMAX = 64 };
+    static const char *const levels[3] = {"scalar", "avx2", "avx512"};
+    static int32_t pos[NPOS];
+    static float lo_c[ATTN_ROPE_LO * HMAX], lo_s[ATTN_ROPE_LO * HMAX];
+    static float hi_c[ATTN_ROPE_LO * HMAX], hi_s[ATTN_ROPE_LO * HMAX];
+    static float cs[3][NPOS * HMAX], sn[3][NPOS * HMAX];
+    double theta[HMAX];
+    float st_mem[3][4][HMAX];
+    uint32_t seed = 99;
+    for (int i = 0; i < NPOS; i++) /* runs across block edges, holes, a step back, 128k+ */
+        pos[i] = i < 100   ? 4000 + i
+                 : i < 200 ? 8190 + 37 * (i - 100)
+                 : i < 250 ? (int32_t)(rng_next(&seed) % 200000)
+                           : 131000 + (i - 250);
+    const int halves[6] = {1, 3, 16, 32, 33, 64};
+    for (int hi_ = 0; hi_ < 6; hi_++) {
+        const int half = halves[hi_];
+        for (int i = 0; i < half; i++)
+            theta[i] = pow(10000.0, -2.0 * i / (2.0 * half));
+        for (int j = 0; j < ATTN_ROPE_LO; j++)
+            for (int i = 0; i < half; i++) {
+                lo_c[j * half + i] = (float)cos(j * theta[i]);
+                lo_s[j * half + i] = (float)sin(j * theta[i]);
+                hi_c[j * half + i] = (float)cos(j * ATTN_ROPE_LO * theta[i]);
+                hi_s[j * half + i] = (float)sin(j * ATTN_ROPE_LO * theta[i]);
+            }
+        struct attn_rope_tabs tb = {half, theta, lo_c, lo_s, hi_c, hi_s};
+        for (int lv = 0; lv < 3; lv++) {
+            attn_rope_fn fn = attn_rope_path(levels[lv]);
+            if (!fn) {
+                memcpy(cs[lv], cs[0], sizeof(cs[0]));
+                memcpy(sn[lv], sn[0], sizeof(sn[0]));
+                continue;
+            }
+            struct attn_rope_state st = {st_mem[lv][0], st_mem[lv][1], st_mem[lv][2],
+                                         st_mem[lv][3], -1, -1};
+            for (int t0 = 0; t0 < NPOS; t0 += ATTN_TILE) { /* tile by tile, as the kernel */
+                int nt = NPOS - t0 < ATTN_TILE ? NPOS - t0 : ATTN_TILE;
+                fn(&tb, &st, pos + t0, nt, cs[lv] + t0 * half, sn[lv] + t0 * half);
+            }
+            if (memcmp(cs[lv], cs[0], sizeof(float) * NPOS * half) ||
+                memcmp(sn[lv], sn[0], sizeof(float) * NPOS * half))
+                fail_msg("rope angles, %d pairs: %s differs from scalar", half, levels[lv]);
+        }
+        for (int t = 0; t < NPOS; t++)
+            for (int i = 0; i < half; i++) {
+                double a = pos[t] * theta[i];
+                double ec = fabs(cs[0][t * half + i] - cos(a));
+                double es = fabs(sn[0][t * half + i] - sin(a));
+                if (!(ec <= 4e-7 && es <= 4e-7))
+                    fail_msg("rope angle pos %d pair %d/%d: cos err %.3g, sin err %.3g", pos[t],
+                             i, half, ec, es);
+            }
+    }
+    assert_non_null(attn_rope_path("scalar"));
+    assert_null(attn_rope_path("neon"));
+}
+
 /* q8_0 / q4_0 with a head size that is no multiple of 32 is refused, naming both. */
 static void test_kernel_quant_refused(void **state)
 {
@@ -1249,6 +1316,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernel_quant_rows),
         cmocka_unit_test(test_kernel_quant_refused),
         cmocka_unit_test(test_kernel_q8_scores),
+        cmocka_unit_test(test_kernel_rope_angles),
         cmocka_unit_test(test_kernel_head_dims),
         cmocka_unit_test(test_kernel_mixed_batch),
         cmocka_unit_test(test_kernel_sliding_window),
