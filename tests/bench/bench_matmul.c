@@ -287,17 +287,23 @@ static const int sm_shapes[8][2] = {/* n_in, n_out: q k v o gate up down, output
                                     {576, 576},  {576, 192},  {576, 192}, {576, 576},
                                     {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}};
 
-/* bytes on a 2 MiB boundary advised as huge pages, as model_pack.c maps the copy */
+/* bytes on a 2 MiB boundary advised as huge pages, as model_pack.c maps the
+ * copy (the slack around it unmapped, so munmap(p, bytes) frees it all) */
 static uint8_t *map_huge(size_t bytes)
 {
-    uint8_t *raw = mmap(NULL, bytes + HUGE_2M, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const size_t span = bytes + HUGE_2M;
+    uint8_t *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) {
         fprintf(stderr, "bench_matmul: cannot map %zu bytes\n", bytes);
         exit(1);
     }
     uint8_t *p = (uint8_t *)(((uintptr_t)raw + HUGE_2M - 1) & ~(uintptr_t)(HUGE_2M - 1));
-    (void)madvise(p, bytes, MADV_HUGEPAGE);
+    const size_t head = (size_t)(p - raw), used = (bytes + 4095) / 4096 * 4096;
+    if (head)
+        munmap(raw, head);
+    if (span - head > used)
+        munmap(p + used, span - head - used);
+    (void)madvise(p, used, MADV_HUGEPAGE);
     return p;
 }
 
@@ -357,7 +363,7 @@ static void bench_model_decode(double bus)
            SM_MATS, (double)bytes / 1e6, mm_pack_kernel_name(), THREADS, steps, best * 1e3,
            sum / steps * 1e3, (double)bytes / best / 1e9, (double)bytes / best / 1e9 / bus, bus,
            1.0 / best);
-    munmap(mem, total + HUGE_2M);
+    munmap(mem, total);
     free(x);
     free(out);
 out:
@@ -422,7 +428,7 @@ int main(int argc, char **argv)
             }
             w.packed = packed;
             measure_row("q8_0 rp", &w, packed, pb, copies, true, x, out, triad);
-            munmap(packed, pb * (size_t)copies + HUGE_2M);
+            munmap(packed, pb * (size_t)copies);
         }
         free(data);
     }
