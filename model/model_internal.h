@@ -133,6 +133,7 @@ struct model {
     void *pack_mem;
     size_t pack_bytes; /* its size */
     int pack_count;    /* matrices repacked */
+    int pack_bf16;     /* of them in bf16 pairs for avx512bf16 (model/matmul_bf16.h) */
     double pack_ms;    /* time it took at load */
 };
 

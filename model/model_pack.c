@@ -112,7 +112,7 @@ int model_pack_weights(model *m, char *err, size_t errlen)
         return -ENOMEM;
     }
     uint8_t *p = mem;
-    int packed = 0;
+    int packed = 0, bf16 = 0;
     for (int i = 0; i < n; i++) {
         size_t b = mm_pack_bytes(ws[i]);
         if (!b || ws[i]->packed) /* the tied output twice, or nothing to do */
@@ -121,10 +121,12 @@ int model_pack_weights(model *m, char *err, size_t errlen)
         release_rows(ws[i]); /* at once: the peak holds one matrix twice, not the model */
         p += (b + 63) / 64 * 64;
         packed++;
+        bf16 += ws[i]->packed_bf16;
     }
     m->pack_mem = mem;
     m->pack_bytes = total;
     m->pack_count = packed;
+    m->pack_bf16 = bf16;
     m->pack_ms = (mono_s() - t0) * 1e3;
     free(ws);
     return 0;
@@ -146,9 +148,10 @@ const char *model_pack_describe(const model *m, char *buf, size_t len)
                  m->weight_type ? m->weight_type : "these types");
     else
         snprintf(buf, len,
-                 "%d matrices repacked for %s in %.0f ms: %.1f MiB owned (2 MiB pages "
+                 "%d matrices repacked for %s%s in %.0f ms: %.1f MiB owned (2 MiB pages "
                  "advised), the mapped rows released",
-                 m->pack_count, k ? k : "kernels of another level", m->pack_ms,
+                 m->pack_count, k ? k : "kernels of another level",
+                 m->pack_bf16 ? " and avx512bf16 (bf16 pairs)" : "", m->pack_ms,
                  (double)m->pack_bytes / (1024.0 * 1024.0));
     return buf;
 }

@@ -429,6 +429,7 @@ static void test_binary(void **state)
         bool need_bf16;
     } runs[] = {
         {"KVD_CPU=auto", "bf16 by avx512bf16 16-row pairs, f16 exact", true},
+        {"KVD_CPU=auto", "repacked for avx512-vnni 16-row and avx512bf16 (bf16 pairs)", true},
         {"KVD_CPU=auto KVD_F16=bf16", "f16 rounded to bf16 (KVD_F16=bf16)", true},
         {"KVD_CPU=avx512-nobf16", "bf16 and f16 exact by f32 FMA (avx512bf16 forced off)", true},
         {"KVD_CPU=avx2", "bf16 and f16 exact", false},
