@@ -158,11 +158,11 @@ B_TILES(2)
 
 /* Row groups outside, token tiles inside: the groups' pairs stay in cache
  * while every token passes. */
-static void groups_avx512(const struct mm_bf16_job *jb, int g0, int g1)
+static void groups_avx512(const struct mm_bf16_job *jb, int g0, int g1, int j0, int j1)
 {
     for (int g = g0; g < g1; g += B_MG) {
         const int mg = g1 - g < B_MG ? g1 - g : B_MG;
-        for (int j = 0; j * B_NT < jb->n_tok; j++) {
+        for (int j = j0; j < j1; j++) {
             const int nt = jb->n_tok - j * B_NT < B_NT ? jb->n_tok - j * B_NT : B_NT;
             if (mg == 2)
                 b_tile_2(jb, g, j, nt);

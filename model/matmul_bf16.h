@@ -47,8 +47,8 @@ struct mm_bf16_kernels {
     /* One token's activations x[n_in], rounded to bf16 pairs, into
      * dst[p * MM_BF16_NT] for p < np (its column of its tile). */
     void (*round_x)(const float *x, int n_in, uint32_t *dst);
-    /* Row groups [g0, g1) of every token of the job. */
-    void (*groups)(const struct mm_bf16_job *jb, int g0, int g1);
+    /* Row groups [g0, g1) x token tiles [j0, j1) of the job. */
+    void (*groups)(const struct mm_bf16_job *jb, int g0, int g1, int j0, int j1);
 };
 
 KERN_DECLARE(const struct mm_bf16_kernels, mm_bf16_kernels);

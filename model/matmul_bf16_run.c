@@ -112,28 +112,63 @@ size_t mm_bf16_scratch_bytes(const struct mm_weight *w, int n_tok)
     return (tiles * MM_BF16_NT * (size_t)mm_bf16_pairs(w) * 4 + 63) / 64 * 64;
 }
 
-/* The products of one call, their pairs of groups (the kernel's tile
+/*
+ * The split among threads, as matmul_pack_run.c's (its essay says why):
+ * by token tiles for a prefill of at least BF16_SPLIT_TILES tiles per
+ * thread, each thread rounding its own tokens and multiplying them by
+ * every group; else by pairs of row groups after the calling thread has
+ * rounded every token. Every (row, token) sum is the same instructions
+ * either way (matmul_bf16.c's tiles), so the bits do not depend on it.
+ */
+#define BF16_SPLIT_TILES 8
+
+/* One call: n products of one x, their pairs of groups (the kernel's tile
  * height) numbered one after another: product i's pair v is unit
  * u_end[i - 1] + v. */
-struct bf16_units {
+struct bf16_run {
     const struct mm_bf16_kernels *k;
     const struct mm_bf16_job *jb; /* [n] */
+    const float *x;               /* [n_tok][n_in] */
+    int n, tiles;                 /* products; token tiles */
     int ng[MM_MANY_MAX];          /* groups of product i */
     int u_end[MM_MANY_MAX];       /* units of products 0..i */
 };
 
-/* A thread's share of the units (cpu/pool.h's static chunks): the same
- * calls of the kernel, whatever the split. */
+/* Tokens [t0, t1) rounded into their tiles' columns (laid out by jb[0]). */
+static void round_tokens(const struct bf16_run *r, int t0, int t1)
+{
+    const struct mm_weight *w = r->jb[0].w;
+    const size_t np = (size_t)mm_bf16_pairs(w);
+    uint32_t *xb = (uint32_t *)r->jb[0].x;
+    for (int t = t0; t < t1; t++)
+        r->k->round_x(r->x + (size_t)t * (size_t)w->n_in, w->n_in,
+                      xb + (size_t)(t / MM_BF16_NT) * np * MM_BF16_NT + (size_t)(t % MM_BF16_NT));
+}
+
+/* A thread's token tiles [j0, j1): their rounding, then every group of
+ * every product. */
+static void run_tiles(void *arg, size_t j0, size_t j1, int t)
+{
+    (void)t;
+    const struct bf16_run *r = arg;
+    const int n_tok = r->jb[0].n_tok;
+    round_tokens(r, (int)j0 * MM_BF16_NT,
+                 (int)j1 * MM_BF16_NT < n_tok ? (int)j1 * MM_BF16_NT : n_tok);
+    for (int i = 0; i < r->n; i++)
+        r->k->groups(&r->jb[i], 0, r->ng[i], (int)j0, (int)j1);
+}
+
+/* A thread's share of the units [u0, u1), every tile. */
 static void run_units(void *arg, size_t u0, size_t u1, int t)
 {
     (void)t;
-    const struct bf16_units *r = arg;
+    const struct bf16_run *r = arg;
     int i = 0;
     for (int u = (int)u0; u < (int)u1; u++) {
         while (u >= r->u_end[i])
             i++;
         int v = u - (i ? r->u_end[i - 1] : 0);
-        r->k->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i]);
+        r->k->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i], 0, r->tiles);
     }
 }
 
@@ -143,21 +178,22 @@ void mm_bf16_matmul_many(float *const *out, const struct mm_weight *const *ws, i
     const struct mm_bf16_kernels *k = bkern();
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
     assert(k && n >= 1 && n <= MM_MANY_MAX && scratch && ((uintptr_t)scratch & 63) == 0);
-    const size_t np = (size_t)mm_bf16_pairs(w);
-    uint32_t *xb = scratch;
-    /* by the calling thread, before the team starts (as matmul_run.c does) */
-    for (int t = 0; t < n_tok; t++)
-        k->round_x(x + (size_t)t * (size_t)w->n_in, w->n_in,
-                   xb + (size_t)(t / MM_BF16_NT) * np * MM_BF16_NT + (size_t)(t % MM_BF16_NT));
     struct mm_bf16_job jb[MM_MANY_MAX];
-    struct bf16_units r = {.k = k, .jb = jb};
+    struct bf16_run r = {
+        .k = k, .jb = jb, .x = x, .n = n, .tiles = (n_tok + MM_BF16_NT - 1) / MM_BF16_NT};
     for (int i = 0; i < n; i++) {
         assert(ws[i]->packed_bf16 && ws[i]->n_in == w->n_in);
-        jb[i] = (struct mm_bf16_job){.w = ws[i], .x = xb, .out = out[i], .n_tok = n_tok};
+        jb[i] = (struct mm_bf16_job){.w = ws[i], .x = scratch, .out = out[i], .n_tok = n_tok};
         r.ng[i] = (int)n_groups(ws[i]);
         r.u_end[i] = (i ? r.u_end[i - 1] : 0) + (r.ng[i] + 1) / 2;
     }
-    cpu_pool_for(cpu_pool_threads(n_threads), (size_t)r.u_end[n - 1], run_units, &r);
+    const int nth = cpu_pool_threads(n_threads);
+    if (nth > 1 && r.tiles >= BF16_SPLIT_TILES * nth) {
+        cpu_pool_for(nth, (size_t)r.tiles, run_tiles, &r);
+        return;
+    }
+    round_tokens(&r, 0, n_tok); /* by the calling thread, before the team starts */
+    cpu_pool_for(nth, (size_t)r.u_end[n - 1], run_units, &r);
 }
 
 const char *mm_bf16_describe(char *buf, size_t len)

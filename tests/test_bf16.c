@@ -169,7 +169,9 @@ static void test_bf16_bound_invariance(void **state)
     }
     cl_force(CPU_AVX512);
     assert_true(cpu_bf16());
-    const int shapes[][3] = {{576, 70, 29}, {97, 37, 13}, {32, 16, 1}, {1536, 48, 25}, {3, 5, 4}};
+    /* 200 tokens, 17 tiles: split by token tiles on 2 threads, by rows on 1 and 3 */
+    const int shapes[][3] = {{576, 70, 29},  {97, 37, 13}, {32, 16, 1},
+                             {1536, 48, 25}, {3, 5, 4},    {64, 40, 200}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int n_in = shapes[s][0], n_out = shapes[s][1], n_tok = shapes[s][2];
         rng_state = 1000 + s;
