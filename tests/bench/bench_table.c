@@ -880,6 +880,29 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
     }
 }
 
+/* A shared machine: say what its figures can and cannot show. */
+static void warn_if_busy(const struct opts *o, const struct row *rows, int n)
+{
+    double worst = 0, over = 0;
+    for (int i = 0; i < n; i++) {
+        if (!rows[i].run)
+            continue;
+        worst = fmax(worst, atof(rows[i].load));
+        for (int b = 0; b < o->n_bins; b++)
+            if (rows[i].best[b].ok && rows[i].decode_roof > 0)
+                over = fmax(over, rows[i].best[b].decode_tps / rows[i].decode_roof);
+    }
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (worst > (double)cpus)
+        printf("warning: the load average reached %.1f on %ld CPUs: each run got a share of the "
+               "machine, and the triad too, so the fractions are unreliable (%s); the ratio of "
+               "two binaries alternated row by row is the figure to read\n",
+               worst, cpus,
+               over > 1.0 ? "a decode above 100% of its roofline shows a triad slowed by the "
+                            "others"
+                          : "quiet, they are the figures to read");
+}
+
 int main(int argc, char **argv)
 {
     struct opts o;
@@ -916,6 +939,7 @@ int main(int argc, char **argv)
     print_table(&o, rows, n_rows);
     print_notes(&o, rows, n_rows);
     printf("load average at the end: %s\n", load);
+    warn_if_busy(&o, rows, n_rows);
     for (int i = 0; i < n_rows; i++)
         for (int b = 0; b < o.n_bins; b++)
             if (rows[i].run && !rows[i].best[b].ok)
