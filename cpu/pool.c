@@ -32,9 +32,12 @@
  * While the pool is held (cpu_pool_hold: the forward pass holds it), a
  * waiter whose spin ran out keeps looking for up to CPU_POOL_HOLD_US more,
  * with sched_yield between looks instead of pause: on an idle core that is
- * still a fast loop, and on a crowded one it gives the core to whoever
- * wants it (the caller itself, if it shares the core). Outside holds an
- * idle daemon's workers sleep after the spin exactly as before.
+ * still a fast loop. On a crowded one a yield runs another thread for a
+ * while; one that comes back later than YIELD_LATE_NS ends the wait in a
+ * futex sleep, as without the hold: there a sleeper, woken, is run at once
+ * (the scheduler credits sleepers), where a thread that kept yielding
+ * waits its turn behind the others and the region with it. Outside holds
+ * an idle daemon's workers sleep after the spin exactly as before.
  *
  * Late workers. On a machine with more runnable threads than cores a
  * worker may not run for milliseconds after its hand-out, and a region
@@ -71,6 +74,9 @@
 #endif
 
 #define SPIN_US_DEFAULT 50
+/* A sched_yield that returns later than this ran someone else: a held
+ * waiter then sleeps (see Holds). */
+#define YIELD_LATE_NS 100000
 #define SPIN_US_MAX 100000
 
 /* ------------------------------------------------------------------------
@@ -207,6 +213,7 @@ static struct {
     _Atomic uint32_t caller_sleeping;
     _Atomic int held;    /* cpu_pool_hold count */
     _Atomic long sleeps; /* futex waits entered */
+    _Atomic long late_yields; /* held waits ended by a late yield */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static void futex_wait(_Atomic uint32_t *word, uint32_t val)
@@ -237,14 +244,15 @@ static long now_ns(void)
 
 /* Wait until *word != seen (until_zero: until *word == 0) and return its
  * value: spin for spin_ns; while the pool is held, keep looking with
- * sched_yield between looks up to CPU_POOL_HOLD_US more; then sleep,
- * announcing it in *sleeping. */
+ * sched_yield between looks up to CPU_POOL_HOLD_US more, unless a yield
+ * came back late (the core is wanted: see the opening comment); then
+ * sleep, announcing it in *sleeping. */
 static uint32_t wait_word(_Atomic uint32_t *word, uint32_t seen, bool until_zero,
                           _Atomic uint32_t *sleeping)
 {
 #define DONE(v) (until_zero ? (v) == 0 : (v) != seen)
     uint32_t v;
-    long limit = atomic_load_explicit(&S.spin_ns, memory_order_relaxed), t0 = 0;
+    long limit = atomic_load_explicit(&S.spin_ns, memory_order_relaxed), t0 = 0, t_prev = 0;
     bool yielding = false;
     for (unsigned i = 0; limit > 0; i++) {
         v = atomic_load_explicit(word, memory_order_acquire);
@@ -258,8 +266,13 @@ static uint32_t wait_word(_Atomic uint32_t *word, uint32_t seen, bool until_zero
                 if (!atomic_load_explicit(&P.held, memory_order_relaxed) ||
                     t - t0 >= limit + CPU_POOL_HOLD_US * 1000L)
                     break;
+                if (yielding && t - t_prev > YIELD_LATE_NS) {
+                    atomic_fetch_add_explicit(&P.late_yields, 1, memory_order_relaxed);
+                    break;
+                }
                 yielding = true;
             }
+            t_prev = t;
         }
         if (yielding)
             sched_yield();
@@ -397,8 +410,10 @@ void cpu_pool_release(void)
     atomic_fetch_sub(&P.held, 1);
 }
 
-long cpu_pool_sleeps(void)
+long cpu_pool_sleeps(long *late_yields)
 {
+    if (late_yields)
+        *late_yields = atomic_load_explicit(&P.late_yields, memory_order_relaxed);
     return atomic_load_explicit(&P.sleeps, memory_order_relaxed);
 }
 
@@ -470,8 +485,10 @@ void cpu_pool_release(void)
 {
 }
 
-long cpu_pool_sleeps(void)
+long cpu_pool_sleeps(long *late_yields)
 {
+    if (late_yields)
+        *late_yields = 0;
     return 0;
 }
 

@@ -116,11 +116,13 @@ const char *cpu_pool_describe(char *buf, size_t len);
  * cpu_pool_hold and cpu_pool_release, a thread waiting for the next region
  * (a worker) or for a region's end (the caller) that has spun KVD_SPIN_US
  * without news does not go to sleep at once: it keeps looking, giving the
- * CPU away (sched_yield) between looks, for up to CPU_POOL_HOLD_US more.
- * So the regions of a forward pass hand over without a futex wake even
- * across the caller's serial stretches between them (quantising a
- * prompt's activations takes hundreds of microseconds), and a waiting
- * thread that another one needs the core for gives it up. Holds nest (a
+ * CPU away (sched_yield) between looks, for up to CPU_POOL_HOLD_US more,
+ * or until a yield comes back late (another thread wanted the core: then it
+ * sleeps as without a hold). So on cores of its own the regions of a
+ * forward pass hand over without a futex wake even across the caller's
+ * serial stretches between them (quantising a prompt's activations takes
+ * hundreds of microseconds), and on a crowded machine nothing changes.
+ * Holds nest (a
  * count, any thread may hold); the last release shortens the waits at once.
  * With KVD_SPIN_US=0 a hold changes nothing (no waiting thread looks). In
  * the OpenMP build both do nothing.
@@ -130,8 +132,9 @@ void cpu_pool_hold(void);
 void cpu_pool_release(void);
 
 /* Times a waiting thread of the pool went to sleep on its futex since the
- * start (for tests and measurements; 0 in the OpenMP build). */
-long cpu_pool_sleeps(void);
+ * start, and (late_yields, may be NULL) how many held waits ended because a
+ * yield came back late (for tests and measurements; 0 in the OpenMP build). */
+long cpu_pool_sleeps(long *late_yields);
 
 /* Workers running now (0 before the first parallel region and after
  * cpu_pool_shutdown; always 0 in the OpenMP build). */

@@ -372,6 +372,23 @@ static void ew_range(void *arg, size_t i0, size_t i1, int t)
     }
 }
 
+/* The gated activation over rows [r0, r1) of tokens [t0, t1): the tail of
+ * gate and up's region (mm_matmul_many), run as soon as a thread has that
+ * block of both. */
+struct act_job {
+    struct ew_job ew;
+    int n_ff;
+};
+
+static void act_rows(void *arg, int r0, int r1, int t0, int t1)
+{
+    const struct act_job *a = arg;
+    for (int t = t0; t < t1; t++) {
+        size_t o = (size_t)t * a->n_ff + (size_t)r0;
+        ew_range((void *)&a->ew, o, o + (size_t)(r1 - r0), 0);
+    }
+}
+
 /* Apply op over n values; threads only past 64k values (fewer are not
  * worth a hand-off). */
 static void elementwise(enum ew_op op, float *hb, const float *hb2, size_t n, int n_threads)
@@ -529,7 +546,7 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
      * only the rows kept need a query: see below. */
     float *outs[3] = {c->k, c->v, c->q};
     const struct mm_weight *ws[3] = {&L->wk, &L->wv, &L->wq};
-    mm_matmul_many(outs, ws, R < 0 ? 3 : 2, c->xb, T, nt, c->scratch);
+    mm_matmul_many(outs, ws, R < 0 ? 3 : 2, c->xb, T, nt, c->scratch, NULL);
     add_bias(c->k, L->bk, T, m->kv_dim);
     add_bias(c->v, L->bv, T, m->kv_dim);
     head_norm_rows(m, c->k, L->k_norm, T * m->n_kv_head);
@@ -643,13 +660,12 @@ static int layer_forward(model_ctx *c, int l, const struct model_batch_seq *seqs
     /* Feed-forward: SwiGLU, GELU-gated (Gemma), or a GELU MLP with biases. */
     norm_rows(m, c->xb, c->x, L->ffn_norm, L->ffn_norm_b, rows);
     if (m->act == MODEL_ACT_SWIGLU || m->act == MODEL_ACT_GEGLU) {
+        /* gate and up in one region, the activation in its tail */
         float *gu[2] = {c->hb, c->hb2};
         const struct mm_weight *wgu[2] = {&L->gate, &L->up};
-        mm_matmul_many(gu, wgu, 2, c->xb, rows, nt, c->scratch);
-        if (m->act == MODEL_ACT_SWIGLU)
-            elementwise(EW_SWIGLU, c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
-        else
-            elementwise(EW_GEGLU, c->hb, c->hb2, (size_t)rows * m->n_ff, nt);
+        struct act_job a = {{m->act == MODEL_ACT_SWIGLU ? EW_SWIGLU : EW_GEGLU, c->hb, c->hb2},
+                            m->n_ff};
+        mm_matmul_many(gu, wgu, 2, c->xb, rows, nt, c->scratch, &(struct mm_tail){act_rows, &a});
     } else {
         mm_matmul_scratch(c->hb, &L->up, c->xb, rows, nt, c->scratch);
         add_bias(c->hb, L->b_up, rows, m->n_ff);

@@ -207,6 +207,7 @@ struct pack_run {
     int n, tw;                    /* products; tile width in tokens */
     int ng[MM_MANY_MAX];          /* row groups of product i */
     int u_end[MM_MANY_MAX];       /* units of products 0..i */
+    const struct mm_tail *tail;   /* or NULL; with it, by rows, unit v is pair v of every product */
 };
 
 /* Tokens [t0, t1)'s activations into the scratch (laid out by jb[0]). */
@@ -237,6 +238,13 @@ static void run_tiles(void *arg, size_t j0, size_t j1, int t)
     prepare(r, (int)j0 * r->tw, t1);
     for (int i = 0; i < r->n; i++)
         r->pk->groups(&r->jb[i], 0, r->ng[i], (int)j0, (int)j1);
+    if (r->tail)
+        r->tail->fn(r->tail->arg, 0, r->jb->w->n_out, (int)j0 * r->tw, t1);
+}
+
+static void run_pair(const struct pack_run *r, int i, int v)
+{
+    r->pk->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i], 0, n_tiles(r));
 }
 
 /* A thread's share of the units [u0, u1), every tile: the same calls of
@@ -247,31 +255,38 @@ static void run_units(void *arg, size_t u0, size_t u1, int t)
     const struct pack_run *r = arg;
     int i = 0;
     for (int u = (int)u0; u < (int)u1; u++) {
+        if (r->tail) { /* pair u of every product, then the tail over its rows */
+            for (i = 0; i < r->n; i++)
+                run_pair(r, i, u);
+            int n_out = r->jb->w->n_out, r1 = 2 * MM_PACK_ROWS * (u + 1);
+            r->tail->fn(r->tail->arg, 2 * MM_PACK_ROWS * u, r1 < n_out ? r1 : n_out, 0,
+                        r->jb->n_tok);
+            continue;
+        }
         while (u >= r->u_end[i])
             i++;
-        int v = u - (i ? r->u_end[i - 1] : 0);
-        r->pk->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i], 0,
-                      n_tiles(r));
+        run_pair(r, i, u - (i ? r->u_end[i - 1] : 0));
     }
 }
 
 void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
                     void *scratch)
 {
-    mm_pack_matmul_many(&out, &w, 1, x, n_tok, n_threads, scratch);
+    mm_pack_matmul_many(&out, &w, 1, x, n_tok, n_threads, scratch, NULL);
 }
 
 void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, int n, const float *x,
-                         int n_tok, int n_threads, void *scratch)
+                         int n_tok, int n_threads, void *scratch, const struct mm_tail *tail)
 {
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
     assert(n >= 1 && n <= MM_MANY_MAX && scratch && ((uintptr_t)scratch & 63) == 0);
     if (w->packed_bf16) {
+        assert(!tail); /* mm_matmul_many runs it apart */
         mm_bf16_matmul_many(out, ws, n, x, n_tok, n_threads, scratch);
         return;
     }
     struct mm_pack_job jb[MM_MANY_MAX];
-    struct pack_run r = {.pk = pkern(), .jb = jb, .x = x, .n = n};
+    struct pack_run r = {.pk = pkern(), .jb = jb, .x = x, .n = n, .tail = tail};
     r.tw = w->type == GGML_TYPE_Q8_0 ? MM_PACK_NT : MM_PACK_FNT;
     scratch_layout(w, n_tok, scratch, &jb[0]);
     for (int i = 0; i < n; i++) {
@@ -291,5 +306,6 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
         return;
     }
     prepare(&r, 0, n_tok); /* by the calling thread, before the team starts */
-    cpu_pool_for(nth, (size_t)r.u_end[n - 1], run_units, &r);
+    size_t units = tail ? (size_t)(r.ng[0] + 1) / 2 : (size_t)r.u_end[n - 1];
+    cpu_pool_for(nth, units, run_units, &r);
 }

@@ -168,19 +168,41 @@ void mm_matmul_scratch(float *out, const struct mm_weight *w, const float *x, in
     cpu_pool_for(nth, (size_t)n_groups, run_groups, &(struct mm_groups){k, &jb});
 }
 
+/* A tail over the row ranges of a parallel for, every token (the products
+ * ran apart). */
+struct tail_rows {
+    const struct mm_tail *tail;
+    int n_tok;
+};
+
+static void run_tail(void *arg, size_t r0, size_t r1, int t)
+{
+    (void)t;
+    const struct tail_rows *tr = arg;
+    tr->tail->fn(tr->tail->arg, (int)r0, (int)r1, 0, tr->n_tok);
+}
+
 void mm_matmul_many(float *const *out, const struct mm_weight *const *w, int n, const float *x,
-                    int n_tok, int n_threads, void *scratch)
+                    int n_tok, int n_threads, void *scratch, const struct mm_tail *tail)
 {
     assert(n >= 1 && n <= MM_MANY_MAX);
     bool one_region = true;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        assert(!tail || w[i]->n_out == w[0]->n_out);
         one_region = one_region && mm_pack_ready(w[i]) && w[i]->type == w[0]->type &&
                      w[i]->n_in == w[0]->n_in && w[i]->packed_bf16 == w[0]->packed_bf16;
-    if (one_region && n_tok > 0)
-        mm_pack_matmul_many(out, w, n, x, n_tok, n_threads, scratch); /* matmul_pack_run.c */
+    }
+    if (n_tok <= 0)
+        return;
+    bool tail_inside = one_region && !w[0]->packed_bf16; /* the bf16 kernels take no tail */
+    if (one_region) /* matmul_pack_run.c */
+        mm_pack_matmul_many(out, w, n, x, n_tok, n_threads, scratch, tail_inside ? tail : NULL);
     else
         for (int i = 0; i < n; i++)
             mm_matmul_scratch(out[i], w[i], x, n_tok, n_threads, scratch);
+    if (tail && !tail_inside)
+        cpu_pool_for(cpu_pool_threads(n_threads), (size_t)w[0]->n_out, run_tail,
+                     &(struct tail_rows){tail, n_tok});
 }
 
 /* The calling thread's scratch for mm_matmul: grown, never shrunk. */

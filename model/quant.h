@@ -254,10 +254,22 @@ void mm_scratch_release(void);
  * gives it, but in one parallel region with x prepared once when every W_i
  * is repacked (mm_pack_ready) with one type and n_in; otherwise one
  * product after another. scratch as mm_matmul_scratch's, for the largest.
+ *
+ * tail (or NULL; then any heights): every W_i has the same n_out, and
+ * tail->fn(tail->arg, r0, r1, t0, t1) runs once for each block of a
+ * partition of the outputs (rows [0, n_out) x tokens [0, n_tok)) into
+ * blocks of rows [r0, r1) x tokens [t0, t1), after that block of every
+ * product is written, possibly at the same time as other blocks (gate and
+ * up, then the activation over the block, in the same region when the
+ * products share it). fn must write only within its block.
  */
 #define MM_MANY_MAX 4
+struct mm_tail {
+    void (*fn)(void *arg, int r0, int r1, int t0, int t1);
+    void *arg;
+};
 void mm_matmul_many(float *const *out, const struct mm_weight *const *w, int n, const float *x,
-                    int n_tok, int n_threads, void *scratch);
+                    int n_tok, int n_threads, void *scratch, const struct mm_tail *tail);
 
 /* The kernels of the level in use (cpu/cpu.h): "avx512-vnni", "avx2" or "scalar". */
 const char *mm_kernel_name(void);
@@ -303,7 +315,7 @@ void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n
                     void *scratch);
 /* mm_matmul_many's work when every weight is mm_pack_ready, of one type and n_in. */
 void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *w, int n, const float *x,
-                         int n_tok, int n_threads, void *scratch);
+                         int n_tok, int n_threads, void *scratch, const struct mm_tail *tail);
 
 /*
  * Activations quantised per block of 32 (matmul.c fills them before the

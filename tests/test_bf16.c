@@ -248,7 +248,7 @@ static void test_bf16_many(void **state)
             need = b > need ? b : need;
         }
         void *scratch = aligned_alloc(64, (need + 63) / 64 * 64);
-        mm_matmul_many(many, ws, 3, x, n_tok, 2, scratch);
+        mm_matmul_many(many, ws, 3, x, n_tok, 2, scratch, NULL);
         for (int i = 0; i < 3; i++)
             assert_memory_equal(many[i], alone[i], sizeof(float) * (size_t)n_outs[i] * n_tok);
         /* the first weight in matmul_pack.c's layout instead: not one region */
@@ -256,7 +256,7 @@ static void test_bf16_many(void **state)
         plain.packed = NULL;
         plain.packed_bf16 = false;
         ws[0] = &plain;
-        mm_matmul_many(many, ws, 3, x, n_tok, 2, scratch);
+        mm_matmul_many(many, ws, 3, x, n_tok, 2, scratch, NULL);
         for (int i = 1; i < 3; i++)
             assert_memory_equal(many[i], alone[i], sizeof(float) * (size_t)n_outs[i] * n_tok);
         free(scratch);

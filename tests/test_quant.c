@@ -1250,11 +1250,32 @@ static void test_matmul_packed_levels(void **state)
     free(data);
 }
 
+/* A tail that adds the second product into the first over its rows and
+ * counts how often each row was given (struct many_tail). */
+struct many_tail {
+    float *a;
+    const float *b;
+    int *seen; /* [n_tok][n_out] */
+    int n_out;
+};
+
+static void add_tail(void *arg, int r0, int r1, int t0, int t1)
+{
+    const struct many_tail *m = arg;
+    for (int t = t0; t < t1; t++)
+        for (int r = r0; r < r1; r++) {
+            m->seen[t * m->n_out + r]++;
+            m->a[t * m->n_out + r] += m->b[t * m->n_out + r];
+        }
+}
+
 /*
  * mm_matmul_many: Q8_0 and F16 weights of odd heights (odd numbers of row
  * groups), repacked when the level has kernels for them, and a set mixing
  * types (one product after another): every output the bits of mm_matmul
- * on its own, at 1, 2 and 3 threads.
+ * on its own, at 1, 2 and 3 threads. And with a tail over two products of
+ * one height: every (row, token) handed to it once, after both products
+ * wrote it.
  */
 static void test_matmul_many(void **state)
 {
@@ -1299,9 +1320,25 @@ static void test_matmul_many(void **state)
                 const int nt = n_toks[k];
                 for (int i = 0; i < NW; i++)
                     assert_int_equal(mm_matmul(one[i], &w[i], x, nt, th), 0);
-                mm_matmul_many(many, wp, NW, x, nt, th, scratch);
+                mm_matmul_many(many, wp, NW, x, nt, th, scratch, NULL);
                 for (int i = 0; i < NW; i++)
                     assert_memory_equal(one[i], many[i], sizeof(float) * nt * n_out[i]);
+                /* the tail: product 0 and the first 37 rows of product 1 (two
+                 * pairs of groups, the second short) */
+                struct mm_weight w1 = w[1];
+                w1.n_out = n_out[0];
+                static int seen[37 * N_TOK];
+                memset(seen, 0, sizeof seen);
+                struct many_tail mt = {many[0], many[1], seen, n_out[0]};
+                const struct mm_weight *wt[2] = {&w[0], &w1};
+                float *outs[2] = {many[0], many[1]};
+                mm_matmul_many(outs, wt, 2, x, nt, th, scratch, &(struct mm_tail){add_tail, &mt});
+                for (int t = 0; t < nt; t++)
+                    for (int r = 0; r < n_out[0]; r++) {
+                        assert_int_equal(seen[t * n_out[0] + r], 1);
+                        assert_true(many[0][t * n_out[0] + r] ==
+                                    one[0][t * n_out[0] + r] + one[1][t * n_out[1] + r]);
+                    }
             }
         free(scratch);
         for (int i = 0; i < NW; i++) {
