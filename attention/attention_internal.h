@@ -235,6 +235,20 @@ struct attn_ops {
      */
     void (*dequant)(float *out, const void *const *rows, int nt, enum attn_type type,
                     int head_dim);
+
+    /*
+     * The tile for many rows (a prefill chunk): kt[d][t] (head_dim rows of
+     * ATTN_TILE floats) = element d of key t staged as stage_k stages it,
+     * columns nt.. zero. Block types come dequantised (f32 rows).
+     */
+    void (*stage_kt)(float *kt, const void *const *kp, int nt, enum attn_type type,
+                     int head_dim, int rot, enum pos_rope_pairing pairing, const float *cs,
+                     const float *sn, int ld_cs);
+
+    /* S[r][t] = q[r] . column t of kt, r < nrows, every t < ATTN_TILE: each
+     * key element is loaded once per block of rows, and no dot product needs
+     * a horizontal sum (the flash tile of a prefill chunk). */
+    void (*qk_t)(float *S, const float *const *q, int nrows, const float *kt, int head_dim);
 };
 
 /* --- RoPE angles of a tile's keys (attn_rope.c) ---------------------------------- */

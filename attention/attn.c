@@ -26,9 +26,12 @@
  *
  * A tile, for each KV head of the unit: scores of the head's rows (qk), the
  * online-softmax update per row with the bias and causal mask (softmax),
- * then acc += P V (pv). With many rows the tile's keys (and values) are
- * first staged to f32, rotated, once; with few rows (decode) the keys are
- * rotated in registers inside qk. While one head is computed the next
+ * then acc += P V (pv). With many rows (a prefill chunk: up to 64 rows,
+ * the queries of a block times their GQA group) this is a flash tile: the
+ * keys are staged once to f32, rotated and transposed (stage_kt), so the
+ * rows x keys scores are a register-blocked product with no horizontal
+ * sums (qk_t), and the values are converted once; with few rows (decode)
+ * the keys are rotated in registers inside qk. While one head is computed the next
  * head's rows are prefetched: they sit in page-sized runs the hardware
  * prefetcher follows poorly.
  *
@@ -721,21 +724,19 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
             w->kp[t] = w->vst + (size_t)(t < nt ? t : nt - 1) * D;
         kt = ATTN_F32;
     }
-    const bool many = rows_h > 4;
-    if (!many && ctx->rot) {
+    if (rows_h <= 4 && ctx->rot) {
         ctx->ops->qk_rope(w->S, q, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing,
                           w->cs, w->sn, ctx->half, pf);
         return;
     }
-    if (!many || (kt == ATTN_F32 && !ctx->rot)) {
+    if (rows_h <= 4) {
         ctx->ops->qk(w->S, q, rows_h, w->kp, nt, kt, D, pf);
         return;
     }
-    ctx->ops->stage_k(w->kst, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs, w->sn,
-                      ctx->half);
-    for (int t = 0; t < ATTN_TILE; t++)
-        w->kp[t] = w->kst + (size_t)(t < nt ? t : nt - 1) * D;
-    ctx->ops->qk(w->S, q, rows_h, w->kp, nt, ATTN_F32, D, pf);
+    /* many rows: the keys staged once, transposed, for a register-blocked product */
+    ctx->ops->stage_kt(w->kst, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs, w->sn,
+                       ctx->half);
+    ctx->ops->qk_t(w->S, q, rows_h, w->kst, D);
 }
 
 /*

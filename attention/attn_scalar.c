@@ -168,6 +168,32 @@ static void dequant_scalar(float *out, const void *const *rows, int nt, enum att
         row_to_f32(out + (size_t)t * D, rows[t], 0, D, type);
 }
 
+
+static void stage_kt_scalar(float *kt, const void *const *kp, int nt, enum attn_type type, int D,
+                            int rot, enum pos_rope_pairing pairing, const float *cs,
+                            const float *sn, int ld_cs)
+{
+    float k[1024];
+    for (int t = 0; t < ATTN_TILE; t++) {
+        if (t < nt)
+            stage_k_scalar(k, kp + t, 1, attn_type_blocked(type) ? ATTN_F32 : type, D, rot,
+                           pairing, cs + (size_t)t * ld_cs, sn + (size_t)t * ld_cs, ld_cs);
+        for (int d = 0; d < D; d++)
+            kt[(size_t)d * ATTN_TILE + t] = t < nt ? k[d] : 0.0f;
+    }
+}
+
+static void qk_t_scalar(float *S, const float *const *q, int nrows, const float *kt, int D)
+{
+    for (int r = 0; r < nrows; r++)
+        for (int t = 0; t < ATTN_TILE; t++) {
+            float sum = 0.0f;
+            for (int d = 0; d < D; d++)
+                sum += q[r][d] * kt[(size_t)d * ATTN_TILE + t];
+            S[(size_t)r * ATTN_TILE + t] = sum;
+        }
+}
+
 const struct attn_ops attn_scalar_ops = {
     .name = "scalar",
     .qk = qk_scalar,
@@ -177,4 +203,6 @@ const struct attn_ops attn_scalar_ops = {
     .pv = pv_scalar,
     .stage_k = stage_k_scalar,
     .dequant = dequant_scalar,
+    .stage_kt = stage_kt_scalar,
+    .qk_t = qk_t_scalar,
 };

@@ -12,7 +12,11 @@
  * The central trick is in qk: a block of RB query rows x KB keys with
  * RB * KB = VL is accumulated in VL vector registers over head_dim, then
  * reduced with one transposing add tree into a single vector holding the
- * VL dot products - no horizontal sum per dot. P.V keeps a block of 4 rows
+ * VL dot products - no horizontal sum per dot. That serves a few rows
+ * (decode); for many rows (prefill) the tile's keys are staged transposed
+ * (VL x VL register transposes), and qk_t computes rows x 64 keys as a
+ * register-blocked product of broadcast query elements and key rows (6 x 4
+ * accumulators at AVX-512), with no reduction at all. P.V keeps a block of 4 rows
  * x NV vectors of the output in registers while it streams the tile's
  * values. f16 and bf16 become f32 in registers (vcvtph2ps; a 16-bit shift).
  */
@@ -120,6 +124,35 @@ INLINE vf vreduce(const vf *a)
     vf w0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
     vf w1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
     return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x44), _mm512_shuffle_ps(w0, w1, 0xEE));
+}
+
+/* Transpose 16 rows of 16 (in place): unpack pairs of rows, shuffle quads, then two
+ * rounds of 128-bit lane exchanges put column c in r[c]. */
+INLINE void vtranspose(vf *r)
+{
+    vf t[16], u[16], v[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int j = 0; j < 4; j++) { /* u[4j + k], lane L: column 4L + k of rows 4j..4j+3 */
+        u[4 * j] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0x44);
+        u[4 * j + 1] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0xEE);
+        u[4 * j + 2] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0x44);
+        u[4 * j + 3] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+        v[k + 4] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+        v[k + 8] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        v[k + 12] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm512_shuffle_f32x4(v[k], v[k + 8], 0x88);
+        r[k + 8] = _mm512_shuffle_f32x4(v[k], v[k + 8], 0xDD);
+        r[k + 4] = _mm512_shuffle_f32x4(v[k + 4], v[k + 12], 0x88);
+        r[k + 12] = _mm512_shuffle_f32x4(v[k + 4], v[k + 12], 0xDD);
+    }
 }
 
 /* exp(x) for x <= 0 (softmax arguments): Cephes' expf polynomial, 2^n by scalef. */
@@ -266,6 +299,26 @@ INLINE vf vreduce(const vf *a)
     vf w0 = _mm256_add_ps(_mm256_unpacklo_ps(t[0], t[1]), _mm256_unpackhi_ps(t[0], t[1]));
     vf w1 = _mm256_add_ps(_mm256_unpacklo_ps(t[2], t[3]), _mm256_unpackhi_ps(t[2], t[3]));
     return _mm256_add_ps(_mm256_shuffle_ps(w0, w1, 0x44), _mm256_shuffle_ps(w0, w1, 0xEE));
+}
+
+/* Transpose 8 rows of 8 (in place), as the AVX-512 version with one lane exchange. */
+INLINE void vtranspose(vf *r)
+{
+    vf t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int j = 0; j < 2; j++) {
+        u[4 * j] = _mm256_shuffle_ps(t[4 * j], t[4 * j + 2], 0x44);
+        u[4 * j + 1] = _mm256_shuffle_ps(t[4 * j], t[4 * j + 2], 0xEE);
+        u[4 * j + 2] = _mm256_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0x44);
+        u[4 * j + 3] = _mm256_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+        r[k + 4] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
 }
 
 INLINE vf vexp(vf x)
@@ -774,6 +827,146 @@ static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_ty
         stage_types(out, kp, nt, type, D, rot, pairing, cs, sn, ld_cs);
 }
 
+
+/* ------------------------------------------------------------------------
+ * Scores for many rows: the tile's keys transposed, no reduction
+ * ------------------------------------------------------------------------ */
+
+/* Rows of keys staged before a transpose: VL keys of up to this many elements. */
+#define KT_STAGE_D 128
+
+/*
+ * kt[d][t] (rows of ATTN_TILE floats) = element d of key t staged as
+ * stage_k stages it (converted, rotated, de-interleaved); columns from nt
+ * to ATTN_TILE are zero. VL keys at a time are staged into a small buffer,
+ * then transposed VL x VL in registers.
+ */
+INLINE void stage_kt_typed(float *kt, const void *const *kp, int nt, enum attn_type T, int D,
+                           int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                           int ld_cs)
+{
+    float buf[VL * KT_STAGE_D];
+    for (int t0 = 0; t0 < ATTN_TILE; t0 += VL) {
+        int n = nt - t0 < VL ? (nt - t0 > 0 ? nt - t0 : 0) : VL;
+        stage_typed(buf, kp + t0, n, T, D, rot, pairing, cs + (size_t)t0 * ld_cs,
+                    sn + (size_t)t0 * ld_cs, ld_cs);
+        for (int t = n; t < VL; t++)
+            memset(buf + (size_t)t * D, 0, sizeof(float) * (size_t)D);
+        for (int d0 = 0; d0 < D; d0 += VL) { /* VL x VL blocks, the last one narrower */
+            int w = D - d0 < VL ? D - d0 : VL;
+            vf r[VL];
+#pragma GCC unroll 16
+            for (int t = 0; t < VL; t++)
+                r[t] = vload_n(buf + (size_t)t * D + d0, w);
+            vtranspose(r);
+            for (int i = 0; i < w; i++)
+                vstore(kt + (size_t)(d0 + i) * ATTN_TILE + t0, r[i]);
+        }
+    }
+}
+
+INLINE void stage_kt_types(float *kt, const void *const *kp, int nt, enum attn_type type, int D,
+                           int rot, enum pos_rope_pairing pairing, const float *cs,
+                           const float *sn, int ld_cs)
+{
+    switch (type) {
+    case ATTN_F16:
+        stage_kt_typed(kt, kp, nt, ATTN_F16, D, rot, pairing, cs, sn, ld_cs);
+        break;
+    case ATTN_BF16:
+        stage_kt_typed(kt, kp, nt, ATTN_BF16, D, rot, pairing, cs, sn, ld_cs);
+        break;
+    case ATTN_F32:
+    case ATTN_Q8_0: /* block types come dequantised to f32 rows (attn.c) */
+    case ATTN_Q4_0:
+        stage_kt_typed(kt, kp, nt, ATTN_F32, D, rot, pairing, cs, sn, ld_cs);
+        break;
+    }
+}
+
+static void stage_kt_simd(float *kt, const void *const *kp, int nt, enum attn_type type, int D,
+                          int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                          int ld_cs)
+{
+    if (D == 64 && rot == 0)
+        stage_kt_types(kt, kp, nt, type, 64, 0, pairing, cs, sn, ld_cs);
+    else if (D == 64 && rot == 64 && ld_cs == 32)
+        stage_kt_types(kt, kp, nt, type, 64, 64, pairing, cs, sn, 32);
+    else if (D == 128 && rot == 0)
+        stage_kt_types(kt, kp, nt, type, 128, 0, pairing, cs, sn, ld_cs);
+    else if (D == 128 && rot == 128 && ld_cs == 64)
+        stage_kt_types(kt, kp, nt, type, 128, 128, pairing, cs, sn, 64);
+    else if (D <= KT_STAGE_D)
+        stage_kt_types(kt, kp, nt, type, D, rot, pairing, cs, sn, ld_cs);
+    else /* long heads: one key at a time through the scalar table */
+        attn_scalar_ops.stage_kt(kt, kp, nt, type, D, rot, pairing, cs, sn, ld_cs);
+}
+
+#ifdef SIMD_AVX512
+#define KT_RB 6 /* rows per block: 6 x 4 accumulators + 4 key vectors in 32 registers */
+#else
+#define KT_RB 2 /* 2 x 4 accumulators + 4 key vectors in 16 registers */
+#endif
+#define KT_NV 4 /* key vectors per block */
+
+/*
+ * S[r][t0 + t] for RB rows (the first nr stored) and KT_NV * VL keys from
+ * t0: a register-blocked product over d, each q[r][d] broadcast, each key
+ * row of kt loaded once for the RB rows.
+ */
+INLINE void qkt_block(float *S, const float *const *q, const float *kt, int t0, int D,
+                      const int RB, int nr)
+{
+    vf acc[KT_RB][KT_NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < KT_NV; j++)
+            acc[r][j] = vzero();
+    for (int d = 0; d < D; d++) {
+        vf k[KT_NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < KT_NV; j++)
+            k[j] = vload(kt + (size_t)d * ATTN_TILE + t0 + j * VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) {
+            vf qb = vset1(q[r][d]);
+#pragma GCC unroll 4
+            for (int j = 0; j < KT_NV; j++)
+                acc[r][j] = vfma(qb, k[j], acc[r][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++)
+        if (r < nr)
+#pragma GCC unroll 4
+            for (int j = 0; j < KT_NV; j++)
+                vstore(S + (size_t)r * ATTN_TILE + t0 + j * VL, acc[r][j]);
+}
+
+INLINE void qk_t_dim(float *S, const float *const *q, int nrows, const float *kt, int D)
+{
+    for (int t0 = 0; t0 < ATTN_TILE; t0 += KT_NV * VL)
+        for (int r = 0; r < nrows; r += KT_RB) {
+            /* a last partial block repeats its last row and stores only its own */
+            const float *qb[KT_RB];
+            for (int i = 0; i < KT_RB; i++)
+                qb[i] = q[r + i < nrows ? r + i : nrows - 1];
+            int nr = nrows - r < KT_RB ? nrows - r : KT_RB;
+            qkt_block(S + (size_t)r * ATTN_TILE, qb, kt, t0, D, KT_RB, nr);
+        }
+}
+
+static void qk_t_simd(float *S, const float *const *q, int nrows, const float *kt, int D)
+{
+    if (D == 64)
+        qk_t_dim(S, q, nrows, kt, 64);
+    else if (D == 128)
+        qk_t_dim(S, q, nrows, kt, 128);
+    else
+        qk_t_dim(S, q, nrows, kt, D);
+}
+
 /* ------------------------------------------------------------------------
  * Dequantising a tile of q8_0 / q4_0 rows
  * ------------------------------------------------------------------------ */
@@ -831,6 +1024,8 @@ const struct attn_ops KERN(attn_simd) = {
     .pv = pv_simd,
     .stage_k = stage_k_simd,
     .dequant = dequant_simd,
+    .stage_kt = stage_kt_simd,
+    .qk_t = qk_t_simd,
 };
 
 #endif /* SIMD_AVX512 || SIMD_AVX2; the scalar copy is empty */
