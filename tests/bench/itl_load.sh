@@ -24,12 +24,7 @@ prompt=${PROMPT_TOKENS:-4096}
 conc=${CONCURRENCY:-2}
 reqs=${REQUESTS:-6}
 maxt=${MAX_TOKENS:-64}
-tmp=$(mktemp -d)
-pid=""
-trap '[ -n "$pid" ] && kill -TERM $pid 2>/dev/null; rm -rf "$tmp"' EXIT
-trap 'exit 1' INT TERM PIPE
-
-load() { uptime | sed 's/.*load average: //; s/,.*//'; }
+. "$(dirname "$0")/serve_util.sh"
 
 # a column of the one data row of kvd load's CSV, by header name
 col() { awk -F, -v c="$2" 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == c) k = i } NR == 2 { print $k }' "$1"; }
@@ -38,15 +33,7 @@ row() { # binary
     sets=""
     for s in ${SET:-}; do sets="$sets --set $s"; done
     # shellcheck disable=SC2086 # $sets is a list of options
-    "$1" serve --model "$model" --listen 127.0.0.1:0 --set server.threads="$threads" \
-        --set cache.prefix_cache=false $sets >"$tmp/out" 2>"$tmp/log" &
-    pid=$!
-    port=""
-    for _ in $(seq 600); do
-        port=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$tmp/out")
-        [ -n "$port" ] && curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        sleep 0.1
-    done
+    start_serve "$1" --set cache.prefix_cache=false $sets
     l=$(load)
     rm -f "$tmp/csv"
     "$1" load --url "http://127.0.0.1:$port" --prompt-tokens "$prompt" --concurrency "$conc" \

@@ -25,13 +25,7 @@ case $1 in *[!0-9]*) ;; *) n=$1; shift ;; esac
 rounds=${ROUNDS:-2}
 threads=${THREADS:-2}
 prompt="Once upon a time there was a"
-tmp=$(mktemp -d)
-pid=""
-# the server goes with the script, however the script ends
-trap '[ -n "$pid" ] && kill -TERM $pid 2>/dev/null; rm -rf "$tmp"' EXIT
-trap 'exit 1' INT TERM PIPE
-
-load() { uptime | sed 's/.*load average: //; s/,.*//'; }
+. "$(dirname "$0")/serve_util.sh"
 
 body="{\"prompt\":\"$prompt\",\"n_predict\":$n,\"temperature\":0,\"ignore_eos\":true}"
 
@@ -48,15 +42,7 @@ cpu_ms() { awk -v a="$1" -v b="$2" -v n="$3" -v hz="$hz" 'BEGIN { printf "%.1f",
 child_s() { tail -n 1 "$1" | awk '{ for (i = 1; i <= 2; i++) { split($i, p, "m"); s += p[1] * 60 + p[2] } print s }'; }
 
 serve_rows() { # binary label
-    "$1" serve --model "$model" --listen 127.0.0.1:0 --set server.threads="$threads" \
-        >"$tmp/out" 2>"$tmp/log" &
-    pid=$!
-    port=""
-    for _ in $(seq 300); do
-        port=$(sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$tmp/out")
-        [ -n "$port" ] && curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        sleep 0.1
-    done
+    start_serve "$1"
     url="http://127.0.0.1:$port/completion"
     curl -s -d "$body" "$url" >/dev/null # warm up
     l=$(load)
