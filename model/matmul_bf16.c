@@ -1,7 +1,7 @@
 /*
  * matmul_bf16.c - out[t][o] = sum_i W[o][i] * x[t][i] with AVX-512 BF16's
  * vdpbf16ps over weights repacked in bf16 pairs (matmul_bf16.h's layout,
- * written at load by matmul_bf16_run.c).
+ * written at load by matmul_pack_run.c).
  *
  * ---------------------------------------------------------------------------
  * Why a dot product of pairs
@@ -41,7 +41,7 @@
  *
  * Levels: only the avx512 copy has these kernels, compiled for the
  * avx512bf16 target function by function (the rest of the level does not
- * assume it), and matmul_bf16_run.c calls them only while cpu_bf16().
+ * assume it), and matmul_pack_run.c calls them only while cpu_bf16().
  */
 #include "model/matmul_bf16.h"
 
@@ -69,9 +69,12 @@ INLINE __m512i round16(__m512 f)
         nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
 }
 
-/* One token's pairs into its column: 16 inputs (8 pairs) at a time. */
-static void round_x_avx512(const float *x, int n_in, uint32_t *dst)
+/* Token t's pairs into its column of its tile: 16 inputs (8 pairs) at a time. */
+static void round_avx512(const struct mm_pack_job *jb, const float *x, int t)
 {
+    const int n_in = jb->w->n_in;
+    uint32_t *dst = jb->xb + (size_t)(t / B_NT) * (size_t)mm_bf16_pairs(jb->w) * B_NT +
+                    (size_t)(t % B_NT);
     int i = 0;
     for (; i + 16 <= n_in; i += 16, dst += 8 * B_NT) {
         uint32_t pairs[8];
@@ -87,7 +90,7 @@ static void round_x_avx512(const float *x, int n_in, uint32_t *dst)
 }
 
 /* Group g's outputs for nt tokens from t0: the rows that exist. */
-INLINE void store_group(const struct mm_bf16_job *jb, int g, int t0, int nt, const __m512 *acc)
+INLINE void store_group(const struct mm_pack_job *jb, int g, int t0, int nt, const __m512 *acc)
 {
     const int o0 = g * MM_PACK_ROWS, n = jb->w->n_out - o0;
     const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
@@ -98,7 +101,7 @@ INLINE void store_group(const struct mm_bf16_job *jb, int g, int t0, int nt, con
 
 /* mg groups from g0 x nt tokens of token tile j: one f32 chain per row and
  * token along the pairs. mg and nt are constants where this is inlined. */
-BF16_INLINE void b_tile(const struct mm_bf16_job *jb, int g0, int mg, int j, int nt)
+BF16_INLINE void b_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 {
     const struct mm_weight *w = jb->w;
     const int np = mm_bf16_pairs(w);
@@ -106,7 +109,7 @@ BF16_INLINE void b_tile(const struct mm_bf16_job *jb, int g0, int mg, int j, int
     const uint8_t *gp[B_MG];
     for (int g = 0; g < mg; g++)
         gp[g] = (const uint8_t *)w->packed + (size_t)(g0 + g) * gb;
-    const uint32_t *xt = jb->x + (size_t)j * (size_t)np * B_NT;
+    const uint32_t *xt = jb->xb + (size_t)j * (size_t)np * B_NT;
 
     __m512 acc[B_MG][B_NT];
     for (int g = 0; g < mg; g++)
@@ -133,7 +136,7 @@ BF16_INLINE void b_tile(const struct mm_bf16_job *jb, int g0, int mg, int j, int
 
 /* The tile for nt tokens (1..B_NT), mg constant. */
 #define B_TILES(mg_)                                                                               \
-    BF16_FN static void b_tile_##mg_(const struct mm_bf16_job *jb, int g0, int j, int nt)          \
+    BF16_FN static void b_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)          \
     {                                                                                              \
         const int mg = mg_;                                                                        \
         switch (nt) {                                                                              \
@@ -158,7 +161,7 @@ B_TILES(2)
 
 /* Row groups outside, token tiles inside: the groups' pairs stay in cache
  * while every token passes. */
-static void groups_avx512(const struct mm_bf16_job *jb, int g0, int g1, int j0, int j1)
+static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     for (int g = g0; g < g1; g += B_MG) {
         const int mg = g1 - g < B_MG ? g1 - g : B_MG;
@@ -174,7 +177,7 @@ static void groups_avx512(const struct mm_bf16_job *jb, int g0, int g1, int j0, 
 
 const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
     .name = "avx512bf16 16-row pairs",
-    .round_x = round_x_avx512,
+    .round = round_avx512,
     .groups = groups_avx512,
 };
 
@@ -182,7 +185,7 @@ const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
 
 const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
     .name = NULL,
-    .round_x = NULL,
+    .round = NULL,
     .groups = NULL,
 };
 

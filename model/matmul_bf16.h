@@ -1,11 +1,12 @@
 /*
  * matmul_bf16.h - products over bf16 weights with AVX-512 BF16 (vdpbf16ps),
- * between the entry (matmul_bf16_run.c: the layout written at load, the
- * activations, the thread split) and the kernels (matmul_bf16.c, a kernel
- * file compiled once per level, cpu/kernel.h; only the avx512 copy has
- * them, and they run only where cpu_bf16() says the CPU has the feature).
+ * one variant of the repacked weights: matmul_pack_run.c writes the copy at
+ * load, prepares each token's activations through the kernels' round, and
+ * splits the work among threads as for every repacked weight; the kernels
+ * are matmul_bf16.c's, a kernel file compiled once per level (cpu/kernel.h)
+ * of which only the avx512 copy has code, run only while cpu_bf16().
  *
- * Which weights take this path (matmul_bf16_run.c decides, at load):
+ * Which weights take this path (matmul_pack_run.c decides, at load):
  *   bf16  always where cpu_bf16(): the weights are multiplied as stored;
  *         only the activations are rounded to bf16 (as llama.cpp does);
  *   f16   only when asked (KVD_F16=bf16, mm_f16_set_bf16): each weight is
@@ -24,7 +25,7 @@
  *
  * Activations, rounded to bf16 (round to nearest even, as qt_f32_to_bf16)
  * and stored by tiles of MM_BF16_NT tokens: tile j, pair p, token t of the
- * tile at x + (j * np + p) * MM_BF16_NT + t, one 32-bit pair (element 2p
+ * tile at xb + (j * np + p) * MM_BF16_NT + t, one 32-bit pair (element 2p
  * low); a last tile of fewer tokens leaves its other slots unused.
  */
 #ifndef KVD_MATMUL_BF16_H
@@ -34,21 +35,16 @@
 
 #define MM_BF16_NT 12 /* tokens per tile */
 
-/* The work of one product over bf16 pairs. */
-struct mm_bf16_job {
-    const struct mm_weight *w; /* w->packed holds bf16 pairs */
-    const uint32_t *x;         /* the activations by tiles, as above */
-    float *out;                /* [n_tok][n_out] */
-    int n_tok;
-};
-
+/* The kernels, over the jobs of matmul_internal.h's struct mm_pack_job:
+ * w->packed holds bf16 pairs, xb the activations by tiles as above. */
 struct mm_bf16_kernels {
     const char *name; /* NULL: the level has no bf16 kernels */
-    /* One token's activations x[n_in], rounded to bf16 pairs, into
-     * dst[p * MM_BF16_NT] for p < np (its column of its tile). */
-    void (*round_x)(const float *x, int n_in, uint32_t *dst);
+    /* Token t's activations xt[n_in], rounded to bf16 pairs, into its
+     * column of its tile: jb->xb + (t / MM_BF16_NT * np + p) * MM_BF16_NT
+     * + t % MM_BF16_NT for p < np. */
+    void (*round)(const struct mm_pack_job *jb, const float *xt, int t);
     /* Row groups [g0, g1) x token tiles [j0, j1) of the job. */
-    void (*groups)(const struct mm_bf16_job *jb, int g0, int g1, int j0, int j1);
+    void (*groups)(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1);
 };
 
 KERN_DECLARE(const struct mm_bf16_kernels, mm_bf16_kernels);
@@ -64,20 +60,5 @@ static inline size_t mm_bf16_group_bytes(const struct mm_weight *w)
 {
     return (size_t)mm_bf16_pairs(w) * 64;
 }
-
-/* The entry (matmul_bf16_run.c), for matmul_pack_run.c's hooks. */
-
-/* Whether w, not yet packed, is to be packed in bf16 pairs now. */
-bool mm_bf16_wants(const struct mm_weight *w);
-/* Whether the bf16 kernels can run now (a copy in pairs is usable). */
-bool mm_bf16_ready(void);
-size_t mm_bf16_pack_bytes(const struct mm_weight *w);
-/* Writes the pairs to dst (64-byte aligned) and sets w->packed, w->packed_bf16. */
-void mm_bf16_pack_weight(struct mm_weight *w, void *dst);
-size_t mm_bf16_scratch_bytes(const struct mm_weight *w, int n_tok);
-/* n products of one x (mm_matmul_many): the activations rounded once,
- * one parallel region; each output as it would be alone. */
-void mm_bf16_matmul_many(float *const *out, const struct mm_weight *const *ws, int n,
-                         const float *x, int n_tok, int n_threads, void *scratch);
 
 #endif /* KVD_MATMUL_BF16_H */

@@ -127,6 +127,7 @@ struct mm_pack_job {
     float *d;
     int32_t *c;
     float *x;   /* float weights: the transposed activations */
+    uint32_t *xb; /* bf16 pairs: the rounded activations (matmul_bf16.h) */
     float *out; /* [n_tok][n_out] */
     int n_tok;
 };

@@ -1,7 +1,14 @@
 /*
- * matmul_pack_run.c - weights repacked for matmul_pack.c's kernels: the
- * layout written (matmul_internal.h describes it), the scratch of the
- * activations, and the entry mm_matmul hands a repacked weight to.
+ * matmul_pack_run.c - weights repacked at load for the register-blocked
+ * kernels: the layout written (matmul_internal.h describes matmul_pack.c's,
+ * matmul_bf16.h the bf16 pairs'), the scratch of the activations, and the
+ * one driver mm_matmul hands a repacked weight to. A copy is one of three
+ * variants, each with its own preparation of a token's activations and
+ * its own kernel over row groups x token tiles, under the same split:
+ *
+ *   q8_0          quantised by the level's kernel (matmul_pack.c);
+ *   f32, f16      transposed by tiles, exact f32 FMA (matmul_pack.c);
+ *   bf16 pairs    rounded to bf16 pairs by tiles, vdpbf16ps (matmul_bf16.c).
  *
  * A weight is repacked only when the kernel level in use when it is packed
  * has kernels for its type (mm_pack_bytes says 0 otherwise), and a product
@@ -13,7 +20,10 @@
 #include "model/matmul_internal.h"
 
 #include <assert.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu/pool.h"
@@ -30,10 +40,80 @@ const char *mm_pack_kernel_name(void)
     return pkern()->name;
 }
 
+/* ------------------------------------------------------------------------
+ * Which weights go to bf16 pairs
+ *
+ * F16 weights: rounding them to bf16 keeps 8 of their 11 significant bits
+ * (a relative error up to 2^-9 per weight, on top of the activations'
+ * 2^-9), for twice the multiply rate. A file stored as F16 was meant to be
+ * multiplied at f16 precision, so by default it is not: F16 weights are
+ * widened exactly and run matmul_pack.c's f32 FMA tile. KVD_F16=bf16 (or
+ * mm_f16_set_bf16) opts in, for whoever prefers the speed; the kernels
+ * line says which was chosen. The choice is taken when a weight is packed
+ * (at load): a model loaded before a change keeps its copies.
+ * ------------------------------------------------------------------------ */
+
+static const struct mm_bf16_kernels *const bkernels[CPU_N_LEVELS] = KERN_TABLE(mm_bf16_kernels);
+
+static _Atomic int f16_bf16 = 0;
+
+void mm_f16_set_bf16(bool on)
+{
+    atomic_store_explicit(&f16_bf16, on, memory_order_relaxed);
+}
+
+bool mm_f16_bf16(void)
+{
+    return atomic_load_explicit(&f16_bf16, memory_order_relaxed);
+}
+
+int mm_f16_init_env(char *err, size_t errlen)
+{
+    const char *v = getenv("KVD_F16");
+    if (!v || !*v)
+        return 0;
+    if (strcmp(v, "exact") && strcmp(v, "bf16")) {
+        snprintf(err, errlen, "KVD_F16: unknown value '%s' (exact, bf16)", v);
+        return -1;
+    }
+    mm_f16_set_bf16(!strcmp(v, "bf16"));
+    return 0;
+}
+
+/* The bf16 kernels, when the level in use has them and the CPU runs them. */
+static const struct mm_bf16_kernels *bkern(void)
+{
+    const struct mm_bf16_kernels *k = bkernels[cpu_level()];
+    return k && k->name && cpu_bf16() ? k : NULL;
+}
+
+/* Whether w, not yet packed, is to be packed in bf16 pairs now. */
+static bool bf16_wants(const struct mm_weight *w)
+{
+    return bkern() && (w->type == GGML_TYPE_BF16 || (w->type == GGML_TYPE_F16 && mm_f16_bf16()));
+}
+
+const char *mm_bf16_describe(char *buf, size_t len)
+{
+    const struct mm_bf16_kernels *k = bkern();
+    if (k)
+        snprintf(buf, len, "bf16 by %s, f16 %s", k->name,
+                 mm_f16_bf16() ? "rounded to bf16 (KVD_F16=bf16)" : "exact");
+    else if (cpu_level() == CPU_AVX512)
+        snprintf(buf, len, "bf16 and f16 exact by f32 FMA (%s)",
+                 cpu_bf16_supported() ? "avx512bf16 forced off" : "no avx512bf16 on this CPU");
+    else
+        snprintf(buf, len, "bf16 and f16 exact");
+    return buf;
+}
+
+/* A copy's layout is fixed when it is written: bf16 pairs run only while
+ * the bf16 kernels do, the other copies while the level has kernels for
+ * the type. */
 bool mm_pack_ready(const struct mm_weight *w)
 {
-    if (w->packed && w->packed_bf16) /* bf16 pairs: matmul_bf16_run.c */
-        return mm_bf16_ready();
+    if (w->packed && w->packed_bf16)
+        return bkern() != NULL;
     return w->packed && pkern()->has(w->type);
 }
 
@@ -44,8 +124,8 @@ static size_t n_groups(const struct mm_weight *w)
 
 size_t mm_pack_bytes(const struct mm_weight *w)
 {
-    if (mm_bf16_wants(w))
-        return mm_bf16_pack_bytes(w);
+    if (bf16_wants(w))
+        return n_groups(w) * mm_bf16_group_bytes(w);
     if (!pkern()->has(w->type))
         return 0;
     return n_groups(w) * mm_pack_group_bytes(w);
@@ -94,11 +174,41 @@ static void pack_float_group(const struct mm_weight *w, size_t g, uint8_t *dst)
         }
 }
 
+/* Element k of a stored row as bf16 (an f16 rounded to nearest: every f16,
+ * subnormals included, is a normal number in bf16's range). */
+static uint32_t bf16_at(const struct mm_weight *w, const uint8_t *row, int k)
+{
+    if (!row || k >= w->n_in)
+        return 0;
+    uint16_t h;
+    memcpy(&h, row + 2 * (size_t)k, 2);
+    return w->type == GGML_TYPE_BF16 ? h : qt_f32_to_bf16(qt_f16_to_f32(h));
+}
+
+/* One group of rows in bf16 pairs (matmul_bf16.h). */
+static void pack_bf16_group(const struct mm_weight *w, size_t g, uint32_t *dst)
+{
+    const int np = mm_bf16_pairs(w);
+    for (int r = 0; r < MM_PACK_ROWS; r++) {
+        size_t o = g * MM_PACK_ROWS + (size_t)r;
+        const uint8_t *row =
+            o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
+        uint32_t *lane = dst + (size_t)r;
+        for (int q = 0; q < np; q++)
+            lane[(size_t)q * MM_PACK_ROWS] = bf16_at(w, row, 2 * q) | bf16_at(w, row, 2 * q + 1)
+                                                                          << 16;
+    }
+}
+
 void mm_pack_weight(struct mm_weight *w, void *dst)
 {
     assert(dst && ((uintptr_t)dst & 63) == 0 && mm_pack_bytes(w) > 0);
-    if (mm_bf16_wants(w)) {
-        mm_bf16_pack_weight(w, dst);
+    if (bf16_wants(w)) {
+        const size_t gb = mm_bf16_group_bytes(w);
+        for (size_t g = 0; g < n_groups(w); g++)
+            pack_bf16_group(w, g, (uint32_t *)((uint8_t *)dst + g * gb));
+        w->packed = dst;
+        w->packed_bf16 = true;
         return;
     }
     w->packed_bf16 = false;
@@ -135,6 +245,11 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
                              struct mm_pack_job *jb)
 {
     uint8_t *base = scratch, *p = base;
+    if (w->packed_bf16) { /* bf16 pairs: the rounded tiles */
+        if (jb)
+            jb->xb = (uint32_t *)p;
+        return round_up(round_up((size_t)n_tok, MM_BF16_NT) * (size_t)mm_bf16_pairs(w) * 4, 64);
+    }
     if (w->type != GGML_TYPE_Q8_0) { /* float weights: the transposed tiles */
         if (jb)
             jb->x = (float *)p;
@@ -156,8 +271,6 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
 
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok)
 {
-    if (w->packed_bf16)
-        return mm_bf16_scratch_bytes(w, n_tok);
     return scratch_layout(w, n_tok, NULL, NULL);
 }
 
@@ -180,7 +293,7 @@ static void transpose_token(const struct mm_pack_job *jb, const float *xt, int t
  *
  *  - by token tiles, when the batch has at least MM_PACK_SPLIT_TILES tiles
  *    per thread (prefill): each thread prepares the activations of its own
- *    tiles (quantises or transposes them) and multiplies them by every row
+ *    tiles (quantises, transposes or rounds them) and multiplies them by every row
  *    group. The preparation runs in parallel and needs no barrier, since a
  *    thread reads only slots it wrote; each thread reads the whole weight
  *    matrix, which a chunk of hundreds of tokens amortises (and the second
@@ -196,15 +309,36 @@ static void transpose_token(const struct mm_pack_job *jb, const float *xt, int t
 
 #define MM_PACK_SPLIT_TILES 8
 
+/* A copy's kernel variant: how a token's activations are prepared into
+ * the scratch (its slots of its tile), the kernel over row groups [g0, g1)
+ * x token tiles [j0, j1), and the tile width in tokens. */
+struct pack_variant {
+    void (*token)(const struct mm_pack_job *jb, const float *xt, int t);
+    void (*groups)(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1);
+    int tw;
+};
+
+static struct pack_variant variant_of(const struct mm_weight *w)
+{
+    if (w->packed_bf16) {
+        const struct mm_bf16_kernels *bk = bkern();
+        return (struct pack_variant){bk->round, bk->groups, MM_BF16_NT};
+    }
+    const struct mm_pack_kernels *pk = pkern();
+    if (w->type == GGML_TYPE_Q8_0)
+        return (struct pack_variant){pk->quantize, pk->groups, MM_PACK_NT};
+    return (struct pack_variant){transpose_token, pk->groups, MM_PACK_FNT};
+}
+
 /* One call: n products of one x (mm_matmul_many; n = 1 for mm_matmul),
  * their jobs sharing the activations' slots. By rows, the pairs of groups
- * (the kernel's tile height) of all products are numbered one after
+ * (the kernels' tile height) of all products are numbered one after
  * another: product i's pair v is unit u_end[i - 1] + v. */
 struct pack_run {
-    const struct mm_pack_kernels *pk;
+    struct pack_variant v;
     const struct mm_pack_job *jb; /* [n] */
     const float *x;               /* [n_tok][n_in] */
-    int n, tw;                    /* products; tile width in tokens */
+    int n;                        /* products */
     int ng[MM_MANY_MAX];          /* row groups of product i */
     int u_end[MM_MANY_MAX];       /* units of products 0..i */
     const struct mm_tail *tail;   /* or NULL; with it, by rows, unit v is pair v of every product */
@@ -214,18 +348,13 @@ struct pack_run {
 static void prepare(const struct pack_run *r, int t0, int t1)
 {
     const struct mm_pack_job *jb = r->jb;
-    for (int t = t0; t < t1; t++) {
-        const float *xt = r->x + (size_t)t * (size_t)jb->w->n_in;
-        if (jb->w->type == GGML_TYPE_Q8_0)
-            r->pk->quantize(jb, xt, t);
-        else
-            transpose_token(jb, xt, t);
-    }
+    for (int t = t0; t < t1; t++)
+        r->v.token(jb, r->x + (size_t)t * (size_t)jb->w->n_in, t);
 }
 
 static int n_tiles(const struct pack_run *r)
 {
-    return (r->jb->n_tok + r->tw - 1) / r->tw;
+    return (r->jb->n_tok + r->v.tw - 1) / r->v.tw;
 }
 
 /* A thread's token tiles [j0, j1): their activations, then every group of
@@ -234,17 +363,17 @@ static void run_tiles(void *arg, size_t j0, size_t j1, int t)
 {
     (void)t;
     const struct pack_run *r = arg;
-    int t1 = (int)j1 * r->tw < r->jb->n_tok ? (int)j1 * r->tw : r->jb->n_tok;
-    prepare(r, (int)j0 * r->tw, t1);
+    const int tw = r->v.tw, t1 = (int)j1 * tw < r->jb->n_tok ? (int)j1 * tw : r->jb->n_tok;
+    prepare(r, (int)j0 * tw, t1);
     for (int i = 0; i < r->n; i++)
-        r->pk->groups(&r->jb[i], 0, r->ng[i], (int)j0, (int)j1);
+        r->v.groups(&r->jb[i], 0, r->ng[i], (int)j0, (int)j1);
     if (r->tail)
-        r->tail->fn(r->tail->arg, 0, r->jb->w->n_out, (int)j0 * r->tw, t1);
+        r->tail->fn(r->tail->arg, 0, r->jb->w->n_out, (int)j0 * tw, t1);
 }
 
 static void run_pair(const struct pack_run *r, int i, int v)
 {
-    r->pk->groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i], 0, n_tiles(r));
+    r->v.groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i], 0, n_tiles(r));
 }
 
 /* A thread's share of the units [u0, u1), every tile: the same calls of
@@ -280,18 +409,12 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
 {
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
     assert(n >= 1 && n <= MM_MANY_MAX && scratch && ((uintptr_t)scratch & 63) == 0);
-    if (w->packed_bf16) {
-        assert(!tail); /* mm_matmul_many runs it apart */
-        mm_bf16_matmul_many(out, ws, n, x, n_tok, n_threads, scratch);
-        return;
-    }
-    struct mm_pack_job jb[MM_MANY_MAX];
-    struct pack_run r = {.pk = pkern(), .jb = jb, .x = x, .n = n, .tail = tail};
-    r.tw = w->type == GGML_TYPE_Q8_0 ? MM_PACK_NT : MM_PACK_FNT;
+    struct mm_pack_job jb[MM_MANY_MAX] = {{0}};
+    struct pack_run r = {.v = variant_of(w), .jb = jb, .x = x, .n = n, .tail = tail};
     scratch_layout(w, n_tok, scratch, &jb[0]);
     for (int i = 0; i < n; i++) {
         assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in &&
-               !ws[i]->packed_bf16);
+               ws[i]->packed_bf16 == w->packed_bf16);
         jb[i] = jb[0];
         jb[i].w = ws[i];
         jb[i].out = out[i];

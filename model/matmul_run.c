@@ -194,13 +194,13 @@ void mm_matmul_many(float *const *out, const struct mm_weight *const *w, int n, 
     }
     if (n_tok <= 0)
         return;
-    bool tail_inside = one_region && !w[0]->packed_bf16; /* the bf16 kernels take no tail */
-    if (one_region) /* matmul_pack_run.c */
-        mm_pack_matmul_many(out, w, n, x, n_tok, n_threads, scratch, tail_inside ? tail : NULL);
-    else
-        for (int i = 0; i < n; i++)
-            mm_matmul_scratch(out[i], w[i], x, n_tok, n_threads, scratch);
-    if (tail && !tail_inside)
+    if (one_region) { /* matmul_pack_run.c, the tail inside its region */
+        mm_pack_matmul_many(out, w, n, x, n_tok, n_threads, scratch, tail);
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        mm_matmul_scratch(out[i], w[i], x, n_tok, n_threads, scratch);
+    if (tail)
         cpu_pool_for(cpu_pool_threads(n_threads), (size_t)w[0]->n_out, run_tail,
                      &(struct tail_rows){tail, n_tok});
 }

@@ -1,6 +1,6 @@
 /*
  * test_bf16.c - BF16 and F16 weights with AVX-512 BF16 (model/matmul_bf16.c,
- * matmul_bf16_run.c): the bound, invariance across batches and threads,
+ * matmul_pack_run.c): the bound, invariance across batches and threads,
  * the other paths when the feature is off or the level lower, the F16
  * choice, and what the kvd binary prints.
  *
@@ -271,6 +271,100 @@ static void test_bf16_many(void **state)
     assert_int_equal(cpu_force("auto", NULL, 0), 0);
 }
 
+/* The tail of a gate/up region (mm_tail): SwiGLU of block [r0, r1) x
+ * [t0, t1) into gate's output, each cell counted, and whether every block
+ * has the shape of the region's own split (so the tail ran inside it, on
+ * the thread that wrote the block): by rows, at most a pair of row groups
+ * (32 rows) over every token; by token tiles, every row over tokens from a
+ * tile's start. The separate pass after the products splits the rows
+ * among the threads instead, every token at once. */
+struct glu_tail {
+    float *g;
+    const float *u;
+    int *seen;
+    int n_out, n_tok;
+    bool inside;
+};
+
+static float silu_mul(float g, float u)
+{
+    return g / (1.0f + expf(-g)) * u;
+}
+
+static void glu_tail_fn(void *arg, int r0, int r1, int t0, int t1)
+{
+    struct glu_tail *a = arg;
+    const bool by_rows = r1 - r0 <= 32 && t0 == 0 && t1 == a->n_tok;
+    const bool by_tiles = r0 == 0 && r1 == a->n_out && t0 % 12 == 0 && t1 - t0 < a->n_tok;
+    if (!by_rows && !by_tiles)
+        a->inside = false;
+    for (int t = t0; t < t1; t++)
+        for (int r = r0; r < r1; r++) {
+            size_t i = (size_t)t * (size_t)a->n_out + (size_t)r;
+            a->g[i] = silu_mul(a->g[i], a->u[i]);
+            a->seen[i]++;
+        }
+}
+
+/* Gate and up over bf16 pairs with the SwiGLU tail (the forward's MLP):
+ * the tail runs inside the products' region, and the outputs are bit for
+ * bit the products alone followed by the activation, at 1 to 3 threads,
+ * for one token (by rows) and for 200 (by token tiles on 2 threads). */
+static void test_bf16_tail(void **state)
+{
+    (void)state;
+    if (!bf16_here()) {
+        skip();
+        return;
+    }
+    cl_force(CPU_AVX512);
+    enum { N_IN = 96, N_OUT = 70, MAX_TOK = 200 };
+    struct mat m[2];
+    rng_state = 77;
+    for (int i = 0; i < 2; i++) {
+        mat_init(&m[i], GGML_TYPE_BF16, N_IN, N_OUT);
+        assert_true(mat_pack(&m[i]) && m[i].w.packed_bf16);
+    }
+    float *x = random_x(N_IN, MAX_TOK);
+    const size_t cells = (size_t)N_OUT * MAX_TOK;
+    float *g = malloc(sizeof(float) * cells), *u = malloc(sizeof(float) * cells);
+    float *want = malloc(sizeof(float) * cells), *up = malloc(sizeof(float) * cells);
+    int *seen = malloc(sizeof(int) * cells);
+    void *scratch = aligned_alloc(64, (mm_scratch_bytes(&m[0].w, MAX_TOK) + 63) / 64 * 64);
+    const int n_toks[] = {1, 15, MAX_TOK};
+    for (size_t k = 0; k < 3; k++)
+        for (int th = 1; th <= 3; th++) {
+            const int n_tok = n_toks[k];
+            const size_t n = (size_t)N_OUT * (size_t)n_tok;
+            assert_int_equal(mm_matmul(want, &m[0].w, x, n_tok, th), 0);
+            assert_int_equal(mm_matmul(up, &m[1].w, x, n_tok, th), 0);
+            for (size_t i = 0; i < n; i++)
+                want[i] = silu_mul(want[i], up[i]);
+            memset(seen, 0, sizeof(int) * n);
+            struct glu_tail a = {g, u, seen, N_OUT, n_tok, true};
+            const struct mm_weight *ws[2] = {&m[0].w, &m[1].w};
+            float *outs[2] = {g, u};
+            mm_matmul_many(outs, ws, 2, x, n_tok, th, scratch,
+                           &(struct mm_tail){glu_tail_fn, &a});
+            if (!a.inside)
+                fail_msg("%d tokens, %d threads: the tail ran apart from the products", n_tok, th);
+            for (size_t i = 0; i < n; i++)
+                assert_int_equal(seen[i], 1);
+            assert_memory_equal(u, up, sizeof(float) * n);
+            assert_memory_equal(g, want, sizeof(float) * n);
+        }
+    free(scratch);
+    free(seen);
+    free(g);
+    free(u);
+    free(want);
+    free(up);
+    free(x);
+    for (int i = 0; i < 2; i++)
+        mat_free(&m[i]);
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+}
+
 /*
  * A BF16 weight packed in pairs, then multiplied at every level the CPU
  * runs and with the feature forced off: where the bf16 kernels do not run
@@ -454,6 +548,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bf16_bound_invariance),
         cmocka_unit_test(test_bf16_many),
+        cmocka_unit_test(test_bf16_tail),
         cmocka_unit_test(test_bf16_lower_levels),
         cmocka_unit_test(test_f16_choice),
         cmocka_unit_test(test_f16_env),
