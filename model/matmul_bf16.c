@@ -175,9 +175,93 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, 
     }
 }
 
+/* ------------------------------------------------------------------------
+ * The copy in pairs, at load
+ *
+ * Each group is a transpose: 16 stored rows in, for every pair of inputs
+ * one 64-byte line of the 16 rows' pairs out. Per 16 inputs, each row's
+ * elements become 8 pairs in one register (f16 rounded to bf16 on the
+ * way, bf16 as stored), two 8 x 8 transposes of 32-bit pairs turn the 16
+ * registers into the 8 lines, and the lines are stored whole. An element
+ * at a time, through f32, the same copy of a SmolLM-shaped model took
+ * about three times as long from f16 as from bf16, most of a second.
+ * The rounding is round16's, so the bits are qt_f32_to_bf16's of the
+ * exact f32 of each f16 (tests/test_bf16.c compares all 65,536).
+ * ------------------------------------------------------------------------ */
+
+/* Element k of a stored row as bf16 (0 past the row's end or for a row
+ * past n_out): the inputs after the last whole 16. */
+static uint32_t bf16_at(const struct mm_weight *w, const uint8_t *row, int k)
+{
+    if (!row || k >= w->n_in)
+        return 0;
+    uint16_t h;
+    memcpy(&h, row + 2 * (size_t)k, 2);
+    return w->type == GGML_TYPE_BF16 ? h : qt_f32_to_bf16(qt_f16_to_f32(h));
+}
+
+/* Inputs k..k+15 of a stored row as 8 bf16 pairs (zeros for no row). */
+INLINE __m256i pairs8(const struct mm_weight *w, const uint8_t *row, int k)
+{
+    if (!row)
+        return _mm256_setzero_si256();
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 2 * (size_t)k));
+    if (w->type == GGML_TYPE_BF16)
+        return h;
+    return _mm512_cvtepi32_epi16(round16(_mm512_cvtph_ps(h)));
+}
+
+/* r[i] lane j <- r[j] lane i, for 8 registers of 8 32-bit lanes. */
+INLINE void transpose8(__m256i r[8])
+{
+    __m256 b[8], c[8];
+    for (int i = 0; i < 8; i += 2) {
+        b[i] = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+        b[i + 1] = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+    }
+    for (int i = 0; i < 8; i += 4) { /* c[i + m]: lanes m and 4 + m of rows i..i+3 */
+        c[i] = _mm256_shuffle_ps(b[i], b[i + 2], 0x44);
+        c[i + 1] = _mm256_shuffle_ps(b[i], b[i + 2], 0xee);
+        c[i + 2] = _mm256_shuffle_ps(b[i + 1], b[i + 3], 0x44);
+        c[i + 3] = _mm256_shuffle_ps(b[i + 1], b[i + 3], 0xee);
+    }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm256_castps_si256(_mm256_permute2f128_ps(c[m], c[4 + m], 0x20));
+        r[4 + m] = _mm256_castps_si256(_mm256_permute2f128_ps(c[m], c[4 + m], 0x31));
+    }
+}
+
+/* Group g of w (bf16 or f16) in pairs into dst (matmul_bf16.h's layout). */
+static void pack_group_avx512(const struct mm_weight *w, size_t g, uint32_t *dst)
+{
+    const uint8_t *rows[MM_PACK_ROWS];
+    for (int r = 0; r < MM_PACK_ROWS; r++) {
+        size_t o = g * MM_PACK_ROWS + (size_t)r;
+        rows[r] = o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
+    }
+    int k = 0;
+    for (; k + 16 <= w->n_in; k += 16) {
+        __m256i lo[8], hi[8]; /* rows 0..7 and 8..15 */
+        for (int r = 0; r < 8; r++) {
+            lo[r] = pairs8(w, rows[r], k);
+            hi[r] = pairs8(w, rows[8 + r], k);
+        }
+        transpose8(lo);
+        transpose8(hi);
+        for (int p = 0; p < 8; p++)
+            _mm512_store_si512((void *)(dst + (size_t)(k / 2 + p) * MM_PACK_ROWS),
+                               _mm512_inserti64x4(_mm512_castsi256_si512(lo[p]), hi[p], 1));
+    }
+    for (int q = k / 2; q < mm_bf16_pairs(w); q++)
+        for (int r = 0; r < MM_PACK_ROWS; r++)
+            dst[(size_t)q * MM_PACK_ROWS + (size_t)r] =
+                bf16_at(w, rows[r], 2 * q) | bf16_at(w, rows[r], 2 * q + 1) << 16;
+}
+
 const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
     .name = "avx512bf16 16-row pairs",
     .round = round_avx512,
+    .pack_group = pack_group_avx512,
     .groups = groups_avx512,
 };
 
@@ -186,6 +270,7 @@ const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
 const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
     .name = NULL,
     .round = NULL,
+    .pack_group = NULL,
     .groups = NULL,
 };
 

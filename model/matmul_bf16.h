@@ -45,6 +45,9 @@ struct mm_bf16_kernels {
     void (*round)(const struct mm_pack_job *jb, const float *xt, int t);
     /* Row groups [g0, g1) x token tiles [j0, j1) of the job. */
     void (*groups)(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1);
+    /* Group g of w's stored rows (bf16, or f16 rounded to nearest even)
+     * into dst in pairs, as above (mm_bf16_group_bytes, 64-byte aligned). */
+    void (*pack_group)(const struct mm_weight *w, size_t g, uint32_t *dst);
 };
 
 KERN_DECLARE(const struct mm_bf16_kernels, mm_bf16_kernels);

@@ -174,39 +174,13 @@ static void pack_float_group(const struct mm_weight *w, size_t g, uint8_t *dst)
         }
 }
 
-/* Element k of a stored row as bf16 (an f16 rounded to nearest: every f16,
- * subnormals included, is a normal number in bf16's range). */
-static uint32_t bf16_at(const struct mm_weight *w, const uint8_t *row, int k)
-{
-    if (!row || k >= w->n_in)
-        return 0;
-    uint16_t h;
-    memcpy(&h, row + 2 * (size_t)k, 2);
-    return w->type == GGML_TYPE_BF16 ? h : qt_f32_to_bf16(qt_f16_to_f32(h));
-}
-
-/* One group of rows in bf16 pairs (matmul_bf16.h). */
-static void pack_bf16_group(const struct mm_weight *w, size_t g, uint32_t *dst)
-{
-    const int np = mm_bf16_pairs(w);
-    for (int r = 0; r < MM_PACK_ROWS; r++) {
-        size_t o = g * MM_PACK_ROWS + (size_t)r;
-        const uint8_t *row =
-            o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
-        uint32_t *lane = dst + (size_t)r;
-        for (int q = 0; q < np; q++)
-            lane[(size_t)q * MM_PACK_ROWS] = bf16_at(w, row, 2 * q) | bf16_at(w, row, 2 * q + 1)
-                                                                          << 16;
-    }
-}
-
 void mm_pack_weight(struct mm_weight *w, void *dst)
 {
     assert(dst && ((uintptr_t)dst & 63) == 0 && mm_pack_bytes(w) > 0);
     if (bf16_wants(w)) {
         const size_t gb = mm_bf16_group_bytes(w);
         for (size_t g = 0; g < n_groups(w); g++)
-            pack_bf16_group(w, g, (uint32_t *)((uint8_t *)dst + g * gb));
+            bkern()->pack_group(w, g, (uint32_t *)((uint8_t *)dst + g * gb));
         w->packed = dst;
         w->packed_bf16 = true;
         return;

@@ -365,6 +365,66 @@ static void test_bf16_tail(void **state)
     assert_int_equal(cpu_force("auto", NULL, 0), 0);
 }
 
+/* Element (o, k) of the bit-pattern matrix below, as stored. */
+static uint16_t pattern(int o, int k)
+{
+    return (uint16_t)(o * 1632 + k);
+}
+
+/* The copy in pairs, lane by lane, against the scalar conversion of each
+ * element (qt_f32_to_bf16 of the exact f32 of an f16: round to nearest
+ * even; a bf16 as stored): 41 rows x 1,639 inputs, whose whole 16s hold
+ * every one of the 65,536 bit patterns (subnormals, ties, infinities,
+ * NaNs), then a 7-input tail, an odd last pair and a padded last group. */
+static void test_bf16_pack_bits(void **state)
+{
+    (void)state;
+    if (!bf16_here()) {
+        skip();
+        return;
+    }
+    cl_force(CPU_AVX512);
+    enum { N_IN = 1639, N_OUT = 41, NP = (N_IN + 1) / 2 };
+    uint16_t *data = malloc(sizeof(uint16_t) * N_IN * N_OUT);
+    assert_non_null(data);
+    for (int o = 0; o < N_OUT; o++)
+        for (int k = 0; k < N_IN; k++)
+            data[(size_t)o * N_IN + k] = pattern(o, k);
+    const enum ggml_type types[2] = {GGML_TYPE_F16, GGML_TYPE_BF16};
+    mm_f16_set_bf16(true);
+    for (int ty = 0; ty < 2; ty++) {
+        struct mm_weight w;
+        char err[160];
+        assert_int_equal(mm_weight_init(&w, types[ty], N_IN, N_OUT, data, err, sizeof err), 0);
+        size_t pb = mm_pack_bytes(&w);
+        assert_int_equal(pb, (size_t)3 * NP * 64);
+        uint32_t *packed = aligned_alloc(64, pb);
+        assert_non_null(packed);
+        mm_pack_weight(&w, packed);
+        assert_true(w.packed_bf16);
+        for (int o = 0; o < 3 * 16; o++)
+            for (int p = 0; p < NP; p++) {
+                uint32_t want = 0;
+                for (int h = 0; h < 2; h++) {
+                    const int k = 2 * p + h;
+                    if (o >= N_OUT || k >= N_IN)
+                        continue;
+                    uint16_t e = pattern(o, k);
+                    uint32_t b = types[ty] == GGML_TYPE_BF16 ? e : qt_f32_to_bf16(qt_f16_to_f32(e));
+                    want |= b << (16 * h);
+                }
+                uint32_t got = packed[((size_t)(o / 16) * NP + p) * 16 + o % 16];
+                if (got != want)
+                    fail_msg("%s row %d pair %d: 0x%08x, want 0x%08x", qt_type_name(types[ty]), o,
+                             p, got, want);
+            }
+        free(packed);
+    }
+    mm_f16_set_bf16(false);
+    free(data);
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
+}
+
 /*
  * A BF16 weight packed in pairs, then multiplied at every level the CPU
  * runs and with the feature forced off: where the bf16 kernels do not run
@@ -549,6 +609,7 @@ int main(void)
         cmocka_unit_test(test_bf16_bound_invariance),
         cmocka_unit_test(test_bf16_many),
         cmocka_unit_test(test_bf16_tail),
+        cmocka_unit_test(test_bf16_pack_bits),
         cmocka_unit_test(test_bf16_lower_levels),
         cmocka_unit_test(test_f16_choice),
         cmocka_unit_test(test_f16_env),
