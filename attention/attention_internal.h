@@ -166,14 +166,18 @@ static inline int32_t attn_window_floor(int32_t pos_q, int32_t window)
 }
 
 /*
- * Rows to prefetch while a tile is scored: n key rows (k[t]) and value rows
- * (v[t]) of the next head or tile, bytes each. The SIMD qk spreads the
- * requests over its key loop; n = 0 (or a NULL pointer) asks for nothing.
+ * Memory to prefetch while a tile is scored: n runs of whole cache lines
+ * (run[i] on a line boundary, len[i] bytes), `lines` lines in all - the
+ * K and V rows of one head in each page a tile touches. The SIMD qk
+ * spreads the requests evenly over its key loop, in run order; n = 0 (or a
+ * NULL pointer) asks for nothing.
  */
+#define ATTN_PF_RUNS (2 * ATTN_TILE)
 struct attn_prefetch {
-    const void *k[ATTN_TILE], *v[ATTN_TILE];
+    const char *run[ATTN_PF_RUNS];
+    int len[ATTN_PF_RUNS];
     int n;
-    int kbytes, vbytes; /* bytes of a key row, of a value row */
+    int lines;
 };
 
 /*

@@ -101,8 +101,6 @@ struct tscratch {
     int32_t *kpos;            /* [ATTN_TILE] positions of the tile's keys, padded */
     size_t *tok;              /* [ATTN_TILE] byte offset of each key's page */
     int *slot;                /* [ATTN_TILE] each key's slot in its page */
-    size_t *tok_next;         /* [ATTN_TILE] the same for the next tile (prefetching) */
-    int *slot_next;           /* [ATTN_TILE] */
     const void **kp, **vp;    /* [ATTN_TILE] key and value rows of one head */
     float *kst;               /* [ATTN_TILE][head_dim] staged (converted, rotated) keys */
     float *vst;               /* [ATTN_TILE][head_dim] staged (converted) values; before
@@ -222,8 +220,6 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(kpos, ATTN_TILE);
     CARVE(tok, ATTN_TILE);
     CARVE(slot, ATTN_TILE);
-    CARVE(tok_next, ATTN_TILE);
-    CARVE(slot_next, ATTN_TILE);
     CARVE(kp, ATTN_TILE);
     CARVE(vp, ATTN_TILE);
     CARVE(kst, (size_t)ATTN_TILE * D);
@@ -739,26 +735,43 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
     ctx->ops->qk_t(w->S, q, rows_h, w->kst, D);
 }
 
+/* Add bytes [p, p + len) to pf as a run of whole cache lines. */
+static void pf_add(struct attn_prefetch *pf, const uint8_t *p, size_t len)
+{
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(CACHE_LINE - 1);
+    size_t n = align_up((size_t)((uintptr_t)p + len - a), CACHE_LINE);
+    if (pf->n == ATTN_PF_RUNS)
+        return;
+    pf->run[pf->n] = (const char *)a;
+    pf->len[pf->n] = (int)n;
+    pf->n++;
+    pf->lines += (int)(n / CACHE_LINE);
+}
+
 /*
- * Describe KV head g's rows of a tile (slot offsets tok, n keys) for the
- * next scoring call to prefetch: a head's rows are page_tokens-row runs
- * scattered over pages, which the hardware prefetcher follows poorly.
+ * Describe KV head g's rows of keys [k0, k0 + n) for the next scoring call
+ * to prefetch: within a page a head's rows are one run of K bytes and one
+ * of V bytes, and the runs of successive pages are a page apart, which the
+ * hardware prefetcher follows poorly.
  */
 static const struct attn_prefetch *prefetch_head(const attn_ctx *ctx, struct attn_prefetch *pf,
-                                                 const size_t *tok, const int *slot,
-                                                 const struct attn_kv *kv, int g, int n)
+                                                 const struct attn_kv *kv,
+                                                 const struct attn_seq *sq, int g, int k0, int n)
 {
     const size_t krow = attn_row_bytes(kv->k_type, ctx->p.head_dim);
     const size_t vrow = attn_row_bytes(kv->v_type, ctx->p.head_dim);
-    const uint8_t *kb = kv->base + kv->k_offset + (size_t)g * kv->page_tokens * krow;
-    const uint8_t *vb = kv->base + kv->v_offset + (size_t)g * kv->page_tokens * vrow;
-    for (int t = 0; t < n; t++) {
-        pf->k[t] = kb + tok[t] + (size_t)slot[t] * krow;
-        pf->v[t] = vb + tok[t] + (size_t)slot[t] * vrow;
+    const int pt = kv->page_tokens;
+    const uint8_t *kb = kv->base + kv->k_offset + (size_t)g * pt * krow;
+    const uint8_t *vb = kv->base + kv->v_offset + (size_t)g * pt * vrow;
+    pf->n = 0;
+    pf->lines = 0;
+    for (int k = k0; k < k0 + n;) {
+        int s0 = k % pt, s1 = pt - s0 < k0 + n - k ? pt : s0 + (k0 + n - k);
+        size_t page = (size_t)sq->page_table[k / pt] * kv->page_bytes;
+        pf_add(pf, kb + page + (size_t)s0 * krow, (size_t)(s1 - s0) * krow);
+        pf_add(pf, vb + page + (size_t)s0 * vrow, (size_t)(s1 - s0) * vrow);
+        k += s1 - s0;
     }
-    pf->n = n;
-    pf->kbytes = (int)krow;
-    pf->vbytes = (int)vrow;
     return pf;
 }
 
@@ -862,17 +875,14 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
             continue; /* every key of the tile is in every query's future */
         if (ctx->rot)
             ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
-        int nt_next = it->k1 - (k0 + ATTN_TILE);
-        nt_next = nt_next < ATTN_TILE ? nt_next : ATTN_TILE;
-        if (nt_next > 0)
-            tile_offsets(w->tok_next, w->slot_next, kv, sq, k0 + ATTN_TILE, nt_next);
         for (int hh = 0; hh < u->ng; hh++) {
             int r0 = hh * rows_h;
-            const struct attn_prefetch *pf = NULL; /* the next head, or head 0 of the next tile */
-            if (hh + 1 < u->ng)
-                pf = prefetch_head(ctx, w->pf, w->tok, w->slot, kv, u->g0 + hh + 1, nt);
-            else if (nt_next > 0)
-                pf = prefetch_head(ctx, w->pf, w->tok_next, w->slot_next, kv, u->g0, nt_next);
+            /* prefetch the next head, or head 0 of the next tile */
+            int kn = hh + 1 < u->ng ? k0 : k0 + ATTN_TILE;
+            int nn = it->k1 - kn < ATTN_TILE ? it->k1 - kn : ATTN_TILE;
+            const struct attn_prefetch *pf = NULL;
+            if (nn > 0)
+                pf = prefetch_head(ctx, w->pf, kv, sq, u->g0 + (hh + 1) % u->ng, kn, nn);
             head_scores(ctx, w, kv, u->g0 + hh, nt, r0, rows_h, pf);
             for (int r = 0; r < rows_h; r++)
                 ops->softmax(w->S + (size_t)r * ATTN_TILE, nt, w->kpos, w->rpos[r0 + r],

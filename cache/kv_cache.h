@@ -119,8 +119,9 @@ typedef struct kv_cache kv_cache; /* the pool + all sequences; one owner thread 
 /*
  * Create the pool: validates the params (a quantised type with a head_dim
  * that is not a multiple of 32 is refused, naming both), maps n_pages * page_bytes bytes
- * once (anonymous mmap; pages are touched, and so resident, only when a
- * sequence first writes them unless mlock is set) and builds the free list.
+ * once (anonymous mmap on a 2 MiB boundary, advised as huge pages; pages are
+ * touched, and so resident, only when a sequence first writes them unless
+ * mlock is set) and builds the free list.
  * Returns the cache, or NULL with the reason in err (bad shape, a budget
  * that holds no page, more than INT32_MAX pages, mmap failure).
  *
@@ -141,6 +142,9 @@ size_t kv_cache_memory_for(const struct kv_cache_params *params, int64_t n_pages
 void kv_cache_destroy(kv_cache *cache);
 
 bool kv_cache_mlocked(const kv_cache *cache);
+/* Whether the pool's mapping was advised as 2 MiB pages (the kernel took
+ * MADV_HUGEPAGE; speed only, nothing depends on it). */
+bool kv_cache_huge_pages(const kv_cache *cache);
 int kv_cache_n_pages(const kv_cache *cache);
 int kv_cache_page_tokens(const kv_cache *cache);
 uint8_t *kv_cache_base(kv_cache *cache);

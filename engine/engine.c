@@ -212,6 +212,10 @@ static int create_cache(engine *e, char *err, size_t errlen)
     }
     if (warn[0])
         engine_log(&e->p.hooks, ENGINE_LOG_WARN, "kv cache: %s", warn);
+    if (!kv_cache_huge_pages(e->cache))
+        engine_log(&e->p.hooks, ENGINE_LOG_WARN,
+                   "kv cache: the kernel refused the pool's 2 MiB page advice (transparent huge "
+                   "pages off?); 4 KiB pages, decode attention at long context runs slower");
     long need = (long)kv_cache_pages_for(e->cache, &e->lim.policy,
                                          e->lim.policy.max_cache_tokens, e->lim.step_tokens);
     if (kv_cache_n_pages(e->cache) < need) {

@@ -28,6 +28,8 @@
  */
 #include "model/model_internal.h"
 
+#include "cpu/mem.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,25 +70,11 @@ static void release_rows(const struct mm_weight *w)
         (void)madvise((void *)a, b - a, MADV_DONTNEED); /* advice: failure changes nothing */
 }
 
-#define HUGE_PAGE ((size_t)2 << 20)
-
 /* bytes of anonymous memory starting on a 2 MiB boundary, advised as huge
- * pages; NULL if it cannot be mapped. munmap(p, bytes) frees it. */
+ * pages (cpu/mem.h); NULL if it cannot be mapped. munmap(p, bytes) frees it. */
 static void *map_huge(size_t bytes)
 {
-    size_t span = bytes + HUGE_PAGE;
-    uint8_t *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED)
-        return NULL;
-    uint8_t *p = (uint8_t *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
-    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    size_t head = (size_t)(p - raw), used = (bytes + page - 1) / page * page;
-    if (head)
-        munmap(raw, head);
-    if (span - head > used)
-        munmap(p + used, span - head - used);
-    (void)madvise(p, used, MADV_HUGEPAGE); /* advice: refused, it only costs speed */
-    return p;
+    return cpu_map_huge(bytes, true, NULL);
 }
 
 int model_pack_weights(model *m, char *err, size_t errlen)

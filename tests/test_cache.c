@@ -260,6 +260,32 @@ static void test_mlock_optional(void **state)
     kv_cache_destroy(c); /* also destroys s */
 }
 
+/* The pool starts on a 2 MiB boundary, advised as huge pages wherever the
+ * kernel has transparent huge pages (the advice is then accepted, whatever
+ * the enabled mode); every byte of it stays writable. */
+static void test_pool_huge_pages(void **state)
+{
+    (void)state;
+    struct kv_cache_params p = {.memory_bytes = 5u << 20,
+                                .page_tokens = 16,
+                                .n_layer = 3,
+                                .n_kv_head = 3,
+                                .head_dim = 64,
+                                .k_type = KV_F16,
+                                .v_type = KV_F16};
+    char err[256];
+    kv_cache *c = kv_cache_create(&p, err, sizeof(err));
+    assert_non_null(c);
+    assert_int_equal((uintptr_t)kv_cache_base(c) % ((uintptr_t)2 << 20), 0);
+    bool thp = access("/sys/kernel/mm/transparent_hugepage/enabled", F_OK) == 0;
+    if (thp)
+        assert_true(kv_cache_huge_pages(c));
+    size_t bytes = (size_t)kv_cache_n_pages(c) * kv_cache_page_bytes(c);
+    memset(kv_cache_base(c), 0x5a, bytes);
+    assert_int_equal(kv_cache_base(c)[bytes - 1], 0x5a);
+    kv_cache_destroy(c);
+}
+
 /* ------------------------------------------------------------------------
  * Policies
  * ------------------------------------------------------------------------ */
@@ -1120,6 +1146,7 @@ int main(void)
         cmocka_unit_test(test_layout),
         cmocka_unit_test(test_pool_lifo_and_check),
         cmocka_unit_test(test_mlock_optional),
+        cmocka_unit_test(test_pool_huge_pages),
         cmocka_unit_test(test_policy_check),
         cmocka_unit_test(test_policy_budget),
         cmocka_unit_test(test_memory_for),
