@@ -242,7 +242,8 @@ benches: $(BENCH_BIN)
 # second binary, alternated with this one: both columns and the ratio),
 # FULL=1 (512 to 64k for every type; the default runs 512 and 4k, and 16k
 # for q8_0), CTX=512,4k (these contexts for every type), TYPES=q8_0,f16,
-# KV=f16,q8_0, ROUNDS=N (the best of N). `make bench-table` runs only them.
+# f16-bf16 (f16-bf16: the f16 model under KVD_F16=bf16), KV=f16,q8_0,
+# ROUNDS=N (the best of N). `make bench-table` runs only them.
 BENCH_TABLE  := $(BUILD)/bench/bench_table
 BENCH_MODELS ?= $(BUILD)/bench/models
 BENCH_TABLE_ARGS = --kvd $(BUILD)/kvd --models $(BENCH_MODELS) $(if $(BEFORE),--before $(BEFORE)) \

@@ -111,18 +111,25 @@ static int row_cells(const char *line, char cells[][64], int max)
     return n;
 }
 
-/* The table's row for type/ctx (e.g. "q8_0", "64"), or NULL. */
-static const char *find_row(const char *out, const char *type, const char *ctx, char *line,
-                            size_t len)
+/* The table's row for type/kv/ctx (e.g. "q8_0", "f16", "64"), or NULL. */
+static const char *find_kv_row(const char *out, const char *type, const char *kv, const char *ctx,
+                               char *line, size_t len)
 {
     char want[64];
-    snprintf(want, sizeof want, "| %s | f16 | %s |", type, ctx);
+    snprintf(want, sizeof want, "| %s | %s | %s |", type, kv, ctx);
     const char *at = strstr(out, want);
     if (!at)
         return NULL;
     size_t n = strcspn(at, "\n");
     snprintf(line, len, "%.*s", (int)n, at);
     return line;
+}
+
+/* ... with f16 K/V. */
+static const char *find_row(const char *out, const char *type, const char *ctx, char *line,
+                            size_t len)
+{
+    return find_kv_row(out, type, "f16", ctx, line, len);
 }
 
 static void assert_positive(const char *cell)
@@ -220,6 +227,47 @@ static void test_before_after(void **state)
     free(out);
 }
 
+/* f16-bf16 rows (the f16 model under KVD_F16=bf16) are held to the
+ * vdpbf16ps peak: their prefill roofline is above the f16 rows' wherever
+ * that peak was measured (equal where the CPU lacks it); q8_0 K/V rows run,
+ * their decode roofline above f16 K/V's (fewer bytes per position). */
+static void test_f16_bf16_and_q8_kv(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *args[] = {"--tiny", "--kvd", kvd_bin, "--models", models, "--types",
+                          "f16,f16-bf16", "--kv", "f16,q8_0", "--ctx", "64,1k", NULL};
+    int status;
+    char *out = run_driver(args, &status);
+    print_message("%s", out);
+    assert_int_equal(status, 0);
+    /* [type f16, f16-bf16][kv f16, q8_0][ctx 64, 1k] */
+    char line[512], c[2][2][2][16][64];
+    const char *types[] = {"f16", "f16-bf16"}, *kvs[] = {"f16", "q8_0"}, *ctxs[] = {"64", "1k"};
+    for (int t = 0; t < 2; t++)
+        for (int k = 0; k < 2; k++)
+            for (int x = 0; x < 2; x++) {
+                assert_non_null(find_kv_row(out, types[t], kvs[k], ctxs[x], line, sizeof line));
+                assert_int_equal(row_cells(line, c[t][k][x], 16), 11);
+                for (int i = 3; i < 10; i++)
+                    if (i == 6 || i == 9)
+                        assert_percent(c[t][k][x][i]);
+                    else
+                        assert_positive(c[t][k][x][i]);
+            }
+    /* at 64 tokens the weights dominate prefill: vdpbf16ps's peak shows */
+    double f16_roof = atof(c[0][0][0][8]), bf16_roof = atof(c[1][0][0][8]);
+    if (strstr(out, "vdpbf16ps not measured"))
+        assert_true(bf16_roof == f16_roof);
+    else
+        assert_true(bf16_roof > 1.2 * f16_roof);
+    /* at 1k the K/V bytes do decode's: roofline / bus = 1 / bytes */
+    char(*f16kv)[64] = c[0][0][1], (*q8kv)[64] = c[0][1][1];
+    assert_true(atof(q8kv[5]) / atof(q8kv[3]) > 1.1 * atof(f16kv[5]) / atof(f16kv[3]));
+    assert_non_null(strstr(out, "KVD_F16=bf16"));
+    free(out);
+}
+
 static void test_failing_binary(void **state)
 {
     (void)state;
@@ -260,6 +308,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_one_binary),
         cmocka_unit_test(test_before_after),
+        cmocka_unit_test(test_f16_bf16_and_q8_kv),
         cmocka_unit_test(test_failing_binary),
         cmocka_unit_test(test_bad_options),
     };

@@ -32,7 +32,11 @@
  *    peak), the peaks bench_peak.h's, per core, times the threads. The
  *    weight peak is vpdpbusd's for q8_0, vdpbf16ps's for bf16 where the CPU
  *    has it, and the f32 FMA's for f32 and f16 (the yardstick the issue
- *    sets them). The norms, rotations and SwiGLU are left out: they are
+ *    sets them). An "f16-bf16" row is the f16 model run with KVD_F16=bf16
+ *    in the binary's environment: its weights are rounded to bf16 at load
+ *    and multiplied by vdpbf16ps, so that peak is its yardstick (a binary
+ *    whose kernels line does not say so gets a note); the other rows run
+ *    with KVD_F16 taken out of the environment. The norms, rotations and SwiGLU are left out: they are
  *    work a real forward must do, so 100% is out of reach by a few points.
  *
  * Time. A 16k prompt takes one to three minutes per weight type and
@@ -72,7 +76,7 @@
 
 extern char **environ;
 
-#define MAX_TYPES 4
+#define MAX_TYPES 5
 #define MAX_CTX 8
 #define MAX_KV 2
 #define MAX_BINS 2
@@ -91,15 +95,24 @@ struct shape {
 
 static const struct shape SMOLLM = {"576x30 (SmolLM-135M)", 576, 30, 9, 3, 1536, 49152, 131072,
                                     {512, 4096, 16384, 65536}, {512, 4096}, 32};
-/* The smoke test's: seconds for the whole table. */
-static const struct shape TINY = {"64x2 (tiny)", 64, 2, 4, 2, 128, 512, 4096,
+/* The smoke test's: seconds for the whole table (head_dim 32: q8_0 K/V's
+ * block, so its rows run too). */
+static const struct shape TINY = {"64x2 (tiny)", 64, 2, 2, 1, 128, 512, 4096,
                                   {64, 256, 1024, 2048}, {64, 256}, 8};
+
+/* A row's weights: the file's type, and for f16 whether the binary is
+ * asked to round them to bf16 at load (KVD_F16=bf16: the "f16-bf16" rows,
+ * held to the vdpbf16ps peak). */
+struct wtype {
+    enum ggml_type file;
+    bool f16_bf16;
+};
 
 struct opts {
     const char *bins[MAX_BINS]; /* [0] before (if n_bins == 2), last: the binary measured */
     const char *labels[MAX_BINS];
     int n_bins;
-    enum ggml_type types[MAX_TYPES];
+    struct wtype types[MAX_TYPES];
     int n_types;
     int ctx[MAX_CTX]; /* --ctx: these for every type; 0 entries = the default plan */
     int n_ctx;
@@ -120,7 +133,7 @@ struct run {
 };
 
 struct row {
-    enum ggml_type type;
+    int ti; /* its weights: opts.types[ti] */
     enum kv_type kv;
     int ctx;
     bool run;
@@ -139,7 +152,7 @@ struct model_cost {
 
 static struct {
     double vnni, fma, bf16; /* per core, GOPS */
-    char kernels[MAX_BINS][256], weights[MAX_BINS][MAX_TYPES][256];
+    char kernels[MAX_BINS][MAX_TYPES][256], weights[MAX_BINS][MAX_TYPES][256];
 } g;
 
 static void die(const char *fmt, const char *arg)
@@ -159,6 +172,12 @@ static const char *ctx_name(int ctx, char *buf, size_t len)
     return buf;
 }
 
+/* The table's name for a row's weights: the GGUF type, or "f16-bf16". */
+static const char *wname(const struct wtype *w)
+{
+    return w->f16_bf16 ? "f16-bf16" : gguf_ggml_type_name(w->file);
+}
+
 /* ------------------------------------------------------------------------
  * Options
  * ------------------------------------------------------------------------ */
@@ -170,7 +189,9 @@ static void usage(FILE *f)
             "  --kvd KVD        the kvd binary measured (the \"after\" column)\n"
             "  --before KVD     a second binary, run alternately with the first: both columns\n"
             "                   and their ratio\n"
-            "  --types LIST     weight types, of f32,f16,q8_0,bf16 (default all four)\n"
+            "  --types LIST     weight types, of f32,f16,f16-bf16,q8_0,bf16 (default all\n"
+            "                   five); f16-bf16 = the f16 model run with KVD_F16=bf16 (its\n"
+            "                   weights rounded to bf16 at load, the vdpbf16ps peak)\n"
             "  --ctx LIST       contexts run for every type, e.g. 512,4k,16k (default: 512 and\n"
             "                   4k for every type, 16k for q8_0)\n"
             "  --full           the whole grid: 512, 4k, 16k and 64k for every type\n"
@@ -216,11 +237,17 @@ static int parse_list(const char *list, int max, void (*parse)(const char *, voi
 
 static void parse_type_item(const char *s, void *out, int i)
 {
-    enum ggml_type t;
-    if (model_mk_parse_type(s, &t) ||
-        (t != GGML_TYPE_F32 && t != GGML_TYPE_F16 && t != GGML_TYPE_Q8_0 && t != GGML_TYPE_BF16))
-        die("--types wants f32, f16, q8_0 or bf16; got '%s'", s);
-    ((enum ggml_type *)out)[i] = t;
+    struct wtype w = {.f16_bf16 = !strcmp(s, "f16-bf16")};
+    if (w.f16_bf16)
+        w.file = GGML_TYPE_F16;
+    else if (model_mk_parse_type(s, &w.file) ||
+             (w.file != GGML_TYPE_F32 && w.file != GGML_TYPE_F16 && w.file != GGML_TYPE_Q8_0 &&
+              w.file != GGML_TYPE_BF16))
+        die("--types wants f32, f16, f16-bf16, q8_0 or bf16; got '%s'", s);
+    for (int k = 0; k < i; k++)
+        if (!memcmp(&((struct wtype *)out)[k], &w, sizeof w))
+            die("--types names '%s' twice", s);
+    ((struct wtype *)out)[i] = w;
 }
 
 static void parse_ctx_item(const char *s, void *out, int i)
@@ -298,10 +325,11 @@ static void parse_opts(int argc, char **argv, struct opts *o)
     o->bins[o->n_bins] = kvd;
     o->labels[o->n_bins++] = before ? "after" : "kvd";
     if (!o->n_types) {
-        const enum ggml_type all[4] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0,
-                                       GGML_TYPE_BF16};
+        const struct wtype all[5] = {{GGML_TYPE_F32, false}, {GGML_TYPE_F16, false},
+                                     {GGML_TYPE_F16, true},  {GGML_TYPE_Q8_0, false},
+                                     {GGML_TYPE_BF16, false}};
         memcpy(o->types, all, sizeof all);
-        o->n_types = 4;
+        o->n_types = 5;
     }
     if (!o->n_kv)
         o->kv[o->n_kv++] = KV_F16;
@@ -367,23 +395,26 @@ static void measure_peaks(void)
            v, f, b);
 }
 
-/* The peak a type's weight products are held to (per core), or 0. */
-static double weight_peak(enum ggml_type t)
+/* Whether a row's weight products run as bf16 pairs: bf16 weights, or f16
+ * ones rounded to bf16 (KVD_F16=bf16), on a CPU with vdpbf16ps. */
+static bool bf16_products(const struct wtype *w)
 {
-    if (t == GGML_TYPE_Q8_0)
-        return g.vnni;
-    if (t == GGML_TYPE_BF16 && g.bf16 > 0)
-        return g.bf16;
-    return g.fma;
+    return (w->file == GGML_TYPE_BF16 || w->f16_bf16) && g.bf16 > 0;
 }
 
-static const char *weight_peak_name(enum ggml_type t)
+/* The peak a row's weight products are held to (per core), or 0. */
+static double weight_peak(const struct wtype *w)
 {
-    if (t == GGML_TYPE_Q8_0)
+    if (w->file == GGML_TYPE_Q8_0)
+        return g.vnni;
+    return bf16_products(w) ? g.bf16 : g.fma;
+}
+
+static const char *weight_peak_name(const struct wtype *w)
+{
+    if (w->file == GGML_TYPE_Q8_0)
         return "vpdpbusd";
-    if (t == GGML_TYPE_BF16 && g.bf16 > 0)
-        return "vdpbf16ps";
-    return "f32 FMA";
+    return bf16_products(w) ? "vdpbf16ps" : "f32 FMA";
 }
 
 /* ------------------------------------------------------------------------
@@ -561,6 +592,31 @@ static void parse_report(FILE *f, struct run *r, char *kernels, char *weights)
         snprintf(r->note, sizeof r->note, "%.150s", last);
 }
 
+/* The environment a row's binary runs in: ours without KVD_F16, plus
+ * KVD_F16=bf16 for an f16-bf16 row (so a KVD_F16 the caller exported cannot
+ * change a plain f16 row unseen). The array is static: one run at a time. */
+static char **row_environ(const struct wtype *w)
+{
+    static char **env;
+    static size_t cap;
+    size_t n = 0, k = 0;
+    while (environ[n])
+        n++;
+    if (n + 2 > cap) {
+        cap = n + 2;
+        env = realloc(env, cap * sizeof *env);
+        if (!env)
+            die("%s", "out of memory");
+    }
+    for (size_t i = 0; i < n; i++)
+        if (strncmp(environ[i], "KVD_F16=", 8))
+            env[k++] = environ[i];
+    if (w->f16_bf16)
+        env[k++] = "KVD_F16=bf16";
+    env[k] = NULL;
+    return env;
+}
+
 static void run_generate(const struct opts *o, int bin, const char *model_path, const char *prompt,
                          int ctx, enum kv_type kv, struct run *r, int ti)
 {
@@ -583,7 +639,7 @@ static void run_generate(const struct opts *o, int bin, const char *model_path, 
     memset(r, 0, sizeof *r);
     pid_t pid;
     double t0 = bench_now();
-    int rc = posix_spawn(&pid, o->bins[bin], &fa, NULL, argv, environ);
+    int rc = posix_spawn(&pid, o->bins[bin], &fa, NULL, argv, row_environ(&o->types[ti]));
     posix_spawn_file_actions_destroy(&fa);
     if (rc) {
         snprintf(r->note, sizeof r->note, "cannot run %s: %s", o->bins[bin], strerror(rc));
@@ -598,8 +654,11 @@ static void run_generate(const struct opts *o, int bin, const char *model_path, 
     double cpu = (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 +
                  (double)ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
     r->cores = wall > 0 ? cpu / wall : 0;
-    parse_report(err, r, g.kernels[bin], g.weights[bin][ti]);
+    parse_report(err, r, g.kernels[bin][ti], g.weights[bin][ti]);
     fclose(err);
+    if (o->types[ti].f16_bf16 && g.kernels[bin][ti][0] && !strstr(g.kernels[bin][ti], "rounded to bf16"))
+        snprintf(r->note, sizeof r->note, "its kernels line does not say \"f16 rounded to bf16\": "
+                 "this binary ran f16 exact (KVD_F16 unknown to it, or no vdpbf16ps)");
     r->ok = WIFEXITED(status) && WEXITSTATUS(status) == 0 && r->prompt_tokens > 0 &&
             r->gen_tokens > 1;
     if (r->ok && r->gen_tokens < o->n_gen && !r->note[0])
@@ -636,12 +695,12 @@ static bool in_list(const int *list, int n, int v)
 }
 
 /* Whether the default plan runs type t at ctx (--ctx and --full aside). */
-static bool quick_cell(const struct shape *s, enum ggml_type t, int ctx)
+static bool quick_cell(const struct shape *s, const struct wtype *t, int ctx)
 {
     int n = 0;
     while (n < 4 && s->quick[n])
         n++;
-    return in_list(s->quick, n, ctx) || (t == GGML_TYPE_Q8_0 && ctx == s->grid[2]);
+    return in_list(s->quick, n, ctx) || (t->file == GGML_TYPE_Q8_0 && ctx == s->grid[2]);
 }
 
 static int plan_rows(const struct opts *o, struct row *rows)
@@ -658,11 +717,11 @@ static int plan_rows(const struct opts *o, struct row *rows)
             for (int c = 0; c < n_ctx && n < MAX_ROWS; c++) {
                 struct row *r = &rows[n++];
                 memset(r, 0, sizeof *r);
-                r->type = o->types[ti];
+                r->ti = ti;
                 r->kv = o->kv[k];
                 r->ctx = ctxs[c];
                 r->run = o->full || (o->n_ctx ? in_list(o->ctx, o->n_ctx, ctxs[c])
-                                              : quick_cell(o->shape, r->type, ctxs[c]));
+                                              : quick_cell(o->shape, &o->types[ti], ctxs[c]));
             }
     return n;
 }
@@ -685,7 +744,7 @@ static double prefill_roofline(const struct opts *o, const struct model_cost *c,
                                const struct row *r)
 {
     const struct shape *s = o->shape;
-    double wpeak = weight_peak(r->type) * 1e9 * o->threads, fpeak = g.fma * 1e9 * o->threads;
+    double wpeak = weight_peak(&o->types[r->ti]) * 1e9 * o->threads, fpeak = g.fma * 1e9 * o->threads;
     if (wpeak <= 0 || fpeak <= 0)
         return 0;
     double w_ops = 2.0 * (c->layer_macs + c->output_macs / r->ctx);
@@ -696,14 +755,6 @@ static double prefill_roofline(const struct opts *o, const struct model_cost *c,
 /* ------------------------------------------------------------------------
  * Running the rows
  * ------------------------------------------------------------------------ */
-
-static int type_index(const struct opts *o, enum ggml_type t)
-{
-    for (int i = 0; i < o->n_types; i++)
-        if (o->types[i] == t)
-            return i;
-    return 0;
-}
 
 /* The bus bandwidth on the table's threads (GB/s, the write-allocate read
  * counted), if better than *best. */
@@ -732,9 +783,9 @@ static void run_row(const struct opts *o, const struct model_cost *cost, const m
     double bus = 0;
     triad_into(o, &bus);
     fprintf(stderr, "bench_table: %s %s-KV %s: a prompt of %d tokens (%zu bytes), bus %.1f GB/s, "
-            "load %s\n", gguf_ggml_type_name(r->type), kv_type_name(r->kv),
+            "load %s\n", wname(&o->types[r->ti]), kv_type_name(r->kv),
             ctx_name(r->ctx, cn, sizeof cn), n_tok, strlen(prompt), bus, r->load);
-    int ti = type_index(o, r->type);
+    int ti = r->ti;
     for (int round = 0; round < o->rounds; round++)
         for (int k = 0; k < o->n_bins; k++) {
             int b = (k + order + round) % o->n_bins; /* alternate who goes first */
@@ -744,7 +795,7 @@ static void run_row(const struct opts *o, const struct model_cost *cost, const m
             fprintf(stderr,
                     "bench_table: %s %s-KV %s %s: prefill %d tokens %.1f tok/s, decode %d "
                     "tokens %.1f tok/s, %.2f cores, %.0f s%s%s\n",
-                    gguf_ggml_type_name(r->type), kv_type_name(r->kv),
+                    wname(&o->types[ti]), kv_type_name(r->kv),
                     ctx_name(r->ctx, cn, sizeof cn), o->labels[b], run.prompt_tokens,
                     run.prefill_tps, run.gen_tokens, run.decode_tps, run.cores,
                     bench_now() - t0, run.note[0] ? "; " : "", run.note);
@@ -831,7 +882,7 @@ static void print_table(const struct opts *o, const struct row *rows, int n)
         const struct row *r = &rows[i];
         if (!r->run)
             continue;
-        printf("| %s | %s | %s | %.1f |", gguf_ggml_type_name(r->type), kv_type_name(r->kv),
+        printf("| %s | %s | %s | %.1f |", wname(&o->types[r->ti]), kv_type_name(r->kv),
                ctx_name(r->ctx, cn, sizeof cn), r->bus_gbs);
         print_half(o, r, true);
         print_half(o, r, false);
@@ -848,8 +899,11 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
            "the whole prompt, real text the binary tokenizes and reads in chunks of %d (no "
            "synthetic fill at any context, 64k included); its roofline is weight ops at the "
            "type's peak + attention ops at the f32 FMA peak, x %d threads. Weight peaks: q8_0 "
-           "vpdpbusd, bf16 %s, f32 and f16 f32 FMA.\n",
-           o->n_gen, o->batch, o->threads, weight_peak_name(GGML_TYPE_BF16));
+           "vpdpbusd, bf16 and f16-bf16 %s, f32 and f16 f32 FMA. f16-bf16 rows run the f16 "
+           "model with KVD_F16=bf16 in the binary's environment (its f16 weights rounded to "
+           "bf16 at load); every other row runs without KVD_F16.\n",
+           o->n_gen, o->batch, o->threads,
+           weight_peak_name(&(struct wtype){.file = GGML_TYPE_BF16}));
     printf("each run: KVD generate --model %s/%dx%d_TYPE.gguf --prompt TEXT -n %d --temp 0 "
            "--threads %d --batch %d --ctx P+%d --kv-type KV --no-echo\n",
            o->models, o->shape->n_embd, o->shape->n_layer, o->n_gen, o->threads, o->batch,
@@ -857,7 +911,7 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
     for (int i = 0; i < n; i++)
         for (int b = 0; b < o->n_bins; b++)
             if (rows[i].run && rows[i].best[b].note[0])
-                printf("note: %s %s-KV %s %s: %s\n", gguf_ggml_type_name(rows[i].type),
+                printf("note: %s %s-KV %s %s: %s\n", wname(&o->types[rows[i].ti]),
                        kv_type_name(rows[i].kv), ctx_name(rows[i].ctx, cn, sizeof cn),
                        o->labels[b], rows[i].best[b].note);
     bool any = false;
@@ -865,18 +919,25 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
         if (rows[i].run)
             continue;
         printf("%s %s%s", any ? "," : "not run (--full, or --ctx; make bench FULL=1 or CTX=...):",
-               gguf_ggml_type_name(rows[i].type), rows[i].kv == KV_F16 ? "" : "/q8_0-KV");
+               wname(&o->types[rows[i].ti]), rows[i].kv == KV_F16 ? "" : "/q8_0-KV");
         printf(" %s", ctx_name(rows[i].ctx, cn, sizeof cn));
         any = true;
     }
     if (any)
         printf("\n");
     for (int b = 0; b < o->n_bins; b++) {
+        /* the binary's kernels line, then each type's where it differs */
+        const char *first = "";
+        for (int t = 0; t < o->n_types && !first[0]; t++)
+            first = g.kernels[b][t];
         printf("%s = %s: kernels %s\n", o->labels[b], o->bins[b],
-               g.kernels[b][0] ? g.kernels[b] : "(not printed)");
-        for (int t = 0; t < o->n_types; t++)
+               first[0] ? first : "(not printed)");
+        for (int t = 0; t < o->n_types; t++) {
+            if (g.kernels[b][t][0] && strcmp(g.kernels[b][t], first))
+                printf("  %s kernels %s\n", wname(&o->types[t]), g.kernels[b][t]);
             if (g.weights[b][t][0])
-                printf("  %s weights %s\n", gguf_ggml_type_name(o->types[t]), g.weights[b][t]);
+                printf("  %s weights %s\n", wname(&o->types[t]), g.weights[b][t]);
+        }
     }
 }
 
@@ -915,11 +976,11 @@ int main(int argc, char **argv)
     struct model_cost cost[MAX_TYPES];
     for (int t = 0; t < o.n_types; t++) {
         char path[512];
-        model_file(&o, o.types[t], path, sizeof path);
+        model_file(&o, o.types[t].file, path, sizeof path);
         model_cost_of(path, &cost[t]);
         printf("model %s %s: %.1f MB of weights read per decoded token, %.1f M multiply-adds "
                "per prompt token in the blocks\n",
-               o.shape->name, gguf_ggml_type_name(o.types[t]), cost[t].weight_bytes / 1e6,
+               o.shape->name, wname(&o.types[t]), cost[t].weight_bytes / 1e6,
                cost[t].layer_macs / 1e6);
     }
     fflush(stdout);
@@ -931,7 +992,7 @@ int main(int argc, char **argv)
         die("%s", err);
     for (int i = 0, k = 0; i < n_rows; i++)
         if (rows[i].run)
-            run_row(&o, &cost[type_index(&o, rows[i].type)], tok, &rows[i], k++);
+            run_row(&o, &cost[rows[i].ti], tok, &rows[i], k++);
     model_free(tok);
 
     char load[32];
