@@ -243,12 +243,13 @@ benches: $(BENCH_BIN)
 # FULL=1 (512 to 64k for every type; the default runs 512 and 4k, and 16k
 # for q8_0), CTX=512,4k (these contexts for every type), TYPES=q8_0,f16,
 # f16-bf16 (f16-bf16: the f16 model under KVD_F16=bf16), KV=f16,q8_0,
-# ROUNDS=N (the best of N). `make bench-table` runs only them.
+# ROUNDS=N (the best of N), REAL=1 (a real prompt at 64k too, not a
+# fill: tens of minutes per type). `make bench-table` runs only them.
 BENCH_TABLE  := $(BUILD)/bench/bench_table
 BENCH_MODELS ?= $(BUILD)/bench/models
 BENCH_TABLE_ARGS = --kvd $(BUILD)/kvd --models $(BENCH_MODELS) $(if $(BEFORE),--before $(BEFORE)) \
                    $(if $(FULL),--full) $(if $(CTX),--ctx $(CTX)) $(if $(TYPES),--types $(TYPES)) \
-                   $(if $(KV),--kv $(KV)) $(if $(ROUNDS),--rounds $(ROUNDS))
+                   $(if $(KV),--kv $(KV)) $(if $(ROUNDS),--rounds $(ROUNDS)) $(if $(REAL),--real)
 
 bench: benches $(BUILD)/kvd
 	@for b in $(filter-out $(BENCH_TABLE),$(BENCH_BIN)); do echo "== $$b"; \

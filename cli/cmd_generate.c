@@ -10,6 +10,13 @@
  * completion is the text `kvd serve` gives for the same prompt. Throughput
  * of prefill and decode goes to stderr, so stdout is only text.
  *
+ * --fill N is for decode benchmarks at long context (bench_table's 64k
+ * rows): the prompt is read for real, then its K/V rows are copied,
+ * repeating, until the cache holds N tokens (engine/fill.c says why decode
+ * speed is unchanged by that and what it is not), and decoding starts
+ * there. The report says so on a line of its own, and the prefill line
+ * counts only the prompt read.
+ *
  * Without --model it uses models/default.gguf, writing that default model
  * (kvd mkmodel --preset retrieval, as `make run` does) first if the file
  * does not exist.
@@ -38,6 +45,7 @@ struct gen_opts {
     int n_predict;
     int ctx;   /* cache budget of the sequence in tokens; 0 = from the model */
     int batch; /* prefill chunk */
+    int fill;  /* --fill: cache tokens after the prompt's K/V is repeated; 0 none */
     int threads;
     int page_tokens;
     enum kv_type k_type, v_type;
@@ -78,6 +86,10 @@ static void generate_usage(FILE *f)
             "  --threads N        compute threads (default: OMP_NUM_THREADS, else all CPUs)\n"
             "  --batch N          prefill chunk in tokens (default 256)\n"
             "  --no-echo          print only the generated text, not the prompt\n"
+            "  --fill N           benchmarks: after reading the prompt, copy its K/V rows,\n"
+            "                     repeating, until the cache holds N tokens, then decode\n"
+            "                     (decode reads N tokens of K/V; the text is not what a real\n"
+            "                     N-token prompt gives; policy none, N + -n within --ctx)\n"
             "  --alibi-max-bias F ALiBi max_bias for a file that lacks it\n"
             "  --t5-buckets N     T5 bias buckets for a file that lacks kvd.t5.num_buckets\n"
             "  --t5-max-distance N  T5 max distance for a file that lacks kvd.t5.max_distance\n",
@@ -199,6 +211,9 @@ static int parse_opts(int argc, char **argv, struct gen_opts *o)
                 return -1;
         } else if (srv_opt_value(argc, argv, &i, "generate", "--threads", &v, &bad)) {
             if (!bad && parse_int_opt(v, "--threads", 1, 1024, &o->threads))
+                return -1;
+        } else if (srv_opt_value(argc, argv, &i, "generate", "--fill", &v, &bad)) {
+            if (!bad && parse_int_opt(v, "--fill", 1, 1 << 24, &o->fill))
                 return -1;
         } else if (srv_opt_value(argc, argv, &i, "generate", "--batch", &v, &bad)) {
             if (!bad && parse_int_opt(v, "--batch", 1, 65536, &o->batch))
@@ -390,6 +405,7 @@ int srv_cmd_generate(int argc, char **argv)
     model_tokenize(m, o.prompt, plen, bos, req->prompt, n_prompt);
     req->n_prompt = n_prompt;
     req->max_tokens = o.n_predict;
+    req->fill_tokens = o.fill;
     req->sampling = o.sampling;
 
     /* The engine: one sequence with a budget of ctx tokens, a pool that
@@ -407,8 +423,18 @@ int srv_cmd_generate(int argc, char **argv)
         status = 2;
         goto out;
     }
+    if (o.fill && (o.fill <= n_prompt || (int64_t)o.fill + o.n_predict > o.ctx ||
+                   o.policy.kind != KV_EVICT_NONE)) {
+        fprintf(stderr,
+                "kvd generate: --fill %d wants more tokens than the prompt's %d, at most --ctx "
+                "%d less -n %d, and policy none\n",
+                o.fill, n_prompt, o.ctx, o.n_predict);
+        status = 2;
+        goto out;
+    }
     /* Phi-3's LongRoPE table by the positions this run reaches. */
-    int n_ctx = srv_run_positions(&o.policy, (int64_t)n_prompt + o.n_predict);
+    int n_ctx = srv_run_positions(&o.policy,
+                                  (int64_t)(o.fill > n_prompt ? o.fill : n_prompt) + o.n_predict);
     model_set_n_ctx(m, n_ctx);
     model_get_info(m, &info);
     srv_rope_note(&info, n_ctx, err, sizeof(err));
@@ -440,10 +466,16 @@ int srv_cmd_generate(int argc, char **argv)
             info.name, info.arch, pos_kind_name(info.pos), info.weight_type, kv_type_name(o.k_type),
             kv_type_name(o.v_type), kv_policy_kind_name(o.policy.kind),
             o.policy.renumber ? "renumber" : "preserve");
-    double t_prefill = res.usage.prompt_ms / 1e3, t_decode = res.usage.gen_ms / 1e3;
+    double t_fill = res.usage.fill_ms / 1e3;
+    double t_prefill = res.usage.prompt_ms / 1e3 - t_fill, t_decode = res.usage.gen_ms / 1e3;
     int done = res.failed ? 0 : n_prompt;
     fprintf(stderr, "  prefill: %d tokens in %.3f s (%.1f tokens/s)\n", done, t_prefill,
             t_prefill > 0 ? done / t_prefill : 0.0);
+    if (o.fill && !res.failed)
+        fprintf(stderr,
+                "  fill:    %d tokens in %.3f s (the prompt's K/V copied, repeating, from %d to "
+                "%d tokens: not a prefill; decode reads %d tokens of K/V)\n",
+                o.fill - n_prompt, t_fill, n_prompt, o.fill, o.fill);
     /* The first sampled token needs no forward; decode forwards = n_gen - 1. */
     int n_gen = res.usage.completion_tokens + (res.finish == ENGINE_FINISH_EOG);
     int n_fwd = n_gen > 0 ? n_gen - 1 : 0;

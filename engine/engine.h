@@ -169,6 +169,10 @@ struct engine_req {
                                       decoded on forks sharing the prompt's pages, choice i
                                       seeded sampling.seed + i (engine/choices.c);
                                       1..ENGINE_MAX_CHOICES */
+    int fill_tokens;               /* benchmarks (kvd generate --fill): 0, or once the prompt
+                                      is read its K/V rows are copied, repeating, until the
+                                      sequence holds this many tokens (> n_prompt; a plain
+                                      request under policy none: engine/fill.c) */
     uint64_t t_submit_ns;          /* monotonic; the host's submission time (TTFT) */
     atomic_int cancel;             /* 0, ENGINE_CANCEL_CLIENT or ENGINE_CANCEL_ABORT: set by
                                       any thread, acted on at the start of the next step */
@@ -242,6 +246,7 @@ struct engine_usage {
     int turns_cut;         /* with turns: turns the policy had to cut (the answer
                               outgrew what whole turns could make room for) */
     double prompt_ms;      /* admission to first token (prefill) */
+    double fill_ms;        /* of prompt_ms, the fill's (fill_tokens), 0 without */
     double gen_ms;         /* first token to the end */
 };
 

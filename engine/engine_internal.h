@@ -168,6 +168,7 @@ struct run {
     char *hold; /* text not yet emitted (could start a stop string) */
     size_t hold_len, hold_cap;
     uint64_t t_admit_ns, t_first_ns, t_last_ns;
+    uint64_t fill_ns;       /* the fill's time (req->fill_tokens; fill.c) */
     int batch_slot;         /* index in this step's batch, or -1 */
     bool admitted_evicting; /* admitted under a policy that evicts (a full cache
                                later means a reload switched it to none) */
@@ -258,6 +259,10 @@ void engine_run_finish(engine *e, struct run *r, enum engine_finish finish, int 
 /* Post a final error and free the run. */
 void engine_run_fail(engine *e, struct run *r, int status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* fill.c: the prompt of r is read; copy its K/V rows until the sequence
+ * holds req->fill_tokens tokens. False when refused or out of room: r was
+ * failed (400 or 503, saying why) and freed. */
+bool engine_run_fill(engine *e, struct run *r);
 /* Send whatever text is held back (no stop string can end it any more);
  * false when that failed (out of memory) and the run was failed with 503. */
 bool engine_run_flush(engine *e, struct run *r);

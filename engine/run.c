@@ -74,6 +74,7 @@ void engine_run_usage(const struct run *r, struct engine_usage *u, uint64_t t_en
     uint64_t t_first = r->t_first_ns ? r->t_first_ns : t_end;
     u->prompt_ms = (double)(t_first - r->t_admit_ns) / 1e6;
     u->gen_ms = (double)(t_end - t_first) / 1e6;
+    u->fill_ms = (double)r->fill_ns / 1e6;
 }
 
 /* Free a run's own state (not its sequence or session). */

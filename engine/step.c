@@ -386,6 +386,7 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
     for (int i = 0; i < n; i++) {
         struct run *r = e->batch_runs[i];
         const struct model_batch_seq *b = &e->batch[i];
+        uint64_t t = t_done;
         if (r->phase == RUN_PREFILL) {
             r->n_fed += b->n_tokens;
             if (!r->sess)
@@ -394,6 +395,11 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
                 continue;
             if (r->n_fed < r->req->n_prompt)
                 continue;
+            if (r->req->fill_tokens > 0) {
+                if (!engine_run_fill(e, r))
+                    continue;
+                t = engine_now_ns(); /* the fill is the prompt's time, not the answer's */
+            }
             if (r->req->max_tokens == 0) {
                 engine_run_finish(e, r, ENGINE_FINISH_LENGTH, -1);
                 continue;
@@ -406,7 +412,7 @@ static void sample_batch(engine *e, int n, uint64_t t_done)
             if (!post_evicted(e, r))
                 continue;
         }
-        engine_run_sample(e, r, t_done);
+        engine_run_sample(e, r, t);
     }
 }
 

@@ -268,6 +268,45 @@ static void test_f16_bf16_and_q8_kv(void **state)
     free(out);
 }
 
+/* Contexts above --fill-above decode after `kvd generate --fill`: decode
+ * figures as any row, "fill" for prefill, the note that says how; --real
+ * reads the whole prompt there instead. */
+static void test_fill_rows(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    const char *args[] = {"--tiny", "--kvd", kvd_bin, "--models", models, "--types", "q8_0",
+                          "--ctx", "1k,2k", NULL};
+    int status;
+    char *out = run_driver(args, &status);
+    print_message("%s", out);
+    assert_int_equal(status, 0);
+    char line[512], c[16][64];
+    assert_non_null(find_row(out, "q8_0", "2k", line, sizeof line));
+    assert_int_equal(row_cells(line, c, 16), 11);
+    for (int k = 3; k < 6; k++)
+        assert_positive(c[k]);
+    assert_percent(c[6]);
+    assert_string_equal(c[7], "fill");
+    assert_string_equal(c[8], "-");
+    assert_non_null(find_row(out, "q8_0", "1k", line, sizeof line)); /* 1k: read for real */
+    assert_int_equal(row_cells(line, c, 16), 11);
+    assert_positive(c[7]);
+    assert_non_null(strstr(out, "fill rows (contexts above 1k; --real reads every prompt): the "
+                                "prompt is 256 real tokens"));
+    free(out);
+
+    const char *real[] = {"--tiny", "--kvd", kvd_bin, "--models", models, "--types", "q8_0",
+                          "--ctx", "2k", "--real", NULL};
+    out = run_driver(real, &status);
+    assert_int_equal(status, 0);
+    assert_non_null(find_row(out, "q8_0", "2k", line, sizeof line));
+    assert_int_equal(row_cells(line, c, 16), 11);
+    assert_positive(c[7]);
+    assert_null(strstr(out, "fill rows"));
+    free(out);
+}
+
 static void test_failing_binary(void **state)
 {
     (void)state;
@@ -309,6 +348,7 @@ int main(void)
         cmocka_unit_test(test_one_binary),
         cmocka_unit_test(test_before_after),
         cmocka_unit_test(test_f16_bf16_and_q8_kv),
+        cmocka_unit_test(test_fill_rows),
         cmocka_unit_test(test_failing_binary),
         cmocka_unit_test(test_bad_options),
     };

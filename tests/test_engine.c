@@ -25,6 +25,7 @@
 #include "model/mkmodel.h"
 #include "model/model.h"
 #include "tests/serve_fixture.h"
+#include "tests/kvd_run.h"
 
 /* ------------------------------------------------------------------------
  * In-process: the engine stepped by hand
@@ -32,13 +33,13 @@
 
 /* An engine over the scratch model: f32 K/V in pages of 16 tokens, a pool
  * of `pages` pages, policy pol (NULL: none at `budget` tokens). */
-static engine *policy_engine(int pages, int budget, int max_running, int step_tokens,
-                             const struct kv_policy *pol)
+static engine *model_engine(const model *m, int pages, int budget, int max_running,
+                           int step_tokens, const struct kv_policy *pol)
 {
     struct kv_cache_params shape = {.page_tokens = 16, .k_type = KV_F32, .v_type = KV_F32};
-    model_kv_shape(lib_model, &shape);
+    model_kv_shape(m, &shape);
     struct engine_params p = {
-        .m = lib_model,
+        .m = m,
         .cache_memory = kv_cache_memory_for(&shape, pages),
         .page_tokens = 16,
         .k_type = KV_F32,
@@ -55,6 +56,12 @@ static engine *policy_engine(int pages, int budget, int max_running, int step_to
     if (!e)
         fail_msg("engine_create: %s", err);
     return e;
+}
+
+static engine *policy_engine(int pages, int budget, int max_running, int step_tokens,
+                             const struct kv_policy *pol)
+{
+    return model_engine(lib_model, pages, budget, max_running, step_tokens, pol);
 }
 
 static engine *small_engine(int pages, int budget, int max_running, int step_tokens)
@@ -387,6 +394,112 @@ static void test_fork_answer(void **state)
                   (unsigned long long)dropped);
     assert_true(dropped > 0);
     model_free(m);
+}
+
+/* Run one request alone to its end on e: its generated ids into ids (at
+ * most max), their count returned; *status the error's, or 0. */
+static int run_alone(engine *e, struct engine_req *r, int32_t *ids, int max, int *status)
+{
+    r->want_tokens = true;
+    assert_int_equal(engine_submit(e, r), 0);
+    int n = 0, steps = 0;
+    *status = 0;
+    for (bool ended = false; !ended; assert_true(++steps < 1000)) {
+        engine_step(e, su_now() * 1e9);
+        for (struct engine_event *ev = engine_take_events(e), *next; ev; ev = next) {
+            next = ev->next;
+            for (int i = 0; ev->kind == ENGINE_EV_TEXT && i < ev->n_tokens && n < max; i++)
+                ids[n++] = ev->tokens[i];
+            if (ev->kind == ENGINE_EV_ERROR)
+                *status = ev->status;
+            ended |= ev->kind == ENGINE_EV_DONE || ev->kind == ENGINE_EV_ERROR;
+            engine_event_free(ev);
+        }
+    }
+    return n;
+}
+
+/*
+ * The benchmark fill (engine/fill.c): on a one-layer model, whose K and V
+ * depend on their own token alone, a 20-token prompt filled to 100 tokens
+ * holds exactly the cache of that prompt read five times over. Its first
+ * token t1 comes from the real prompt's logits (after 20 tokens); fed at
+ * position 100, it sees the filled cache, so the tokens after it are those
+ * a real prompt of the five copies and t1 gives. A fill
+ * that cannot hold is refused with 400: not above the prompt, or under a
+ * policy that evicts.
+ */
+static void test_fill(void **state)
+{
+    (void)state;
+    struct model_mk_params mp;
+    model_mk_defaults(&mp);
+    mp.n_layer = 1;
+    char path[700], err[512];
+    snprintf(path, sizeof(path), "%s/one_layer.gguf", tmpdir);
+    assert_int_equal(model_mk_write(&mp, path, err, sizeof(err)), 0);
+    struct model_params lp = {.path = path};
+    model *m = model_load(&lp, err, sizeof(err));
+    assert_non_null(m);
+    engine *e = model_engine(m, 32, 256, 2, 64, NULL);
+
+    int32_t filled[8], real[8];
+    int status;
+    struct engine_req *a = completion(20, 8);
+    a->fill_tokens = 100;
+    assert_int_equal(run_alone(e, a, filled, 8, &status), 8);
+    assert_int_equal(status, 0);
+    struct engine_req *b = completion(101, 7);
+    for (int i = 0; i < 100; i++)
+        b->prompt[i] = a->prompt[i % 20];
+    b->prompt[100] = filled[0];
+    assert_int_equal(run_alone(e, b, real, 7, &status), 7);
+    assert_memory_equal(filled + 1, real, 7 * sizeof(int32_t));
+
+    struct engine_req *c = completion(20, 8);
+    c->fill_tokens = 20;
+    assert_int_equal(run_alone(e, c, real, 8, &status), 0);
+    assert_int_equal(status, 400);
+    engine_req_free(a);
+    engine_req_free(b);
+    engine_req_free(c);
+    engine_destroy(e);
+
+    struct kv_policy sw = {.kind = KV_EVICT_SINK_WINDOW, .max_cache_tokens = 128,
+                           .sink_tokens = 4, .window_tokens = 96, .renumber = true};
+    e = model_engine(m, 32, 128, 2, 64, &sw);
+    struct engine_req *d = completion(20, 8);
+    d->fill_tokens = 100;
+    assert_int_equal(run_alone(e, d, real, 8, &status), 0);
+    assert_int_equal(status, 400);
+    engine_req_free(d);
+    engine_destroy(e);
+    model_free(m);
+}
+
+/* `kvd generate --fill`: the report's fill line (decode reads the filled
+ * length: the cache retains it), and a fill that cannot hold refused at
+ * once with exit status 2 and why. */
+static void test_generate_fill(void **state)
+{
+    (void)state;
+    SKIP_WITHOUT_KVD();
+    char args[900], dir[200], *err;
+    snprintf(dir, sizeof(dir), "%.190s", tmpdir); /* a short scratch path */
+    snprintf(args, sizeof(args),
+             "generate --model '%s' --prompt 'one two three four' -n 4 --temp 0 --threads 1 "
+             "--ctx 200 --fill 150 --no-echo", model_path);
+    assert_int_equal(kvd_run("", args, dir, &err), 0);
+    assert_non_null(strstr(err, "  fill:    "));
+    assert_non_null(strstr(err, "tokens: not a prefill; decode reads 150 tokens of K/V)"));
+    assert_non_null(strstr(err, "  cache: 153 tokens retained"));
+    free(err);
+    snprintf(args, sizeof(args),
+             "generate --model '%s' --prompt 'one two three four' -n 4 --ctx 200 --fill 198",
+             model_path);
+    assert_int_equal(kvd_run("", args, dir, &err), 2);
+    assert_non_null(strstr(err, "kvd generate: --fill 198 wants more tokens than the prompt's"));
+    free(err);
 }
 
 /* ------------------------------------------------------------------------
@@ -786,6 +899,8 @@ int main(void)
         cmocka_unit_test(test_logits_events),
         cmocka_unit_test(test_eviction_events),
         cmocka_unit_test(test_fork_answer),
+        cmocka_unit_test(test_fill),
+        cmocka_unit_test(test_generate_fill),
         cmocka_unit_test(test_pace_chunk_sizing),
         cmocka_unit_test(test_pace_fit),
         cmocka_unit_test(test_pace_served_chunks),

@@ -7,8 +7,17 @@
  * the binary tokenizes and prefills in --batch chunks, as it would a
  * user's), then N greedy tokens. Its "prefill:" line gives prefill tokens/s
  * over the whole prompt, its "decode:" line decode tokens/s at contexts P
- * to P+N. Nothing is filled synthetically: the K/V a decode row reads is
- * the one its own prefill wrote. Driving the binary rather than linking
+ * to P+N. Up to 16k the K/V a decode row reads is the one its own prefill
+ * wrote. Above 16k (the 64k rows; --fill-above moves the line, --real
+ * removes it) a row is a "fill" row: a real 4k-token prompt is read, then
+ * `kvd generate --fill P` copies its K/V rows, repeating, into new slots
+ * until the cache holds P tokens, and decoding starts there. Decode reads
+ * P tokens of K/V either way, the same number of bytes from as many
+ * distinct pages, and its time depends on that, not on the values; so its
+ * speed is the row's, while a real 64k prefill (tens of minutes here,
+ * attention growing with the square of the prompt) would only make the
+ * row unaffordable. Fill rows print "fill" for prefill: not measured.
+ * Driving the binary rather than linking
  * the library is what lets one run compare two builds (--before OLD): each
  * row runs both binaries back to back, their order alternating from row to
  * row, so a change in the machine's load falls on both alike, and the
@@ -40,8 +49,9 @@
  *    work a real forward must do, so 100% is out of reach by a few points.
  *
  * Time. A 16k prompt takes one to three minutes per weight type and
- * binary, a 64k one ten or more: by default every type runs at 512 and 4k
- * and q8_0 (the fastest) also at 16k; --full runs the whole grid, --ctx
+ * binary, a 64k fill row about what its 4k prompt takes plus the decode:
+ * by default every type runs at 512 and 4k and q8_0 (the fastest) also at
+ * 16k; --full runs the whole grid, --ctx
  * chooses contexts for every type. Rows not run are listed under the table
  * with the option that runs them. The models are written once into
  * --models (kvd mkmodel's seeded weights) and reused.
@@ -91,14 +101,16 @@ struct shape {
     int grid[4];  /* the table's contexts */
     int quick[4]; /* run by default for every type (0 ends) */
     int n_gen;    /* decoded tokens per cell */
+    int fill_above, fill_prompt; /* contexts above fill_above: a real prompt of fill_prompt
+                                    tokens, its K/V repeated to the context (--fill) */
 };
 
 static const struct shape SMOLLM = {"576x30 (SmolLM-135M)", 576, 30, 9, 3, 1536, 49152, 131072,
-                                    {512, 4096, 16384, 65536}, {512, 4096}, 32};
+                                    {512, 4096, 16384, 65536}, {512, 4096}, 32, 16384, 4096};
 /* The smoke test's: seconds for the whole table (head_dim 32: q8_0 K/V's
  * block, so its rows run too). */
 static const struct shape TINY = {"64x2 (tiny)", 64, 2, 2, 1, 128, 512, 4096,
-                                  {64, 256, 1024, 2048}, {64, 256}, 8};
+                                  {64, 256, 1024, 2048}, {64, 256}, 8, 1024, 256};
 
 /* A row's weights: the file's type, and for f16 whether the binary is
  * asked to round them to bf16 at load (KVD_F16=bf16: the "f16-bf16" rows,
@@ -119,6 +131,7 @@ struct opts {
     enum kv_type kv[MAX_KV];
     int n_kv;
     bool full;
+    int fill_above; /* contexts above this are filled (kvd generate --fill); -1: none */
     int rounds, threads, batch, n_gen;
     const char *models;
     const struct shape *shape;
@@ -137,6 +150,7 @@ struct row {
     enum kv_type kv;
     int ctx;
     bool run;
+    bool fill; /* a real prompt of shape.fill_prompt tokens, then --fill ctx */
     double bus_gbs, decode_roof, prefill_roof;
     char load[24];
     struct run best[MAX_BINS];
@@ -196,6 +210,11 @@ static void usage(FILE *f)
             "                   4k for every type, 16k for q8_0)\n"
             "  --full           the whole grid: 512, 4k, 16k and 64k for every type\n"
             "  --kv LIST        K/V types, of f16,q8_0 (default f16)\n"
+            "  --fill-above CTX contexts above CTX (default 16k) decode after a fill: a real\n"
+            "                   4k-token prompt, its K/V repeated to the context by `kvd\n"
+            "                   generate --fill` (decode reads the whole context; prefill is\n"
+            "                   not measured there)\n"
+            "  --real           no fill: a real prompt at every context (64k: tens of minutes)\n"
             "  --rounds N       runs per binary and cell, the best kept (default 1)\n"
             "  --threads N      (default 2)\n"
             "  --batch N        prefill chunk (default 512)\n"
@@ -280,7 +299,8 @@ static void parse_opts(int argc, char **argv, struct opts *o)
     int n_gen = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        bool takes = strcmp(a, "--full") && strcmp(a, "--tiny") && strcmp(a, "--help");
+        bool takes = strcmp(a, "--full") && strcmp(a, "--tiny") && strcmp(a, "--help") &&
+                     strcmp(a, "--real");
         if (takes && !v)
             die("%s wants a value", a);
         if (!strcmp(a, "--kvd"))
@@ -303,6 +323,10 @@ static void parse_opts(int argc, char **argv, struct opts *o)
             n_gen = parse_int(v, 2, 4096);
         else if (!strcmp(a, "--models"))
             o->models = v;
+        else if (!strcmp(a, "--fill-above"))
+            o->fill_above = parse_ctx(v);
+        else if (!strcmp(a, "--real"))
+            o->fill_above = -1;
         else if (!strcmp(a, "--full"))
             o->full = true;
         else if (!strcmp(a, "--tiny"))
@@ -334,6 +358,8 @@ static void parse_opts(int argc, char **argv, struct opts *o)
     if (!o->n_kv)
         o->kv[o->n_kv++] = KV_F16;
     o->n_gen = n_gen ? n_gen : o->shape->n_gen;
+    if (!o->fill_above)
+        o->fill_above = o->shape->fill_above;
 }
 
 /* ------------------------------------------------------------------------
@@ -584,6 +610,9 @@ static void parse_report(FILE *f, struct run *r, char *kernels, char *weights)
             snprintf(weights, 256, "%.250s", line + 22);
         } else if (!strncmp(line, "  stopped: ", 11)) {
             snprintf(r->note, sizeof r->note, "stopped: %.140s", line + 11);
+        } else if (strstr(line, "unknown option '--fill'")) {
+            snprintf(r->note, sizeof r->note,
+                     "this binary has no --fill (older than it): --real reads the whole prompt");
         }
         if (line[0])
             snprintf(last, sizeof last, "%s", line);
@@ -618,17 +647,20 @@ static char **row_environ(const struct wtype *w)
 }
 
 static void run_generate(const struct opts *o, int bin, const char *model_path, const char *prompt,
-                         int ctx, enum kv_type kv, struct run *r, int ti)
+                         const struct row *row, struct run *r)
 {
-    char n_arg[16], ctx_arg[16], thr_arg[16], batch_arg[16];
+    char n_arg[16], ctx_arg[16], thr_arg[16], batch_arg[16], fill_arg[16];
+    int ti = row->ti;
     snprintf(n_arg, sizeof n_arg, "%d", o->n_gen);
-    snprintf(ctx_arg, sizeof ctx_arg, "%d", ctx + o->n_gen + 64);
+    snprintf(ctx_arg, sizeof ctx_arg, "%d", row->ctx + o->n_gen + 64);
+    snprintf(fill_arg, sizeof fill_arg, "%d", row->ctx);
     snprintf(thr_arg, sizeof thr_arg, "%d", o->threads);
     snprintf(batch_arg, sizeof batch_arg, "%d", o->batch);
     char *const argv[] = {(char *)o->bins[bin], "generate", "--model", (char *)model_path,
                           "--prompt", (char *)prompt, "-n", n_arg, "--temp", "0", "--threads",
                           thr_arg, "--batch", batch_arg, "--ctx", ctx_arg, "--kv-type",
-                          (char *)kv_type_name(kv), "--no-echo", NULL};
+                          (char *)kv_type_name(row->kv), "--no-echo",
+                          row->fill ? "--fill" : NULL, fill_arg, NULL};
     FILE *err = tmpfile();
     if (!err)
         die("%s", "no temporary file");
@@ -720,6 +752,8 @@ static int plan_rows(const struct opts *o, struct row *rows)
                 r->ti = ti;
                 r->kv = o->kv[k];
                 r->ctx = ctxs[c];
+                r->fill = o->fill_above >= 0 && ctxs[c] > o->fill_above &&
+                          ctxs[c] > o->shape->fill_prompt;
                 r->run = o->full || (o->n_ctx ? in_list(o->ctx, o->n_ctx, ctxs[c])
                                               : quick_cell(o->shape, &o->types[ti], ctxs[c]));
             }
@@ -771,7 +805,7 @@ static void run_row(const struct opts *o, const struct model_cost *cost, const m
 {
     char cn[16];
     int n_tok = 0;
-    char *prompt = prompt_for(tok, r->ctx, &n_tok);
+    char *prompt = prompt_for(tok, r->fill ? o->shape->fill_prompt : r->ctx, &n_tok);
     if (!prompt) {
         for (int b = 0; b < o->n_bins; b++)
             snprintf(r->best[b].note, sizeof r->best[b].note,
@@ -782,16 +816,17 @@ static void run_row(const struct opts *o, const struct model_cost *cost, const m
     r->load[strcspn(r->load, " ")] = '\0';
     double bus = 0;
     triad_into(o, &bus);
-    fprintf(stderr, "bench_table: %s %s-KV %s: a prompt of %d tokens (%zu bytes), bus %.1f GB/s, "
-            "load %s\n", wname(&o->types[r->ti]), kv_type_name(r->kv),
-            ctx_name(r->ctx, cn, sizeof cn), n_tok, strlen(prompt), bus, r->load);
+    fprintf(stderr, "bench_table: %s %s-KV %s: a prompt of %d tokens (%zu bytes)%s, bus %.1f "
+            "GB/s, load %s\n", wname(&o->types[r->ti]), kv_type_name(r->kv),
+            ctx_name(r->ctx, cn, sizeof cn), n_tok, strlen(prompt),
+            r->fill ? " filled to the context" : "", bus, r->load);
     int ti = r->ti;
     for (int round = 0; round < o->rounds; round++)
         for (int k = 0; k < o->n_bins; k++) {
             int b = (k + order + round) % o->n_bins; /* alternate who goes first */
             struct run run;
             double t0 = bench_now();
-            run_generate(o, b, cost->path, prompt, r->ctx, r->kv, &run, ti);
+            run_generate(o, b, cost->path, prompt, r, &run);
             fprintf(stderr,
                     "bench_table: %s %s-KV %s %s: prefill %d tokens %.1f tok/s, decode %d "
                     "tokens %.1f tok/s, %.2f cores, %.0f s%s%s\n",
@@ -804,7 +839,7 @@ static void run_row(const struct opts *o, const struct model_cost *cost, const m
     triad_into(o, &bus); /* and after: the better of the two is the bus beside the row */
     r->bus_gbs = bus;
     r->decode_roof = decode_roofline(o, cost, r);
-    r->prefill_roof = prefill_roofline(o, cost, r);
+    r->prefill_roof = r->fill ? 0 : prefill_roofline(o, cost, r);
     free(prompt);
 }
 
@@ -845,6 +880,10 @@ static void print_half(const struct opts *o, const struct row *r, bool decode)
 {
     char s[MAX_BINS][24], f[MAX_BINS][16], x[16];
     double roof = decode ? r->decode_roof : r->prefill_roof;
+    if (!decode && r->fill) { /* the prompt read was not the context's */
+        printf(o->n_bins == 2 ? " fill | fill | - | - | - |" : " fill | - | - |");
+        return;
+    }
     for (int b = 0; b < o->n_bins && b < MAX_BINS; b++) {
         double tps = decode ? r->best[b].decode_tps : r->best[b].prefill_tps;
         fmt_tps(&r->best[b], tps, s[b], sizeof s[b]);
@@ -896,8 +935,8 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
     printf("\ntokens/s, each cell one `kvd generate` run. Decode: %d greedy tokens after the "
            "prompt; its roofline is weight + K/V bytes at the mean context over the bus (triad, "
            "write-allocate counted, the better of one before and one after the row). Prefill: "
-           "the whole prompt, real text the binary tokenizes and reads in chunks of %d (no "
-           "synthetic fill at any context, 64k included); its roofline is weight ops at the "
+           "the whole prompt, real text the binary tokenizes and reads in chunks of %d; its "
+           "roofline is weight ops at the "
            "type's peak + attention ops at the f32 FMA peak, x %d threads. Weight peaks: q8_0 "
            "vpdpbusd, bf16 and f16-bf16 %s, f32 and f16 f32 FMA. f16-bf16 rows run the f16 "
            "model with KVD_F16=bf16 in the binary's environment (its f16 weights rounded to "
@@ -905,9 +944,19 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
            o->n_gen, o->batch, o->threads,
            weight_peak_name(&(struct wtype){.file = GGML_TYPE_BF16}));
     printf("each run: KVD generate --model %s/%dx%d_TYPE.gguf --prompt TEXT -n %d --temp 0 "
-           "--threads %d --batch %d --ctx P+%d --kv-type KV --no-echo\n",
+           "--threads %d --batch %d --ctx P+%d --kv-type KV --no-echo [--fill P]\n",
            o->models, o->shape->n_embd, o->shape->n_layer, o->n_gen, o->threads, o->batch,
            o->n_gen + 64);
+    bool filled = false;
+    for (int i = 0; i < n; i++)
+        filled |= rows[i].run && rows[i].fill;
+    if (filled)
+        printf("fill rows (contexts above %s; --real reads every prompt): the prompt is %d real "
+               "tokens, read in chunks as above, then `kvd generate --fill P` copies their K/V "
+               "rows, repeating, into new pages until the cache holds P tokens, and decoding "
+               "starts there: decode reads P tokens of K/V, the same bytes a real P-token "
+               "prefill leaves (engine/fill.c); their prefill is not measured (\"fill\").\n",
+               ctx_name(o->fill_above, cn, sizeof cn), o->shape->fill_prompt);
     for (int i = 0; i < n; i++)
         for (int b = 0; b < o->n_bins; b++)
             if (rows[i].run && rows[i].best[b].note[0])
