@@ -365,6 +365,19 @@ static uint64_t fork_answer_case(const model *m)
     return sf.kv.window_pages_dropped;
 }
 
+/* A model mkmodel writes from mp into the scratch folder as NAME.gguf,
+ * loaded (the caller frees it). */
+static model *scratch_model(const struct model_mk_params *mp, const char *name)
+{
+    char path[700], err[512];
+    snprintf(path, sizeof(path), "%s/%s.gguf", tmpdir, name);
+    assert_int_equal(model_mk_write(mp, path, err, sizeof(err)), 0);
+    struct model_params lp = {.path = path};
+    model *m = model_load(&lp, err, sizeof(err));
+    assert_non_null(m);
+    return m;
+}
+
 /* On the scratch model, and on a Gemma 3 shape whose five local layers in
  * six keep only their 16-token window (cache/window.c): the fork shares
  * those layers' pages too and copies the one it writes. */
@@ -383,12 +396,7 @@ static void test_fork_answer(void **state)
     mp.n_ff = 96;
     mp.n_vocab = 300;
     mp.sliding_window = 16;
-    char path[700], err[512];
-    snprintf(path, sizeof(path), "%s/windowed.gguf", tmpdir);
-    assert_int_equal(model_mk_write(&mp, path, err, sizeof(err)), 0);
-    struct model_params lp = {.path = path};
-    model *m = model_load(&lp, err, sizeof(err));
-    assert_non_null(m);
+    model *m = scratch_model(&mp, "windowed");
     uint64_t dropped = fork_answer_case(m);
     print_message("windowed model: %llu pool pages of its local layers dropped\n",
                   (unsigned long long)dropped);
@@ -435,12 +443,7 @@ static void test_fill(void **state)
     struct model_mk_params mp;
     model_mk_defaults(&mp);
     mp.n_layer = 1;
-    char path[700], err[512];
-    snprintf(path, sizeof(path), "%s/one_layer.gguf", tmpdir);
-    assert_int_equal(model_mk_write(&mp, path, err, sizeof(err)), 0);
-    struct model_params lp = {.path = path};
-    model *m = model_load(&lp, err, sizeof(err));
-    assert_non_null(m);
+    model *m = scratch_model(&mp, "one_layer");
     engine *e = model_engine(m, 32, 256, 2, 64, NULL);
 
     int32_t filled[8], real[8];
