@@ -74,31 +74,35 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
 /*
  * Repacked weights (matmul_pack_run.c writes them at load, matmul_pack.c's
  * kernels read them; see matmul_pack.c's opening essay). Rows are taken in
- * groups of MM_PACK_ROWS, the last one padded with zero rows, and each
- * group is stored so that one 64-byte load holds a slice of all its rows:
+ * groups of MM_PACK_ROWS, and groups in pairs (the kernels' tile height),
+ * the last group padded with zero rows and an odd count with a zero group.
+ * A pair is stored so that one 64-byte load holds a slice of all of one
+ * group's rows, and so that a tile of the pair reads its bytes in address
+ * order (one sequential stream per thread: see matmul_pack.c):
  *
- *   q8_0  per block of 32 inputs: 8 chunks of 64 bytes, chunk k holding for
- *         row r = 0..15 its weights 4k..4k+3 as unsigned bytes w + 128
- *         (bytes 4r..4r+3); after the group's nb such blocks, its nb x 16
- *         f16 scales (block b's at 32 b). Group stride: MM_PACK_Q8_BLOCK *
- *         nb rounded up to 64.
- *   f32, f16, bf16  per input k: the 16 rows' elements k, as stored (64
- *         or 32 bytes). Group stride: 16 x n_in x the element size.
+ *   q8_0  per block of 32 inputs, MM_PACK_Q8_PAIR bytes: for k = 0..7 the
+ *         first group's chunk k, then the second's (64 bytes each: row r =
+ *         0..15's weights 4k..4k+3 as unsigned bytes w + 128, at bytes
+ *         4r..4r+3), then the first group's 16 f16 scales, then the
+ *         second's. Pair stride: nb x MM_PACK_Q8_PAIR (a multiple of 64).
+ *   f32, f16, bf16  per input k: the first group's 16 elements k, then the
+ *         second's, as stored (2 x 64 or 2 x 32 bytes). Pair stride: 2 x 16
+ *         x n_in x the element size.
  */
 #define MM_PACK_ROWS 16
-#define MM_PACK_Q8_QUANTS 512 /* bytes of one block's weights in a group */
-#define MM_PACK_Q8_BLOCK (MM_PACK_Q8_QUANTS + 2 * MM_PACK_ROWS)
+#define MM_PACK_Q8_SCALES (2 * 8 * 64) /* the scales' offset in a pair's block */
+#define MM_PACK_Q8_PAIR (MM_PACK_Q8_SCALES + 2 * 2 * MM_PACK_ROWS) /* one block of a pair */
 
-/* Bytes of one group of MM_PACK_ROWS rows of w, repacked (0: a type that
- * is never repacked). */
-static inline size_t mm_pack_group_bytes(const struct mm_weight *w)
+/* Bytes of one pair of groups (2 x MM_PACK_ROWS rows) of w, repacked (0: a
+ * type that is never repacked). */
+static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 {
     if (w->type == GGML_TYPE_Q8_0)
-        return ((size_t)(w->n_in / QT_QK) * MM_PACK_Q8_BLOCK + 63) / 64 * 64;
+        return (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_PAIR;
     if (w->type == GGML_TYPE_F32)
-        return (size_t)w->n_in * MM_PACK_ROWS * 4;
+        return (size_t)w->n_in * 2 * MM_PACK_ROWS * 4;
     if (w->type == GGML_TYPE_F16 || w->type == GGML_TYPE_BF16)
-        return (size_t)w->n_in * MM_PACK_ROWS * 2;
+        return (size_t)w->n_in * 2 * MM_PACK_ROWS * 2;
     return 0;
 }
 

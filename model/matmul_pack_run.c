@@ -122,49 +122,57 @@ static size_t n_groups(const struct mm_weight *w)
     return ((size_t)w->n_out + MM_PACK_ROWS - 1) / MM_PACK_ROWS;
 }
 
+static size_t n_pairs(const struct mm_weight *w)
+{
+    return (n_groups(w) + 1) / 2;
+}
+
 size_t mm_pack_bytes(const struct mm_weight *w)
 {
     if (bf16_wants(w))
         return n_groups(w) * mm_bf16_group_bytes(w);
     if (!pkern()->has(w->type))
         return 0;
-    return n_groups(w) * mm_pack_group_bytes(w);
+    return n_pairs(w) * mm_pack_pair_bytes(w);
 }
 
-/* One group of q8_0 rows (matmul_internal.h); rows past n_out are zeros. */
-static void pack_q8_group(const struct mm_weight *w, size_t g, uint8_t *dst)
+/* Row o of w, or NULL for the padding past n_out (zero rows). */
+static const uint8_t *row_or_pad(const struct mm_weight *w, size_t o)
+{
+    return o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
+}
+
+/* Pair p of q8_0 groups (matmul_internal.h): row r of the pair is row
+ * 32 p + r, in group r / 16 at lane r % 16. */
+static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
     const int nb = w->n_in / QT_QK;
-    uint8_t *scales = dst + (size_t)nb * MM_PACK_Q8_QUANTS;
-    for (int r = 0; r < MM_PACK_ROWS; r++) {
-        size_t o = g * MM_PACK_ROWS + (size_t)r;
-        const uint8_t *row =
-            o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
+    for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
+        const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
+        const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row ? row + 34 * (size_t)b : NULL;
-            uint8_t *q = dst + (size_t)b * MM_PACK_Q8_QUANTS + 4 * r;
+            uint8_t *q = dst + (size_t)b * MM_PACK_Q8_PAIR + 64 * g + 4 * lane;
             for (int k = 0; k < 8; k++)
                 for (int j = 0; j < 4; j++)
-                    q[64 * k + j] = blk ? (uint8_t)(blk[2 + 4 * k + j] ^ 0x80) : 0x80;
-            uint8_t *s = scales + 32 * (size_t)b + 2 * r;
+                    q[128 * k + j] = blk ? (uint8_t)(blk[2 + 4 * k + j] ^ 0x80) : 0x80;
+            uint8_t *s = dst + (size_t)b * MM_PACK_Q8_PAIR + MM_PACK_Q8_SCALES + 32 * g + 2 * lane;
             s[0] = blk ? blk[0] : 0;
             s[1] = blk ? blk[1] : 0;
         }
     }
 }
 
-/* One group of float rows: element k of the 16 rows side by side (rows
- * past n_out are zeros). Elements are copied as 2- or 4-byte words. */
-static void pack_float_group(const struct mm_weight *w, size_t g, uint8_t *dst)
+/* Pair p of float groups: element k of its 32 rows side by side (rows past
+ * n_out are zeros). Elements are copied as 2- or 4-byte words. */
+static void pack_float_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
     const size_t esz = w->type == GGML_TYPE_F32 ? 4 : 2;
-    const uint8_t *rows[MM_PACK_ROWS];
-    for (int r = 0; r < MM_PACK_ROWS; r++) {
-        size_t o = g * MM_PACK_ROWS + (size_t)r;
-        rows[r] = o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
-    }
-    for (int k = 0; k < w->n_in; k++, dst += MM_PACK_ROWS * esz)
-        for (int r = 0; r < MM_PACK_ROWS; r++) {
+    const uint8_t *rows[2 * MM_PACK_ROWS];
+    for (int r = 0; r < 2 * MM_PACK_ROWS; r++)
+        rows[r] = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
+    for (int k = 0; k < w->n_in; k++, dst += 2 * MM_PACK_ROWS * esz)
+        for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
             if (!rows[r])
                 memset(dst + (size_t)r * esz, 0, esz);
             else if (esz == 2)
@@ -186,19 +194,12 @@ void mm_pack_weight(struct mm_weight *w, void *dst)
         return;
     }
     w->packed_bf16 = false;
-    const size_t gb = mm_pack_group_bytes(w);
-    if (w->type != GGML_TYPE_Q8_0) {
-        for (size_t g = 0; g < n_groups(w); g++)
-            pack_float_group(w, g, (uint8_t *)dst + g * gb);
-        w->packed = dst;
-        return;
-    }
-    const size_t used = (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_BLOCK;
-    uint8_t *p = dst;
-    for (size_t g = 0; g < n_groups(w); g++) {
-        pack_q8_group(w, g, p + g * gb);
-        memset(p + g * gb + used, 0, gb - used); /* the padding after the scales */
-    }
+    const size_t pb = mm_pack_pair_bytes(w);
+    for (size_t p = 0; p < n_pairs(w); p++)
+        if (w->type == GGML_TYPE_Q8_0)
+            pack_q8_pair(w, p, (uint8_t *)dst + p * pb);
+        else
+            pack_float_pair(w, p, (uint8_t *)dst + p * pb);
     w->packed = dst;
 }
 
