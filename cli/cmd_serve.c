@@ -198,6 +198,7 @@ static int map_config(const struct cfg *c, struct serve_state *st, struct srv_se
         .t5_num_buckets = (int)c->model.t5_num_buckets,
         .t5_max_distance = (int)c->model.t5_max_distance,
         .tokenizer_pre = c->model.tokenizer_pre[0] ? c->model.tokenizer_pre : NULL,
+        .small_pages = !c->model.huge_pages,
     };
     o->sched.cache_memory = c->cache.memory;
     o->sched.page_tokens = (int)c->cache.page_tokens;
@@ -299,6 +300,7 @@ static int check_model_memory(struct serve_state *st, struct cfg_errors *errs, m
         .t5_num_buckets = (int)c->model.t5_num_buckets,
         .t5_max_distance = (int)c->model.t5_max_distance,
         .tokenizer_pre = c->model.tokenizer_pre[0] ? c->model.tokenizer_pre : NULL,
+        .small_pages = !c->model.huge_pages,
         .n_ctx = positions_bound(c),
     };
     char err[1024];

@@ -14,6 +14,7 @@
 #include "cpu/cpu.h"
 #include "cpu/pool.h"
 #include "load/load.h"
+#include "model/model.h"
 #include "model/quant.h"
 
 static int cmd_version(int argc, char **argv);
@@ -97,6 +98,11 @@ int main(int argc, char **argv)
     }
     /* KVD_F16=bf16 multiplies F16 weights as bf16 (model/quant.h) */
     if (mm_f16_init_env(err, sizeof(err))) {
+        fprintf(stderr, "kvd: %s\n", err);
+        return 2;
+    }
+    /* KVD_HUGE_PAGES=off: the repacked weights in 4 KiB pages (model/model.h) */
+    if (model_pages_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }

@@ -104,6 +104,7 @@ enum cfg_key {
     CFG_MODEL_T5_MAX_DISTANCE,
     CFG_MODEL_TOKENIZER_PRE,
     CFG_MODEL_CHAT_TEMPLATE,
+    CFG_MODEL_HUGE_PAGES,
     CFG_CACHE_MEMORY,
     CFG_CACHE_PAGE_TOKENS,
     CFG_CACHE_KV_TYPE,
@@ -175,6 +176,7 @@ struct cfg_model {
     int64_t t5_max_distance; /* T5 max distance when the model lacks it; 0 = none */
     char tokenizer_pre[64];  /* pre-tokenizer forced over the file's; "" = the file's */
     char chat_template[CFG_PATH_MAX]; /* Jinja file used over the model's template; "" = none */
+    bool huge_pages; /* advise the repacked weights as 2 MiB pages (else ask for 4 KiB) */
 };
 
 struct cfg_cache {

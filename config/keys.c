@@ -187,6 +187,10 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
         STRING("model", "chat_template", model.chat_template, "", RESTART, false, NULL,
                "Jinja chat template file used instead of the model's own; empty = the model's "
                "tokenizer.chat_template, or ChatML when it has none"),
+    [CFG_MODEL_HUGE_PAGES] =
+        BOOL("model", "huge_pages", model.huge_pages, "true", RESTART,
+             "advise the weights' repacked copy as 2 MiB pages; false = 4 KiB pages "
+             "(KVD_HUGE_PAGES=on|off overrides)"),
     /* [cache] */
     [CFG_CACHE_MEMORY] = SIZE("cache", "memory", cache.memory, "512MiB", MiB, TiB, RESTART,
                               "bytes of KV cache pages, shared by all sequences"),

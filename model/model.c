@@ -544,7 +544,7 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
     if (!rc && m->pos.kind != POS_T5)
         rc = model_pos_no_t5_tables(m, err, errlen);
     if (!rc)
-        rc = model_pack_weights(m, err, errlen);
+        rc = model_pack_weights(m, params->small_pages, err, errlen);
     return rc;
 }
 

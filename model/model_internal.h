@@ -135,6 +135,7 @@ struct model {
     int pack_count;    /* matrices repacked */
     int pack_bf16;     /* of them in bf16 pairs for avx512bf16 (model/matmul_bf16.h) */
     double pack_ms;    /* time it took at load */
+    const char *pack_pages; /* the pages asked for the copy, for the load line (constant) */
 };
 
 /* ------------------------------------------------------------------------
@@ -170,7 +171,7 @@ int model_load_matrix(const gguf_file *f, const char *name, int n_in, int n_out,
  * has kernels for the type (model_pack.c); nothing to do is not an error.
  * 0, or -ENOMEM with err saying so. model_pack_free gives the copy back.
  */
-int model_pack_weights(model *m, char *err, size_t errlen);
+int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen);
 void model_pack_free(model *m);
 
 /*

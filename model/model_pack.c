@@ -24,15 +24,22 @@
  * hardware prefetcher: on the 576x30 q8_0 shape the weights' matrix-vector
  * products took ~15% less time on one thread in 2 MiB pages, measured
  * side by side in one process. The advice may be refused; nothing depends
- * on it but speed.
+ * on it but speed. It can be turned off, to compare or where huge pages are
+ * unwelcome (memory fragmented, khugepaged's work): the caller's
+ * small_pages (kvd serve's [model] huge_pages = false), or KVD_HUGE_PAGES=
+ * off|on for any command, which wins over the caller. Off asks for 4 KiB
+ * pages outright (MADV_NOHUGEPAGE), so a system whose transparent huge pages
+ * are "always" does not give 2 MiB pages anyway. The load line says which.
  */
 #include "model/model_internal.h"
 
 #include "cpu/mem.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
@@ -70,14 +77,54 @@ static void release_rows(const struct mm_weight *w)
         (void)madvise((void *)a, b - a, MADV_DONTNEED); /* advice: failure changes nothing */
 }
 
-/* bytes of anonymous memory starting on a 2 MiB boundary, advised as huge
- * pages (cpu/mem.h); NULL if it cannot be mapped. munmap(p, bytes) frees it. */
-static void *map_huge(size_t bytes)
+/* KVD_HUGE_PAGES: -1 unset (the caller decides), else 0 off or 1 on. */
+static _Atomic int huge_env = -1;
+
+int model_pages_init_env(char *err, size_t errlen)
 {
-    return cpu_map_huge(bytes, true, NULL);
+    const char *v = getenv("KVD_HUGE_PAGES");
+    if (!v || !*v) {
+        atomic_store(&huge_env, -1);
+        return 0;
+    }
+    if (strcmp(v, "on") && strcmp(v, "off")) {
+        snprintf(err, errlen, "KVD_HUGE_PAGES: unknown value '%s' (on, off)", v);
+        return -1;
+    }
+    atomic_store(&huge_env, !strcmp(v, "on"));
+    return 0;
 }
 
-int model_pack_weights(model *m, char *err, size_t errlen)
+/* Whether the copy is advised as 2 MiB pages, and what the load line says
+ * of it (a constant string). */
+static bool huge_wanted(bool small_pages, const char **says)
+{
+    const int env = atomic_load(&huge_env);
+    if (env >= 0) {
+        *says = env ? "2 MiB pages advised, KVD_HUGE_PAGES=on" : "4 KiB pages, KVD_HUGE_PAGES=off";
+        return env;
+    }
+    *says = small_pages ? "4 KiB pages, huge pages off" : "2 MiB pages advised";
+    return !small_pages;
+}
+
+/* bytes of anonymous memory starting on a 2 MiB boundary (cpu/mem.h),
+ * advised as huge pages, or (!huge) as never huge; NULL if it cannot be
+ * mapped. *says: what the load line says of the pages, which tells a
+ * refused advice too. munmap(p, bytes) frees it. */
+static void *map_copy(size_t bytes, bool small_pages, const char **says)
+{
+    const bool huge = huge_wanted(small_pages, says);
+    bool advised = false;
+    void *p = cpu_map_huge(bytes, huge, &advised);
+    if (p && !huge)
+        (void)madvise(p, bytes, MADV_NOHUGEPAGE); /* refused: it only changes speed */
+    if (p && huge && !advised)
+        *says = "4 KiB pages: the kernel refused the 2 MiB advice (transparent huge pages off?)";
+    return p;
+}
+
+int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen)
 {
     struct mm_weight **ws = malloc(sizeof(*ws) * (7 * (size_t)m->n_layer + 1));
     if (!ws) {
@@ -93,7 +140,7 @@ int model_pack_weights(model *m, char *err, size_t errlen)
         free(ws);
         return 0;
     }
-    void *mem = map_huge(total);
+    void *mem = map_copy(total, small_pages, &m->pack_pages);
     if (!mem) {
         snprintf(err, errlen, "repacking the weights: cannot map %zu bytes", total);
         free(ws);
@@ -136,10 +183,10 @@ const char *model_pack_describe(const model *m, char *buf, size_t len)
                  m->weight_type ? m->weight_type : "these types");
     else
         snprintf(buf, len,
-                 "%d matrices repacked for %s%s in %.0f ms: %.1f MiB owned (2 MiB pages "
-                 "advised), the mapped rows released",
+                 "%d matrices repacked for %s%s in %.0f ms: %.1f MiB owned (%s), the mapped "
+                 "rows released",
                  m->pack_count, k ? k : "kernels of another level",
                  m->pack_bf16 ? " and avx512bf16 (bf16 pairs)" : "", m->pack_ms,
-                 (double)m->pack_bytes / (1024.0 * 1024.0));
+                 (double)m->pack_bytes / (1024.0 * 1024.0), m->pack_pages);
     return buf;
 }
