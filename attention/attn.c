@@ -81,7 +81,9 @@
 #include "cpu/pool.h"
 
 #define CACHE_LINE 64
-#define QROWS 64            /* query rows per unit when a sequence is split by KV head */
+#define QROWS 192           /* query rows per unit when a sequence is split by KV head */
+#define WHOLE_ROWS 64       /* a sequence of at most this many rows is one unit (decode) */
+#define FLASH_PASS 48       /* rows per pass over a staged flash tile (tile_head) */
 #define SPLIT_PER_THREAD 4  /* items per thread the split-K aims for */
 #define MIN_SPLIT_KEYS 256  /* keys per split part, at least */
 
@@ -532,7 +534,8 @@ static int unit_qblock(const attn_ctx *ctx)
 
 static bool whole_sequence_unit(const attn_ctx *ctx, const struct attn_seq *sq)
 {
-    return (long)sq->n_q * ctx->p.n_head <= ctx->rows_max;
+    int whole = ctx->p.n_head > WHOLE_ROWS ? ctx->p.n_head : WHOLE_ROWS;
+    return (long)sq->n_q * ctx->p.n_head <= whole;
 }
 
 /* Number of parts a range of n keys with the given cost splits into, and its chunk size. */
@@ -675,12 +678,6 @@ static int32_t load_tile(struct tscratch *w, const struct attn_kv *kv, const str
     return pmin;
 }
 
-/*
- * Scores of rows_h rows (prepared queries q) against KV head g's keys of
- * the tile, into w->S; also points w->vp at the head's value rows. Keys are
- * staged once (converted, rotated) when many rows reuse them, and rotated
- * in registers when few do.
- */
 /* Whether q8_0 keys are scored in integers (no rotation to apply to them). */
 static bool int8_keys(const attn_ctx *ctx, const struct attn_kv *kv)
 {
@@ -695,10 +692,14 @@ static void setup_q8(const attn_ctx *ctx, struct tscratch *w, const struct attn_
             attn_q8_query(&w->q8[r], w->qrow[r], ctx->p.head_dim);
 }
 
-static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
-                        int nt, int r0, int rows_h, const struct attn_prefetch *pf)
+/*
+ * Point w->kp and w->vp at KV head g's key and value rows of the tile;
+ * quantised keys are dequantised once (into vst, free until the values).
+ * Returns the type the key rows now have.
+ */
+static enum attn_type head_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+                                int g, int nt)
 {
-    const float *const *q = w->qrow + r0;
     const int D = ctx->p.head_dim;
     const size_t krow = attn_row_bytes(kv->k_type, D), vrow = attn_row_bytes(kv->v_type, D);
     const uint8_t *kb = kv->base + kv->k_offset + (size_t)g * kv->page_tokens * krow;
@@ -708,17 +709,38 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
         w->vp[t] = vb + w->tok[t] + (size_t)w->slot[t] * vrow;
     }
     enum attn_type kt = kv->k_type;
-    if (int8_keys(ctx, kv)) {
-        ctx->qk_q8(w->S, w->q8 + r0, rows_h, w->kp, nt, D);
-        return;
-    }
-    if (attn_type_blocked(kt)) {
-        /* Quantised keys: dequantise the tile once (into vst, free until the
-         * values), then rotate and score the f32 rows, exact to the stored values. */
+    if (attn_type_blocked(kt) && !int8_keys(ctx, kv)) {
+        /* exact to the stored values: rotation and scores run on the f32 rows */
         ctx->ops->dequant(w->vst, w->kp, nt, kt, D);
         for (int t = 0; t < ATTN_TILE; t++)
             w->kp[t] = w->vst + (size_t)(t < nt ? t : nt - 1) * D;
         kt = ATTN_F32;
+    }
+    return kt;
+}
+
+/* The flash tile's keys: staged once (converted, rotated) and transposed into w->kst. */
+static void stage_head_keys(const attn_ctx *ctx, struct tscratch *w, enum attn_type kt, int nt)
+{
+    ctx->ops->stage_kt(w->kst, w->kp, nt, kt, ctx->p.head_dim, ctx->rot, ctx->p.pos.rope_pairing,
+                       w->cs, w->sn, ctx->half);
+}
+
+/*
+ * Scores of rows_h rows (prepared queries q) against KV head g's keys of
+ * the tile, into w->S; also points w->vp at the head's value rows. Keys are
+ * staged once (converted, rotated) when many rows reuse them, and rotated
+ * in registers when few do.
+ */
+static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
+                        int nt, int r0, int rows_h, const struct attn_prefetch *pf)
+{
+    const float *const *q = w->qrow + r0;
+    const int D = ctx->p.head_dim;
+    enum attn_type kt = head_rows(ctx, w, kv, g, nt);
+    if (int8_keys(ctx, kv)) {
+        ctx->qk_q8(w->S, w->q8 + r0, rows_h, w->kp, nt, D);
+        return;
     }
     if (rows_h <= 4 && ctx->rot) {
         ctx->ops->qk_rope(w->S, q, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing,
@@ -730,8 +752,7 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
         return;
     }
     /* many rows: the keys staged once, transposed, for a register-blocked product */
-    ctx->ops->stage_kt(w->kst, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs, w->sn,
-                       ctx->half);
+    stage_head_keys(ctx, w, kt, nt);
     ctx->ops->qk_t(w->S, q, rows_h, w->kst, D);
 }
 
@@ -851,6 +872,56 @@ static void row_coords(const attn_ctx *ctx, const struct unit *u, int r, int *qu
     *head = (u->g0 + hh) * ctx->group + rem % ctx->group;
 }
 
+/*
+ * The values of a head's tile as P.V reads them (w->vp, the type returned):
+ * quantised rows dequantised; 16-bit rows converted once when many rows
+ * read them (after the keys: both may use vst).
+ */
+static enum attn_type head_values(const attn_ctx *ctx, struct tscratch *w, enum attn_type vt,
+                                  int nt, int rows_h)
+{
+    const int D = ctx->p.head_dim;
+    if (attn_type_blocked(vt))
+        ctx->ops->dequant(w->vst, w->vp, nt, vt, D);
+    else if (rows_h > 4 && vt != ATTN_F32)
+        ctx->ops->stage_k(w->vst, w->vp, nt, vt, D, 0, POS_ROPE_NEOX, NULL, NULL, 0);
+    else
+        return vt;
+    for (int t = 0; t < nt; t++)
+        w->vp[t] = w->vst + (size_t)t * D;
+    return ATTN_F32;
+}
+
+/*
+ * One KV head's part of a tile for rows [r0, r0 + rows_h) of the unit:
+ * scores, online softmax, acc += P.V. With many rows (the flash tile) the
+ * keys and values are staged once for all of them, and the rows then go
+ * through in passes of FLASH_PASS, so that a pass's scores stay in L1 from
+ * the product that writes them to the one that reads them.
+ */
+static void tile_head(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
+                      int nt, int r0, int rows_h, const struct attn_prefetch *pf)
+{
+    const int D = ctx->p.head_dim;
+    const struct attn_ops *ops = ctx->ops;
+    const bool flash = rows_h > 4 && !int8_keys(ctx, kv);
+    if (flash)
+        stage_head_keys(ctx, w, head_rows(ctx, w, kv, g, nt), nt);
+    else
+        head_scores(ctx, w, kv, g, nt, r0, rows_h, pf);
+    enum attn_type vt = head_values(ctx, w, kv->v_type, nt, rows_h);
+    const int pass = flash ? FLASH_PASS : rows_h;
+    for (int p0 = 0; p0 < rows_h; p0 += pass) {
+        const int n = rows_h - p0 < pass ? rows_h - p0 : pass, r = r0 + p0;
+        if (flash)
+            ops->qk_t(w->S, w->qrow + r, n, w->kst, D);
+        for (int i = 0; i < n; i++)
+            ops->softmax(w->S + (size_t)i * ATTN_TILE, nt, w->kpos, w->rpos[r + i], &w->bias[r + i],
+                         &w->m[r + i], &w->l[r + i], w->acc + (size_t)(r + i) * D, D);
+        ops->pv(w->acc + (size_t)r * D, n, w->S, w->vp, nt, vt, D);
+    }
+}
+
 static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
                           const struct attn_seq *seqs, const struct item *it)
 {
@@ -859,7 +930,6 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     const int D = ctx->p.head_dim, H = ctx->p.n_head;
     const int rows_h = u->nq * ctx->group;
     const int qoff = ctx->si[u->seq].qoff;
-    const struct attn_ops *ops = ctx->ops;
 
     setup_rows(ctx, w, sq, u->q0, u->nq, u->g0, u->ng);
     setup_q8(ctx, w, kv, u->rows);
@@ -876,31 +946,13 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
         if (ctx->rot)
             ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
         for (int hh = 0; hh < u->ng; hh++) {
-            int r0 = hh * rows_h;
             /* prefetch the next head, or head 0 of the next tile */
             int kn = hh + 1 < u->ng ? k0 : k0 + ATTN_TILE;
             int nn = it->k1 - kn < ATTN_TILE ? it->k1 - kn : ATTN_TILE;
             const struct attn_prefetch *pf = NULL;
             if (nn > 0)
                 pf = prefetch_head(ctx, w->pf, kv, sq, u->g0 + (hh + 1) % u->ng, kn, nn);
-            head_scores(ctx, w, kv, u->g0 + hh, nt, r0, rows_h, pf);
-            for (int r = 0; r < rows_h; r++)
-                ops->softmax(w->S + (size_t)r * ATTN_TILE, nt, w->kpos, w->rpos[r0 + r],
-                             &w->bias[r0 + r], &w->m[r0 + r], &w->l[r0 + r],
-                             w->acc + (size_t)(r0 + r) * D, D);
-            enum attn_type vt = kv->v_type;
-            if (attn_type_blocked(vt)) { /* quantised values: P.V over the dequantised tile */
-                ops->dequant(w->vst, w->vp, nt, vt, D);
-                for (int t = 0; t < nt; t++)
-                    w->vp[t] = w->vst + (size_t)t * D;
-                vt = ATTN_F32;
-            } else if (rows_h > 4 && vt != ATTN_F32) { /* convert once, not once per row block */
-                ops->stage_k(w->vst, w->vp, nt, vt, D, 0, POS_ROPE_NEOX, NULL, NULL, 0);
-                for (int t = 0; t < nt; t++)
-                    w->vp[t] = w->vst + (size_t)t * D;
-                vt = ATTN_F32;
-            }
-            ops->pv(w->acc + (size_t)r0 * D, rows_h, w->S, w->vp, nt, vt, D);
+            tile_head(ctx, w, kv, u->g0 + hh, nt, hh * rows_h, rows_h, pf);
         }
     }
 
