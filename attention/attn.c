@@ -12,11 +12,14 @@
  * taken by whichever thread is free next:
  *
  *   - A unit is (sequence, query block, KV heads). A decode-like sequence
- *     (n_q * n_head rows fit in one thread's scratch) is one unit with ALL
- *     its KV heads, so a tile's page addresses and RoPE angles are computed
- *     once and serve every head; otherwise a unit is one KV head and up to
- *     64 query rows. All query heads that share a KV head are rows of the
- *     same unit, so each K/V tile is read once per GQA group.
+ *     (n_q * n_head <= 64 rows) is one unit with ALL its KV heads, so a
+ *     tile's page addresses and RoPE angles are computed once and serve
+ *     every head; otherwise a unit is one KV head and up to 192 query
+ *     rows (64 queries of a GQA group of 3). All query heads that share a
+ *     KV head are rows of the same unit, so each K/V tile is read once per
+ *     GQA group - and, in a prefill chunk, staged once per 192 rows: the
+ *     staging (conversion, rotation, transposition) and the misses of
+ *     reading the tile are paid per unit, the products per row.
  *   - A unit whose cost (rows x visible keys) exceeds a share of the batch
  *     is split along its keys (split-K, flash-decoding): each part keeps
  *     (m, l, acc) per row, and the part that finishes last merges them. So
@@ -26,12 +29,14 @@
  *
  * A tile, for each KV head of the unit: scores of the head's rows (qk), the
  * online-softmax update per row with the bias and causal mask (softmax),
- * then acc += P V (pv). With many rows (a prefill chunk: up to 64 rows,
+ * then acc += P V (pv). With many rows (a prefill chunk: up to 192 rows,
  * the queries of a block times their GQA group) this is a flash tile: the
  * keys are staged once to f32, rotated and transposed (stage_kt), so the
  * rows x keys scores are a register-blocked product with no horizontal
- * sums (qk_t), and the values are converted once; with few rows (decode)
- * the keys are rotated in registers inside qk. While one head is computed the next
+ * sums (qk_t), the values are converted once, and the rows go through
+ * qk_t, softmax and pv in passes of 48 so that a pass's scores stay in L1
+ * (tile_head); with few rows (decode) the keys are rotated in registers
+ * inside qk. While one head is computed the next
  * head's rows are prefetched: they sit in page-sized runs the hardware
  * prefetcher follows poorly.
  *
