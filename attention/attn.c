@@ -33,7 +33,8 @@
  * the queries of a block times their GQA group) this is a flash tile: the
  * keys are staged once to f32, rotated and transposed (stage_kt), so the
  * rows x keys scores are a register-blocked product with no horizontal
- * sums (qk_t), the values are converted once, and the rows go through
+ * sums (qk_t), the values are read in f16 and converted in registers by
+ * P.V's 6-row blocks (no staged copy), and the rows go through
  * qk_t, softmax and pv in passes of 48 so that a pass's scores stay in L1
  * (tile_head); with few rows (decode) the keys are rotated in registers
  * inside qk. While one head is computed the next
@@ -879,19 +880,17 @@ static void row_coords(const attn_ctx *ctx, const struct unit *u, int r, int *qu
 
 /*
  * The values of a head's tile as P.V reads them (w->vp, the type returned):
- * quantised rows dequantised; 16-bit rows converted once when many rows
- * read them (after the keys: both may use vst).
+ * quantised rows dequantised into vst (after the keys, which may have used
+ * it); 16-bit rows are read as they are stored, converted in registers by
+ * pv - a staged f32 copy would cost a pass over the tile and twice the L1.
  */
 static enum attn_type head_values(const attn_ctx *ctx, struct tscratch *w, enum attn_type vt,
-                                  int nt, int rows_h)
+                                  int nt)
 {
     const int D = ctx->p.head_dim;
-    if (attn_type_blocked(vt))
-        ctx->ops->dequant(w->vst, w->vp, nt, vt, D);
-    else if (rows_h > 4 && vt != ATTN_F32)
-        ctx->ops->stage_k(w->vst, w->vp, nt, vt, D, 0, POS_ROPE_NEOX, NULL, NULL, 0);
-    else
+    if (!attn_type_blocked(vt))
         return vt;
+    ctx->ops->dequant(w->vst, w->vp, nt, vt, D);
     for (int t = 0; t < nt; t++)
         w->vp[t] = w->vst + (size_t)t * D;
     return ATTN_F32;
@@ -900,7 +899,7 @@ static enum attn_type head_values(const attn_ctx *ctx, struct tscratch *w, enum 
 /*
  * One KV head's part of a tile for rows [r0, r0 + rows_h) of the unit:
  * scores, online softmax, acc += P.V. With many rows (the flash tile) the
- * keys and values are staged once for all of them, and the rows then go
+ * keys are staged once for all of them, and the rows then go
  * through in passes of FLASH_PASS, so that a pass's scores stay in L1 from
  * the product that writes them to the one that reads them.
  */
@@ -914,7 +913,7 @@ static void tile_head(const attn_ctx *ctx, struct tscratch *w, const struct attn
         stage_head_keys(ctx, w, head_rows(ctx, w, kv, g, nt), nt);
     else
         head_scores(ctx, w, kv, g, nt, r0, rows_h, pf);
-    enum attn_type vt = head_values(ctx, w, kv->v_type, nt, rows_h);
+    enum attn_type vt = head_values(ctx, w, kv->v_type, nt);
     const int pass = flash ? FLASH_PASS : rows_h;
     for (int p0 = 0; p0 < rows_h; p0 += pass) {
         const int n = rows_h - p0 < pass ? rows_h - p0 : pass, r = r0 + p0;

@@ -16,9 +16,9 @@
  * (decode); for many rows (prefill) the tile's keys are staged transposed
  * (VL x VL register transposes), and qk_t computes rows x 64 keys as a
  * register-blocked product of broadcast query elements and key rows (6 x 4
- * accumulators at AVX-512), with no reduction at all. P.V keeps a block of 4 rows
+ * accumulators at AVX-512), with no reduction at all. P.V keeps a block of 6 rows
  * x NV vectors of the output in registers while it streams the tile's
- * values. f16 and bf16 become f32 in registers (vcvtph2ps; a 16-bit shift).
+ * values, 16-bit ones converted as they are loaded. f16 and bf16 become f32 in registers (vcvtph2ps; a 16-bit shift).
  */
 #include "attention_internal.h"
 #include "cpu/kernel.h"
@@ -53,6 +53,7 @@
 
 #define VL 16
 #define PV_NV 4 /* output vectors per row kept in registers by pv */
+#define PV_RB 6 /* rows per pv block: 6 x 4 accumulators, 4 values, a broadcast */
 typedef __m512 vf;
 
 INLINE __mmask16 lanes(int n)
@@ -222,6 +223,7 @@ static const char simd_name[] = "avx512";
 
 #define VL 8
 #define PV_NV 2
+#define PV_RB 6 /* 6 x 2 accumulators, 2 values, a broadcast in 16 registers */
 typedef __m256 vf;
 
 INLINE __m256i lanes_i(int n)
@@ -713,8 +715,8 @@ static void probs_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
 INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, int nt,
                      enum attn_type T, int d0, int n, const int RB, const int NV)
 {
-    vf a[4][PV_NV];
-#pragma GCC unroll 4
+    vf a[PV_RB][PV_NV];
+#pragma GCC unroll 8
     for (int r = 0; r < RB; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++)
@@ -724,7 +726,7 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++)
             v[j] = vload_t(vp[t], d0 + j * VL, T, j == NV - 1 ? n : VL);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < RB; r++) {
             vf p = vset1(P[(size_t)r * ATTN_TILE + t]);
 #pragma GCC unroll 4
@@ -732,7 +734,7 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
                 a[r][j] = vfma(p, v[j], a[r][j]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < RB; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++)
@@ -753,15 +755,28 @@ INLINE void pv_typed(float *acc, int nrows, const float *P, const void *const *v
                      enum attn_type T, int D)
 {
     int r = 0;
-    for (; r + 4 <= nrows; r += 4)
-        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 4);
+    for (; r + PV_RB <= nrows; r += PV_RB)
+        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, PV_RB);
     /* the rest in one block, so each value row is loaded once (GQA groups of 3 and 2) */
-    if (nrows - r == 3)
-        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 3);
-    else if (nrows - r == 2)
-        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 2);
-    else if (nrows - r == 1)
-        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, 1);
+    acc += (size_t)r * D;
+    P += (size_t)r * ATTN_TILE;
+    switch (nrows - r) {
+    case 5:
+        pv_rows(acc, D, P, vp, nt, T, 5);
+        break;
+    case 4:
+        pv_rows(acc, D, P, vp, nt, T, 4);
+        break;
+    case 3:
+        pv_rows(acc, D, P, vp, nt, T, 3);
+        break;
+    case 2:
+        pv_rows(acc, D, P, vp, nt, T, 2);
+        break;
+    case 1:
+        pv_rows(acc, D, P, vp, nt, T, 1);
+        break;
+    }
 }
 
 INLINE void pv_types(float *acc, int nrows, const float *P, const void *const *vp, int nt,
