@@ -37,14 +37,6 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* 2^f ~ sum C_i f^i on [-1/2, 1/2]: vexp's polynomial (both levels) */
-#define EXP2_C5 1.3390863314e-3f
-#define EXP2_C4 9.6760317683e-3f
-#define EXP2_C3 5.5503569543e-2f
-#define EXP2_C2 2.4022106826e-1f
-#define EXP2_C1 6.9314718246e-1f
-#define EXP2_C0 1.0000001192f
-
 /* ------------------------------------------------------------------------
  * Vector layer
  * ------------------------------------------------------------------------ */
@@ -164,26 +156,13 @@ INLINE void vtranspose(vf *r)
     }
 }
 
-/*
- * exp(x) for x <= 0 (softmax arguments) as 2^y, y = x * log2(e): n = round(y),
- * f = y - n in [-1/2, 1/2] (exact), 2^f by a degree-5 polynomial (Chebyshev
- * nodes: within 2.3e-7 of 2^f in f32 arithmetic), 2^n by scalef. Rounding y
- * costs x * 2^-24 relative, 1e-6 at the x = -14 where a probability drops
- * below 1e-6 of the row's largest. 9 operations, where a two-constant
- * reduction of x and a degree-7 polynomial take 14; the exponential is most
- * of a prefill tile's softmax. -inf gives NaN: masked lanes are zeroed by
- * their caller (vkeep_finite), and x far below -87 gives 0.
- */
-INLINE vf vexp(vf x)
+/* round to the nearest integer; p * 2^n for integral n (>= -126) */
+INLINE vf vround(vf x)
 {
-    vf y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    vf n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf f = _mm512_sub_ps(y, n);
-    vf p = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C5), f, _mm512_set1_ps(EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+INLINE vf vscale2(vf p, vf n)
+{
     return _mm512_scalef_ps(p, n);
 }
 
@@ -335,19 +314,13 @@ INLINE void vtranspose(vf *r)
     }
 }
 
-/* As the AVX-512 copy; 2^n is built in the exponent field, so x is first
- * clamped to -87.3 (n >= -126, a normal number; the clamp maps -inf too). */
-INLINE vf vexp(vf x)
+INLINE vf vround(vf x)
 {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    vf y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    vf n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf f = _mm256_sub_ps(y, n);
-    vf p = _mm256_fmadd_ps(_mm256_set1_ps(EXP2_C5), f, _mm256_set1_ps(EXP2_C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* 2^n built in the exponent field: n >= -126 gives a normal number */
+INLINE vf vscale2(vf p, vf n)
+{
     __m256i e =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -385,6 +358,37 @@ INLINE vf vkeep_finite(vf x, vf p)
 static const char simd_name[] = "avx2";
 
 #endif
+
+/*
+ * exp(x) for x <= 0 (softmax arguments) as 2^y, y = x * log2(e): n = round(y),
+ * f = y - n in [-1/2, 1/2] (exact), 2^f by a degree-5 polynomial (Chebyshev
+ * nodes: within 2.3e-7 of 2^f in f32 arithmetic), 2^n by scaling. Rounding y
+ * costs x * 2^-24 relative, 1e-6 at the x = -14 where a probability drops
+ * below 1e-6 of the row's largest. 10 operations, where a two-constant
+ * reduction of x and a degree-7 polynomial take 14; the exponential is most
+ * of a prefill tile's softmax. x is clamped to -87.3 first (n >= -126, as
+ * vscale2 needs; -inf too): masked lanes are zeroed by the caller
+ * (vkeep_finite).
+ */
+/* 2^f ~ sum C_i f^i on [-1/2, 1/2] */
+#define EXP2_C5 1.3390863314e-3f
+#define EXP2_C4 9.6760317683e-3f
+#define EXP2_C3 5.5503569543e-2f
+#define EXP2_C2 2.4022106826e-1f
+#define EXP2_C1 6.9314718246e-1f
+#define EXP2_C0 1.0000001192f
+INLINE vf vexp(vf x)
+{
+    vf y = vmul(vmax(x, vset1(-87.3f)), vset1(1.44269504088896341f));
+    vf n = vround(y);
+    vf f = vsub(y, n);
+    vf p = vfma(vset1(EXP2_C5), f, vset1(EXP2_C4));
+    p = vfma(p, f, vset1(EXP2_C3));
+    p = vfma(p, f, vset1(EXP2_C2));
+    p = vfma(p, f, vset1(EXP2_C1));
+    p = vfma(p, f, vset1(EXP2_C0));
+    return vscale2(p, n);
+}
 
 /* n elements (n <= VL) of a K/V row of type T from element offset off, as f32 */
 INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
@@ -760,23 +764,18 @@ INLINE void pv_typed(float *acc, int nrows, const float *P, const void *const *v
     /* the rest in one block, so each value row is loaded once (GQA groups of 3 and 2) */
     acc += (size_t)r * D;
     P += (size_t)r * ATTN_TILE;
+#define PV_REST(k)                                                                                 \
+    case k:                                                                                        \
+        pv_rows(acc, D, P, vp, nt, T, k);                                                          \
+        break;
     switch (nrows - r) {
-    case 5:
-        pv_rows(acc, D, P, vp, nt, T, 5);
-        break;
-    case 4:
-        pv_rows(acc, D, P, vp, nt, T, 4);
-        break;
-    case 3:
-        pv_rows(acc, D, P, vp, nt, T, 3);
-        break;
-    case 2:
-        pv_rows(acc, D, P, vp, nt, T, 2);
-        break;
-    case 1:
-        pv_rows(acc, D, P, vp, nt, T, 1);
-        break;
+        PV_REST(5)
+        PV_REST(4)
+        PV_REST(3)
+        PV_REST(2)
+        PV_REST(1)
     }
+#undef PV_REST
 }
 
 INLINE void pv_types(float *acc, int nrows, const float *P, const void *const *vp, int nt,

@@ -39,6 +39,7 @@
 
 #include "attention/attention.h"
 #include "cache/kv_cache.h"
+#include "tests/bench/bench_attn.h"
 #include "tests/bench/bench_util.h"
 
 #define H 9
@@ -139,21 +140,7 @@ static struct attn_kv kv_view(const struct filled *f, int l)
 
 static attn_ctx *ctx_for(int threads)
 {
-    struct attn_params p = {.n_head = H,
-                            .n_kv_head = KVH,
-                            .head_dim = D,
-                            .scale = 0.125f,
-                            .n_threads = threads};
-    p.pos.kind = POS_ROPE;
-    p.pos.rope_theta = 10000.0f;
-    p.pos.rope_dims = D;
-    p.pos.rope_pairing = POS_ROPE_NEOX;
-    p.pos.rope_freq_scale = 1.0f;
-    char err[256];
-    attn_ctx *c = attn_create(&p, err, sizeof(err));
-    if (!c)
-        die("attn_create", err);
-    return c;
+    return bench_attn_ctx("bench_decode", H, KVH, D, POS_ROPE, threads);
 }
 
 /* CPU seconds of the calling thread (the whole team when it runs alone). */

@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "attention/attention.h"
+#include "tests/bench/bench_attn.h"
 #include "tests/bench/bench_util.h"
 
 #define H 9
@@ -47,27 +48,6 @@ static double thread_cpu(void)
     struct timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static attn_ctx *ctx_for(int threads)
-{
-    struct attn_params p = {.n_head = H,
-                            .n_kv_head = KVH,
-                            .head_dim = D,
-                            .scale = 0.125f,
-                            .n_threads = threads};
-    p.pos.kind = POS_ROPE;
-    p.pos.rope_theta = 10000.0f;
-    p.pos.rope_dims = D;
-    p.pos.rope_pairing = POS_ROPE_NEOX;
-    p.pos.rope_freq_scale = 1.0f;
-    char err[256];
-    attn_ctx *c = attn_create(&p, err, sizeof(err));
-    if (!c) {
-        fprintf(stderr, "bench_prefill_attn: attn_create: %s\n", err);
-        exit(1);
-    }
-    return c;
 }
 
 /* One chunk of CHUNK queries after L cached keys: best CPU and wall seconds of `trials`. */
@@ -100,7 +80,7 @@ static void time_chunk(int L, int threads, int trials, double *cpu, double *wall
                          .n_pages = pages};
     struct attn_seq seq = {.page_table = table, .pos = pos, .n_kv = n, .n_q = CHUNK,
                            .q_pos = qpos, .q = q, .out = out};
-    attn_ctx *ctx = ctx_for(threads);
+    attn_ctx *ctx = bench_attn_ctx("bench_prefill_attn", H, KVH, D, POS_ROPE, threads);
     *cpu = *wall = 1e30;
     for (int t = 0; t < trials; t++) {
         double t0 = bench_now(), c0 = thread_cpu();

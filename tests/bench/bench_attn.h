@@ -1,0 +1,40 @@
+/*
+ * bench_attn.h - the attention context the attention benchmarks of the
+ * SmolLM-135M shape share (bench_decode, bench_prefill_attn): llama's RoPE
+ * (NeoX pairs, theta 10000, every dimension rotated) or no position term,
+ * scale 1/8 (head dim 64).
+ */
+#ifndef KVD_BENCH_ATTN_H
+#define KVD_BENCH_ATTN_H
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "attention/attention.h"
+
+/* A context for n_head query heads over n_kv_head KV heads; exits naming bench on failure. */
+static inline attn_ctx *bench_attn_ctx(const char *bench, int n_head, int n_kv_head, int head_dim,
+                                       enum pos_kind kind, int threads)
+{
+    struct attn_params p = {.n_head = n_head,
+                            .n_kv_head = n_kv_head,
+                            .head_dim = head_dim,
+                            .scale = 0.125f,
+                            .n_threads = threads};
+    p.pos.kind = kind;
+    if (kind == POS_ROPE) {
+        p.pos.rope_theta = 10000.0f;
+        p.pos.rope_dims = head_dim;
+        p.pos.rope_pairing = POS_ROPE_NEOX;
+        p.pos.rope_freq_scale = 1.0f;
+    }
+    char err[256];
+    attn_ctx *c = attn_create(&p, err, sizeof(err));
+    if (!c) {
+        fprintf(stderr, "%s: attn_create: %s\n", bench, err);
+        exit(1);
+    }
+    return c;
+}
+
+#endif /* KVD_BENCH_ATTN_H */
