@@ -133,6 +133,8 @@ struct model {
     void *pack_mem;
     size_t pack_bytes; /* its size */
     int pack_count;    /* matrices repacked */
+    int pack_copied;   /* matrices copied as stored (no repacked kernels for their type) */
+    char pack_copied_types[64]; /* their types' names, space-separated */
     int pack_bf16;     /* of them in bf16 pairs for avx512bf16 (model/matmul_bf16.h) */
     double pack_ms;    /* time it took at load */
     const char *pack_pages; /* the pages asked for the copy, for the load line (constant) */

@@ -999,11 +999,32 @@ static void test_load_info(void **state)
         for (int k = 0; k < 3; k++)
             assert_true(ws[k]->packed && mm_pack_ready(ws[k]));
         assert_null(m->tok_embd.packed); /* read row by row, never repacked */
-    } else {
+    } else { /* copied as stored, into the same pages */
         assert_int_equal(m->pack_count, 0);
-        assert_null(m->pack_mem);
-        assert_non_null(strstr(line, "as stored"));
+        assert_int_equal(m->pack_copied, 15);
+        assert_non_null(strstr(line, "15 copied as stored"));
     }
+    model_free(m);
+
+    /* a type without repacked kernels (q4_0): every product matrix copied
+     * row for row into the owned pages, the embedding left as mapped */
+    p.type = GGML_TYPE_Q4_0;
+    write_model(&p, "info_q4_0.gguf", path, sizeof(path));
+    m = load_model(path);
+    model_pack_describe(m, line, sizeof line);
+    print_message("  weights: %s\n", line);
+    assert_int_equal(m->pack_count, 0);
+    assert_int_equal(m->pack_copied, 15);
+    assert_non_null(strstr(line, "15 copied as stored (no repacked kernels for q4_0"));
+    const uint8_t *lo = m->pack_mem, *hi = lo + m->pack_bytes;
+    struct mm_weight *wq4[] = {&m->layers[0].wq, &m->layers[1].down, &m->output};
+    for (int k = 0; k < 3; k++) {
+        const uint8_t *d = wq4[k]->data;
+        assert_null(wq4[k]->packed);
+        assert_true(d >= lo && d + wq4[k]->row_bytes * (size_t)wq4[k]->n_out <= hi);
+    }
+    const uint8_t *e = m->tok_embd.data;
+    assert_true(e < lo || e >= hi);
     model_free(m);
 }
 
