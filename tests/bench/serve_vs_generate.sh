@@ -82,7 +82,7 @@ gen_row() { # binary label
 echo "model $model, $n tokens, $threads threads, $rounds rounds"
 for r in $(seq "$rounds"); do
     for b in "$@"; do
-        label="$(basename "$(dirname "$(dirname "$b")")")/$(basename "$(dirname "$b")")"
+        label=$b # the path as given: two binaries of one folder stay apart
         gen_row "$b" "$label"
         serve_rows "$b" "$label"
     done
