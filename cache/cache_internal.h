@@ -35,7 +35,7 @@ struct kv_cache {
     size_t map_bytes;        /* bytes mapped at base */
     int n_pages;
     bool mlocked;
-    bool huge;               /* the mapping was advised as 2 MiB pages (pool.c) */
+    struct cpu_pages pages;  /* the pages asked for the mapping and what the kernel did */
 
     int32_t *free_stack; /* [n_pages] free page ids; top at free_stack[n_free - 1] */
     int n_free;

@@ -68,6 +68,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpu/mem.h"
+
 /* ------------------------------------------------------------------------
  * Element types
  * ------------------------------------------------------------------------ */
@@ -101,6 +103,9 @@ struct kv_cache_params {
     enum kv_type k_type; /* element type of K */
     enum kv_type v_type; /* element type of V */
     bool mlock;          /* try to lock the pages in RAM (see kv_cache_create) */
+    bool small_pages;    /* the pool in 4 KiB pages, not advised as 2 MiB (cpu/mem.h's
+                            switch, KVD_HUGE_PAGES over it; model_kv_shape sets it from
+                            the model's params, so one setting governs both) */
     const int32_t *layer_window; /* NULL, or [n_layer] (copied): > 0, the layer's sliding
                                     window W; those layers get their own pages, dropped
                                     once no query can see them (window.c); 0 = full */
@@ -119,7 +124,8 @@ typedef struct kv_cache kv_cache; /* the pool + all sequences; one owner thread 
 /*
  * Create the pool: validates the params (a quantised type with a head_dim
  * that is not a multiple of 32 is refused, naming both), maps n_pages * page_bytes bytes
- * once (anonymous mmap on a 2 MiB boundary, advised as huge pages; pages are
+ * once (anonymous mmap on a 2 MiB boundary, advised as huge pages unless
+ * small_pages or KVD_HUGE_PAGES=off says 4 KiB (cpu_map_pages); pages are
  * touched, and so resident, only when a sequence first writes them unless
  * mlock is set) and builds the free list.
  * Returns the cache, or NULL with the reason in err (bad shape, a budget
@@ -145,6 +151,10 @@ bool kv_cache_mlocked(const kv_cache *cache);
 /* Whether the pool's mapping was advised as 2 MiB pages (the kernel took
  * MADV_HUGEPAGE; speed only, nothing depends on it). */
 bool kv_cache_huge_pages(const kv_cache *cache);
+/* The pages asked for the pool, whether the kernel refused the advice, and
+ * what the start line says of them ("2 MiB pages advised", "4 KiB pages,
+ * KVD_HUGE_PAGES=off", ...). */
+const struct cpu_pages *kv_cache_pages(const kv_cache *cache);
 int kv_cache_n_pages(const kv_cache *cache);
 int kv_cache_page_tokens(const kv_cache *cache);
 uint8_t *kv_cache_base(kv_cache *cache);

@@ -246,8 +246,10 @@ kv_cache *kv_cache_create(const struct kv_cache_params *p, char *err, size_t err
     /* On a 2 MiB boundary, advised as huge pages (cpu/mem.h): a decoding
      * step reads a few KiB of every page of the sequence per layer, and in
      * 4 KiB pages each run is a TLB miss. bench_decode measured a 16k-token
-     * layer's attention at ~0.75x the time of one thread with it. */
-    void *base = cpu_map_huge(c->map_bytes, true, &c->huge);
+     * layer's attention at ~0.75x the time of one thread with it. Unless
+     * small_pages or KVD_HUGE_PAGES=off asks for 4 KiB: the one switch the
+     * repacked weights follow too. */
+    void *base = cpu_map_pages(c->map_bytes, p->small_pages, &c->pages);
     if (!base) {
         if (err)
             snprintf(err, errlen, "kv cache: cannot map %zu bytes for %zu pages: %s", c->map_bytes,
@@ -317,7 +319,12 @@ void kv_cache_destroy(kv_cache *c)
 
 bool kv_cache_huge_pages(const kv_cache *c)
 {
-    return c->huge;
+    return c->pages.huge;
+}
+
+const struct cpu_pages *kv_cache_pages(const kv_cache *c)
+{
+    return &c->pages;
 }
 
 bool kv_cache_mlocked(const kv_cache *c)

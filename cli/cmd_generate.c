@@ -452,6 +452,8 @@ int srv_cmd_generate(int argc, char **argv)
         fprintf(stderr, "kvd generate: %s\n", err);
         goto out;
     }
+    fprintf(stderr, "kvd generate: KV pool %d pages of %d tokens (%s)\n",
+            kv_cache_n_pages(engine_cache(eng)), pt, kv_cache_pages(engine_cache(eng))->says);
     if (o.echo)
         emit(o.prompt, (int)plen);
 

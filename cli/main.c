@@ -12,6 +12,7 @@
 #include "cli/cli_internal.h"
 #include "config/config.h"
 #include "cpu/cpu.h"
+#include "cpu/mem.h"
 #include "cpu/pool.h"
 #include "load/load.h"
 #include "model/model.h"
@@ -101,8 +102,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }
-    /* KVD_HUGE_PAGES=off: the repacked weights in 4 KiB pages (model/model.h) */
-    if (model_pages_init_env(err, sizeof(err))) {
+    /* KVD_HUGE_PAGES=off: the repacked weights and the KV pool in 4 KiB pages (cpu/mem.h) */
+    if (cpu_pages_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }

@@ -189,8 +189,8 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
                "tokenizer.chat_template, or ChatML when it has none"),
     [CFG_MODEL_HUGE_PAGES] =
         BOOL("model", "huge_pages", model.huge_pages, "true", RESTART,
-             "advise the weights' repacked copy as 2 MiB pages; false = 4 KiB pages "
-             "(KVD_HUGE_PAGES=on|off overrides)"),
+             "advise the weights' copy and the KV pool as 2 MiB pages; false = 4 KiB "
+             "pages (KVD_HUGE_PAGES=on|off overrides)"),
     /* [cache] */
     [CFG_CACHE_MEMORY] = SIZE("cache", "memory", cache.memory, "512MiB", MiB, TiB, RESTART,
                               "bytes of KV cache pages, shared by all sequences"),

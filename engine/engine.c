@@ -212,7 +212,7 @@ static int create_cache(engine *e, char *err, size_t errlen)
     }
     if (warn[0])
         engine_log(&e->p.hooks, ENGINE_LOG_WARN, "kv cache: %s", warn);
-    if (!kv_cache_huge_pages(e->cache))
+    if (kv_cache_pages(e->cache)->refused)
         engine_log(&e->p.hooks, ENGINE_LOG_WARN,
                    "kv cache: the kernel refused the pool's 2 MiB page advice (transparent huge "
                    "pages off?); 4 KiB pages, decode attention at long context runs slower");

@@ -543,6 +543,7 @@ static int load_weights(model *m, const struct model_params *params, char *err, 
         rc = model_pos_t5(m, params, err, errlen);
     if (!rc && m->pos.kind != POS_T5)
         rc = model_pos_no_t5_tables(m, err, errlen);
+    m->small_pages = params->small_pages;
     if (!rc)
         rc = model_pack_weights(m, params->small_pages, err, errlen);
     return rc;
@@ -645,6 +646,7 @@ void model_kv_shape(const model *m, struct kv_cache_params *p)
     p->n_kv_head = m->n_kv_head;
     p->head_dim = m->head_dim;
     p->layer_window = m->kv_windows;
+    p->small_pages = m->small_pages;
 }
 
 /* ------------------------------------------------------------------------

@@ -41,8 +41,9 @@ struct model_params {
     int t5_max_distance;
     int n_ctx; /* the longest sequence the caller will run, 0 = the file's context_length:
                   Phi-3 takes its long RoPE factors when it exceeds the original context */
-    bool small_pages; /* the repacked weights in 4 KiB pages, not advised as 2 MiB
-                         (model_pack.c; KVD_HUGE_PAGES overrides either way) */
+    bool small_pages; /* the repacked weights, and the KV pool of a cache shaped by
+                         model_kv_shape, in 4 KiB pages, not advised as 2 MiB
+                         (cpu/mem.h's switch; KVD_HUGE_PAGES overrides either way) */
 };
 
 /* What a loaded model is, for logs, /v1/models and cache sizing. */
@@ -225,11 +226,5 @@ const char *model_kernels_describe(char *buf, size_t len);
  * ("30 matrices repacked for avx512-vnni 16-row in 80 ms: 12.3 MiB owned,
  * the mapped rows released"), or that they are used as stored. Returns buf. */
 const char *model_pack_describe(const model *m, char *buf, size_t len);
-
-/* KVD_HUGE_PAGES=on|off (unset or empty: the caller's small_pages decides):
- * whether the models loaded from now on advise their repacked weights as
- * 2 MiB pages, over model_params.small_pages. Returns -1 with err naming
- * the variable for any other value. */
-int model_pages_init_env(char *err, size_t errlen);
 
 #endif /* KVD_MODEL_H */

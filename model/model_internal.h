@@ -138,6 +138,7 @@ struct model {
     int pack_bf16;     /* of them in bf16 pairs for avx512bf16 (model/matmul_bf16.h) */
     double pack_ms;    /* time it took at load */
     const char *pack_pages; /* the pages asked for the copy, for the load line (constant) */
+    bool small_pages;       /* model_params.small_pages, for the KV pool (model_kv_shape) */
 };
 
 /* ------------------------------------------------------------------------

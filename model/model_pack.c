@@ -31,10 +31,8 @@
  * side by side in one process. The advice may be refused; nothing depends
  * on it but speed. It can be turned off, to compare or where huge pages are
  * unwelcome (memory fragmented, khugepaged's work): the caller's
- * small_pages (kvd serve's [model] huge_pages = false), or KVD_HUGE_PAGES=
- * off|on for any command, which wins over the caller. Off asks for 4 KiB
- * pages outright (MADV_NOHUGEPAGE), so a system whose transparent huge pages
- * are "always" does not give 2 MiB pages anyway. The load line says which.
+ * small_pages or KVD_HUGE_PAGES, the switch cpu/mem.h owns for the KV pool
+ * too (cpu_map_pages). The load line says which pages were asked for.
  */
 #include "model/model_internal.h"
 
@@ -82,53 +80,6 @@ static void release_rows(const struct mm_weight *w)
         (void)madvise((void *)a, b - a, MADV_DONTNEED); /* advice: failure changes nothing */
 }
 
-/* KVD_HUGE_PAGES: -1 unset (the caller decides), else 0 off or 1 on. */
-static _Atomic int huge_env = -1;
-
-int model_pages_init_env(char *err, size_t errlen)
-{
-    const char *v = getenv("KVD_HUGE_PAGES");
-    if (!v || !*v) {
-        atomic_store(&huge_env, -1);
-        return 0;
-    }
-    if (strcmp(v, "on") && strcmp(v, "off")) {
-        snprintf(err, errlen, "KVD_HUGE_PAGES: unknown value '%s' (on, off)", v);
-        return -1;
-    }
-    atomic_store(&huge_env, !strcmp(v, "on"));
-    return 0;
-}
-
-/* Whether the copy is advised as 2 MiB pages, and what the load line says
- * of it (a constant string). */
-static bool huge_wanted(bool small_pages, const char **says)
-{
-    const int env = atomic_load(&huge_env);
-    if (env >= 0) {
-        *says = env ? "2 MiB pages advised, KVD_HUGE_PAGES=on" : "4 KiB pages, KVD_HUGE_PAGES=off";
-        return env;
-    }
-    *says = small_pages ? "4 KiB pages, huge pages off" : "2 MiB pages advised";
-    return !small_pages;
-}
-
-/* bytes of anonymous memory starting on a 2 MiB boundary (cpu/mem.h),
- * advised as huge pages, or (!huge) as never huge; NULL if it cannot be
- * mapped. *says: what the load line says of the pages, which tells a
- * refused advice too. munmap(p, bytes) frees it. */
-static void *map_copy(size_t bytes, bool small_pages, const char **says)
-{
-    const bool huge = huge_wanted(small_pages, says);
-    bool advised = false;
-    void *p = cpu_map_huge(bytes, huge, &advised);
-    if (p && !huge)
-        (void)madvise(p, bytes, MADV_NOHUGEPAGE); /* refused: it only changes speed */
-    if (p && huge && !advised)
-        *says = "4 KiB pages: the kernel refused the 2 MiB advice (transparent huge pages off?)";
-    return p;
-}
-
 /* Add type's name to the model's list of copied types, once. */
 static void note_type(model *m, enum ggml_type type)
 {
@@ -162,7 +113,13 @@ int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen)
     size_t total = 0;
     for (int i = 0; i < n; i++)
         total += (copy_bytes(ws[i]) + 63) / 64 * 64;
-    void *mem = map_copy(total, small_pages, &m->pack_pages);
+    if (total == 0) {
+        free(ws);
+        return 0;
+    }
+    struct cpu_pages got;
+    void *mem = cpu_map_pages(total, small_pages, &got);
+    m->pack_pages = got.says;
     if (!mem) {
         snprintf(err, errlen, "repacking the weights: cannot map %zu bytes", total);
         free(ws);

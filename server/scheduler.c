@@ -294,7 +294,7 @@ static bool engine_load(srv_sched *s)
             "model %s (%s, %d layers, vocab %d, pre-tokenizer %s) loaded; KV pool %d pages of %d "
             "tokens (%s)",
             info.name, info.arch, info.n_layer, info.n_vocab, info.tokenizer, kv_cache_n_pages(c),
-            s->p.page_tokens, kv_cache_huge_pages(c) ? "2 MiB pages advised" : "4 KiB pages");
+            s->p.page_tokens, kv_cache_pages(c)->says);
     if (info.tokenizer_note)
         srv_log(SRV_LOG_WARN, "tokenizer: %s", info.tokenizer_note);
     atomic_store(&s->ready_model, (const model *)s->m);
