@@ -126,7 +126,7 @@ static int setup(void **state)
     snprintf(cmd, sizeof cmd,
              "cd tests/cases/web && NODE_PATH='%s/npm/node_modules' "
              "KVD_URL=http://127.0.0.1:%d/ KVD_KEY=" KEY " KVD_BIN='%s' CHROMIUM='%s' "
-             "ARTEFACTS='%s' timeout 300 node browser.cjs 2>&1",
+             "ARTEFACTS='%s' timeout 600 node browser.cjs 2>&1",
              abs_art, srv.port, abs_bin, browser, abs_art);
     output = calloc(1, 1 << 16);
     assert_non_null(output);

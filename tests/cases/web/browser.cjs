@@ -66,14 +66,29 @@ async function login(page) {
   await page.waitForSelector("#view-playground:not([hidden])", { timeout: 10000 });
 }
 
-async function main() {
-  const browser = await puppeteer.launch({
+// Chromium's first start on a busy machine (the sanitizer build's tests
+// running beside it) has taken longer than puppeteer's 30 s default to
+// print its endpoint; give it two minutes, and a second try, before the
+// pages are reported as never checked.
+async function launch() {
+  const options = {
     executablePath: process.env.CHROMIUM,
     headless: true,
+    timeout: 120000,
     // as root (CI) chromium refuses to start without --no-sandbox
     args: (process.getuid && process.getuid() === 0 ? ["--no-sandbox"] : [])
       .concat(["--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"]),
-  });
+  };
+  try {
+    return await puppeteer.launch(options);
+  } catch (e) {
+    console.log("# chromium did not start (" + e.message + "); trying once more");
+    return await puppeteer.launch(options);
+  }
+}
+
+async function main() {
+  const browser = await launch();
   const requests = [];
   const page = await newPage(browser, requests);
 
