@@ -16,7 +16,10 @@
  * of every row of a group, and the token's pair (x[2p], x[2p + 1]) comes
  * broadcast from memory: as in matmul_pack.c, the lanes are the output
  * rows and nothing is summed across lanes. A tile is 2 groups (32 rows) x
- * 12 tokens: 24 accumulators, 2 weight loads per 24 dot products.
+ * 12 tokens: 24 accumulators, 2 weight loads per 24 dot products. A
+ * decoding batch (MM_PACK_NARROW tokens at most) takes 4 groups, two pairs,
+ * so that more than two chains of vdpbf16ps are in flight (matmul_pack.c,
+ * "Narrow tiles"); its pairs are each one sequential stream.
  *
  * ---------------------------------------------------------------------------
  * Numerics
@@ -36,7 +39,7 @@
  * tiles of the same code, a token's pairs sit in its own column), so a
  * result depends neither on the other tokens of the batch nor on how the
  * groups are split among threads, and decoding one token (a 2 x 1 tile,
- * streaming a group's pairs as one sequential read) is the same
+ * streaming its pair of groups as one sequential read) is the same
  * computation as the prefill.
  *
  * Levels: only the avx512 copy has these kernels, compiled for the
@@ -53,7 +56,12 @@
 #define BF16_INLINE static inline __attribute__((always_inline, target("avx512bf16")))
 
 #define B_MG 2          /* row groups per tile */
+#define N_MG 4          /* row groups per narrow tile (matmul_internal.h's MM_PACK_NARROW) */
 #define B_NT MM_BF16_NT /* tokens per tile */
+
+/* How far ahead a decoding tile asks for its weights (into L2): a pair of
+ * groups is one sequential stream, as matmul_pack.c's (see its Q8_PREFETCH). */
+#define B_PREFETCH 4096
 
 /* 16 floats rounded to bf16 to nearest even (NaN kept quiet), in the low
  * halves of 16 32-bit lanes: qt_f32_to_bf16's bits. */
@@ -105,20 +113,27 @@ BF16_INLINE void b_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int
 {
     const struct mm_weight *w = jb->w;
     const int np = mm_bf16_pairs(w);
-    const size_t gb = mm_bf16_group_bytes(w);
-    const uint8_t *gp[B_MG];
-    for (int g = 0; g < mg; g++)
-        gp[g] = (const uint8_t *)w->packed + (size_t)(g0 + g) * gb;
+    /* the pair of g0 (even: tiles start on pairs): group g's line of input
+     * pair p at p * 128 + 64 g */
+    const uint8_t *pp[N_MG / 2];
+    for (int h = 0; h < (mg + 1) / 2; h++)
+        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_bf16_pair_bytes(w);
     const uint32_t *xt = jb->xb + (size_t)j * (size_t)np * B_NT;
 
-    __m512 acc[B_MG][B_NT];
+    __m512 acc[N_MG][B_NT];
     for (int g = 0; g < mg; g++)
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
     for (int p = 0; p < np; p++, xt += B_NT) {
-        __m512bh wv[B_MG];
+        if (nt == 1) /* decoding: see B_PREFETCH */
+            for (int h = 0; h < (mg + 1) / 2; h++)
+                for (int l = 0; l < 2; l++)
+                    _mm_prefetch((const char *)pp[h] + (size_t)p * 128 + B_PREFETCH + 64 * l,
+                                 _MM_HINT_T1);
+        __m512bh wv[N_MG];
         for (int g = 0; g < mg; g++)
-            wv[g] = (__m512bh)_mm512_load_si512((const void *)(gp[g] + (size_t)p * 64));
+            wv[g] = (__m512bh)_mm512_load_si512(
+                (const void *)(pp[g / 2] + (size_t)p * 128 + 64 * (g % 2)));
         for (int t = 0; t < nt; t++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[t]);
             for (int g = 0; g < mg; g++)
@@ -159,18 +174,43 @@ BF16_INLINE void b_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int
 B_TILES(1)
 B_TILES(2)
 
+/* The narrow tiles: mg (3 or 4) groups for nt tokens (1..MM_PACK_NARROW). */
+#define B_NARROW(mg_)                                                                              \
+    BF16_FN static void b_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)          \
+    {                                                                                              \
+        if (nt == 1)                                                                               \
+            b_tile(jb, g0, mg_, j, 1);                                                             \
+        else                                                                                       \
+            b_tile(jb, g0, mg_, j, MM_PACK_NARROW);                                                \
+    }
+B_NARROW(3)
+B_NARROW(4)
+
 /* Row groups outside, token tiles inside: the groups' pairs stay in cache
- * while every token passes. */
+ * while every token passes. A batch of MM_PACK_NARROW tokens at most
+ * (decoding) is one narrow tile, taken N_MG groups at a time, as in
+ * matmul_pack.c. */
 static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
-    for (int g = g0; g < g1; g += B_MG) {
-        const int mg = g1 - g < B_MG ? g1 - g : B_MG;
+    const int step = jb->n_tok <= MM_PACK_NARROW ? N_MG : B_MG;
+    for (int g = g0; g < g1; g += step) {
+        const int mg = g1 - g < step ? g1 - g : step;
         for (int j = j0; j < j1; j++) {
             const int nt = jb->n_tok - j * B_NT < B_NT ? jb->n_tok - j * B_NT : B_NT;
-            if (mg == 2)
-                b_tile_2(jb, g, j, nt);
-            else
+            switch (mg) {
+            case 1:
                 b_tile_1(jb, g, j, nt);
+                break;
+            case 2:
+                b_tile_2(jb, g, j, nt);
+                break;
+            case 3:
+                b_tile_3(jb, g, j, nt);
+                break;
+            default:
+                b_tile_4(jb, g, j, nt);
+                break;
+            }
         }
     }
 }
@@ -231,9 +271,11 @@ INLINE void transpose8(__m256i r[8])
     }
 }
 
-/* Group g of w (bf16 or f16) in pairs into dst (matmul_bf16.h's layout). */
-static void pack_group_avx512(const struct mm_weight *w, size_t g, uint32_t *dst)
+/* Group g of w (bf16 or f16) in pairs into its lines of a pair: pair p's
+ * line at dst + p * 2 * MM_PACK_ROWS (matmul_bf16.h's layout). */
+static void pack_group(const struct mm_weight *w, size_t g, uint32_t *dst)
 {
+    const size_t line = 2 * MM_PACK_ROWS; /* 32-bit words from one pair's line to the next */
     const uint8_t *rows[MM_PACK_ROWS];
     for (int r = 0; r < MM_PACK_ROWS; r++) {
         size_t o = g * MM_PACK_ROWS + (size_t)r;
@@ -249,19 +291,27 @@ static void pack_group_avx512(const struct mm_weight *w, size_t g, uint32_t *dst
         transpose8(lo);
         transpose8(hi);
         for (int p = 0; p < 8; p++)
-            _mm512_store_si512((void *)(dst + (size_t)(k / 2 + p) * MM_PACK_ROWS),
+            _mm512_store_si512((void *)(dst + (size_t)(k / 2 + p) * line),
                                _mm512_inserti64x4(_mm512_castsi256_si512(lo[p]), hi[p], 1));
     }
     for (int q = k / 2; q < mm_bf16_pairs(w); q++)
         for (int r = 0; r < MM_PACK_ROWS; r++)
-            dst[(size_t)q * MM_PACK_ROWS + (size_t)r] =
+            dst[(size_t)q * line + (size_t)r] =
                 bf16_at(w, rows[r], 2 * q) | bf16_at(w, rows[r], 2 * q + 1) << 16;
+}
+
+/* Pair pp of groups (2 pp, 2 pp + 1) into dst, the two groups' lines
+ * alternating. */
+static void pack_pair_avx512(const struct mm_weight *w, size_t pp, uint32_t *dst)
+{
+    pack_group(w, 2 * pp, dst);
+    pack_group(w, 2 * pp + 1, dst + MM_PACK_ROWS);
 }
 
 const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
     .name = "avx512bf16 16-row pairs",
     .round = round_avx512,
-    .pack_group = pack_group_avx512,
+    .pack_pair = pack_pair_avx512,
     .groups = groups_avx512,
 };
 
@@ -270,7 +320,7 @@ const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
 const struct mm_bf16_kernels KERN(mm_bf16_kernels) = {
     .name = NULL,
     .round = NULL,
-    .pack_group = NULL,
+    .pack_pair = NULL,
     .groups = NULL,
 };
 

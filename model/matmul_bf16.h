@@ -16,12 +16,16 @@
  * the stored rows or matmul_pack.c's exactly widened copy run, and the
  * kernels line says so (mm_bf16_describe).
  *
- * Layout, per group of MM_PACK_ROWS (16) rows, the last padded with zero
- * rows; np = (n_in + 1) / 2 pairs of inputs (an odd n_in padded with a
- * zero weight): for pair p, 64 bytes, row r's elements 2p (low half) and
+ * Layout, per pair of groups of MM_PACK_ROWS (16) rows (the kernels' tile
+ * height), the last group padded with zero rows and an odd count with a
+ * zero group; np = (n_in + 1) / 2 pairs of inputs (an odd n_in padded with
+ * a zero weight): for input pair p, 128 bytes, the first group's line then
+ * the second's; in a group's line, row r's elements 2p (low half) and
  * 2p + 1 (high half) as bf16 in 32-bit lane r, which is the pairing
  * vdpbf16ps multiplies against a token's (x[2p], x[2p + 1]) broadcast to
- * every lane. Group stride: np x 64 bytes.
+ * every lane. A tile of the pair reads its bytes in address order: one
+ * sequential stream per thread when decoding (matmul_pack.c's "Decoding").
+ * Pair stride: np x 128 bytes.
  *
  * Activations, rounded to bf16 (round to nearest even, as qt_f32_to_bf16)
  * and stored by tiles of MM_BF16_NT tokens: tile j, pair p, token t of the
@@ -45,9 +49,10 @@ struct mm_bf16_kernels {
     void (*round)(const struct mm_pack_job *jb, const float *xt, int t);
     /* Row groups [g0, g1) x token tiles [j0, j1) of the job. */
     void (*groups)(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1);
-    /* Group g of w's stored rows (bf16, or f16 rounded to nearest even)
-     * into dst in pairs, as above (mm_bf16_group_bytes, 64-byte aligned). */
-    void (*pack_group)(const struct mm_weight *w, size_t g, uint32_t *dst);
+    /* Groups 2 pp and 2 pp + 1 of w's stored rows (bf16, or f16 rounded
+     * to nearest even) into dst in pairs, as above (mm_bf16_pair_bytes,
+     * 64-byte aligned; a group past the last is zeros). */
+    void (*pack_pair)(const struct mm_weight *w, size_t pp, uint32_t *dst);
 };
 
 KERN_DECLARE(const struct mm_bf16_kernels, mm_bf16_kernels);
@@ -58,10 +63,10 @@ static inline int mm_bf16_pairs(const struct mm_weight *w)
     return (w->n_in + 1) / 2;
 }
 
-/* Bytes of one group of 16 rows in pairs. */
-static inline size_t mm_bf16_group_bytes(const struct mm_weight *w)
+/* Bytes of one pair of groups (32 rows) in pairs of inputs. */
+static inline size_t mm_bf16_pair_bytes(const struct mm_weight *w)
 {
-    return (size_t)mm_bf16_pairs(w) * 64;
+    return (size_t)mm_bf16_pairs(w) * 128;
 }
 
 #endif /* KVD_MATMUL_BF16_H */

@@ -123,6 +123,12 @@ static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 #define MM_PACK_NT 6
 #define MM_PACK_FNT 12
 
+/* A batch of at most this many tokens (decoding) runs narrow tiles of 4 row
+ * groups (2 pairs) instead of 2: twice the independent sums per weight
+ * load (matmul_pack.c, "Narrow tiles"). The driver hands such a batch's
+ * pairs to the kernels two at a time where a thread's share allows. */
+#define MM_PACK_NARROW 2
+
 /* The work of one product over repacked weights. Its threads write the
  * activations' slots of their own token tiles only (matmul_pack_run.c). */
 struct mm_pack_job {

@@ -94,6 +94,28 @@
  * block into independent chains gave nothing: the tile is not waiting on
  * their latency.
  *
+ * ---------------------------------------------------------------------------
+ * Narrow tiles: decoding's chains
+ * ---------------------------------------------------------------------------
+ *
+ * A tile's sums are chains: each (row, token) accumulator waits for its
+ * previous multiply-add. A 2 x 1 tile has two, so one k step of the float
+ * tile costs at least the FMA's latency (4 cycles) and vdpbf16ps's for the
+ * bf16 pairs, whatever the memory does: measured in one core's L2, the f16
+ * 2 x 1 tile ran at ~55 GB/s, the bf16 one at ~72. Streaming from DRAM a
+ * stall then leaves the chain behind, and it catches up at that rate only.
+ * So a batch of at most MM_PACK_NARROW tokens runs tiles of N_MG = 4 groups
+ * (two pairs, two sequential streams), four or eight chains: f16 in L2 ~55
+ * -> ~83 GB/s. Each row's chain is the very sequence of operations it has
+ * in a 2-group tile, so nothing changes in the bits, and the driver hands
+ * the kernels two pairs at a time only where a thread's share holds both
+ * (matmul_pack_run.c): the split among threads is the same. Measured on
+ * the 576x30 model decoding step (bench_matmul decode, 2 threads, best of
+ * 30 steps, alternated runs at load 2.7-3.0): bf16 6.8-7.0 -> 5.6 ms, f16
+ * rounded to bf16 6.9-7.0 -> 5.6-5.7, f16 exact 7.1-7.3 -> 6.7-6.8, f32
+ * 11.1-11.6 -> 10.0-10.4, q8_0 unchanged (its 8 vpdpbusd per block were
+ * never the limit). The float tiles prefetch as Q8_PREFETCH says too.
+ *
  * Measured (bench_prefill, one SmolLM-135M layer x 512 tokens, one
  * thread's CPU time, load ~12 on 2 cores): q8_0 314 GOPS = 68% of the
  * vpdpbusd peak measured beside it (matmul.c: 89, 19%); f16 80% and f32 86%
@@ -108,6 +130,7 @@
 #if defined(KERN_AVX512)
 
 #define P_MG 2          /* row groups per tile */
+#define N_MG 4          /* row groups per narrow tile (MM_PACK_NARROW tokens at most) */
 #define P_NT MM_PACK_NT /* tokens per tile */
 
 /* How far ahead a decoding tile asks for its weights (into L2): see
@@ -135,33 +158,37 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
     /* the pair of g0 (even: tiles start on pairs); group g's chunk k of
      * block b at b * MM_PACK_Q8_PAIR + 128 k + 64 g, its scales after the
      * block's 16 chunks */
-    const uint8_t *pq = (const uint8_t *)w->packed + (size_t)(g0 / 2) * mm_pack_pair_bytes(w);
+    const uint8_t *pq[N_MG / 2];
+    for (int h = 0; h < (mg + 1) / 2; h++)
+        pq[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
     const size_t at = (size_t)j * (size_t)nb * P_NT;
     const int8_t *xq = jb->q + at * QT_QK;
     const float *xd = jb->d + at;
     const int32_t *xc = jb->c + at;
 
-    __m512 acc[P_MG][P_NT];
+    __m512 acc[N_MG][P_NT];
     for (int g = 0; g < mg; g++)
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
 
     for (int b = 0; b < nb; b++, xq += P_NT * QT_QK, xd += P_NT, xc += P_NT) {
-        __m512i ia[P_MG][P_NT];
+        __m512i ia[N_MG][P_NT];
         for (int t = 0; t < nt; t++) {
             __m512i c = _mm512_set1_epi32(xc[t]);
             for (int g = 0; g < mg; g++)
                 ia[g][t] = c;
         }
         if (nt == 1) /* decoding: see Q8_PREFETCH */
-            for (int l = 0; l < MM_PACK_Q8_PAIR / 64; l++)
-                _mm_prefetch((const char *)pq + (size_t)b * MM_PACK_Q8_PAIR + Q8_PREFETCH + 64 * l,
-                             _MM_HINT_T1);
+            for (int h = 0; h < (mg + 1) / 2; h++)
+                for (int l = 0; l < MM_PACK_Q8_PAIR / 64; l++)
+                    _mm_prefetch((const char *)pq[h] + (size_t)b * MM_PACK_Q8_PAIR + Q8_PREFETCH +
+                                     64 * l,
+                                 _MM_HINT_T1);
         for (int k = 0; k < 8; k++) {
-            __m512i wv[P_MG];
+            __m512i wv[N_MG];
             for (int g = 0; g < mg; g++)
-                wv[g] = _mm512_load_si512(
-                    (const void *)(pq + (size_t)b * MM_PACK_Q8_PAIR + 128 * k + 64 * g));
+                wv[g] = _mm512_load_si512((const void *)(pq[g / 2] + (size_t)b * MM_PACK_Q8_PAIR +
+                                                         128 * k + 64 * (g % 2)));
             for (int t = 0; t < nt; t++) {
                 int32_t x4;
                 memcpy(&x4, xq + QT_QK * t + 4 * k, 4);
@@ -170,10 +197,11 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
                     ia[g][t] = _mm512_dpbusd_epi32(ia[g][t], wv[g], xv);
             }
         }
-        __m512 sc[P_MG];
+        __m512 sc[N_MG];
         for (int g = 0; g < mg; g++)
-            sc[g] = _mm512_cvtph_ps(_mm256_load_si256(
-                (const __m256i *)(pq + (size_t)b * MM_PACK_Q8_PAIR + MM_PACK_Q8_SCALES + 32 * g)));
+            sc[g] = _mm512_cvtph_ps(
+                _mm256_load_si256((const __m256i *)(pq[g / 2] + (size_t)b * MM_PACK_Q8_PAIR +
+                                                    MM_PACK_Q8_SCALES + 32 * (g % 2))));
         for (int t = 0; t < nt; t++) {
             __m512 dx = _mm512_set1_ps(xd[t]);
             for (int g = 0; g < mg; g++)
@@ -212,11 +240,28 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 Q8_TILES(1)
 Q8_TILES(2)
 
+/* The narrow tiles: mg (3 or 4) groups for nt tokens (1..MM_PACK_NARROW). */
+#define NARROW_TILES(name, call, mg_)                                                              \
+    static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
+    {                                                                                              \
+        const int mg = mg_;                                                                        \
+        if (nt == 1)                                                                               \
+            call(1);                                                                               \
+        else                                                                                       \
+            call(MM_PACK_NARROW);                                                                  \
+    }
+NARROW_TILES(q8_tile_3, Q8_CALL, 3)
+NARROW_TILES(q8_tile_4, Q8_CALL, 4)
+
 /* ------------------------------------------------------------------------
  * Float weights: f32 multiply-adds, the weights widened in registers
  * ------------------------------------------------------------------------ */
 
 #define F_NT MM_PACK_FNT /* tokens per tile: 2 x 12 accumulators */
+
+/* How far ahead a decoding float tile asks for its weights (into L2), as
+ * Q8_PREFETCH. */
+#define F_PREFETCH 4096
 
 /* The 16 rows' element k at p, widened to f32 (exactly). */
 INLINE __m512 f_widen(enum ggml_type type, const uint8_t *p)
@@ -236,17 +281,24 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, in
     const struct mm_weight *w = jb->w;
     /* the pair of g0 (even): group g's elements k at k * step + g * step / 2 */
     const size_t esz = type == GGML_TYPE_F32 ? 4 : 2, step = 2 * MM_PACK_ROWS * esz;
-    const uint8_t *pp = (const uint8_t *)w->packed + (size_t)(g0 / 2) * mm_pack_pair_bytes(w);
+    const uint8_t *pp[N_MG / 2];
+    for (int h = 0; h < (mg + 1) / 2; h++)
+        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
     const float *xt = jb->x + (size_t)j * (size_t)w->n_in * F_NT;
 
-    __m512 acc[P_MG][F_NT];
+    __m512 acc[N_MG][F_NT];
     for (int g = 0; g < mg; g++)
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
     for (int k = 0; k < w->n_in; k++, xt += F_NT) {
-        __m512 wv[P_MG];
+        if (nt == 1) /* decoding: see Q8_PREFETCH */
+            for (int h = 0; h < (mg + 1) / 2; h++)
+                for (size_t l = 0; l < step; l += 64)
+                    _mm_prefetch((const char *)pp[h] + (size_t)k * step + F_PREFETCH + l,
+                                 _MM_HINT_T1);
+        __m512 wv[N_MG];
         for (int g = 0; g < mg; g++)
-            wv[g] = f_widen(type, pp + (size_t)k * step + (size_t)g * (step / 2));
+            wv[g] = f_widen(type, pp[g / 2] + (size_t)k * step + (size_t)(g % 2) * (step / 2));
         for (int t = 0; t < nt; t++) {
             __m512 xv = _mm512_set1_ps(xt[t]);
             for (int g = 0; g < mg; g++)
@@ -287,34 +339,46 @@ F_TILES(f16_tile_1, GGML_TYPE_F16, 1)
 F_TILES(f16_tile_2, GGML_TYPE_F16, 2)
 F_TILES(bf16_tile_1, GGML_TYPE_BF16, 1)
 F_TILES(bf16_tile_2, GGML_TYPE_BF16, 2)
+#define F32_CALL(n) f_tile(jb, GGML_TYPE_F32, g0, mg, j, n)
+#define F16_CALL(n) f_tile(jb, GGML_TYPE_F16, g0, mg, j, n)
+#define BF16_CALL(n) f_tile(jb, GGML_TYPE_BF16, g0, mg, j, n)
+NARROW_TILES(f32_tile_3, F32_CALL, 3)
+NARROW_TILES(f32_tile_4, F32_CALL, 4)
+NARROW_TILES(f16_tile_3, F16_CALL, 3)
+NARROW_TILES(f16_tile_4, F16_CALL, 4)
+NARROW_TILES(bf16_tile_3, BF16_CALL, 3)
+NARROW_TILES(bf16_tile_4, BF16_CALL, 4)
 
 typedef void tile_fn(const struct mm_pack_job *jb, int g0, int j, int nt);
 
 /* Row groups outside, token tiles inside: the groups' weights stay in
- * cache while the tiles [j0, j1) pass. */
+ * cache while the tiles [j0, j1) pass. A batch of MM_PACK_NARROW tokens at
+ * most (decoding) is one narrow tile, taken N_MG groups at a time: see
+ * "Narrow tiles" above. */
 static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
-    tile_fn *one, *two;
+    tile_fn *by[N_MG + 1];
     int tnt = F_NT;
     switch (jb->w->type) {
     case GGML_TYPE_Q8_0:
-        one = q8_tile_1, two = q8_tile_2, tnt = P_NT;
+        by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4, tnt = P_NT;
         break;
     case GGML_TYPE_F32:
-        one = f32_tile_1, two = f32_tile_2;
+        by[1] = f32_tile_1, by[2] = f32_tile_2, by[3] = f32_tile_3, by[4] = f32_tile_4;
         break;
     case GGML_TYPE_F16:
-        one = f16_tile_1, two = f16_tile_2;
+        by[1] = f16_tile_1, by[2] = f16_tile_2, by[3] = f16_tile_3, by[4] = f16_tile_4;
         break;
     default:
-        one = bf16_tile_1, two = bf16_tile_2;
+        by[1] = bf16_tile_1, by[2] = bf16_tile_2, by[3] = bf16_tile_3, by[4] = bf16_tile_4;
         break;
     }
-    for (int g = g0; g < g1; g += P_MG) {
-        int mg = g1 - g < P_MG ? g1 - g : P_MG;
+    const int step = jb->n_tok <= MM_PACK_NARROW ? N_MG : P_MG;
+    for (int g = g0; g < g1; g += step) {
+        int mg = g1 - g < step ? g1 - g : step;
         for (int j = j0; j < j1; j++) {
             int nt = jb->n_tok - j * tnt < tnt ? jb->n_tok - j * tnt : tnt;
-            (mg == 2 ? two : one)(jb, g, j, nt);
+            by[mg](jb, g, j, nt);
         }
     }
 }

@@ -130,7 +130,7 @@ static size_t n_pairs(const struct mm_weight *w)
 size_t mm_pack_bytes(const struct mm_weight *w)
 {
     if (bf16_wants(w))
-        return n_groups(w) * mm_bf16_group_bytes(w);
+        return n_pairs(w) * mm_bf16_pair_bytes(w);
     if (!pkern()->has(w->type))
         return 0;
     return n_pairs(w) * mm_pack_pair_bytes(w);
@@ -186,9 +186,9 @@ void mm_pack_weight(struct mm_weight *w, void *dst)
 {
     assert(dst && ((uintptr_t)dst & 63) == 0 && mm_pack_bytes(w) > 0);
     if (bf16_wants(w)) {
-        const size_t gb = mm_bf16_group_bytes(w);
-        for (size_t g = 0; g < n_groups(w); g++)
-            bkern()->pack_group(w, g, (uint32_t *)((uint8_t *)dst + g * gb));
+        const size_t pb = mm_bf16_pair_bytes(w);
+        for (size_t p = 0; p < n_pairs(w); p++)
+            bkern()->pack_pair(w, p, (uint32_t *)((uint8_t *)dst + p * pb));
         w->packed = dst;
         w->packed_bf16 = true;
         return;
@@ -346,30 +346,40 @@ static void run_tiles(void *arg, size_t j0, size_t j1, int t)
         r->tail->fn(r->tail->arg, 0, r->jb->w->n_out, (int)j0 * tw, t1);
 }
 
-static void run_pair(const struct pack_run *r, int i, int v)
+/* Pairs [v, v + s) of product i's groups, every tile. */
+static void run_pairs(const struct pack_run *r, int i, int v, int s)
 {
-    r->v.groups(&r->jb[i], 2 * v, 2 * v + 2 < r->ng[i] ? 2 * v + 2 : r->ng[i], 0, n_tiles(r));
+    const int g1 = 2 * (v + s) < r->ng[i] ? 2 * (v + s) : r->ng[i];
+    r->v.groups(&r->jb[i], 2 * v, g1, 0, n_tiles(r));
 }
 
 /* A thread's share of the units [u0, u1), every tile: the same calls of
- * the kernel, whatever the split. */
+ * the kernel, whatever the split. A narrow batch (decoding) hands the
+ * kernels two pairs of one product at a time where the share holds both
+ * (their narrow tiles take 4 groups); each row's sum is the same sequence
+ * of operations in either tile, so the split still changes no bit. */
 static void run_units(void *arg, size_t u0, size_t u1, int t)
 {
     (void)t;
     const struct pack_run *r = arg;
+    const int span = r->jb->n_tok <= MM_PACK_NARROW ? 2 : 1;
     int i = 0;
-    for (int u = (int)u0; u < (int)u1; u++) {
-        if (r->tail) { /* pair u of every product, then the tail over its rows */
+    for (int u = (int)u0; u < (int)u1;) {
+        if (r->tail) { /* pairs u.. of every product, then the tail over their rows */
+            const int s = u + span <= (int)u1 ? span : 1;
             for (i = 0; i < r->n; i++)
-                run_pair(r, i, u);
-            int n_out = r->jb->w->n_out, r1 = 2 * MM_PACK_ROWS * (u + 1);
+                run_pairs(r, i, u, s);
+            int n_out = r->jb->w->n_out, r1 = 2 * MM_PACK_ROWS * (u + s);
             r->tail->fn(r->tail->arg, 2 * MM_PACK_ROWS * u, r1 < n_out ? r1 : n_out, 0,
                         r->jb->n_tok);
+            u += s;
             continue;
         }
         while (u >= r->u_end[i])
             i++;
-        run_pair(r, i, u - (i ? r->u_end[i - 1] : 0));
+        const int s = u + span <= (int)u1 && u + span <= r->u_end[i] ? span : 1;
+        run_pairs(r, i, u - (i ? r->u_end[i - 1] : 0), s);
+        u += s;
     }
 }
 

@@ -32,6 +32,10 @@
  * figure (4 arrays) measured beside it: the matrix part of a decoding
  * step's roofline, in ms per token and the fraction of the bus reached.
  *
+ * `bench_matmul decode [ROUNDS]`: only that decoding step, for q8_0, f16
+ * (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 and f32, measured
+ * round-robin with a triad in each round (see bench_decode_types).
+ *
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads, counted as
  * 12 bytes per element like STREAM) measured in the same run gives the
  * machine's bandwidth; "cold/triad" is the fraction of it a decoding step
@@ -307,41 +311,69 @@ static uint8_t *map_huge(size_t bytes)
     return p;
 }
 
-static void bench_model_decode(double bus)
+/* The 211 matrices of the shape in type, repacked into one mapping (f16
+ * rounded to bf16 pairs when f16_bf16): what model_pack.c makes at load.
+ * Returns the mapping (munmap(*mem, *total)) or NULL where this level
+ * repacks nothing of type; *bytes: the weights' bytes as stored. */
+static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, struct mm_weight *w, size_t *total,
+                           size_t *bytes)
 {
     uint8_t *proto[8];
     for (int m = 0; m < 8; m++) { /* one matrix per shape; the layers copy them */
-        size_t rb = qt_row_bytes(GGML_TYPE_Q8_0, sm_shapes[m][0]);
+        size_t rb = qt_row_bytes(type, sm_shapes[m][0]);
         proto[m] = xalloc(rb * (size_t)sm_shapes[m][1]);
         float *row = xalloc(sizeof(float) * (size_t)sm_shapes[m][0]);
         for (int o = 0; o < sm_shapes[m][1]; o++) {
             for (int i = 0; i < sm_shapes[m][0]; i++)
                 row[i] = rnd();
-            qt_quantize_row(GGML_TYPE_Q8_0, row, proto[m] + rb * (size_t)o, sm_shapes[m][0]);
+            qt_quantize_row(type, row, proto[m] + rb * (size_t)o, sm_shapes[m][0]);
         }
         free(row);
     }
-    static struct mm_weight w[SM_MATS];
-    size_t total = 0, bytes = 0;
+    mm_f16_set_bf16(f16_bf16);
+    uint8_t *mem = NULL;
+    *total = *bytes = 0;
     for (int k = 0; k < SM_MATS; k++) {
         const int m = k == SM_MATS - 1 ? 7 : k % 7;
         char err[200];
-        if (mm_weight_init(&w[k], GGML_TYPE_Q8_0, sm_shapes[m][0], sm_shapes[m][1], proto[m], err,
+        if (mm_weight_init(&w[k], type, sm_shapes[m][0], sm_shapes[m][1], proto[m], err,
                            sizeof err)) {
             fprintf(stderr, "bench_matmul: %s\n", err);
             exit(1);
         }
-        total += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
-        bytes += w[k].row_bytes * (size_t)w[k].n_out;
+        *total += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
+        *bytes += w[k].row_bytes * (size_t)w[k].n_out;
     }
-    if (!total) {
+    if (*total) {
+        uint8_t *p = mem = map_huge(*total);
+        for (int k = 0; k < SM_MATS; k++) {
+            mm_pack_weight(&w[k], p);
+            p += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
+        }
+    }
+    mm_f16_set_bf16(false);
+    for (int m = 0; m < 8; m++)
+        free(proto[m]);
+    return mem;
+}
+
+/* One decoding step: every matrix once, one token. */
+static double model_step(const struct mm_weight *w, const float *x, float *out)
+{
+    double t0 = now();
+    for (int k = 0; k < SM_MATS; k++)
+        mm_matmul(out, &w[k], x, 1, THREADS);
+    return now() - t0;
+}
+
+static void bench_model_decode(double bus)
+{
+    static struct mm_weight w[SM_MATS];
+    size_t total, bytes;
+    uint8_t *mem = model_copy(GGML_TYPE_Q8_0, false, w, &total, &bytes);
+    if (!mem) {
         printf("\nmodel decode: no repacked q8_0 kernels at this level\n");
-        goto out;
-    }
-    uint8_t *mem = map_huge(total), *p = mem;
-    for (int k = 0; k < SM_MATS; k++) {
-        mm_pack_weight(&w[k], p);
-        p += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
+        return;
     }
     float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
     for (int i = 0; i < 1536; i++)
@@ -349,10 +381,7 @@ static void bench_model_decode(double bus)
     double best = 1e30, sum = 0;
     const int steps = 30;
     for (int s = 0; s < steps; s++) {
-        double t0 = now();
-        for (int k = 0; k < SM_MATS; k++)
-            mm_matmul(out, &w[k], x, 1, THREADS);
-        double dt = now() - t0;
+        double dt = model_step(w, x, out);
         sum += dt;
         best = fmin(best, dt);
     }
@@ -366,17 +395,90 @@ static void bench_model_decode(double bus)
     munmap(mem, total);
     free(x);
     free(out);
-out:
-    for (int m = 0; m < 8; m++)
-        free(proto[m]);
+}
+
+/*
+ * `bench_matmul decode [ROUNDS]`: the model decoding step above for each
+ * weight type whose copy decoding reads (q8_0, f16 exact, f16 rounded to
+ * bf16 pairs, bf16, f32), round-robin: every round runs 10 steps of each
+ * type in turn and a triad, so a load change slows them alike. Printed per
+ * type: the best and median step, GB/s of the weights as stored, and the
+ * fraction of the best bus figure of the run.
+ */
+#define DEC_TYPES 5
+#define DEC_STEPS 10
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int bench_decode_types(int rounds)
+{
+    static const struct {
+        const char *name;
+        enum ggml_type type;
+        bool f16_bf16;
+    } ty[DEC_TYPES] = {{"q8_0", GGML_TYPE_Q8_0, false},
+                       {"f16", GGML_TYPE_F16, false},
+                       {"f16-bf16", GGML_TYPE_F16, true},
+                       {"bf16", GGML_TYPE_BF16, false},
+                       {"f32", GGML_TYPE_F32, false}};
+    static struct mm_weight w[DEC_TYPES][SM_MATS];
+    uint8_t *mem[DEC_TYPES];
+    size_t total[DEC_TYPES], bytes[DEC_TYPES];
+    char la[64];
+    bench_load_average(la, sizeof la);
+    printf("model decode, 576x30, %d threads, kernels %s; load average %s\n", THREADS,
+           mm_pack_kernel_name(), la);
+    for (int i = 0; i < DEC_TYPES; i++)
+        mem[i] = model_copy(ty[i].type, ty[i].f16_bf16, w[i], &total[i], &bytes[i]);
+    float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
+    for (int i = 0; i < 1536; i++)
+        x[i] = rnd();
+    double *t = xalloc(sizeof(double) * DEC_TYPES * (size_t)rounds * DEC_STEPS), bus = 0;
+    for (int r = 0; r < rounds; r++) {
+        double b;
+        triad_gbs(&b);
+        bus = fmax(bus, b);
+        for (int i = 0; i < DEC_TYPES; i++)
+            for (int s = 0; s < DEC_STEPS; s++)
+                t[((size_t)i * (size_t)rounds + (size_t)r) * DEC_STEPS + (size_t)s] =
+                    mem[i] ? model_step(w[i], x, out) : 0;
+    }
+    bench_load_average(la, sizeof la);
+    printf("bus (triad's 4 arrays, best of %d): %.1f GB/s; load average after %s\n", rounds, bus,
+           la);
+    printf("%-9s %9s %10s %10s %8s %10s %8s\n", "type", "MB", "best ms", "median ms", "GB/s",
+           "of bus", "tok/s");
+    for (int i = 0; i < DEC_TYPES; i++) {
+        if (!mem[i]) {
+            printf("%-9s (not repacked at this level)\n", ty[i].name);
+            continue;
+        }
+        const size_t n = (size_t)rounds * DEC_STEPS;
+        double *ti = t + (size_t)i * n;
+        qsort(ti, n, sizeof *ti, cmp_double);
+        const double best = ti[0], med = ti[n / 2], gb = (double)bytes[i] / best / 1e9;
+        printf("%-9s %9.1f %10.2f %10.2f %8.1f %10.2f %8.0f\n", ty[i].name, (double)bytes[i] / 1e6,
+               best * 1e3, med * 1e3, gb, gb / bus, 1.0 / best);
+        munmap(mem[i], total[i]);
+    }
+    free(t);
+    free(x);
+    free(out);
+    return 0;
 }
 
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "kquant"))
         return bench_kquant();
+    if (argc > 1 && !strcmp(argv[1], "decode"))
+        return bench_decode_types(argc > 2 && atoi(argv[2]) > 0 ? atoi(argv[2]) : 5);
     if (argc > 1) {
-        fprintf(stderr, "usage: bench_matmul [kquant]\n");
+        fprintf(stderr, "usage: bench_matmul [kquant | decode [ROUNDS]]\n");
         return 2;
     }
 
