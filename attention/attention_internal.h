@@ -166,18 +166,19 @@ static inline int32_t attn_window_floor(int32_t pos_q, int32_t window)
 }
 
 /*
- * Memory to prefetch while a tile is scored: n runs of whole cache lines
- * (run[i] on a line boundary, len[i] bytes), `lines` lines in all - the
- * K and V rows of one head in each page a tile touches. The SIMD qk
- * spreads the requests evenly over its key loop, in run order; n = 0 (or a
- * NULL pointer) asks for nothing.
+ * Memory to prefetch while a tile is scored (decode): the K and V rows of
+ * the next head, or of the first head of the next tile - key t's rows at
+ * k + koff[t] and v + voff[t], klines and vlines cache lines from there.
+ * The SIMD qk requests key t's lines as it scores key t of its own head,
+ * so the requests are spread evenly over its key loop, at the cost of one
+ * offset load and a prefetch per line; n = 0 (or a NULL pointer) asks for
+ * nothing.
  */
-#define ATTN_PF_RUNS (2 * ATTN_TILE)
 struct attn_prefetch {
-    const char *run[ATTN_PF_RUNS];
-    int len[ATTN_PF_RUNS];
+    const char *k, *v;
+    const size_t *koff, *voff; /* [n] */
     int n;
-    int lines;
+    int klines, vlines;
 };
 
 /*

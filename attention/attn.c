@@ -36,10 +36,13 @@
  * sums (qk_t), the values are read in f16 and converted in registers by
  * P.V's 6-row blocks (no staged copy), and the rows go through
  * qk_t, softmax and pv in passes of 48 so that a pass's scores stay in L1
- * (tile_head); with few rows (decode) the keys are rotated in registers
- * inside qk. While one head is computed the next
- * head's rows are prefetched: they sit in page-sized runs the hardware
- * prefetcher follows poorly.
+ * (tile_head); with few rows (decode, decode_head) the keys are rotated
+ * in registers inside qk, a GQA group of 3 scored as one block with its
+ * queries held in registers, and K/V rows are read as stored. A decode
+ * tile's row offsets are computed once for all its KV heads, and one tile
+ * ahead: while one head is computed the next head's rows (or the next
+ * tile's first head's) are prefetched key by key - they sit in page-sized
+ * runs the hardware prefetcher follows poorly.
  *
  * RoPE: the query is rotated once per item, exactly (posenc, double
  * angles). A key's angles are built per tile by angle addition
@@ -48,10 +51,14 @@
  * are de-interleaved in rotated keys and prepared queries alike, so the
  * rotation always has the NeoX halves form.
  *
- * Quantised K/V (q8_0, q4_0): values, and keys under RoPE or in q4_0, are
- * dequantised once per tile into f32 scratch and everything after - RoPE,
- * scores, P.V - runs on those values, so the kernel is exact to the
- * dequantised cache whatever the position scheme. q8_0 keys that need no
+ * Quantised K/V (q8_0, q4_0): in the flash tile, values, and keys under
+ * RoPE or in q4_0, are dequantised once per tile into f32 scratch and
+ * everything after - RoPE, scores, P.V - runs on those values, so the
+ * kernel is exact to the dequantised cache whatever the position scheme.
+ * Decode reads q8_0 rows as stored and dequantises them in registers (the
+ * same products, scale x level), which saves a pass through scratch per
+ * tile and made q8_0 decode slower than f16 at half the bytes; q4_0 rows
+ * still go through scratch. q8_0 keys that need no
  * rotation (none, ALiBi, T5) are scored in 8-bit integers against the
  * query quantised once per item in two levels (attn_q8.c: VNNI, AVX2 or
  * scalar, chosen at run time), exact to about 2^-16 of the query.
@@ -109,6 +116,8 @@ struct tscratch {
     int32_t *kpos;            /* [ATTN_TILE] positions of the tile's keys, padded */
     size_t *tok;              /* [ATTN_TILE] byte offset of each key's page */
     int *slot;                /* [ATTN_TILE] each key's slot in its page */
+    size_t *koff, *voff;      /* [2][ATTN_TILE] decode: byte offset of each key's K / V row
+                                 from its head's rows in page 0, this tile's and the next's */
     const void **kp, **vp;    /* [ATTN_TILE] key and value rows of one head */
     float *kst;               /* [ATTN_TILE][head_dim] staged (converted, rotated) keys */
     float *vst;               /* [ATTN_TILE][head_dim] staged (converted) values; before
@@ -228,6 +237,8 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(kpos, ATTN_TILE);
     CARVE(tok, ATTN_TILE);
     CARVE(slot, ATTN_TILE);
+    CARVE(koff, 2 * ATTN_TILE);
+    CARVE(voff, 2 * ATTN_TILE);
     CARVE(kp, ATTN_TILE);
     CARVE(vp, ATTN_TILE);
     CARVE(kst, (size_t)ATTN_TILE * D);
@@ -762,46 +773,6 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
     ctx->ops->qk_t(w->S, q, rows_h, w->kst, D);
 }
 
-/* Add bytes [p, p + len) to pf as a run of whole cache lines. */
-static void pf_add(struct attn_prefetch *pf, const uint8_t *p, size_t len)
-{
-    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(CACHE_LINE - 1);
-    size_t n = align_up((size_t)((uintptr_t)p + len - a), CACHE_LINE);
-    if (pf->n == ATTN_PF_RUNS)
-        return;
-    pf->run[pf->n] = (const char *)a;
-    pf->len[pf->n] = (int)n;
-    pf->n++;
-    pf->lines += (int)(n / CACHE_LINE);
-}
-
-/*
- * Describe KV head g's rows of keys [k0, k0 + n) for the next scoring call
- * to prefetch: within a page a head's rows are one run of K bytes and one
- * of V bytes, and the runs of successive pages are a page apart, which the
- * hardware prefetcher follows poorly.
- */
-static const struct attn_prefetch *prefetch_head(const attn_ctx *ctx, struct attn_prefetch *pf,
-                                                 const struct attn_kv *kv,
-                                                 const struct attn_seq *sq, int g, int k0, int n)
-{
-    const size_t krow = attn_row_bytes(kv->k_type, ctx->p.head_dim);
-    const size_t vrow = attn_row_bytes(kv->v_type, ctx->p.head_dim);
-    const int pt = kv->page_tokens;
-    const uint8_t *kb = kv->base + kv->k_offset + (size_t)g * pt * krow;
-    const uint8_t *vb = kv->base + kv->v_offset + (size_t)g * pt * vrow;
-    pf->n = 0;
-    pf->lines = 0;
-    for (int k = k0; k < k0 + n;) {
-        int s0 = k % pt, s1 = pt - s0 < k0 + n - k ? pt : s0 + (k0 + n - k);
-        size_t page = (size_t)sq->page_table[k / pt] * kv->page_bytes;
-        pf_add(pf, kb + page + (size_t)s0 * krow, (size_t)(s1 - s0) * krow);
-        pf_add(pf, vb + page + (size_t)s0 * vrow, (size_t)(s1 - s0) * vrow);
-        k += s1 - s0;
-    }
-    return pf;
-}
-
 /* The bias of query head h. */
 static struct attn_bias head_bias(const attn_ctx *ctx, int h)
 {
@@ -926,6 +897,134 @@ static void tile_head(const attn_ctx *ctx, struct tscratch *w, const struct attn
     }
 }
 
+/*
+ * Decode (few rows): the byte offsets of keys [k0, k0 + n)'s K and V rows
+ * from a head's rows in page 0, padded to ATTN_TILE with the last; once
+ * per tile for every KV head of the unit, as the RoPE angles are.
+ */
+static void decode_offsets(const attn_ctx *ctx, const struct attn_kv *kv,
+                           const struct attn_seq *sq, int k0, int n, size_t *koff, size_t *voff)
+{
+    const size_t krow = attn_row_bytes(kv->k_type, ctx->p.head_dim);
+    const size_t vrow = attn_row_bytes(kv->v_type, ctx->p.head_dim);
+    const int pt = kv->page_tokens;
+    int pg = k0 / pt, slot = k0 % pt;
+    size_t page = (size_t)sq->page_table[pg] * kv->page_bytes;
+    for (int t = 0; t < n; t++) {
+        koff[t] = page + (size_t)slot * krow;
+        voff[t] = page + (size_t)slot * vrow;
+        if (++slot == pt && t + 1 < n) {
+            slot = 0;
+            page = (size_t)sq->page_table[++pg] * kv->page_bytes;
+        }
+    }
+    for (int t = n; t < ATTN_TILE; t++) {
+        koff[t] = koff[n - 1];
+        voff[t] = voff[n - 1];
+    }
+}
+
+/* Where KV head g's rows of page 0 start. */
+static const uint8_t *head_k(const attn_ctx *ctx, const struct attn_kv *kv, int g)
+{
+    return kv->base + kv->k_offset +
+           (size_t)g * kv->page_tokens * attn_row_bytes(kv->k_type, ctx->p.head_dim);
+}
+static const uint8_t *head_v(const attn_ctx *ctx, const struct attn_kv *kv, int g)
+{
+    return kv->base + kv->v_offset +
+           (size_t)g * kv->page_tokens * attn_row_bytes(kv->v_type, ctx->p.head_dim);
+}
+
+/* Ask decode's qk to prefetch KV head g's rows of n keys at offsets koff, voff. */
+static const struct attn_prefetch *decode_prefetch(const attn_ctx *ctx, struct attn_prefetch *pf,
+                                                   const struct attn_kv *kv, int g,
+                                                   const size_t *koff, const size_t *voff, int n)
+{
+    const int D = ctx->p.head_dim;
+    *pf = (struct attn_prefetch){.k = (const char *)head_k(ctx, kv, g),
+                                 .v = (const char *)head_v(ctx, kv, g),
+                                 .koff = koff,
+                                 .voff = voff,
+                                 .n = n,
+                                 .klines = (int)((attn_row_bytes(kv->k_type, D) + 63) / 64),
+                                 .vlines = (int)((attn_row_bytes(kv->v_type, D) + 63) / 64)};
+    return n > 0 ? pf : NULL;
+}
+
+/*
+ * One KV head's part of a tile for few rows (decode): scores with the keys
+ * rotated in registers, the online softmax, acc += P.V. Rows are read as
+ * stored - f16, bf16, f32 and q8_0 converted (q8_0 dequantised) in
+ * registers, so a q8_0 tile costs no pass through scratch; q4_0 rows are
+ * dequantised into scratch first.
+ */
+static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
+                        const size_t *koff, const size_t *voff, int nt, int r0, int rows_h,
+                        const struct attn_prefetch *pf)
+{
+    const int D = ctx->p.head_dim;
+    const struct attn_ops *ops = ctx->ops;
+    const uint8_t *kb = head_k(ctx, kv, g), *vb = head_v(ctx, kv, g);
+    for (int t = 0; t < ATTN_TILE; t++) {
+        w->kp[t] = kb + koff[t];
+        w->vp[t] = vb + voff[t];
+    }
+    enum attn_type kt = kv->k_type, vt = kv->v_type;
+    if (kt == ATTN_Q4_0) { /* into vst, free until the values */
+        ops->dequant(w->vst, w->kp, nt, kt, D);
+        for (int t = 0; t < ATTN_TILE; t++)
+            w->kp[t] = w->vst + (size_t)(t < nt ? t : nt - 1) * D;
+        kt = ATTN_F32;
+    }
+    const float *const *q = w->qrow + r0;
+    if (ctx->rot)
+        ops->qk_rope(w->S, q, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs,
+                     w->sn, ctx->half, pf);
+    else
+        ops->qk(w->S, q, rows_h, w->kp, nt, kt, D, pf);
+    if (vt == ATTN_Q4_0)
+        vt = head_values(ctx, w, vt, nt);
+    for (int i = 0; i < rows_h; i++)
+        ops->softmax(w->S + (size_t)i * ATTN_TILE, nt, w->kpos, w->rpos[r0 + i], &w->bias[r0 + i],
+                     &w->m[r0 + i], &w->l[r0 + i], w->acc + (size_t)(r0 + i) * D, D);
+    ops->pv(w->acc + (size_t)r0 * D, rows_h, w->S, w->vp, nt, vt, D);
+}
+
+/*
+ * A decode unit's tile: every KV head's part (decode_head), each while the
+ * next head's rows - or, for the last head, the first head's rows of the
+ * next tile - are prefetched. The offsets of the next tile are computed
+ * here for that, into the other of the two buffers; *cur says which buffer
+ * holds this tile's, *have the first key of the one computed ahead.
+ */
+static void decode_tile(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
+                        const struct attn_seq *sq, const struct unit *u, int k0, int nt, int k1,
+                        int *cur, int *have)
+{
+    const int rows_h = u->nq * ctx->group;
+    if (*have == k0)
+        *cur = 1 - *cur;
+    else
+        decode_offsets(ctx, kv, sq, k0, nt, w->koff + (size_t)*cur * ATTN_TILE,
+                       w->voff + (size_t)*cur * ATTN_TILE);
+    const size_t *ko = w->koff + (size_t)*cur * ATTN_TILE, *vo = w->voff + (size_t)*cur * ATTN_TILE;
+    size_t *kn = w->koff + (size_t)(1 - *cur) * ATTN_TILE;
+    size_t *vn = w->voff + (size_t)(1 - *cur) * ATTN_TILE;
+    const int nn = k1 - (k0 + ATTN_TILE) < ATTN_TILE ? k1 - (k0 + ATTN_TILE) : ATTN_TILE;
+    *have = -1;
+    if (nn > 0) {
+        decode_offsets(ctx, kv, sq, k0 + ATTN_TILE, nn, kn, vn);
+        *have = k0 + ATTN_TILE;
+    }
+    for (int hh = 0; hh < u->ng; hh++) {
+        const struct attn_prefetch *pf =
+            hh + 1 < u->ng ? decode_prefetch(ctx, w->pf, kv, u->g0 + hh + 1, ko, vo, nt)
+                           : decode_prefetch(ctx, w->pf, kv, u->g0, kn, vn, nn);
+        decode_head(ctx, w, kv, u->g0 + hh, ko, vo, nt, hh * rows_h, rows_h, pf);
+    }
+}
+
 static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
                           const struct attn_seq *seqs, const struct item *it)
 {
@@ -934,6 +1033,8 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     const int D = ctx->p.head_dim, H = ctx->p.n_head;
     const int rows_h = u->nq * ctx->group;
     const int qoff = ctx->si[u->seq].qoff;
+    /* few rows per KV head: decode_head; else the flash tile (or int8 scores) */
+    const bool decode = rows_h <= 4 && !int8_keys(ctx, kv);
 
     setup_rows(ctx, w, sq, u->q0, u->nq, u->g0, u->ng);
     setup_q8(ctx, w, kv, u->rows);
@@ -943,21 +1044,19 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     }
     memset(w->acc, 0, sizeof(float) * (size_t)u->rows * D);
 
+    int cur = 0, have = -1; /* decode: which offsets buffer is this tile's; the next tile's k0 */
     for (int k0 = it->k0; k0 < it->k1; k0 += ATTN_TILE) {
         int nt = it->k1 - k0 < ATTN_TILE ? it->k1 - k0 : ATTN_TILE;
         if (load_tile(w, kv, sq, k0, nt) > u->qmax)
             continue; /* every key of the tile is in every query's future */
         if (ctx->rot)
             ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
-        for (int hh = 0; hh < u->ng; hh++) {
-            /* prefetch the next head, or head 0 of the next tile */
-            int kn = hh + 1 < u->ng ? k0 : k0 + ATTN_TILE;
-            int nn = it->k1 - kn < ATTN_TILE ? it->k1 - kn : ATTN_TILE;
-            const struct attn_prefetch *pf = NULL;
-            if (nn > 0)
-                pf = prefetch_head(ctx, w->pf, kv, sq, u->g0 + (hh + 1) % u->ng, kn, nn);
-            tile_head(ctx, w, kv, u->g0 + hh, nt, hh * rows_h, rows_h, pf);
+        if (decode) {
+            decode_tile(ctx, w, kv, sq, u, k0, nt, it->k1, &cur, &have);
+            continue;
         }
+        for (int hh = 0; hh < u->ng; hh++)
+            tile_head(ctx, w, kv, u->g0 + hh, nt, hh * rows_h, rows_h, NULL);
     }
 
     for (int r = 0; r < u->rows; r++) {

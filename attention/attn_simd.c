@@ -390,6 +390,47 @@ INLINE vf vexp(vf x)
     return vscale2(p, n);
 }
 
+/* VL int8 values as f32. */
+INLINE vf vload_i8(const int8_t *p)
+{
+#ifdef SIMD_AVX512
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+
+/* A block's f16 scale, as f32 in every lane. */
+INLINE vf vblock_scale(const uint8_t *blk)
+{
+    uint16_t h;
+    memcpy(&h, blk, sizeof(h));
+#ifdef SIMD_AVX512
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+#else
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)h));
+#endif
+}
+
+/*
+ * n elements of a q8_0 row from element off, dequantised in registers:
+ * the same products (scale x level, one rounding) dequant_block stores, so
+ * a tile read this way gives what a dequantised copy gives. Lanes within
+ * one block take one load; others (partial rotation, odd offsets) go
+ * element by element.
+ */
+INLINE vf vload_q8_n(const uint8_t *row, int off, int n)
+{
+    if (n == VL && off % VL == 0) {
+        const uint8_t *blk = row + (size_t)(off / ATTN_QK) * ATTN_Q8_0_BYTES;
+        return vmul(vblock_scale(blk), vload_i8((const int8_t *)blk + 2 + off % ATTN_QK));
+    }
+    float buf[VL];
+    for (int i = 0; i < n; i++)
+        buf[i] = attn_load(row, off + i, ATTN_Q8_0);
+    return vload_n(buf, n);
+}
+
 /* n elements (n <= VL) of a K/V row of type T from element offset off, as f32 */
 INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
 {
@@ -398,9 +439,10 @@ INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
         return vload_h_n((const uint16_t *)row + off, n);
     case ATTN_BF16:
         return vload_b_n((const uint16_t *)row + off, n);
+    case ATTN_Q8_0: /* the few-row operations read q8_0 as stored (attn.c's decode_head) */
+        return vload_q8_n(row, off, n);
     case ATTN_F32:
-    case ATTN_Q8_0: /* block types are dequantised to f32 rows before any tile operation */
-    case ATTN_Q4_0:
+    case ATTN_Q4_0: /* dequantised to f32 rows before any tile operation */
         break;
     }
     return vload_n((const float *)row + off, n);
@@ -446,34 +488,26 @@ INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int
             memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
 }
 
-/* Where the prefetch requests of a tile have got to: a run, a byte in it,
- * and the lines requested so far. */
-struct pf_cursor {
-    int run, off, done;
-};
-
 /*
- * Chunk c of nc of a tile's key loop: request the next share of pf's lines,
- * in run order. The hint is T1 (into L2, not L1): on the AVX-512 EPYC that
- * was measured, requests into L1 fill the core's few L1 miss buffers, and
- * the loop stalls on its own prefetches (25-40% of qk's samples fell on
- * them); into L2 the same requests cost a 16k-token layer ~0.75x the time
- * on one thread (bench_decode, alternated in one process). The rows come
- * from L2 when the loop reaches them a head later.
+ * Request the lines of keys [t0, t1)'s rows in pf (those it has), as qk
+ * scores keys t0..t1-1 of its own head. The hint is T1 (into L2, not L1):
+ * on the AVX-512 EPYC that was measured, requests into L1 fill the core's
+ * few L1 miss buffers, and the loop stalls on its own prefetches (25-40% of
+ * qk's samples fell on them); into L2 the same requests cost a 16k-token
+ * layer ~0.75x the time on one thread (bench_decode, alternated in one
+ * process). The rows come from L2 when the loop reaches them a head later.
  */
-INLINE void prefetch_chunk(const struct attn_prefetch *pf, struct pf_cursor *cur, int c, int nc)
+INLINE void prefetch_keys(const struct attn_prefetch *pf, int t0, int t1)
 {
     if (!pf)
         return;
-    const int upto = (int)((long)pf->lines * (c + 1) / nc);
-    while (cur->done < upto && cur->run < pf->n) {
-        _mm_prefetch(pf->run[cur->run] + cur->off, _MM_HINT_T1);
-        cur->done++;
-        cur->off += 64;
-        if (cur->off >= pf->len[cur->run]) {
-            cur->run++;
-            cur->off = 0;
-        }
+    t1 = t1 < pf->n ? t1 : pf->n;
+    for (int t = t0; t < t1; t++) {
+        const char *k = pf->k + pf->koff[t], *v = pf->v + pf->voff[t];
+        for (int l = 0; l < pf->klines; l++)
+            _mm_prefetch(k + 64 * l, _MM_HINT_T1);
+        for (int l = 0; l < pf->vlines; l++)
+            _mm_prefetch(v + 64 * l, _MM_HINT_T1);
     }
 }
 
@@ -481,10 +515,8 @@ INLINE void prefetch_chunk(const struct attn_prefetch *pf, struct pf_cursor *cur
 INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
                      enum attn_type T, int D, const struct attn_prefetch *pf)
 {
-    struct pf_cursor cur = {0, 0, 0};
-    const int nc = (nt + VL - 1) / VL;
     for (int c0 = 0; c0 < nt; c0 += VL) {
-        prefetch_chunk(pf, &cur, c0 / VL, nc);
+        prefetch_keys(pf, c0, c0 + VL);
         int r = 0;
         for (; r + 3 <= nrows; r += 4) {
             /* three rows (a GQA group of 3) take a 4-row block, the last row
@@ -515,8 +547,10 @@ INLINE void qk_types(float *S, const float *const *q, int nrows, const void *con
     case ATTN_BF16:
         qk_typed(S, q, nrows, kp, nt, ATTN_BF16, D, pf);
         break;
-    case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
-    case ATTN_Q4_0:
+    case ATTN_Q8_0:
+        qk_typed(S, q, nrows, kp, nt, ATTN_Q8_0, D, pf);
+        break;
+    case ATTN_Q4_0: /* dequantised by the caller (attn.c) */
         break;
     }
 }
@@ -595,14 +629,78 @@ INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp
             memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
 }
 
+/* Heads up to this size take the three-row path, their queries in registers. */
+#define QK3_DMAX 128
+#define QK3_KB (VL / 4) /* keys per block: 3 x 4 accumulators at AVX-512, 3 x 2 at AVX2 */
+
+/*
+ * Three rows (a GQA group of 3: one decode query's heads that share a KV
+ * head) x QK3_KB keys from t0, every element of the head rotated. The
+ * rows' queries come in registers (qv, loaded once per tile); each key is
+ * loaded, converted and rotated once for the three rows, and the 3 x KB
+ * dots fill 3/4 of the reduction's lanes - where the 4-row block repeated
+ * a row, a quarter of the products went to it. The products and their
+ * order are those of qk_rope_block, so the scores are the same bits.
+ */
+INLINE void qk3_rope_block(float *S, const vf qv[3][QK3_DMAX / VL], const void *const *kp, int t0,
+                           enum attn_type T, int D, bool neox, const float *cs, const float *sn,
+                           int ld)
+{
+    const int half = D / 2, KB = QK3_KB;
+    vf acc[VL];
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; i++)
+        acc[i] = vzero();
+#pragma GCC unroll 8
+    for (int i = 0; i < half; i += VL) {
+#pragma GCC unroll 8
+        for (int kb = 0; kb < KB; kb++) {
+            vf lo, hi;
+            load_pairs(kp[t0 + kb], i, half, VL, neox, T, &lo, &hi);
+            const size_t row = (size_t)(t0 + kb) * ld + i;
+            vf c = vload(cs + row), s = vload(sn + row);
+            vf rlo = vfnma(hi, s, vmul(lo, c)), rhi = vfma(lo, s, vmul(hi, c));
+#pragma GCC unroll 3
+            for (int r = 0; r < 3; r++) {
+                acc[r * KB + kb] = vfma(qv[r][i / VL], rlo, acc[r * KB + kb]);
+                acc[r * KB + kb] = vfma(qv[r][(half + i) / VL], rhi, acc[r * KB + kb]);
+            }
+        }
+    }
+    float dots[VL];
+    vstore(dots, vreduce(acc));
+#pragma GCC unroll 3
+    for (int r = 0; r < 3; r++)
+        memcpy(S + (size_t)r * ATTN_TILE + t0, dots + r * KB, sizeof(float) * (size_t)KB);
+}
+
+/* The tile for three rows (see qk3_rope_block): prefetches spread over its key blocks. */
+INLINE void qk3_rope(float *S, const float *const *q, const void *const *kp, int nt,
+                     enum attn_type T, int D, bool neox, const float *cs, const float *sn, int ld,
+                     const struct attn_prefetch *pf)
+{
+    vf qv[3][QK3_DMAX / VL];
+#pragma GCC unroll 3
+    for (int r = 0; r < 3; r++)
+#pragma GCC unroll 16
+        for (int j = 0; j < D / VL; j++)
+            qv[r][j] = vload(q[r] + j * VL);
+    for (int t0 = 0; t0 < nt; t0 += QK3_KB) {
+        prefetch_keys(pf, t0, t0 + QK3_KB);
+        qk3_rope_block(S, qv, kp, t0, T, D, neox, cs, sn, ld);
+    }
+}
+
 INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
                           enum attn_type T, int D, int rot, bool neox, const float *cs,
                           const float *sn, int ld, const struct attn_prefetch *pf)
 {
-    struct pf_cursor cur = {0, 0, 0};
-    const int nc = (nt + VL - 1) / VL;
+    if (nrows == 3 && rot == D && D <= QK3_DMAX && (D / 2) % VL == 0) {
+        qk3_rope(S, q, kp, nt, T, D, neox, cs, sn, ld, pf);
+        return;
+    }
     for (int c0 = 0; c0 < nt; c0 += VL) {
-        prefetch_chunk(pf, &cur, c0 / VL, nc);
+        prefetch_keys(pf, c0, c0 + VL);
         int r = 0;
         for (; r + 3 <= nrows; r += 4) {
             /* as in qk_typed: three rows in a 4-row block, so each key is
@@ -637,8 +735,10 @@ INLINE void qk_rope_types(float *S, const float *const *q, int nrows, const void
     case ATTN_BF16:
         qk_rope_typed(S, q, nrows, kp, nt, ATTN_BF16, D, rot, neox, cs, sn, ld, pf);
         break;
-    case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
-    case ATTN_Q4_0:
+    case ATTN_Q8_0: /* read as stored (decode_head) */
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_Q8_0, D, rot, neox, cs, sn, ld, pf);
+        break;
+    case ATTN_Q4_0: /* dequantised by the caller (attn.c) */
         break;
     }
 }
@@ -791,8 +891,10 @@ INLINE void pv_types(float *acc, int nrows, const float *P, const void *const *v
     case ATTN_BF16:
         pv_typed(acc, nrows, P, vp, nt, ATTN_BF16, D);
         break;
-    case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
-    case ATTN_Q4_0:
+    case ATTN_Q8_0: /* read as stored by decode_head; the flash tile dequantises */
+        pv_typed(acc, nrows, P, vp, nt, ATTN_Q8_0, D);
+        break;
+    case ATTN_Q4_0: /* dequantised by the caller (attn.c) */
         break;
     }
 }
@@ -1014,16 +1116,6 @@ static void qk_t_simd(float *S, const float *const *q, int nrows, const float *k
 /* ------------------------------------------------------------------------
  * Dequantising a tile of q8_0 / q4_0 rows
  * ------------------------------------------------------------------------ */
-
-/* VL int8 values as f32. */
-INLINE vf vload_i8(const int8_t *p)
-{
-#ifdef SIMD_AVX512
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#endif
-}
 
 /* One block of 32 as f32: q8_0 directly, q4_0 after splitting its nibbles. */
 INLINE void dequant_block(float *o, const uint8_t *blk, enum attn_type T)
