@@ -35,6 +35,29 @@
  * size), the full system is singular and a smaller subset answers: one
  * step alone gives a cost proportional to tokens, the safe guess.
  *
+ * Why chunks have a least size too. A step costs c_step whatever it holds
+ * (the weights read once, the threads' fork and join), so a chunk cut to
+ * fit the budget beside the decodes pays that fixed part over fewer
+ * tokens. When c_step is a large share of the budget (a slow model, many
+ * decoding streams, cores shared with other work, where every join waits
+ * for a descheduled thread) chunks shrink to a few tokens, prompts are
+ * read at a fraction of their speed and throughput falls with them. So the
+ * step's first chunk is also at least the smallest one that, charged with
+ * the step's fixed cost, reads its prompt at PACE_EFFICIENCY of the rate of
+ * the whole chunk the token budget allows; the step may then outlast the
+ * budget, up to PACE_STRETCH budgets. Every step beside a prompt does, so
+ * the streams' tokens stay evenly spaced (p99 near p50) while the prompt
+ * is read near the speed of whole chunks. Decode work is not charged: it
+ * is done in every step whatever the chunk. This is the one place where
+ * the budget yields, to the prompts' throughput and boundedly.
+ *
+ * The fixed cost charged is c_step, but never more than decode-only steps
+ * were seen to take once there were some: a run of equal chunks (a prompt
+ * read alone, 512 at a time) cannot tell c_step from c_token, and the fit
+ * may then lay their whole cost on c_step, by which only whole chunks
+ * would look efficient (PACE_STRETCH bounds the harm before any
+ * decode-only step is seen).
+ *
  * Batch invariance. Chunk sizes change only how a prompt is cut across
  * steps; the forward pass gives the same bits for a token whatever its
  * chunk (test_engine checks a paced run against an unpaced one).
@@ -128,6 +151,25 @@ static double residual(const struct pace_sums *s, const double c[3])
  * those proportional to work before those with a fixed part. */
 static const unsigned SUBSETS[] = {07, 06, 03, 02, 05, 04, 01};
 
+/* The least-squares coefficients over the sums s, none below zero. */
+static void refit_coef(struct engine_pace *p, const struct pace_sums *s)
+{
+    double best = INFINITY, c[3];
+    for (size_t i = 0; i < sizeof(SUBSETS) / sizeof(SUBSETS[0]); i++) {
+        if (!solve_subset(s, SUBSETS[i], c))
+            continue;
+        double r = residual(s, c);
+        if (r < best - 1e-9 * s->tt) {
+            best = r;
+            memcpy(p->coef, c, sizeof(c));
+            p->known = true;
+        }
+    }
+}
+
+/* Refit over both kinds of steps; then the fixed cost a chunk is charged
+ * with (pace.h), bounded by the decode-only steps' decayed mean once there
+ * are some. */
 static void refit(struct engine_pace *p)
 {
     struct pace_sums s = p->sums[0];
@@ -138,17 +180,10 @@ static void refit(struct engine_pace *p)
         s.xt[i] += d->xt[i];
     }
     s.tt += d->tt;
-    double best = INFINITY, c[3];
-    for (size_t i = 0; i < sizeof(SUBSETS) / sizeof(SUBSETS[0]); i++) {
-        if (!solve_subset(&s, SUBSETS[i], c))
-            continue;
-        double r = residual(&s, c);
-        if (r < best - 1e-9 * s.tt) {
-            best = r;
-            memcpy(p->coef, c, sizeof(c));
-            p->known = true;
-        }
-    }
+    refit_coef(p, &s);
+    p->fixed_s = p->coef[0];
+    if (d->xx[0][0] > 0)
+        p->fixed_s = fmin(p->fixed_s, d->xt[0] / d->xx[0][0]);
 }
 
 void engine_pace_observe(struct engine_pace *p, const struct pace_work *w, bool chunks,
@@ -180,6 +215,7 @@ void engine_pace_set(struct engine_pace *p, double c_step, double c_token, doubl
     p->coef[0] = c_step;
     p->coef[1] = c_token * TOKEN_UNIT;
     p->coef[2] = c_pair * PAIR_UNIT;
+    p->fixed_s = c_step;
     p->known = p->frozen = true;
 }
 
@@ -201,24 +237,73 @@ static double predict_with(const struct pace_plan *pl, int n, int context)
     return engine_pace_predict(pl->pace, &w);
 }
 
+/* The chunk's own predicted seconds in the plan: what n tokens after
+ * context add to the step (the decodes' and earlier chunks' work is the
+ * step's anyway). */
+static double chunk_seconds(const struct pace_plan *pl, int n, int context)
+{
+    return predict_with(pl, n, context) - engine_pace_predict(pl->pace, &pl->work);
+}
+
+/* The largest n in 0..most that keeps the step within budget_s seconds:
+ * the prediction grows with n (no coefficient is negative), so bisect. */
+static int budget_chunk(const struct pace_plan *pl, int most, int context, double budget_s)
+{
+    int lo = 0, hi = most;
+    while (lo < hi) {
+        int mid = lo + (hi - lo + 1) / 2;
+        if (predict_with(pl, mid, context) <= budget_s)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/*
+ * The smallest n in 1..most whose prompt rate, n tokens over the step's
+ * fixed cost plus the chunk's own seconds, is at least PACE_EFFICIENCY of the
+ * rate of `most` tokens. The rate n / (c + a n + b n^2) rises to one peak
+ * and falls; the target is at most the rate at `most`, so "rate(n) >=
+ * target" is false then true over 1..most and bisection finds its edge.
+ */
+static int efficient_chunk(const struct pace_plan *pl, int most, int context)
+{
+    double fixed = pl->pace->fixed_s;
+    double full = fixed + chunk_seconds(pl, most, context);
+    if (!(full > 0))
+        return 1;
+    double target = PACE_EFFICIENCY * most / full;
+    int lo = 1, hi = most;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (mid >= target * (fixed + chunk_seconds(pl, mid, context)))
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
 int pace_plan_chunk(struct pace_plan *pl, int most, int context)
 {
     int n = most > 0 ? most : 0;
     if (n > 0 && pl->decodes > 0 && pl->budget_s > 0 && pl->pace->known) {
-        /* the largest n within the budget: the prediction grows with n
-         * (no coefficient is negative), so bisect */
-        int lo = 0, hi = n;
-        while (lo < hi) {
-            int mid = lo + (hi - lo + 1) / 2;
-            if (predict_with(pl, mid, context) <= pl->budget_s)
-                lo = mid;
-            else
-                hi = mid - 1;
+        n = budget_chunk(pl, most, context, pl->budget_s);
+        if (pl->chunks == 0) {
+            /* the oldest prompt progresses every step, by at least the
+             * floor and by a chunk that reads it near full speed, as far
+             * as PACE_STRETCH budgets */
+            int least = efficient_chunk(pl, most, context);
+            if (least > n) {
+                int cap = budget_chunk(pl, least, context, PACE_STRETCH * pl->budget_s);
+                least = cap > n ? cap : n;
+            }
+            if (least < pl->floor)
+                least = pl->floor < most ? pl->floor : most;
+            if (n < least)
+                n = least;
         }
-        n = lo;
-        int floor = pl->floor < most ? pl->floor : most;
-        if (pl->chunks == 0 && n < floor)
-            n = floor; /* the oldest prompt progresses every step */
     }
     if (n > 0) {
         struct pace_work c = pace_chunk_work(n, context);

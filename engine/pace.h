@@ -26,6 +26,14 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+/* The least share of a whole chunk's prompt reading rate that a step's
+ * first chunk keeps, the step's fixed cost counted (pace.c). */
+#define PACE_EFFICIENCY 0.95
+/* How many budgets a step may take for that: a fit that lays too much on
+ * c_step (noise; equal chunks) must not stall the streams for a whole
+ * step_tokens chunk. */
+#define PACE_STRETCH 2.0
+
 /* What a step computes: its size in the model's terms. */
 struct pace_work {
     double tokens; /* tokens in the batch (decode + prefill) */
@@ -46,8 +54,13 @@ struct engine_pace {
      * decodes does not erase what prefill costs. */
     struct pace_sums sums[2];
     double coef[3]; /* seconds per step, per token, per pair (the fit) */
-    bool known;     /* at least one step observed (or coefficients set) */
-    bool frozen;    /* coefficients set by engine_pace_set: observations ignored */
+    /* The fixed cost a chunk is charged with when its least size is
+     * chosen (pace.c): coef[0], but never more than decode-only steps were
+     * seen to take (their decayed mean, once there are some), because the
+     * fit can lay all of a run of equal chunks' cost on coef[0]. */
+    double fixed_s;
+    bool known;  /* at least one step observed (or coefficients set) */
+    bool frozen; /* coefficients set by engine_pace_set: observations ignored */
 };
 
 /* The work of a chunk of n tokens after `context` cached ones. */
@@ -86,10 +99,13 @@ void pace_plan_start(struct pace_plan *pl, const struct engine_pace *p, uint64_t
  * The size of the next prompt chunk: at most `most` tokens (what the
  * prompt has left, the token budget and the sequence's room already
  * applied) after `context` cached tokens, cut so that the step's predicted
- * time stays within the budget when decodes are waiting. A step without
- * decode tokens keeps the token budget only: nobody waits on it, and large
- * chunks read a prompt fastest. The chunk is added to the plan. Returns
- * 0..most.
+ * time stays within the budget when decodes are waiting. The step's first
+ * chunk is never cut below the floor, nor below the least chunk that reads
+ * its prompt at nearly the rate of `most` tokens once the step's fixed
+ * cost is counted (pace.c: then the step outlasts the budget). A step
+ * without decode tokens keeps the token budget only: nobody waits on it,
+ * and large chunks read a prompt fastest. The chunk is added to the plan.
+ * Returns 0..most.
  */
 int pace_plan_chunk(struct pace_plan *pl, int most, int context);
 

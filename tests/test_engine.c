@@ -525,9 +525,38 @@ static int brute_chunk(double c0, double c1, double c2, double budget_s, int dec
     return best;
 }
 
+/* The chunk pace_plan_chunk must give the first prompt of a step holding
+ * one decode at decode_ctx, by brute force over the model's formula: the
+ * largest within the budget, raised to the least whose prompt rate (the
+ * step's fixed cost c0 charged) is PACE_EFFICIENCY of the rate of `most`,
+ * but then no further than PACE_STRETCH budgets hold; never below the
+ * floor. */
+static int brute_first_chunk(double c0, double c1, double c2, double budget_s, int decode_ctx,
+                             int context, int most, int floor)
+{
+    int n = brute_chunk(c0, c1, c2, budget_s, decode_ctx, context, most);
+    double dl = context, full = c0 + c1 * most + c2 * (most * dl + most * (most + 1.0) / 2);
+    int least = most;
+    for (int k = most; k >= 1; k--) {
+        double own = c0 + c1 * k + c2 * (k * dl + k * (k + 1.0) / 2);
+        if (k / own >= PACE_EFFICIENCY * most / full)
+            least = k;
+        else
+            break;
+    }
+    if (least > n) {
+        int cap = brute_chunk(c0, c1, c2, PACE_STRETCH * budget_s, decode_ctx, context, least);
+        least = cap > n ? cap : n;
+    }
+    if (least < floor)
+        least = floor < most ? floor : most;
+    return n > least ? n : least;
+}
+
 /*
  * Chunk sizing with a known speed (no clock): the chunk is the largest
- * whose predicted step fits the budget, it shrinks as the context it sits
+ * whose predicted step fits the budget (or the least that reads the
+ * prompt near full speed, test_pace_chunk_efficiency), it shrinks as the context it sits
  * after grows (attention's pairs), a step without decodes or without a
  * budget keeps the token budget, the first chunk never goes below the
  * floor, and a second prompt gets only what the first left.
@@ -547,13 +576,13 @@ static void test_pace_chunk_sizing(void **state)
         struct pace_plan pl;
         pace_plan_start(&pl, &p, 100, 1, &dec, 16);
         int got = pace_plan_chunk(&pl, 512, contexts[i]);
-        int want = brute_chunk(c0, c1, c2, 0.100, 4096, contexts[i], 512);
+        int want = brute_first_chunk(c0, c1, c2, 0.100, 4096, contexts[i], 512, 16);
         print_message("context %6d: chunk %3d tokens (predicted step %.1f ms)\n", contexts[i], got,
                       1e3 * engine_pace_predict(&p, &pl.work));
-        assert_int_equal(got, want < 16 ? 16 : want);
+        assert_int_equal(got, want);
         assert_true(got < 512);
         assert_true(got <= last);
-        assert_true(engine_pace_predict(&p, &pl.work) <= 0.100 || got == 16);
+        assert_true(engine_pace_predict(&p, &pl.work) <= PACE_STRETCH * 0.100 || got == 16);
         last = got;
     }
     assert_true(last < 100); /* at 64k the pairs dominate */
@@ -580,6 +609,93 @@ static void test_pace_chunk_sizing(void **state)
     assert_int_equal(a, 40);
     assert_true(b > 0 && b < brute_chunk(c0, c1, c2, 0.100, 4096, 0, 512));
     assert_true(engine_pace_predict(&p, &pl.work) <= 0.100);
+    /* ... and only what the budget leaves, never the first one's least
+     * chunk: the second prompt of a step waits rather than stretch it */
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    a = pace_plan_chunk(&pl, 512, 0);
+    assert_true(engine_pace_predict(&p, &pl.work) > 0.100);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 0);
+}
+
+/* The prompt rate of a chunk of n after context, the step's fixed cost
+ * charged (what efficient_chunk compares). */
+static double chunk_rate(double c0, double c1, double c2, int n, int context)
+{
+    double dn = n, dl = context;
+    return dn / (c0 + c1 * dn + c2 * (dn * dl + dn * (dn + 1) / 2));
+}
+
+/*
+ * The least chunk (pace.c): when a step's fixed cost is a large share of
+ * the budget, a chunk cut to the budget reads its prompt slowly (each
+ * step pays the fixed cost for few tokens). The first chunk is then the
+ * least that keeps PACE_EFFICIENCY of a whole chunk's rate, and the step
+ * outlasts the budget, but never PACE_STRETCH budgets; when the fixed cost
+ * is small, the budget alone decides (decodes keep their preference).
+ * Without the least chunk, the chunks here would be the budget's (168 and
+ * 78 tokens, not 250 and 277).
+ */
+static void test_pace_chunk_efficiency(void **state)
+{
+    (void)state;
+    const double c1 = 0.0005, c2 = 2e-8;
+    struct pace_work dec = pace_chunk_work(1, 0);
+    struct engine_pace p = {0};
+    struct pace_plan pl;
+
+    /* 15 ms a step: the least chunk fits within the stretch */
+    engine_pace_set(&p, 0.015, c1, c2);
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    int got = pace_plan_chunk(&pl, 512, 0);
+    int cut = brute_chunk(0.015, c1, c2, 0.100, 0, 0, 512);
+    double full = chunk_rate(0.015, c1, c2, 512, 0);
+    print_message("15 ms a step: chunk %d (the budget's %d), %.0f%% of a whole chunk's rate "
+                  "(the budget's %.0f%%), step %.1f ms\n",
+                  got, cut, 100 * chunk_rate(0.015, c1, c2, got, 0) / full,
+                  100 * chunk_rate(0.015, c1, c2, cut, 0) / full,
+                  1e3 * engine_pace_predict(&p, &pl.work));
+    assert_int_equal(got, brute_first_chunk(0.015, c1, c2, 0.100, 0, 0, 512, 16));
+    assert_true(got > cut);
+    assert_true(chunk_rate(0.015, c1, c2, got, 0) >= PACE_EFFICIENCY * full);
+    assert_true(chunk_rate(0.015, c1, c2, got - 1, 0) < PACE_EFFICIENCY * full);
+    assert_true(chunk_rate(0.015, c1, c2, cut, 0) < PACE_EFFICIENCY * full);
+    assert_true(engine_pace_predict(&p, &pl.work) <= PACE_STRETCH * 0.100);
+
+    /* 60 ms a step: the least chunk (about 405 tokens) would take 2.7
+     * budgets; the stretch stops it at 2 */
+    engine_pace_set(&p, 0.060, c1, c2);
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    got = pace_plan_chunk(&pl, 512, 0);
+    cut = brute_chunk(0.060, c1, c2, 0.100, 0, 0, 512);
+    print_message("60 ms a step: chunk %d (the budget's %d), step %.1f ms\n", got, cut,
+                  1e3 * engine_pace_predict(&p, &pl.work));
+    assert_int_equal(got, brute_first_chunk(0.060, c1, c2, 0.100, 0, 0, 512, 16));
+    assert_int_equal(got, brute_chunk(0.060, c1, c2, PACE_STRETCH * 0.100, 0, 0, 512));
+    assert_true(got > 3 * cut);
+    assert_true(chunk_rate(0.060, c1, c2, got, 0) < PACE_EFFICIENCY * chunk_rate(0.060, c1, c2, 512, 0));
+
+    /* 2 ms a step: the budget's chunk already reads at full speed */
+    engine_pace_set(&p, 0.002, c1, c2);
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    got = pace_plan_chunk(&pl, 512, 0);
+    assert_int_equal(got, brute_chunk(0.002, c1, c2, 0.100, 0, 0, 512));
+    assert_true(engine_pace_predict(&p, &pl.work) <= 0.100);
+
+    /* the fixed cost charged: the fit's c_step, no more than decode-only
+     * steps were seen to take once there were some */
+    p = (struct engine_pace){0};
+    for (int i = 0; i < 20; i++) { /* chunks timed by 60 ms + per token + per pair */
+        struct pace_work w = pace_chunk_work(32 + (i * 53) % 480, (i * 331) % 4096);
+        engine_pace_observe(&p, &w, true, 0.060 + c1 * w.tokens + c2 * w.pairs);
+    }
+    assert_true(fabs(p.coef[0] - 0.060) < 1e-6);
+    assert_true(p.fixed_s == p.coef[0]);
+    for (int i = 0; i < 3; i++) { /* decode-only steps, faster than that */
+        struct pace_work w = pace_chunk_work(1, 4096);
+        engine_pace_observe(&p, &w, false, 0.010);
+    }
+    assert_true(p.fixed_s <= 0.010 + 1e-12);
+    assert_true(p.fixed_s <= p.coef[0]);
 }
 
 /*
@@ -693,9 +809,12 @@ static void run_paced(engine *e, int n, int32_t ids[][32])
  * speed: request 0 (a 100-token prompt) alone reads its prompt in chunks
  * of the whole token budget (64, 36); while it decodes, request 1's prompt
  * (300 tokens) is cut to what a 10 ms step holds beside the decode (1.2 ms
- * + 0.25 ms * (1 + 34) = 9.95 ms: chunks of 34); once request 0 is done,
- * request 1's chunks grow back to 64. The generated tokens are those of a
- * run without a time budget (chunking never changes the numbers).
+ * + 0.25 ms * (1 + 34) = 9.95 ms: 34 tokens), raised to the least chunk
+ * that reads it at 95% of a whole chunk's rate with the 1.2 ms fixed cost
+ * counted (37 tokens: 37 / 10.45 ms against 64 / 17.2 ms; the step takes
+ * 10.7 ms); once request 0 is done, request 1's chunks grow back to 64.
+ * The generated tokens are those of a run without a time budget (chunking
+ * never changes the numbers).
  */
 static void test_pace_served_chunks(void **state)
 {
@@ -729,17 +848,17 @@ static void test_pace_served_chunks(void **state)
     int shrunk = 0, grown = 0, fed = 0;
     for (int i = 3; i < lp.n && fed < 300; i++) {
         bool beside = lp.seqs[i] == 2; /* request 0's decode + request 1's chunk */
-        int chunk = lp.tokens[i] - (beside ? 1 : 0), most = beside ? 34 : 64;
+        int chunk = lp.tokens[i] - (beside ? 1 : 0), most = beside ? 37 : 64;
         assert_int_equal(chunk, 300 - fed < most ? 300 - fed : most);
         shrunk += beside;
         grown += !beside;
         fed += chunk;
     }
-    print_message("paced: %d steps with chunks of 34 beside a decode, %d alone with up to 64; "
+    print_message("paced: %d steps with chunks of 37 beside a decode, %d alone with up to 64; "
                   "unpaced: %d steps\n",
                   shrunk, grown, l0.n);
     assert_int_equal(shrunk, 4);
-    assert_int_equal(grown, 3); /* 300 - 4 * 34 = 164 = 64 + 64 + 36 */
+    assert_int_equal(grown, 3); /* 300 - 4 * 37 = 152 = 64 + 64 + 24 */
     assert_int_equal(fed, 300);
     /* without a budget request 1's first chunk takes the rest of the step */
     assert_int_equal(l0.tokens[3], 64);
@@ -905,6 +1024,7 @@ int main(void)
         cmocka_unit_test(test_fill),
         cmocka_unit_test(test_generate_fill),
         cmocka_unit_test(test_pace_chunk_sizing),
+        cmocka_unit_test(test_pace_chunk_efficiency),
         cmocka_unit_test(test_pace_fit),
         cmocka_unit_test(test_pace_served_chunks),
         cmocka_unit_test(test_serve_full_pool_queues),
