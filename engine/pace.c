@@ -38,25 +38,35 @@
  * Why chunks have a least size too. A step costs c_step whatever it holds
  * (the weights read once, the threads' fork and join), so a chunk cut to
  * fit the budget beside the decodes pays that fixed part over fewer
- * tokens. When c_step is a large share of the budget (a slow model, many
- * decoding streams, cores shared with other work, where every join waits
- * for a descheduled thread) chunks shrink to a few tokens, prompts are
- * read at a fraction of their speed and throughput falls with them. So the
- * step's first chunk is also at least the smallest one that, charged with
- * the step's fixed cost, reads its prompt at PACE_EFFICIENCY of the rate of
- * the whole chunk the token budget allows; the step may then outlast the
- * budget, up to PACE_STRETCH budgets. Every step beside a prompt does, so
- * the streams' tokens stay evenly spaced (p99 near p50) while the prompt
- * is read near the speed of whole chunks. Decode work is not charged: it
- * is done in every step whatever the chunk. This is the one place where
- * the budget yields, to the prompts' throughput and boundedly.
+ * tokens; when the decodes alone take about the budget or more (many
+ * streams, long contexts, a slow model, cores shared with other work) the
+ * chunk is cut to the floor, prompts are read a page per step at a
+ * fraction of their speed and throughput and time to first token fall
+ * with them. So the step's first chunk is also at least the smallest one
+ * that, charged with the step's fixed cost, reads its prompt at
+ * PACE_EFFICIENCY of the rate of the whole chunk the token budget allows,
+ * as far as the step stays within PACE_STRETCH times what its decodes
+ * alone take: prefill then gets up to as much of the step as the decodes
+ * do. While the decodes are cheap against the budget (under half of it)
+ * that bound is below the budget and nothing changes: the budget alone
+ * decides, and the decoding streams keep their preference. Decode work is
+ * not charged to the chunk: it is done in every step whatever the chunk.
+ *
+ * Why not stretch steps past the budget when decodes are cheap, for the
+ * same efficiency? Measured under kvd load (two streams, 4,096-token
+ * prompts): a chunk step pays ~20-25 ms fixed beside ~18 ms decode-only
+ * steps, and chunks stretched to 95% efficiency (steps of ~200 ms) read
+ * the prompt in a third of the steps, so the decoding stream outlives it
+ * and most of its tokens come from 18 ms decode-only steps: throughput
+ * came back to the unbudgeted scheduler's, but ITL p99/p50 went to ~10.
+ * Evenly spaced tokens need the prompt's reading to span the stream's
+ * decoding, which is what the budget's chunks do.
  *
  * The fixed cost charged is c_step, but never more than decode-only steps
  * were seen to take once there were some: a run of equal chunks (a prompt
  * read alone, 512 at a time) cannot tell c_step from c_token, and the fit
  * may then lay their whole cost on c_step, by which only whole chunks
- * would look efficient (PACE_STRETCH bounds the harm before any
- * decode-only step is seen).
+ * would look efficient.
  *
  * Batch invariance. Chunk sizes change only how a prompt is cut across
  * steps; the forward pass gives the same bits for a token whatever its
@@ -293,10 +303,11 @@ int pace_plan_chunk(struct pace_plan *pl, int most, int context)
         if (pl->chunks == 0) {
             /* the oldest prompt progresses every step, by at least the
              * floor and by a chunk that reads it near full speed, as far
-             * as PACE_STRETCH budgets */
+             * as a step of PACE_STRETCH times the decodes' own time */
             int least = efficient_chunk(pl, most, context);
             if (least > n) {
-                int cap = budget_chunk(pl, least, context, PACE_STRETCH * pl->budget_s);
+                double decodes_s = engine_pace_predict(pl->pace, &pl->work);
+                int cap = budget_chunk(pl, least, context, PACE_STRETCH * decodes_s);
                 least = cap > n ? cap : n;
             }
             if (least < pl->floor)

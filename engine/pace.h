@@ -29,9 +29,9 @@
 /* The least share of a whole chunk's prompt reading rate that a step's
  * first chunk keeps, the step's fixed cost counted (pace.c). */
 #define PACE_EFFICIENCY 0.95
-/* How many budgets a step may take for that: a fit that lays too much on
- * c_step (noise; equal chunks) must not stall the streams for a whole
- * step_tokens chunk. */
+/* How long a step may take for that, in times what its decodes alone are
+ * predicted to take (when that is more than the budget): prefill gets at
+ * most as much of a step as the decodes. */
 #define PACE_STRETCH 2.0
 
 /* What a step computes: its size in the model's terms. */
@@ -102,7 +102,9 @@ void pace_plan_start(struct pace_plan *pl, const struct engine_pace *p, uint64_t
  * time stays within the budget when decodes are waiting. The step's first
  * chunk is never cut below the floor, nor below the least chunk that reads
  * its prompt at nearly the rate of `most` tokens once the step's fixed
- * cost is counted (pace.c: then the step outlasts the budget). A step
+ * cost is counted, as far as the step takes at most PACE_STRETCH times its
+ * decodes' own time (pace.c: when decodes alone take over half the budget,
+ * the step may outlast it). A step
  * without decode tokens keeps the token budget only: nobody waits on it,
  * and large chunks read a prompt fastest. The chunk is added to the plan.
  * Returns 0..most.

@@ -10,10 +10,10 @@
  * decode tokens are in the batch the chunks are cut to what the budget
  * holds at the speed measured so far (pace.c), so a stream waits at most
  * about one budget for its next token; the oldest prompt still gets at
- * least a page's worth of tokens every step, and a chunk large enough to
- * be read near the speed of whole ones (which may stretch the step to a
- * few budgets when a step's fixed cost is large). Admission is FIFO into
- * at most max_running sequences.
+ * least a page's worth of tokens every step and, when the decodes alone
+ * take most of the budget, a chunk large enough to be read near the speed
+ * of whole ones (the step then takes up to twice the decodes' time, pace.c).
+ * Admission is FIFO into at most max_running sequences.
  *
  * Before the forward, the batch's slots are reserved in the cache
  * (kv_reserve, all or nothing): the policies evict, idle sessions may be

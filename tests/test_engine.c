@@ -529,8 +529,8 @@ static int brute_chunk(double c0, double c1, double c2, double budget_s, int dec
  * one decode at decode_ctx, by brute force over the model's formula: the
  * largest within the budget, raised to the least whose prompt rate (the
  * step's fixed cost c0 charged) is PACE_EFFICIENCY of the rate of `most`,
- * but then no further than PACE_STRETCH budgets hold; never below the
- * floor. */
+ * but then no further than a step of PACE_STRETCH times the decode's own
+ * time holds; never below the floor. */
 static int brute_first_chunk(double c0, double c1, double c2, double budget_s, int decode_ctx,
                              int context, int most, int floor)
 {
@@ -545,7 +545,8 @@ static int brute_first_chunk(double c0, double c1, double c2, double budget_s, i
             break;
     }
     if (least > n) {
-        int cap = brute_chunk(c0, c1, c2, PACE_STRETCH * budget_s, decode_ctx, context, least);
+        double decode_s = c0 + c1 + c2 * (decode_ctx + 1);
+        int cap = brute_chunk(c0, c1, c2, PACE_STRETCH * decode_s, decode_ctx, context, least);
         least = cap > n ? cap : n;
     }
     if (least < floor)
@@ -582,7 +583,7 @@ static void test_pace_chunk_sizing(void **state)
         assert_int_equal(got, want);
         assert_true(got < 512);
         assert_true(got <= last);
-        assert_true(engine_pace_predict(&p, &pl.work) <= PACE_STRETCH * 0.100 || got == 16);
+        assert_true(engine_pace_predict(&p, &pl.work) <= 0.100 || got == 16);
         last = got;
     }
     assert_true(last < 100); /* at 64k the pairs dominate */
@@ -595,10 +596,12 @@ static void test_pace_chunk_sizing(void **state)
     /* no time budget: the token budget only */
     pace_plan_start(&pl, &p, 0, 1, &dec, 16);
     assert_int_equal(pace_plan_chunk(&pl, 512, 4096), 512);
-    /* a budget below one decode step: the oldest prompt gets the floor (or
-     * what it has left), the next one nothing this step */
+    /* a budget below one decode step: the oldest prompt gets the least
+     * chunk (test_pace_chunk_efficiency) or what it has left, the next one
+     * nothing this step */
     pace_plan_start(&pl, &p, 10, 1, &dec, 16);
-    assert_int_equal(pace_plan_chunk(&pl, 512, 4096), 16);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 4096),
+                     brute_first_chunk(c0, c1, c2, 0.010, 4096, 4096, 512, 16));
     assert_int_equal(pace_plan_chunk(&pl, 512, 0), 0);
     pace_plan_start(&pl, &p, 10, 1, &dec, 16);
     assert_int_equal(pace_plan_chunk(&pl, 5, 4096), 5);
@@ -609,12 +612,6 @@ static void test_pace_chunk_sizing(void **state)
     assert_int_equal(a, 40);
     assert_true(b > 0 && b < brute_chunk(c0, c1, c2, 0.100, 4096, 0, 512));
     assert_true(engine_pace_predict(&p, &pl.work) <= 0.100);
-    /* ... and only what the budget leaves, never the first one's least
-     * chunk: the second prompt of a step waits rather than stretch it */
-    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
-    a = pace_plan_chunk(&pl, 512, 0);
-    assert_true(engine_pace_predict(&p, &pl.work) > 0.100);
-    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 0);
 }
 
 /* The prompt rate of a chunk of n after context, the step's fixed cost
@@ -626,60 +623,79 @@ static double chunk_rate(double c0, double c1, double c2, int n, int context)
 }
 
 /*
- * The least chunk (pace.c): when a step's fixed cost is a large share of
- * the budget, a chunk cut to the budget reads its prompt slowly (each
- * step pays the fixed cost for few tokens). The first chunk is then the
- * least that keeps PACE_EFFICIENCY of a whole chunk's rate, and the step
- * outlasts the budget, but never PACE_STRETCH budgets; when the fixed cost
- * is small, the budget alone decides (decodes keep their preference).
- * Without the least chunk, the chunks here would be the budget's (168 and
- * 78 tokens, not 250 and 277).
+ * The least chunk (pace.c): when the decodes alone take the budget (here
+ * eight streams at 4k, 20 ms of fixed cost, a 20 ms budget), the budget
+ * leaves a prompt nothing and the old pacing gave it the floor, 16 tokens
+ * a step, read at a fraction of a whole chunk's rate. The first chunk is
+ * now the least that keeps PACE_EFFICIENCY of a whole chunk's rate, as far
+ * as the step stays within PACE_STRETCH times the decodes' own time; a
+ * second prompt still waits. While the decodes are cheap against the
+ * budget (one stream), the budget alone decides, however slowly its chunk
+ * reads: decoding streams keep their preference.
  */
 static void test_pace_chunk_efficiency(void **state)
 {
     (void)state;
-    const double c1 = 0.0005, c2 = 2e-8;
-    struct pace_work dec = pace_chunk_work(1, 0);
+    const double c0 = 0.020, c1 = 0.0005, c2 = 2e-8;
     struct engine_pace p = {0};
+    engine_pace_set(&p, c0, c1, c2);
+    struct pace_work dec = {0};
+    for (int i = 0; i < 8; i++) {
+        struct pace_work w = pace_chunk_work(1, 4096);
+        dec.tokens += w.tokens;
+        dec.pairs += w.pairs;
+    }
+    double decode_s = engine_pace_predict(&p, &dec);
+    assert_true(decode_s > 0.020);
+
     struct pace_plan pl;
-
-    /* 15 ms a step: the least chunk fits within the stretch */
-    engine_pace_set(&p, 0.015, c1, c2);
-    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    pace_plan_start(&pl, &p, 20, 8, &dec, 16);
     int got = pace_plan_chunk(&pl, 512, 0);
-    int cut = brute_chunk(0.015, c1, c2, 0.100, 0, 0, 512);
-    double full = chunk_rate(0.015, c1, c2, 512, 0);
-    print_message("15 ms a step: chunk %d (the budget's %d), %.0f%% of a whole chunk's rate "
-                  "(the budget's %.0f%%), step %.1f ms\n",
-                  got, cut, 100 * chunk_rate(0.015, c1, c2, got, 0) / full,
-                  100 * chunk_rate(0.015, c1, c2, cut, 0) / full,
-                  1e3 * engine_pace_predict(&p, &pl.work));
-    assert_int_equal(got, brute_first_chunk(0.015, c1, c2, 0.100, 0, 0, 512, 16));
-    assert_true(got > cut);
-    assert_true(chunk_rate(0.015, c1, c2, got, 0) >= PACE_EFFICIENCY * full);
-    assert_true(chunk_rate(0.015, c1, c2, got - 1, 0) < PACE_EFFICIENCY * full);
-    assert_true(chunk_rate(0.015, c1, c2, cut, 0) < PACE_EFFICIENCY * full);
-    assert_true(engine_pace_predict(&p, &pl.work) <= PACE_STRETCH * 0.100);
+    double step = engine_pace_predict(&p, &pl.work);
+    double full = chunk_rate(c0, c1, c2, 512, 0);
+    print_message("8 decodes (%.1f ms) beside a 20 ms budget: chunk %d (the old pacing's 16), "
+                  "%.0f%% of a whole chunk's rate (16: %.0f%%), step %.1f ms\n",
+                  1e3 * decode_s, got, 100 * chunk_rate(c0, c1, c2, got, 0) / full,
+                  100 * chunk_rate(c0, c1, c2, 16, 0) / full, 1e3 * step);
+    assert_true(got > 16);
+    assert_true(step <= PACE_STRETCH * decode_s + 1e-12);
+    /* the least chunk would be larger: the stretch stops it */
+    assert_true(chunk_rate(c0, c1, c2, got, 0) < PACE_EFFICIENCY * full);
+    struct pace_work more = pace_chunk_work(got + 1, 0);
+    more.tokens += dec.tokens;
+    more.pairs += dec.pairs;
+    assert_true(engine_pace_predict(&p, &more) > PACE_STRETCH * decode_s);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 0); /* a second prompt waits */
 
-    /* 60 ms a step: the least chunk (about 405 tokens) would take 2.7
-     * budgets; the stretch stops it at 2 */
-    engine_pace_set(&p, 0.060, c1, c2);
-    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    /* a cheap step (1.2 ms fixed) beside sixteen decodes at 64k (their
+     * attention takes the budget): the least chunk is small and taken whole */
+    engine_pace_set(&p, 0.0012, c1, c2);
+    struct pace_work far = {0};
+    for (int i = 0; i < 16; i++) {
+        struct pace_work w = pace_chunk_work(1, 65536);
+        far.tokens += w.tokens;
+        far.pairs += w.pairs;
+    }
+    decode_s = engine_pace_predict(&p, &far);
+    pace_plan_start(&pl, &p, 20, 16, &far, 16);
     got = pace_plan_chunk(&pl, 512, 0);
-    cut = brute_chunk(0.060, c1, c2, 0.100, 0, 0, 512);
-    print_message("60 ms a step: chunk %d (the budget's %d), step %.1f ms\n", got, cut,
-                  1e3 * engine_pace_predict(&p, &pl.work));
-    assert_int_equal(got, brute_first_chunk(0.060, c1, c2, 0.100, 0, 0, 512, 16));
-    assert_int_equal(got, brute_chunk(0.060, c1, c2, PACE_STRETCH * 0.100, 0, 0, 512));
-    assert_true(got > 3 * cut);
-    assert_true(chunk_rate(0.060, c1, c2, got, 0) < PACE_EFFICIENCY * chunk_rate(0.060, c1, c2, 512, 0));
+    full = chunk_rate(0.0012, c1, c2, 512, 0);
+    print_message("16 decodes at 64k (%.1f ms), 1.2 ms fixed, 20 ms budget: chunk %d, step %.1f ms\n",
+                  1e3 * decode_s, got, 1e3 * engine_pace_predict(&p, &pl.work));
+    assert_true(decode_s > 0.020);
+    assert_true(got > 16);
+    assert_true(chunk_rate(0.0012, c1, c2, got, 0) >= PACE_EFFICIENCY * full);
+    assert_true(chunk_rate(0.0012, c1, c2, got - 1, 0) < PACE_EFFICIENCY * full);
+    assert_true(engine_pace_predict(&p, &pl.work) <= PACE_STRETCH * decode_s);
 
-    /* 2 ms a step: the budget's chunk already reads at full speed */
-    engine_pace_set(&p, 0.002, c1, c2);
-    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    /* one decode, 20 ms fixed, 100 ms budget: the budget's chunk reads at
+     * ~90% of a whole chunk's rate, and no more is taken */
+    engine_pace_set(&p, c0, c1, c2);
+    struct pace_work one = pace_chunk_work(1, 4096);
+    pace_plan_start(&pl, &p, 100, 1, &one, 16);
     got = pace_plan_chunk(&pl, 512, 0);
-    assert_int_equal(got, brute_chunk(0.002, c1, c2, 0.100, 0, 0, 512));
-    assert_true(engine_pace_predict(&p, &pl.work) <= 0.100);
+    assert_int_equal(got, brute_chunk(c0, c1, c2, 0.100, 4096, 0, 512));
+    assert_true(chunk_rate(c0, c1, c2, got, 0) < PACE_EFFICIENCY * chunk_rate(c0, c1, c2, 512, 0));
 
     /* the fixed cost charged: the fit's c_step, no more than decode-only
      * steps were seen to take once there were some */
@@ -809,12 +825,11 @@ static void run_paced(engine *e, int n, int32_t ids[][32])
  * speed: request 0 (a 100-token prompt) alone reads its prompt in chunks
  * of the whole token budget (64, 36); while it decodes, request 1's prompt
  * (300 tokens) is cut to what a 10 ms step holds beside the decode (1.2 ms
- * + 0.25 ms * (1 + 34) = 9.95 ms: 34 tokens), raised to the least chunk
- * that reads it at 95% of a whole chunk's rate with the 1.2 ms fixed cost
- * counted (37 tokens: 37 / 10.45 ms against 64 / 17.2 ms; the step takes
- * 10.7 ms); once request 0 is done, request 1's chunks grow back to 64.
- * The generated tokens are those of a run without a time budget (chunking
- * never changes the numbers).
+ * + 0.25 ms * (1 + 34) = 9.95 ms: chunks of 34; the decode alone, 1.45
+ * ms, is far below the budget, so no least chunk raises them); once
+ * request 0 is done, request 1's chunks grow back to 64. The generated
+ * tokens are those of a run without a time budget (chunking never changes
+ * the numbers).
  */
 static void test_pace_served_chunks(void **state)
 {
@@ -848,17 +863,17 @@ static void test_pace_served_chunks(void **state)
     int shrunk = 0, grown = 0, fed = 0;
     for (int i = 3; i < lp.n && fed < 300; i++) {
         bool beside = lp.seqs[i] == 2; /* request 0's decode + request 1's chunk */
-        int chunk = lp.tokens[i] - (beside ? 1 : 0), most = beside ? 37 : 64;
+        int chunk = lp.tokens[i] - (beside ? 1 : 0), most = beside ? 34 : 64;
         assert_int_equal(chunk, 300 - fed < most ? 300 - fed : most);
         shrunk += beside;
         grown += !beside;
         fed += chunk;
     }
-    print_message("paced: %d steps with chunks of 37 beside a decode, %d alone with up to 64; "
+    print_message("paced: %d steps with chunks of 34 beside a decode, %d alone with up to 64; "
                   "unpaced: %d steps\n",
                   shrunk, grown, l0.n);
     assert_int_equal(shrunk, 4);
-    assert_int_equal(grown, 3); /* 300 - 4 * 37 = 152 = 64 + 64 + 24 */
+    assert_int_equal(grown, 3); /* 300 - 4 * 34 = 164 = 64 + 64 + 36 */
     assert_int_equal(fed, 300);
     /* without a budget request 1's first chunk takes the rest of the step */
     assert_int_equal(l0.tokens[3], 64);
