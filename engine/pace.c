@@ -62,11 +62,13 @@
  * Evenly spaced tokens need the prompt's reading to span the stream's
  * decoding, which is what the budget's chunks do.
  *
- * The fixed cost charged is c_step, but never more than decode-only steps
- * were seen to take once there were some: a run of equal chunks (a prompt
+ * The fixed cost charged (and counted in the decodes' time for the
+ * stretch) is c_step, but never more than decode-only steps were seen to
+ * take, and nothing before any was seen: a run of equal chunks (a prompt
  * read alone, 512 at a time) cannot tell c_step from c_token, and the fit
- * may then lay their whole cost on c_step, by which only whole chunks
- * would look efficient.
+ * then lays their whole cost on c_step (measured: 100 ms of a 225 ms
+ * step), by which the decodes would look slow and only whole chunks
+ * efficient, stretching steps for nothing.
  *
  * Batch invariance. Chunk sizes change only how a prompt is cut across
  * steps; the forward pass gives the same bits for a token whatever its
@@ -178,8 +180,8 @@ static void refit_coef(struct engine_pace *p, const struct pace_sums *s)
 }
 
 /* Refit over both kinds of steps; then the fixed cost a chunk is charged
- * with (pace.h), bounded by the decode-only steps' decayed mean once there
- * are some. */
+ * with (pace.h): c_step bounded by the decode-only steps' decayed mean,
+ * none before there are some. */
 static void refit(struct engine_pace *p)
 {
     struct pace_sums s = p->sums[0];
@@ -191,9 +193,7 @@ static void refit(struct engine_pace *p)
     }
     s.tt += d->tt;
     refit_coef(p, &s);
-    p->fixed_s = p->coef[0];
-    if (d->xx[0][0] > 0)
-        p->fixed_s = fmin(p->fixed_s, d->xt[0] / d->xx[0][0]);
+    p->fixed_s = d->xx[0][0] > 0 ? fmin(p->coef[0], d->xt[0] / d->xx[0][0]) : 0;
 }
 
 void engine_pace_observe(struct engine_pace *p, const struct pace_work *w, bool chunks,
@@ -306,7 +306,9 @@ int pace_plan_chunk(struct pace_plan *pl, int most, int context)
              * as a step of PACE_STRETCH times the decodes' own time */
             int least = efficient_chunk(pl, most, context);
             if (least > n) {
-                double decodes_s = engine_pace_predict(pl->pace, &pl->work);
+                /* the decodes' time with the fixed cost as charged */
+                double decodes_s = engine_pace_predict(pl->pace, &pl->work) - pl->pace->coef[0] +
+                                   pl->pace->fixed_s;
                 int cap = budget_chunk(pl, least, context, PACE_STRETCH * decodes_s);
                 least = cap > n ? cap : n;
             }

@@ -56,8 +56,8 @@ struct engine_pace {
     double coef[3]; /* seconds per step, per token, per pair (the fit) */
     /* The fixed cost a chunk is charged with when its least size is
      * chosen (pace.c): coef[0], but never more than decode-only steps were
-     * seen to take (their decayed mean, once there are some), because the
-     * fit can lay all of a run of equal chunks' cost on coef[0]. */
+     * seen to take (their decayed mean) and 0 before any was seen, because
+     * the fit can lay all of a run of equal chunks' cost on coef[0]. */
     double fixed_s;
     bool known;  /* at least one step observed (or coefficients set) */
     bool frozen; /* coefficients set by engine_pace_set: observations ignored */

@@ -698,14 +698,17 @@ static void test_pace_chunk_efficiency(void **state)
     assert_true(chunk_rate(c0, c1, c2, got, 0) < PACE_EFFICIENCY * chunk_rate(c0, c1, c2, 512, 0));
 
     /* the fixed cost charged: the fit's c_step, no more than decode-only
-     * steps were seen to take once there were some */
+     * steps were seen to take, nothing before any was seen */
     p = (struct engine_pace){0};
     for (int i = 0; i < 20; i++) { /* chunks timed by 60 ms + per token + per pair */
         struct pace_work w = pace_chunk_work(32 + (i * 53) % 480, (i * 331) % 4096);
         engine_pace_observe(&p, &w, true, 0.060 + c1 * w.tokens + c2 * w.pairs);
     }
     assert_true(fabs(p.coef[0] - 0.060) < 1e-6);
-    assert_true(p.fixed_s == p.coef[0]);
+    assert_true(p.fixed_s == 0);
+    struct pace_work one4k = pace_chunk_work(1, 4096);
+    pace_plan_start(&pl, &p, 20, 1, &one4k, 16); /* the fit's decode: 60.6 ms */
+    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 16); /* no least chunk, no stretch */
     for (int i = 0; i < 3; i++) { /* decode-only steps, faster than that */
         struct pace_work w = pace_chunk_work(1, 4096);
         engine_pace_observe(&p, &w, false, 0.010);
