@@ -111,6 +111,8 @@ struct tscratch {
     float *m, *l;             /* [rows_max] running max and sum */
     float *qr;                /* [rows_max][head_dim] prepared (scaled, rotated) queries */
     const float **qrow;       /* [rows_max] prepared query of each row */
+    const float **qturn;      /* [rows_max] decode: the row's query turned back by a tile's
+                                 first position (decode_turn_queries), in kst */
     int32_t *rpos;            /* [rows_max] position of each row's query */
     struct attn_bias *bias;   /* [rows_max] bias of each row's head */
     int32_t *kpos;            /* [ATTN_TILE] positions of the tile's keys, padded */
@@ -232,6 +234,7 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(l, rows_max);
     CARVE(qr, (size_t)rows_max * D);
     CARVE(qrow, rows_max);
+    CARVE(qturn, rows_max);
     CARVE(rpos, rows_max);
     CARVE(bias, rows_max);
     CARVE(kpos, ATTN_TILE);
@@ -952,6 +955,50 @@ static const struct attn_prefetch *decode_prefetch(const attn_ctx *ctx, struct a
     return n > 0 ? pf : NULL;
 }
 
+/* The queries a decode tile's keys are scored against, and the keys' angles. */
+struct decode_rope {
+    const float *const *q; /* [rows] */
+    const float *cs, *sn;  /* [ATTN_TILE][half] */
+};
+
+/*
+ * RoPE over a decode tile of consecutive positions P, P + 1, ...: key t's
+ * rotation is R(P + t) = R(P) R(t), and q.R(P)R(t)k = (R(P)^T q).R(t)k, so
+ * the unit's queries are turned back by P's angles once per tile (rows x
+ * half pairs) and each key is rotated by t's angles, which are the rows of
+ * a table built once (ctx->lo_c, lo_s: t < ATTN_ROPE_LO) - no angles per
+ * key, where the tile's angles cost one complex product per pair and key.
+ * The result is as exact (one more f32 rotation of the query instead of
+ * one more complex product per angle). False, with nothing done, when the
+ * positions have a hole or the rows do not fit the scratch.
+ */
+static bool decode_turn_queries(const attn_ctx *ctx, struct tscratch *w, int rows, int nt)
+{
+    const int D = ctx->p.head_dim, half = ctx->half, rot = ctx->rot;
+    const int32_t p0 = w->kpos[0];
+    if (rows > ATTN_TILE || ATTN_TILE > ATTN_ROPE_LO || p0 > INT32_MAX - ATTN_TILE)
+        return false;
+    for (int t = 1; t < nt; t++)
+        if (w->kpos[t] != p0 + t)
+            return false;
+    float *c = w->qbuf, *s = w->qbuf + half; /* 2 * half <= 2 * D + 2 floats */
+    ctx->rope_angles(&ctx->rope, &w->rope, &p0, 1, c, s);
+    for (int r = 0; r < rows; r++) {
+        const float *x = w->qrow[r];
+        float *y = w->kst + (size_t)r * D;
+        for (int i = 0; i < half; i++) {
+            float lc = x[i] * c[i], hs = x[half + i] * s[i];
+            float hc = x[half + i] * c[i], ls = x[i] * s[i];
+            y[i] = lc + hs;
+            y[half + i] = hc - ls;
+        }
+        for (int d = rot; d < D; d++)
+            y[d] = x[d];
+        w->qturn[r] = y;
+    }
+    return true;
+}
+
 /*
  * One KV head's part of a tile for few rows (decode): scores with the keys
  * rotated in registers, the online softmax, acc += P.V. Rows are read as
@@ -961,7 +1008,7 @@ static const struct attn_prefetch *decode_prefetch(const attn_ctx *ctx, struct a
  */
 static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
                         const size_t *koff, const size_t *voff, int nt, int r0, int rows_h,
-                        const struct attn_prefetch *pf)
+                        const struct decode_rope *dr, const struct attn_prefetch *pf)
 {
     const int D = ctx->p.head_dim;
     const struct attn_ops *ops = ctx->ops;
@@ -977,12 +1024,11 @@ static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct at
             w->kp[t] = w->vst + (size_t)(t < nt ? t : nt - 1) * D;
         kt = ATTN_F32;
     }
-    const float *const *q = w->qrow + r0;
     if (ctx->rot)
-        ops->qk_rope(w->S, q, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing, w->cs,
-                     w->sn, ctx->half, pf);
+        ops->qk_rope(w->S, dr->q + r0, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing,
+                     dr->cs, dr->sn, ctx->half, pf);
     else
-        ops->qk(w->S, q, rows_h, w->kp, nt, kt, D, pf);
+        ops->qk(w->S, w->qrow + r0, rows_h, w->kp, nt, kt, D, pf);
     if (vt == ATTN_Q4_0)
         vt = head_values(ctx, w, vt, nt);
     for (int i = 0; i < rows_h; i++)
@@ -1000,7 +1046,7 @@ static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct at
  */
 static void decode_tile(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv,
                         const struct attn_seq *sq, const struct unit *u, int k0, int nt, int k1,
-                        int *cur, int *have)
+                        int *cur, int *have, const struct decode_rope *dr)
 {
     const int rows_h = u->nq * ctx->group;
     if (*have == k0)
@@ -1021,7 +1067,7 @@ static void decode_tile(const attn_ctx *ctx, struct tscratch *w, const struct at
         const struct attn_prefetch *pf =
             hh + 1 < u->ng ? decode_prefetch(ctx, w->pf, kv, u->g0 + hh + 1, ko, vo, nt)
                            : decode_prefetch(ctx, w->pf, kv, u->g0, kn, vn, nn);
-        decode_head(ctx, w, kv, u->g0 + hh, ko, vo, nt, hh * rows_h, rows_h, pf);
+        decode_head(ctx, w, kv, u->g0 + hh, ko, vo, nt, hh * rows_h, rows_h, dr, pf);
     }
 }
 
@@ -1049,12 +1095,17 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
         int nt = it->k1 - k0 < ATTN_TILE ? it->k1 - k0 : ATTN_TILE;
         if (load_tile(w, kv, sq, k0, nt) > u->qmax)
             continue; /* every key of the tile is in every query's future */
-        if (ctx->rot)
-            ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
         if (decode) {
-            decode_tile(ctx, w, kv, sq, u, k0, nt, it->k1, &cur, &have);
+            struct decode_rope dr = {w->qrow, w->cs, w->sn};
+            if (ctx->rot && decode_turn_queries(ctx, w, u->rows, nt))
+                dr = (struct decode_rope){w->qturn, ctx->lo_c, ctx->lo_s};
+            else if (ctx->rot)
+                ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
+            decode_tile(ctx, w, kv, sq, u, k0, nt, it->k1, &cur, &have, &dr);
             continue;
         }
+        if (ctx->rot)
+            ctx->rope_angles(&ctx->rope, &w->rope, w->kpos, nt, w->cs, w->sn);
         for (int hh = 0; hh < u->ng; hh++)
             tile_head(ctx, w, kv, u->g0 + hh, nt, hh * rows_h, rows_h, NULL);
     }
