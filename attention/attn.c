@@ -681,17 +681,25 @@ static void tile_offsets(size_t *tok, int *slot, const struct attn_kv *kv,
     }
 }
 
-static int32_t load_tile(struct tscratch *w, const struct attn_kv *kv, const struct attn_seq *sq,
-                         int k0, int nt)
+/* The positions of keys [k0, k0 + nt), padded to ATTN_TILE; returns the smallest. */
+static int32_t tile_positions(struct tscratch *w, const struct attn_seq *sq, int k0, int nt)
 {
     int32_t pmin = INT32_MAX;
     for (int t = 0; t < nt; t++) {
         w->kpos[t] = sq->pos[k0 + t];
         pmin = sq->pos[k0 + t] < pmin ? sq->pos[k0 + t] : pmin;
     }
+    for (int t = nt; t < ATTN_TILE; t++)
+        w->kpos[t] = INT32_MAX;
+    return pmin;
+}
+
+static int32_t load_tile(struct tscratch *w, const struct attn_kv *kv, const struct attn_seq *sq,
+                         int k0, int nt)
+{
+    int32_t pmin = tile_positions(w, sq, k0, nt);
     tile_offsets(w->tok, w->slot, kv, sq, k0, nt);
     for (int t = nt; t < ATTN_TILE; t++) {
-        w->kpos[t] = INT32_MAX;
         w->tok[t] = w->tok[nt - 1];
         w->slot[t] = w->slot[nt - 1];
     }
@@ -1093,7 +1101,8 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     int cur = 0, have = -1; /* decode: which offsets buffer is this tile's; the next tile's k0 */
     for (int k0 = it->k0; k0 < it->k1; k0 += ATTN_TILE) {
         int nt = it->k1 - k0 < ATTN_TILE ? it->k1 - k0 : ATTN_TILE;
-        if (load_tile(w, kv, sq, k0, nt) > u->qmax)
+        /* decode finds its rows by decode_offsets, not the tile's tok/slot */
+        if ((decode ? tile_positions(w, sq, k0, nt) : load_tile(w, kv, sq, k0, nt)) > u->qmax)
             continue; /* every key of the tile is in every query's future */
         if (decode) {
             struct decode_rope dr = {w->qrow, w->cs, w->sn};

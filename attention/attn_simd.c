@@ -502,6 +502,17 @@ INLINE void prefetch_keys(const struct attn_prefetch *pf, int t0, int t1)
     if (!pf)
         return;
     t1 = t1 < pf->n ? t1 : pf->n;
+    if (pf->klines <= 2 && pf->vlines <= 2) { /* rows of up to 128 bytes: no inner loops */
+        const int ks = pf->klines > 1 ? 64 : 0, vs = pf->vlines > 1 ? 64 : 0;
+        for (int t = t0; t < t1; t++) {
+            const char *k = pf->k + pf->koff[t], *v = pf->v + pf->voff[t];
+            _mm_prefetch(k, _MM_HINT_T1);
+            _mm_prefetch(k + ks, _MM_HINT_T1);
+            _mm_prefetch(v, _MM_HINT_T1);
+            _mm_prefetch(v + vs, _MM_HINT_T1);
+        }
+        return;
+    }
     for (int t = t0; t < t1; t++) {
         const char *k = pf->k + pf->koff[t], *v = pf->v + pf->voff[t];
         for (int l = 0; l < pf->klines; l++)
