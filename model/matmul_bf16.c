@@ -17,9 +17,9 @@
  * broadcast from memory: as in matmul_pack.c, the lanes are the output
  * rows and nothing is summed across lanes. A tile is 2 groups (32 rows) x
  * 12 tokens: 24 accumulators, 2 weight loads per 24 dot products. A
- * decoding batch (MM_PACK_NARROW tokens at most) takes 4 groups, two pairs,
- * so that more than two chains of vdpbf16ps are in flight (matmul_pack.c,
- * "Narrow tiles"); its pairs are each one sequential stream.
+ * decoding batch (MM_PACK_NARROW tokens at most) takes up to 8 groups,
+ * four pairs, so that more than two chains of vdpbf16ps are in flight
+ * (matmul_pack.c, "Narrow tiles"); its pairs are each one sequential stream.
  *
  * ---------------------------------------------------------------------------
  * Numerics
@@ -56,7 +56,7 @@
 #define BF16_INLINE static inline __attribute__((always_inline, target("avx512bf16")))
 
 #define B_MG 2          /* row groups per tile */
-#define N_MG 4          /* row groups per narrow tile (matmul_internal.h's MM_PACK_NARROW) */
+#define N_MG 8          /* row groups per narrow tile (matmul_internal.h's MM_PACK_NARROW) */
 #define B_NT MM_BF16_NT /* tokens per tile */
 
 /* How far ahead a decoding tile asks for its weights (into L2): a pair of
@@ -174,7 +174,7 @@ BF16_INLINE void b_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int
 B_TILES(1)
 B_TILES(2)
 
-/* The narrow tiles: mg (3 or 4) groups for nt tokens (1..MM_PACK_NARROW). */
+/* The narrow tiles: mg (3 to N_MG) groups for nt tokens (1..MM_PACK_NARROW). */
 #define B_NARROW(mg_)                                                                              \
     BF16_FN static void b_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)          \
     {                                                                                              \
@@ -185,6 +185,10 @@ B_TILES(2)
     }
 B_NARROW(3)
 B_NARROW(4)
+B_NARROW(5)
+B_NARROW(6)
+B_NARROW(7)
+B_NARROW(8)
 
 /* Row groups outside, token tiles inside: the groups' pairs stay in cache
  * while every token passes. A batch of MM_PACK_NARROW tokens at most
@@ -207,8 +211,20 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, 
             case 3:
                 b_tile_3(jb, g, j, nt);
                 break;
-            default:
+            case 4:
                 b_tile_4(jb, g, j, nt);
+                break;
+            case 5:
+                b_tile_5(jb, g, j, nt);
+                break;
+            case 6:
+                b_tile_6(jb, g, j, nt);
+                break;
+            case 7:
+                b_tile_7(jb, g, j, nt);
+                break;
+            default:
+                b_tile_8(jb, g, j, nt);
                 break;
             }
         }

@@ -123,11 +123,13 @@ static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 #define MM_PACK_NT 6
 #define MM_PACK_FNT 12
 
-/* A batch of at most this many tokens (decoding) runs narrow tiles of 4 row
- * groups (2 pairs) instead of 2: twice the independent sums per weight
- * load (matmul_pack.c, "Narrow tiles"). The driver hands such a batch's
- * pairs to the kernels two at a time where a thread's share allows. */
+/* A batch of at most this many tokens (decoding) runs narrow tiles of up
+ * to 8 row groups (4 pairs; q8_0 4 groups) instead of 2: more independent
+ * sums in flight (matmul_pack.c, "Narrow tiles"). The driver hands such a
+ * batch's pairs to the kernels MM_PACK_NARROW_PAIRS at a time where a
+ * thread's share allows. */
 #define MM_PACK_NARROW 2
+#define MM_PACK_NARROW_PAIRS 4
 
 /* The work of one product over repacked weights. Its threads write the
  * activations' slots of their own token tiles only (matmul_pack_run.c). */

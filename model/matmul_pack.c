@@ -104,17 +104,27 @@
  * bf16 pairs, whatever the memory does: measured in one core's L2, the f16
  * 2 x 1 tile ran at ~55 GB/s, the bf16 one at ~72. Streaming from DRAM a
  * stall then leaves the chain behind, and it catches up at that rate only.
- * So a batch of at most MM_PACK_NARROW tokens runs tiles of N_MG = 4 groups
- * (two pairs, two sequential streams), four or eight chains: f16 in L2 ~55
- * -> ~83 GB/s. Each row's chain is the very sequence of operations it has
- * in a 2-group tile, so nothing changes in the bits, and the driver hands
- * the kernels two pairs at a time only where a thread's share holds both
+ * So a batch of at most MM_PACK_NARROW tokens runs narrow tiles of up to
+ * N_MG = 8 groups (four pairs, four sequential streams) for float weights
+ * and Q_MG = 4 for q8_0: f16 in L2 with 4 groups ~55 -> ~83 GB/s. Each
+ * row's chain is the very sequence of operations it has in a 2-group tile,
+ * so nothing changes in the bits, and the driver hands the kernels up to
+ * four pairs at a time only where a thread's share holds them
  * (matmul_pack_run.c): the split among threads is the same. Measured on
- * the 576x30 model decoding step (bench_matmul decode, 2 threads, best of
- * 30 steps, alternated runs at load 2.7-3.0): bf16 6.8-7.0 -> 5.6 ms, f16
- * rounded to bf16 6.9-7.0 -> 5.6-5.7, f16 exact 7.1-7.3 -> 6.7-6.8, f32
- * 11.1-11.6 -> 10.0-10.4, q8_0 unchanged (its 8 vpdpbusd per block were
- * never the limit). The float tiles prefetch as Q8_PREFETCH says too.
+ * the 576x30 model decoding step (bench_matmul decode, best of 30 steps):
+ * 4 groups, 2 threads, 2 alternated pairs at load 2.7-3.0: bf16 6.8-7.0
+ * -> 5.6 ms, f16 rounded to bf16 6.9-7.0 -> 5.6-5.7, f16 exact 7.1-7.3 ->
+ * 6.7-6.8, f32 11.1-11.6 -> 10.0-10.4, q8_0 unchanged (its 8 vpdpbusd per
+ * block were never the limit); then 8 groups against 4, one thread by its
+ * CPU time, 3 alternated pairs at load 5-8: f16 11.4-13.3 -> 9.7-11.1 ms,
+ * f16 as bf16 10.4-12.9 -> 8.7-10.0, bf16 8.7-13.4 -> 8.7-9.7, f32
+ * 17.2-23.3 -> 16.2-18.8; a second such run at load 6-7 within noise. The
+ * kernel alone, one core, 576x576 in L2 (best call of 2,000), 4 -> 8
+ * groups, 2 alternated pairs: bf16 pairs 129-142 -> 158-166 GB/s, f16
+ * rounded 122-124 -> 162-166, f16 exact 93-102 -> 103-106, f32 87 -> 89-95.
+ * The float tiles prefetch as Q8_PREFETCH says too
+ * (f16 exact, 2 threads: 7.0-7.1 ms with, 7.9-8.0 without; the others
+ * within noise).
  *
  * Measured (bench_prefill, one SmolLM-135M layer x 512 tokens, one
  * thread's CPU time, load ~12 on 2 cores): q8_0 314 GOPS = 68% of the
@@ -130,7 +140,8 @@
 #if defined(KERN_AVX512)
 
 #define P_MG 2          /* row groups per tile */
-#define N_MG 4          /* row groups per narrow tile (MM_PACK_NARROW tokens at most) */
+#define N_MG 8 /* row groups per narrow float tile (MM_PACK_NARROW tokens at most) */
+#define Q_MG 4 /* row groups per narrow q8_0 tile: its 4 i32 + 4 f32 sums per token fit */
 #define P_NT MM_PACK_NT /* tokens per tile */
 
 /* How far ahead a decoding tile asks for its weights (into L2): see
@@ -158,7 +169,7 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
     /* the pair of g0 (even: tiles start on pairs); group g's chunk k of
      * block b at b * MM_PACK_Q8_PAIR + 128 k + 64 g, its scales after the
      * block's 16 chunks */
-    const uint8_t *pq[N_MG / 2];
+    const uint8_t *pq[Q_MG / 2];
     for (int h = 0; h < (mg + 1) / 2; h++)
         pq[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
     const size_t at = (size_t)j * (size_t)nb * P_NT;
@@ -166,13 +177,13 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
     const float *xd = jb->d + at;
     const int32_t *xc = jb->c + at;
 
-    __m512 acc[N_MG][P_NT];
+    __m512 acc[Q_MG][P_NT];
     for (int g = 0; g < mg; g++)
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
 
     for (int b = 0; b < nb; b++, xq += P_NT * QT_QK, xd += P_NT, xc += P_NT) {
-        __m512i ia[N_MG][P_NT];
+        __m512i ia[Q_MG][P_NT];
         for (int t = 0; t < nt; t++) {
             __m512i c = _mm512_set1_epi32(xc[t]);
             for (int g = 0; g < mg; g++)
@@ -185,7 +196,7 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
                                      64 * l,
                                  _MM_HINT_T1);
         for (int k = 0; k < 8; k++) {
-            __m512i wv[N_MG];
+            __m512i wv[Q_MG];
             for (int g = 0; g < mg; g++)
                 wv[g] = _mm512_load_si512((const void *)(pq[g / 2] + (size_t)b * MM_PACK_Q8_PAIR +
                                                          128 * k + 64 * (g % 2)));
@@ -197,7 +208,7 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
                     ia[g][t] = _mm512_dpbusd_epi32(ia[g][t], wv[g], xv);
             }
         }
-        __m512 sc[N_MG];
+        __m512 sc[Q_MG];
         for (int g = 0; g < mg; g++)
             sc[g] = _mm512_cvtph_ps(
                 _mm256_load_si256((const __m256i *)(pq[g / 2] + (size_t)b * MM_PACK_Q8_PAIR +
@@ -240,7 +251,7 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 Q8_TILES(1)
 Q8_TILES(2)
 
-/* The narrow tiles: mg (3 or 4) groups for nt tokens (1..MM_PACK_NARROW). */
+/* The narrow tiles: mg (3 to N_MG) groups for nt tokens (1..MM_PACK_NARROW). */
 #define NARROW_TILES(name, call, mg_)                                                              \
     static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
@@ -348,32 +359,47 @@ NARROW_TILES(f16_tile_3, F16_CALL, 3)
 NARROW_TILES(f16_tile_4, F16_CALL, 4)
 NARROW_TILES(bf16_tile_3, BF16_CALL, 3)
 NARROW_TILES(bf16_tile_4, BF16_CALL, 4)
+NARROW_TILES(f32_tile_5, F32_CALL, 5)
+NARROW_TILES(f32_tile_6, F32_CALL, 6)
+NARROW_TILES(f32_tile_7, F32_CALL, 7)
+NARROW_TILES(f32_tile_8, F32_CALL, 8)
+NARROW_TILES(f16_tile_5, F16_CALL, 5)
+NARROW_TILES(f16_tile_6, F16_CALL, 6)
+NARROW_TILES(f16_tile_7, F16_CALL, 7)
+NARROW_TILES(f16_tile_8, F16_CALL, 8)
+NARROW_TILES(bf16_tile_5, BF16_CALL, 5)
+NARROW_TILES(bf16_tile_6, BF16_CALL, 6)
+NARROW_TILES(bf16_tile_7, BF16_CALL, 7)
+NARROW_TILES(bf16_tile_8, BF16_CALL, 8)
 
 typedef void tile_fn(const struct mm_pack_job *jb, int g0, int j, int nt);
 
 /* Row groups outside, token tiles inside: the groups' weights stay in
  * cache while the tiles [j0, j1) pass. A batch of MM_PACK_NARROW tokens at
- * most (decoding) is one narrow tile, taken N_MG groups at a time: see
- * "Narrow tiles" above. */
+ * most (decoding) is one narrow tile, taken N_MG groups at a time (Q_MG
+ * for q8_0): see "Narrow tiles" above. */
 static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     tile_fn *by[N_MG + 1];
-    int tnt = F_NT;
+    int tnt = F_NT, nmg = N_MG;
     switch (jb->w->type) {
     case GGML_TYPE_Q8_0:
-        by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4, tnt = P_NT;
+        by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4, tnt = P_NT, nmg = Q_MG;
         break;
     case GGML_TYPE_F32:
         by[1] = f32_tile_1, by[2] = f32_tile_2, by[3] = f32_tile_3, by[4] = f32_tile_4;
+        by[5] = f32_tile_5, by[6] = f32_tile_6, by[7] = f32_tile_7, by[8] = f32_tile_8;
         break;
     case GGML_TYPE_F16:
         by[1] = f16_tile_1, by[2] = f16_tile_2, by[3] = f16_tile_3, by[4] = f16_tile_4;
+        by[5] = f16_tile_5, by[6] = f16_tile_6, by[7] = f16_tile_7, by[8] = f16_tile_8;
         break;
     default:
         by[1] = bf16_tile_1, by[2] = bf16_tile_2, by[3] = bf16_tile_3, by[4] = bf16_tile_4;
+        by[5] = bf16_tile_5, by[6] = bf16_tile_6, by[7] = bf16_tile_7, by[8] = bf16_tile_8;
         break;
     }
-    const int step = jb->n_tok <= MM_PACK_NARROW ? N_MG : P_MG;
+    const int step = jb->n_tok <= MM_PACK_NARROW ? nmg : P_MG;
     for (int g = g0; g < g1; g += step) {
         int mg = g1 - g < step ? g1 - g : step;
         for (int j = j0; j < j1; j++) {

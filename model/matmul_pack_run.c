@@ -355,18 +355,19 @@ static void run_pairs(const struct pack_run *r, int i, int v, int s)
 
 /* A thread's share of the units [u0, u1), every tile: the same calls of
  * the kernel, whatever the split. A narrow batch (decoding) hands the
- * kernels two pairs of one product at a time where the share holds both
- * (their narrow tiles take 4 groups); each row's sum is the same sequence
- * of operations in either tile, so the split still changes no bit. */
+ * kernels up to MM_PACK_NARROW_PAIRS pairs of one product at a time, as
+ * many as the share holds (their narrow tiles take several groups); each
+ * row's sum is the same sequence of operations in any tile, so the split
+ * still changes no bit. */
 static void run_units(void *arg, size_t u0, size_t u1, int t)
 {
     (void)t;
     const struct pack_run *r = arg;
-    const int span = r->jb->n_tok <= MM_PACK_NARROW ? 2 : 1;
+    const int span = r->jb->n_tok <= MM_PACK_NARROW ? MM_PACK_NARROW_PAIRS : 1;
     int i = 0;
     for (int u = (int)u0; u < (int)u1;) {
         if (r->tail) { /* pairs u.. of every product, then the tail over their rows */
-            const int s = u + span <= (int)u1 ? span : 1;
+            const int s = (int)u1 - u < span ? (int)u1 - u : span;
             for (i = 0; i < r->n; i++)
                 run_pairs(r, i, u, s);
             int n_out = r->jb->w->n_out, r1 = 2 * MM_PACK_ROWS * (u + s);
@@ -377,7 +378,8 @@ static void run_units(void *arg, size_t u0, size_t u1, int t)
         }
         while (u >= r->u_end[i])
             i++;
-        const int s = u + span <= (int)u1 && u + span <= r->u_end[i] ? span : 1;
+        const int left = ((int)u1 < r->u_end[i] ? (int)u1 : r->u_end[i]) - u;
+        const int s = left < span ? left : span;
         run_pairs(r, i, u - (i ? r->u_end[i - 1] : 0), s);
         u += s;
     }

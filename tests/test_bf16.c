@@ -294,8 +294,8 @@ static float silu_mul(float g, float u)
 static void glu_tail_fn(void *arg, int r0, int r1, int t0, int t1)
 {
     struct glu_tail *a = arg;
-    /* by rows: a pair of row groups, or two for a narrow batch (decoding) */
-    const bool by_rows = r1 - r0 <= 64 && t0 == 0 && t1 == a->n_tok;
+    /* by rows: a pair of row groups, or up to four for a narrow batch (decoding) */
+    const bool by_rows = r1 - r0 <= 128 && t0 == 0 && t1 == a->n_tok;
     const bool by_tiles = r0 == 0 && r1 == a->n_out && t0 % 12 == 0 && t1 - t0 < a->n_tok;
     if (!by_rows && !by_tiles)
         a->inside = false;

@@ -1094,6 +1094,22 @@ static void test_matmul_q8_0(void **state)
     check_matmul_shapes(GGML_TYPE_Q8_0, n_in, 3);
 }
 
+/* Decoding's narrow tiles (matmul_pack.c: up to 8 row groups of float
+ * weights, 4 of q8_0, as many pairs as a thread's share holds): heights
+ * whose shares give tiles of every group count from 1 to 8 at 1, 2 and 3
+ * threads (200 rows: 13 groups, an odd last pair; 240: 15), 1 to 3 tokens,
+ * each against the reference and bit for bit in a batch and alone. */
+static void test_matmul_narrow(void **state)
+{
+    (void)state;
+    const enum ggml_type types[4] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0};
+    const int n_out[2] = {200, 240};
+    for (int k = 0; k < 4; k++)
+        for (int o = 0; o < 2; o++)
+            for (int nt = 1; nt <= 3; nt++)
+                check_matmul(types[k], 96, n_out[o], nt);
+}
+
 static void test_matmul_q4_0(void **state)
 {
     (void)state;
@@ -1440,6 +1456,7 @@ int main(void)
         cmocka_unit_test(test_matmul_f16),
         cmocka_unit_test(test_matmul_bf16),
         cmocka_unit_test(test_matmul_q8_0),
+        cmocka_unit_test(test_matmul_narrow),
         cmocka_unit_test(test_matmul_q4_0),
         cmocka_unit_test(test_matmul_q4_K),
         cmocka_unit_test(test_matmul_q5_K),

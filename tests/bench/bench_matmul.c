@@ -32,9 +32,11 @@
  * figure (4 arrays) measured beside it: the matrix part of a decoding
  * step's roofline, in ms per token and the fraction of the bus reached.
  *
- * `bench_matmul decode [ROUNDS]`: only that decoding step, for q8_0, f16
- * (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 and f32, measured
- * round-robin with a triad in each round (see bench_decode_types).
+ * `bench_matmul decode [ROUNDS [THREADS]]`: only that decoding step, for
+ * q8_0, f16 (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 and
+ * f32, measured round-robin with a triad in each round (see
+ * bench_decode_types); on one thread timed by its CPU time, the figure that
+ * holds still on a shared machine.
  *
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads, counted as
  * 12 bytes per element like STREAM) measured in the same run gives the
@@ -357,13 +359,27 @@ static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, struct mm_weight 
     return mem;
 }
 
-/* One decoding step: every matrix once, one token. */
+static double cpu_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* One decoding step: every matrix once, one token, on nth threads: wall
+ * time, or with one thread its own CPU time (a preempted step does not
+ * count the time it waited). */
+static double model_step_on(const struct mm_weight *w, const float *x, float *out, int nth)
+{
+    double t0 = nth == 1 ? cpu_now() : now();
+    for (int k = 0; k < SM_MATS; k++)
+        mm_matmul(out, &w[k], x, 1, nth);
+    return (nth == 1 ? cpu_now() : now()) - t0;
+}
+
 static double model_step(const struct mm_weight *w, const float *x, float *out)
 {
-    double t0 = now();
-    for (int k = 0; k < SM_MATS; k++)
-        mm_matmul(out, &w[k], x, 1, THREADS);
-    return now() - t0;
+    return model_step_on(w, x, out, THREADS);
 }
 
 static void bench_model_decode(double bus)
@@ -414,7 +430,7 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static int bench_decode_types(int rounds)
+static int bench_decode_types(int rounds, int nth)
 {
     static const struct {
         const char *name;
@@ -430,8 +446,8 @@ static int bench_decode_types(int rounds)
     size_t total[DEC_TYPES], bytes[DEC_TYPES];
     char la[64];
     bench_load_average(la, sizeof la);
-    printf("model decode, 576x30, %d threads, kernels %s; load average %s\n", THREADS,
-           mm_pack_kernel_name(), la);
+    printf("model decode, 576x30, %d thread%s, kernels %s; load average %s\n", nth,
+           nth == 1 ? " (its CPU time)" : "s", mm_pack_kernel_name(), la);
     for (int i = 0; i < DEC_TYPES; i++)
         mem[i] = model_copy(ty[i].type, ty[i].f16_bf16, w[i], &total[i], &bytes[i]);
     float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
@@ -439,13 +455,13 @@ static int bench_decode_types(int rounds)
         x[i] = rnd();
     double *t = xalloc(sizeof(double) * DEC_TYPES * (size_t)rounds * DEC_STEPS), bus = 0;
     for (int r = 0; r < rounds; r++) {
-        double b;
+        double b = 0;
         triad_gbs(&b);
         bus = fmax(bus, b);
         for (int i = 0; i < DEC_TYPES; i++)
             for (int s = 0; s < DEC_STEPS; s++)
                 t[((size_t)i * (size_t)rounds + (size_t)r) * DEC_STEPS + (size_t)s] =
-                    mem[i] ? model_step(w[i], x, out) : 0;
+                    mem[i] ? model_step_on(w[i], x, out, nth) : 0;
     }
     bench_load_average(la, sizeof la);
     printf("bus (triad's 4 arrays, best of %d): %.1f GB/s; load average after %s\n", rounds, bus,
@@ -476,9 +492,10 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], "kquant"))
         return bench_kquant();
     if (argc > 1 && !strcmp(argv[1], "decode"))
-        return bench_decode_types(argc > 2 && atoi(argv[2]) > 0 ? atoi(argv[2]) : 5);
+        return bench_decode_types(argc > 2 && atoi(argv[2]) > 0 ? atoi(argv[2]) : 5,
+                                  argc > 3 && atoi(argv[3]) > 0 ? atoi(argv[3]) : THREADS);
     if (argc > 1) {
-        fprintf(stderr, "usage: bench_matmul [kquant | decode [ROUNDS]]\n");
+        fprintf(stderr, "usage: bench_matmul [kquant | decode [ROUNDS [THREADS]]]\n");
         return 2;
     }
 
