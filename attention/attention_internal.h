@@ -208,7 +208,9 @@ struct attn_ops {
      * bias, mask keys with pos_k > pos_q and t >= nt, raise the running max
      * *m (rescaling *l and acc[head_dim] when it grows), and overwrite s with
      * the unnormalised probabilities exp(s - m) (0 where masked, also for
-     * t in [nt, ATTN_TILE)). *l gains their sum.
+     * t in [nt, ATTN_TILE)). *l gains their sum. kpos NULL says the row
+     * needs no mask and no bias (nt == ATTN_TILE, every key visible, no
+     * ALiBi or T5 term): the same result, without the per-key tests.
      */
     void (*softmax)(float *s, int nt, const int32_t *kpos, int32_t pos_q, const struct attn_bias *b,
                     float *m, float *l, float *acc, int head_dim);

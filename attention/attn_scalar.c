@@ -63,6 +63,8 @@ static void qk_scalar(float *S, const float *const *q, int nrows, const void *co
 static float biased(float s, int t, int nt, const int32_t *kpos, int32_t pos_q,
                     const struct attn_bias *b)
 {
+    if (!kpos) /* every key visible, no bias (see attn_ops.softmax) */
+        return s;
     if (t >= nt || kpos[t] > pos_q || kpos[t] <= attn_window_floor(pos_q, b->window))
         return -INFINITY;
     if (b->kind == POS_ALIBI)

@@ -776,9 +776,59 @@ static void qk_rope_simd(float *S, const float *const *q, int nrows, const void 
  * Online softmax on one score row
  * ------------------------------------------------------------------------ */
 
+/* Multiply acc[D] by alpha (the row's max grew). */
+INLINE void rescale_acc(float *acc, int D, float alpha)
+{
+    vf va = vset1(alpha);
+    for (int d = 0; d < D; d += VL) {
+        int n = D - d < VL ? D - d : VL;
+        vstore_n(acc + d, vmul(va, vload_n(acc + d, n)), n);
+    }
+}
+
+/*
+ * softmax_simd for a row with every key of a full tile visible and no bias
+ * (kpos NULL): the scores stay in registers from the max to the
+ * exponentials, and no lane is masked - the same bits as the masked path,
+ * with about a third fewer operations per score.
+ */
+INLINE void softmax_visible(float *s, float *m, float *l, float *acc, int D)
+{
+    vf x[ATTN_TILE / VL];
+    vf mx = x[0] = vload(s);
+#pragma GCC unroll 8
+    for (int i = 1; i < ATTN_TILE / VL; i++) {
+        x[i] = vload(s + i * VL);
+        mx = vmax(mx, x[i]);
+    }
+    float m_old = *m;
+    float m_new = fmaxf(m_old, vhmax(mx));
+    if (m_new > m_old) {
+        float alpha = expf(m_old - m_new); /* 0 when m_old = -inf */
+        *l *= alpha;
+        rescale_acc(acc, D, alpha);
+        *m = m_new;
+    }
+    vf vm = vset1(m_new), sum = vzero();
+#pragma GCC unroll 8
+    for (int i = 0; i < ATTN_TILE / VL; i++) {
+        vf p = vexp(vsub(x[i], vm));
+        vstore(s + i * VL, p);
+        sum = vadd(sum, p);
+    }
+    *l += vhsum(sum);
+}
+
 static void softmax_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
                          const struct attn_bias *b, float *m, float *l, float *acc, int D)
 {
+    if (!kpos) {
+        if (D == 64)
+            softmax_visible(s, m, l, acc, 64);
+        else
+            softmax_visible(s, m, l, acc, D);
+        return;
+    }
     vf mx = vset1(-INFINITY);
     for (int t0 = 0; t0 < ATTN_TILE; t0 += VL) {
         vf x = vbias_mask(vload(s + t0), kpos, t0, nt, pos_q, b);
@@ -795,11 +845,7 @@ static void softmax_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
     if (m_new > m_old) {
         float alpha = expf(m_old - m_new); /* 0 when m_old = -inf */
         *l *= alpha;
-        vf va = vset1(alpha);
-        for (int d = 0; d < D; d += VL) {
-            int n = D - d < VL ? D - d : VL;
-            vstore_n(acc + d, vmul(va, vload_n(acc + d, n)), n);
-        }
+        rescale_acc(acc, D, alpha);
         *m = m_new;
     }
     vf vm = vset1(m_new), sum = vzero();
