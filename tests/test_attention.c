@@ -451,18 +451,19 @@ static void set_types(struct kcase *c, bool quant, int n)
 
 /*
  * Decode (one query) and a 3-query chunk over every scheme x head dim
- * {64, 128} x GQA {1, 4, 8} x page {1, 16, 64}; the lengths, KV types and
+ * {64, 128} x GQA {1, 3, 4, 8} x page {1, 16, 64} (a decode step at GQA 3,
+ * SmolLM's, takes the three-row block of qk); the lengths, KV types and
  * thread counts (1, 2, 3) rotate through the grid so every scheme meets
  * every length. The quantised grid is the same over q8_0 / q4_0 pairs: the
  * reference dequantises, so fused and reference see the same values.
  */
 static void run_grid(bool quant)
 {
-    const int dims[2] = {64, 128}, groups[3] = {1, 4, 8}, pages[3] = {1, 16, 64};
+    const int dims[2] = {64, 128}, groups[4] = {1, 3, 4, 8}, pages[3] = {1, 16, 64};
     int n = 0;
     for (int sc = 0; sc < S_COUNT; sc++)
         for (int di = 0; di < 2; di++)
-            for (int gi = 0; gi < 3; gi++)
+            for (int gi = 0; gi < 4; gi++)
                 for (int pi = 0; pi < 3; pi++)
                     for (int rep = 0; rep < 2; rep++, n++) {
                         struct kcase c = {
