@@ -187,6 +187,14 @@ struct attn_ctx {
     bool has_lut;
     float *t5bias; /* [n_head][lut.n + 1] table[h][bucket(-d)], refreshed per run */
 
+    /* The queries' RoPE cos/sin, by the query's index in the batch, and the
+     * position each slot holds: every layer of a forward pass calls with
+     * the same positions, so the angles are computed once per batch, not
+     * once per layer and KV head (rope_queries). */
+    float *qcs;      /* [cap_qcs][rot] cos, sin pairs */
+    int32_t *qcs_pos; /* [cap_qcs] the position slot k was computed for */
+    size_t cap_qcs, cap_qcs_pos, n_qcs; /* slots valid: [0, n_qcs) */
+
     struct tscratch *ts; /* [n_threads] */
     void *ts_mem;
 
@@ -384,6 +392,8 @@ void attn_destroy(attn_ctx *ctx)
     free(ctx->ts_mem);
     free(ctx->stats);
     free(ctx->parts);
+    free(ctx->qcs);
+    free(ctx->qcs_pos);
     free(ctx->units);
     free(ctx->items);
     free(ctx->si);
@@ -840,15 +850,13 @@ static void prep_row(const attn_ctx *ctx, float *x, const float *cs, const float
  * (head of block, query, group member), so one KV head's rows are contiguous.
  * Each row's query is prepared into the thread's scratch.
  */
-static void setup_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq, int q0,
-                       int nq, int g0, int ng)
+static void setup_rows(const attn_ctx *ctx, struct tscratch *w, const struct attn_seq *sq, int qoff,
+                       int q0, int nq, int g0, int ng)
 {
     const int H = ctx->p.n_head, D = ctx->p.head_dim, group = ctx->group;
-    float *x = w->qbuf, *cs = w->qbuf + D;
+    float *x = w->qbuf;
     for (int qi = 0; qi < nq; qi++) {
-        if (ctx->rot)
-            pos_rope_cos_sin(cs, ctx->inv_freq, ctx->rot, (double)ctx->p.pos.rope_freq_scale,
-                             sq->q_pos[q0 + qi]);
+        const float *cs = ctx->rot ? ctx->qcs + (size_t)(qoff + q0 + qi) * ctx->rot : NULL;
         for (int hh = 0; hh < ng; hh++)
             for (int j = 0; j < group; j++) {
                 int r = (hh * nq + qi) * group + j, h = (g0 + hh) * group + j;
@@ -1158,7 +1166,7 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     /* few rows per KV head: decode_head; else the flash tile (or int8 scores) */
     const bool decode = rows_h <= 4 && !int8_keys(ctx, kv);
 
-    setup_rows(ctx, w, sq, u->q0, u->nq, u->g0, u->ng);
+    setup_rows(ctx, w, sq, qoff, u->q0, u->nq, u->g0, u->ng);
     setup_q8(ctx, w, kv, u->rows);
     for (int r = 0; r < u->rows; r++) {
         w->m[r] = -INFINITY;
@@ -1268,7 +1276,7 @@ static void run_mass_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
         for (int q0 = 0; q0 < sq->n_q; q0 += qb) {
             int nq = sq->n_q - q0 < qb ? sq->n_q - q0 : qb;
             int rows = nq * ctx->group;
-            setup_rows(ctx, w, sq, q0, nq, g, 1);
+            setup_rows(ctx, w, sq, qoff, q0, nq, g, 1);
             setup_q8(ctx, w, kv, rows);
             int32_t qmax = 0;
             for (int r = 0; r < rows; r++) {
@@ -1333,6 +1341,38 @@ static void run_items(void *arg, int t, int nth)
     }
 }
 
+/*
+ * The cos/sin of every query's position (posenc, double angles, rounded
+ * once to f32), slot k for the batch's query k. A slot is recomputed only
+ * when its position changed since the last call: the layers of a forward
+ * pass share this context and call it with the same positions, so a
+ * 512-query chunk computes its 512 x rot/2 angles once instead of 30 x 3
+ * times (once per layer and KV head), the same values either way.
+ */
+static int rope_queries(attn_ctx *ctx, const struct attn_seq *seqs, int n_seqs, int total_q)
+{
+    size_t n = (size_t)total_q + 1, cap = ctx->cap_qcs, cap_pos = ctx->cap_qcs_pos;
+    if (grow(ctx, (void **)&ctx->qcs, &ctx->cap_qcs, n * (size_t)ctx->rot, sizeof(float)) ||
+        grow(ctx, (void **)&ctx->qcs_pos, &ctx->cap_qcs_pos, n, sizeof(int32_t))) {
+        ctx->n_qcs = 0;
+        return -ENOMEM;
+    }
+    if (ctx->cap_qcs != cap || ctx->cap_qcs_pos != cap_pos) /* grow keeps nothing */
+        ctx->n_qcs = 0;
+    for (int s = 0, k = 0; s < n_seqs; s++)
+        for (int i = 0; i < seqs[s].n_q; i++, k++) {
+            int32_t pos = seqs[s].q_pos[i];
+            if ((size_t)k < ctx->n_qcs && ctx->qcs_pos[k] == pos)
+                continue;
+            pos_rope_cos_sin(ctx->qcs + (size_t)k * ctx->rot, ctx->inv_freq, ctx->rot,
+                             (double)ctx->p.pos.rope_freq_scale, pos);
+            ctx->qcs_pos[k] = pos;
+        }
+    if ((size_t)total_q > ctx->n_qcs)
+        ctx->n_qcs = (size_t)total_q;
+    return 0;
+}
+
 int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seqs, int n_seqs)
 {
     if (!ctx)
@@ -1373,6 +1413,9 @@ int attn_run(attn_ctx *ctx, const struct attn_kv *kv, const struct attn_seq *seq
              sizeof(float)) ||
         grow(ctx, (void **)&ctx->parts, &ctx->cap_parts, n_parts * (size_t)(D + 2), sizeof(float)))
         return run_fail(ctx, -ENOMEM, "out of memory for the workspace of %d queries", total_q);
+
+    if (ctx->rot && rope_queries(ctx, seqs, n_seqs, total_q))
+        return run_fail(ctx, -ENOMEM, "out of memory for the angles of %d queries", total_q);
 
     if (ctx->p.pos.kind == POS_T5) { /* compose the table with the bucket lookup */
         const int nb = ctx->p.pos.t5_num_buckets, n = ctx->lut.n;

@@ -305,7 +305,7 @@ static void run_reference(struct fixture *f, struct result *r)
     result_take(r, f);
 }
 
-static void run_fused(struct fixture *f, struct result *r, bool scalar)
+static attn_ctx *fused_ctx(const struct fixture *f, bool scalar)
 {
     char err[256];
     struct attn_params p = f->params;
@@ -313,15 +313,28 @@ static void run_fused(struct fixture *f, struct result *r, bool scalar)
     attn_ctx *ctx = attn_create(&p, err, sizeof(err));
     if (!ctx)
         fail_msg("attn_create: %s", err);
+    return ctx;
+}
+
+/* One attn_run of the fixture's batch on ctx, its outputs taken into r. */
+static void run_on(attn_ctx *ctx, struct fixture *f, struct result *r)
+{
     for (int s = 0; s < f->c.n_seqs; s++) {
-        memset(f->out[s], 0xff, sizeof(float) * (size_t)f->c.n_q[s] * p.n_head * p.head_dim);
+        memset(f->out[s], 0xff,
+               sizeof(float) * (size_t)f->c.n_q[s] * f->params.n_head * f->params.head_dim);
         memset(f->mass[s], 0xff, sizeof(float) * (size_t)f->c.n_kv[s]);
     }
     int rc = attn_run(ctx, &f->kv, f->seqs, f->c.n_seqs);
     if (rc)
         fail_msg("attn_run: %d %s", rc, attn_error(ctx));
-    attn_destroy(ctx);
     result_take(r, f);
+}
+
+static void run_fused(struct fixture *f, struct result *r, bool scalar)
+{
+    attn_ctx *ctx = fused_ctx(f, scalar);
+    run_on(ctx, f, r);
+    attn_destroy(ctx);
 }
 
 static void describe(const struct kcase *c, char *buf, size_t len)
@@ -710,6 +723,56 @@ static void test_kernel_translation(void **state)
         }
         result_free(&ref0, c.n_seqs);
         fixture_deinit(&f0);
+    }
+}
+
+/*
+ * A context keeps the queries' RoPE angles between calls (the layers of a
+ * forward pass repeat the positions): a call whose queries sit at other
+ * positions, or are more or fewer, must give bit for bit what a fresh
+ * context gives. Calls alternate between a batch and the same batch
+ * shifted, then a larger batch, on one context.
+ */
+static void test_kernel_context_reused(void **state)
+{
+    (void)state;
+    for (int sc = S_ROPE_ADJ; sc <= S_ROPE_NEOX_HALF; sc++) {
+        struct kcase c = {.scheme = (enum scheme)sc,
+                          .head_dim = 64,
+                          .group = 3,
+                          .n_kv_head = 3,
+                          .page_tokens = 16,
+                          .type = ATTN_F16,
+                          .n_seqs = 2,
+                          .n_kv = {700, 300},
+                          .n_q = {1, 40},
+                          .pos_mode = POS_CONSECUTIVE,
+                          .threads = 2,
+                          .mass = false};
+        struct fixture f[3];
+        fixture_init(&f[0], &c);
+        c.shift = 977;
+        fixture_init(&f[1], &c);
+        c.n_q[0] = 5;
+        c.n_q[1] = 90;
+        fixture_init(&f[2], &c);
+        attn_ctx *ctx = fused_ctx(&f[0], false);
+        const int order[] = {0, 1, 0, 2, 1, 2, 0};
+        for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+            struct fixture *fx = &f[order[i]];
+            struct result kept, fresh;
+            run_on(ctx, fx, &kept);
+            run_fused(fx, &fresh, false);
+            double d = max_out_diff(fx, &kept, &fresh);
+            if (!(d == 0.0))
+                fail_msg("%s call %zu (batch %d) on a reused context differs from a fresh one by %g",
+                         scheme_names[sc], i, order[i], d);
+            result_free(&kept, fx->c.n_seqs);
+            result_free(&fresh, fx->c.n_seqs);
+        }
+        attn_destroy(ctx);
+        for (int i = 0; i < 3; i++)
+            fixture_deinit(&f[i]);
     }
 }
 
@@ -1323,6 +1386,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernel_sliding_window),
         cmocka_unit_test(test_kernel_gaps),
         cmocka_unit_test(test_kernel_translation),
+        cmocka_unit_test(test_kernel_context_reused),
         cmocka_unit_test(test_kernel_prefill_chunk),
         cmocka_unit_test(test_kernel_memory_128k),
         cmocka_unit_test(test_kernel_bad_params),
