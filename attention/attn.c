@@ -62,8 +62,8 @@
  * everything after - RoPE, scores, P.V - runs on those values, so the
  * kernel is exact to the dequantised cache whatever the position scheme.
  * Decode reads q8_0 rows as stored and dequantises them in registers (the
- * same products, scale x level), which saves a pass through scratch per
- * tile and made q8_0 decode slower than f16 at half the bytes; q4_0 rows
+ * same products, scale x level): the pass through scratch per tile it
+ * saves had made q8_0 decode slower than f16 at half the bytes. q4_0 rows
  * still go through scratch. q8_0 keys that need no
  * rotation (none, ALiBi, T5) are scored in 8-bit integers against the
  * query quantised once per item in two levels (attn_q8.c: VNNI, AVX2 or
