@@ -534,3 +534,67 @@ void cpu_pool_for(int nth, size_t n, cpu_pool_range_fn fn, void *arg)
     struct for_job j = {fn, arg, n};
     cpu_pool_run(nth, for_body, &j);
 }
+
+/* ------------------------------------------------------------------------
+ * Parallel for with stealing
+ *
+ * A static split waits for its slowest thread: on a machine with more
+ * runnable threads than cores, a worker preempted halfway through its
+ * chunk holds the whole region (and the next) for a scheduler time slice,
+ * while the caller, done, spins. Here each chunk t is cut into pieces of
+ * `grain` from its start, claimed one at a time by a fetch-add on the
+ * chunk's own counter (its own cache line): thread t claims its chunk's
+ * pieces in order, then the other chunks' remaining pieces, t + 1, t + 2,
+ * ... So a preempted thread holds at most the piece it is in, and on cores
+ * of their own each thread runs its own chunk exactly as cpu_pool_for
+ * would, at the cost of one uncontended atomic per piece. The pieces are
+ * fixed by (n, nth, grain) alone; only which thread runs one depends on
+ * timing.
+ * ------------------------------------------------------------------------ */
+
+struct steal_job {
+    cpu_pool_range_fn fn;
+    void *arg;
+    size_t n, grain;
+    struct {
+        _Alignas(64) _Atomic size_t next; /* pieces of chunk t handed out */
+    } cur[CPU_POOL_STEAL_MAX];
+};
+
+/* The next piece [*i0, *i1) of chunk c, or false when none is left. */
+static bool claim_piece(struct steal_job *j, int c, int nth, size_t *i0, size_t *i1)
+{
+    size_t lo, hi;
+    cpu_pool_chunk(j->n, nth, c, &lo, &hi);
+    if (atomic_load_explicit(&j->cur[c].next, memory_order_relaxed) * j->grain >= hi - lo)
+        return false; /* spent: no need to bump (and bounce) its line */
+    size_t k = atomic_fetch_add_explicit(&j->cur[c].next, 1, memory_order_relaxed);
+    if (k * j->grain >= hi - lo)
+        return false;
+    *i0 = lo + k * j->grain;
+    *i1 = hi - *i0 < j->grain ? hi : *i0 + j->grain;
+    return true;
+}
+
+static void steal_body(void *p, int t, int nth)
+{
+    struct steal_job *j = p;
+    size_t i0, i1;
+    for (int d = 0; d < nth; d++)
+        for (int c = (t + d) % nth; claim_piece(j, c, nth, &i0, &i1);)
+            j->fn(j->arg, i0, i1, t);
+}
+
+void cpu_pool_for_steal(int nth, size_t n, size_t grain, cpu_pool_range_fn fn, void *arg)
+{
+    if (n == 0)
+        return;
+    if ((size_t)nth > n)
+        nth = (int)n;
+    if (nth > CPU_POOL_STEAL_MAX)
+        nth = CPU_POOL_STEAL_MAX;
+    struct steal_job j = {.fn = fn, .arg = arg, .n = n, .grain = grain ? grain : 1};
+    for (int c = 0; c < nth; c++)
+        atomic_init(&j.cur[c].next, 0);
+    cpu_pool_run(nth, steal_body, &j);
+}

@@ -86,6 +86,21 @@ void cpu_pool_run(int nth, cpu_pool_fn fn, void *arg);
  */
 void cpu_pool_for(int nth, size_t n, cpu_pool_range_fn fn, void *arg);
 
+/*
+ * cpu_pool_for's chunks, each cut from its start into pieces of grain
+ * indices (0 counts as 1; the last piece of a chunk may be shorter), and
+ * each piece run once by fn, by whichever thread claims it first: thread t
+ * claims the pieces of its own chunk in order, then what is left of the
+ * others'. So a thread that is descheduled mid-region (more runnable
+ * threads than cores) delays the region by at most one piece, where
+ * cpu_pool_for would wait for its whole chunk. The pieces depend only on
+ * n, nth and grain; which thread runs one (the t fn sees) depends on
+ * timing, so fn's results must not depend on t. nth is cut to n and to
+ * CPU_POOL_STEAL_MAX.
+ */
+#define CPU_POOL_STEAL_MAX 64
+void cpu_pool_for_steal(int nth, size_t n, size_t grain, cpu_pool_range_fn fn, void *arg);
+
 /* Thread t's chunk [*i0, *i1) of [0, n) split nth ways, as OpenMP's
  * schedule(static) without a chunk size gives it. */
 void cpu_pool_chunk(size_t n, int nth, int t, size_t *i0, size_t *i1);

@@ -417,5 +417,8 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
     }
     prepare(&r, 0, n_tok); /* by the calling thread, before the team starts */
     size_t units = tail ? (size_t)(r.ng[0] + 1) / 2 : (size_t)r.u_end[n - 1];
-    cpu_pool_for(nth, units, run_units, &r);
+    /* in pieces of one kernel call, stolen by a thread done with its own
+     * share (cpu/pool.h): a preempted thread no longer holds the product */
+    const size_t span = n_tok <= MM_PACK_NARROW ? MM_PACK_NARROW_PAIRS : 1;
+    cpu_pool_for_steal(nth, units, span, run_units, &r);
 }

@@ -1,6 +1,7 @@
 /*
  * test_pool.c - the compute threads (cpu/pool.h): the static partition,
- * equal to OpenMP's own; every index run once, index 0 on the caller;
+ * equal to OpenMP's own; the stealing for's fixed pieces, and a stalled
+ * worker's share taken by the others; every index run once, index 0 on the caller;
  * nested and concurrent regions; many short regions; shutdown and restart;
  * a region after fork(); the environment's thread count and spin time,
  * bad values refused by name; and idle workers asleep (their CPU time over
@@ -102,6 +103,96 @@ static void test_for_covers(void **state)
                 }
             }
         }
+    }
+}
+
+/* cpu_pool_for_steal: every index once, every call one whole piece of
+ * the fixed cut (a chunk's pieces of grain from its start, the last one
+ * shorter), for 1..7 threads and several grains. */
+struct pieces {
+    _Atomic int hits[1000];
+    _Atomic int bad_piece;
+    size_t n, grain;
+    int nth;
+};
+
+static void piece_range(void *arg, size_t i0, size_t i1, int t)
+{
+    struct pieces *p = arg;
+    int c = 0;
+    size_t lo, hi;
+    for (;; c++) { /* the chunk holding i0 */
+        cpu_pool_chunk(p->n, p->nth, c, &lo, &hi);
+        if (i0 < hi)
+            break;
+    }
+    size_t want1 = hi - i0 < p->grain ? hi : i0 + p->grain;
+    if ((i0 - lo) % p->grain || i1 != want1 || t < 0 || t >= p->nth)
+        atomic_fetch_add(&p->bad_piece, 1);
+    for (size_t i = i0; i < i1; i++)
+        atomic_fetch_add(&p->hits[i], 1);
+}
+
+static void test_steal_pieces(void **state)
+{
+    (void)state;
+    static struct pieces p;
+    const size_t grains[] = {1, 2, 3, 4, 7, 100};
+    for (int nth = 1; nth <= 7; nth++)
+        for (size_t g = 0; g < sizeof(grains) / sizeof(grains[0]); g++)
+            for (size_t n = 0; n <= 1000; n += (n < 30 ? 1 : 97)) {
+                for (size_t i = 0; i < 1000; i++)
+                    atomic_store(&p.hits[i], 0);
+                p.n = n;
+                p.grain = grains[g];
+                p.nth = nth < (int)n ? nth : (int)n;
+                cpu_pool_for_steal(nth, n, grains[g], piece_range, &p);
+                for (size_t i = 0; i < 1000; i++)
+                    assert_int_equal(atomic_load(&p.hits[i]), i < n);
+            }
+    assert_int_equal(atomic_load(&p.bad_piece), 0);
+}
+
+/* A worker stalled in its first piece (it waits, deliberately against the
+ * rule, until every other piece is done, at most 30 s): the other threads
+ * take the rest of its chunk, so the region ends. A static split would
+ * leave the rest of the chunk to the stalled worker and time out. */
+struct stall {
+    pthread_t caller;
+    _Atomic int blocker; /* 1 once a worker's piece has chosen to stall */
+    _Atomic int done;    /* pieces finished */
+    _Atomic int timed_out;
+    _Atomic int hits[64];
+    int pieces;
+};
+
+static void stall_range(void *arg, size_t i0, size_t i1, int t)
+{
+    (void)t;
+    struct stall *s = arg;
+    if (!pthread_equal(pthread_self(), s->caller) && !atomic_exchange(&s->blocker, 1))
+        for (int ms = 0; atomic_load(&s->done) < s->pieces - 1; ms++) {
+            if (ms == 30000) {
+                atomic_store(&s->timed_out, 1);
+                break;
+            }
+            usleep(1000);
+        }
+    for (size_t i = i0; i < i1; i++)
+        atomic_fetch_add(&s->hits[i], 1);
+    atomic_fetch_add(&s->done, 1);
+}
+
+static void test_steal_takes_a_stalled_share(void **state)
+{
+    (void)state;
+    for (int nth = 2; nth <= 4; nth++) {
+        struct stall s = {.caller = pthread_self(), .pieces = 64};
+        cpu_pool_for_steal(nth, 64, 1, stall_range, &s);
+        assert_int_equal(atomic_load(&s.timed_out), 0);
+        assert_int_equal(atomic_load(&s.done), 64);
+        for (int i = 0; i < 64; i++)
+            assert_int_equal(atomic_load(&s.hits[i]), 1);
     }
 }
 
@@ -497,6 +588,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_partition_is_openmps),
         cmocka_unit_test(test_for_covers),
+        cmocka_unit_test(test_steal_pieces),
+        cmocka_unit_test(test_steal_takes_a_stalled_share),
         cmocka_unit_test(test_run_indices),
         cmocka_unit_test(test_workers_run_indices),
         cmocka_unit_test(test_nested),
