@@ -137,30 +137,58 @@ static int cmp_desc(const void *a, const void *b)
     return x->id < y->id ? -1 : (x->id > y->id); /* stable order for equal logits */
 }
 
-/* Move the k largest candidates to the front (quickselect), unordered. */
-static void select_top(struct cand *c, int n, int k)
+/* Whether candidate a comes after b in cmp_desc's order (a worse). */
+static bool worse(struct cand a, struct cand b)
 {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        struct cand pivot = c[(lo + hi) / 2];
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (cmp_desc(&c[i], &pivot) < 0)
-                i++;
-            while (cmp_desc(&c[j], &pivot) > 0)
-                j--;
-            if (i <= j) {
-                struct cand t = c[i];
-                c[i++] = c[j];
-                c[j--] = t;
-            }
+    return a.logit != b.logit ? a.logit < b.logit : a.id > b.id;
+}
+
+/* Restore the heap below slot i of h[0..k): every parent no better than
+ * its children, so h[0] is the worst kept. */
+static void sift_down(struct cand *h, int k, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, w = i;
+        if (l < k && worse(h[l], h[w]))
+            w = l;
+        if (r < k && worse(h[r], h[w]))
+            w = r;
+        if (w == i)
+            return;
+        struct cand t = h[i];
+        h[i] = h[w];
+        h[w] = t;
+        i = w;
+    }
+}
+
+/*
+ * The k best of logits[0..nv) / temp in cmp_desc's order (by scaled logit,
+ * ties to the lower id) into c[0..k), unordered: a heap of the k best so
+ * far with the worst on top. One pass that mostly compares a raw logit
+ * with the worst kept one's, where scaling every logit and partitioning
+ * them (quickselect) cost ~6% of a decoding step over a 49k vocabulary.
+ * The set is the same: ids come in increasing order, so a newcomer beats
+ * the worst kept only with a strictly larger scaled logit; and dividing by
+ * temp > 0 is monotonic (a <= b gives a / temp <= b / temp), so a raw
+ * logit no larger than the worst kept one's cannot get in.
+ */
+static void select_top(struct cand *c, const float *logits, int nv, int k, float temp)
+{
+    for (int i = 0; i < k; i++)
+        c[i] = (struct cand){.id = i, .logit = logits[i] / temp};
+    for (int i = k / 2 - 1; i >= 0; i--)
+        sift_down(c, k, i);
+    float floor_raw = logits[c[0].id];
+    for (int i = k; i < nv; i++) {
+        if (!(logits[i] > floor_raw))
+            continue;
+        float v = logits[i] / temp;
+        if (v > c[0].logit) {
+            c[0] = (struct cand){.id = i, .logit = v};
+            sift_down(c, k, 0);
+            floor_raw = logits[c[0].id];
         }
-        if (k - 1 <= j)
-            hi = j;
-        else if (k - 1 >= i)
-            lo = i;
-        else
-            break;
     }
 }
 
@@ -209,12 +237,13 @@ int32_t model_sample(model_sampler *smp, float *logits, const int32_t *history, 
         return argmax(logits, nv);
 
     struct cand *c = smp->cands;
-    for (int i = 0; i < nv; i++)
-        c[i] = (struct cand){.id = i, .logit = logits[i] / s->temperature};
     int n = nv;
     if (s->top_k > 0 && s->top_k < n) {
-        select_top(c, n, s->top_k);
         n = s->top_k;
+        select_top(c, logits, nv, n, s->temperature);
+    } else {
+        for (int i = 0; i < nv; i++)
+            c[i] = (struct cand){.id = i, .logit = logits[i] / s->temperature};
     }
     qsort(c, (size_t)n, sizeof(*c), cmp_desc);
     softmax_sorted(c, n);
