@@ -225,8 +225,9 @@ struct cfg_limits {
     int64_t queue_length;       /* requests waiting for a slot; beyond it, 429 */
     int64_t max_running;        /* sequences in one engine batch */
     int64_t step_tokens;        /* tokens per engine step (prefill chunks + decodes) */
-    uint64_t step_budget_ms;    /* while decodes wait, a step's time: prefill chunks are cut
-                                   to it at the measured speed; 0 = step_tokens only */
+    uint64_t step_budget_ms;    /* while decodes wait, a step's most time: prefill chunks are
+                                   cut to ~2.5x the decodes' own step within it (pace.c);
+                                   0 = step_tokens only */
     uint64_t engine_stall_timeout_ms; /* a step longer than this: /health says 503; 0 = never */
 };
 

@@ -303,8 +303,9 @@ const struct cfg_key_def cfg_keys[CFG_N_KEYS] = {
             "tokens per engine step: decodes first, prompts fill the rest in chunks"),
     [CFG_LIMITS_STEP_BUDGET] =
         DURATION("limits", "step_budget", limits.step_budget_ms, "100ms", 0, MIN, LIVE,
-                 "while streams decode, prompt chunks are cut so a step takes about this long "
-                 "at the measured speed; 0 = step_tokens only"),
+                 "while streams decode, a step's most time: prompt chunks are cut to ~2.5x the "
+                 "decodes' own step, within 20ms and this, at the measured speed; 0 = step_tokens "
+                 "only"),
     [CFG_LIMITS_ENGINE_STALL_TIMEOUT] =
         DURATION("limits", "engine_stall_timeout", limits.engine_stall_timeout_ms, "2m", 0, DAY,
                  LIVE,

@@ -329,9 +329,9 @@ struct engine_limits {
     struct kv_policy policy;  /* for new sequences and every session */
     int max_running;          /* sequences in flight */
     int step_tokens;          /* tokens per forward (decode + prefill chunks) */
-    uint64_t step_budget_ms;  /* while decodes wait, prefill chunks are cut so a step
-                                 takes about this long at the measured speed; 0 = the
-                                 token budget only */
+    uint64_t step_budget_ms;  /* while decodes wait, the most a step takes: prefill
+                                 chunks are cut to ~2.5x the decodes' own timed step
+                                 within it (pace.h); 0 = the token budget only */
     int queue_length;         /* waiting requests beyond the free sequence slots
                                  (the host refuses more: the daemon answers 429) */
     uint64_t session_idle_ms; /* free sessions idle this long (0 = never) */

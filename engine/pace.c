@@ -70,6 +70,39 @@
  * step), by which the decodes would look slow and only whole chunks
  * efficient, stretching steps for nothing.
  *
+ * Why the budget follows the decodes. A fixed budget suits one machine
+ * state only. On a quiet machine a 100 ms budget is ten decode-only steps
+ * (one stream at 4k: ~10 ms): a prompt read beside a stream is done before
+ * the stream is, the stream's later tokens come from decode-only steps,
+ * and ITL p99 is the budget while p50 is a decode step (measured: p99/p50
+ * 6.7-8.2); 50 ms gave 1.2-1.3. Under load decode steps slow down and a
+ * 100 ms budget is what keeps chunks worth their step. So once decodes
+ * have been timed alone, the budget is PACE_BUDGET_DECODES times what the
+ * decode-only fit (their own least squares, a fixed part preferred: a few
+ * decode tokens cost mostly the weights' one read) gives for the step's
+ * decodes, never above the configured budget (the operator's bound) and
+ * never below PACE_BUDGET_FLOOR_S.
+ *
+ * Why 2.5. A stream's ITL is a decode-only step at best and a budgeted
+ * step at worst, so p99/p50 is at most about the factor times how far
+ * steps overrun their prediction (1.2-1.3x at p90 measured at ~25 ms
+ * steps). In itl_load at load 2-4, 2.5 gave p99/p50 1.4-3.2 (median 1.7
+ * over 7 runs) and 3.0 gave 1.5-3.6, at throughputs within noise of each
+ * other; a smaller factor leaves a prompt little more than the page floor
+ * beside one decode at 4k (2.5 gives chunks of 16-40 tokens there). Why
+ * the floor: below ~20 ms a step's fixed part outweighs the latency saved
+ * (a chunk step costs ~5 ms more than its decodes alone), and tokens 20 ms
+ * apart are not felt as waiting.
+ *
+ * Why probe. Decode-only steps are rare while prompts arrive: with two
+ * streams, the first decode-only step came only after the second prompt
+ * was read, the first ~40 steps ran at the configured budget and set ITL
+ * p99 (p99/p50 5-7 in itl_load). So a step with decodes carries no prompt
+ * chunk when the decodes have not been timed alone yet, or not for
+ * PACE_PROBE_STEPS steps (load changes): it costs the waiting prompt one
+ * decode step and gives the budget a measurement. A pace whose
+ * coefficients were set (tests, benchmarks) never probes.
+ *
  * Batch invariance. Chunk sizes change only how a prompt is cut across
  * steps; the forward pass gives the same bits for a token whatever its
  * chunk (test_engine checks a paced run against an unpaced one).
@@ -97,6 +130,14 @@ static void features(const struct pace_work *w, double x[3])
     x[0] = 1.0;
     x[1] = w->tokens / TOKEN_UNIT;
     x[2] = w->pairs / PAIR_UNIT;
+}
+
+/* Dot product of coefficients and a work's features: predicted seconds. */
+static double predict_by(const double coef[3], const struct pace_work *w)
+{
+    double x[3];
+    features(w, x);
+    return coef[0] * x[0] + coef[1] * x[1] + coef[2] * x[2];
 }
 
 /* Solve the normal equations restricted to the features in mask (bit i =
@@ -162,26 +203,36 @@ static double residual(const struct pace_sums *s, const double c[3])
 /* Subsets in order of preference on equal residuals: all three, then
  * those proportional to work before those with a fixed part. */
 static const unsigned SUBSETS[] = {07, 06, 03, 02, 05, 04, 01};
+/* For decode-only steps, those with a fixed part first: a step of a few
+ * decode tokens costs mostly the weights' one read, so when their token
+ * counts do not vary (two streams decoding, step after step) the fixed
+ * part explains them, not a cost per token that would halve one stream's
+ * step. */
+static const unsigned DECODE_SUBSETS[] = {07, 05, 03, 01, 06, 04, 02};
+#define N_SUBSETS (sizeof(SUBSETS) / sizeof(SUBSETS[0]))
 
-/* The least-squares coefficients over the sums s, none below zero. */
-static void refit_coef(struct engine_pace *p, const struct pace_sums *s)
+/* The least-squares coefficients over the sums s, none below zero, into
+ * coef (order: subsets by preference). False when no subset solves. */
+static bool fit(const struct pace_sums *s, const unsigned order[N_SUBSETS], double coef[3])
 {
     double best = INFINITY, c[3];
-    for (size_t i = 0; i < sizeof(SUBSETS) / sizeof(SUBSETS[0]); i++) {
-        if (!solve_subset(s, SUBSETS[i], c))
+    bool found = false;
+    for (size_t i = 0; i < N_SUBSETS; i++) {
+        if (!solve_subset(s, order[i], c))
             continue;
         double r = residual(s, c);
         if (r < best - 1e-9 * s->tt) {
             best = r;
-            memcpy(p->coef, c, sizeof(c));
-            p->known = true;
+            memcpy(coef, c, sizeof(c));
+            found = true;
         }
     }
+    return found;
 }
 
 /* Refit over both kinds of steps; then the fixed cost a chunk is charged
  * with (pace.h): c_step bounded by the decode-only steps' decayed mean,
- * none before there are some. */
+ * none before there are some; then the decode-only steps' own fit. */
 static void refit(struct engine_pace *p)
 {
     struct pace_sums s = p->sums[0];
@@ -192,8 +243,11 @@ static void refit(struct engine_pace *p)
         s.xt[i] += d->xt[i];
     }
     s.tt += d->tt;
-    refit_coef(p, &s);
+    if (fit(&s, SUBSETS, p->coef))
+        p->known = true;
     p->fixed_s = d->xx[0][0] > 0 ? fmin(p->coef[0], d->xt[0] / d->xx[0][0]) : 0;
+    if (d->xx[0][0] > 0 && fit(d, DECODE_SUBSETS, p->decode_coef))
+        p->decodes_timed = true;
 }
 
 void engine_pace_observe(struct engine_pace *p, const struct pace_work *w, bool chunks,
@@ -201,6 +255,7 @@ void engine_pace_observe(struct engine_pace *p, const struct pace_work *w, bool 
 {
     if (p->frozen || !(seconds >= 0) || w->tokens < 1)
         return;
+    p->since_decodes = chunks ? p->since_decodes + 1 : 0;
     struct pace_sums *s = &p->sums[chunks ? 0 : 1];
     double x[3];
     features(w, x);
@@ -215,9 +270,7 @@ void engine_pace_observe(struct engine_pace *p, const struct pace_work *w, bool 
 
 double engine_pace_predict(const struct engine_pace *p, const struct pace_work *w)
 {
-    double x[3];
-    features(w, x);
-    return p->coef[0] * x[0] + p->coef[1] * x[1] + p->coef[2] * x[2];
+    return predict_by(p->coef, w);
 }
 
 void engine_pace_set(struct engine_pace *p, double c_step, double c_token, double c_pair)
@@ -229,11 +282,33 @@ void engine_pace_set(struct engine_pace *p, double c_step, double c_token, doubl
     p->known = p->frozen = true;
 }
 
+/*
+ * The step's time budget while decodes wait (the essay above): the
+ * configured budget_s until a decode-only step has been timed; then
+ * PACE_BUDGET_DECODES times what the decode-only fit gives for these
+ * decodes, never below PACE_BUDGET_FLOOR_S nor above budget_s. This is the
+ * one place the budget is decided; the least chunk's stretch (stretch_s)
+ * may still take a step past it, by its own bound.
+ */
+static double step_budget(const struct engine_pace *p, double budget_s, const struct pace_work *w)
+{
+    if (!p->decodes_timed)
+        return budget_s;
+    double s = PACE_BUDGET_DECODES * predict_by(p->decode_coef, w);
+    return fmin(budget_s, fmax(s, PACE_BUDGET_FLOOR_S));
+}
+
 void pace_plan_start(struct pace_plan *pl, const struct engine_pace *p, uint64_t budget_ms,
                      int decodes, const struct pace_work *w, int floor)
 {
+    /* the decodes' time with the fixed cost as charged (pace.h: fixed_s) */
+    double decodes_s = engine_pace_predict(p, w) - p->coef[0] + p->fixed_s;
+    /* a learning pace times decodes alone when it has not for a while */
+    bool stale = !p->decodes_timed || p->since_decodes >= PACE_PROBE_STEPS;
     *pl = (struct pace_plan){.pace = p,
-                             .budget_s = (double)budget_ms / 1e3,
+                             .budget_s = step_budget(p, (double)budget_ms / 1e3, w),
+                             .stretch_s = PACE_STRETCH * decodes_s,
+                             .probe = decodes > 0 && budget_ms > 0 && !p->frozen && stale,
                              .work = *w,
                              .decodes = decodes,
                              .floor = floor};
@@ -297,6 +372,8 @@ static int efficient_chunk(const struct pace_plan *pl, int most, int context)
 
 int pace_plan_chunk(struct pace_plan *pl, int most, int context)
 {
+    if (pl->probe)
+        return 0;
     int n = most > 0 ? most : 0;
     if (n > 0 && pl->decodes > 0 && pl->budget_s > 0 && pl->pace->known) {
         n = budget_chunk(pl, most, context, pl->budget_s);
@@ -306,10 +383,7 @@ int pace_plan_chunk(struct pace_plan *pl, int most, int context)
              * as a step of PACE_STRETCH times the decodes' own time */
             int least = efficient_chunk(pl, most, context);
             if (least > n) {
-                /* the decodes' time with the fixed cost as charged */
-                double decodes_s = engine_pace_predict(pl->pace, &pl->work) - pl->pace->coef[0] +
-                                   pl->pace->fixed_s;
-                int cap = budget_chunk(pl, least, context, PACE_STRETCH * decodes_s);
+                int cap = budget_chunk(pl, least, context, pl->stretch_s);
                 least = cap > n ? cap : n;
             }
             if (least < pl->floor)

@@ -33,6 +33,16 @@
  * predicted to take (when that is more than the budget): prefill gets at
  * most as much of a step as the decodes. */
 #define PACE_STRETCH 2.0
+/* While decodes wait, a step's time budget in times what its decodes alone
+ * were timed to take in decode-only steps (pace.c says why this factor),
+ * within [PACE_BUDGET_FLOOR_S, the configured budget]. */
+#define PACE_BUDGET_DECODES 2.5
+/* The least budget the decodes' timing may give a step, seconds (pace.c). */
+#define PACE_BUDGET_FLOOR_S 0.020
+/* A step with decodes carries no prompt chunk (a probe: its decodes are
+ * timed alone) when no decode-only step has been seen in this many steps,
+ * or ever, so the budget follows the decodes' present speed (pace.c). */
+#define PACE_PROBE_STEPS 32
 
 /* What a step computes: its size in the model's terms. */
 struct pace_work {
@@ -54,6 +64,12 @@ struct engine_pace {
      * decodes does not erase what prefill costs. */
     struct pace_sums sums[2];
     double coef[3]; /* seconds per step, per token, per pair (the fit) */
+    /* The same fit over decode-only steps alone, a fixed part preferred
+     * (pace.c): what the current decodes would take in a step of their
+     * own, which the step's time budget follows. */
+    double decode_coef[3];
+    bool decodes_timed; /* at least one decode-only step observed */
+    int since_decodes;  /* steps with chunks observed since the last decode-only one */
     /* The fixed cost a chunk is charged with when its least size is
      * chosen (pace.c): coef[0], but never more than decode-only steps were
      * seen to take (their decayed mean) and 0 before any was seen, because
@@ -83,7 +99,13 @@ void engine_pace_set(struct engine_pace *p, double c_step, double c_token, doubl
  */
 struct pace_plan {
     const struct engine_pace *pace;
-    double budget_s;       /* seconds a step may take; 0 = no time limit */
+    /* seconds a step may take (0 = no time limit): the configured budget,
+     * or less when decode-only steps were timed (pace.c: step_budget) */
+    double budget_s;
+    /* seconds the least chunk may stretch a step to: PACE_STRETCH times
+     * the decodes' predicted time, the fixed cost as charged */
+    double stretch_s;
+    bool probe;            /* no prompt chunk this step: its decodes are timed alone */
     struct pace_work work; /* planned so far */
     int decodes;           /* decode tokens in the step */
     int chunks;            /* prompt chunks planned so far */
@@ -91,8 +113,11 @@ struct pace_plan {
 };
 
 /* Start a plan for a step of `decodes` decode tokens whose work is w,
- * under budget_ms (0 = none); the first chunk gets at least `floor` tokens
- * (a prompt progresses every step whatever the budget). */
+ * under at most budget_ms (0 = none; once decode-only steps have been
+ * timed, the budget is PACE_BUDGET_DECODES times what these decodes took
+ * there, within [PACE_BUDGET_FLOOR_S, budget_ms]); the first chunk gets at
+ * least `floor` tokens (a prompt progresses every step whatever the
+ * budget), except in a probe step (PACE_PROBE_STEPS), which gets none. */
 void pace_plan_start(struct pace_plan *pl, const struct engine_pace *p, uint64_t budget_ms,
                      int decodes, const struct pace_work *w, int floor);
 /*
@@ -106,8 +131,8 @@ void pace_plan_start(struct pace_plan *pl, const struct engine_pace *p, uint64_t
  * decodes' own time (pace.c: when decodes alone take over half the budget,
  * the step may outlast it). A step
  * without decode tokens keeps the token budget only: nobody waits on it,
- * and large chunks read a prompt fastest. The chunk is added to the plan.
- * Returns 0..most.
+ * and large chunks read a prompt fastest. A probe step takes no chunk.
+ * The chunk is added to the plan. Returns 0..most.
  */
 int pace_plan_chunk(struct pace_plan *pl, int most, int context);
 

@@ -6,7 +6,8 @@
  * prefill chunks of sequences still reading their prompt, oldest first, up
  * to step_tokens tokens in all. A long prompt is thus read a chunk per step
  * while the streams already running keep producing a token per step
- * (chunked prefill). With a step time budget (step_budget_ms), while
+ * (chunked prefill). With a step time budget (step_budget_ms, at most;
+ * pace.c sets it to ~2.5 times the decodes' own timed step), while
  * decode tokens are in the batch the chunks are cut to what the budget
  * holds at the speed measured so far (pace.c), so a stream waits at most
  * about one budget for its next token; the oldest prompt still gets at

@@ -708,13 +708,122 @@ static void test_pace_chunk_efficiency(void **state)
     assert_true(p.fixed_s == 0);
     struct pace_work one4k = pace_chunk_work(1, 4096);
     pace_plan_start(&pl, &p, 20, 1, &one4k, 16); /* the fit's decode: 60.6 ms */
-    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 16); /* no least chunk, no stretch */
+    /* no stretch by the fixed cost (the step is a probe: no chunk at all) */
+    assert_true(fabs(pl.stretch_s - PACE_STRETCH * (engine_pace_predict(&p, &one4k) - p.coef[0])) <
+                1e-12);
     for (int i = 0; i < 3; i++) { /* decode-only steps, faster than that */
         struct pace_work w = pace_chunk_work(1, 4096);
         engine_pace_observe(&p, &w, false, 0.010);
     }
     assert_true(p.fixed_s <= 0.010 + 1e-12);
     assert_true(p.fixed_s <= p.coef[0]);
+}
+
+/* Observe decode-only steps of 1-3 decodes at various contexts, timed by
+ * c0 + c1 per token + c2 per pair scaled by `slow`. */
+static void observe_decodes(struct engine_pace *p, double c0, double c1, double c2, double slow)
+{
+    for (int i = 0; i < 12; i++) {
+        struct pace_work w = {0};
+        for (int d = 0; d <= i % 3; d++) {
+            struct pace_work one = pace_chunk_work(1, 1000 + (i * 577 + d * 211) % 6000);
+            w.tokens += one.tokens;
+            w.pairs += one.pairs;
+        }
+        engine_pace_observe(p, &w, false, slow * (c0 + c1 * w.tokens + c2 * w.pairs));
+    }
+}
+
+/*
+ * The budget follows the decodes (pace.c): a learning pace whose steps are
+ * timed by a known law (no clock). Before any decode-only step a step with
+ * decodes is a probe (no chunk), and the configured budget stands; once
+ * decodes were timed alone, the budget is PACE_BUDGET_DECODES times their
+ * time for the step's decodes: on a quiet machine well under the
+ * configured 100 ms (a fixed budget made steps 10x a decode step, ITL p99
+ * ~7x p50), capped by it when decodes are slow (a loaded machine), never
+ * below PACE_BUDGET_FLOOR_S when they are cheap. A pace that has not timed
+ * decodes alone for PACE_PROBE_STEPS steps probes again.
+ */
+static void test_pace_budget_follows_decodes(void **state)
+{
+    (void)state;
+    const double c0 = 0.010, c1 = 0.0004, c2 = 2e-8; /* 10 ms a step */
+    struct engine_pace p = {0};
+    for (int i = 0; i < 20; i++) { /* prompt chunks, beside a decode or alone */
+        struct pace_work w = pace_chunk_work(16 + (i * 53) % 480, (i * 331) % 4096);
+        if (i % 2) {
+            struct pace_work one = pace_chunk_work(1, 2000 + i * 100);
+            w.tokens += one.tokens;
+            w.pairs += one.pairs;
+        }
+        engine_pace_observe(&p, &w, true, c0 + c1 * w.tokens + c2 * w.pairs);
+    }
+    struct pace_work dec = pace_chunk_work(1, 4096);
+    double decode_s = c0 + c1 * dec.tokens + c2 * dec.pairs; /* 10.5 ms */
+    struct pace_plan pl;
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    assert_true(pl.probe);
+    assert_true(pl.budget_s == 0.100); /* nothing timed: the configured budget */
+    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 0);
+    struct pace_plan alone; /* without decodes, no probe: whole chunks */
+    struct pace_work none = {0};
+    pace_plan_start(&alone, &p, 100, 0, &none, 16);
+    assert_int_equal(pace_plan_chunk(&alone, 512, 0), 512);
+
+    /* quiet: decodes timed by the same law */
+    observe_decodes(&p, c0, c1, c2, 1.0);
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    assert_false(pl.probe);
+    print_message("decode %.1f ms: budget %.1f ms (configured 100)\n", 1e3 * decode_s,
+                  1e3 * pl.budget_s);
+    assert_true(fabs(pl.budget_s - PACE_BUDGET_DECODES * decode_s) < 1e-6 * decode_s);
+    int got = pace_plan_chunk(&pl, 512, 0);
+    double step = engine_pace_predict(&p, &pl.work);
+    assert_true(got > 16);
+    assert_true(step <= pl.budget_s);
+    struct pace_work more = pace_chunk_work(got + 1, 0);
+    more.tokens += dec.tokens;
+    more.pairs += dec.pairs;
+    assert_true(engine_pace_predict(&p, &more) > pl.budget_s);
+    int fixed = brute_chunk(c0, c1, c2, 0.100, 4096, 0, 512); /* what 100 ms held */
+    print_message("chunk %d tokens, step %.1f ms (100 ms: %d)\n", got, 1e3 * step, fixed);
+    assert_true(got < fixed / 2);
+
+    /* loaded: decodes four times slower; the budget stops at 100 ms */
+    struct engine_pace slow = {0};
+    observe_decodes(&slow, c0, c1, c2, 4.0);
+    pace_plan_start(&pl, &slow, 100, 1, &dec, 16);
+    assert_true(pl.budget_s == 0.100);
+    /* cheap decodes: the floor */
+    struct engine_pace fast = {0};
+    observe_decodes(&fast, c0, c1, c2, 0.5);
+    pace_plan_start(&pl, &fast, 100, 1, &dec, 16);
+    assert_true(pl.budget_s == PACE_BUDGET_FLOOR_S);
+    /* a configured budget below the floor still binds; none means none */
+    pace_plan_start(&pl, &fast, 10, 1, &dec, 16);
+    assert_true(pl.budget_s == 0.010);
+    pace_plan_start(&pl, &fast, 0, 1, &dec, 16);
+    assert_true(pl.budget_s == 0 && !pl.probe);
+    assert_int_equal(pace_plan_chunk(&pl, 512, 0), 512);
+
+    /* the decodes' timing goes stale: a probe every PACE_PROBE_STEPS */
+    for (int i = 0; i < PACE_PROBE_STEPS; i++) {
+        pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+        assert_false(pl.probe);
+        struct pace_work w = pace_chunk_work(32, 0);
+        engine_pace_observe(&p, &w, true, c0 + c1 * w.tokens + c2 * w.pairs);
+    }
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    assert_true(pl.probe);
+    engine_pace_observe(&p, &dec, false, decode_s);
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    assert_false(pl.probe);
+    /* a pace with set coefficients never probes (its speed is given) */
+    engine_pace_set(&p, c0, c1, c2);
+    p.since_decodes = PACE_PROBE_STEPS;
+    pace_plan_start(&pl, &p, 100, 1, &dec, 16);
+    assert_false(pl.probe);
 }
 
 /*
@@ -1043,6 +1152,7 @@ int main(void)
         cmocka_unit_test(test_generate_fill),
         cmocka_unit_test(test_pace_chunk_sizing),
         cmocka_unit_test(test_pace_chunk_efficiency),
+        cmocka_unit_test(test_pace_budget_follows_decodes),
         cmocka_unit_test(test_pace_fit),
         cmocka_unit_test(test_pace_served_chunks),
         cmocka_unit_test(test_serve_full_pool_queues),

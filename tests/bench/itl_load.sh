@@ -18,7 +18,8 @@
 # one binary runs with and without an option side by side (e.g. build/kvd
 # build/kvd@limits.step_budget=0, the scheduler without a time budget).
 # THREADS (default 2) is server.threads; ROUNDS (default 1) repeats the
-# set, rows interleaved. Prints, never asserts.
+# set, rows interleaved. LOGS=DIR keeps each row's server log there
+# (rowN.log, N counting rows as printed). Prints, never asserts.
 set -u
 [ $# -ge 2 ] || { echo "usage: $0 MODEL KVD[@KEY=VALUE,...] [KVD...]" >&2; exit 2; }
 model=$1; shift
@@ -48,6 +49,8 @@ row() { # binary[@key=value,...]
     kill -TERM $pid
     wait $pid 2>/dev/null
     pid=""
+    nrow=$((nrow + 1))
+    [ -n "${LOGS:-}" ] && cp "$tmp/log" "$LOGS/row$nrow.log"
     if [ ! -s "$tmp/csv" ]; then
         printf '%-40s failed: %s\n' "$1" "$(tail -n 1 "$tmp/load")"
         return
@@ -64,6 +67,7 @@ echo "model $model; $prompt-token prompts, $conc streams, $reqs requests of $max
     "$threads threads, prefix cache off${SET:+, --set $SET}"
 printf '%-40s %6s %4s %9s %9s %6s %9s %10s %7s %6s %6s\n' binary ok err "ITL p50" "ITL p99" "p99/50" \
     "out tok/s" "TTFT p50" "wall s" steps load
+nrow=0
 for r in $(seq "$rounds"); do
     for b in "$@"; do
         row "$b"
