@@ -124,7 +124,7 @@ static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 #define MM_PACK_FNT 12
 
 /* A batch of at most this many tokens (decoding) runs narrow tiles of up
- * to 8 row groups (4 pairs; q8_0 4 groups) instead of 2: more independent
+ * to 8 row groups (4 pairs; two q8_0 tokens 4 groups) instead of 2: more independent
  * sums in flight (matmul_pack.c, "Narrow tiles"). The driver hands such a
  * batch's pairs to the kernels MM_PACK_NARROW_PAIRS at a time where a
  * thread's share allows. */

@@ -87,12 +87,30 @@
  * matrices (143 MB): a plain read of the same bytes 4.3-4.9 ms; the layout
  * of separate groups (two quant runs and two scale runs per tile, breaking
  * every 9.8 KB) 8.3-10.2 ms, and a plain read in that order as slow; the
- * pair layout 5.2-7.1 ms. On top, the tile asks for its weights Q8_PREFETCH
- * bytes ahead into L2 (prefetcht1: the line then needs no L1 miss buffer
- * until it is loaded): 12-15% less time, best and median, in alternated
- * runs; into L1 (prefetcht0) it was slower. Splitting the 8 products of a
- * block into independent chains gave nothing: the tile is not waiting on
- * their latency.
+ * pair layout 5.2-7.1 ms. Splitting the 8 products of a block into
+ * independent chains gave nothing: the tile is not waiting on their
+ * latency.
+ *
+ * Software prefetch: none, except for f16 (F16_PREFETCH). The tiles used
+ * to ask for their weights 4 KiB ahead into L2 (prefetcht1) and it once
+ * measured 12-15% faster on one thread; measured again (the 211 matrices
+ * of the 576x30 step, each variant alternated step by step in one process,
+ * 25-200 steps, load 2-3.5), it is the slowest choice on both 1 and 2
+ * threads for q8_0, bf16 and f32: with it, 2 threads, medians, q8_0 3.05
+ * ms against 2.95 without; bf16 6.56 against 5.69; f32 11.16 against
+ * 9.67; one thread q8_0 5.62 -> 5.25, bf16 9.56 -> 8.10, f32 17.06 ->
+ * 15.47. A plain read of the same bytes sets the pace, and these tiles
+ * without prefetch reach it (one thread, q8_0 at 8 groups: 28.2 GB/s
+ * against the plain read's 29.0). The hardware's stream prefetchers do
+ * the work; the prefetch instructions only take load slots and miss
+ * buffers from the demand loads. prefetcht0 2 KiB ahead came within noise
+ * of none for q8_0 and bf16 and slower for f32. f16 exact is the
+ * exception: its widening makes ~4 times the instructions per byte of
+ * f32, so the out-of-order window covers a quarter of the bytes ahead and
+ * fewer misses are in flight; asking for lines into L1 2 KiB ahead keeps
+ * them in flight (2 threads: 7.70 ms with prefetcht1 4 KiB, 7.86 with
+ * none, 6.84 with prefetcht0 2 KiB; then distances 1, 2, 4, 8 KiB: 6.18,
+ * 6.23, 6.52, 6.65 against none 6.42).
  *
  * ---------------------------------------------------------------------------
  * Narrow tiles: decoding's chains
@@ -106,7 +124,9 @@
  * stall then leaves the chain behind, and it catches up at that rate only.
  * So a batch of at most MM_PACK_NARROW tokens runs narrow tiles of up to
  * N_MG = 8 groups (four pairs, four sequential streams) for float weights
- * and Q_MG = 4 for q8_0: f16 in L2 with 4 groups ~55 -> ~83 GB/s. Each
+ * and for one q8_0 token (Q_MG; two q8_0 tokens take 4, the register
+ * budget of 2 x 4 i32 and f32 sums): f16 in L2 with 4 groups ~55 -> ~83
+ * GB/s. Each
  * row's chain is the very sequence of operations it has in a 2-group tile,
  * so nothing changes in the bits, and the driver hands the kernels up to
  * four pairs at a time only where a thread's share holds them
@@ -122,9 +142,9 @@
  * kernel alone, one core, 576x576 in L2 (best call of 2,000), 4 -> 8
  * groups, 2 alternated pairs: bf16 pairs 129-142 -> 158-166 GB/s, f16
  * rounded 122-124 -> 162-166, f16 exact 93-102 -> 103-106, f32 87 -> 89-95.
- * The float tiles prefetch as Q8_PREFETCH says too
- * (f16 exact, 2 threads: 7.0-7.1 ms with, 7.9-8.0 without; the others
- * within noise).
+ * One q8_0 token in 8 groups rather than 4 (without prefetch, the 211
+ * matrices alternated step by step): 2 threads 2.95 -> 2.69 ms median,
+ * one thread 5.25 -> 4.79 ms.
  *
  * Measured (bench_prefill, one SmolLM-135M layer x 512 tokens, one
  * thread's CPU time, load ~12 on 2 cores): q8_0 314 GOPS = 68% of the
@@ -141,12 +161,9 @@
 
 #define P_MG 2          /* row groups per tile */
 #define N_MG 8 /* row groups per narrow float tile (MM_PACK_NARROW tokens at most) */
-#define Q_MG 4 /* row groups per narrow q8_0 tile: its 4 i32 + 4 f32 sums per token fit */
+#define Q_MG 8 /* row groups per narrow q8_0 tile of one token: 8 i32 + 8 f32 sums */
+#define Q_MG2 4 /* ... of MM_PACK_NARROW tokens: 4 i32 + 4 f32 sums per token fit */
 #define P_NT MM_PACK_NT /* tokens per tile */
-
-/* How far ahead a decoding tile asks for its weights (into L2): see
- * "Decoding" above. Past the end of the copy a prefetch does nothing. */
-#define Q8_PREFETCH 4096
 
 /* Group g's outputs for nt tokens from t0: the rows that exist (a padded
  * last group stores fewer lanes). */
@@ -189,12 +206,6 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
             for (int g = 0; g < mg; g++)
                 ia[g][t] = c;
         }
-        if (nt == 1) /* decoding: see Q8_PREFETCH */
-            for (int h = 0; h < (mg + 1) / 2; h++)
-                for (int l = 0; l < MM_PACK_Q8_PAIR / 64; l++)
-                    _mm_prefetch((const char *)pq[h] + (size_t)b * MM_PACK_Q8_PAIR + Q8_PREFETCH +
-                                     64 * l,
-                                 _MM_HINT_T1);
         for (int k = 0; k < 8; k++) {
             __m512i wv[Q_MG];
             for (int g = 0; g < mg; g++)
@@ -251,7 +262,8 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 Q8_TILES(1)
 Q8_TILES(2)
 
-/* The narrow tiles: mg (3 to N_MG) groups for nt tokens (1..MM_PACK_NARROW). */
+/* The narrow tiles: mg (3 to N_MG, or Q_MG2 for q8_0) groups for nt tokens
+ * (1..MM_PACK_NARROW). */
 #define NARROW_TILES(name, call, mg_)                                                              \
     static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
@@ -264,15 +276,28 @@ Q8_TILES(2)
 NARROW_TILES(q8_tile_3, Q8_CALL, 3)
 NARROW_TILES(q8_tile_4, Q8_CALL, 4)
 
+/* q8_0 tiles of 5 to Q_MG groups: one token only (decoding's narrowest). */
+#define Q8_ONE(mg_)                                                                                \
+    static void q8_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)                 \
+    {                                                                                              \
+        (void)nt;                                                                                  \
+        q8_tile(jb, g0, mg_, j, 1);                                                                \
+    }
+Q8_ONE(5)
+Q8_ONE(6)
+Q8_ONE(7)
+Q8_ONE(8)
+
 /* ------------------------------------------------------------------------
  * Float weights: f32 multiply-adds, the weights widened in registers
  * ------------------------------------------------------------------------ */
 
 #define F_NT MM_PACK_FNT /* tokens per tile: 2 x 12 accumulators */
 
-/* How far ahead a decoding float tile asks for its weights (into L2), as
- * Q8_PREFETCH. */
-#define F_PREFETCH 4096
+/* How far ahead a decoding f16 tile asks for its weights, into L1
+ * (prefetcht0): see "Decoding" above. Past the end of the copy a prefetch
+ * does nothing. */
+#define F16_PREFETCH 2048
 
 /* The 16 rows' element k at p, widened to f32 (exactly). */
 INLINE __m512 f_widen(enum ggml_type type, const uint8_t *p)
@@ -302,11 +327,9 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, in
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
     for (int k = 0; k < w->n_in; k++, xt += F_NT) {
-        if (nt == 1) /* decoding: see Q8_PREFETCH */
+        if (nt == 1 && type == GGML_TYPE_F16) /* decoding: F16_PREFETCH; step is one line */
             for (int h = 0; h < (mg + 1) / 2; h++)
-                for (size_t l = 0; l < step; l += 64)
-                    _mm_prefetch((const char *)pp[h] + (size_t)k * step + F_PREFETCH + l,
-                                 _MM_HINT_T1);
+                _mm_prefetch((const char *)pp[h] + (size_t)k * step + F16_PREFETCH, _MM_HINT_T0);
         __m512 wv[N_MG];
         for (int g = 0; g < mg; g++)
             wv[g] = f_widen(type, pp[g / 2] + (size_t)k * step + (size_t)(g % 2) * (step / 2));
@@ -377,14 +400,16 @@ typedef void tile_fn(const struct mm_pack_job *jb, int g0, int j, int nt);
 /* Row groups outside, token tiles inside: the groups' weights stay in
  * cache while the tiles [j0, j1) pass. A batch of MM_PACK_NARROW tokens at
  * most (decoding) is one narrow tile, taken N_MG groups at a time (Q_MG
- * for q8_0): see "Narrow tiles" above. */
+ * for one q8_0 token, Q_MG2 for two): see "Narrow tiles" above. */
 static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     tile_fn *by[N_MG + 1];
     int tnt = F_NT, nmg = N_MG;
     switch (jb->w->type) {
     case GGML_TYPE_Q8_0:
-        by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4, tnt = P_NT, nmg = Q_MG;
+        by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4;
+        by[5] = q8_tile_5, by[6] = q8_tile_6, by[7] = q8_tile_7, by[8] = q8_tile_8;
+        tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
         break;
     case GGML_TYPE_F32:
         by[1] = f32_tile_1, by[2] = f32_tile_2, by[3] = f32_tile_3, by[4] = f32_tile_4;

@@ -1095,7 +1095,8 @@ static void test_matmul_q8_0(void **state)
 }
 
 /* Decoding's narrow tiles (matmul_pack.c: up to 8 row groups of float
- * weights, 4 of q8_0, as many pairs as a thread's share holds): heights
+ * weights and of one q8_0 token, 4 for two q8_0 tokens, as many pairs as
+ * a thread's share holds): heights
  * whose shares give tiles of every group count from 1 to 8 at 1, 2 and 3
  * threads (200 rows: 13 groups, an odd last pair; 240: 15), 1 to 3 tokens,
  * each against the reference and bit for bit in a batch and alone. */
