@@ -1,8 +1,12 @@
 /*
  * bench_attn.h - the attention context the attention benchmarks of the
- * SmolLM-135M shape share (bench_decode, bench_prefill_attn): llama's RoPE
- * (NeoX pairs, theta 10000, every dimension rotated) or no position term,
- * scale 1/8 (head dim 64).
+ * SmolLM-135M shape share (bench_decode, bench_prefill_attn): RoPE (theta
+ * 10000, every dimension rotated) with the pairing the caller names, or no
+ * position term; scale 1/8 (head dim 64). A llama GGUF file (the bench
+ * models) pairs adjacent elements - kvd's loader reads llama so (model.c) -
+ * and NeoX pairs (i, i + half) belong to other architectures; the kernels
+ * de-interleave adjacent pairs as they read keys, so the two cost
+ * differently.
  */
 #ifndef KVD_BENCH_ATTN_H
 #define KVD_BENCH_ATTN_H
@@ -12,9 +16,11 @@
 
 #include "attention/attention.h"
 
-/* A context for n_head query heads over n_kv_head KV heads; exits naming bench on failure. */
+/* A context for n_head query heads over n_kv_head KV heads (pairing: RoPE only); exits naming
+ * bench on failure. */
 static inline attn_ctx *bench_attn_ctx(const char *bench, int n_head, int n_kv_head, int head_dim,
-                                       enum pos_kind kind, int threads)
+                                       enum pos_kind kind, enum pos_rope_pairing pairing,
+                                       int threads)
 {
     struct attn_params p = {.n_head = n_head,
                             .n_kv_head = n_kv_head,
@@ -25,7 +31,7 @@ static inline attn_ctx *bench_attn_ctx(const char *bench, int n_head, int n_kv_h
     if (kind == POS_ROPE) {
         p.pos.rope_theta = 10000.0f;
         p.pos.rope_dims = head_dim;
-        p.pos.rope_pairing = POS_ROPE_NEOX;
+        p.pos.rope_pairing = pairing;
         p.pos.rope_freq_scale = 1.0f;
     }
     char err[256];

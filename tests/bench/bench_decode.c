@@ -23,7 +23,8 @@
  * the kernel). At 4k, "hot cpu us" is the same call on one layer again and
  * again (K/V in the caches): the kernel's compute alone.
  *
- * Rows: RoPE (llama's keys are rotated as they are read), f16 and q8_0 K/V,
+ * Rows: RoPE with llama's adjacent pairs (each key de-interleaved and
+ * rotated as it is read, as the bench models decode), f16 and q8_0 K/V,
  * 1 and 2 threads, pages of 16 tokens (the default), at 4k, 16k and 32k
  * cached tokens. `bench_decode L` runs one context length only (any L up
  * to 131072: 64k and 128k need 1.5 and 3 GiB of f16 pool); `bench_decode L
@@ -140,7 +141,8 @@ static struct attn_kv kv_view(const struct filled *f, int l)
 
 static attn_ctx *ctx_for(int threads)
 {
-    return bench_attn_ctx("bench_decode", H, KVH, D, POS_ROPE, threads);
+    /* the bench models are llama files: adjacent pairs, as the model decodes them */
+    return bench_attn_ctx("bench_decode", H, KVH, D, POS_ROPE, POS_ROPE_ADJACENT, threads);
 }
 
 /* CPU seconds of the calling thread (the whole team when it runs alone). */

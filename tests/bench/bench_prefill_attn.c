@@ -93,7 +93,9 @@ static void time_chunk(int L, int threads, int trials, double *cpu, double *wall
                          .n_pages = pages};
     struct attn_seq seq = {.page_table = table, .pos = pos, .n_kv = n, .n_q = CHUNK,
                            .q_pos = qpos, .q = q, .out = out};
-    attn_ctx *ctx = bench_attn_ctx("bench_prefill_attn", H, KVH, D, POS_ROPE, threads);
+    /* NeoX pairs, as this bench has always measured (the models pair adjacent elements) */
+    attn_ctx *ctx =
+        bench_attn_ctx("bench_prefill_attn", H, KVH, D, POS_ROPE, POS_ROPE_NEOX, threads);
     *cpu = *wall = 1e30;
     for (int t = 0; t < trials; t++) {
         double t0 = bench_now(), c0 = thread_cpu();
