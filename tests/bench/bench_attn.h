@@ -4,9 +4,9 @@
  * 10000, every dimension rotated) with the pairing the caller names, or no
  * position term; scale 1/8 (head dim 64). A llama GGUF file (the bench
  * models) pairs adjacent elements - kvd's loader reads llama so (model.c) -
- * and NeoX pairs (i, i + half) belong to other architectures; the kernels
- * de-interleave adjacent pairs as they read keys, so the two cost
- * differently.
+ * and NeoX pairs (i, i + half) belong to other architectures. The kernels
+ * de-interleave adjacent pairs as they read keys; in one process, a 16k
+ * f16 decode layer costs the same with either pairing (alternated calls).
  */
 #ifndef KVD_BENCH_ATTN_H
 #define KVD_BENCH_ATTN_H
