@@ -169,10 +169,10 @@ static inline int32_t attn_window_floor(int32_t pos_q, int32_t window)
  * Memory to prefetch while a tile is scored (decode): the K and V rows of
  * the next head, or of the first head of the next tile - key t's rows at
  * k + koff[t] and v + voff[t], klines and vlines cache lines from there.
- * The SIMD qk requests key t's lines as it scores key t of its own head,
- * so the requests are spread evenly over its key loop, at the cost of one
- * offset load and a prefetch per line; n = 0 (or a NULL pointer) asks for
- * nothing.
+ * The SIMD qk requests key t's K lines as it scores key t of its own head
+ * and pv key t's V lines as it reaches key t, so the requests are spread
+ * evenly over both key loops, at the cost of one offset load and a prefetch
+ * per line; n = 0 (or a NULL pointer) asks for nothing.
  */
 struct attn_prefetch {
     const char *k, *v;
@@ -191,7 +191,10 @@ struct attn_prefetch {
 struct attn_ops {
     const char *name;
 
-    /* S[r][t] = q[r] . k_t for r < nrows, t < nt (columns up to ATTN_TILE may be written). */
+    /*
+     * S[r][t] = q[r] . k_t for r < nrows, t < nt (columns up to ATTN_TILE
+     * may be written); pf (or NULL): ask for its keys' K lines.
+     */
     void (*qk)(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
                enum attn_type type, int head_dim, const struct attn_prefetch *pf);
 
@@ -219,9 +222,13 @@ struct attn_ops {
     void (*probs)(float *s, int nt, const int32_t *kpos, int32_t pos_q, const struct attn_bias *b,
                   float m, float inv_l);
 
-    /* acc[r][:] += sum_{t < nt} P[r][t] * v_t, acc rows head_dim apart, P rows ATTN_TILE apart. */
+    /*
+     * acc[r][:] += sum_{t < nt} P[r][t] * v_t, acc rows head_dim apart, P
+     * rows ATTN_TILE apart. pf (or NULL): as it reaches key t, ask for the
+     * V lines of pf's key t (qk asks for the K lines).
+     */
     void (*pv)(float *acc, int nrows, const float *P, const void *const *vp, int nt,
-               enum attn_type type, int head_dim);
+               enum attn_type type, int head_dim, const struct attn_prefetch *pf);
 
     /*
      * out[t][:] = k_t converted to f32 and, when rot > 0, rotated: the first

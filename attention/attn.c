@@ -980,7 +980,8 @@ static void tile_head(const attn_ctx *ctx, struct tscratch *w, const struct attn
                          w->rpos[r + i], &w->bias[r + i], &w->m[r + i], &w->l[r + i],
                          w->acc + (size_t)(r + i) * D, D);
         }
-        ops->pv(w->acc + (size_t)r * D, n, w->S, w->vp, nt, vt, D);
+        /* the flash tile asked for the next tile's V lines with its K lines */
+        ops->pv(w->acc + (size_t)r * D, n, w->S, w->vp, nt, vt, D, flash ? NULL : pf);
     }
 }
 
@@ -1118,7 +1119,7 @@ static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct at
     for (int i = 0; i < rows_h; i++)
         ops->softmax(w->S + (size_t)i * ATTN_TILE, nt, w->kpos, w->rpos[r0 + i], &w->bias[r0 + i],
                      &w->m[r0 + i], &w->l[r0 + i], w->acc + (size_t)(r0 + i) * D, D);
-    ops->pv(w->acc + (size_t)r0 * D, rows_h, w->S, w->vp, nt, vt, D);
+    ops->pv(w->acc + (size_t)r0 * D, rows_h, w->S, w->vp, nt, vt, D, pf);
 }
 
 /*

@@ -114,8 +114,9 @@ static void probs_scalar(float *s, int nt, const int32_t *kpos, int32_t pos_q,
 }
 
 static void pv_scalar(float *acc, int nrows, const float *P, const void *const *vp, int nt,
-                      enum attn_type type, int D)
+                      enum attn_type type, int D, const struct attn_prefetch *pf)
 {
+    (void)pf; /* as in qk_scalar */
     float v[1024];
     for (int t = 0; t < nt; t++) {
         row_to_f32(v, vp[t], 0, D, type);

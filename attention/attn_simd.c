@@ -489,37 +489,54 @@ INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int
 }
 
 /*
- * Request the lines of keys [t0, t1)'s rows in pf (those it has), as qk
- * scores keys t0..t1-1 of its own head. The hint is T1 (into L2, not L1):
- * on the AVX-512 EPYC that was measured, requests into L1 fill the core's
- * few L1 miss buffers, and the loop stalls on its own prefetches (25-40% of
- * qk's samples fell on them); into L2 the same requests cost a 16k-token
- * layer ~0.75x the time on one thread (bench_decode, alternated in one
- * process). The rows come from L2 when the loop reaches them a head later.
+ * Request the K lines of keys [t0, t1) in pf (those it has), as qk scores
+ * keys t0..t1-1 of its own head; pv asks for the same keys' V lines as it
+ * walks its own keys (prefetch_v). The hint is T1 (into L2, not L1): on the
+ * AVX-512 EPYC that was measured, requests into L1 fill the core's few L1
+ * miss buffers, and the loop stalls on its own prefetches (25-40% of qk's
+ * samples fell on them); into L2 the same requests cost a 16k-token layer
+ * ~0.75x the time on one thread (bench_decode, alternated in one process).
+ * The rows come from L2 when the loop reaches them a head later.
+ *
+ * Why K here and V in pv: asked for together in qk, a tile's K and V lines
+ * (four per key at head dim 64) still crowded the miss buffers - a quarter
+ * of qk's samples fell on the V requests - while pv, a third of the work,
+ * asked for none. Spread over both loops the same requests cost a 16k
+ * layer 2-4% less with f16 K/V and 5-7% less with q8_0 (bench_decode's
+ * rows, alternated in one process, 1 and 2 threads, 16k and 64k).
  */
-INLINE void prefetch_keys(const struct attn_prefetch *pf, int t0, int t1)
+INLINE void prefetch_k(const struct attn_prefetch *pf, int t0, int t1)
 {
     if (!pf)
         return;
     t1 = t1 < pf->n ? t1 : pf->n;
-    if (pf->klines <= 2 && pf->vlines <= 2) { /* rows of up to 128 bytes: no inner loops */
-        const int ks = pf->klines > 1 ? 64 : 0, vs = pf->vlines > 1 ? 64 : 0;
+    if (pf->klines <= 2) { /* rows of up to 128 bytes: no inner loop */
+        const int ks = pf->klines > 1 ? 64 : 0;
         for (int t = t0; t < t1; t++) {
-            const char *k = pf->k + pf->koff[t], *v = pf->v + pf->voff[t];
+            const char *k = pf->k + pf->koff[t];
             _mm_prefetch(k, _MM_HINT_T1);
             _mm_prefetch(k + ks, _MM_HINT_T1);
-            _mm_prefetch(v, _MM_HINT_T1);
-            _mm_prefetch(v + vs, _MM_HINT_T1);
         }
         return;
     }
-    for (int t = t0; t < t1; t++) {
-        const char *k = pf->k + pf->koff[t], *v = pf->v + pf->voff[t];
+    for (int t = t0; t < t1; t++)
         for (int l = 0; l < pf->klines; l++)
-            _mm_prefetch(k + 64 * l, _MM_HINT_T1);
-        for (int l = 0; l < pf->vlines; l++)
-            _mm_prefetch(v + 64 * l, _MM_HINT_T1);
+            _mm_prefetch(pf->k + pf->koff[t] + 64 * l, _MM_HINT_T1);
+}
+
+/* Key t's V lines in pf (when it has key t), as pv reaches its own key t. */
+INLINE void prefetch_v(const struct attn_prefetch *pf, int t)
+{
+    if (!pf || t >= pf->n)
+        return;
+    const char *v = pf->v + pf->voff[t];
+    if (pf->vlines <= 2) {
+        _mm_prefetch(v, _MM_HINT_T1);
+        _mm_prefetch(v + (pf->vlines > 1 ? 64 : 0), _MM_HINT_T1);
+        return;
     }
+    for (int l = 0; l < pf->vlines; l++)
+        _mm_prefetch(v + 64 * l, _MM_HINT_T1);
 }
 
 /* Key chunks of VL outer (with their prefetches), row blocks inner. */
@@ -527,7 +544,7 @@ INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *con
                      enum attn_type T, int D, const struct attn_prefetch *pf)
 {
     for (int c0 = 0; c0 < nt; c0 += VL) {
-        prefetch_keys(pf, c0, c0 + VL);
+        prefetch_k(pf, c0, c0 + VL);
         int r = 0;
         for (; r + 3 <= nrows; r += 4) {
             /* three rows (a GQA group of 3) take a 4-row block, the last row
@@ -697,7 +714,7 @@ INLINE void qk3_rope(float *S, const float *const *q, const void *const *kp, int
         for (int j = 0; j < D / VL; j++)
             qv[r][j] = vload(q[r] + j * VL);
     for (int t0 = 0; t0 < nt; t0 += QK3_KB) {
-        prefetch_keys(pf, t0, t0 + QK3_KB);
+        prefetch_k(pf, t0, t0 + QK3_KB);
         qk3_rope_block(S, qv, kp, t0, T, D, neox, cs, sn, ld);
     }
 }
@@ -711,7 +728,7 @@ INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void
         return;
     }
     for (int c0 = 0; c0 < nt; c0 += VL) {
-        prefetch_keys(pf, c0, c0 + VL);
+        prefetch_k(pf, c0, c0 + VL);
         int r = 0;
         for (; r + 3 <= nrows; r += 4) {
             /* as in qk_typed: three rows in a 4-row block, so each key is
@@ -874,7 +891,8 @@ static void probs_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
 
 /* RB rows x NV vectors of output starting at element d0; n = lanes of the last vector. */
 INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, int nt,
-                     enum attn_type T, int d0, int n, const int RB, const int NV)
+                     enum attn_type T, int d0, int n, const int RB, const int NV,
+                     const struct attn_prefetch *pf)
 {
     vf a[PV_RB][PV_NV];
 #pragma GCC unroll 8
@@ -883,6 +901,7 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
         for (int j = 0; j < NV; j++)
             a[r][j] = vload_n(acc + (size_t)r * D + d0 + j * VL, j == NV - 1 ? n : VL);
     for (int t = 0; t < nt; t++) {
+        prefetch_v(pf, t);
         vf v[PV_NV];
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++)
@@ -902,28 +921,32 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
             vstore_n(acc + (size_t)r * D + d0 + j * VL, a[r][j], j == NV - 1 ? n : VL);
 }
 
+/* pf's V lines are asked for once, by the first block's walk over the keys. */
 INLINE void pv_rows(float *acc, int D, const float *P, const void *const *vp, int nt,
-                    enum attn_type T, const int RB)
+                    enum attn_type T, const int RB, const struct attn_prefetch *pf)
 {
     int d0 = 0;
     for (; d0 + PV_NV * VL <= D; d0 += PV_NV * VL)
-        pv_block(acc, D, P, vp, nt, T, d0, VL, RB, PV_NV);
+        pv_block(acc, D, P, vp, nt, T, d0, VL, RB, PV_NV, d0 ? NULL : pf);
     for (; d0 < D; d0 += VL)
-        pv_block(acc, D, P, vp, nt, T, d0, D - d0 < VL ? D - d0 : VL, RB, 1);
+        pv_block(acc, D, P, vp, nt, T, d0, D - d0 < VL ? D - d0 : VL, RB, 1, d0 ? NULL : pf);
 }
 
 INLINE void pv_typed(float *acc, int nrows, const float *P, const void *const *vp, int nt,
-                     enum attn_type T, int D)
+                     enum attn_type T, int D, const struct attn_prefetch *pf)
 {
     int r = 0;
     for (; r + PV_RB <= nrows; r += PV_RB)
-        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, PV_RB);
+        pv_rows(acc + (size_t)r * D, D, P + (size_t)r * ATTN_TILE, vp, nt, T, PV_RB,
+                r ? NULL : pf);
+    if (r)
+        pf = NULL;
     /* the rest in one block, so each value row is loaded once (GQA groups of 3 and 2) */
     acc += (size_t)r * D;
     P += (size_t)r * ATTN_TILE;
 #define PV_REST(k)                                                                                 \
     case k:                                                                                        \
-        pv_rows(acc, D, P, vp, nt, T, k);                                                          \
+        pv_rows(acc, D, P, vp, nt, T, k, pf);                                                      \
         break;
     switch (nrows - r) {
         PV_REST(5)
@@ -936,20 +959,20 @@ INLINE void pv_typed(float *acc, int nrows, const float *P, const void *const *v
 }
 
 INLINE void pv_types(float *acc, int nrows, const float *P, const void *const *vp, int nt,
-                     enum attn_type type, int D)
+                     enum attn_type type, int D, const struct attn_prefetch *pf)
 {
     switch (type) {
     case ATTN_F32:
-        pv_typed(acc, nrows, P, vp, nt, ATTN_F32, D);
+        pv_typed(acc, nrows, P, vp, nt, ATTN_F32, D, pf);
         break;
     case ATTN_F16:
-        pv_typed(acc, nrows, P, vp, nt, ATTN_F16, D);
+        pv_typed(acc, nrows, P, vp, nt, ATTN_F16, D, pf);
         break;
     case ATTN_BF16:
-        pv_typed(acc, nrows, P, vp, nt, ATTN_BF16, D);
+        pv_typed(acc, nrows, P, vp, nt, ATTN_BF16, D, pf);
         break;
     case ATTN_Q8_0: /* read as stored by decode_head; the flash tile dequantises */
-        pv_typed(acc, nrows, P, vp, nt, ATTN_Q8_0, D);
+        pv_typed(acc, nrows, P, vp, nt, ATTN_Q8_0, D, pf);
         break;
     case ATTN_Q4_0: /* dequantised by the caller (attn.c) */
         break;
@@ -957,14 +980,14 @@ INLINE void pv_types(float *acc, int nrows, const float *P, const void *const *v
 }
 
 static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp, int nt,
-                    enum attn_type type, int D)
+                    enum attn_type type, int D, const struct attn_prefetch *pf)
 {
     if (D == 64)
-        pv_types(acc, nrows, P, vp, nt, type, 64);
+        pv_types(acc, nrows, P, vp, nt, type, 64, pf);
     else if (D == 128)
-        pv_types(acc, nrows, P, vp, nt, type, 128);
+        pv_types(acc, nrows, P, vp, nt, type, 128, pf);
     else
-        pv_types(acc, nrows, P, vp, nt, type, D);
+        pv_types(acc, nrows, P, vp, nt, type, D, pf);
 }
 
 /* ------------------------------------------------------------------------
