@@ -104,7 +104,7 @@
 #define WHOLE_ROWS 64       /* a sequence of at most this many rows is one unit (decode) */
 #define FLASH_PASS 48       /* rows per pass over a staged flash tile (tile_head) */
 #define SPLIT_PER_THREAD 4  /* items per thread the split-K aims for */
-#define MIN_SPLIT_KEYS 256  /* keys per split part, at least */
+#define MIN_SPLIT_KEYS 128  /* keys per split part, at least */
 
 /* ------------------------------------------------------------------------
  * Types
@@ -575,14 +575,22 @@ static bool whole_sequence_unit(const attn_ctx *ctx, const struct attn_seq *sq)
     return (long)sq->n_q * ctx->p.n_head <= whole;
 }
 
-/* Number of parts a range of n keys with the given cost splits into, and its chunk size. */
-static int split_range(int n, double cost, double target, int *chunk)
+/*
+ * Number of parts a range of n keys with the given cost splits into, and
+ * its chunk size. Where the key floor (MIN_SPLIT_KEYS) leaves fewer parts
+ * than the cost asks for, their count is rounded down to a multiple of the
+ * nth threads: a decode step's one unit over ~1000 keys made 3 parts for 2
+ * threads, and one thread ran two of them while the other waited.
+ */
+static int split_range(int n, double cost, double target, int nth, int *chunk)
 {
     int nsplit = 1;
     if (target > 0 && cost > target) {
         double want = ceil(cost / target);
         int most = n / MIN_SPLIT_KEYS;
         nsplit = want < most ? (int)want : most;
+        if (nsplit == most && nsplit > nth)
+            nsplit -= nsplit % nth;
         if (nsplit < 1)
             nsplit = 1;
     }
@@ -638,7 +646,7 @@ static void plan(attn_ctx *ctx, const struct attn_seq *seqs, int n_seqs, int *n_
         struct unit *u = &ctx->units[ui];
         double cost = (double)u->rows * (u->k_end + 1);
         int chunk;
-        u->nsplit = split_range(u->k_end, cost, target, &chunk);
+        u->nsplit = split_range(u->k_end, cost, target, ctx->n_threads, &chunk);
         u->part0 = part;
         if (u->nsplit > 1)
             part += (size_t)u->nsplit * u->rows;
@@ -660,7 +668,7 @@ static void plan(attn_ctx *ctx, const struct attn_seq *seqs, int n_seqs, int *n_
             continue; /* no queries: zeroed after the parallel region */
         double cost = (double)sq->n_q * H * (sq->n_kv + 1);
         int chunk;
-        int n = split_range(sq->n_kv, cost, target_m, &chunk);
+        int n = split_range(sq->n_kv, cost, target_m, ctx->n_threads, &chunk);
         for (int i = 0; i < n; i++) {
             struct item *it = &ctx->items[ni++];
             it->kind = ITEM_MASS;
