@@ -102,6 +102,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }
+    /* KVD_Q4_0=stored keeps Q4_0 weights in 4-bit rows (model/quant.h) */
+    if (mm_q4_0_init_env(err, sizeof(err))) {
+        fprintf(stderr, "kvd: %s\n", err);
+        return 2;
+    }
     /* KVD_HUGE_PAGES=off: the repacked weights and the KV pool in 4 KiB pages (cpu/mem.h) */
     if (cpu_pages_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);

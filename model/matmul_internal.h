@@ -95,9 +95,16 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
 
 /* Bytes of one pair of groups (2 x MM_PACK_ROWS rows) of w, repacked (0: a
  * type that is never repacked). */
+/* Whether w is repacked as int8 blocks: q8_0, and q4_0 widened to it
+ * (matmul_pack_run.c: each nibble minus 8, the block's own scale). */
+static inline bool mm_pack_int8(const struct mm_weight *w)
+{
+    return w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q4_0;
+}
+
 static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 {
-    if (w->type == GGML_TYPE_Q8_0)
+    if (mm_pack_int8(w))
         return (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_PAIR;
     if (w->type == GGML_TYPE_F32)
         return (size_t)w->n_in * 2 * MM_PACK_ROWS * 4;

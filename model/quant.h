@@ -308,6 +308,17 @@ const char *mm_pack_kernel_name(void);
 void mm_f16_set_bf16(bool on);
 bool mm_f16_bf16(void);
 int mm_f16_init_env(char *err, size_t errlen);
+/*
+ * Q4_0 weights at a level with kernels over repacked int8 blocks are
+ * widened to them when packed (exact: each nibble minus 8, the block's own
+ * scale; 34 bytes per 32 weights instead of 18) unless
+ * mm_q4_0_set_int8(false) was called before; mm_q4_0_init_env sets it
+ * from KVD_Q4_0=int8|stored (unset or empty: unchanged), or returns -1
+ * with err naming the variable.
+ */
+void mm_q4_0_set_int8(bool on);
+bool mm_q4_0_int8(void);
+int mm_q4_0_init_env(char *err, size_t errlen);
 const char *mm_bf16_describe(char *buf, size_t len);
 /* mm_matmul_scratch's work for a weight with mm_pack_ready, and its scratch. */
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);

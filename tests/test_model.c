@@ -1006,16 +1006,34 @@ static void test_load_info(void **state)
     }
     model_free(m);
 
-    /* a type without repacked kernels (q4_0): every product matrix copied
-     * row for row into the owned pages, the embedding left as mapped */
+    /* q4_0: widened to int8 blocks where the level has repacked kernels */
     p.type = GGML_TYPE_Q4_0;
     write_model(&p, "info_q4_0.gguf", path, sizeof(path));
     m = load_model(path);
     model_pack_describe(m, line, sizeof line);
     print_message("  weights: %s\n", line);
+    if (mm_pack_kernel_name()) {
+        assert_int_equal(m->pack_count, 15);
+        assert_int_equal(m->pack_q4_0, 15);
+        assert_true(m->pack_bytes >= 15 * 16 * 34 * 2); /* int8 blocks, not nibbles */
+        assert_non_null(strstr(line, "15 of them q4_0 widened to int8"));
+        assert_true(m->output.packed && mm_pack_ready(&m->output));
+    }
+    model_free(m);
+
+    /* kept as stored (KVD_Q4_0=stored, or a level without repacked
+     * kernels): every product matrix copied row for row into the owned
+     * pages, the embedding left as mapped */
+    mm_q4_0_set_int8(false);
+    m = load_model(path);
+    mm_q4_0_set_int8(true);
+    model_pack_describe(m, line, sizeof line);
+    print_message("  weights: %s\n", line);
     assert_int_equal(m->pack_count, 0);
-    assert_int_equal(m->pack_copied, 15);
-    assert_non_null(strstr(line, "15 copied as stored (no repacked kernels for q4_0"));
+    assert_int_equal(m->pack_copied + m->pack_q4_0_kept, 15);
+    assert_non_null(strstr(line, mm_pack_kernel_name() ? "15 q4_0 copied as stored (KVD_Q4_0=stored)"
+                                                       : "15 copied as stored (no repacked "
+                                                         "kernels for q4_0"));
     const uint8_t *lo = m->pack_mem, *hi = lo + m->pack_bytes;
     struct mm_weight *wq4[] = {&m->layers[0].wq, &m->layers[1].down, &m->output};
     for (int k = 0; k < 3; k++) {
