@@ -102,8 +102,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }
-    /* KVD_Q4_0=stored keeps Q4_0 weights in 4-bit rows (model/quant.h) */
-    if (mm_q4_0_init_env(err, sizeof(err))) {
+    /* KVD_WIDEN=stored keeps Q4_0/Q5_0/IQ4_NL weights as stored (model/quant.h) */
+    if (mm_widen_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }

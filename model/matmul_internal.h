@@ -95,11 +95,10 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
 
 /* Bytes of one pair of groups (2 x MM_PACK_ROWS rows) of w, repacked (0: a
  * type that is never repacked). */
-/* Whether w is repacked as int8 blocks: q8_0, and q4_0 widened to it
- * (matmul_pack_run.c: each nibble minus 8, the block's own scale). */
+/* Whether w is repacked as int8 blocks: q8_0, and the types widened to it. */
 static inline bool mm_pack_int8(const struct mm_weight *w)
 {
-    return w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q4_0;
+    return w->type == GGML_TYPE_Q8_0 || mm_widens_to_int8(w->type);
 }
 
 static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)

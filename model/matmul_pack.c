@@ -408,6 +408,8 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, 
     switch (jb->w->type) {
     case GGML_TYPE_Q8_0:
     case GGML_TYPE_Q4_0: /* widened to int8 blocks when packed */
+    case GGML_TYPE_Q5_0:
+    case GGML_TYPE_IQ4_NL:
         by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4;
         by[5] = q8_tile_5, by[6] = q8_tile_6, by[7] = q8_tile_7, by[8] = q8_tile_8;
         tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
@@ -467,7 +469,7 @@ static void quantize_avx512(const struct mm_pack_job *jb, const float *xt, int t
 
 static bool has_avx512(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_F32 ||
+    return type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || type == GGML_TYPE_F32 ||
            type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
 }
 

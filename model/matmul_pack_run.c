@@ -6,8 +6,8 @@
  * variants, each with its own preparation of a token's activations and
  * its own kernel over row groups x token tiles, under the same split:
  *
- *   q8_0, q4_0    quantised by the level's kernel (matmul_pack.c); q4_0
- *                 rows are widened to q8_0's int8 blocks when packed;
+ *   q8_0          quantised by the level's kernel (matmul_pack.c); q4_0,
+ *                 q5_0 and iq4_nl rows widened to its int8 blocks;
  *   f32, f16      transposed by tiles, exact f32 FMA (matmul_pack.c);
  *   bf16 pairs    rounded to bf16 pairs by tiles, vdpbf16ps (matmul_bf16.c).
  *
@@ -82,44 +82,48 @@ int mm_f16_init_env(char *err, size_t errlen)
 }
 
 /* ------------------------------------------------------------------------
- * q4_0 widened to int8 blocks
+ * q4_0, q5_0 and iq4_nl widened to int8 blocks
  *
- * A q4_0 block is 32 nibbles u and a scale d, each weight d * (u - 8).
- * Stored again as a q8_0 block (the int8 u - 8, the same d) it is the same
- * numbers exactly, and runs the repacked q8_0 kernels: on the 576x30
- * shape `kvd generate` decoded 1.6x the tokens per second of matmul.c's
- * q4_0 kernel (324-350 against 208-215 after 512 tokens) and prefilled 2x
- * (1898-1928 against 951-969 tok/s, 2k tokens), 2 threads, alternated, at
- * 1.9x the bytes of the q4_0 rows (34 per 32 weights instead of 18). Memory-bound decoding would want a kernel over
- * the nibbles themselves (half q8_0's bytes); until one exists, the wider
- * copy is the faster one at every length measured. KVD_Q4_0=stored (or
- * mm_q4_0_set_int8(false)) keeps the 4-bit rows and matmul.c's kernel, for
- * whoever needs the memory; the load line says which was done. Taken when
- * a weight is packed, as the F16 choice below.
+ * A block of these formats is 32 small integers and an f16 scale d (q4_0:
+ * each weight d * (u - 8), u a nibble; q5_0: d * (u - 16), u of 5 bits;
+ * iq4_nl: d * a table's int8 entry picked by a nibble). Stored again as a
+ * q8_0 block (those int8 values, the same d) it is the same numbers
+ * exactly, and runs the repacked q8_0 kernels. q4_0 on the 576x30 shape:
+ * `kvd generate` decoded 1.6x the tokens per second of matmul.c's q4_0
+ * kernel (324-350 against 208-215 after 512 tokens) and prefilled 2x
+ * (1898-1928 against 951-969 tok/s, 2k tokens), 2 threads, alternated; q5_0
+ * and iq4_nl ran matmul_blocks.c's AVX2 kernel at a third of q4_0's speed
+ * (bench_matmul). The cost is q8_0's 34 bytes per 32 weights, against 18
+ * (q4_0, iq4_nl) or 22 (q5_0). Memory-bound decoding would want kernels
+ * over the stored bits (half q8_0's bytes); until they exist the wider copy
+ * is the faster one at every length measured. KVD_WIDEN=stored (or
+ * mm_widen_set(false)) keeps the stored rows and their kernels, for whoever
+ * needs the memory; the load line says which was done. Taken when a weight
+ * is packed, as the F16 choice below.
  * ------------------------------------------------------------------------ */
 
-static _Atomic int q4_0_int8 = 1;
+static _Atomic int widen_int8 = 1;
 
-void mm_q4_0_set_int8(bool on)
+void mm_widen_set(bool on)
 {
-    atomic_store_explicit(&q4_0_int8, on, memory_order_relaxed);
+    atomic_store_explicit(&widen_int8, on, memory_order_relaxed);
 }
 
-bool mm_q4_0_int8(void)
+bool mm_widen(void)
 {
-    return atomic_load_explicit(&q4_0_int8, memory_order_relaxed);
+    return atomic_load_explicit(&widen_int8, memory_order_relaxed);
 }
 
-int mm_q4_0_init_env(char *err, size_t errlen)
+int mm_widen_init_env(char *err, size_t errlen)
 {
-    const char *v = getenv("KVD_Q4_0");
+    const char *v = getenv("KVD_WIDEN");
     if (!v || !*v)
         return 0;
     if (strcmp(v, "int8") && strcmp(v, "stored")) {
-        snprintf(err, errlen, "KVD_Q4_0: unknown value '%s' (int8, stored)", v);
+        snprintf(err, errlen, "KVD_WIDEN: unknown value '%s' (int8, stored)", v);
         return -1;
     }
-    mm_q4_0_set_int8(!strcmp(v, "int8"));
+    mm_widen_set(!strcmp(v, "int8"));
     return 0;
 }
 
@@ -174,7 +178,7 @@ size_t mm_pack_bytes(const struct mm_weight *w)
 {
     if (bf16_wants(w))
         return n_pairs(w) * mm_bf16_pair_bytes(w);
-    if (!pkern()->has(w->type) || (w->type == GGML_TYPE_Q4_0 && !w->packed && !mm_q4_0_int8()))
+    if (!pkern()->has(w->type) || (mm_widens_to_int8(w->type) && !w->packed && !mm_widen()))
         return 0;
     return n_pairs(w) * mm_pack_pair_bytes(w);
 }
@@ -185,17 +189,23 @@ static const uint8_t *row_or_pad(const struct mm_weight *w, size_t o)
     return o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
 }
 
-/* Block blk's 32 weights as int8 (q8_0's as stored, q4_0's nibbles minus 8);
- * its scale is its first two bytes in both formats. */
-static void block_int8(enum ggml_type type, const uint8_t *blk, int8_t *v)
+/* Block b of row as 32 int8 weights (q8_0's as stored, q4_0's nibbles
+ * minus 8, q5_0's and iq4_nl's as quant_blocks.c decodes them: one scale,
+ * no min); its scale is the block's first two bytes in every one of them. */
+static void block_int8(enum ggml_type type, const uint8_t *row, int b, int8_t *v)
 {
+    const uint8_t *blk = row + qt_row_bytes(type, QT_QK) * (size_t)b;
     if (type == GGML_TYPE_Q8_0) {
         memcpy(v, blk + 2, 32);
-        return;
-    }
-    for (int j = 0; j < 16; j++) { /* q4_0: low nibbles are elements 0..15, high 16..31 */
-        v[j] = (int8_t)((blk[2 + j] & 15) - 8);
-        v[16 + j] = (int8_t)((blk[2 + j] >> 4) - 8);
+    } else if (type == GGML_TYPE_Q4_0) {
+        for (int j = 0; j < 16; j++) { /* low nibbles are elements 0..15, high 16..31 */
+            v[j] = (int8_t)((blk[2 + j] & 15) - 8);
+            v[16 + j] = (int8_t)((blk[2 + j] >> 4) - 8);
+        }
+    } else {
+        float s[2], mn[2];
+        qt_block32_decode(type, row, b, v, s, mn);
+        assert(s[0] == s[1] && mn[0] == 0.0f && mn[1] == 0.0f);
     }
 }
 
@@ -204,7 +214,7 @@ static void block_int8(enum ggml_type type, const uint8_t *blk, int8_t *v)
 static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
     const int nb = w->n_in / QT_QK;
-    const size_t bb = w->type == GGML_TYPE_Q8_0 ? 34 : 18;
+    const size_t bb = qt_row_bytes(w->type, QT_QK);
     for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
         const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
         const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
@@ -212,7 +222,7 @@ static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
             const uint8_t *blk = row ? row + bb * (size_t)b : NULL;
             int8_t v[32] = {0};
             if (blk)
-                block_int8(w->type, blk, v);
+                block_int8(w->type, row, b, v);
             uint8_t *q = dst + (size_t)b * MM_PACK_Q8_PAIR + 64 * g + 4 * lane;
             for (int k = 0; k < 8; k++)
                 for (int j = 0; j < 4; j++)

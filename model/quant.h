@@ -309,16 +309,20 @@ void mm_f16_set_bf16(bool on);
 bool mm_f16_bf16(void);
 int mm_f16_init_env(char *err, size_t errlen);
 /*
- * Q4_0 weights at a level with kernels over repacked int8 blocks are
- * widened to them when packed (exact: each nibble minus 8, the block's own
- * scale; 34 bytes per 32 weights instead of 18) unless
- * mm_q4_0_set_int8(false) was called before; mm_q4_0_init_env sets it
- * from KVD_Q4_0=int8|stored (unset or empty: unchanged), or returns -1
- * with err naming the variable.
+ * Q4_0, Q5_0 and IQ4_NL weights at a level with kernels over repacked int8
+ * blocks are widened to q8_0's blocks when packed (exact: the same integers
+ * and scale; 34 bytes per 32 weights instead of 18 or 22) unless
+ * mm_widen_set(false) was called before; mm_widen_init_env sets it from
+ * KVD_WIDEN=int8|stored (unset or empty: unchanged), or returns -1 with
+ * err naming the variable.
  */
-void mm_q4_0_set_int8(bool on);
-bool mm_q4_0_int8(void);
-int mm_q4_0_init_env(char *err, size_t errlen);
+static inline bool mm_widens_to_int8(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_IQ4_NL;
+}
+void mm_widen_set(bool on);
+bool mm_widen(void);
+int mm_widen_init_env(char *err, size_t errlen);
 const char *mm_bf16_describe(char *buf, size_t len);
 /* mm_matmul_scratch's work for a weight with mm_pack_ready, and its scratch. */
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);

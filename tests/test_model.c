@@ -1014,24 +1014,24 @@ static void test_load_info(void **state)
     print_message("  weights: %s\n", line);
     if (mm_pack_kernel_name()) {
         assert_int_equal(m->pack_count, 15);
-        assert_int_equal(m->pack_q4_0, 15);
+        assert_int_equal(m->pack_widened, 15);
         assert_true(m->pack_bytes >= 15 * 16 * 34 * 2); /* int8 blocks, not nibbles */
-        assert_non_null(strstr(line, "15 of them q4_0 widened to int8"));
+        assert_non_null(strstr(line, "15 of them widened to int8 blocks"));
         assert_true(m->output.packed && mm_pack_ready(&m->output));
     }
     model_free(m);
 
-    /* kept as stored (KVD_Q4_0=stored, or a level without repacked
+    /* kept as stored (KVD_WIDEN=stored, or a level without repacked
      * kernels): every product matrix copied row for row into the owned
      * pages, the embedding left as mapped */
-    mm_q4_0_set_int8(false);
+    mm_widen_set(false);
     m = load_model(path);
-    mm_q4_0_set_int8(true);
+    mm_widen_set(true);
     model_pack_describe(m, line, sizeof line);
     print_message("  weights: %s\n", line);
     assert_int_equal(m->pack_count, 0);
-    assert_int_equal(m->pack_copied + m->pack_q4_0_kept, 15);
-    assert_non_null(strstr(line, mm_pack_kernel_name() ? "15 q4_0 copied as stored (KVD_Q4_0=stored)"
+    assert_int_equal(m->pack_copied + m->pack_kept, 15);
+    assert_non_null(strstr(line, mm_pack_kernel_name() ? "15 copied as stored (KVD_WIDEN=stored)"
                                                        : "15 copied as stored (no repacked "
                                                          "kernels for q4_0"));
     const uint8_t *lo = m->pack_mem, *hi = lo + m->pack_bytes;

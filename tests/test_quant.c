@@ -1119,92 +1119,107 @@ static void test_matmul_q4_0(void **state)
 }
 
 /*
- * q4_0 repacked (widened to int8 blocks, matmul_pack_run.c) gives bit for
- * bit what q8_0 gives on the same numbers: a q8_0 copy of the rows made
- * here from the format's description (scale as stored, element j of a
- * block the low nibble of byte j minus 8, element 16 + j its high nibble
- * minus 8), at 1 and 5 tokens, 1 and 2 threads. With the widening turned
- * off (KVD_Q4_0=stored) nothing is repacked.
+ * q4_0, q5_0 and iq4_nl repacked (widened to int8 blocks, matmul_pack_run.c)
+ * give bit for bit what q8_0 gives on the same numbers: a q8_0 copy of the
+ * rows made here from their dequantised values (each value over its
+ * block's scale, an integer), at 1 and 5 tokens, 1 and 2 threads. With the
+ * widening turned off (KVD_WIDEN=stored) nothing is repacked.
  */
-static void test_matmul_q4_0_widened(void **state)
+static void check_widened(enum ggml_type type)
 {
-    (void)state;
     enum { N_IN = 96, N_OUT = 53, N_TOK = 5, NB = N_IN / 32 };
-    const size_t r4 = qt_row_bytes(GGML_TYPE_Q4_0, N_IN), r8 = qt_row_bytes(GGML_TYPE_Q8_0, N_IN);
-    uint8_t *d4 = malloc(r4 * N_OUT), *d8 = malloc(r8 * N_OUT);
-    assert_non_null(d4);
+    const size_t rs = qt_row_bytes(type, N_IN), r8 = qt_row_bytes(GGML_TYPE_Q8_0, N_IN);
+    const size_t bs = qt_row_bytes(type, 32);
+    uint8_t *ds = malloc(rs * N_OUT), *d8 = malloc(r8 * N_OUT);
+    assert_non_null(ds);
     assert_non_null(d8);
     rng_seed(23);
-    fill_weights(GGML_TYPE_Q4_0, d4, N_IN, N_OUT);
-    for (int o = 0; o < N_OUT; o++)
+    fill_weights(type, ds, N_IN, N_OUT);
+    for (int o = 0; o < N_OUT; o++) {
+        float y[N_IN];
+        assert_int_equal(qt_dequantize_row(type, ds + (size_t)o * rs, y, N_IN), 0);
         for (int b = 0; b < NB; b++) {
-            const uint8_t *src = d4 + (size_t)o * r4 + 18 * (size_t)b;
+            const uint8_t *src = ds + (size_t)o * rs + bs * (size_t)b;
             uint8_t *dst = d8 + (size_t)o * r8 + 34 * (size_t)b;
+            uint16_t h;
+            memcpy(&h, src, 2); /* every one of these formats starts with its f16 scale */
             memcpy(dst, src, 2);
-            for (int j = 0; j < 16; j++) {
-                dst[2 + j] = (uint8_t)(int8_t)((src[2 + j] & 15) - 8);
-                dst[2 + 16 + j] = (uint8_t)(int8_t)((src[2 + j] >> 4) - 8);
+            const float d = qt_f16_to_f32(h);
+            for (int j = 0; j < 32; j++) {
+                float q = d != 0.0f ? y[32 * b + j] / d : 0.0f;
+                assert_true(q == nearbyintf(q) && q >= -128 && q <= 127);
+                dst[2 + j] = (uint8_t)(int8_t)q;
             }
         }
+    }
     float x[N_IN * N_TOK], a[N_OUT * N_TOK], b[N_OUT * N_TOK];
     for (int t = 0; t < N_TOK; t++)
         random_row(x + t * N_IN, N_IN);
-    struct mm_weight w4, w8;
+    struct mm_weight ws, w8;
     char err[100];
-    assert_int_equal(mm_weight_init(&w4, GGML_TYPE_Q4_0, N_IN, N_OUT, d4, err, sizeof err), 0);
+    assert_int_equal(mm_weight_init(&ws, type, N_IN, N_OUT, ds, err, sizeof err), 0);
     assert_int_equal(mm_weight_init(&w8, GGML_TYPE_Q8_0, N_IN, N_OUT, d8, err, sizeof err), 0);
 
-    mm_q4_0_set_int8(false);
-    assert_int_equal(mm_pack_bytes(&w4), 0);
-    mm_q4_0_set_int8(true);
-    const size_t pb = mm_pack_bytes(&w4);
-    if (!pb) { /* a level without repacked kernels: q4_0 stays as stored */
+    mm_widen_set(false);
+    assert_int_equal(mm_pack_bytes(&ws), 0);
+    mm_widen_set(true);
+    const size_t pb = mm_pack_bytes(&ws);
+    if (!pb) { /* a level without repacked kernels: kept as stored */
         assert_null(mm_pack_kernel_name());
-        print_message("no repacked kernels at this level: q4_0 not widened\n");
-        free(d4);
-        free(d8);
-        return;
+        print_message("no repacked kernels at this level: %s not widened\n", qt_type_name(type));
+    } else {
+        assert_int_equal(pb, mm_pack_bytes(&w8));
+        void *ps = aligned_alloc(64, (pb + 63) / 64 * 64);
+        void *p8 = aligned_alloc(64, (pb + 63) / 64 * 64);
+        assert_non_null(ps);
+        assert_non_null(p8);
+        mm_pack_weight(&ws, ps);
+        mm_pack_weight(&w8, p8);
+        assert_true(mm_pack_ready(&ws));
+        const int toks[2] = {1, N_TOK};
+        for (int k = 0; k < 2; k++)
+            for (int th = 1; th <= 2; th++) {
+                assert_int_equal(mm_matmul(a, &ws, x, toks[k], th), 0);
+                assert_int_equal(mm_matmul(b, &w8, x, toks[k], th), 0);
+                for (int i = 0; i < N_OUT * toks[k]; i++)
+                    if (f32_bits(a[i]) != f32_bits(b[i]))
+                        fail_msg("%s widened: output %d of %d tokens differs from q8_0's",
+                                 qt_type_name(type), i, toks[k]);
+            }
+        free(ps);
+        free(p8);
     }
-    assert_int_equal(pb, mm_pack_bytes(&w8));
-    void *p4 = aligned_alloc(64, (pb + 63) / 64 * 64), *p8 = aligned_alloc(64, (pb + 63) / 64 * 64);
-    assert_non_null(p4);
-    assert_non_null(p8);
-    mm_pack_weight(&w4, p4);
-    mm_pack_weight(&w8, p8);
-    assert_true(mm_pack_ready(&w4));
-    assert_memory_equal(p4, p8, pb); /* the same copy, byte for byte */
-    const int toks[2] = {1, N_TOK};
-    for (int k = 0; k < 2; k++)
-        for (int th = 1; th <= 2; th++) {
-            assert_int_equal(mm_matmul(a, &w4, x, toks[k], th), 0);
-            assert_int_equal(mm_matmul(b, &w8, x, toks[k], th), 0);
-            assert_memory_equal(a, b, sizeof(float) * (size_t)N_OUT * (size_t)toks[k]);
-        }
-    free(p4);
-    free(p8);
-    free(d4);
+    free(ds);
     free(d8);
 }
 
-/* KVD_Q4_0: int8 or stored; empty leaves the setting; anything else is refused, named. */
-static void test_q4_0_env(void **state)
+static void test_matmul_widened(void **state)
+{
+    (void)state;
+    check_widened(GGML_TYPE_Q4_0);
+    check_widened(GGML_TYPE_Q5_0);
+    check_widened(GGML_TYPE_IQ4_NL);
+}
+
+/* KVD_WIDEN: int8 or stored; empty leaves the setting; anything else is refused, named. */
+static void test_widen_env(void **state)
 {
     (void)state;
     char err[128] = "";
-    setenv("KVD_Q4_0", "stored", 1);
-    assert_int_equal(mm_q4_0_init_env(err, sizeof err), 0);
-    assert_false(mm_q4_0_int8());
-    setenv("KVD_Q4_0", "", 1);
-    assert_int_equal(mm_q4_0_init_env(err, sizeof err), 0);
-    assert_false(mm_q4_0_int8());
-    setenv("KVD_Q4_0", "int8", 1);
-    assert_int_equal(mm_q4_0_init_env(err, sizeof err), 0);
-    assert_true(mm_q4_0_int8());
-    setenv("KVD_Q4_0", "wide", 1);
-    assert_int_equal(mm_q4_0_init_env(err, sizeof err), -1);
-    assert_non_null(strstr(err, "KVD_Q4_0: unknown value 'wide'"));
-    assert_true(mm_q4_0_int8());
-    unsetenv("KVD_Q4_0");
+    setenv("KVD_WIDEN", "stored", 1);
+    assert_int_equal(mm_widen_init_env(err, sizeof err), 0);
+    assert_false(mm_widen());
+    setenv("KVD_WIDEN", "", 1);
+    assert_int_equal(mm_widen_init_env(err, sizeof err), 0);
+    assert_false(mm_widen());
+    setenv("KVD_WIDEN", "int8", 1);
+    assert_int_equal(mm_widen_init_env(err, sizeof err), 0);
+    assert_true(mm_widen());
+    setenv("KVD_WIDEN", "wide", 1);
+    assert_int_equal(mm_widen_init_env(err, sizeof err), -1);
+    assert_non_null(strstr(err, "KVD_WIDEN: unknown value 'wide'"));
+    assert_true(mm_widen());
+    unsetenv("KVD_WIDEN");
 }
 
 /* The K formats through matmul_k.c at every level (check_matmul_shapes):
@@ -1548,8 +1563,8 @@ int main(void)
         cmocka_unit_test(test_matmul_q8_0),
         cmocka_unit_test(test_matmul_narrow),
         cmocka_unit_test(test_matmul_q4_0),
-        cmocka_unit_test(test_matmul_q4_0_widened),
-        cmocka_unit_test(test_q4_0_env),
+        cmocka_unit_test(test_matmul_widened),
+        cmocka_unit_test(test_widen_env),
         cmocka_unit_test(test_matmul_q4_K),
         cmocka_unit_test(test_matmul_q5_K),
         cmocka_unit_test(test_matmul_q6_K),
