@@ -41,6 +41,26 @@ const char *mm_pack_kernel_name(void)
     return pkern()->name;
 }
 
+/*
+ * A two-valued switch from the environment: variable var unset or empty
+ * leaves *flag; value `on` sets it, `off` clears it; anything else is
+ * refused with err naming var and its two values (off first, as the
+ * defaults are documented).
+ */
+static int env_switch(const char *var, const char *off, const char *on, _Atomic int *flag,
+                      char *err, size_t errlen)
+{
+    const char *v = getenv(var);
+    if (!v || !*v)
+        return 0;
+    if (strcmp(v, off) && strcmp(v, on)) {
+        snprintf(err, errlen, "%s: unknown value '%s' (%s, %s)", var, v, off, on);
+        return -1;
+    }
+    atomic_store_explicit(flag, !strcmp(v, on), memory_order_relaxed);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------
  * Which weights go to bf16 pairs
  *
@@ -70,15 +90,7 @@ bool mm_f16_bf16(void)
 
 int mm_f16_init_env(char *err, size_t errlen)
 {
-    const char *v = getenv("KVD_F16");
-    if (!v || !*v)
-        return 0;
-    if (strcmp(v, "exact") && strcmp(v, "bf16")) {
-        snprintf(err, errlen, "KVD_F16: unknown value '%s' (exact, bf16)", v);
-        return -1;
-    }
-    mm_f16_set_bf16(!strcmp(v, "bf16"));
-    return 0;
+    return env_switch("KVD_F16", "exact", "bf16", &f16_bf16, err, errlen);
 }
 
 /* ------------------------------------------------------------------------
@@ -116,15 +128,7 @@ bool mm_widen(void)
 
 int mm_widen_init_env(char *err, size_t errlen)
 {
-    const char *v = getenv("KVD_WIDEN");
-    if (!v || !*v)
-        return 0;
-    if (strcmp(v, "int8") && strcmp(v, "stored")) {
-        snprintf(err, errlen, "KVD_WIDEN: unknown value '%s' (int8, stored)", v);
-        return -1;
-    }
-    mm_widen_set(!strcmp(v, "int8"));
-    return 0;
+    return env_switch("KVD_WIDEN", "stored", "int8", &widen_int8, err, errlen);
 }
 
 /* The bf16 kernels, when the level in use has them and the CPU runs them. */

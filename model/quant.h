@@ -313,7 +313,7 @@ int mm_f16_init_env(char *err, size_t errlen);
  * blocks are widened to q8_0's blocks when packed (exact: the same integers
  * and scale; 34 bytes per 32 weights instead of 18 or 22) unless
  * mm_widen_set(false) was called before; mm_widen_init_env sets it from
- * KVD_WIDEN=int8|stored (unset or empty: unchanged), or returns -1 with
+ * KVD_WIDEN=stored|int8 (unset or empty: unchanged), or returns -1 with
  * err naming the variable.
  */
 static inline bool mm_widens_to_int8(enum ggml_type type)
