@@ -528,6 +528,8 @@ static int arith(struct render *r, const struct node *n, int op, const struct va
                 }
                 break;
             }
+            if (!isfinite(res)) /* JSON, the values' form, has no infinity or NaN */
+                return rfail(r, n, "float result of '%s' out of range", opname);
             *out = val_json(json_real(res));
             return 0;
         }

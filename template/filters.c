@@ -233,7 +233,7 @@ static int f_float(struct render *r, const struct node *at, const struct val *in
         v = strtod(s, &end);
         while (py_space((unsigned char)*end))
             end++;
-        ok = end != s && !*end;
+        ok = end != s && !*end && isfinite(v); /* "inf", "1e999": not a JSON number */
     }
     *out = ok ? val_json(json_real(v)) : d ? val_copy(d) : val_json(json_real(0));
     return 0;

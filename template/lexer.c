@@ -21,6 +21,7 @@
  */
 #include <ctype.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,6 +254,8 @@ static int lex_number(struct lexer *lx)
     char *end;
     if (is_float) {
         t->fval = strtod(digits, &end);
+        if (!isfinite(t->fval)) /* JSON, the values' form, has no infinity */
+            return lex_fail(lx, start, "float literal out of range");
     } else {
         errno = 0;
         t->ival = strtoll(digits, &end, 10);

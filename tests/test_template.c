@@ -451,6 +451,8 @@ static void test_filters_and_methods(void **state)
     expect_render("{{ [1, 2, 3] | sum }} {{ [3, 1] | min }} {{ [3, 1] | max }} {{ -2 | abs }} "
                   "{{ 2.567 | round(1) }} {{ '42' | int }} {{ 'x' | int(7) }} {{ '1.5' | float }}",
                   NULL, "6 1 3 2 2.6 42 7 1.5");
+    /* a string beyond the doubles is not a number: the default, as for 'x' */
+    expect_render("{{ '1e999' | float }} {{ 'inf' | float(2.5) }}", NULL, "0.0 2.5");
     const char *people = "{\"p\":[{\"n\":\"a\",\"r\":\"u\"},{\"n\":\"b\",\"r\":\"s\"},{\"n\":\"c\"}]}";
     expect_render("{{ p | selectattr('r', 'equalto', 'u') | map(attribute='n') | list }} "
                   "{{ p | rejectattr('r') | map(attribute='n') | join }} "
@@ -558,6 +560,10 @@ static void test_runtime_errors(void **state)
     memset(num + 3, '1', 125);
     strcpy(num + 128, "e+5 }}");
     expect_error(num, NULL, "number literal too long");
+    /* a float literal beyond the doubles (it was a NULL constant and an abort) */
+    expect_error("{{ messages[1e666666666] }}", NULL, "1:13: float literal out of range");
+    expect_error("{{ 1.5e308 * 10 }}", NULL, "1:12: float result of '*' out of range");
+    expect_error("{{ 10.0 ** 400 }}", NULL, "float result of '**' out of range");
     /* the context must be an object */
     char *out;
     struct tpl_error err;
