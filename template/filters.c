@@ -447,6 +447,8 @@ static int f_sum(struct render *r, const struct node *at, const struct val *in, 
         sd += json_number_value(x);
     }
     json_decref(items);
+    if (is_real && !isfinite(sd)) /* as eval.c's arithmetic */
+        return rfail(r, at, "float result of 'sum' out of range");
     *out = val_json(is_real ? json_real(sd) : json_integer(si));
     return 0;
 }

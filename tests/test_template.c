@@ -564,6 +564,7 @@ static void test_runtime_errors(void **state)
     expect_error("{{ messages[1e666666666] }}", NULL, "1:13: float literal out of range");
     expect_error("{{ 1.5e308 * 10 }}", NULL, "1:12: float result of '*' out of range");
     expect_error("{{ 10.0 ** 400 }}", NULL, "float result of '**' out of range");
+    expect_error("{{ [1.5e308, 1.5e308] | sum }}", NULL, "float result of 'sum' out of range");
     /* the context must be an object */
     char *out;
     struct tpl_error err;
