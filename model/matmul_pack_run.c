@@ -131,6 +131,11 @@ int mm_widen_init_env(char *err, size_t errlen)
     return env_switch("KVD_WIDEN", "stored", "int8", &widen_int8, err, errlen);
 }
 
+bool mm_pack_kept(const struct mm_weight *w)
+{
+    return mm_widens_to_int8(w->type) && pkern()->has(w->type) && !mm_widen();
+}
+
 /* The bf16 kernels, when the level in use has them and the CPU runs them. */
 static const struct mm_bf16_kernels *bkern(void)
 {
@@ -182,7 +187,7 @@ size_t mm_pack_bytes(const struct mm_weight *w)
 {
     if (bf16_wants(w))
         return n_pairs(w) * mm_bf16_pair_bytes(w);
-    if (!pkern()->has(w->type) || (mm_widens_to_int8(w->type) && !w->packed && !mm_widen()))
+    if (!pkern()->has(w->type) || (!w->packed && mm_pack_kept(w)))
         return 0;
     return n_pairs(w) * mm_pack_pair_bytes(w);
 }

@@ -6,8 +6,9 @@
  * gate, up, down, and the output matrix). Those whose type the kernel level
  * in use at load has kernels over repacked weights for (mm_pack_bytes) are
  * repacked (q4_0, q5_0 and iq4_nl widened to int8 blocks, unless
- * KVD_WIDEN=stored: see model/quant.h); the others (the K formats, the other block formats, and
- * every type at a level without such kernels) are copied as stored,
+ * KVD_WIDEN=stored: see model/quant.h); the others (the K formats, the
+ * other block formats, and every type at a level without such kernels)
+ * are copied as stored,
  * row for row, so that their kernels read them from the same huge pages
  * (see Pages: on the 512 x 30 shape a decoding step's q4_K products took
  * ~20% less CPU time from 2 MiB pages than from 4 KiB ones, q6_K ~30%,
@@ -129,7 +130,6 @@ int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen)
     uint8_t *p = mem;
     m->pack_copied_types[0] = '\0';
     int packed = 0, bf16 = 0, widened = 0, kept = 0, copied = 0;
-    const bool level_widens = mm_pack_kernel_name() != NULL; /* unless KVD_WIDEN=stored */
     for (int i = 0; i < n; i++) {
         size_t b = copy_bytes(ws[i]);
         bool repack = mm_pack_bytes(ws[i]) > 0;
@@ -142,7 +142,7 @@ int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen)
             widened += mm_widens_to_int8(ws[i]->type);
         } else {
             memcpy(p, ws[i]->data, b);
-            if (mm_widens_to_int8(ws[i]->type) && level_widens) {
+            if (mm_pack_kept(ws[i])) {
                 kept++; /* by choice, not for want of kernels */
             } else {
                 copied++;
@@ -177,14 +177,14 @@ void model_pack_free(model *m)
 const char *model_pack_describe(const model *m, char *buf, size_t len)
 {
     const char *k = mm_pack_kernel_name();
-    char packed[256] = "", copied[224] = "", q4[128] = "";
+    char packed[256] = "", copied[224] = "", widened[128] = "";
     if (m->pack_widened)
-        snprintf(q4, sizeof q4, ", %d of them widened to int8 blocks (34 bytes per 32 weights; "
+        snprintf(widened, sizeof widened, ", %d of them widened to int8 blocks (34 bytes per 32 weights; "
                  "KVD_WIDEN=stored keeps them as stored)", m->pack_widened);
     if (m->pack_count)
         snprintf(packed, sizeof packed, "%d matrices repacked for %s%s%s", m->pack_count,
                  k ? k : "kernels of another level",
-                 m->pack_bf16 ? " and avx512bf16 (bf16 pairs)" : "", q4);
+                 m->pack_bf16 ? " and avx512bf16 (bf16 pairs)" : "", widened);
     if (m->pack_copied)
         snprintf(copied, sizeof copied,
                  "%s%d copied as stored (no repacked kernels for %s at this level)",

@@ -323,6 +323,8 @@ static inline bool mm_widens_to_int8(enum ggml_type type)
 void mm_widen_set(bool on);
 bool mm_widen(void);
 int mm_widen_init_env(char *err, size_t errlen);
+/* Whether w is one the level in use would widen, kept as stored by choice. */
+bool mm_pack_kept(const struct mm_weight *w);
 const char *mm_bf16_describe(char *buf, size_t len);
 /* mm_matmul_scratch's work for a weight with mm_pack_ready, and its scratch. */
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);
