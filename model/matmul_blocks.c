@@ -1,7 +1,7 @@
 /*
- * matmul_blocks.c - the matrix products of quant_blocks.c's formats (q4_1,
- * q5_0, q5_1, iq4_nl, q2_K, q3_K; its q5_K goes to matmul_k.c) against
- * 8-bit activations.
+ * matmul_blocks.c - the matrix products of quant_blocks.c's formats of 32
+ * (q4_1, q5_0, q5_1, iq4_nl; its q2_K, q3_K and q5_K go to matmul_k.c)
+ * against 8-bit activations.
  *
  * Every block of 32 weights is decoded once per tile of tokens into
  * integers w[32], two scales and two mins (qt_block32_decode; the AVX2
@@ -166,8 +166,6 @@ AVX2_FN static inline __m256i fifth_bits(const uint8_t *p)
  */
 AVX2_FN static inline __m256i decode_avx2(enum ggml_type type, const uint8_t *row, int b)
 {
-    const __m256i three = _mm256_set1_epi8(3);
-    int j = b % 8;
     switch (type) {
     case GGML_TYPE_Q4_1:
         return nibbles(row + 20 * (size_t)b + 4);
@@ -180,25 +178,11 @@ AVX2_FN static inline __m256i decode_avx2(enum ggml_type type, const uint8_t *ro
         const uint8_t *u = row + 24 * (size_t)b;
         return _mm256_or_si256(nibbles(u + 8), fifth_bits(u + 4));
     }
-    case GGML_TYPE_IQ4_NL: {
+    default: { /* IQ4_NL */
         const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
                                                 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35,
                                                 -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
         return _mm256_shuffle_epi8(levels, nibbles(row + 18 * (size_t)b + 2));
-    }
-    case GGML_TYPE_Q2_K: {
-        const uint8_t *q = row + 84 * (size_t)(b / 8) + 16 + 32 * (j / 4);
-        __m256i v = _mm256_loadu_si256((const __m256i *)q);
-        return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j % 4)), three);
-    }
-    default: { /* Q3_K */
-        const uint8_t *u = row + 110 * (size_t)(b / 8);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(u + 32 + 32 * (j / 4)));
-        __m256i h = _mm256_loadu_si256((const __m256i *)u);
-        v = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j % 4)), three);
-        /* q - 4 + 4 * (bit j of hmask) */
-        h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
-        return _mm256_sub_epi8(_mm256_add_epi8(v, _mm256_slli_epi16(h, 2)), _mm256_set1_epi8(4));
     }
     }
 }
@@ -207,8 +191,7 @@ AVX2_FN static void rows_avx2(const struct mm_weight *w, const struct mm_xq *xa,
                               int n_tok, int o0, int o1)
 {
     const int nb = w->n_in / QT_QK;
-    const bool mins =
-        w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q5_1 || w->type == GGML_TYPE_Q2_K;
+    const bool mins = w->type == GGML_TYPE_Q4_1 || w->type == GGML_TYPE_Q5_1;
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
     for (int o = o0; o < o1; o++) {
         const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;

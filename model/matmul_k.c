@@ -1,6 +1,6 @@
 /*
  * matmul_k.c - out[t][o] = sum_i W[o][i] * x[t][i] for the K formats
- * (q4_K, q5_K, q6_K), with the scales applied in integers.
+ * (q2_K, q3_K, q4_K, q5_K, q6_K), with the scales applied in integers.
  *
  * ---------------------------------------------------------------------------
  * Why these formats need their own kernels
@@ -8,7 +8,8 @@
  *
  * A K super-block holds 256 weights as small unsigned integers with one
  * small integer scale per 32 (q4_K, q5_K: 6 bits, plus a 6-bit min) or per
- * 16 (q6_K: int8), and one or two f16 factors for the whole super-block.
+ * 16 (q6_K: int8; q3_K: 6 bits signed; q2_K: 4 bits, plus a 4-bit min),
+ * and one or two f16 factors for the whole super-block.
  * The general path (matmul.c) meets activations quantised per block of 32,
  * each block with its own f32 scale, so every 32 weights end in a float
  * step: convert the block's integer sums, multiply by (weight scale x
@@ -22,16 +23,21 @@
  * within a super-block everything is an integer:
  *
  *   sum_i w_i x_i = dx * ( d * sum_g s_g * sum_{i in g} u_i q_i
- *                          - c * d * sum_g s_g * sum_{i in g} q_i     (q6_K)
- *                          - dmin * sum_j m_j * sum_{i in j} q_i )    (q4_K, q5_K)
+ *                          - c * d * sum_g s_g * sum_{i in g} q_i  (q6_K, q3_K)
+ *                          - dmin * sum_j m_j * sum_{i in j} q_i ) (q2_K, q4_K, q5_K)
  *
- * with u the unsigned weight integers, s_g their scales, c = 32 q6_K's
- * offset, m_j the mins. The products u q go through vpmaddubsw (u8 x s8 ->
+ * with u the unsigned weight integers, s_g their scales, c the offset
+ * (q6_K 32; q3_K 4, its 3-bit quants stored as u = q + 4 by the third bit
+ * of hmask), m_j the mins. The products u q go through vpmaddubsw (u8 x s8 ->
  * pairs summed in i16) and meet the scales in vpmaddwd / vpdpwssd (i16 x
  * i16 -> pairs summed in i32), so a super-block costs one conversion and
  * two multiply-adds in f32, not eight or sixteen. The q sums per 16 carry
  * the offset and the mins (vpmaddwd against the scales or mins). This is
  * the shape of ggml's q8_K dot products; the code is kvd's.
+ *
+ * Before these kernels q2_K and q3_K went through the per-32 path
+ * (matmul_blocks.c) at 2-3 GB/s: their two scales per block of 32 cost a
+ * float step per 16 weights.
  *
  * Bounds (nothing saturates or overflows): |q| <= 127 and u <= 63, so a
  * vpmaddubsw pair is at most 2 * 63 * 127 = 16002 < 32767; scales are at
@@ -63,7 +69,9 @@
  *           no saturation) and one vpdpwssd applies the scales: three
  *           instructions per 64 weights and token. The nibbles of q4_K and
  *           q5_K hold sub-blocks (0, 2) and (1, 3) of a 64-byte load, so the
- *           activations are stored with sub-blocks 1, 2 and 5, 6 swapped.
+ *           activations are stored with sub-blocks 1, 2 and 5, 6 swapped;
+ *           q2_K's and q3_K's 32 bytes of a half give elements in order,
+ *           shifted by 0 and 2 (lo) and 4 and 6 (hi) bits.
  *   avx2    per sub-block of 32: vpmaddubsw, vpmaddwd with the scales, add.
  *   scalar  the same integer sums in plain C.
  * Measured one thread, in L2 (4096 x 128, load ~13): q8_0 41.5, q4_K 49,
@@ -88,6 +96,25 @@
 #else
 #define NT 2 /* 4 + 4 of 16 ymm */
 #endif
+
+/* Whether the type has mins (dmin * m_g). */
+static inline bool k_mins(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K;
+}
+
+/* log2 of the offset c of the formula above (q6_K 32, q3_K 4); -1: none. */
+static inline int k_offset_log2(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q6_K ? 5 : type == GGML_TYPE_Q3_K ? 2 : -1;
+}
+
+/* Whether the AVX-512 kernel reads the activations' sub-blocks paired
+ * (0 2 1 3 4 6 5 7: q4_K and q5_K, see kx_quantize). */
+static inline bool k_paired(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K;
+}
 
 /* ------------------------------------------------------------------------
  * Activations per super-block (struct mm_kx, matmul_internal.h)
@@ -125,7 +152,7 @@ static void kx_quantize(enum ggml_type type, const float *x, int n_in, int8_t *q
 {
     static const int order[2][8] = {{0, 1, 2, 3, 4, 5, 6, 7}, {0, 2, 1, 3, 4, 6, 5, 7}};
 #if defined(KERN_AVX512)
-    const int *at = order[type != GGML_TYPE_Q6_K];
+    const int *at = order[k_paired(type)];
 #else
     const int *at = order[0];
     (void)type;
@@ -180,7 +207,18 @@ static void kx_quantize(enum ggml_type type, const float *x, int n_in, int8_t *q
 
 static size_t sb_bytes(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q4_K ? 144 : type == GGML_TYPE_Q5_K ? 176 : 210;
+    switch (type) {
+    case GGML_TYPE_Q2_K:
+        return 84;
+    case GGML_TYPE_Q3_K:
+        return 110;
+    case GGML_TYPE_Q4_K:
+        return 144;
+    case GGML_TYPE_Q5_K:
+        return 176;
+    default:
+        return 210;
+    }
 }
 
 #ifndef KERN_SIMD
@@ -189,11 +227,45 @@ static size_t sb_bytes(enum ggml_type type)
  * Plain C
  * ------------------------------------------------------------------------ */
 
-/* Super-block u as integers w[256] (q6_K: before the -32), the scale of
- * every 16 (sc[16]), the min of every 16 (mn[16], 0 for q6_K), d and dmin. */
+/* q2_K and q3_K (quant_blocks.c has their layouts): element 128h + 32j + l
+ * takes bits 2j, 2j+1 of qs[32h + l]; q3_K's third bit (u = q + 4) is bit
+ * 4h + j of hmask[l]. */
+static void sb_decode_23(enum ggml_type type, const uint8_t *u, uint8_t *w, int *sc, int *mn,
+                         float *d, float *dmin)
+{
+    const bool q3 = type == GGML_TYPE_Q3_K;
+    uint32_t w3[4];
+    uint8_t s3[16];
+    if (q3) {
+        qt_q3k_scale_words(u + QT_Q3K_SCALES, w3);
+        memcpy(s3, w3, sizeof s3);
+    }
+    *d = qt_f16_to_f32(qt_rd16(u + (q3 ? QT_Q3K_D : QT_Q2K_D)));
+    *dmin = q3 ? 0.0f : qt_f16_to_f32(qt_rd16(u + QT_Q2K_DMIN));
+    for (int g = 0; g < 16; g++) {
+        sc[g] = q3 ? s3[g] - 32 : u[QT_Q2K_SCALES + g] & 15;
+        mn[g] = q3 ? 0 : u[QT_Q2K_SCALES + g] >> 4;
+    }
+    const uint8_t *qs = u + (q3 ? QT_Q3K_QS : QT_Q2K_QS);
+    for (int i = 0; i < QT_QK_K; i++) {
+        int h = i / 128, j = (i % 128) / 32, l = i % 32;
+        int v = (qs[32 * h + l] >> (2 * j)) & 3;
+        if (q3)
+            v |= ((u[QT_Q3K_HMASK + l] >> (4 * h + j)) & 1) << 2;
+        w[i] = (uint8_t)v;
+    }
+}
+
+/* Super-block u as integers w[256] (q6_K, q3_K: before the offset), the
+ * scale of every 16 (sc[16]), the min of every 16 (mn[16], 0 without
+ * mins), d and dmin. */
 static void sb_decode(enum ggml_type type, const uint8_t *u, uint8_t *w, int *sc, int *mn, float *d,
                       float *dmin)
 {
+    if (type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q3_K) {
+        sb_decode_23(type, u, w, sc, mn, d, dmin);
+        return;
+    }
     if (type == GGML_TYPE_Q6_K) {
         *d = qt_f16_to_f32(qt_rd16(u + QT_Q6K_D));
         *dmin = 0.0f;
@@ -236,7 +308,7 @@ static void rows_scalar(const struct mm_k_job *jb, int o0, int o1)
     const int n_tok = jb->n_tok;
     const int nsb = w->n_in / QT_QK_K;
     const size_t bb = sb_bytes(type);
-    const int c = type == GGML_TYPE_Q6_K ? 32 : 0;
+    const int c = k_offset_log2(type) < 0 ? 0 : 1 << k_offset_log2(type);
     for (int o = o0; o < o1; o++) {
         const uint8_t *row = (const uint8_t *)w->data + (size_t)o * w->row_bytes;
         for (int t0 = 0; t0 < n_tok; t0 += NT) {
@@ -279,21 +351,44 @@ static void rows_scalar(const struct mm_k_job *jb, int o0, int o1)
 /* Per-row state of the current super-block. */
 struct ksr {
     __m256i sc;   /* q4_K/q5_K: the 8 scales as i16 in both 128-bit halves;
-                   * q6_K: the 16 scales as i16 (groups 0..7 low, 8..15 high) */
-    __m256i mn;   /* q4_K/q5_K: the min of every 16 as i16; q6_K: unused */
+                   * q2_K/q3_K/q6_K: the 16 scales as i16 (groups 0..7 low,
+                   * 8..15 high) */
+    __m256i mn;   /* the min of every 16 as i16 (types without mins: unused) */
     __m256 d, dm; /* d and dmin broadcast */
 #if defined(KERN_AVX512)
     __m512i sv[2]; /* the scales of each half of 128, as k_sb_dot pairs them */
 #endif
 };
 
+/* The 16 scales (as i8), mins (as i16) and factors of a type with a scale
+ * per 16 (q2_K, q3_K, q6_K). */
+INLINE __m128i ksr_per16(enum ggml_type type, const uint8_t *u, struct ksr *k)
+{
+    k->mn = _mm256_setzero_si256();
+    k->dm = _mm256_setzero_ps();
+    if (type == GGML_TYPE_Q6_K) {
+        k->d = f16_bcast(u + QT_Q6K_D);
+        return _mm_loadu_si128((const __m128i *)(u + QT_Q6K_SCALES));
+    }
+    if (type == GGML_TYPE_Q3_K) {
+        uint32_t w[4]; /* built in registers: bytes stored one by one and loaded
+                        * as a vector stall on store forwarding */
+        qt_q3k_scale_words(u + QT_Q3K_SCALES, w);
+        k->d = f16_bcast(u + QT_Q3K_D);
+        return _mm_sub_epi8(_mm_set_epi32((int)w[3], (int)w[2], (int)w[1], (int)w[0]),
+                            _mm_set1_epi8(32));
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)(u + QT_Q2K_SCALES)), lo4 = _mm_set1_epi8(15);
+    k->mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), lo4));
+    k->d = f16_bcast(u + QT_Q2K_D);
+    k->dm = f16_bcast(u + QT_Q2K_DMIN);
+    return _mm_and_si128(b, lo4);
+}
+
 INLINE void ksr_load(enum ggml_type type, const uint8_t *u, struct ksr *k)
 {
-    if (type == GGML_TYPE_Q6_K) {
-        k->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + QT_Q6K_SCALES)));
-        k->mn = _mm256_setzero_si256();
-        k->d = f16_bcast(u + QT_Q6K_D);
-        k->dm = _mm256_setzero_ps();
+    if (!k_paired(type)) {
+        k->sc = _mm256_cvtepi8_epi16(ksr_per16(type, u, k));
 #if defined(KERN_AVX512)
         /* 128-bit lane L of half h: groups 8h + L (x4) and 8h + 4 + L (x4) */
         const __m512i ctl = _mm512_set_epi64(
@@ -335,16 +430,49 @@ typedef __m512 vf;
 #define vi_zero() _mm512_setzero_si512()
 #define vf_hsum(v) _mm512_reduce_add_ps(v)
 
+/* q2_K, q3_K: half h as k_unpack gives it, from the 32 bytes of qs[32h..]
+ * shifted by 0 and 2 (lo) and 4 and 6 (hi) bits; q3_K adds 4 where bit
+ * 4h + j of hmask[l] is set (j = 0, 1 in lo, 2, 3 in hi). */
+INLINE void k_unpack_23(enum ggml_type type, const uint8_t *u, int h, __m512i *lo, __m512i *hi)
+{
+    const bool q3 = type == GGML_TYPE_Q3_K;
+    const __m512i three = _mm512_set1_epi8(3);
+    const __m512i v = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256((const __m256i *)(u + (q3 ? QT_Q3K_QS : QT_Q2K_QS) + 32 * h)));
+    *lo = _mm512_and_si512(
+        _mm512_srlv_epi16(v, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1)),
+        three);
+    *hi = _mm512_and_si512(
+        _mm512_srlv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)),
+        three);
+    if (q3) {
+        __m512i hm =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(u + QT_Q3K_HMASK)));
+        const __m512i four = _mm512_set1_epi8(4);
+        __m512i sel_lo = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * h))),
+                                            _mm256_set1_epi8((char)(1 << (4 * h + 1))), 1);
+        __m512i sel_hi = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * h + 2))),
+                                            _mm256_set1_epi8((char)(1 << (4 * h + 3))), 1);
+        *lo = _mm512_mask_add_epi8(*lo, _mm512_test_epi8_mask(hm, sel_lo), *lo, four);
+        *hi = _mm512_mask_add_epi8(*hi, _mm512_test_epi8_mask(hm, sel_hi), *hi, four);
+    }
+}
+
 /*
  * Half h of a super-block (elements 128h..128h+127) as two vectors of 64
  * unsigned weight integers: q4_K/q5_K lo = sub-blocks 4h, 4h+2 and hi =
  * 4h+1, 4h+3 (the nibbles of one 64-byte load, whence the activations'
  * swapped order); q6_K lo = elements 128h..+63 and hi = 128h+64..+127 (the
- * nibbles of ql[64h..64h+63] with their top bits from qh[32h..32h+31]).
+ * nibbles of ql[64h..64h+63] with their top bits from qh[32h..32h+31]);
+ * q2_K and q3_K likewise in order (k_unpack_23).
  */
 INLINE void k_unpack(enum ggml_type type, const uint8_t *u, int h, __m512i *lo, __m512i *hi)
 {
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    if (type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q3_K) {
+        k_unpack_23(type, u, h, lo, hi);
+        return;
+    }
     if (type == GGML_TYPE_Q6_K) {
         __m512i ql = _mm512_loadu_si512((const void *)(u + QT_Q6K_QL + 64 * h));
         __m512i qh =
@@ -431,17 +559,29 @@ typedef __m256 vf;
 #define vi_zero() _mm256_setzero_si256()
 #define vf_hsum(v) hsum8(v)
 
-/* Bits b..b+n-1 of every byte moved to bits 4..: shifts of 16-bit lanes
- * (the mask after it keeps each byte's own bits). */
-INLINE __m256i bits_to4(__m256i v, int b)
+/* Bits b.. of every byte moved to bits at..: shifts of 16-bit lanes (the
+ * mask after it keeps each byte's own bits). */
+INLINE __m256i bits_to(__m256i v, int b, int at)
 {
-    return b <= 4 ? _mm256_slli_epi16(v, 4 - b) : _mm256_srli_epi16(v, b - 4);
+    return b <= at ? _mm256_slli_epi16(v, at - b) : _mm256_srli_epi16(v, b - at);
 }
 
 /* Step j (sub-block j, elements 32j..32j+31): the 32 unsigned weight integers. */
 INLINE vi k_unpack(enum ggml_type type, const uint8_t *u, int j)
 {
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    if (type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q3_K) {
+        /* bits 2(j%4).. of qs[32(j/4)..]; q3_K's third bit: bit j of hmask */
+        const bool q3 = type == GGML_TYPE_Q3_K;
+        __m256i v = _mm256_loadu_si256(
+            (const __m256i *)(u + (q3 ? QT_Q3K_QS : QT_Q2K_QS) + 32 * (j >> 2)));
+        v = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j & 3)), _mm256_set1_epi8(3));
+        if (q3) {
+            __m256i hm = _mm256_loadu_si256((const __m256i *)(u + QT_Q3K_HMASK));
+            v = _mm256_or_si256(v, _mm256_and_si256(bits_to(hm, j, 2), _mm256_set1_epi8(4)));
+        }
+        return v;
+    }
     if (type == GGML_TYPE_Q6_K) {
         int h = j >> 2, kk = j & 3;
         __m256i ql = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QL + 64 * h + 32 * (kk & 1)));
@@ -449,7 +589,7 @@ INLINE vi k_unpack(enum ggml_type type, const uint8_t *u, int j)
             ql = _mm256_srli_epi16(ql, 4);
         __m256i qh = _mm256_loadu_si256((const __m256i *)(u + QT_Q6K_QH + 32 * h));
         return _mm256_or_si256(_mm256_and_si256(ql, lo4),
-                               _mm256_and_si256(bits_to4(qh, 2 * kk), _mm256_set1_epi8(0x30)));
+                               _mm256_and_si256(bits_to(qh, 2 * kk, 4), _mm256_set1_epi8(0x30)));
     }
     const bool q5 = type == GGML_TYPE_Q5_K;
     __m256i v =
@@ -459,16 +599,16 @@ INLINE vi k_unpack(enum ggml_type type, const uint8_t *u, int j)
     v = _mm256_and_si256(v, lo4);
     if (q5) {
         __m256i qh = _mm256_loadu_si256((const __m256i *)(u + Q5K_QH));
-        v = _mm256_or_si256(v, _mm256_and_si256(bits_to4(qh, j), _mm256_set1_epi8(0x10)));
+        v = _mm256_or_si256(v, _mm256_and_si256(bits_to(qh, j, 4), _mm256_set1_epi8(0x10)));
     }
     return v;
 }
 
 /* Step j's scales as i16 lanes matching vpmaddubsw's pairs: q4_K/q5_K
- * s_j everywhere; q6_K s_2j in the low half, s_2j+1 in the high. */
+ * s_j everywhere; the per-16 types s_2j in the low half, s_2j+1 in the high. */
 INLINE vi k_scale(enum ggml_type type, const struct ksr *k, int j)
 {
-    if (type == GGML_TYPE_Q6_K) {
+    if (!k_paired(type)) {
         /* both halves from the 128-bit half holding groups 2j, 2j+1 */
         __m256i s = j < 4 ? _mm256_permute2x128_si256(k->sc, k->sc, 0x00)
                           : _mm256_permute2x128_si256(k->sc, k->sc, 0x11);
@@ -532,7 +672,7 @@ INLINE void k_tile(const struct mm_k_job *jb, enum ggml_type type, int r0, int t
     const struct mm_kx *a = &jb->a;
     const size_t bb = sb_bytes(type);
     const int nsb = w->n_in / QT_QK_K;
-    const bool mins = type != GGML_TYPE_Q6_K;
+    const bool mins = k_mins(type);
     const uint8_t *rows[MR];
     const int8_t *xq[NT];
     const float *xd[NT];
@@ -580,8 +720,9 @@ INLINE void k_tile(const struct mm_k_job *jb, enum ggml_type type, int r0, int t
                 vi is = isum[r][t];
                 if (mins) /* sum_g m_g * (sum of q over g) */
                     msum = _mm256_madd_epi16(bs, ks[r].mn);
-                else /* q6_K's offset: 32 * sum_g s_g * (sum of q over g) */
-                    is = vi_sub_corr(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, ks[r].sc), 5));
+                if (k_offset_log2(type) >= 0) /* c * sum_g s_g * (sum of q over g) */
+                    is = vi_sub_corr(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, ks[r].sc),
+                                                           k_offset_log2(type)));
                 acc[r][t] = k_fold(acc[r][t], is, msum, _mm256_mul_ps(ks[r].d, dx),
                                    _mm256_mul_ps(ks[r].dm, dx), mins);
             }
@@ -611,6 +752,12 @@ INLINE void rows_simd_type(const struct mm_k_job *jb, enum ggml_type type, int o
 static void rows_simd(const struct mm_k_job *jb, int o0, int o1)
 {
     switch (jb->w->type) {
+    case GGML_TYPE_Q2_K:
+        rows_simd_type(jb, GGML_TYPE_Q2_K, o0, o1);
+        break;
+    case GGML_TYPE_Q3_K:
+        rows_simd_type(jb, GGML_TYPE_Q3_K, o0, o1);
+        break;
     case GGML_TYPE_Q4_K:
         rows_simd_type(jb, GGML_TYPE_Q4_K, o0, o1);
         break;

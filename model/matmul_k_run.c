@@ -1,5 +1,5 @@
 /*
- * matmul_k_run.c - the K formats' products (q4_K, q5_K, q6_K): the entry
+ * matmul_k_run.c - the K formats' products (q2_K to q6_K): the entry
  * mm_matmul hands them to, the scratch of their activations, the split of
  * the output rows among threads, and the choice of kernels.
  *
@@ -24,7 +24,8 @@ static const struct mm_k_kernels *kern(void)
 
 bool mm_k_type(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
+    return type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_Q4_K ||
+           type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
 }
 
 const char *mm_k_kernel_name(void)

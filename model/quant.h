@@ -134,6 +134,16 @@ int qt_quantize_k(enum ggml_type type, const float *src, void *dst, int n);
 #define QT_Q6K_QH 128     /* 64 bytes: high two bits */
 #define QT_Q6K_SCALES 192 /* 16 int8 scales, one per 16 elements */
 #define QT_Q6K_D 208      /* f16 super-block scale */
+/* Byte offsets inside a q2_K super-block (84 bytes). */
+#define QT_Q2K_SCALES 0 /* 16 bytes: scale (low nibble) and min (high) of each 16 */
+#define QT_Q2K_QS 16    /* 64 bytes: four 2-bit quants per byte */
+#define QT_Q2K_D 80     /* f16 scale of the scales */
+#define QT_Q2K_DMIN 82  /* f16 scale of the mins */
+/* Byte offsets inside a q3_K super-block (110 bytes). */
+#define QT_Q3K_HMASK 0   /* 32 bytes: the third bit of every quant */
+#define QT_Q3K_QS 32     /* 64 bytes: the low two bits, four per byte */
+#define QT_Q3K_SCALES 96 /* 12 bytes: sixteen 6-bit scales (qt_q3k_scales) */
+#define QT_Q3K_D 108     /* f16 super-block scale */
 
 /* A little-endian u16 at any alignment (f16 scales sit at odd offsets). */
 static inline uint16_t qt_rd16(const uint8_t *p)
@@ -172,6 +182,25 @@ static inline void qt_q4k_scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *
                                            << 32;
     *mn = (uint64_t)(b & 0x3f3f3f3f) |
           (uint64_t)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
+}
+
+/*
+ * The sixteen 6-bit scales of a q3_K super-block (used as scale - 32) from
+ * its 12 packed bytes s, group g in byte g of w[4]: the low four bits are
+ * the nibbles of bytes 0..7 (groups 0..7 low nibbles, 8..15 high), the top
+ * two bits pairs of bits of bytes 8..11 (group g: bits 2(g/4).. of byte
+ * 8 + g%4). Word by word, for kernels that widen them in vector registers.
+ */
+static inline void qt_q3k_scale_words(const uint8_t *s, uint32_t w[4])
+{
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    w[0] = (a & 0x0f0f0f0f) | (c & 0x03030303) << 4;
+    w[1] = (b & 0x0f0f0f0f) | ((c >> 2) & 0x03030303) << 4;
+    w[2] = ((a >> 4) & 0x0f0f0f0f) | ((c >> 4) & 0x03030303) << 4;
+    w[3] = ((b >> 4) & 0x0f0f0f0f) | ((c >> 6) & 0x03030303) << 4;
 }
 
 /* ------------------------------------------------------------------------
@@ -365,7 +394,7 @@ int mm_blocks_use(const char *kernel);
  * The K formats' products (matmul_k.c)
  * ------------------------------------------------------------------------ */
 
-/* Whether mm_matmul multiplies type through matmul_k.c: q4_K, q5_K, q6_K. */
+/* Whether mm_matmul multiplies type through matmul_k.c: q2_K to q6_K. */
 bool mm_k_type(enum ggml_type type);
 
 /* Scratch mm_k_matmul needs for n_tok tokens of n_in (a multiple of 256). */

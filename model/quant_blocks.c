@@ -13,7 +13,8 @@
  * (q4_1/q5_1 add their min: mn = -m; the formats without mins have mn = 0;
  * only q2_K and q3_K have two different scales in a block of 32, and only
  * q2_K two different mins). qt_block32_decode gives exactly that, and
- * matmul_blocks.c multiplies with it against the 8-bit activations. The row
+ * matmul_blocks.c multiplies the blocks of 32 with it against the 8-bit
+ * activations (the K formats have matmul_k.c's kernels). The row
  * decoders (qt_blocks_dequantize) are written per format, element by
  * element as the format is described below, and are the reference the
  * products are tested against.

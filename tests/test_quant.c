@@ -1230,6 +1230,18 @@ static void check_matmul_k(enum ggml_type type)
     check_matmul_shapes(type, n_in, 2);
 }
 
+static void test_matmul_q2_K(void **state)
+{
+    (void)state;
+    check_matmul_k(GGML_TYPE_Q2_K);
+}
+
+static void test_matmul_q3_K(void **state)
+{
+    (void)state;
+    check_matmul_k(GGML_TYPE_Q3_K);
+}
+
 static void test_matmul_q4_K(void **state)
 {
     (void)state;
@@ -1567,6 +1579,8 @@ int main(void)
         cmocka_unit_test(test_widen_env),
         cmocka_unit_test(test_matmul_q4_K),
         cmocka_unit_test(test_matmul_q5_K),
+        cmocka_unit_test(test_matmul_q2_K),
+        cmocka_unit_test(test_matmul_q3_K),
         cmocka_unit_test(test_matmul_q6_K),
         cmocka_unit_test(test_matmul_larger),
         cmocka_unit_test(test_matmul_packed_levels),

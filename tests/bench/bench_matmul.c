@@ -11,11 +11,11 @@
  *   matmul       64 tokens (prefill), one matrix: GFLOP/s (2 flops per
  *                multiply-add).
  *
- * `bench_matmul kquant`: the K formats beside q8_0 (q8_0, q4_K, q5_K, q6_K
+ * `bench_matmul kquant`: the K formats beside q8_0 (q8_0, q2_K to q6_K
  * with their kernels named): decoding from DRAM (cold, 2 threads), the
  * kernel's own speed on a matrix that stays in one core's L2 (4096 x 128,
  * one thread, GB/s and weights per second) and 64 tokens of that matrix.
- * Measured round-robin: every round visits the four types in turn, so a
+ * Measured round-robin: every round visits the types in turn, so a
  * machine whose load changes during the run slows them alike and the "vs
  * q8_0" ratios stay fair; the one-thread, in-L2 figures are the least
  * disturbed by other processes. The load average is printed before and
@@ -154,7 +154,7 @@ static double time_call(float *out, const struct mm_weight *w, const float *x, i
     return now() - t0;
 }
 
-#define KQ_TYPES 4
+#define KQ_TYPES 6
 #define KQ_ROUNDS 10
 #define KQ_COLD_BYTES ((size_t)256 << 20)
 #define KQ_L2_ROWS 128 /* 4096 x 128: at most 0.6 MiB, inside one core's L2 */
@@ -166,8 +166,8 @@ static double gbs(size_t bytes, double t)
 
 static int bench_kquant(void)
 {
-    const enum ggml_type types[KQ_TYPES] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
-                                            GGML_TYPE_Q6_K};
+    const enum ggml_type types[KQ_TYPES] = {GGML_TYPE_Q8_0, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,
+                                            GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
     const int n_tok = 64;
     char load0[64], load1[64];
     bench_load_average(load0, sizeof load0);
@@ -510,8 +510,8 @@ int main(int argc, char **argv)
     const int n_tok = 64;
     double bus = 0;
     double triad = triad_gbs(&bus);
-    printf("matrix %dx%d, %d threads, kernels: %s (q4_K q5_K q6_K: %s; q4_1 q5_0 q5_1 iq4_nl "
-           "q2_K q3_K: %s)\n",
+    printf("matrix %dx%d, %d threads, kernels: %s (q2_K to q6_K: %s; q4_1 q5_0 q5_1 iq4_nl: "
+           "%s)\n",
            N, N, THREADS, mm_kernel_name(), mm_k_kernel_name(), mm_blocks_kernel_name());
     printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s (the bus moves 4 arrays: %.1f GB/s)\n\n",
            triad, bus);
