@@ -79,12 +79,12 @@ bool qt_is_block_type(enum ggml_type type)
     }
 }
 
-/* The 6-bit scale of q3_K group g (0..15), before the -32. */
+/* The 6-bit scale of q3_K group g (0..15), before the -32 (quant.h unpacks them). */
 static int q3k_scale(const uint8_t *sc, int g)
 {
-    int lo = g < 8 ? sc[g] & 15 : sc[g - 8] >> 4;
-    int hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
-    return lo | hi << 4;
+    uint32_t w[4];
+    qt_q3k_scale_words(sc, w);
+    return (int)(w[g / 4] >> (8 * (g % 4)) & 0xff);
 }
 
 /* ------------------------------------------------------------------------
