@@ -59,7 +59,7 @@ static void mkmodel_usage(FILE *f)
             "  --ctx N           context_length written to the metadata (default %d)\n"
             "  --tied            no output.weight: logits from the token embedding\n"
             "                    (bloom is always tied)\n"
-            "  --type T          f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K (default f32)\n"
+            "  --type T          f32, f16, bf16, q8_0, q4_0, q2_K, q3_K, q4_K, q5_K or q6_K (default f32)\n"
             "  --seed S          seed of every weight (default %llu)\n",
             d.arch, d.t5_num_buckets, d.t5_max_distance, d.n_embd, d.n_layer, d.n_head,
             d.n_kv_head, d.n_ff, d.n_vocab, d.rope_theta, d.n_ctx_train,
@@ -162,7 +162,7 @@ int srv_cmd_mkmodel(int argc, char **argv)
             p.clamp_kqv = (float)x;
         } else if (srv_opt_value(argc, argv, &i, "mkmodel", "--type", &v, &bad)) {
             if (!bad && model_mk_parse_type(v, &p.type)) {
-                fprintf(stderr, "kvd mkmodel: --type wants f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K, "
+                fprintf(stderr, "kvd mkmodel: --type wants f32, f16, bf16, q8_0, q4_0, q2_K, q3_K, q4_K, q5_K or q6_K, "
                         "got '%s'\n",
                         v);
                 return 2;

@@ -76,6 +76,8 @@ int model_mk_parse_type(const char *name, enum ggml_type *out)
                  {"bf16", GGML_TYPE_BF16},
                  {"q8_0", GGML_TYPE_Q8_0},
                  {"q4_0", GGML_TYPE_Q4_0},
+                 {"q2_K", GGML_TYPE_Q2_K},
+                 {"q3_K", GGML_TYPE_Q3_K},
                  {"q4_K", GGML_TYPE_Q4_K},
                  {"q5_K", GGML_TYPE_Q5_K},
                  {"q6_K", GGML_TYPE_Q6_K}};
@@ -235,9 +237,10 @@ int model_mk_check(const struct model_mk_params *p, char *err, size_t errlen)
     if (p->n_ctx_train < 1)
         BAD("context length must be positive (got %d)", p->n_ctx_train);
     if (p->type != GGML_TYPE_F32 && p->type != GGML_TYPE_F16 && p->type != GGML_TYPE_BF16 &&
-        p->type != GGML_TYPE_Q8_0 && p->type != GGML_TYPE_Q4_0 && p->type != GGML_TYPE_Q4_K &&
-        p->type != GGML_TYPE_Q5_K && p->type != GGML_TYPE_Q6_K)
-        BAD("type must be f32, f16, bf16, q8_0, q4_0, q4_K, q5_K or q6_K");
+        p->type != GGML_TYPE_Q8_0 && p->type != GGML_TYPE_Q4_0 && p->type != GGML_TYPE_Q2_K &&
+        p->type != GGML_TYPE_Q3_K && p->type != GGML_TYPE_Q4_K && p->type != GGML_TYPE_Q5_K &&
+        p->type != GGML_TYPE_Q6_K)
+        BAD("type must be f32, f16, bf16, q8_0, q4_0, q2_K, q3_K, q4_K, q5_K or q6_K");
     int blk = qt_block_elems(p->type);
     if (blk > 1 && (p->n_embd % blk || p->n_ff % blk || (p->n_head * head_dim) % blk))
         BAD("type %s needs dim (%d) and ff (%d) to be multiples of %d", qt_type_name(p->type),
@@ -521,7 +524,9 @@ static int write_metadata(gguf_writer *w, const struct model_mk_params *p, const
                      : p->type == GGML_TYPE_Q4_0 ? 2
                      : p->type == GGML_TYPE_Q8_0 ? 7
                      : p->type == GGML_TYPE_BF16 ? 32
-                     : p->type == GGML_TYPE_Q4_K ? 14 /* the pure K types: llama.cpp's _S */
+                     : p->type == GGML_TYPE_Q2_K ? 10
+                     : p->type == GGML_TYPE_Q3_K ? 11 /* the pure K types: llama.cpp's _S */
+                     : p->type == GGML_TYPE_Q4_K ? 14
                      : p->type == GGML_TYPE_Q5_K ? 16
                      : p->type == GGML_TYPE_Q6_K ? 18
                                                  : 0;

@@ -489,6 +489,8 @@ int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n)
         return quant_q8_0(src, dst, n / 32);
     case GGML_TYPE_Q4_0:
         return quant_q4_0(src, dst, n / 32);
+    case GGML_TYPE_Q2_K:
+    case GGML_TYPE_Q3_K:
     case GGML_TYPE_Q4_K:
     case GGML_TYPE_Q5_K:
     case GGML_TYPE_Q6_K:

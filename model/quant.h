@@ -106,7 +106,7 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n);
 
 /*
  * Encode n floats into qt_row_bytes(type, n) bytes at dst. Supports f32,
- * f16, bf16, q8_0, q4_0 and the K-quants q4_K, q5_K, q6_K (qt_quantize_k,
+ * f16, bf16, q8_0, q4_0 and the K-quants q2_K to q6_K (qt_quantize_k,
  * quant_k.c: every element within half a step); q8_0 and q4_0 choose
  * each block's scale from its largest magnitude and round every element to
  * the nearest level of the stored (f16) scale.
@@ -116,7 +116,7 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n);
  */
 int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n);
 
-/* q4_K, q5_K or q6_K rows of n (a multiple of 256) floats (quant_k.c), with
+/* q2_K, q3_K, q4_K, q5_K or q6_K rows of n (a multiple of 256) floats (quant_k.c), with
  * qt_quantize_row's contract. */
 int qt_quantize_k(enum ggml_type type, const float *src, void *dst, int n);
 

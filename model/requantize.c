@@ -42,6 +42,8 @@
 static const struct model_quant_target targets[] = {
     {"q8_0", GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 7},
     {"q4_0", GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, 2},
+    {"q2_K", GGML_TYPE_Q2_K, GGML_TYPE_Q2_K, GGML_TYPE_Q6_K, 10},
+    {"q3_K", GGML_TYPE_Q3_K, GGML_TYPE_Q3_K, GGML_TYPE_Q6_K, 11},
     {"q4_K", GGML_TYPE_Q4_K, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, 14},
     {"q5_K", GGML_TYPE_Q5_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K, 16},
     {"q6_K", GGML_TYPE_Q6_K, GGML_TYPE_Q6_K, GGML_TYPE_Q6_K, 18},

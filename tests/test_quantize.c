@@ -1,5 +1,5 @@
 /*
- * test_quantize.c - the K-quant writers (q4_K, q5_K, q6_K) and
+ * test_quantize.c - the K-quant writers (q2_K to q6_K) and
  * `kvd quantize`.
  *
  * Writers: rows of several distributions (uniform, all positive, all
@@ -87,10 +87,22 @@ static void fill_row(float *x, int n, int kind, uint32_t seed)
  * the block's own scales. */
 static double half_step(enum ggml_type t, const uint8_t *row, int e)
 {
+    const int g = (e % 256) / 16; /* the group of 16 */
+    if (t == GGML_TYPE_Q2_K) {
+        const uint8_t *b = row + 84 * (size_t)(e / 256);
+        return 0.5 * qt_f16_to_f32(qt_rd16(b + QT_Q2K_D)) * (b[QT_Q2K_SCALES + g] & 15);
+    }
+    if (t == GGML_TYPE_Q3_K) {
+        const uint8_t *b = row + 110 * (size_t)(e / 256);
+        uint32_t w[4];
+        qt_q3k_scale_words(b + QT_Q3K_SCALES, w);
+        int sc = (int)(w[g / 4] >> (8 * (g % 4)) & 0xff) - 32;
+        return 0.5 * qt_f16_to_f32(qt_rd16(b + QT_Q3K_D)) * abs(sc);
+    }
     if (t == GGML_TYPE_Q6_K) {
         const uint8_t *b = row + 210 * (size_t)(e / 256);
         double d = qt_f16_to_f32(qt_rd16(b + QT_Q6K_D));
-        return 0.5 * d * ((const int8_t *)(b + QT_Q6K_SCALES))[(e % 256) / 16];
+        return 0.5 * d * abs(((const int8_t *)(b + QT_Q6K_SCALES))[(e % 256) / 16]);
     }
     size_t bytes = t == GGML_TYPE_Q4_K ? 144 : 176;
     const uint8_t *b = row + bytes * (size_t)(e / 256);
@@ -102,12 +114,14 @@ static double half_step(enum ggml_type t, const uint8_t *row, int e)
 static void test_k_writers_round_trip(void **state)
 {
     (void)state;
-    const enum ggml_type types[3] = {GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
-    const double ceiling[3] = {0.09, 0.045, 0.022}; /* RMS error / RMS, Gaussian rows */
+    const enum ggml_type types[5] = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
+                                     GGML_TYPE_Q6_K};
+    /* RMS error / RMS, Gaussian rows */
+    const double ceiling[5] = {0.40, 0.18, 0.09, 0.045, 0.022};
     enum { N = 1024, KINDS = 7 };
     float x[N], y[N];
     uint8_t row[N];
-    for (int ti = 0; ti < 3; ti++) {
+    for (int ti = 0; ti < 5; ti++) {
         enum ggml_type t = types[ti];
         for (int kind = 0; kind < KINDS; kind++) {
             double worst_ratio = 0, se = 0, sx = 0;
@@ -200,13 +214,14 @@ static void test_quantize_model(void **state)
     int nv = 512;
     float *ref = malloc(sizeof(float) * nv), *lg = malloc(sizeof(float) * nv);
     last_logits(in, ref);
-    const char *types[7] = {"q8_0", "q4_0", "q4_K", "q5_K", "q6_K", "q4_K_M", "q5_K_M"};
+    const char *types[9] = {"q8_0", "q4_0",   "q4_K",   "q5_K", "q6_K",
+                            "q4_K_M", "q5_K_M", "q3_K", "q2_K"};
     /* Ceilings about 1.5x what was measured (a 16-layer random model
      * amplifies weight error; the activations of quantised products are
      * 8-bit too), and the order the bits promise, checked below. */
-    const float bound[7] = {0.06f, 0.5f, 0.55f, 0.28f, 0.1f, 0.5f, 0.25f};
-    float got[7];
-    for (int i = 0; i < 7; i++) {
+    const float bound[9] = {0.06f, 0.5f, 0.55f, 0.28f, 0.1f, 0.5f, 0.25f, 0.85f, 2.4f};
+    float got[9];
+    for (int i = 0; i < 9; i++) {
         assert_int_equal(run_quantize(in, out, types[i], err, sizeof(err)), 0);
         last_logits(out, lg);
         float e = rel_diff(lg, ref, nv);
@@ -248,6 +263,7 @@ static void test_quantize_model(void **state)
     assert_true(got[4] < got[3] && got[3] < got[2]); /* q6_K < q5_K < q4_K */
     assert_true(got[5] < got[2] && got[6] < got[3]); /* a mix beats its base type */
     assert_true(got[0] < got[4]);                    /* q8_0 beats them all */
+    assert_true(got[2] < got[7] && got[7] < got[8]); /* q4_K < q3_K < q2_K */
     free(ref);
     free(lg);
 }
@@ -342,8 +358,9 @@ static void test_quantize_cli(void **state)
 static void test_mkmodel_k_types(void **state)
 {
     (void)state;
-    const enum ggml_type types[3] = {GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
-    for (int i = 0; i < 3; i++) {
+    const enum ggml_type types[5] = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
+                                     GGML_TYPE_Q6_K};
+    for (int i = 0; i < 5; i++) {
         struct model_mk_params p;
         model_mk_defaults(&p);
         p.n_embd = 256;
