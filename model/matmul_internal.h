@@ -88,10 +88,24 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
  *   f32, f16, bf16  per input k: the first group's 16 elements k, then the
  *         second's, as stored (2 x 64 or 2 x 32 bytes). Pair stride: 2 x 16
  *         x n_in x the element size.
+ *   q4_K  per super-block of 256 inputs, MM_PACK_Q4K_PAIR bytes: first
+ *         each group's scales (the first group's MM_PACK_Q4K_GSCALES bytes,
+ *         then the second's: 16 f16 d at 0, 16 f16 dmin at 32, then per
+ *         sub-block s = 0..7 the 16 rows' 6-bit scales as bytes at 64 +
+ *         16 s and their mins at 192 + 16 s), then from MM_PACK_Q4K_QS, for
+ *         each pair of sub-blocks h = 0..3 and k = 0..7, the first group's
+ *         chunk and then the second's (64 bytes each: row r's bytes 4r..4r+3
+ *         are its stored qs[32h + 4k .. +3], whose low nibbles are elements
+ *         64h + 4k.. and high nibbles 64h + 32 + 4k..). Pair stride: n_in /
+ *         256 x MM_PACK_Q4K_PAIR. The activations are q8_0's (per block of
+ *         32, below): a sub-block of 32 meets one activation block.
  */
 #define MM_PACK_ROWS 16
 #define MM_PACK_Q8_SCALES (2 * 8 * 64) /* the scales' offset in a pair's block */
 #define MM_PACK_Q8_PAIR (MM_PACK_Q8_SCALES + 2 * 2 * MM_PACK_ROWS) /* one block of a pair */
+#define MM_PACK_Q4K_GSCALES (2 * 2 * MM_PACK_ROWS + 2 * 8 * MM_PACK_ROWS) /* one group's */
+#define MM_PACK_Q4K_QS (2 * MM_PACK_Q4K_GSCALES)                 /* the nibbles' offset */
+#define MM_PACK_Q4K_PAIR (MM_PACK_Q4K_QS + 4 * 8 * 2 * 64)        /* one super-block of a pair */
 
 /* Bytes of one pair of groups (2 x MM_PACK_ROWS rows) of w, repacked (0: a
  * type that is never repacked). */
@@ -101,10 +115,19 @@ static inline bool mm_pack_int8(const struct mm_weight *w)
     return w->type == GGML_TYPE_Q8_0 || mm_widens_to_int8(w->type);
 }
 
+/* Whether w's repacked kernels take q8_0's activation slots: the int8
+ * blocks, and q4_K. */
+static inline bool mm_pack_q8_acts(const struct mm_weight *w)
+{
+    return mm_pack_int8(w) || w->type == GGML_TYPE_Q4_K;
+}
+
 static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 {
     if (mm_pack_int8(w))
         return (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_PAIR;
+    if (w->type == GGML_TYPE_Q4_K)
+        return (size_t)(w->n_in / QT_QK_K) * MM_PACK_Q4K_PAIR;
     if (w->type == GGML_TYPE_F32)
         return (size_t)w->n_in * 2 * MM_PACK_ROWS * 4;
     if (w->type == GGML_TYPE_F16 || w->type == GGML_TYPE_BF16)

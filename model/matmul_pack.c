@@ -289,6 +289,118 @@ Q8_ONE(7)
 Q8_ONE(8)
 
 /* ------------------------------------------------------------------------
+ * q4_K: the nibbles as they are, the scales applied per sub-block
+ * ------------------------------------------------------------------------ */
+
+/* Group g's 16 (scale or min) codes of sub-block s at p, times the group's
+ * f16 factor at f: exact in f32 (an f16 times a 6-bit integer). */
+INLINE __m512 q4k_factor(const uint8_t *p, const uint8_t *f)
+{
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)p))),
+                         _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)f)));
+}
+
+/* mg groups from g0 x nt tokens of token tile j, q4_K. Per sub-block s of
+ * super-block sb (activation block 8 sb + s): vpdpbusd of the unsigned
+ * nibbles (a 64-byte chunk's low nibbles for even s, high for odd) against
+ * the token's int8 activations gives each row's exact integer sum, then
+ * acc += sum * (d sc_s) dx - (dmin m_s) (dx sum(q)) in f32, the same
+ * operations for a (row, token) in every tile. */
+INLINE void q4k_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const int nsb = w->n_in / QT_QK_K, nb = w->n_in / QT_QK;
+    const uint8_t *pq[Q_MG / 2];
+    for (int h = 0; h < (mg + 1) / 2; h++)
+        pq[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+    const size_t at = (size_t)j * (size_t)nb * P_NT;
+    const int8_t *xq = jb->q + at * QT_QK;
+    const float *xd = jb->d + at;
+    const int32_t *xc = jb->c + at;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+
+    __m512 acc[Q_MG][P_NT];
+    for (int g = 0; g < mg; g++)
+        for (int t = 0; t < nt; t++)
+            acc[g][t] = _mm512_setzero_ps();
+
+    for (int sb = 0; sb < nsb; sb++) {
+        const size_t o = (size_t)sb * MM_PACK_Q4K_PAIR;
+        for (int s = 0; s < 8; s++) {
+            const size_t blk = (size_t)(8 * sb + s) * P_NT; /* the activations' block */
+            const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1));
+            __m512i ia[Q_MG][P_NT];
+            for (int g = 0; g < mg; g++)
+                for (int t = 0; t < nt; t++)
+                    ia[g][t] = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                __m512i wv[Q_MG];
+                for (int g = 0; g < mg; g++)
+                    wv[g] = _mm512_and_si512(
+                        _mm512_srl_epi16(
+                            _mm512_load_si512((const void *)(pq[g / 2] + o + MM_PACK_Q4K_QS +
+                                                             128 * (8 * (s / 2) + k) + 64 * (g % 2))),
+                            shift),
+                        lo4);
+                for (int t = 0; t < nt; t++) {
+                    int32_t x4;
+                    memcpy(&x4, xq + (blk + (size_t)t) * QT_QK + 4 * k, 4);
+                    __m512i xv = _mm512_set1_epi32(x4);
+                    for (int g = 0; g < mg; g++)
+                        ia[g][t] = _mm512_dpbusd_epi32(ia[g][t], wv[g], xv);
+                }
+            }
+            for (int g = 0; g < mg; g++) {
+                const uint8_t *sg = pq[g / 2] + o + MM_PACK_Q4K_GSCALES * (g % 2);
+                __m512 sc = q4k_factor(sg + 64 + 16 * s, sg);
+                __m512 mn = q4k_factor(sg + 192 + 16 * s, sg + 32);
+                for (int t = 0; t < nt; t++) {
+                    float dx = xd[blk + (size_t)t];
+                    float sq = dx * (float)(xc[blk + (size_t)t] / -128); /* dx sum(q) */
+                    acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[g][t]),
+                                                _mm512_mul_ps(sc, _mm512_set1_ps(dx)), acc[g][t]);
+                    acc[g][t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(sq), acc[g][t]);
+                }
+            }
+        }
+    }
+
+    for (int g = 0; g < mg; g++)
+        store_group(jb, g0 + g, j * P_NT, nt, acc[g]);
+}
+
+#define Q4K_CALL(n) q4k_tile(jb, g0, mg, j, n)
+#define Q4K_TILES(mg_)                                                                             \
+    static void q4k_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)               \
+    {                                                                                              \
+        const int mg = mg_;                                                                        \
+        switch (nt) {                                                                              \
+            T_CASE(Q4K_CALL, 1)                                                                    \
+            T_CASE(Q4K_CALL, 2)                                                                    \
+            T_CASE(Q4K_CALL, 3)                                                                    \
+            T_CASE(Q4K_CALL, 4)                                                                    \
+            T_CASE(Q4K_CALL, 5)                                                                    \
+        default:                                                                                   \
+            Q4K_CALL(P_NT);                                                                        \
+            break;                                                                                 \
+        }                                                                                          \
+    }
+Q4K_TILES(1)
+Q4K_TILES(2)
+NARROW_TILES(q4k_tile_3, Q4K_CALL, 3)
+NARROW_TILES(q4k_tile_4, Q4K_CALL, 4)
+#define Q4K_ONE(mg_)                                                                               \
+    static void q4k_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)               \
+    {                                                                                              \
+        (void)nt;                                                                                  \
+        q4k_tile(jb, g0, mg_, j, 1);                                                               \
+    }
+Q4K_ONE(5)
+Q4K_ONE(6)
+Q4K_ONE(7)
+Q4K_ONE(8)
+
+/* ------------------------------------------------------------------------
  * Float weights: f32 multiply-adds, the weights widened in registers
  * ------------------------------------------------------------------------ */
 
@@ -414,6 +526,11 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, 
         by[5] = q8_tile_5, by[6] = q8_tile_6, by[7] = q8_tile_7, by[8] = q8_tile_8;
         tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
         break;
+    case GGML_TYPE_Q4_K:
+        by[1] = q4k_tile_1, by[2] = q4k_tile_2, by[3] = q4k_tile_3, by[4] = q4k_tile_4;
+        by[5] = q4k_tile_5, by[6] = q4k_tile_6, by[7] = q4k_tile_7, by[8] = q4k_tile_8;
+        tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
+        break;
     case GGML_TYPE_F32:
         by[1] = f32_tile_1, by[2] = f32_tile_2, by[3] = f32_tile_3, by[4] = f32_tile_4;
         by[5] = f32_tile_5, by[6] = f32_tile_6, by[7] = f32_tile_7, by[8] = f32_tile_8;
@@ -469,8 +586,8 @@ static void quantize_avx512(const struct mm_pack_job *jb, const float *xt, int t
 
 static bool has_avx512(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || type == GGML_TYPE_F32 ||
-           type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
+    return type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || type == GGML_TYPE_Q4_K ||
+           type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
 }
 
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {

@@ -245,6 +245,36 @@ static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
     }
 }
 
+/* Pair p of q4_K groups (matmul_internal.h): each stored super-block's d,
+ * dmin, scales and mins go to its row's lane, its 128 bytes of nibbles in
+ * runs of 4 to its lane of the chunks; rows past n_out are zeros. */
+static void pack_q4k_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
+{
+    const int nsb = w->n_in / QT_QK_K;
+    for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
+        const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
+        const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
+        for (int b = 0; b < nsb; b++) {
+            static const uint8_t zero[144];
+            const uint8_t *u = row ? row + 144 * (size_t)b : zero;
+            uint8_t *o = dst + (size_t)b * MM_PACK_Q4K_PAIR;
+            uint8_t *sg = o + MM_PACK_Q4K_GSCALES * g;
+            memcpy(sg + 2 * lane, u + QT_Q4K_D, 2);
+            memcpy(sg + 32 + 2 * lane, u + QT_Q4K_DMIN, 2);
+            for (int sb = 0; sb < 8; sb++) {
+                int sc, mn;
+                qt_q4k_scale_min(u + QT_Q4K_SCALES, sb, &sc, &mn);
+                sg[64 + 16 * sb + lane] = (uint8_t)sc;
+                sg[192 + 16 * sb + lane] = (uint8_t)mn;
+            }
+            for (int h = 0; h < 4; h++)
+                for (int k = 0; k < 8; k++)
+                    memcpy(o + MM_PACK_Q4K_QS + 128 * (8 * h + k) + 64 * g + 4 * lane,
+                           u + QT_Q4K_QS + 32 * h + 4 * k, 4);
+        }
+    }
+}
+
 /* Pair p of float groups: element k of its 32 rows side by side (rows past
  * n_out are zeros). Elements are copied as 2- or 4-byte words. */
 static void pack_float_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
@@ -280,6 +310,8 @@ void mm_pack_weight(struct mm_weight *w, void *dst)
     for (size_t p = 0; p < n_pairs(w); p++)
         if (mm_pack_int8(w))
             pack_q8_pair(w, p, (uint8_t *)dst + p * pb);
+        else if (w->type == GGML_TYPE_Q4_K)
+            pack_q4k_pair(w, p, (uint8_t *)dst + p * pb);
         else
             pack_float_pair(w, p, (uint8_t *)dst + p * pb);
     w->packed = dst;
@@ -307,7 +339,7 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
             jb->xb = (uint32_t *)p;
         return round_up(round_up((size_t)n_tok, MM_BF16_NT) * (size_t)mm_bf16_pairs(w) * 4, 64);
     }
-    if (!mm_pack_int8(w)) { /* float weights: the transposed tiles */
+    if (!mm_pack_q8_acts(w)) { /* float weights: the transposed tiles */
         if (jb)
             jb->x = (float *)p;
         return round_up(round_up((size_t)n_tok, MM_PACK_FNT) * (size_t)w->n_in * sizeof(float), 64);
@@ -382,7 +414,7 @@ static struct pack_variant variant_of(const struct mm_weight *w)
         return (struct pack_variant){bk->round, bk->groups, MM_BF16_NT};
     }
     const struct mm_pack_kernels *pk = pkern();
-    if (mm_pack_int8(w))
+    if (mm_pack_q8_acts(w))
         return (struct pack_variant){pk->quantize, pk->groups, MM_PACK_NT};
     return (struct pack_variant){transpose_token, pk->groups, MM_PACK_FNT};
 }

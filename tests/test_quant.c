@@ -444,7 +444,7 @@ static void test_quant_errors(void **state)
     (void)state;
     float x[64] = {0};
     uint8_t b[256];
-    assert_int_equal(qt_quantize_row(GGML_TYPE_Q2_K, x, b, 256), -EINVAL); /* read-only */
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_1, x, b, 32), -EINVAL); /* read-only */
     assert_int_equal(qt_quantize_row(GGML_TYPE_Q5_0, x, b, 32), -EINVAL);
     assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 48), -EINVAL);
     assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 0), -EINVAL);
@@ -926,20 +926,8 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
         for (int i = 32; i < 64; i++)
             x[(size_t)n_in + i] = 0.0f; /* an all-zero activation block */
 
-    /* the activations as the kernel quantises them (quant.h): per block of 32
-     * (of 256 for the K formats, matmul_k.c), d = max|x| / 127 and
-     * q = round-to-even(x * (127 / max|x|)) in f32 */
-    const int ab = mm_k_type(type) ? 256 : 32;
     float *xhat = malloc(sizeof(float) * (size_t)n_in * (size_t)n_tok);
     assert_non_null(xhat);
-    for (size_t b = 0; quantised && b < (size_t)n_in * n_tok; b += ab) {
-        float amax = 0.0f;
-        for (size_t i = b; i < b + ab; i++)
-            amax = fmaxf(amax, fabsf(x[i]));
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
-        for (size_t i = b; i < b + ab; i++)
-            xhat[i] = d * nearbyintf(x[i] * id);
-    }
 
     struct mm_weight w;
     char err[160];
@@ -959,6 +947,19 @@ static void check_matmul(enum ggml_type type, int n_in, int n_out, int n_tok)
             mm_pack_weight(&w, packed);
             assert_ptr_equal(w.packed, packed);
             assert_true(mm_pack_ready(&w));
+        }
+        /* the activations as the kernel quantises them (quant.h): per block
+         * of 32 (of 256 for the K formats, matmul_k.c, but 32 for repacked
+         * q4_K, matmul_pack.c), d = max|x| / 127 and q = round-to-even(x *
+         * (127 / max|x|)) in f32 */
+        const int ab = mm_k_type(type) && !(pass && type == GGML_TYPE_Q4_K) ? 256 : 32;
+        for (size_t b = 0; quantised && b < (size_t)n_in * n_tok; b += ab) {
+            float amax = 0.0f;
+            for (size_t i = b; i < b + ab; i++)
+                amax = fmaxf(amax, fabsf(x[i]));
+            float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+            for (size_t i = b; i < b + ab; i++)
+                xhat[i] = d * nearbyintf(x[i] * id);
         }
         char tname[64];
         snprintf(tname, sizeof tname, "%s%s", qt_type_name(type), pass ? " (repacked)" : "");

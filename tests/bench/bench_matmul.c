@@ -26,7 +26,7 @@
  * the same way; "q4_0 rp8", "q5_0 rp8" and "iq4_nl rp8" the copies widened
  * to q8_0's int8 blocks, GB/s counted in the stored rows' bytes (so beside
  * the stored kernel's row, the same weights per second scale; the copy
- * itself reads 34 bytes per 32 weights).
+ * itself reads 34 bytes per 32 weights); "q4_K rp" the 16-row q4_K copy.
  *
  * Then the decoding step of a model as kvd loads it: the SmolLM-135M shape
  * (576 x 30 layers, 9 heads, 3 KV heads, ffn 1536, tied 49152-row output),
@@ -539,7 +539,9 @@ int main(int argc, char **argv)
             return 1;
         }
         measure_row(qt_type_name(type), &w, data, bytes, copies, false, x, out, triad);
-        size_t pb = type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) ? mm_pack_bytes(&w) : 0;
+        size_t pb = type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || type == GGML_TYPE_Q4_K
+                        ? mm_pack_bytes(&w)
+                        : 0;
         if (pb) { /* decoding's own path at this level: the repacked copies */
             pb = (pb + 63) / 64 * 64;
             uint8_t *packed = map_huge(pb * (size_t)copies);
@@ -551,7 +553,7 @@ int main(int argc, char **argv)
             w.packed = packed;
             char name[32]; /* q4_0, q5_0, iq4_nl: widened to int8 blocks */
             snprintf(name, sizeof name, "%s rp%s", qt_type_name(type),
-                     type == GGML_TYPE_Q8_0 ? "" : "8");
+                     mm_widens_to_int8(type) ? "8" : "");
             measure_row(name, &w, packed, pb, copies, true, x, out, triad);
             munmap(packed, pb * (size_t)copies);
         }
