@@ -97,24 +97,27 @@
 #define NT 2 /* 4 + 4 of 16 ymm */
 #endif
 
-/* Whether the type has mins (dmin * m_g). */
-static inline bool k_mins(enum ggml_type type)
-{
-    return type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K;
-}
-
 /* log2 of the offset c of the formula above (q6_K 32, q3_K 4); -1: none. */
 static inline int k_offset_log2(enum ggml_type type)
 {
     return type == GGML_TYPE_Q6_K ? 5 : type == GGML_TYPE_Q3_K ? 2 : -1;
 }
 
-/* Whether the AVX-512 kernel reads the activations' sub-blocks paired
- * (0 2 1 3 4 6 5 7: q4_K and q5_K, see kx_quantize). */
+#ifdef KERN_SIMD
+/* Whether the type has mins (dmin * m_g). */
+static inline bool k_mins(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K;
+}
+
+/* Whether the SIMD kernels' scales come per 32, paired with q4_K's nibbles
+ * (q4_K, q5_K): the AVX-512 kernel then reads the activations' sub-blocks
+ * in the order 0 2 1 3 4 6 5 7 (kx_quantize). */
 static inline bool k_paired(enum ggml_type type)
 {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K;
 }
+#endif
 
 /* ------------------------------------------------------------------------
  * Activations per super-block (struct mm_kx, matmul_internal.h)
