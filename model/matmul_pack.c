@@ -300,71 +300,100 @@ INLINE __m512 q4k_factor(const uint8_t *p, const uint8_t *f)
                          _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)f)));
 }
 
+/* A q4_K tile's pointers: its pairs' copies, its token tile's activations. */
+struct q4k_at {
+    const uint8_t *pq[Q_MG / 2];
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *xc;
+};
+
+/*
+ * The integer sums of sub-blocks 2h (the chunks' low nibbles, into lo) and
+ * 2h + 1 (high nibbles, into hi) of super-block sb, for mg groups x nt
+ * tokens; `both` false: only the half `high` says. One pass over a chunk
+ * for both where the registers hold both sets of sums (a narrow tile:
+ * half the loads and shifts of two passes); two passes otherwise.
+ */
+INLINE void q4k_sums(const struct q4k_at *a, int mg, int nt, int sb, int h, bool both, bool high,
+                     __m512i lo[][P_NT], __m512i hi[][P_NT])
+{
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    const size_t o = (size_t)sb * MM_PACK_Q4K_PAIR + MM_PACK_Q4K_QS + 128 * 8 * (size_t)h;
+    const size_t b0 = (size_t)(8 * sb + 2 * h) * P_NT; /* the activations' blocks */
+    const size_t b1 = b0 + P_NT;
+    for (int g = 0; g < mg; g++)
+        for (int t = 0; t < nt; t++)
+            lo[g][t] = hi[g][t] = _mm512_setzero_si512();
+    for (int k = 0; k < 8; k++) {
+        __m512i v[Q_MG];
+        for (int g = 0; g < mg; g++)
+            v[g] = _mm512_load_si512((const void *)(a->pq[g / 2] + o + 128 * k + 64 * (g % 2)));
+        for (int t = 0; t < nt; t++) {
+            int32_t x0, x1;
+            memcpy(&x0, a->xq + (b0 + (size_t)t) * QT_QK + 4 * k, 4);
+            memcpy(&x1, a->xq + (b1 + (size_t)t) * QT_QK + 4 * k, 4);
+            const __m512i xv0 = _mm512_set1_epi32(x0), xv1 = _mm512_set1_epi32(x1);
+            for (int g = 0; g < mg; g++) {
+                if (both || !high)
+                    lo[g][t] = _mm512_dpbusd_epi32(lo[g][t], _mm512_and_si512(v[g], lo4), xv0);
+                if (both || high)
+                    hi[g][t] = _mm512_dpbusd_epi32(
+                        hi[g][t], _mm512_and_si512(_mm512_srli_epi16(v[g], 4), lo4), xv1);
+            }
+        }
+    }
+}
+
+/* Sub-block s of super-block sb into the accumulators: acc += sum * (d
+ * sc_s) dx - (dmin m_s) (dx sum(q)), per group and token. */
+INLINE void q4k_fold(const struct q4k_at *a, int mg, int nt, int sb, int s, __m512i ia[][P_NT],
+                     __m512 acc[][P_NT])
+{
+    const size_t blk = (size_t)(8 * sb + s) * P_NT;
+    for (int g = 0; g < mg; g++) {
+        const uint8_t *sg =
+            a->pq[g / 2] + (size_t)sb * MM_PACK_Q4K_PAIR + MM_PACK_Q4K_GSCALES * (g % 2);
+        const __m512 sc = q4k_factor(sg + 64 + 16 * s, sg);
+        const __m512 mn = q4k_factor(sg + 192 + 16 * s, sg + 32);
+        for (int t = 0; t < nt; t++) {
+            const float dx = a->xd[blk + (size_t)t];
+            const float sq = dx * (float)(a->xc[blk + (size_t)t] / -128); /* dx sum(q) */
+            acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[g][t]),
+                                        _mm512_mul_ps(sc, _mm512_set1_ps(dx)), acc[g][t]);
+            acc[g][t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(sq), acc[g][t]);
+        }
+    }
+}
+
 /* mg groups from g0 x nt tokens of token tile j, q4_K. Per sub-block s of
- * super-block sb (activation block 8 sb + s): vpdpbusd of the unsigned
- * nibbles (a 64-byte chunk's low nibbles for even s, high for odd) against
- * the token's int8 activations gives each row's exact integer sum, then
- * acc += sum * (d sc_s) dx - (dmin m_s) (dx sum(q)) in f32, the same
- * operations for a (row, token) in every tile. */
+ * a super-block (activation block 8 sb + s): vpdpbusd of the unsigned
+ * nibbles against the token's int8 activations gives each row's exact
+ * integer sum (q4k_sums), then q4k_fold applies the scales in f32: the
+ * same operations for a (row, token) in every tile. */
 INLINE void q4k_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 {
     const struct mm_weight *w = jb->w;
     const int nsb = w->n_in / QT_QK_K, nb = w->n_in / QT_QK;
-    const uint8_t *pq[Q_MG / 2];
-    for (int h = 0; h < (mg + 1) / 2; h++)
-        pq[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
     const size_t at = (size_t)j * (size_t)nb * P_NT;
-    const int8_t *xq = jb->q + at * QT_QK;
-    const float *xd = jb->d + at;
-    const int32_t *xc = jb->c + at;
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    struct q4k_at a = {.xq = jb->q + at * QT_QK, .xd = jb->d + at, .xc = jb->c + at};
+    for (int h = 0; h < (mg + 1) / 2; h++)
+        a.pq[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+    const bool both = mg * nt <= Q_MG; /* 2 x mg x nt sums, mg x nt accumulators */
 
     __m512 acc[Q_MG][P_NT];
     for (int g = 0; g < mg; g++)
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
-
-    for (int sb = 0; sb < nsb; sb++) {
-        const size_t o = (size_t)sb * MM_PACK_Q4K_PAIR;
-        for (int s = 0; s < 8; s++) {
-            const size_t blk = (size_t)(8 * sb + s) * P_NT; /* the activations' block */
-            const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1));
-            __m512i ia[Q_MG][P_NT];
-            for (int g = 0; g < mg; g++)
-                for (int t = 0; t < nt; t++)
-                    ia[g][t] = _mm512_setzero_si512();
-            for (int k = 0; k < 8; k++) {
-                __m512i wv[Q_MG];
-                for (int g = 0; g < mg; g++)
-                    wv[g] = _mm512_and_si512(
-                        _mm512_srl_epi16(
-                            _mm512_load_si512((const void *)(pq[g / 2] + o + MM_PACK_Q4K_QS +
-                                                             128 * (8 * (s / 2) + k) + 64 * (g % 2))),
-                            shift),
-                        lo4);
-                for (int t = 0; t < nt; t++) {
-                    int32_t x4;
-                    memcpy(&x4, xq + (blk + (size_t)t) * QT_QK + 4 * k, 4);
-                    __m512i xv = _mm512_set1_epi32(x4);
-                    for (int g = 0; g < mg; g++)
-                        ia[g][t] = _mm512_dpbusd_epi32(ia[g][t], wv[g], xv);
-                }
-            }
-            for (int g = 0; g < mg; g++) {
-                const uint8_t *sg = pq[g / 2] + o + MM_PACK_Q4K_GSCALES * (g % 2);
-                __m512 sc = q4k_factor(sg + 64 + 16 * s, sg);
-                __m512 mn = q4k_factor(sg + 192 + 16 * s, sg + 32);
-                for (int t = 0; t < nt; t++) {
-                    float dx = xd[blk + (size_t)t];
-                    float sq = dx * (float)(xc[blk + (size_t)t] / -128); /* dx sum(q) */
-                    acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[g][t]),
-                                                _mm512_mul_ps(sc, _mm512_set1_ps(dx)), acc[g][t]);
-                    acc[g][t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(sq), acc[g][t]);
-                }
-            }
+    for (int sb = 0; sb < nsb; sb++)
+        for (int h = 0; h < 4; h++) {
+            __m512i lo[Q_MG][P_NT], hi[Q_MG][P_NT];
+            q4k_sums(&a, mg, nt, sb, h, both, false, lo, hi);
+            q4k_fold(&a, mg, nt, sb, 2 * h, lo, acc);
+            if (!both)
+                q4k_sums(&a, mg, nt, sb, h, false, true, lo, hi);
+            q4k_fold(&a, mg, nt, sb, 2 * h + 1, hi, acc);
         }
-    }
-
     for (int g = 0; g < mg; g++)
         store_group(jb, g0 + g, j * P_NT, nt, acc[g]);
 }
