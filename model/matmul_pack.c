@@ -269,23 +269,23 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 
 /* The q8_0 tile for nt tokens (1..P_NT), with constant arguments. */
 #define Q8_CALL(n) q8_tile(jb, g0, mg, j, n)
-#define Q8_TILES(mg_)                                                                              \
-    static void q8_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)                 \
+#define INT8_TILES(name, call, mg_)                                                                \
+    static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
         const int mg = mg_;                                                                        \
         switch (nt) {                                                                              \
-            T_CASE(Q8_CALL, 1)                                                                     \
-            T_CASE(Q8_CALL, 2)                                                                     \
-            T_CASE(Q8_CALL, 3)                                                                     \
-            T_CASE(Q8_CALL, 4)                                                                     \
-            T_CASE(Q8_CALL, 5)                                                                     \
+            T_CASE(call, 1)                                                                        \
+            T_CASE(call, 2)                                                                        \
+            T_CASE(call, 3)                                                                        \
+            T_CASE(call, 4)                                                                        \
+            T_CASE(call, 5)                                                                        \
         default:                                                                                   \
-            Q8_CALL(P_NT);                                                                         \
+            call(P_NT);                                                                            \
             break;                                                                                 \
         }                                                                                          \
     }
-Q8_TILES(1)
-Q8_TILES(2)
+INT8_TILES(q8_tile_1, Q8_CALL, 1)
+INT8_TILES(q8_tile_2, Q8_CALL, 2)
 
 /* The narrow tiles: mg (3 to N_MG, or Q_MG2 for q8_0) groups for nt tokens
  * (1..MM_PACK_NARROW). */
@@ -301,17 +301,17 @@ Q8_TILES(2)
 NARROW_TILES(q8_tile_3, Q8_CALL, 3)
 NARROW_TILES(q8_tile_4, Q8_CALL, 4)
 
-/* q8_0 tiles of 5 to Q_MG groups: one token only (decoding's narrowest). */
-#define Q8_ONE(mg_)                                                                                \
-    static void q8_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)                 \
+/* Integer tiles of 5 to Q_MG groups: one token only (decoding's narrowest). */
+#define ONE_TILE(name, tile, mg_)                                                                  \
+    static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
         (void)nt;                                                                                  \
-        q8_tile(jb, g0, mg_, j, 1);                                                                \
+        tile(jb, g0, mg_, j, 1);                                                                   \
     }
-Q8_ONE(5)
-Q8_ONE(6)
-Q8_ONE(7)
-Q8_ONE(8)
+ONE_TILE(q8_tile_5, q8_tile, 5)
+ONE_TILE(q8_tile_6, q8_tile, 6)
+ONE_TILE(q8_tile_7, q8_tile, 7)
+ONE_TILE(q8_tile_8, q8_tile, 8)
 
 /* ------------------------------------------------------------------------
  * q4_K: the nibbles as they are, the scales applied per sub-block
@@ -424,35 +424,14 @@ INLINE void q4k_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt
 }
 
 #define Q4K_CALL(n) q4k_tile(jb, g0, mg, j, n)
-#define Q4K_TILES(mg_)                                                                             \
-    static void q4k_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)               \
-    {                                                                                              \
-        const int mg = mg_;                                                                        \
-        switch (nt) {                                                                              \
-            T_CASE(Q4K_CALL, 1)                                                                    \
-            T_CASE(Q4K_CALL, 2)                                                                    \
-            T_CASE(Q4K_CALL, 3)                                                                    \
-            T_CASE(Q4K_CALL, 4)                                                                    \
-            T_CASE(Q4K_CALL, 5)                                                                    \
-        default:                                                                                   \
-            Q4K_CALL(P_NT);                                                                        \
-            break;                                                                                 \
-        }                                                                                          \
-    }
-Q4K_TILES(1)
-Q4K_TILES(2)
+INT8_TILES(q4k_tile_1, Q4K_CALL, 1)
+INT8_TILES(q4k_tile_2, Q4K_CALL, 2)
 NARROW_TILES(q4k_tile_3, Q4K_CALL, 3)
 NARROW_TILES(q4k_tile_4, Q4K_CALL, 4)
-#define Q4K_ONE(mg_)                                                                               \
-    static void q4k_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)               \
-    {                                                                                              \
-        (void)nt;                                                                                  \
-        q4k_tile(jb, g0, mg_, j, 1);                                                               \
-    }
-Q4K_ONE(5)
-Q4K_ONE(6)
-Q4K_ONE(7)
-Q4K_ONE(8)
+ONE_TILE(q4k_tile_5, q4k_tile, 5)
+ONE_TILE(q4k_tile_6, q4k_tile, 6)
+ONE_TILE(q4k_tile_7, q4k_tile, 7)
+ONE_TILE(q4k_tile_8, q4k_tile, 8)
 
 /* ------------------------------------------------------------------------
  * Float weights: f32 multiply-adds, the weights widened in registers
