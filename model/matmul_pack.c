@@ -79,8 +79,13 @@
  * passes, a reload and a shift each, had left it compute-bound at 54 GB/s
  * from DRAM. Measured (bench_matmul 4096 x 4096, 2 threads, load ~1.2,
  * stored rows' kernel -> this copy): cold 60 -> 66-73 GB/s, 64 tokens
- * 511 -> 834-842 GFLOP/s; a 768 x 12 q4_K model (output q6_K) decodes at
- * 2.2x (172-181 -> 372-404 tokens/s) and prefills at 1.55x.
+ * 511 -> 834-842 GFLOP/s. A 768 x 12 q4_K model (output q6_K, 790-token
+ * prompt, alternated, load 1.0-1.3) prefills at 1.5x (2118-2242 ->
+ * 3152-3380 tokens/s) and decodes as fast as before (488-525 -> 505-539):
+ * its matrices are small enough that the stored kernel kept up there.
+ * q5_K the same way (its fifth bits as a 64-bit mask per chunk half, added
+ * under the mask) prefilled at 1.6x but decoded 10-15% slower than its
+ * stored kernel, so q5_K is not repacked.
  *
  * ---------------------------------------------------------------------------
  * Tiles and invariance
