@@ -29,6 +29,9 @@
 #include "config/config.h"
 #include "config/config_internal.h"
 
+/* cfg_dump fits its lines to CFG_LINE_MAX: it must be what inih can read. */
+_Static_assert(CFG_LINE_MAX + 2 <= INI_MAX_LINE, "CFG_LINE_MAX beyond inih's line buffer");
+
 /* --- errors ----------------------------------------------------------------------- */
 
 void cfg_errors_init(struct cfg_errors *errs)
@@ -313,8 +316,9 @@ static char *read_line(char *str, int num, void *stream)
         cfg_add_error(x->errs, x->source, x->line, "", "line contains a NUL byte");
         return str;
     }
-    if (n + 2 > (size_t)num) {
-        cfg_add_error(x->errs, x->source, x->line, "", "line longer than %d characters", num - 2);
+    if (n > CFG_LINE_MAX || n + 2 > (size_t)num) {
+        cfg_add_error(x->errs, x->source, x->line, "", "line longer than %d characters",
+                      CFG_LINE_MAX);
         return str;
     }
     if (*t == '[') {

@@ -86,6 +86,9 @@ enum cfg_log_format { CFG_LOG_TEXT = 0, CFG_LOG_JSON };
 #define CFG_ADDR_MAX 128  /* [server] listen */
 #define CFG_PATH_MAX 1024 /* file paths */
 #define CFG_KEY_MAX 256   /* [auth] api_key */
+/* The longest line a config file may have, trimmed: libinih reads lines
+ * into a buffer of INI_MAX_LINE (200) bytes, newline and NUL included. */
+#define CFG_LINE_MAX 198
 
 /* --- the configuration ------------------------------------------------------ */
 
@@ -450,8 +453,12 @@ bool cfg_value_equal(const struct cfg *a, const struct cfg *b, enum cfg_key k);
 /*
  * The effective configuration as INI text that parses back to the same
  * values, each key followed by "; <origin>"; a set api_key is shown only as
- * a comment saying it is set. Returns the snprintf length (call with len 0
- * to size the buffer).
+ * a comment saying it is set. A key whose line would pass CFG_LINE_MAX
+ * with its origin gets the origin on a comment line above it, and is
+ * written "name=value" if "name = value" alone is too long, so that every
+ * value a file could set dumps to a line a file can hold (a longer value,
+ * possible only from --set, is written whole; loading it names the line).
+ * Returns the snprintf length (call with len 0 to size the buffer).
  */
 int cfg_dump(const struct cfg *c, char *buf, size_t len);
 

@@ -583,9 +583,13 @@ int cfg_dump(const struct cfg *c, char *buf, size_t len)
         cfg_format_origin(c, (enum cfg_key)k, origin, sizeof(origin));
         if (d->secret && *value)
             cfg_fmt(line, sizeof(line), "# %s = (set, %zu bytes, hidden)", d->name, strlen(value));
+        else if (cfg_fmt(line, sizeof(line), "%s = %s", d->name, value) > CFG_LINE_MAX)
+            cfg_fmt(line, sizeof(line), "%s=%s", d->name, value);
+        int w = (int)strlen(line);
+        if ((w < 40 ? 40 : w) + 3 + (int)strlen(origin) <= CFG_LINE_MAX)
+            OUT("%-40s ; %s\n", line, origin);
         else
-            cfg_fmt(line, sizeof(line), "%s = %s", d->name, value);
-        OUT("%-40s ; %s\n", line, origin);
+            OUT("; %s\n%s\n", origin, line);
     }
 #undef OUT
     return (int)n;

@@ -877,6 +877,52 @@ static void test_dump_round_trip(void **state)
     free(errs);
 }
 
+/*
+ * The longest lines a file may hold dump to lines a file can hold: the
+ * origin comment moves above a key it would push past CFG_LINE_MAX, and a
+ * value written "path=..." (no spaces) stays that way. Before, such a file
+ * loaded and its dump did not (the fuzzer found it).
+ */
+static void test_dump_long_lines(void **state)
+{
+    (void)state;
+    char text[2 * CFG_LINE_MAX + 64], value[CFG_LINE_MAX + 1];
+    memset(value, 'p', sizeof(value));
+    value[CFG_LINE_MAX - 5] = '\0'; /* "path=" + value: exactly CFG_LINE_MAX */
+    snprintf(text, sizeof(text), "[model]\npath=%s\nchat_template = %.*s\n", value,
+             CFG_LINE_MAX - 40, value);
+    struct cfg_errors *errs = new_errors();
+    struct cfg c, back;
+    cfg_defaults(&c);
+    assert_int_equal(cfg_load_string(&c, text, "a-config-file-with-a-long-name.conf", errs), 0);
+    int n = cfg_dump(&c, NULL, 0);
+    char *dump = malloc((size_t)n + 1);
+    cfg_dump(&c, dump, (size_t)n + 1);
+    for (char *line = dump, *end; *line; line = end + 1) {
+        end = strchr(line, '\n');
+        assert_non_null(end);
+        assert_true(end - line <= CFG_LINE_MAX);
+    }
+    assert_non_null(strstr(dump, "; a-config-file-with-a-long-name.conf:2\npath=ppp"));
+    cfg_defaults(&back);
+    if (cfg_load_string(&back, dump, "dump", errs) != 0)
+        fail_msg("the dump did not load: %s", errs->list[0].message);
+    assert_string_equal(back.model.path, c.model.path);
+    assert_string_equal(back.model.chat_template, c.model.chat_template);
+
+    /* One character more is refused with its line, as before. */
+    value[CFG_LINE_MAX - 5] = 'p';
+    value[CFG_LINE_MAX - 4] = '\0';
+    snprintf(text, sizeof(text), "[model]\npath=%s\n", value);
+    cfg_defaults(&c);
+    cfg_errors_init(errs);
+    assert_int_not_equal(cfg_load_string(&c, text, "f.conf", errs), 0);
+    assert_int_equal(errs->list[0].line, 2);
+    assert_non_null(strstr(errs->list[0].message, "line longer than 198 characters"));
+    free(dump);
+    free(errs);
+}
+
 /* ------------------------------------------------------------------------
  * `kvd check-config`, the built binary
  * ------------------------------------------------------------------------ */
@@ -1015,6 +1061,7 @@ int main(void)
         cmocka_unit_test(test_reload_diff_and_merge),
         cmocka_unit_test(test_copy_is_plain),
         cmocka_unit_test(test_dump_round_trip),
+        cmocka_unit_test(test_dump_long_lines),
         cmocka_unit_test(test_check_config_command),
     };
     return cmocka_run_group_tests_name("config", tests, NULL, NULL);
