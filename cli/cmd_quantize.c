@@ -16,7 +16,7 @@
 static void quantize_usage(FILE *f)
 {
     fprintf(f, "usage: kvd quantize IN.gguf OUT.gguf --type T [--threads N] [--verbose]\n"
-               "  --type T     q8_0, q4_0, q2_K, q3_K, q4_K, q5_K, q6_K, q4_K_M or q5_K_M\n"
+               "  --type T     q8_0, q4_0, q2_K, q3_K, q4_K, q5_K, q6_K, q4_K_M, q5_K_M or iq4_xs\n"
                "               (the K mixes: output and, in the first and last eighth and\n"
                "               every third layer between, attn_v and ffn_down as q6_K)\n"
                "  --threads N  quantising threads (default: all)\n"

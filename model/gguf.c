@@ -70,7 +70,8 @@ static const struct type_traits ggml_traits[GGML_TYPE_COUNT] = {
     [GGML_TYPE_Q2_K] = {"q2_K", 256, 84},  [GGML_TYPE_Q3_K] = {"q3_K", 256, 110},
     [GGML_TYPE_Q4_K] = {"q4_K", 256, 144}, [GGML_TYPE_Q5_K] = {"q5_K", 256, 176},
     [GGML_TYPE_Q6_K] = {"q6_K", 256, 210}, [GGML_TYPE_Q8_K] = {"q8_K", 256, 292},
-    [GGML_TYPE_IQ4_NL] = {"iq4_nl", 32, 18}, [GGML_TYPE_BF16] = {"bf16", 1, 2},
+    [GGML_TYPE_IQ4_NL] = {"iq4_nl", 32, 18}, [GGML_TYPE_IQ4_XS] = {"iq4_xs", 256, 136},
+    [GGML_TYPE_BF16] = {"bf16", 1, 2},
 };
 
 static const struct type_traits *ggml_trait(uint32_t type)

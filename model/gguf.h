@@ -62,6 +62,7 @@ enum ggml_type {
     GGML_TYPE_Q6_K = 14,
     GGML_TYPE_Q8_K = 15,
     GGML_TYPE_IQ4_NL = 20,
+    GGML_TYPE_IQ4_XS = 23,
     GGML_TYPE_BF16 = 30,
     GGML_TYPE_COUNT = 40 /* upper bound for tables; unknown ids are rejected */
 };

@@ -1,7 +1,7 @@
 /*
  * matmul_blocks.c - the matrix products of quant_blocks.c's formats of 32
- * (q4_1, q5_0, q5_1, iq4_nl; its q2_K, q3_K and q5_K go to matmul_k.c)
- * against 8-bit activations.
+ * (q4_1, q5_0, q5_1, iq4_nl, and iq4_xs's sub-blocks of 32; its q2_K, q3_K
+ * and q5_K go to matmul_k.c) against 8-bit activations.
  *
  * Every block of 32 weights is decoded once per tile of tokens into
  * integers w[32], two scales and two mins (qt_block32_decode; the AVX2
@@ -123,6 +123,12 @@ AVX2_FN static inline void scales_avx2(enum ggml_type type, const uint8_t *row, 
         s[0] = s[1] = f16_at(row + (type == GGML_TYPE_Q5_0 ? 22 : 18) * (size_t)b);
         mn[0] = mn[1] = 0.0f;
         return;
+    case GGML_TYPE_IQ4_XS: {
+        const uint8_t *u = row + 136 * (size_t)(b / 8);
+        s[0] = s[1] = f16_at(u) * (float)qt_iq4xs_scale(u, b % 8);
+        mn[0] = mn[1] = 0.0f;
+        return;
+    }
     default:
         qt_block32_scales(type, row, b, s, mn);
         return;
@@ -178,11 +184,14 @@ AVX2_FN static inline __m256i decode_avx2(enum ggml_type type, const uint8_t *ro
         const uint8_t *u = row + 24 * (size_t)b;
         return _mm256_or_si256(nibbles(u + 8), fifth_bits(u + 4));
     }
-    default: { /* IQ4_NL */
+    default: { /* IQ4_NL, IQ4_XS: the same levels */
         const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
                                                 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35,
                                                 -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-        return _mm256_shuffle_epi8(levels, nibbles(row + 18 * (size_t)b + 2));
+        const uint8_t *qs = type == GGML_TYPE_IQ4_XS
+                                ? row + 136 * (size_t)(b / 8) + 8 + 16 * (size_t)(b % 8)
+                                : row + 18 * (size_t)b + 2;
+        return _mm256_shuffle_epi8(levels, nibbles(qs));
     }
     }
 }

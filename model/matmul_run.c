@@ -46,7 +46,7 @@ int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out
     if (!qt_type_supported(type)) {
         snprintf(err, errlen,
                  "weight type %s is not supported by the matrix product "
-                 "(supported: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K "
+                 "(supported: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl iq4_xs q2_K q3_K q4_K "
                  "q5_K q6_K)",
                  name);
         return -EINVAL;

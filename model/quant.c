@@ -47,6 +47,7 @@ static const struct qt_traits traits[GGML_TYPE_COUNT] = {
     [GGML_TYPE_Q6_K] = {"q6_K", 256, 210, true},
     [GGML_TYPE_Q8_K] = {"q8_K", 256, 292, false},
     [GGML_TYPE_IQ4_NL] = {"iq4_nl", 32, 18, true},
+    [GGML_TYPE_IQ4_XS] = {"iq4_xs", 256, 136, true},
     [GGML_TYPE_BF16] = {"bf16", 1, 2, true},
 };
 /* clang-format on */
@@ -494,6 +495,7 @@ int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n)
     case GGML_TYPE_Q4_K:
     case GGML_TYPE_Q5_K:
     case GGML_TYPE_Q6_K:
+    case GGML_TYPE_IQ4_XS:
         return qt_quantize_k(type, src, dst, n);
     default:
         return -EINVAL;

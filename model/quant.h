@@ -106,8 +106,9 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n);
 
 /*
  * Encode n floats into qt_row_bytes(type, n) bytes at dst. Supports f32,
- * f16, bf16, q8_0, q4_0 and the K-quants q2_K to q6_K (qt_quantize_k,
- * quant_k.c: every element within half a step); q8_0 and q4_0 choose
+ * f16, bf16, q8_0, q4_0, the K-quants q2_K to q6_K and iq4_xs
+ * (qt_quantize_k, quant_k.c: every element within half a step, iq4_xs
+ * within 14 steps of its uneven levels); q8_0 and q4_0 choose
  * each block's scale from its largest magnitude and round every element to
  * the nearest level of the stored (f16) scale.
  * Returns 0; -EINVAL for another type, n not a positive multiple of the
@@ -116,8 +117,8 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n);
  */
 int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n);
 
-/* q2_K, q3_K, q4_K, q5_K or q6_K rows of n (a multiple of 256) floats (quant_k.c), with
- * qt_quantize_row's contract. */
+/* q2_K, q3_K, q4_K, q5_K, q6_K or iq4_xs rows of n (a multiple of 256)
+ * floats (quant_k.c), with qt_quantize_row's contract. */
 int qt_quantize_k(enum ggml_type type, const float *src, void *dst, int n);
 
 /* ------------------------------------------------------------------------
@@ -203,12 +204,22 @@ static inline void qt_q3k_scale_words(const uint8_t *s, uint32_t w[4])
     w[3] = ((b >> 4) & 0x0f0f0f0f) | ((c >> 6) & 0x03030303) << 4;
 }
 
+/* The scale of iq4_xs sub-block j (0..7) of the super-block sb, as used
+ * (ls - 32): low four bits the nibble (j odd: high) of scales_l[j / 2] at
+ * byte 4, top two bits 2j, 2j+1 of the u16 scales_h at byte 2. */
+static inline int qt_iq4xs_scale(const uint8_t *sb, int j)
+{
+    int lo = (sb[4 + j / 2] >> (4 * (j & 1))) & 15;
+    int hi = (qt_rd16(sb + 2) >> (2 * j)) & 3;
+    return (lo | hi << 4) - 32;
+}
+
 /* ------------------------------------------------------------------------
  * The other block formats (quant_blocks.c)
  * ------------------------------------------------------------------------ */
 
 /* Whether type is one of quant_blocks.c's: q4_1, q5_0, q5_1, iq4_nl, q2_K,
- * q3_K, q5_K. */
+ * q3_K, q5_K, iq4_xs. */
 bool qt_is_block_type(enum ggml_type type);
 
 /*

@@ -1,9 +1,9 @@
 /*
  * quant_blocks.c - the other weight formats a common GGUF file holds:
- * q4_1, q5_0, q5_1, iq4_nl (blocks of 32) and q2_K, q3_K, q5_K
+ * q4_1, q5_0, q5_1, iq4_nl (blocks of 32) and q2_K, q3_K, q5_K, iq4_xs
  * (super-blocks of 256). The mainstream quantiser's K mixes fall back to the
- * first four for rows that are not a multiple of 256, and its Q2_K, Q3_K_M
- * and Q5_K_M files use the last three.
+ * first four for rows that are not a multiple of 256, its Q2_K, Q3_K_M
+ * and Q5_K_M files use the next three, and IQ4_XS files the last.
  *
  * The central idea: every one of these formats, seen 32 elements at a time,
  * is an integer per element, a scale per half of 16 and a min per half:
@@ -41,6 +41,11 @@
  *                Sub-block j of 32 (j < 8), element l: low four bits are
  *                nibble (j odd: high) of qs[32(j/2) + l], bit 4 is bit j of
  *                qh[l]: w = d*sc_j*q - dmin*m_j
+ *   iq4_xs 136 B: d, scales_h (u16), scales_l[4], qs[128]. Sub-block j of
+ *                32 has a 6-bit scale ls_j: low four bits the nibble (j odd:
+ *                high) of scales_l[j/2], top two bits 2j..2j+1 of scales_h;
+ *                element l of it is iq4_nl's w = d*(ls_j - 32)*K[nibble],
+ *                the nibble taken from qs[16j..16j+15] as in iq4_nl
  *
  * Everything here is thread-safe and allocates nothing.
  */
@@ -73,6 +78,7 @@ bool qt_is_block_type(enum ggml_type type)
     case GGML_TYPE_Q2_K:
     case GGML_TYPE_Q3_K:
     case GGML_TYPE_Q5_K:
+    case GGML_TYPE_IQ4_XS:
         return true;
     default:
         return false;
@@ -90,6 +96,15 @@ static int q3k_scale(const uint8_t *sc, int g)
 /* ------------------------------------------------------------------------
  * Blocks of 32 as integers, scales and mins
  * ------------------------------------------------------------------------ */
+
+/* iq4_nl's 32 levels of the nibbles of qs[16] (low: elements 0..15). */
+static void iq4_levels(const uint8_t *qs, int8_t *w)
+{
+    for (int k = 0; k < 16; k++) {
+        w[k] = IQ4NL_LEVELS[qs[k] & 15];
+        w[k + 16] = IQ4NL_LEVELS[qs[k] >> 4];
+    }
+}
 
 /* The integers of q4_1, q5_0, q5_1, iq4_nl blocks (u: the block). */
 static void decode_small(enum ggml_type type, const uint8_t *u, int8_t *w)
@@ -111,11 +126,7 @@ static void decode_small(enum ggml_type type, const uint8_t *u, int8_t *w)
         qs = u + 8;
         break;
     default: /* IQ4_NL */
-        qs = u + 2;
-        for (int k = 0; k < 16; k++) {
-            w[k] = IQ4NL_LEVELS[qs[k] & 15];
-            w[k + 16] = IQ4NL_LEVELS[qs[k] >> 4];
-        }
+        iq4_levels(u + 2, w);
         return;
     }
     for (int k = 0; k < 16; k++) {
@@ -145,6 +156,11 @@ void qt_block32_scales(enum ggml_type type, const uint8_t *row, int b, float *s,
             s[half] = f16_at(u + 108) * (float)(q3k_scale(u + 96, 2 * j + half) - 32);
             mn[half] = 0.0f;
         }
+        return;
+    case GGML_TYPE_IQ4_XS:
+        u = row + 136 * (size_t)(b / 8);
+        s[0] = s[1] = f16_at(u) * (float)qt_iq4xs_scale(u, j);
+        mn[0] = mn[1] = 0.0f;
         return;
     case GGML_TYPE_Q5_K: {
         u = row + 176 * (size_t)(b / 8);
@@ -192,6 +208,9 @@ void qt_block32_decode(enum ggml_type type, const uint8_t *row, int b, int8_t *w
             w[l] = (int8_t)(((q[l] >> nib) & 15) | ((qh[l] >> j) & 1) << 4);
         return;
     }
+    case GGML_TYPE_IQ4_XS:
+        iq4_levels(row + 136 * (size_t)(b / 8) + 8 + 16 * j, w);
+        return;
     default:
         decode_small(type, row + qt_block_bytes(type) * (size_t)b, w);
         return;

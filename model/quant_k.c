@@ -1,6 +1,6 @@
 /*
- * quant_k.c - writing the K-quant formats q2_K to q6_K (super-blocks of 256
- * elements), for `kvd quantize` and `kvd mkmodel`.
+ * quant_k.c - writing the K-quant formats q2_K to q6_K and iq4_xs
+ * (super-blocks of 256 elements), for `kvd quantize` and `kvd mkmodel`.
  *
  * The layouts are quant.h's and quant_blocks.c's (the readers here are the
  * reference). The encoders choose scales so that every element is within
@@ -27,6 +27,14 @@
  *                way round, whichever step is smaller (the 8th level is
  *                half of q3_K's range below 4 bits: RMS error 0.20 -> 0.16
  *                of the RMS on Gaussian rows), rounded up.
+ *   iq4_xs       value = d * (ls_j - 32) * K[q] over 8 sub-blocks of 32, K
+ *                iq4_nl's 16 fixed levels (-127 .. 113, closer near zero),
+ *                ls_j 6-bit: the scale puts the sub-block's largest
+ *                magnitude on -127 (its sign chosen so), rounded up in
+ *                magnitude, and each element takes the nearest level.
+ *                The levels are not evenly spaced, so the bound is half
+ *                the widest gap or the 14 above the top level, whichever
+ *                is more: |x - x'| <= 14 |d (ls_j - 32)|.
  *
  * This is simpler than the mainstream quantiser's search for the scale and
  * min that minimise the squared error (which trades the bound for a lower
@@ -300,6 +308,61 @@ static int quant_q6_K(const float *x, uint8_t *b, int nsb)
     return 0;
 }
 
+/* iq4_nl's levels, as quant_blocks.c reads them. */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+/* The index of the level nearest to v (levels ascending). */
+static int iq4_nearest(float v)
+{
+    int k = 0;
+    while (k < 15 && v > 0.5f * (float)(IQ4_LEVELS[k] + IQ4_LEVELS[k + 1]))
+        k++;
+    return k;
+}
+
+static int quant_iq4_xs(const float *x, uint8_t *b, int nsb)
+{
+    for (int i = 0; i < nsb; i++, x += 256, b += 136) {
+        float want[8], wmax = 0.0f;
+        bool neg[8];
+        for (int j = 0; j < 8; j++) {
+            float top = 0.0f; /* the element of largest magnitude */
+            for (int e = 0; e < 32; e++) {
+                float v = x[32 * j + e];
+                if (!isfinite(v))
+                    return -EINVAL;
+                if (fabsf(v) > fabsf(top))
+                    top = v;
+            }
+            neg[j] = top > 0.0f; /* top / scale = -127 */
+            want[j] = fabsf(top) / 127.0f;
+            wmax = fmaxf(wmax, want[j]);
+        }
+        uint16_t hd;
+        float d = f16_up(wmax / 31.0f, &hd);
+        if (d < 0.0f)
+            return -ERANGE;
+        put16(b, hd);
+        memset(b + 2, 0, 6);
+        unsigned scales_h = 0;
+        for (int j = 0; j < 8; j++) {
+            int s = (neg[j] ? -1 : 1) * ceil_code(want[j], d, 31), ls = s + 32;
+            b[4 + j / 2] |= (uint8_t)((ls & 15) << (4 * (j & 1)));
+            scales_h |= (unsigned)(ls >> 4) << (2 * j);
+            float step = d * (float)s;
+            uint8_t *qs = b + 8 + 16 * j;
+            for (int e = 0; e < 16; e++) { /* low nibbles: elements 0..15 */
+                int lo = step != 0.0f ? iq4_nearest(x[32 * j + e] / step) : 8;
+                int hi = step != 0.0f ? iq4_nearest(x[32 * j + 16 + e] / step) : 8;
+                qs[e] = (uint8_t)(lo | hi << 4);
+            }
+        }
+        put16(b + 2, (uint16_t)scales_h);
+    }
+    return 0;
+}
+
 int qt_quantize_k(enum ggml_type type, const float *src, void *dst, int n)
 {
     if (n < 256 || n % 256)
@@ -315,6 +378,8 @@ int qt_quantize_k(enum ggml_type type, const float *src, void *dst, int n)
         return quant_q5_K(src, dst, n / 256);
     case GGML_TYPE_Q6_K:
         return quant_q6_K(src, dst, n / 256);
+    case GGML_TYPE_IQ4_XS:
+        return quant_iq4_xs(src, dst, n / 256);
     default:
         return -EINVAL;
     }

@@ -49,6 +49,7 @@ static const struct model_quant_target targets[] = {
     {"q6_K", GGML_TYPE_Q6_K, GGML_TYPE_Q6_K, GGML_TYPE_Q6_K, 18},
     {"q4_K_M", GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q6_K, 15},
     {"q5_K_M", GGML_TYPE_Q5_K, GGML_TYPE_Q6_K, GGML_TYPE_Q6_K, 17},
+    {"iq4_xs", GGML_TYPE_IQ4_XS, GGML_TYPE_IQ4_XS, GGML_TYPE_Q6_K, 30},
 };
 
 const struct model_quant_target *model_quant_target(const char *name)

@@ -122,6 +122,8 @@ static void test_type_table(void **state)
     assert_true(qt_type_supported(GGML_TYPE_Q5_K));
     assert_true(qt_type_supported(GGML_TYPE_IQ4_NL));
     assert_string_equal(qt_type_name(GGML_TYPE_IQ4_NL), "iq4_nl");
+    assert_true(qt_type_supported(GGML_TYPE_IQ4_XS));
+    assert_string_equal(qt_type_name(GGML_TYPE_IQ4_XS), "iq4_xs");
     assert_false(qt_type_supported(GGML_TYPE_Q8_K));
     assert_false(qt_type_supported((enum ggml_type) - 1));
 
@@ -142,6 +144,8 @@ static void test_type_table(void **state)
     assert_int_equal(qt_row_bytes(GGML_TYPE_Q5_0, 32), 22);
     assert_int_equal(qt_row_bytes(GGML_TYPE_Q4_1, 96), 60);
     assert_int_equal(qt_row_bytes(GGML_TYPE_IQ4_NL, 64), 36);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_IQ4_XS, 512), 272);
+    assert_int_equal(qt_row_bytes(GGML_TYPE_IQ4_XS, 32), 0); /* super-blocks of 256 */
     assert_int_equal(qt_row_bytes(GGML_TYPE_F32, 0), 0);
     assert_int_equal(qt_block_elems(GGML_TYPE_Q4_K), 256);
     assert_int_equal(qt_block_bytes(GGML_TYPE_Q8_0), 34);
@@ -644,7 +648,7 @@ static void scale_fields(enum ggml_type type, int *d, int *m)
     case GGML_TYPE_Q3_K:
         *d = 108;
         break;
-    default: /* q5_0, iq4_nl */
+    default: /* q5_0, iq4_nl, iq4_xs */
         *d = 0;
         break;
     }
@@ -654,7 +658,7 @@ static bool read_only_type(enum ggml_type type)
 {
     return type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q5_1 ||
            type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q3_K ||
-           type == GGML_TYPE_Q5_K;
+           type == GGML_TYPE_Q5_K || type == GGML_TYPE_IQ4_XS;
 }
 
 /* Random bytes with finite, moderate scales of either sign. */
@@ -679,11 +683,14 @@ static int nibble(const uint8_t *qs, int e)
     return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
 }
 
+/* iq4_nl's (and iq4_xs's) 16 levels. */
+static const int IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
 /* q4_1, q5_0, q5_1, iq4_nl: one block of 32 from its description. */
 static void plain_small(enum ggml_type type, const uint8_t *blk, float *y, float *mag)
 {
-    static const int levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                   1,    13,   25,  38,  53,  69,  89,  113};
+    const int *levels = IQ4_LEVELS;
     double d = ref_f16(rd16(blk)), m = 0;
     for (int e = 0; e < 32; e++) {
         double v;
@@ -764,6 +771,22 @@ static void plain_q5_K(const uint8_t *blk, float *y, float *mag)
     }
 }
 
+/* iq4_xs: sub-block j's 6-bit scale, low nibble from scales_l[j/2] (byte
+ * 4 + j/2; odd j the high nibble), top bits 2j.. of scales_h (bytes 2, 3),
+ * minus 32; its elements iq4_nl's levels of the nibbles of qs[16j..]. */
+static void plain_iq4_xs(const uint8_t *blk, float *y, float *mag)
+{
+    double d = ref_f16(rd16(blk));
+    unsigned scales_h = blk[2] | (unsigned)blk[3] << 8;
+    for (int e = 0; e < 256; e++) {
+        int j = e / 32, l = e % 32;
+        int ls = ((j % 2 ? blk[4 + j / 2] >> 4 : blk[4 + j / 2]) & 15) |
+                 (int)((scales_h >> (2 * j)) & 3) << 4;
+        y[e] = (float)(d * (ls - 32) * IQ4_LEVELS[nibble(blk + 8 + 16 * j, l)]);
+        mag[e] = fabsf(y[e]);
+    }
+}
+
 /* One block of any read-only format; returns its elements. */
 static int plain_ro_block(enum ggml_type type, const uint8_t *blk, float *y, float *mag)
 {
@@ -777,15 +800,19 @@ static int plain_ro_block(enum ggml_type type, const uint8_t *blk, float *y, flo
     case GGML_TYPE_Q5_K:
         plain_q5_K(blk, y, mag);
         return 256;
+    case GGML_TYPE_IQ4_XS:
+        plain_iq4_xs(blk, y, mag);
+        return 256;
     default:
         plain_small(type, blk, y, mag);
         return 32;
     }
 }
 
-static const enum ggml_type RO_TYPES[7] = {GGML_TYPE_Q4_1,   GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
-                                           GGML_TYPE_IQ4_NL, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,
-                                           GGML_TYPE_Q5_K};
+#define N_RO_TYPES 8
+static const enum ggml_type RO_TYPES[N_RO_TYPES] = {
+    GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_IQ4_NL,
+    GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q5_K, GGML_TYPE_IQ4_XS};
 
 /* 64 random blocks of each format (every bit pattern of every quantum
  * field occurs), unaligned, decoded and compared element by element. */
@@ -793,7 +820,7 @@ static void test_read_only_dequant(void **state)
 {
     (void)state;
     enum { NB = 64 };
-    for (int k = 0; k < 7; k++) {
+    for (int k = 0; k < N_RO_TYPES; k++) {
         enum ggml_type type = RO_TYPES[k];
         size_t bb = qt_block_bytes(type);
         int be = qt_block_elems(type);
@@ -841,6 +868,25 @@ static void test_read_only_known(void **state)
     assert_int_equal(qt_dequantize_row(GGML_TYPE_Q5_0, q5, y, 32), 0);
     for (int e = 0; e < 32; e++)
         assert_true(y[e] == 0.5f * (float)(e - 16));
+
+    /* iq4_xs: eight sub-blocks with scales at the edges of the 6 bits
+     * (ls - 32 from -32 to 31), element l of sub-block j the level l % 16. */
+    static const int ls[8] = {33, 34, 0, 63, 32, 48, 16, 1};
+    uint8_t xs[136] = {0};
+    wr16(xs, 0x3800); /* d = 0.5 */
+    unsigned scales_h = 0;
+    for (int j = 0; j < 8; j++) {
+        xs[4 + j / 2] |= (uint8_t)((ls[j] & 15) << (4 * (j % 2)));
+        scales_h |= (unsigned)(ls[j] >> 4) << (2 * j);
+        for (int k = 0; k < 16; k++)
+            xs[8 + 16 * j + k] = (uint8_t)(k | k << 4);
+    }
+    wr16(xs + 2, (uint16_t)scales_h);
+    float z[256];
+    assert_int_equal(qt_dequantize_row(GGML_TYPE_IQ4_XS, xs, z, 256), 0);
+    for (int e = 0; e < 256; e++)
+        if (z[e] != 0.5f * (float)(ls[e / 32] - 32) * (float)IQ4_LEVELS[e % 16])
+            fail_msg("iq4_xs element %d: got %g", e, (double)z[e]);
 }
 
 /* ------------------------------------------------------------------------
@@ -1271,7 +1317,7 @@ static void test_matmul_read_only(void **state)
     for (int pass = 0; pass < 2; pass++) {
         assert_int_equal(mm_blocks_use(pass ? "scalar" : "auto"), 0);
         print_message("read-only formats' kernel: %s\n", mm_blocks_kernel_name());
-        for (int k = 0; k < 7; k++) {
+        for (int k = 0; k < N_RO_TYPES; k++) {
             enum ggml_type type = RO_TYPES[k];
             if (qt_block_elems(type) == 32)
                 check_matmul_shapes(type, small, 3);

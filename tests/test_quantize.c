@@ -1,12 +1,13 @@
 /*
- * test_quantize.c - the K-quant writers (q2_K to q6_K) and
+ * test_quantize.c - the K-quant writers (q2_K to q6_K), iq4_xs's and
  * `kvd quantize`.
  *
  * Writers: rows of several distributions (uniform, all positive, all
  * negative, Gaussian with outliers, zeros, tiny and large magnitudes) are
  * encoded and decoded by the readers (qt_dequantize_row, quant.c /
  * quant_blocks.c): every element must be within half a step of its block's
- * decoded scale (the bound quant_k.c promises), and the RMS error against
+ * decoded scale (iq4_xs, with uneven levels: 14 times it; the bounds
+ * quant_k.c promises), and the RMS error against
  * the RMS of the row below each format's ceiling. Non-finite input and
  * scales beyond f16 are refused.
  *
@@ -84,10 +85,15 @@ static void fill_row(float *x, int n, int kind, uint32_t seed)
 }
 
 /* Half the step of the block holding element e of a decoded row, read from
- * the block's own scales. */
+ * the block's own scales (iq4_xs: 14 steps, the widest of its uneven
+ * levels' half gaps and the room above its top level). */
 static double half_step(enum ggml_type t, const uint8_t *row, int e)
 {
     const int g = (e % 256) / 16; /* the group of 16 */
+    if (t == GGML_TYPE_IQ4_XS) {
+        const uint8_t *b = row + 136 * (size_t)(e / 256);
+        return 14.0 * qt_f16_to_f32(qt_rd16(b)) * abs(qt_iq4xs_scale(b, (e % 256) / 32));
+    }
     if (t == GGML_TYPE_Q2_K) {
         const uint8_t *b = row + 84 * (size_t)(e / 256);
         return 0.5 * qt_f16_to_f32(qt_rd16(b + QT_Q2K_D)) * (b[QT_Q2K_SCALES + g] & 15);
@@ -114,14 +120,14 @@ static double half_step(enum ggml_type t, const uint8_t *row, int e)
 static void test_k_writers_round_trip(void **state)
 {
     (void)state;
-    const enum ggml_type types[5] = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K,
-                                     GGML_TYPE_Q6_K};
+    const enum ggml_type types[6] = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K,
+                                     GGML_TYPE_Q5_K, GGML_TYPE_Q6_K, GGML_TYPE_IQ4_XS};
     /* RMS error / RMS, Gaussian rows */
-    const double ceiling[5] = {0.40, 0.18, 0.09, 0.045, 0.022};
+    const double ceiling[6] = {0.40, 0.18, 0.09, 0.045, 0.022, 0.12};
     enum { N = 1024, KINDS = 7 };
     float x[N], y[N];
     uint8_t row[N];
-    for (int ti = 0; ti < 5; ti++) {
+    for (int ti = 0; ti < 6; ti++) {
         enum ggml_type t = types[ti];
         for (int kind = 0; kind < KINDS; kind++) {
             double worst_ratio = 0, se = 0, sx = 0;
@@ -214,14 +220,14 @@ static void test_quantize_model(void **state)
     int nv = 512;
     float *ref = malloc(sizeof(float) * nv), *lg = malloc(sizeof(float) * nv);
     last_logits(in, ref);
-    const char *types[9] = {"q8_0", "q4_0",   "q4_K",   "q5_K", "q6_K",
-                            "q4_K_M", "q5_K_M", "q3_K", "q2_K"};
+    const char *types[10] = {"q8_0",   "q4_0",   "q4_K", "q5_K", "q6_K",
+                             "q4_K_M", "q5_K_M", "q3_K", "q2_K", "iq4_xs"};
     /* Ceilings about 1.5x what was measured (a 16-layer random model
      * amplifies weight error; the activations of quantised products are
      * 8-bit too), and the order the bits promise, checked below. */
-    const float bound[9] = {0.06f, 0.5f, 0.55f, 0.28f, 0.1f, 0.5f, 0.25f, 0.85f, 2.4f};
-    float got[9];
-    for (int i = 0; i < 9; i++) {
+    const float bound[10] = {0.06f, 0.5f, 0.55f, 0.28f, 0.1f, 0.5f, 0.25f, 0.85f, 2.4f, 0.63f};
+    float got[10];
+    for (int i = 0; i < 10; i++) {
         assert_int_equal(run_quantize(in, out, types[i], err, sizeof(err)), 0);
         last_logits(out, lg);
         float e = rel_diff(lg, ref, nv);
@@ -264,6 +270,7 @@ static void test_quantize_model(void **state)
     assert_true(got[5] < got[2] && got[6] < got[3]); /* a mix beats its base type */
     assert_true(got[0] < got[4]);                    /* q8_0 beats them all */
     assert_true(got[2] < got[7] && got[7] < got[8]); /* q4_K < q3_K < q2_K */
+    assert_true(got[9] < got[7]);                    /* iq4_xs's 4 bits beat q3_K */
     free(ref);
     free(lg);
 }

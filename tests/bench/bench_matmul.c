@@ -98,6 +98,7 @@ static void scale_offsets(enum ggml_type type, int *d, int *m)
         {GGML_TYPE_Q4_K, 0, 2},   {GGML_TYPE_Q6_K, 208, -1}, {GGML_TYPE_Q4_1, 0, 2},
         {GGML_TYPE_Q5_0, 0, -1},  {GGML_TYPE_Q5_1, 0, 2},    {GGML_TYPE_IQ4_NL, 0, -1},
         {GGML_TYPE_Q2_K, 80, 82}, {GGML_TYPE_Q3_K, 108, -1}, {GGML_TYPE_Q5_K, 0, 2},
+        {GGML_TYPE_IQ4_XS, 0, -1},
     };
     *d = *m = -1;
     for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
@@ -505,12 +506,12 @@ int main(int argc, char **argv)
     const enum ggml_type types[] = {
         GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,   GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
         GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q4_1,   GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
-        GGML_TYPE_IQ4_NL, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q5_K};
+        GGML_TYPE_IQ4_NL, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q5_K, GGML_TYPE_IQ4_XS};
     const int n_types = (int)(sizeof types / sizeof types[0]);
     const int n_tok = 64;
     double bus = 0;
     double triad = triad_gbs(&bus);
-    printf("matrix %dx%d, %d threads, kernels: %s (q2_K to q6_K: %s; q4_1 q5_0 q5_1 iq4_nl: "
+    printf("matrix %dx%d, %d threads, kernels: %s (q2_K to q6_K: %s; q4_1 q5_0 q5_1 iq4_nl iq4_xs: "
            "%s)\n",
            N, N, THREADS, mm_kernel_name(), mm_k_kernel_name(), mm_blocks_kernel_name());
     printf("triad (a = b + s*c, 3 x 192 MiB): %.1f GB/s (the bus moves 4 arrays: %.1f GB/s)\n\n",
