@@ -206,13 +206,15 @@ INLINE void store_group(const struct mm_pack_job *jb, int g, int t0, int nt, con
                               acc[t]);
 }
 
-/* mg groups from g0 x nt tokens of token tile j, q8_0. mg and nt are
- * constants where this is inlined, so the loops below unroll into
- * registers; a tile's activations are one pointer apart by constants. */
-INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
+/* mg groups from g0 x nt tokens of token tile j, q8_0 (f32s: the blocks'
+ * scales as f32, widened iq4_xs). mg, nt and f32s are constants where this
+ * is inlined, so the loops below unroll into registers; a tile's
+ * activations are one pointer apart by constants. */
+INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt, bool f32s)
 {
     const struct mm_weight *w = jb->w;
     const int nb = w->n_in / QT_QK;
+    const size_t bstride = f32s ? MM_PACK_Q8F_PAIR : MM_PACK_Q8_PAIR;
     /* the pair of g0 (even: tiles start on pairs); group g's chunk k of
      * block b at b * MM_PACK_Q8_PAIR + 128 k + 64 g, its scales after the
      * block's 16 chunks */
@@ -239,8 +241,8 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
         for (int k = 0; k < 8; k++) {
             __m512i wv[Q_MG];
             for (int g = 0; g < mg; g++)
-                wv[g] = _mm512_load_si512((const void *)(pq[g / 2] + (size_t)b * MM_PACK_Q8_PAIR +
-                                                         128 * k + 64 * (g % 2)));
+                wv[g] = _mm512_load_si512(
+                    (const void *)(pq[g / 2] + (size_t)b * bstride + 128 * k + 64 * (g % 2)));
             for (int t = 0; t < nt; t++) {
                 int32_t x4;
                 memcpy(&x4, xq + QT_QK * t + 4 * k, 4);
@@ -250,10 +252,11 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
             }
         }
         __m512 sc[Q_MG];
-        for (int g = 0; g < mg; g++)
-            sc[g] = _mm512_cvtph_ps(
-                _mm256_load_si256((const __m256i *)(pq[g / 2] + (size_t)b * MM_PACK_Q8_PAIR +
-                                                    MM_PACK_Q8_SCALES + 32 * (g % 2))));
+        for (int g = 0; g < mg; g++) {
+            const uint8_t *s = pq[g / 2] + (size_t)b * bstride + MM_PACK_Q8_SCALES;
+            sc[g] = f32s ? _mm512_load_ps((const void *)(s + 64 * (g % 2)))
+                         : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(s + 32 * (g % 2))));
+        }
         for (int t = 0; t < nt; t++) {
             __m512 dx = _mm512_set1_ps(xd[t]);
             for (int g = 0; g < mg; g++)
@@ -272,8 +275,19 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
         call(n);                                                                                   \
         break;
 
+INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
+{
+    int8_tile(jb, g0, mg, j, nt, false);
+}
+
+INLINE void q8f_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
+{
+    int8_tile(jb, g0, mg, j, nt, true);
+}
+
 /* The q8_0 tile for nt tokens (1..P_NT), with constant arguments. */
 #define Q8_CALL(n) q8_tile(jb, g0, mg, j, n)
+#define Q8F_CALL(n) q8f_tile(jb, g0, mg, j, n)
 #define INT8_TILES(name, call, mg_)                                                                \
     static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
@@ -291,6 +305,8 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
     }
 INT8_TILES(q8_tile_1, Q8_CALL, 1)
 INT8_TILES(q8_tile_2, Q8_CALL, 2)
+INT8_TILES(q8f_tile_1, Q8F_CALL, 1)
+INT8_TILES(q8f_tile_2, Q8F_CALL, 2)
 
 /* The narrow tiles: mg (3 to N_MG, or Q_MG2 for q8_0) groups for nt tokens
  * (1..MM_PACK_NARROW). */
@@ -305,6 +321,8 @@ INT8_TILES(q8_tile_2, Q8_CALL, 2)
     }
 NARROW_TILES(q8_tile_3, Q8_CALL, 3)
 NARROW_TILES(q8_tile_4, Q8_CALL, 4)
+NARROW_TILES(q8f_tile_3, Q8F_CALL, 3)
+NARROW_TILES(q8f_tile_4, Q8F_CALL, 4)
 
 /* Integer tiles of 5 to Q_MG groups: one token only (decoding's narrowest). */
 #define ONE_TILE(name, tile, mg_)                                                                  \
@@ -317,6 +335,10 @@ ONE_TILE(q8_tile_5, q8_tile, 5)
 ONE_TILE(q8_tile_6, q8_tile, 6)
 ONE_TILE(q8_tile_7, q8_tile, 7)
 ONE_TILE(q8_tile_8, q8_tile, 8)
+ONE_TILE(q8f_tile_5, q8f_tile, 5)
+ONE_TILE(q8f_tile_6, q8f_tile, 6)
+ONE_TILE(q8f_tile_7, q8f_tile, 7)
+ONE_TILE(q8f_tile_8, q8f_tile, 8)
 
 /* ------------------------------------------------------------------------
  * q4_K: the nibbles as they are, the scales applied per sub-block
@@ -562,6 +584,11 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, 
     case GGML_TYPE_IQ4_NL:
         by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4;
         by[5] = q8_tile_5, by[6] = q8_tile_6, by[7] = q8_tile_7, by[8] = q8_tile_8;
+        tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
+        break;
+    case GGML_TYPE_IQ4_XS: /* widened to int8 blocks with f32 scales */
+        by[1] = q8f_tile_1, by[2] = q8f_tile_2, by[3] = q8f_tile_3, by[4] = q8f_tile_4;
+        by[5] = q8f_tile_5, by[6] = q8f_tile_6, by[7] = q8f_tile_7, by[8] = q8f_tile_8;
         tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
         break;
     case GGML_TYPE_Q4_K:

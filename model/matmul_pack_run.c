@@ -94,7 +94,7 @@ int mm_f16_init_env(char *err, size_t errlen)
 }
 
 /* ------------------------------------------------------------------------
- * q4_0, q5_0 and iq4_nl widened to int8 blocks
+ * q4_0, q5_0, iq4_nl and iq4_xs widened to int8 blocks
  *
  * A block of these formats is 32 small integers and an f16 scale d (q4_0:
  * each weight d * (u - 8), u a nibble; q5_0: d * (u - 16), u of 5 bits;
@@ -112,6 +112,13 @@ int mm_f16_init_env(char *err, size_t errlen)
  * mm_widen_set(false)) keeps the stored rows and their kernels, for whoever
  * needs the memory; the load line says which was done. Taken when a weight
  * is packed, as the F16 choice below.
+ *
+ * iq4_xs is iq4_nl's levels with a 6-bit scale per 32 under an f16 d per
+ * 256: its block of 32 is those int8 levels times d * (ls - 32), a product
+ * an f16 cannot always hold (17 significant bits) but an f32 can. Its
+ * copy keeps the scales as f32 (MM_PACK_Q8F_PAIR: 36 bytes per 32 weights
+ * against the 17 stored), and runs the same tiles with the scales loaded
+ * instead of converted (matmul_pack.c's int8_tile).
  * ------------------------------------------------------------------------ */
 
 static _Atomic int widen_int8 = 1;
@@ -225,22 +232,29 @@ static inline void block_int8(enum ggml_type type, const uint8_t *row, const uin
 static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
     const int nb = w->n_in / QT_QK;
-    const size_t bb = qt_row_bytes(w->type, QT_QK);
+    const bool f32s = mm_pack_f32_scales(w);
+    const size_t bb = f32s ? 0 : qt_row_bytes(w->type, QT_QK), stride = mm_pack_pair_bytes(w) / nb;
     for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
         const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
         const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row ? row + bb * (size_t)b : NULL;
+            uint8_t *q = dst + (size_t)b * stride + 64 * g + 4 * lane;
+            uint8_t *s = dst + (size_t)b * stride + MM_PACK_Q8_SCALES;
             int8_t v[32] = {0};
-            if (blk)
-                block_int8(w->type, row, blk, b, v);
-            uint8_t *q = dst + (size_t)b * MM_PACK_Q8_PAIR + 64 * g + 4 * lane;
+            float sf[2] = {0.0f, 0.0f}, mn[2];
+            if (row && f32s) /* iq4_xs: the sub-block's scale as f32 */
+                qt_block32_decode(w->type, row, b, v, sf, mn);
+            else if (row)
+                block_int8(w->type, row, row + bb * (size_t)b, b, v);
             for (int k = 0; k < 8; k++)
                 for (int j = 0; j < 4; j++)
                     q[128 * k + j] = (uint8_t)v[4 * k + j] ^ 0x80;
-            uint8_t *s = dst + (size_t)b * MM_PACK_Q8_PAIR + MM_PACK_Q8_SCALES + 32 * g + 2 * lane;
-            s[0] = blk ? blk[0] : 0;
-            s[1] = blk ? blk[1] : 0;
+            if (f32s) {
+                memcpy(s + 64 * g + 4 * lane, &sf[0], 4);
+            } else {
+                s[32 * g + 2 * lane] = row ? row[bb * (size_t)b] : 0;
+                s[32 * g + 2 * lane + 1] = row ? row[bb * (size_t)b + 1] : 0;
+            }
         }
     }
 }

@@ -179,8 +179,8 @@ const char *model_pack_describe(const model *m, char *buf, size_t len)
     const char *k = mm_pack_kernel_name();
     char packed[256] = "", copied[224] = "", widened[128] = "";
     if (m->pack_widened)
-        snprintf(widened, sizeof widened, ", %d of them widened to int8 blocks (34 bytes per 32 weights; "
-                 "KVD_WIDEN=stored keeps them as stored)", m->pack_widened);
+        snprintf(widened, sizeof widened, ", %d of them widened to int8 blocks (34 bytes per 32 weights, "
+                 "36 for iq4_xs; KVD_WIDEN=stored keeps them as stored)", m->pack_widened);
     if (m->pack_count)
         snprintf(packed, sizeof packed, "%d matrices repacked for %s%s%s", m->pack_count,
                  k ? k : "kernels of another level",
