@@ -124,8 +124,8 @@ AVX2_FN static inline void scales_avx2(enum ggml_type type, const uint8_t *row, 
         mn[0] = mn[1] = 0.0f;
         return;
     case GGML_TYPE_IQ4_XS: {
-        const uint8_t *u = row + 136 * (size_t)(b / 8);
-        s[0] = s[1] = f16_at(u) * (float)qt_iq4xs_scale(u, b % 8);
+        const uint8_t *u = qt_iq4xs_sb(row, b);
+        s[0] = s[1] = f16_at(u + QT_IQ4XS_D) * (float)qt_iq4xs_scale(u, b % 8);
         mn[0] = mn[1] = 0.0f;
         return;
     }
@@ -188,9 +188,8 @@ AVX2_FN static inline __m256i decode_avx2(enum ggml_type type, const uint8_t *ro
         const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
                                                 38, 53, 69, 89, 113, -127, -104, -83, -65, -49, -35,
                                                 -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-        const uint8_t *qs = type == GGML_TYPE_IQ4_XS
-                                ? row + 136 * (size_t)(b / 8) + 8 + 16 * (size_t)(b % 8)
-                                : row + 18 * (size_t)b + 2;
+        const uint8_t *qs =
+            type == GGML_TYPE_IQ4_XS ? qt_iq4xs_qs(row, b) : row + 18 * (size_t)b + 2;
         return _mm256_shuffle_epi8(levels, nibbles(qs));
     }
     }

@@ -204,14 +204,32 @@ static inline void qt_q3k_scale_words(const uint8_t *s, uint32_t w[4])
     w[3] = ((b >> 4) & 0x0f0f0f0f) | ((c >> 6) & 0x03030303) << 4;
 }
 
+/* Byte offsets inside an iq4_xs super-block (QT_IQ4XS_BYTES). */
+#define QT_IQ4XS_BYTES 136
+#define QT_IQ4XS_D 0        /* f16 super-block scale */
+#define QT_IQ4XS_SCALES_H 2 /* u16: the top two bits of each sub-block's scale */
+#define QT_IQ4XS_SCALES_L 4 /* 4 bytes: their low four bits, a nibble each */
+#define QT_IQ4XS_QS 8       /* 8 x 16 bytes of nibbles, sub-block j at 16 j */
+
 /* The scale of iq4_xs sub-block j (0..7) of the super-block sb, as used
- * (ls - 32): low four bits the nibble (j odd: high) of scales_l[j / 2] at
- * byte 4, top two bits 2j, 2j+1 of the u16 scales_h at byte 2. */
+ * (ls - 32): low four bits the nibble (j odd: high) of scales_l[j / 2],
+ * top two bits 2j, 2j+1 of scales_h. */
 static inline int qt_iq4xs_scale(const uint8_t *sb, int j)
 {
-    int lo = (sb[4 + j / 2] >> (4 * (j & 1))) & 15;
-    int hi = (qt_rd16(sb + 2) >> (2 * j)) & 3;
+    int lo = (sb[QT_IQ4XS_SCALES_L + j / 2] >> (4 * (j & 1))) & 15;
+    int hi = (qt_rd16(sb + QT_IQ4XS_SCALES_H) >> (2 * j)) & 3;
     return (lo | hi << 4) - 32;
+}
+
+/* The super-block holding block b (of 32) of an iq4_xs row, and that
+ * block's 16 bytes of nibbles (low: elements 0..15, high: 16..31). */
+static inline const uint8_t *qt_iq4xs_sb(const uint8_t *row, int b)
+{
+    return row + QT_IQ4XS_BYTES * (size_t)(b / 8);
+}
+static inline const uint8_t *qt_iq4xs_qs(const uint8_t *row, int b)
+{
+    return qt_iq4xs_sb(row, b) + QT_IQ4XS_QS + 16 * (b % 8);
 }
 
 /* ------------------------------------------------------------------------

@@ -158,8 +158,8 @@ void qt_block32_scales(enum ggml_type type, const uint8_t *row, int b, float *s,
         }
         return;
     case GGML_TYPE_IQ4_XS:
-        u = row + 136 * (size_t)(b / 8);
-        s[0] = s[1] = f16_at(u) * (float)qt_iq4xs_scale(u, j);
+        u = qt_iq4xs_sb(row, b);
+        s[0] = s[1] = f16_at(u + QT_IQ4XS_D) * (float)qt_iq4xs_scale(u, j);
         mn[0] = mn[1] = 0.0f;
         return;
     case GGML_TYPE_Q5_K: {
@@ -209,7 +209,7 @@ void qt_block32_decode(enum ggml_type type, const uint8_t *row, int b, int8_t *w
         return;
     }
     case GGML_TYPE_IQ4_XS:
-        iq4_levels(row + 136 * (size_t)(b / 8) + 8 + 16 * j, w);
+        iq4_levels(qt_iq4xs_qs(row, b), w);
         return;
     default:
         decode_small(type, row + qt_block_bytes(type) * (size_t)b, w);

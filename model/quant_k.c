@@ -323,7 +323,7 @@ static int iq4_nearest(float v)
 
 static int quant_iq4_xs(const float *x, uint8_t *b, int nsb)
 {
-    for (int i = 0; i < nsb; i++, x += 256, b += 136) {
+    for (int i = 0; i < nsb; i++, x += 256, b += QT_IQ4XS_BYTES) {
         float want[8], wmax = 0.0f;
         bool neg[8];
         for (int j = 0; j < 8; j++) {
@@ -343,22 +343,22 @@ static int quant_iq4_xs(const float *x, uint8_t *b, int nsb)
         float d = f16_up(wmax / 31.0f, &hd);
         if (d < 0.0f)
             return -ERANGE;
-        put16(b, hd);
-        memset(b + 2, 0, 6);
+        put16(b + QT_IQ4XS_D, hd);
+        memset(b + QT_IQ4XS_SCALES_H, 0, QT_IQ4XS_QS - QT_IQ4XS_SCALES_H);
         unsigned scales_h = 0;
         for (int j = 0; j < 8; j++) {
             int s = (neg[j] ? -1 : 1) * ceil_code(want[j], d, 31), ls = s + 32;
-            b[4 + j / 2] |= (uint8_t)((ls & 15) << (4 * (j & 1)));
+            b[QT_IQ4XS_SCALES_L + j / 2] |= (uint8_t)((ls & 15) << (4 * (j & 1)));
             scales_h |= (unsigned)(ls >> 4) << (2 * j);
             float step = d * (float)s;
-            uint8_t *qs = b + 8 + 16 * j;
+            uint8_t *qs = b + QT_IQ4XS_QS + 16 * j;
             for (int e = 0; e < 16; e++) { /* low nibbles: elements 0..15 */
                 int lo = step != 0.0f ? iq4_nearest(x[32 * j + e] / step) : 8;
                 int hi = step != 0.0f ? iq4_nearest(x[32 * j + 16 + e] / step) : 8;
                 qs[e] = (uint8_t)(lo | hi << 4);
             }
         }
-        put16(b + 2, (uint16_t)scales_h);
+        put16(b + QT_IQ4XS_SCALES_H, (uint16_t)scales_h);
     }
     return 0;
 }
