@@ -102,7 +102,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }
-    /* KVD_WIDEN=stored keeps Q4_0/Q5_0/IQ4_NL/IQ4_XS weights as stored (model/quant.h) */
+    /* KVD_WIDEN=stored keeps Q5_0 weights as stored (model/quant.h) */
     if (mm_widen_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);
         return 2;

@@ -85,8 +85,14 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
  *         0..15's weights 4k..4k+3 as unsigned bytes w + 128, at bytes
  *         4r..4r+3), then the first group's 16 f16 scales, then the
  *         second's. Pair stride: nb x MM_PACK_Q8_PAIR (a multiple of 64).
- *         Widened iq4_xs (mm_pack_f32_scales) the same with 16 f32 scales
- *         per group: MM_PACK_Q8F_PAIR bytes per block.
+ *   q4_0, iq4_nl, iq4_xs (mm_pack_nibbles)  per block of 32 inputs,
+ *         MM_PACK_Q4_PAIR bytes (iq4_xs: MM_PACK_Q4F_PAIR): for k = 0..3
+ *         the first group's chunk k, then the second's (64 bytes each: row
+ *         r's bytes 4r..4r+3 are its block's stored bytes of nibbles
+ *         4k..4k+3, whose low nibbles code elements 4k.. and high nibbles
+ *         16 + 4k..), then the first group's 16 scales, then the second's:
+ *         f16 as stored (q4_0, iq4_nl), or f32 d * (ls - 32) for iq4_xs
+ *         (mm_pack_f32_scales: up to 17 significant bits, no f16).
  *   f32, f16, bf16  per input k: the first group's 16 elements k, then the
  *         second's, as stored (2 x 64 or 2 x 32 bytes). Pair stride: 2 x 16
  *         x n_in x the element size.
@@ -105,7 +111,9 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
 #define MM_PACK_ROWS 16
 #define MM_PACK_Q8_SCALES (2 * 8 * 64) /* the scales' offset in a pair's block */
 #define MM_PACK_Q8_PAIR (MM_PACK_Q8_SCALES + 2 * 2 * MM_PACK_ROWS) /* one block of a pair */
-#define MM_PACK_Q8F_PAIR (MM_PACK_Q8_SCALES + 2 * 4 * MM_PACK_ROWS) /* ... with f32 scales */
+#define MM_PACK_Q4_SCALES (2 * 4 * 64) /* the nibble blocks' scales' offset */
+#define MM_PACK_Q4_PAIR (MM_PACK_Q4_SCALES + 2 * 2 * MM_PACK_ROWS)  /* one block of a pair */
+#define MM_PACK_Q4F_PAIR (MM_PACK_Q4_SCALES + 2 * 4 * MM_PACK_ROWS) /* ... with f32 scales */
 #define MM_PACK_Q4K_GSCALES (2 * 2 * MM_PACK_ROWS + 2 * 8 * MM_PACK_ROWS) /* one group's */
 #define MM_PACK_Q4K_QS (2 * MM_PACK_Q4K_GSCALES)                 /* the nibbles' offset */
 #define MM_PACK_Q4K_PAIR (MM_PACK_Q4K_QS + 4 * 8 * 2 * 64)        /* one super-block of a pair */
@@ -118,25 +126,27 @@ static inline bool mm_pack_int8(const struct mm_weight *w)
     return w->type == GGML_TYPE_Q8_0 || mm_widens_to_int8(w->type);
 }
 
-/* Whether w's int8 blocks carry f32 scales (iq4_xs: d * (ls - 32)), not
+/* Whether w's nibble blocks carry f32 scales (iq4_xs: d * (ls - 32)), not
  * the f16 scale its blocks store. */
 static inline bool mm_pack_f32_scales(const struct mm_weight *w)
 {
     return w->type == GGML_TYPE_IQ4_XS;
 }
 
-/* Whether w's repacked kernels take q8_0's activation slots: the int8
- * blocks, and q4_K. */
+/* Whether w's repacked kernels take q8_0's activation slots: the int8 and
+ * nibble blocks, and q4_K. */
 static inline bool mm_pack_q8_acts(const struct mm_weight *w)
 {
-    return mm_pack_int8(w) || w->type == GGML_TYPE_Q4_K;
+    return mm_pack_int8(w) || mm_pack_nibbles(w->type) || w->type == GGML_TYPE_Q4_K;
 }
 
 static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 {
     if (mm_pack_int8(w))
+        return (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_PAIR;
+    if (mm_pack_nibbles(w->type))
         return (size_t)(w->n_in / QT_QK) *
-               (mm_pack_f32_scales(w) ? MM_PACK_Q8F_PAIR : MM_PACK_Q8_PAIR);
+               (mm_pack_f32_scales(w) ? MM_PACK_Q4F_PAIR : MM_PACK_Q4_PAIR);
     if (w->type == GGML_TYPE_Q4_K)
         return (size_t)(w->n_in / QT_QK_K) * MM_PACK_Q4K_PAIR;
     if (w->type == GGML_TYPE_F32)

@@ -85,7 +85,33 @@
  * its matrices are small enough that the stored kernel kept up there.
  * q5_K the same way (its fifth bits as a 64-bit mask per chunk half, added
  * under the mask) prefilled at 1.6x but decoded 10-15% slower than its
- * stored kernel, so q5_K is not repacked.
+ * stored kernel, so q5_K is not repacked. Nor is q6_K: its scale per 16
+ * elements costs each 16 a start and a fold of its own (conversion,
+ * multiply, fused add per row group and token), which the tile's products
+ * do not hide. Tried two ways (bench_matmul 4096 x 4096, 2 threads, GB/s of
+ * the stored bytes, against the stored kernel in the same runs): its
+ * stored bits regrouped (6,720 bytes per 32 rows x 256, as stored; the
+ * codes rebuilt per chunk by a mask, shifts and a ternary logic) decoded
+ * at 42-44 GB/s against 61 and gave 536-551 GFLOP/s at 64 tokens against
+ * 447-479; its codes widened to bytes (8,768 bytes) 53-56 GB/s and
+ * 570-650 GFLOP/s against 411-473. At most ~1.4x the prefill, for a
+ * slower decode or a third more memory.
+ *
+ * ---------------------------------------------------------------------------
+ * 4-bit blocks: the stored nibbles
+ * ---------------------------------------------------------------------------
+ *
+ * q4_0, iq4_nl and iq4_xs keep their bytes too (matmul_pack_run.c): a
+ * 64-byte chunk holds a block's stored bytes 4k..4k+3 of each of 16 rows,
+ * whose low nibbles are elements 4k.. and high nibbles 16 + 4k.., so a
+ * block is 4 chunks, each two vpdpbusd operands after a mask and a shift
+ * (iq4: and a vpshufb each, to the level + 128, unsigned). The sum starts
+ * at the activations' own -8 sum(q) (q4_0's u = w + 8) or -128 sum(q)
+ * (the levels + 128) and the fold is q8_0's, so a block gives bit for bit
+ * what a q8_0 block of the same integers and scale gives. Against the copy
+ * widened to q8_0's blocks they replace: the same speed at 64 tokens
+ * (1,190-1,290 GFLOP/s), 1.4-1.8x the weights per second from DRAM, half
+ * the memory (figures in matmul_pack_run.c).
  *
  * ---------------------------------------------------------------------------
  * Tiles and invariance
@@ -206,18 +232,48 @@ INLINE void store_group(const struct mm_pack_job *jb, int g, int t0, int nt, con
                               acc[t]);
 }
 
-/* mg groups from g0 x nt tokens of token tile j, q8_0 (f32s: the blocks'
- * scales as f32, widened iq4_xs). mg, nt and f32s are constants where this
- * is inlined, so the loops below unroll into registers; a tile's
- * activations are one pointer apart by constants. */
-INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt, bool f32s)
+/* How an int8 tile's blocks hold their weights (matmul_internal.h). */
+enum int8_form {
+    FORM_Q8, /* bytes w + 128: q8_0, widened q5_0 */
+    FORM_Q4, /* nibbles u, w = u - 8: q4_0 */
+    FORM_NL, /* nibbles picking iq4_nl's levels: iq4_nl */
+    FORM_XS, /* the same with f32 scales: iq4_xs */
+};
+
+/* iq4_nl's 16 levels plus 128, as unsigned bytes, in each 128-bit lane
+ * (vpshufb looks up within lanes). */
+INLINE __m512i nl_levels(void)
+{
+    return _mm512_broadcast_i32x4(_mm_setr_epi8((char)1, (char)24, (char)45, (char)63, (char)79,
+                                                (char)93, (char)106, (char)118, (char)129,
+                                                (char)141, (char)153, (char)166, (char)181,
+                                                (char)197, (char)217, (char)241));
+}
+
+/*
+ * mg groups from g0 x nt tokens of token tile j, blocks of form (mg, nt
+ * and form are constants where this is inlined, so the loops below unroll
+ * into registers; a tile's activations are one pointer apart by
+ * constants). Per block of 32, each (row, token) sum is exact in int32:
+ * vpdpbusd of the unsigned codes against the int8 activations, started at
+ * the activations' own correction (-128 sum(q) for codes w + 128, -8
+ * sum(q) for q4_0's u = w + 8), then acc += (float)sum * (scale * dx).
+ * Since the integer sum is exact and the fold the same, a block gives bit
+ * for bit what a q8_0 block of the same integers and scale gives.
+ */
+INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt, enum int8_form form)
 {
     const struct mm_weight *w = jb->w;
     const int nb = w->n_in / QT_QK;
-    const size_t bstride = f32s ? MM_PACK_Q8F_PAIR : MM_PACK_Q8_PAIR;
+    const bool nib = form != FORM_Q8;
+    const size_t bstride = form == FORM_Q8 ? MM_PACK_Q8_PAIR
+                           : form == FORM_XS ? MM_PACK_Q4F_PAIR
+                                             : MM_PACK_Q4_PAIR;
+    const size_t soff = nib ? MM_PACK_Q4_SCALES : MM_PACK_Q8_SCALES;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), lv = nl_levels();
     /* the pair of g0 (even: tiles start on pairs); group g's chunk k of
-     * block b at b * MM_PACK_Q8_PAIR + 128 k + 64 g, its scales after the
-     * block's 16 chunks */
+     * block b at b * bstride + 128 k + 64 g, its scales after the
+     * block's chunks */
     const uint8_t *pq[Q_MG / 2];
     for (int h = 0; h < (mg + 1) / 2; h++)
         pq[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
@@ -234,28 +290,44 @@ INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int n
     for (int b = 0; b < nb; b++, xq += P_NT * QT_QK, xd += P_NT, xc += P_NT) {
         __m512i ia[Q_MG][P_NT];
         for (int t = 0; t < nt; t++) {
-            __m512i c = _mm512_set1_epi32(xc[t]);
+            __m512i c = _mm512_set1_epi32(form == FORM_Q4 ? xc[t] / 16 : xc[t]);
             for (int g = 0; g < mg; g++)
                 ia[g][t] = c;
         }
-        for (int k = 0; k < 8; k++) {
-            __m512i wv[Q_MG];
-            for (int g = 0; g < mg; g++)
+        for (int k = 0; k < (nib ? 4 : 8); k++) {
+            __m512i wv[Q_MG], wh[Q_MG];
+            for (int g = 0; g < mg; g++) {
                 wv[g] = _mm512_load_si512(
                     (const void *)(pq[g / 2] + (size_t)b * bstride + 128 * k + 64 * (g % 2)));
+                if (nib) { /* low nibbles: elements 4k.., high: 16 + 4k.. */
+                    wh[g] = _mm512_and_si512(_mm512_srli_epi16(wv[g], 4), lo4);
+                    wv[g] = _mm512_and_si512(wv[g], lo4);
+                }
+                if (form == FORM_NL || form == FORM_XS) {
+                    wv[g] = _mm512_shuffle_epi8(lv, wv[g]);
+                    wh[g] = _mm512_shuffle_epi8(lv, wh[g]);
+                }
+            }
             for (int t = 0; t < nt; t++) {
                 int32_t x4;
                 memcpy(&x4, xq + QT_QK * t + 4 * k, 4);
                 __m512i xv = _mm512_set1_epi32(x4);
                 for (int g = 0; g < mg; g++)
                     ia[g][t] = _mm512_dpbusd_epi32(ia[g][t], wv[g], xv);
+                if (nib) {
+                    memcpy(&x4, xq + QT_QK * t + 16 + 4 * k, 4);
+                    xv = _mm512_set1_epi32(x4);
+                    for (int g = 0; g < mg; g++)
+                        ia[g][t] = _mm512_dpbusd_epi32(ia[g][t], wh[g], xv);
+                }
             }
         }
         __m512 sc[Q_MG];
         for (int g = 0; g < mg; g++) {
-            const uint8_t *s = pq[g / 2] + (size_t)b * bstride + MM_PACK_Q8_SCALES;
-            sc[g] = f32s ? _mm512_load_ps((const void *)(s + 64 * (g % 2)))
-                         : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(s + 32 * (g % 2))));
+            const uint8_t *s = pq[g / 2] + (size_t)b * bstride + soff;
+            sc[g] = form == FORM_XS
+                        ? _mm512_load_ps((const void *)(s + 64 * (g % 2)))
+                        : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(s + 32 * (g % 2))));
         }
         for (int t = 0; t < nt; t++) {
             __m512 dx = _mm512_set1_ps(xd[t]);
@@ -277,17 +349,29 @@ INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int n
 
 INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 {
-    int8_tile(jb, g0, mg, j, nt, false);
+    int8_tile(jb, g0, mg, j, nt, FORM_Q8);
 }
 
-INLINE void q8f_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
+INLINE void q4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
 {
-    int8_tile(jb, g0, mg, j, nt, true);
+    int8_tile(jb, g0, mg, j, nt, FORM_Q4);
 }
 
-/* The q8_0 tile for nt tokens (1..P_NT), with constant arguments. */
+INLINE void nl_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
+{
+    int8_tile(jb, g0, mg, j, nt, FORM_NL);
+}
+
+INLINE void xs_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
+{
+    int8_tile(jb, g0, mg, j, nt, FORM_XS);
+}
+
+/* The int8 tiles for nt tokens (1..P_NT), with constant arguments. */
 #define Q8_CALL(n) q8_tile(jb, g0, mg, j, n)
-#define Q8F_CALL(n) q8f_tile(jb, g0, mg, j, n)
+#define Q4_CALL(n) q4_tile(jb, g0, mg, j, n)
+#define NL_CALL(n) nl_tile(jb, g0, mg, j, n)
+#define XS_CALL(n) xs_tile(jb, g0, mg, j, n)
 #define INT8_TILES(name, call, mg_)                                                                \
     static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
@@ -305,8 +389,12 @@ INLINE void q8f_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt
     }
 INT8_TILES(q8_tile_1, Q8_CALL, 1)
 INT8_TILES(q8_tile_2, Q8_CALL, 2)
-INT8_TILES(q8f_tile_1, Q8F_CALL, 1)
-INT8_TILES(q8f_tile_2, Q8F_CALL, 2)
+INT8_TILES(q4_tile_1, Q4_CALL, 1)
+INT8_TILES(q4_tile_2, Q4_CALL, 2)
+INT8_TILES(nl_tile_1, NL_CALL, 1)
+INT8_TILES(nl_tile_2, NL_CALL, 2)
+INT8_TILES(xs_tile_1, XS_CALL, 1)
+INT8_TILES(xs_tile_2, XS_CALL, 2)
 
 /* The narrow tiles: mg (3 to N_MG, or Q_MG2 for q8_0) groups for nt tokens
  * (1..MM_PACK_NARROW). */
@@ -321,8 +409,12 @@ INT8_TILES(q8f_tile_2, Q8F_CALL, 2)
     }
 NARROW_TILES(q8_tile_3, Q8_CALL, 3)
 NARROW_TILES(q8_tile_4, Q8_CALL, 4)
-NARROW_TILES(q8f_tile_3, Q8F_CALL, 3)
-NARROW_TILES(q8f_tile_4, Q8F_CALL, 4)
+NARROW_TILES(q4_tile_3, Q4_CALL, 3)
+NARROW_TILES(q4_tile_4, Q4_CALL, 4)
+NARROW_TILES(nl_tile_3, NL_CALL, 3)
+NARROW_TILES(nl_tile_4, NL_CALL, 4)
+NARROW_TILES(xs_tile_3, XS_CALL, 3)
+NARROW_TILES(xs_tile_4, XS_CALL, 4)
 
 /* Integer tiles of 5 to Q_MG groups: one token only (decoding's narrowest). */
 #define ONE_TILE(name, tile, mg_)                                                                  \
@@ -335,10 +427,18 @@ ONE_TILE(q8_tile_5, q8_tile, 5)
 ONE_TILE(q8_tile_6, q8_tile, 6)
 ONE_TILE(q8_tile_7, q8_tile, 7)
 ONE_TILE(q8_tile_8, q8_tile, 8)
-ONE_TILE(q8f_tile_5, q8f_tile, 5)
-ONE_TILE(q8f_tile_6, q8f_tile, 6)
-ONE_TILE(q8f_tile_7, q8f_tile, 7)
-ONE_TILE(q8f_tile_8, q8f_tile, 8)
+ONE_TILE(q4_tile_5, q4_tile, 5)
+ONE_TILE(q4_tile_6, q4_tile, 6)
+ONE_TILE(q4_tile_7, q4_tile, 7)
+ONE_TILE(q4_tile_8, q4_tile, 8)
+ONE_TILE(nl_tile_5, nl_tile, 5)
+ONE_TILE(nl_tile_6, nl_tile, 6)
+ONE_TILE(nl_tile_7, nl_tile, 7)
+ONE_TILE(nl_tile_8, nl_tile, 8)
+ONE_TILE(xs_tile_5, xs_tile, 5)
+ONE_TILE(xs_tile_6, xs_tile, 6)
+ONE_TILE(xs_tile_7, xs_tile, 7)
+ONE_TILE(xs_tile_8, xs_tile, 8)
 
 /* ------------------------------------------------------------------------
  * q4_K: the nibbles as they are, the scales applied per sub-block
@@ -569,46 +669,54 @@ NARROW_TILES(bf16_tile_8, BF16_CALL, 8)
 
 typedef void tile_fn(const struct mm_pack_job *jb, int g0, int j, int nt);
 
+/* Each kind of copy's tiles by their number of row groups (1..N_MG). */
+#define TILES(p)                                                                                   \
+    {NULL, p##_tile_1, p##_tile_2, p##_tile_3, p##_tile_4,                                        \
+     p##_tile_5, p##_tile_6, p##_tile_7, p##_tile_8}
+static tile_fn *const q8_tiles[N_MG + 1] = TILES(q8), *const q4_tiles[N_MG + 1] = TILES(q4),
+                      *const nl_tiles[N_MG + 1] = TILES(nl), *const xs_tiles[N_MG + 1] = TILES(xs),
+                      *const q4k_tiles[N_MG + 1] = TILES(q4k),
+                      *const f32_tiles[N_MG + 1] = TILES(f32),
+                      *const f16_tiles[N_MG + 1] = TILES(f16),
+                      *const bf16_tiles[N_MG + 1] = TILES(bf16);
+
 /* Row groups outside, token tiles inside: the groups' weights stay in
  * cache while the tiles [j0, j1) pass. A batch of MM_PACK_NARROW tokens at
  * most (decoding) is one narrow tile, taken N_MG groups at a time (Q_MG
- * for one q8_0 token, Q_MG2 for two): see "Narrow tiles" above. */
+ * for one token of the integer copies, Q_MG2 for two): see "Narrow tiles"
+ * above. */
 static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
-    tile_fn *by[N_MG + 1];
-    int tnt = F_NT, nmg = N_MG;
+    tile_fn *const *by;
     switch (jb->w->type) {
     case GGML_TYPE_Q8_0:
-    case GGML_TYPE_Q4_0: /* widened to int8 blocks when packed */
-    case GGML_TYPE_Q5_0:
-    case GGML_TYPE_IQ4_NL:
-        by[1] = q8_tile_1, by[2] = q8_tile_2, by[3] = q8_tile_3, by[4] = q8_tile_4;
-        by[5] = q8_tile_5, by[6] = q8_tile_6, by[7] = q8_tile_7, by[8] = q8_tile_8;
-        tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
+    case GGML_TYPE_Q5_0: /* widened to int8 blocks when packed */
+        by = q8_tiles;
         break;
-    case GGML_TYPE_IQ4_XS: /* widened to int8 blocks with f32 scales */
-        by[1] = q8f_tile_1, by[2] = q8f_tile_2, by[3] = q8f_tile_3, by[4] = q8f_tile_4;
-        by[5] = q8f_tile_5, by[6] = q8f_tile_6, by[7] = q8f_tile_7, by[8] = q8f_tile_8;
-        tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
+    case GGML_TYPE_Q4_0:
+        by = q4_tiles;
+        break;
+    case GGML_TYPE_IQ4_NL:
+        by = nl_tiles;
+        break;
+    case GGML_TYPE_IQ4_XS:
+        by = xs_tiles;
         break;
     case GGML_TYPE_Q4_K:
-        by[1] = q4k_tile_1, by[2] = q4k_tile_2, by[3] = q4k_tile_3, by[4] = q4k_tile_4;
-        by[5] = q4k_tile_5, by[6] = q4k_tile_6, by[7] = q4k_tile_7, by[8] = q4k_tile_8;
-        tnt = P_NT, nmg = jb->n_tok == 1 ? Q_MG : Q_MG2;
+        by = q4k_tiles;
         break;
     case GGML_TYPE_F32:
-        by[1] = f32_tile_1, by[2] = f32_tile_2, by[3] = f32_tile_3, by[4] = f32_tile_4;
-        by[5] = f32_tile_5, by[6] = f32_tile_6, by[7] = f32_tile_7, by[8] = f32_tile_8;
+        by = f32_tiles;
         break;
     case GGML_TYPE_F16:
-        by[1] = f16_tile_1, by[2] = f16_tile_2, by[3] = f16_tile_3, by[4] = f16_tile_4;
-        by[5] = f16_tile_5, by[6] = f16_tile_6, by[7] = f16_tile_7, by[8] = f16_tile_8;
+        by = f16_tiles;
         break;
     default:
-        by[1] = bf16_tile_1, by[2] = bf16_tile_2, by[3] = bf16_tile_3, by[4] = bf16_tile_4;
-        by[5] = bf16_tile_5, by[6] = bf16_tile_6, by[7] = bf16_tile_7, by[8] = bf16_tile_8;
+        by = bf16_tiles;
         break;
     }
+    const bool fl = mm_is_float_type(jb->w->type);
+    const int tnt = fl ? F_NT : P_NT, nmg = fl ? N_MG : jb->n_tok == 1 ? Q_MG : Q_MG2;
     const int step = jb->n_tok <= MM_PACK_NARROW ? nmg : P_MG;
     for (int g = g0; g < g1; g += step) {
         int mg = g1 - g < step ? g1 - g : step;
@@ -651,8 +759,8 @@ static void quantize_avx512(const struct mm_pack_job *jb, const float *xt, int t
 
 static bool has_avx512(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || type == GGML_TYPE_Q4_K ||
-           type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
+    return type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || mm_pack_nibbles(type) ||
+           type == GGML_TYPE_Q4_K || type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
 }
 
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {

@@ -6,8 +6,9 @@
  * variants, each with its own preparation of a token's activations and
  * its own kernel over row groups x token tiles, under the same split:
  *
- *   q8_0          quantised by the level's kernel (matmul_pack.c); q4_0,
- *                 q5_0 and iq4_nl rows widened to its int8 blocks;
+ *   q8_0          quantised by the level's kernel (matmul_pack.c), for
+ *                 int8 blocks (q8_0, q5_0 widened), nibbles (q4_0,
+ *                 iq4_nl, iq4_xs), q4_K;
  *   f32, f16      transposed by tiles, exact f32 FMA (matmul_pack.c);
  *   bf16 pairs    rounded to bf16 pairs by tiles, vdpbf16ps (matmul_bf16.c).
  *
@@ -94,31 +95,40 @@ int mm_f16_init_env(char *err, size_t errlen)
 }
 
 /* ------------------------------------------------------------------------
- * q4_0, q5_0, iq4_nl and iq4_xs widened to int8 blocks
+ * The 4-bit blocks as their nibbles; q5_0 widened to int8 blocks
  *
- * A block of these formats is 32 small integers and an f16 scale d (q4_0:
- * each weight d * (u - 8), u a nibble; q5_0: d * (u - 16), u of 5 bits;
- * iq4_nl: d * a table's int8 entry picked by a nibble). Stored again as a
- * q8_0 block (those int8 values, the same d) it is the same numbers
- * exactly, and runs the repacked q8_0 kernels. q4_0 on the 576x30 shape:
- * `kvd generate` decoded 1.6x the tokens per second of matmul.c's q4_0
- * kernel (324-350 against 208-215 after 512 tokens) and prefilled 2x
- * (1898-1928 against 951-969 tok/s, 2k tokens), 2 threads, alternated; q5_0
- * and iq4_nl ran matmul_blocks.c's AVX2 kernel at a third of q4_0's speed
- * (bench_matmul). The cost is q8_0's 34 bytes per 32 weights, against 18
- * (q4_0, iq4_nl) or 22 (q5_0). Memory-bound decoding would want kernels
- * over the stored bits (half q8_0's bytes); until they exist the wider copy
- * is the faster one at every length measured. KVD_WIDEN=stored (or
- * mm_widen_set(false)) keeps the stored rows and their kernels, for whoever
+ * q4_0, iq4_nl and iq4_xs hold 32 weights as 16 bytes of nibbles under one
+ * scale (q4_0: d (u - 8); iq4_nl: d times an int8 level the nibble picks
+ * from a table; iq4_xs: the same levels under d (ls - 32), a 6-bit ls per
+ * 32 and an f16 d per 256). Their copy keeps the nibble bytes, moved in
+ * runs of 4 into 16-row chunks, and the block's scale (iq4_xs's as f32:
+ * d (ls - 32) can need 17 significant bits, more than an f16 holds), and
+ * matmul_pack.c's int8 tile takes the nibbles (q4_0) or their levels (by
+ * vpshufb) as vpdpbusd's unsigned bytes: 18 bytes per 32 weights as
+ * stored (iq4_xs 20, against 17). Until then they were widened to q8_0's
+ * int8 blocks, 34 bytes per 32 weights (36 for iq4_xs), which decoding
+ * read and memory held twice over for the same prefill speed. Measured,
+ * the widened copy -> the nibbles, the binaries alternated, load 0.2-1.5:
+ * bench_matmul 4096 x 4096, 2 threads, GB/s of the stored bytes, two
+ * rounds: q4_0 45-48 -> 81-89, iq4_nl 44-50 -> 64-67, iq4_xs 40 -> 54-58;
+ * 64 tokens unchanged (1,190-1,290 GFLOP/s both). `kvd generate` (790-token
+ * prompt, 64 tokens, 2 threads, 3 rounds): a 2048 x 16 q4_0 model (852 M
+ * weights) decodes at 79-102 tokens/s against 46-50 and prefills at
+ * 628-670 against 591-660, its weights in 422 MiB against 797 (load
+ * 341 ms against 1,575); iq4_xs 80-89 against 65-76, 481 MiB against 825;
+ * the 768 x 12 q4_0 model 470-506 against 364-373, iq4_xs 428-457 against
+ * 392-420; the 576 x 30 q4_0 model (the issue's shape, its decoding step
+ * dominated by the tied 49152-row output and the attention) 262-304
+ * against 261-288.
+ *
+ * q5_0's fifth bits would need their own unpacking (q5_K's, tried in
+ * matmul_pack.c, cost decoding more than it saved), so a q5_0 block is
+ * stored again as a q8_0 block (its 32 integers u - 16, the same d): the
+ * same numbers exactly, q8_0's tiles, 34 bytes against 22. KVD_WIDEN=stored
+ * (or mm_widen_set(false)) keeps its stored rows and their kernels (the
+ * AVX2 kernel of matmul_blocks.c, several times slower), for whoever
  * needs the memory; the load line says which was done. Taken when a weight
- * is packed, as the F16 choice below.
- *
- * iq4_xs is iq4_nl's levels with a 6-bit scale per 32 under an f16 d per
- * 256: its block of 32 is those int8 levels times d * (ls - 32), a product
- * an f16 cannot always hold (17 significant bits) but an f32 can. Its
- * copy keeps the scales as f32 (MM_PACK_Q8F_PAIR: 36 bytes per 32 weights
- * against the 17 stored), and runs the same tiles with the scales loaded
- * instead of converted (matmul_pack.c's int8_tile).
+ * is packed, as the F16 choice above.
  * ------------------------------------------------------------------------ */
 
 static _Atomic int widen_int8 = 1;
@@ -205,21 +215,16 @@ static const uint8_t *row_or_pad(const struct mm_weight *w, size_t o)
     return o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
 }
 
-/* Block b of row (at blk) as 32 int8 weights (q8_0's as stored, q4_0's
- * nibbles minus 8, q5_0's and iq4_nl's as quant_blocks.c decodes them: one
- * scale, no min); its scale is the block's first two bytes in every one of
- * them. Inline, blk given: the q8_0 copy at load kept its speed (~155 ms
- * for the 576x30 model; a per-block qt_row_bytes call had cost ~16%). */
+/* Block b of row (at blk) as 32 int8 weights (q8_0's as stored, q5_0's
+ * as quant_blocks.c decodes them: one scale, no min); its scale is the
+ * block's first two bytes in both. Inline, blk given: the q8_0 copy at
+ * load kept its speed (~155 ms for the 576x30 model; a per-block
+ * qt_row_bytes call had cost ~16%). */
 static inline void block_int8(enum ggml_type type, const uint8_t *row, const uint8_t *blk, int b,
                               int8_t *v)
 {
     if (type == GGML_TYPE_Q8_0) {
         memcpy(v, blk + 2, 32);
-    } else if (type == GGML_TYPE_Q4_0) {
-        for (int j = 0; j < 16; j++) { /* low nibbles are elements 0..15, high 16..31 */
-            v[j] = (int8_t)((blk[2 + j] & 15) - 8);
-            v[16 + j] = (int8_t)((blk[2 + j] >> 4) - 8);
-        }
     } else {
         float s[2], mn[2];
         qt_block32_decode(type, row, b, v, s, mn);
@@ -232,28 +237,54 @@ static inline void block_int8(enum ggml_type type, const uint8_t *row, const uin
 static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
     const int nb = w->n_in / QT_QK;
-    const bool f32s = mm_pack_f32_scales(w);
-    const size_t bb = f32s ? 0 : qt_row_bytes(w->type, QT_QK), stride = mm_pack_pair_bytes(w) / nb;
+    const size_t bb = qt_row_bytes(w->type, QT_QK);
     for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
         const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
         const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
         for (int b = 0; b < nb; b++) {
-            uint8_t *q = dst + (size_t)b * stride + 64 * g + 4 * lane;
-            uint8_t *s = dst + (size_t)b * stride + MM_PACK_Q8_SCALES;
+            uint8_t *q = dst + (size_t)b * MM_PACK_Q8_PAIR + 64 * g + 4 * lane;
+            uint8_t *s = dst + (size_t)b * MM_PACK_Q8_PAIR + MM_PACK_Q8_SCALES + 32 * g + 2 * lane;
             int8_t v[32] = {0};
-            float sf[2] = {0.0f, 0.0f}, mn[2];
-            if (row && f32s) /* iq4_xs: the sub-block's scale as f32 */
-                qt_block32_decode(w->type, row, b, v, sf, mn);
-            else if (row)
+            if (row)
                 block_int8(w->type, row, row + bb * (size_t)b, b, v);
             for (int k = 0; k < 8; k++)
                 for (int j = 0; j < 4; j++)
                     q[128 * k + j] = (uint8_t)v[4 * k + j] ^ 0x80;
-            if (f32s) {
-                memcpy(s + 64 * g + 4 * lane, &sf[0], 4);
+            s[0] = row ? row[bb * (size_t)b] : 0;
+            s[1] = row ? row[bb * (size_t)b + 1] : 0;
+        }
+    }
+}
+
+/* Pair p of nibble groups (q4_0, iq4_nl, iq4_xs; matmul_internal.h): each
+ * stored block's 16 bytes of nibbles in runs of 4 to its lane of the
+ * chunks, its scale to its lane (iq4_xs's d * (ls - 32) as f32); rows
+ * past n_out are zeros. */
+static void pack_nib_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
+{
+    const int nb = w->n_in / QT_QK;
+    const bool xs = mm_pack_f32_scales(w);
+    const size_t stride = mm_pack_pair_bytes(w) / (size_t)nb;
+    for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
+        const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
+        const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
+        for (int b = 0; b < nb; b++) {
+            static const uint8_t zero[18];
+            /* q4_0 and iq4_nl: an f16 d, then 16 bytes of nibbles */
+            const uint8_t *blk = !row ? zero : xs ? NULL : row + 18 * (size_t)b;
+            const uint8_t *qs = row && xs ? qt_iq4xs_qs(row, b) : blk + 2;
+            uint8_t *o = dst + (size_t)b * stride;
+            for (int k = 0; k < 4; k++)
+                memcpy(o + 128 * k + 64 * g + 4 * lane, qs + 4 * k, 4);
+            if (xs) {
+                float sf = 0.0f;
+                if (row) {
+                    const uint8_t *sb = qt_iq4xs_sb(row, b);
+                    sf = qt_f16_to_f32(qt_rd16(sb + QT_IQ4XS_D)) * (float)qt_iq4xs_scale(sb, b % 8);
+                }
+                memcpy(o + MM_PACK_Q4_SCALES + 64 * g + 4 * lane, &sf, 4);
             } else {
-                s[32 * g + 2 * lane] = row ? row[bb * (size_t)b] : 0;
-                s[32 * g + 2 * lane + 1] = row ? row[bb * (size_t)b + 1] : 0;
+                memcpy(o + MM_PACK_Q4_SCALES + 32 * g + 2 * lane, blk, 2);
             }
         }
     }
@@ -324,6 +355,8 @@ void mm_pack_weight(struct mm_weight *w, void *dst)
     for (size_t p = 0; p < n_pairs(w); p++)
         if (mm_pack_int8(w))
             pack_q8_pair(w, p, (uint8_t *)dst + p * pb);
+        else if (mm_pack_nibbles(w->type))
+            pack_nib_pair(w, p, (uint8_t *)dst + p * pb);
         else if (w->type == GGML_TYPE_Q4_K)
             pack_q4k_pair(w, p, (uint8_t *)dst + p * pb);
         else

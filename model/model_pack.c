@@ -5,10 +5,9 @@
  * Which matrices: every matrix a product reads (each layer's q, k, v, o,
  * gate, up, down, and the output matrix). Those whose type the kernel level
  * in use at load has kernels over repacked weights for (mm_pack_bytes) are
- * repacked (q4_0, q5_0 and iq4_nl widened to int8 blocks, unless
- * KVD_WIDEN=stored: see model/quant.h); the others (the K formats, the
- * other block formats, and every type at a level without such kernels)
- * are copied as stored,
+ * repacked (q5_0 widened to int8 blocks, unless KVD_WIDEN=stored: see
+ * model/quant.h); the others (q2_K, q3_K, q5_K, q6_K, q4_1, q5_1, and
+ * every type at a level without such kernels) are copied as stored,
  * row for row, so that their kernels read them from the same huge pages
  * (see Pages: on the 512 x 30 shape a decoding step's q4_K products took
  * ~20% less CPU time from 2 MiB pages than from 4 KiB ones, q6_K ~30%,
@@ -179,8 +178,10 @@ const char *model_pack_describe(const model *m, char *buf, size_t len)
     const char *k = mm_pack_kernel_name();
     char packed[256] = "", copied[224] = "", widened[128] = "";
     if (m->pack_widened)
-        snprintf(widened, sizeof widened, ", %d of them widened to int8 blocks (34 bytes per 32 weights, "
-                 "36 for iq4_xs; KVD_WIDEN=stored keeps them as stored)", m->pack_widened);
+        snprintf(widened, sizeof widened,
+                 ", %d of them widened to int8 blocks (34 bytes per 32 weights; KVD_WIDEN=stored "
+                 "keeps them as stored)",
+                 m->pack_widened);
     if (m->pack_count)
         snprintf(packed, sizeof packed, "%d matrices repacked for %s%s%s", m->pack_count,
                  k ? k : "kernels of another level",

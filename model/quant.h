@@ -367,19 +367,21 @@ void mm_f16_set_bf16(bool on);
 bool mm_f16_bf16(void);
 int mm_f16_init_env(char *err, size_t errlen);
 /*
- * Q4_0, Q5_0 and IQ4_NL weights at a level with kernels over repacked int8
- * blocks are widened to q8_0's blocks when packed (exact: the same integers
- * and scale; 34 bytes per 32 weights instead of 18 or 22), and IQ4_XS to
- * int8 blocks with f32 scales (its sub-block's d * (ls - 32) is no f16:
- * 36 bytes per 32 weights instead of 17), unless
- * mm_widen_set(false) was called before; mm_widen_init_env sets it from
- * KVD_WIDEN=stored|int8 (unset or empty: unchanged), or returns -1 with
- * err naming the variable.
+ * Q5_0 weights at a level with kernels over repacked int8 blocks are
+ * widened to q8_0's blocks when packed (exact: the same integers and
+ * scale; 34 bytes per 32 weights instead of 22), unless mm_widen_set(false)
+ * was called before; mm_widen_init_env sets it from KVD_WIDEN=stored|int8
+ * (unset or empty: unchanged), or returns -1 with err naming the variable.
  */
 static inline bool mm_widens_to_int8(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_IQ4_NL ||
-           type == GGML_TYPE_IQ4_XS;
+    return type == GGML_TYPE_Q5_0;
+}
+/* Q4_0, IQ4_NL and IQ4_XS weights at such a level are repacked as their
+ * stored nibbles, in blocks of 32 with one scale each (matmul_pack.c). */
+static inline bool mm_pack_nibbles(enum ggml_type type)
+{
+    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_IQ4_XS;
 }
 void mm_widen_set(bool on);
 bool mm_widen(void);

@@ -992,6 +992,7 @@ static void test_load_info(void **state)
     model_pack_describe(m, line, sizeof line);
     print_message("  weights: %s\n", line);
     struct mm_weight *ws[] = {&m->layers[0].wq, &m->layers[1].down, &m->output};
+    const size_t q8_bytes = m->pack_bytes;
     if (mm_pack_kernel_name()) {
         assert_int_equal(m->pack_count, 15);
         assert_true(m->pack_bytes >= 15 * 16 * 34 * 2); /* at least the rows' bytes */
@@ -1006,34 +1007,36 @@ static void test_load_info(void **state)
     }
     model_free(m);
 
-    /* q4_0: widened to int8 blocks where the level has repacked kernels */
+    /* q4_0: repacked as its nibbles where the level has repacked kernels:
+     * 576 bytes per block of a pair of groups against q8_0's 1088, not
+     * widened, and KVD_WIDEN=stored (for the widened types) leaves it so */
     p.type = GGML_TYPE_Q4_0;
     write_model(&p, "info_q4_0.gguf", path, sizeof(path));
-    m = load_model(path);
-    model_pack_describe(m, line, sizeof line);
-    print_message("  weights: %s\n", line);
-    if (mm_pack_kernel_name()) {
-        assert_int_equal(m->pack_count, 15);
-        assert_int_equal(m->pack_widened, 15);
-        assert_true(m->pack_bytes >= 15 * 16 * 34 * 2); /* int8 blocks, not nibbles */
-        assert_non_null(strstr(line, "15 of them widened to int8 blocks"));
-        assert_true(m->output.packed && mm_pack_ready(&m->output));
+    for (int stored = 0; stored < 2; stored++) {
+        mm_widen_set(!stored);
+        m = load_model(path);
+        mm_widen_set(true);
+        model_pack_describe(m, line, sizeof line);
+        print_message("  weights: %s\n", line);
+        if (mm_pack_kernel_name()) {
+            assert_int_equal(m->pack_count, 15);
+            assert_int_equal(m->pack_widened + m->pack_kept, 0);
+            assert_int_equal(m->pack_bytes * 1088, q8_bytes * 576);
+            assert_null(strstr(line, "widened"));
+            assert_true(m->output.packed && mm_pack_ready(&m->output));
+        }
+        model_free(m);
     }
-    model_free(m);
 
-    /* kept as stored (KVD_WIDEN=stored, or a level without repacked
-     * kernels): every product matrix copied row for row into the owned
-     * pages, the embedding left as mapped */
-    mm_widen_set(false);
+    /* at a level without repacked kernels: every product matrix copied
+     * row for row into the owned pages, the embedding left as mapped */
+    cpu_force("avx2", NULL, 0);
     m = load_model(path);
-    mm_widen_set(true);
     model_pack_describe(m, line, sizeof line);
     print_message("  weights: %s\n", line);
     assert_int_equal(m->pack_count, 0);
-    assert_int_equal(m->pack_copied + m->pack_kept, 15);
-    assert_non_null(strstr(line, mm_pack_kernel_name() ? "15 copied as stored (KVD_WIDEN=stored)"
-                                                       : "15 copied as stored (no repacked "
-                                                         "kernels for q4_0"));
+    assert_int_equal(m->pack_copied, 15);
+    assert_non_null(strstr(line, "15 copied as stored (no repacked kernels for q4_0"));
     const uint8_t *lo = m->pack_mem, *hi = lo + m->pack_bytes;
     struct mm_weight *wq4[] = {&m->layers[0].wq, &m->layers[1].down, &m->output};
     for (int k = 0; k < 3; k++) {
@@ -1044,6 +1047,7 @@ static void test_load_info(void **state)
     const uint8_t *e = m->tok_embd.data;
     assert_true(e < lo || e >= hi);
     model_free(m);
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
 }
 
 /* ------------------------------------------------------------------------
