@@ -72,6 +72,16 @@ static const struct type_traits ggml_traits[GGML_TYPE_COUNT] = {
     [GGML_TYPE_Q6_K] = {"q6_K", 256, 210}, [GGML_TYPE_Q8_K] = {"q8_K", 256, 292},
     [GGML_TYPE_IQ4_NL] = {"iq4_nl", 32, 18}, [GGML_TYPE_IQ4_XS] = {"iq4_xs", 256, 136},
     [GGML_TYPE_BF16] = {"bf16", 1, 2},
+    /* read, so that a file holding them is refused by name where a tensor
+     * of theirs is used (no kernels multiply them) */
+    [GGML_TYPE_IQ2_XXS] = {"iq2_xxs", 256, 66}, [GGML_TYPE_IQ2_XS] = {"iq2_xs", 256, 74},
+    [GGML_TYPE_IQ3_XXS] = {"iq3_xxs", 256, 98}, [GGML_TYPE_IQ1_S] = {"iq1_s", 256, 50},
+    [GGML_TYPE_IQ3_S] = {"iq3_s", 256, 110},    [GGML_TYPE_IQ2_S] = {"iq2_s", 256, 82},
+    [GGML_TYPE_IQ1_M] = {"iq1_m", 256, 56},     [GGML_TYPE_TQ1_0] = {"tq1_0", 256, 54},
+    [GGML_TYPE_TQ2_0] = {"tq2_0", 256, 66},     [GGML_TYPE_MXFP4] = {"mxfp4", 32, 17},
+    [GGML_TYPE_I8] = {"i8", 1, 1},              [GGML_TYPE_I16] = {"i16", 1, 2},
+    [GGML_TYPE_I32] = {"i32", 1, 4},            [GGML_TYPE_I64] = {"i64", 1, 8},
+    [GGML_TYPE_F64] = {"f64", 1, 8},
 };
 
 static const struct type_traits *ggml_trait(uint32_t type)

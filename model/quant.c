@@ -49,6 +49,17 @@ static const struct qt_traits traits[GGML_TYPE_COUNT] = {
     [GGML_TYPE_IQ4_NL] = {"iq4_nl", 32, 18, true},
     [GGML_TYPE_IQ4_XS] = {"iq4_xs", 256, 136, true},
     [GGML_TYPE_BF16] = {"bf16", 1, 2, true},
+    /* named, so that refusing them names them */
+    [GGML_TYPE_IQ2_XXS] = {"iq2_xxs", 256, 66, false},
+    [GGML_TYPE_IQ2_XS] = {"iq2_xs", 256, 74, false},
+    [GGML_TYPE_IQ3_XXS] = {"iq3_xxs", 256, 98, false},
+    [GGML_TYPE_IQ1_S] = {"iq1_s", 256, 50, false},
+    [GGML_TYPE_IQ3_S] = {"iq3_s", 256, 110, false},
+    [GGML_TYPE_IQ2_S] = {"iq2_s", 256, 82, false},
+    [GGML_TYPE_IQ1_M] = {"iq1_m", 256, 56, false},
+    [GGML_TYPE_TQ1_0] = {"tq1_0", 256, 54, false},
+    [GGML_TYPE_TQ2_0] = {"tq2_0", 256, 66, false},
+    [GGML_TYPE_MXFP4] = {"mxfp4", 32, 17, false},
 };
 /* clang-format on */
 

@@ -723,6 +723,8 @@ static const struct mutation mutations[] = {
      {"tensor 'blk.0.attn_q.weight'", "has unknown type 99"}},
     {"removed tensor type 4", TENSOR, "norm.weight", T_TYPE(1), 4, 4,
      {"tensor 'norm.weight'", "unknown type 4"}},
+    {"iq2_xxs tensor (blocks of 256)", TENSOR, "blk.0.attn_q.weight", T_TYPE(2), 4, 16,
+     {"tensor 'blk.0.attn_q.weight'", "iq2_xxs block size 256"}},
     {"ne[0] not a multiple of the block", TENSOR, "blk.0.attn_q.weight", 4, 8, 48,
      {"tensor 'blk.0.attn_q.weight'", "ne[0] = 48", "q8_0 block size 32"}},
     {"misaligned offset", TENSOR, "norm.weight", T_OFFSET(1), 8, 4 * 32 + 8,
@@ -1029,14 +1031,22 @@ static void test_type_tables(void **state)
         {GGML_TYPE_Q8_1, 32, 36, "q8_1"},   {GGML_TYPE_Q2_K, 256, 84, "q2_K"},
         {GGML_TYPE_Q3_K, 256, 110, "q3_K"}, {GGML_TYPE_Q4_K, 256, 144, "q4_K"},
         {GGML_TYPE_Q5_K, 256, 176, "q5_K"}, {GGML_TYPE_Q6_K, 256, 210, "q6_K"},
-        {GGML_TYPE_Q8_K, 256, 292, "q8_K"},
+        {GGML_TYPE_Q8_K, 256, 292, "q8_K"}, {GGML_TYPE_IQ4_NL, 32, 18, "iq4_nl"},
+        {GGML_TYPE_IQ4_XS, 256, 136, "iq4_xs"}, {GGML_TYPE_IQ2_XXS, 256, 66, "iq2_xxs"},
+        {GGML_TYPE_IQ2_XS, 256, 74, "iq2_xs"}, {GGML_TYPE_IQ3_XXS, 256, 98, "iq3_xxs"},
+        {GGML_TYPE_IQ1_S, 256, 50, "iq1_s"},   {GGML_TYPE_IQ3_S, 256, 110, "iq3_s"},
+        {GGML_TYPE_IQ2_S, 256, 82, "iq2_s"},   {GGML_TYPE_IQ1_M, 256, 56, "iq1_m"},
+        {GGML_TYPE_TQ1_0, 256, 54, "tq1_0"},   {GGML_TYPE_TQ2_0, 256, 66, "tq2_0"},
+        {GGML_TYPE_MXFP4, 32, 17, "mxfp4"},    {GGML_TYPE_I8, 1, 1, "i8"},
+        {GGML_TYPE_I16, 1, 2, "i16"},          {GGML_TYPE_I32, 1, 4, "i32"},
+        {GGML_TYPE_I64, 1, 8, "i64"},          {GGML_TYPE_F64, 1, 8, "f64"},
     };
     for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
         assert_int_equal(gguf_ggml_block_size(want[i].t), want[i].block);
         assert_int_equal(gguf_ggml_block_bytes(want[i].t), want[i].bytes);
         assert_string_equal(gguf_ggml_type_name(want[i].t), want[i].name);
     }
-    static const int unknown[] = {4, 5, 16, 29, 31, 39, 40, 99, -1};
+    static const int unknown[] = {4, 5, 31, 32, 33, 36, 37, 38, 40, 99, -1};
     for (size_t i = 0; i < sizeof(unknown) / sizeof(unknown[0]); i++) {
         assert_int_equal(gguf_ggml_block_size((enum ggml_type)unknown[i]), 0);
         assert_int_equal(gguf_ggml_block_bytes((enum ggml_type)unknown[i]), 0);

@@ -1548,6 +1548,11 @@ static void test_weight_init_errors(void **state)
     assert_non_null(strstr(err, "q8_K"));
     assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q8_1, 32, 4, data, err, sizeof err), -EINVAL);
     assert_non_null(strstr(err, "q8_1"));
+    /* types the GGUF reader knows but nothing multiplies: refused by name */
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_IQ2_XXS, 256, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "weight type iq2_xxs is not supported"));
+    assert_int_equal(mm_weight_init(&w, GGML_TYPE_MXFP4, 32, 4, data, err, sizeof err), -EINVAL);
+    assert_non_null(strstr(err, "weight type mxfp4 is not supported"));
     assert_int_equal(mm_weight_init(&w, GGML_TYPE_Q5_K, 128, 4, data, err, sizeof err), -EINVAL);
     assert_non_null(strstr(err, "256"));
     assert_int_equal(mm_weight_init(&w, (enum ggml_type)77, 32, 4, data, err, sizeof err), -EINVAL);
