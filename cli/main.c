@@ -102,11 +102,6 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }
-    /* KVD_WIDEN=stored keeps Q5_0 weights as stored (model/quant.h) */
-    if (mm_widen_init_env(err, sizeof(err))) {
-        fprintf(stderr, "kvd: %s\n", err);
-        return 2;
-    }
     /* KVD_HUGE_PAGES=off: the repacked weights and the KV pool in 4 KiB pages (cpu/mem.h) */
     if (cpu_pages_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);

@@ -85,14 +85,17 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
  *         0..15's weights 4k..4k+3 as unsigned bytes w + 128, at bytes
  *         4r..4r+3), then the first group's 16 f16 scales, then the
  *         second's. Pair stride: nb x MM_PACK_Q8_PAIR (a multiple of 64).
- *   q4_0, iq4_nl, iq4_xs (mm_pack_nibbles)  per block of 32 inputs,
- *         MM_PACK_Q4_PAIR bytes (iq4_xs: MM_PACK_Q4F_PAIR): for k = 0..3
+ *   nibbles (mm_pack_nibbles: q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs)
+ *         per block of 32 inputs, mm_pack_nib_block bytes: for k = 0..3
  *         the first group's chunk k, then the second's (64 bytes each: row
  *         r's bytes 4r..4r+3 are its block's stored bytes of nibbles
  *         4k..4k+3, whose low nibbles code elements 4k.. and high nibbles
- *         16 + 4k..), then the first group's 16 scales, then the second's:
- *         f16 as stored (q4_0, iq4_nl), or f32 d * (ls - 32) for iq4_xs
- *         (mm_pack_f32_scales: up to 17 significant bits, no f16).
+ *         16 + 4k..); for q5_0 and q5_1 then each group's fifth bits (64
+ *         bytes: row r's byte 4r + j holds the fifth bit of element 4k + j
+ *         at bit 4 + k and of element 16 + 4k + j at bit k, k = 0..3);
+ *         then at mm_pack_nib_scales each group's 16 scales (f16 as stored,
+ *         or f32 d * (ls - 32) for iq4_xs, which can need 17 significant
+ *         bits); then for q4_1 and q5_1 each group's 16 f16 mins.
  *   f32, f16, bf16  per input k: the first group's 16 elements k, then the
  *         second's, as stored (2 x 64 or 2 x 32 bytes). Pair stride: 2 x 16
  *         x n_in x the element size.
@@ -111,42 +114,37 @@ KERN_DECLARE(const struct mm_k_kernels, mm_k_kernels);
 #define MM_PACK_ROWS 16
 #define MM_PACK_Q8_SCALES (2 * 8 * 64) /* the scales' offset in a pair's block */
 #define MM_PACK_Q8_PAIR (MM_PACK_Q8_SCALES + 2 * 2 * MM_PACK_ROWS) /* one block of a pair */
-#define MM_PACK_Q4_SCALES (2 * 4 * 64) /* the nibble blocks' scales' offset */
-#define MM_PACK_Q4_PAIR (MM_PACK_Q4_SCALES + 2 * 2 * MM_PACK_ROWS)  /* one block of a pair */
-#define MM_PACK_Q4F_PAIR (MM_PACK_Q4_SCALES + 2 * 4 * MM_PACK_ROWS) /* ... with f32 scales */
+#define MM_PACK_NIB_CHUNKS (2 * 4 * 64) /* a nibble block's chunks, both groups */
 #define MM_PACK_Q4K_GSCALES (2 * 2 * MM_PACK_ROWS + 2 * 8 * MM_PACK_ROWS) /* one group's */
 #define MM_PACK_Q4K_QS (2 * MM_PACK_Q4K_GSCALES)                 /* the nibbles' offset */
 #define MM_PACK_Q4K_PAIR (MM_PACK_Q4K_QS + 4 * 8 * 2 * 64)        /* one super-block of a pair */
 
-/* Bytes of one pair of groups (2 x MM_PACK_ROWS rows) of w, repacked (0: a
- * type that is never repacked). */
-/* Whether w is repacked as int8 blocks: q8_0, and the types widened to it. */
-static inline bool mm_pack_int8(const struct mm_weight *w)
+/* A nibble block of a pair (above): where its scales start, and its bytes. */
+static inline size_t mm_pack_nib_scales(enum ggml_type t)
 {
-    return w->type == GGML_TYPE_Q8_0 || mm_widens_to_int8(w->type);
+    return MM_PACK_NIB_CHUNKS + (t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1 ? 2 * 64 : 0);
+}
+static inline size_t mm_pack_nib_block(enum ggml_type t)
+{
+    return mm_pack_nib_scales(t) + 2 * (t == GGML_TYPE_IQ4_XS ? 64 : 32) +
+           (t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_1 ? 2 * 32 : 0);
 }
 
-/* Whether w's nibble blocks carry f32 scales (iq4_xs: d * (ls - 32)), not
- * the f16 scale its blocks store. */
-static inline bool mm_pack_f32_scales(const struct mm_weight *w)
-{
-    return w->type == GGML_TYPE_IQ4_XS;
-}
-
-/* Whether w's repacked kernels take q8_0's activation slots: the int8 and
- * nibble blocks, and q4_K. */
+/* Whether w's repacked kernels take q8_0's activation slots: q8_0, the
+ * nibble blocks and q4_K. */
 static inline bool mm_pack_q8_acts(const struct mm_weight *w)
 {
-    return mm_pack_int8(w) || mm_pack_nibbles(w->type) || w->type == GGML_TYPE_Q4_K;
+    return w->type == GGML_TYPE_Q8_0 || mm_pack_nibbles(w->type) || w->type == GGML_TYPE_Q4_K;
 }
 
+/* Bytes of one pair of groups (2 x MM_PACK_ROWS rows) of w, repacked (0: a
+ * type that is never repacked). */
 static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 {
-    if (mm_pack_int8(w))
+    if (w->type == GGML_TYPE_Q8_0)
         return (size_t)(w->n_in / QT_QK) * MM_PACK_Q8_PAIR;
     if (mm_pack_nibbles(w->type))
-        return (size_t)(w->n_in / QT_QK) *
-               (mm_pack_f32_scales(w) ? MM_PACK_Q4F_PAIR : MM_PACK_Q4_PAIR);
+        return (size_t)(w->n_in / QT_QK) * mm_pack_nib_block(w->type);
     if (w->type == GGML_TYPE_Q4_K)
         return (size_t)(w->n_in / QT_QK_K) * MM_PACK_Q4K_PAIR;
     if (w->type == GGML_TYPE_F32)

@@ -98,20 +98,24 @@
  * slower decode or a third more memory.
  *
  * ---------------------------------------------------------------------------
- * 4-bit blocks: the stored nibbles
+ * 4- and 5-bit blocks: the stored bits
  * ---------------------------------------------------------------------------
  *
- * q4_0, iq4_nl and iq4_xs keep their bytes too (matmul_pack_run.c): a
- * 64-byte chunk holds a block's stored bytes 4k..4k+3 of each of 16 rows,
- * whose low nibbles are elements 4k.. and high nibbles 16 + 4k.., so a
- * block is 4 chunks, each two vpdpbusd operands after a mask and a shift
- * (iq4: and a vpshufb each, to the level + 128, unsigned). The sum starts
- * at the activations' own -8 sum(q) (q4_0's u = w + 8) or -128 sum(q)
- * (the levels + 128) and the fold is q8_0's, so a block gives bit for bit
- * what a q8_0 block of the same integers and scale gives. Against the copy
- * widened to q8_0's blocks they replace: the same speed at 64 tokens
- * (1,190-1,290 GFLOP/s), 1.4-1.8x the weights per second from DRAM, half
- * the memory (figures in matmul_pack_run.c).
+ * q4_0, q4_1, q5_0, q5_1, iq4_nl and iq4_xs keep their bytes too
+ * (matmul_pack_run.c): a 64-byte chunk holds a block's stored bytes
+ * 4k..4k+3 of each of 16 rows, whose low nibbles are elements 4k.. and
+ * high nibbles 16 + 4k.., so a block is 4 chunks, each two vpdpbusd
+ * operands after a mask and a shift; q5's fifth bits come from one more
+ * chunk per block by a shift and a ternary logic each, iq4's levels + 128
+ * (unsigned) by a vpshufb. The sum starts at the activations' own -8
+ * sum(q) (q4_0's u = w + 8), -16 sum(q) (q5_0) or -128 sum(q) (the levels
+ * + 128), q4_1's and q5_1's min is one more fused add per block, and the
+ * fold is q8_0's, so a block gives bit for bit what a q8_0 block of the
+ * same integers and scale gives. Against the copies widened to q8_0's
+ * blocks they replaced: the same speed at 64 tokens for the 4-bit ones
+ * (q5_0 ~9% less), 1.2-1.8x the weights per second from DRAM, half the
+ * memory; q4_1 and q5_1 had no repacked kernel (figures in
+ * matmul_pack_run.c).
  *
  * ---------------------------------------------------------------------------
  * Tiles and invariance
@@ -232,14 +236,6 @@ INLINE void store_group(const struct mm_pack_job *jb, int g, int t0, int nt, con
                               acc[t]);
 }
 
-/* How an int8 tile's blocks hold their weights (matmul_internal.h). */
-enum int8_form {
-    FORM_Q8, /* bytes w + 128: q8_0, widened q5_0 */
-    FORM_Q4, /* nibbles u, w = u - 8: q4_0 */
-    FORM_NL, /* nibbles picking iq4_nl's levels: iq4_nl */
-    FORM_XS, /* the same with f32 scales: iq4_xs */
-};
-
 /* iq4_nl's 16 levels plus 128, as unsigned bytes, in each 128-bit lane
  * (vpshufb looks up within lanes). */
 INLINE __m512i nl_levels(void)
@@ -251,26 +247,33 @@ INLINE __m512i nl_levels(void)
 }
 
 /*
- * mg groups from g0 x nt tokens of token tile j, blocks of form (mg, nt
- * and form are constants where this is inlined, so the loops below unroll
- * into registers; a tile's activations are one pointer apart by
- * constants). Per block of 32, each (row, token) sum is exact in int32:
- * vpdpbusd of the unsigned codes against the int8 activations, started at
- * the activations' own correction (-128 sum(q) for codes w + 128, -8
- * sum(q) for q4_0's u = w + 8), then acc += (float)sum * (scale * dx).
- * Since the integer sum is exact and the fold the same, a block gives bit
- * for bit what a q8_0 block of the same integers and scale gives.
+ * mg groups from g0 x nt tokens of token tile j, blocks as the copy of
+ * type holds them: q8_0's int8 blocks, or one of the nibble formats (mg,
+ * nt and type are constants where this is inlined, so the loops below
+ * unroll into registers and the format's branches fold away; a tile's
+ * activations are one pointer apart by constants). Per block of 32, each
+ * (row, token) sum is exact in int32: vpdpbusd of the unsigned codes
+ * against the int8 activations, started at the activations' own
+ * correction for the codes' offset (-128 sum(q) for q8_0's w + 128 and
+ * iq4's levels + 128, -8 sum(q) for q4_0's u = w + 8, -16 sum(q) for
+ * q5_0's; none for q4_1 and q5_1, whose weight is d u + m), then acc +=
+ * (float)sum * (d * dx), and for q4_1 and q5_1 acc += m * (dx * sum(q)).
+ * The integer sum is exact and the fold q8_0's, so a block gives bit for
+ * bit what a q8_0 block of the same integers and scale gives.
  */
-INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt, enum int8_form form)
+INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt,
+                      enum ggml_type type)
 {
     const struct mm_weight *w = jb->w;
     const int nb = w->n_in / QT_QK;
-    const bool nib = form != FORM_Q8;
-    const size_t bstride = form == FORM_Q8 ? MM_PACK_Q8_PAIR
-                           : form == FORM_XS ? MM_PACK_Q4F_PAIR
-                                             : MM_PACK_Q4_PAIR;
-    const size_t soff = nib ? MM_PACK_Q4_SCALES : MM_PACK_Q8_SCALES;
-    const __m512i lo4 = _mm512_set1_epi8(0x0f), lv = nl_levels();
+    const bool nib = type != GGML_TYPE_Q8_0;
+    const bool five = type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q5_1;
+    const bool mins = type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1;
+    const bool levels = type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_IQ4_XS;
+    const size_t bstride = nib ? mm_pack_nib_block(type) : MM_PACK_Q8_PAIR;
+    const size_t soff = nib ? mm_pack_nib_scales(type) : MM_PACK_Q8_SCALES;
+    const int cshift = type == GGML_TYPE_Q4_0 ? 4 : type == GGML_TYPE_Q5_0 ? 3 : 0;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10), lv = nl_levels();
     /* the pair of g0 (even: tiles start on pairs); group g's chunk k of
      * block b at b * bstride + 128 k + 64 g, its scales after the
      * block's chunks */
@@ -288,22 +291,33 @@ INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int n
             acc[g][t] = _mm512_setzero_ps();
 
     for (int b = 0; b < nb; b++, xq += P_NT * QT_QK, xd += P_NT, xc += P_NT) {
+        const uint8_t *blk[Q_MG / 2];
+        for (int h = 0; h < (mg + 1) / 2; h++)
+            blk[h] = pq[h] + (size_t)b * bstride;
         __m512i ia[Q_MG][P_NT];
         for (int t = 0; t < nt; t++) {
-            __m512i c = _mm512_set1_epi32(form == FORM_Q4 ? xc[t] / 16 : xc[t]);
+            /* -128 sum(q) >> cshift: exact, a multiple of 128 */
+            __m512i c = mins ? _mm512_setzero_si512() : _mm512_set1_epi32(xc[t] / (1 << cshift));
             for (int g = 0; g < mg; g++)
                 ia[g][t] = c;
         }
         for (int k = 0; k < (nib ? 4 : 8); k++) {
             __m512i wv[Q_MG], wh[Q_MG];
             for (int g = 0; g < mg; g++) {
-                wv[g] = _mm512_load_si512(
-                    (const void *)(pq[g / 2] + (size_t)b * bstride + 128 * k + 64 * (g % 2)));
+                const uint8_t *p = blk[g / 2] + 64 * (g % 2);
+                wv[g] = _mm512_load_si512((const void *)(p + 128 * k));
                 if (nib) { /* low nibbles: elements 4k.., high: 16 + 4k.. */
                     wh[g] = _mm512_and_si512(_mm512_srli_epi16(wv[g], 4), lo4);
                     wv[g] = _mm512_and_si512(wv[g], lo4);
                 }
-                if (form == FORM_NL || form == FORM_XS) {
+                if (five) { /* the fifth bits, to bit 4: 4k.. at bit 4 + k, 16 + 4k.. at k */
+                    const __m512i h = _mm512_load_si512((const void *)(p + MM_PACK_NIB_CHUNKS));
+                    wv[g] = _mm512_ternarylogic_epi32(wv[g], _mm512_srli_epi16(h, (unsigned)k), b4,
+                                                      0xf8); /* a | (b & c) */
+                    wh[g] = _mm512_ternarylogic_epi32(wh[g], _mm512_slli_epi16(h, 4 - (unsigned)k),
+                                                      b4, 0xf8);
+                }
+                if (levels) {
                     wv[g] = _mm512_shuffle_epi8(lv, wv[g]);
                     wh[g] = _mm512_shuffle_epi8(lv, wh[g]);
                 }
@@ -322,18 +336,25 @@ INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int n
                 }
             }
         }
-        __m512 sc[Q_MG];
+        __m512 sc[Q_MG], mn[Q_MG];
         for (int g = 0; g < mg; g++) {
-            const uint8_t *s = pq[g / 2] + (size_t)b * bstride + soff;
-            sc[g] = form == FORM_XS
+            const uint8_t *s = blk[g / 2] + soff;
+            sc[g] = type == GGML_TYPE_IQ4_XS
                         ? _mm512_load_ps((const void *)(s + 64 * (g % 2)))
                         : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(s + 32 * (g % 2))));
+            if (mins)
+                mn[g] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(s + 64 + 32 * (g % 2))));
         }
         for (int t = 0; t < nt; t++) {
             __m512 dx = _mm512_set1_ps(xd[t]);
             for (int g = 0; g < mg; g++)
                 acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[g][t]), _mm512_mul_ps(sc[g], dx),
                                             acc[g][t]);
+            if (mins) { /* dx sum(q) */
+                const __m512 sq = _mm512_set1_ps(xd[t] * (float)(xc[t] / -128));
+                for (int g = 0; g < mg; g++)
+                    acc[g][t] = _mm512_fmadd_ps(mn[g], sq, acc[g][t]);
+            }
         }
     }
 
@@ -347,31 +368,28 @@ INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int n
         call(n);                                                                                   \
         break;
 
-INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
-{
-    int8_tile(jb, g0, mg, j, nt, FORM_Q8);
-}
-
-INLINE void q4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
-{
-    int8_tile(jb, g0, mg, j, nt, FORM_Q4);
-}
-
-INLINE void nl_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
-{
-    int8_tile(jb, g0, mg, j, nt, FORM_NL);
-}
-
-INLINE void xs_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)
-{
-    int8_tile(jb, g0, mg, j, nt, FORM_XS);
-}
+/* Each copy's tile: int8_tile with its type constant. */
+#define TYPE_TILE(name, type_)                                                                     \
+    INLINE void name(const struct mm_pack_job *jb, int g0, int mg, int j, int nt)                  \
+    {                                                                                              \
+        int8_tile(jb, g0, mg, j, nt, type_);                                                       \
+    }
+TYPE_TILE(q8_tile, GGML_TYPE_Q8_0)
+TYPE_TILE(q4_tile, GGML_TYPE_Q4_0)
+TYPE_TILE(q41_tile, GGML_TYPE_Q4_1)
+TYPE_TILE(q50_tile, GGML_TYPE_Q5_0)
+TYPE_TILE(q51_tile, GGML_TYPE_Q5_1)
+TYPE_TILE(nl_tile, GGML_TYPE_IQ4_NL)
+TYPE_TILE(xs_tile, GGML_TYPE_IQ4_XS)
 
 /* The int8 tiles for nt tokens (1..P_NT), with constant arguments. */
 #define Q8_CALL(n) q8_tile(jb, g0, mg, j, n)
 #define Q4_CALL(n) q4_tile(jb, g0, mg, j, n)
 #define NL_CALL(n) nl_tile(jb, g0, mg, j, n)
 #define XS_CALL(n) xs_tile(jb, g0, mg, j, n)
+#define Q41_CALL(n) q41_tile(jb, g0, mg, j, n)
+#define Q50_CALL(n) q50_tile(jb, g0, mg, j, n)
+#define Q51_CALL(n) q51_tile(jb, g0, mg, j, n)
 #define INT8_TILES(name, call, mg_)                                                                \
     static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
@@ -395,6 +413,12 @@ INT8_TILES(nl_tile_1, NL_CALL, 1)
 INT8_TILES(nl_tile_2, NL_CALL, 2)
 INT8_TILES(xs_tile_1, XS_CALL, 1)
 INT8_TILES(xs_tile_2, XS_CALL, 2)
+INT8_TILES(q41_tile_1, Q41_CALL, 1)
+INT8_TILES(q41_tile_2, Q41_CALL, 2)
+INT8_TILES(q50_tile_1, Q50_CALL, 1)
+INT8_TILES(q50_tile_2, Q50_CALL, 2)
+INT8_TILES(q51_tile_1, Q51_CALL, 1)
+INT8_TILES(q51_tile_2, Q51_CALL, 2)
 
 /* The narrow tiles: mg (3 to N_MG, or Q_MG2 for q8_0) groups for nt tokens
  * (1..MM_PACK_NARROW). */
@@ -415,6 +439,12 @@ NARROW_TILES(nl_tile_3, NL_CALL, 3)
 NARROW_TILES(nl_tile_4, NL_CALL, 4)
 NARROW_TILES(xs_tile_3, XS_CALL, 3)
 NARROW_TILES(xs_tile_4, XS_CALL, 4)
+NARROW_TILES(q41_tile_3, Q41_CALL, 3)
+NARROW_TILES(q41_tile_4, Q41_CALL, 4)
+NARROW_TILES(q50_tile_3, Q50_CALL, 3)
+NARROW_TILES(q50_tile_4, Q50_CALL, 4)
+NARROW_TILES(q51_tile_3, Q51_CALL, 3)
+NARROW_TILES(q51_tile_4, Q51_CALL, 4)
 
 /* Integer tiles of 5 to Q_MG groups: one token only (decoding's narrowest). */
 #define ONE_TILE(name, tile, mg_)                                                                  \
@@ -439,6 +469,18 @@ ONE_TILE(xs_tile_5, xs_tile, 5)
 ONE_TILE(xs_tile_6, xs_tile, 6)
 ONE_TILE(xs_tile_7, xs_tile, 7)
 ONE_TILE(xs_tile_8, xs_tile, 8)
+ONE_TILE(q41_tile_5, q41_tile, 5)
+ONE_TILE(q41_tile_6, q41_tile, 6)
+ONE_TILE(q41_tile_7, q41_tile, 7)
+ONE_TILE(q41_tile_8, q41_tile, 8)
+ONE_TILE(q50_tile_5, q50_tile, 5)
+ONE_TILE(q50_tile_6, q50_tile, 6)
+ONE_TILE(q50_tile_7, q50_tile, 7)
+ONE_TILE(q50_tile_8, q50_tile, 8)
+ONE_TILE(q51_tile_5, q51_tile, 5)
+ONE_TILE(q51_tile_6, q51_tile, 6)
+ONE_TILE(q51_tile_7, q51_tile, 7)
+ONE_TILE(q51_tile_8, q51_tile, 8)
 
 /* ------------------------------------------------------------------------
  * q4_K: the nibbles as they are, the scales applied per sub-block
@@ -675,6 +717,9 @@ typedef void tile_fn(const struct mm_pack_job *jb, int g0, int j, int nt);
      p##_tile_5, p##_tile_6, p##_tile_7, p##_tile_8}
 static tile_fn *const q8_tiles[N_MG + 1] = TILES(q8), *const q4_tiles[N_MG + 1] = TILES(q4),
                       *const nl_tiles[N_MG + 1] = TILES(nl), *const xs_tiles[N_MG + 1] = TILES(xs),
+                      *const q41_tiles[N_MG + 1] = TILES(q41),
+                      *const q50_tiles[N_MG + 1] = TILES(q50),
+                      *const q51_tiles[N_MG + 1] = TILES(q51),
                       *const q4k_tiles[N_MG + 1] = TILES(q4k),
                       *const f32_tiles[N_MG + 1] = TILES(f32),
                       *const f16_tiles[N_MG + 1] = TILES(f16),
@@ -690,11 +735,19 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, 
     tile_fn *const *by;
     switch (jb->w->type) {
     case GGML_TYPE_Q8_0:
-    case GGML_TYPE_Q5_0: /* widened to int8 blocks when packed */
         by = q8_tiles;
         break;
     case GGML_TYPE_Q4_0:
         by = q4_tiles;
+        break;
+    case GGML_TYPE_Q4_1:
+        by = q41_tiles;
+        break;
+    case GGML_TYPE_Q5_0:
+        by = q50_tiles;
+        break;
+    case GGML_TYPE_Q5_1:
+        by = q51_tiles;
         break;
     case GGML_TYPE_IQ4_NL:
         by = nl_tiles;
@@ -759,7 +812,7 @@ static void quantize_avx512(const struct mm_pack_job *jb, const float *xt, int t
 
 static bool has_avx512(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || mm_pack_nibbles(type) ||
+    return type == GGML_TYPE_Q8_0 || mm_pack_nibbles(type) ||
            type == GGML_TYPE_Q4_K || type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
 }
 

@@ -7,8 +7,8 @@
  * its own kernel over row groups x token tiles, under the same split:
  *
  *   q8_0          quantised by the level's kernel (matmul_pack.c), for
- *                 int8 blocks (q8_0, q5_0 widened), nibbles (q4_0,
- *                 iq4_nl, iq4_xs), q4_K;
+ *                 q8_0's int8 blocks, the 4- and 5-bit blocks' nibbles
+ *                 (q4_0 .. q5_1, iq4_nl, iq4_xs) and q4_K;
  *   f32, f16      transposed by tiles, exact f32 FMA (matmul_pack.c);
  *   bf16 pairs    rounded to bf16 pairs by tiles, vdpbf16ps (matmul_bf16.c).
  *
@@ -95,63 +95,39 @@ int mm_f16_init_env(char *err, size_t errlen)
 }
 
 /* ------------------------------------------------------------------------
- * The 4-bit blocks as their nibbles; q5_0 widened to int8 blocks
+ * The 4- and 5-bit blocks as their stored bits
  *
- * q4_0, iq4_nl and iq4_xs hold 32 weights as 16 bytes of nibbles under one
- * scale (q4_0: d (u - 8); iq4_nl: d times an int8 level the nibble picks
- * from a table; iq4_xs: the same levels under d (ls - 32), a 6-bit ls per
- * 32 and an f16 d per 256). Their copy keeps the nibble bytes, moved in
- * runs of 4 into 16-row chunks, and the block's scale (iq4_xs's as f32:
- * d (ls - 32) can need 17 significant bits, more than an f16 holds), and
- * matmul_pack.c's int8 tile takes the nibbles (q4_0) or their levels (by
- * vpshufb) as vpdpbusd's unsigned bytes: 18 bytes per 32 weights as
- * stored (iq4_xs 20, against 17). Until then they were widened to q8_0's
- * int8 blocks, 34 bytes per 32 weights (36 for iq4_xs), which decoding
- * read and memory held twice over for the same prefill speed. Measured,
- * the widened copy -> the nibbles, the binaries alternated, load 0.2-1.5:
- * bench_matmul 4096 x 4096, 2 threads, GB/s of the stored bytes, two
- * rounds: q4_0 45-48 -> 81-89, iq4_nl 44-50 -> 64-67, iq4_xs 40 -> 54-58;
- * 64 tokens unchanged (1,190-1,290 GFLOP/s both). `kvd generate` (790-token
- * prompt, 64 tokens, 2 threads, 3 rounds): a 2048 x 16 q4_0 model (852 M
- * weights) decodes at 79-102 tokens/s against 46-50 and prefills at
- * 628-670 against 591-660, its weights in 422 MiB against 797 (load
- * 341 ms against 1,575); iq4_xs 80-89 against 65-76, 481 MiB against 825;
- * the 768 x 12 q4_0 model 470-506 against 364-373, iq4_xs 428-457 against
- * 392-420; the 576 x 30 q4_0 model (the issue's shape, its decoding step
- * dominated by the tied 49152-row output and the attention) 262-304
- * against 261-288.
+ * q4_0, q4_1, q5_0, q5_1, iq4_nl and iq4_xs hold 32 weights as 16 bytes of
+ * nibbles (q5_0 and q5_1 a u32 of fifth bits beside them) under one scale
+ * d, and for q4_1 and q5_1 a min m: q4_0 d (u - 8), q5_0 d (u - 16), q4_1
+ * and q5_1 d u + m, iq4_nl d times an int8 level the nibble picks from a
+ * table, iq4_xs the same levels under d (ls - 32) with a 6-bit ls per 32
+ * and an f16 d per 256. Their copy keeps the nibble bytes, moved in runs
+ * of 4 into 16-row chunks, the fifth bits regrouped so that a shift and a
+ * mask bring each to bit 4 of its byte, and the scale and min (iq4_xs's
+ * scale as f32: d (ls - 32) can need 17 significant bits); matmul_pack.c's
+ * int8 tile takes the codes as vpdpbusd's unsigned bytes: as many bytes as
+ * stored (iq4_xs 20 per 32 weights, against 17).
  *
- * q5_0's fifth bits would need their own unpacking (q5_K's, tried in
- * matmul_pack.c, cost decoding more than it saved), so a q5_0 block is
- * stored again as a q8_0 block (its 32 integers u - 16, the same d): the
- * same numbers exactly, q8_0's tiles, 34 bytes against 22. KVD_WIDEN=stored
- * (or mm_widen_set(false)) keeps its stored rows and their kernels (the
- * AVX2 kernel of matmul_blocks.c, several times slower), for whoever
- * needs the memory; the load line says which was done. Taken when a weight
- * is packed, as the F16 choice above.
+ * Until then q4_0, q5_0, iq4_nl and iq4_xs were widened to q8_0's int8
+ * blocks (34 bytes per 32 weights, 36 for iq4_xs; KVD_WIDEN=stored kept
+ * the stored rows instead), which decoding read and memory held twice
+ * over, and q4_1 and q5_1 ran matmul_blocks.c's AVX2 kernel at 10-12 GB/s.
+ * Measured, before -> after, the binaries alternated, load 0.2-1.5:
+ * bench_matmul 4096 x 4096, 2 threads, GB/s of the stored bytes from DRAM:
+ * q4_0 45-48 -> 81-89, iq4_nl 44-50 -> 64-67, iq4_xs 40 -> 54-58, q5_0
+ * 50 -> 61, q4_1 10.6 -> 72, q5_1 12.4 -> 48; at 64 tokens the 4-bit
+ * widened copies and their nibbles alike 1,190-1,290 GFLOP/s, q5_0 1,286
+ * -> 1,169 (its fifth bits cost ~9% there), q4_1 91 -> 1,139, q5_1 82 ->
+ * 1,100. `kvd generate` (790-token prompt, 64 tokens, 2 threads, 3
+ * rounds): a 2048 x 16 q4_0 model (852 M weights) decodes at 79-102
+ * tokens/s against 46-50 and prefills at 628-670 against 591-660, its
+ * weights in 422 MiB against 797 (load 341 ms against 1,575); iq4_xs 80-89
+ * against 65-76, 481 MiB against 825; the 768 x 12 q4_0 model 470-506
+ * against 364-373, iq4_xs 428-457 against 392-420; the 576 x 30 q4_0 model
+ * (its decoding step dominated by the tied 49152-row output and the
+ * attention) 262-304 against 261-288.
  * ------------------------------------------------------------------------ */
-
-static _Atomic int widen_int8 = 1;
-
-void mm_widen_set(bool on)
-{
-    atomic_store_explicit(&widen_int8, on, memory_order_relaxed);
-}
-
-bool mm_widen(void)
-{
-    return atomic_load_explicit(&widen_int8, memory_order_relaxed);
-}
-
-int mm_widen_init_env(char *err, size_t errlen)
-{
-    return env_switch("KVD_WIDEN", "stored", "int8", &widen_int8, err, errlen);
-}
-
-bool mm_pack_kept(const struct mm_weight *w)
-{
-    return mm_widens_to_int8(w->type) && pkern()->has(w->type) && !mm_widen();
-}
 
 /* The bf16 kernels, when the level in use has them and the CPU runs them. */
 static const struct mm_bf16_kernels *bkern(void)
@@ -204,7 +180,7 @@ size_t mm_pack_bytes(const struct mm_weight *w)
 {
     if (bf16_wants(w))
         return n_pairs(w) * mm_bf16_pair_bytes(w);
-    if (!pkern()->has(w->type) || (!w->packed && mm_pack_kept(w)))
+    if (!pkern()->has(w->type))
         return 0;
     return n_pairs(w) * mm_pack_pair_bytes(w);
 }
@@ -215,77 +191,97 @@ static const uint8_t *row_or_pad(const struct mm_weight *w, size_t o)
     return o < (size_t)w->n_out ? (const uint8_t *)w->data + o * w->row_bytes : NULL;
 }
 
-/* Block b of row (at blk) as 32 int8 weights (q8_0's as stored, q5_0's
- * as quant_blocks.c decodes them: one scale, no min); its scale is the
- * block's first two bytes in both. Inline, blk given: the q8_0 copy at
- * load kept its speed (~155 ms for the 576x30 model; a per-block
- * qt_row_bytes call had cost ~16%). */
-static inline void block_int8(enum ggml_type type, const uint8_t *row, const uint8_t *blk, int b,
-                              int8_t *v)
-{
-    if (type == GGML_TYPE_Q8_0) {
-        memcpy(v, blk + 2, 32);
-    } else {
-        float s[2], mn[2];
-        qt_block32_decode(type, row, b, v, s, mn);
-        assert(s[0] == s[1] && mn[0] == 0.0f && mn[1] == 0.0f);
-    }
-}
-
-/* Pair p of int8 groups (matmul_internal.h): row r of the pair is row
- * 32 p + r, in group r / 16 at lane r % 16. */
+/* Pair p of q8_0 groups (matmul_internal.h): row r of the pair is row
+ * 32 p + r, in group r / 16 at lane r % 16; its weights as w + 128. */
 static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
     const int nb = w->n_in / QT_QK;
-    const size_t bb = qt_row_bytes(w->type, QT_QK);
     for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
         const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
         const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
         for (int b = 0; b < nb; b++) {
+            static const uint8_t zero[34];
+            const uint8_t *blk = row ? row + 34 * (size_t)b : zero;
             uint8_t *q = dst + (size_t)b * MM_PACK_Q8_PAIR + 64 * g + 4 * lane;
-            uint8_t *s = dst + (size_t)b * MM_PACK_Q8_PAIR + MM_PACK_Q8_SCALES + 32 * g + 2 * lane;
-            int8_t v[32] = {0};
-            if (row)
-                block_int8(w->type, row, row + bb * (size_t)b, b, v);
             for (int k = 0; k < 8; k++)
                 for (int j = 0; j < 4; j++)
-                    q[128 * k + j] = (uint8_t)v[4 * k + j] ^ 0x80;
-            s[0] = row ? row[bb * (size_t)b] : 0;
-            s[1] = row ? row[bb * (size_t)b + 1] : 0;
+                    q[128 * k + j] = blk[2 + 4 * k + j] ^ 0x80;
+            memcpy(dst + (size_t)b * MM_PACK_Q8_PAIR + MM_PACK_Q8_SCALES + 32 * g + 2 * lane, blk,
+                   2);
         }
     }
 }
 
-/* Pair p of nibble groups (q4_0, iq4_nl, iq4_xs; matmul_internal.h): each
- * stored block's 16 bytes of nibbles in runs of 4 to its lane of the
- * chunks, its scale to its lane (iq4_xs's d * (ls - 32) as f32); rows
- * past n_out are zeros. */
+/* Where a stored block of q4_0, q4_1, q5_0, q5_1 or iq4_nl keeps its
+ * parts: its bytes, its f16 min and u32 fifth bits (-1: none), its 16
+ * bytes of nibbles; the f16 d is at 0 in every one. */
+struct nib_parts {
+    int bytes, m, qh, qs;
+};
+
+static struct nib_parts nib_parts(enum ggml_type t)
+{
+    switch (t) {
+    case GGML_TYPE_Q4_1:
+        return (struct nib_parts){20, 2, -1, 4};
+    case GGML_TYPE_Q5_0:
+        return (struct nib_parts){22, -1, 2, 6};
+    case GGML_TYPE_Q5_1:
+        return (struct nib_parts){24, 2, 4, 8};
+    default: /* q4_0, iq4_nl */
+        return (struct nib_parts){18, -1, -1, 2};
+    }
+}
+
+/* Row lane's 4 bytes of a group's fifth bits (matmul_internal.h): byte j
+ * holds element 4k + j's bit at bit 4 + k and 16 + 4k + j's at bit k. */
+static void fifth_bits(uint32_t qh, uint8_t *dst)
+{
+    for (int j = 0; j < 4; j++) {
+        unsigned v = 0;
+        for (int k = 0; k < 4; k++)
+            v |= ((qh >> (4 * k + j)) & 1u) << (4 + k) | ((qh >> (16 + 4 * k + j)) & 1u) << k;
+        dst[j] = (uint8_t)v;
+    }
+}
+
+/* Pair p of nibble groups (matmul_internal.h): each stored block's 16
+ * bytes of nibbles in runs of 4 to its lane of the chunks, its fifth bits
+ * regrouped, its scale (iq4_xs's d * (ls - 32) as f32) and min to its
+ * lane; rows past n_out are zeros. */
 static void pack_nib_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
     const int nb = w->n_in / QT_QK;
-    const bool xs = mm_pack_f32_scales(w);
-    const size_t stride = mm_pack_pair_bytes(w) / (size_t)nb;
+    const bool xs = w->type == GGML_TYPE_IQ4_XS;
+    const struct nib_parts np = nib_parts(w->type);
+    const size_t stride = mm_pack_nib_block(w->type), so = mm_pack_nib_scales(w->type);
     for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
         const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
         const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
         for (int b = 0; b < nb; b++) {
-            static const uint8_t zero[18];
-            /* q4_0 and iq4_nl: an f16 d, then 16 bytes of nibbles */
-            const uint8_t *blk = !row ? zero : xs ? NULL : row + 18 * (size_t)b;
-            const uint8_t *qs = row && xs ? qt_iq4xs_qs(row, b) : blk + 2;
+            static const uint8_t zero[24];
+            const uint8_t *blk = !row ? zero : xs ? NULL : row + (size_t)np.bytes * (size_t)b;
+            const uint8_t *qs = row && xs ? qt_iq4xs_qs(row, b) : blk + (xs ? 2 : np.qs);
             uint8_t *o = dst + (size_t)b * stride;
             for (int k = 0; k < 4; k++)
                 memcpy(o + 128 * k + 64 * g + 4 * lane, qs + 4 * k, 4);
+            if (np.qh >= 0 && !xs) {
+                uint32_t qh;
+                memcpy(&qh, blk + np.qh, 4);
+                fifth_bits(qh, o + MM_PACK_NIB_CHUNKS + 64 * g + 4 * lane);
+            }
             if (xs) {
                 float sf = 0.0f;
                 if (row) {
                     const uint8_t *sb = qt_iq4xs_sb(row, b);
                     sf = qt_f16_to_f32(qt_rd16(sb + QT_IQ4XS_D)) * (float)qt_iq4xs_scale(sb, b % 8);
                 }
-                memcpy(o + MM_PACK_Q4_SCALES + 64 * g + 4 * lane, &sf, 4);
-            } else {
-                memcpy(o + MM_PACK_Q4_SCALES + 32 * g + 2 * lane, blk, 2);
+                memcpy(o + so + 64 * g + 4 * lane, &sf, 4);
+                continue;
             }
+            memcpy(o + so + 32 * g + 2 * lane, blk, 2);
+            if (np.m >= 0)
+                memcpy(o + so + 64 + 32 * g + 2 * lane, blk + np.m, 2);
         }
     }
 }
@@ -353,7 +349,7 @@ void mm_pack_weight(struct mm_weight *w, void *dst)
     w->packed_bf16 = false;
     const size_t pb = mm_pack_pair_bytes(w);
     for (size_t p = 0; p < n_pairs(w); p++)
-        if (mm_pack_int8(w))
+        if (w->type == GGML_TYPE_Q8_0)
             pack_q8_pair(w, p, (uint8_t *)dst + p * pb);
         else if (mm_pack_nibbles(w->type))
             pack_nib_pair(w, p, (uint8_t *)dst + p * pb);

@@ -136,8 +136,6 @@ struct model {
     int pack_copied;   /* matrices copied as stored (no repacked kernels for their type) */
     char pack_copied_types[64]; /* their types' names, space-separated */
     int pack_bf16;     /* of them in bf16 pairs for avx512bf16 (model/matmul_bf16.h) */
-    int pack_widened;  /* of them q5_0 widened to int8 blocks (model/quant.h) */
-    int pack_kept;     /* such matrices copied as stored instead (KVD_WIDEN=stored) */
     double pack_ms;    /* time it took at load */
     const char *pack_pages; /* the pages asked for the copy, for the load line (constant) */
     bool small_pages;       /* model_params.small_pages, for the KV pool (model_kv_shape) */

@@ -5,8 +5,7 @@
  * Which matrices: every matrix a product reads (each layer's q, k, v, o,
  * gate, up, down, and the output matrix). Those whose type the kernel level
  * in use at load has kernels over repacked weights for (mm_pack_bytes) are
- * repacked (q5_0 widened to int8 blocks, unless KVD_WIDEN=stored: see
- * model/quant.h); the others (q2_K, q3_K, q5_K, q6_K, q4_1, q5_1, and
+ * repacked (see model/quant.h); the others (q2_K, q3_K, q5_K, q6_K, and
  * every type at a level without such kernels) are copied as stored,
  * row for row, so that their kernels read them from the same huge pages
  * (see Pages: on the 512 x 30 shape a decoding step's q4_K products took
@@ -128,7 +127,7 @@ int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen)
     }
     uint8_t *p = mem;
     m->pack_copied_types[0] = '\0';
-    int packed = 0, bf16 = 0, widened = 0, kept = 0, copied = 0;
+    int packed = 0, bf16 = 0, copied = 0;
     for (int i = 0; i < n; i++) {
         size_t b = copy_bytes(ws[i]);
         bool repack = mm_pack_bytes(ws[i]) > 0;
@@ -138,15 +137,10 @@ int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen)
             mm_pack_weight(ws[i], p);
             packed++;
             bf16 += ws[i]->packed_bf16;
-            widened += mm_widens_to_int8(ws[i]->type);
         } else {
             memcpy(p, ws[i]->data, b);
-            if (mm_pack_kept(ws[i])) {
-                kept++; /* by choice, not for want of kernels */
-            } else {
-                copied++;
-                note_type(m, ws[i]->type);
-            }
+            copied++;
+            note_type(m, ws[i]->type);
         }
         release_rows(ws[i]); /* at once: the peak holds one matrix twice, not the model */
         if (!repack)
@@ -158,8 +152,6 @@ int model_pack_weights(model *m, bool small_pages, char *err, size_t errlen)
     m->pack_count = packed;
     m->pack_copied = copied;
     m->pack_bf16 = bf16;
-    m->pack_widened = widened;
-    m->pack_kept = kept;
     m->pack_ms = (mono_s() - t0) * 1e3;
     free(ws);
     return 0;
@@ -176,25 +168,15 @@ void model_pack_free(model *m)
 const char *model_pack_describe(const model *m, char *buf, size_t len)
 {
     const char *k = mm_pack_kernel_name();
-    char packed[256] = "", copied[224] = "", widened[128] = "";
-    if (m->pack_widened)
-        snprintf(widened, sizeof widened,
-                 ", %d of them widened to int8 blocks (34 bytes per 32 weights; KVD_WIDEN=stored "
-                 "keeps them as stored)",
-                 m->pack_widened);
+    char packed[256] = "", copied[224] = "";
     if (m->pack_count)
-        snprintf(packed, sizeof packed, "%d matrices repacked for %s%s%s", m->pack_count,
+        snprintf(packed, sizeof packed, "%d matrices repacked for %s%s", m->pack_count,
                  k ? k : "kernels of another level",
-                 m->pack_bf16 ? " and avx512bf16 (bf16 pairs)" : "", widened);
+                 m->pack_bf16 ? " and avx512bf16 (bf16 pairs)" : "");
     if (m->pack_copied)
         snprintf(copied, sizeof copied,
                  "%s%d copied as stored (no repacked kernels for %s at this level)",
                  m->pack_count ? ", " : "", m->pack_copied, m->pack_copied_types);
-    if (m->pack_kept) {
-        size_t u = strlen(copied);
-        snprintf(copied + u, sizeof copied - u, "%s%d copied as stored (KVD_WIDEN=stored)",
-                 m->pack_count || m->pack_copied ? ", " : "", m->pack_kept);
-    }
     snprintf(buf, len, "%s%s in %.0f ms: %.1f MiB owned (%s), the mapped rows released", packed,
              copied, m->pack_ms, (double)m->pack_bytes / (1024.0 * 1024.0), m->pack_pages);
     return buf;

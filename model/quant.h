@@ -366,28 +366,15 @@ const char *mm_pack_kernel_name(void);
 void mm_f16_set_bf16(bool on);
 bool mm_f16_bf16(void);
 int mm_f16_init_env(char *err, size_t errlen);
-/*
- * Q5_0 weights at a level with kernels over repacked int8 blocks are
- * widened to q8_0's blocks when packed (exact: the same integers and
- * scale; 34 bytes per 32 weights instead of 22), unless mm_widen_set(false)
- * was called before; mm_widen_init_env sets it from KVD_WIDEN=stored|int8
- * (unset or empty: unchanged), or returns -1 with err naming the variable.
- */
-static inline bool mm_widens_to_int8(enum ggml_type type)
-{
-    return type == GGML_TYPE_Q5_0;
-}
-/* Q4_0, IQ4_NL and IQ4_XS weights at such a level are repacked as their
- * stored nibbles, in blocks of 32 with one scale each (matmul_pack.c). */
+/* Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS weights at a level with
+ * kernels over repacked weights are repacked as their stored nibbles (and
+ * fifth bits), in blocks of 32 with one scale (and min) each, in as many
+ * bytes as stored (IQ4_XS: 20 per 32 weights against 17; matmul_pack.c). */
 static inline bool mm_pack_nibbles(enum ggml_type type)
 {
-    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_IQ4_XS;
+    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_0 ||
+           type == GGML_TYPE_Q5_1 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_IQ4_XS;
 }
-void mm_widen_set(bool on);
-bool mm_widen(void);
-int mm_widen_init_env(char *err, size_t errlen);
-/* Whether w is one the level in use would widen, kept as stored by choice. */
-bool mm_pack_kept(const struct mm_weight *w);
 const char *mm_bf16_describe(char *buf, size_t len);
 /* mm_matmul_scratch's work for a weight with mm_pack_ready, and its scratch. */
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);

@@ -1166,13 +1166,11 @@ static void test_matmul_q4_0(void **state)
 }
 
 /*
- * q4_0, q5_0 and iq4_nl repacked (q5_0 widened to int8 blocks, the others
- * as their nibbles, matmul_pack_run.c) give bit for bit what q8_0 gives on
- * the same numbers: a q8_0 copy of the rows made here from their
- * dequantised values (each value over its block's scale, an integer), at
- * 1 and 5 tokens, 1 and 2 threads. With the widening turned off
- * (KVD_WIDEN=stored) q5_0 is not repacked; the nibbles are, whatever it
- * says, in fewer bytes than q8_0's copy.
+ * q4_0, q5_0 and iq4_nl repacked as their nibbles (and fifth bits,
+ * matmul_pack_run.c) give bit for bit what q8_0 gives on the same numbers:
+ * a q8_0 copy of the rows made here from their dequantised values (each
+ * value over its block's scale, an integer), at 1 and 5 tokens, 1 and 2
+ * threads; their copies take the stored bytes per block against q8_0's 34.
  */
 static void check_like_q8(enum ggml_type type)
 {
@@ -1210,17 +1208,11 @@ static void check_like_q8(enum ggml_type type)
     assert_int_equal(mm_weight_init(&w8, GGML_TYPE_Q8_0, N_IN, N_OUT, d8, err, sizeof err), 0);
 
     const size_t pb = mm_pack_bytes(&ws);
-    mm_widen_set(false);
-    assert_int_equal(mm_pack_bytes(&ws), mm_widens_to_int8(type) ? 0 : pb);
-    mm_widen_set(true);
     if (!pb) { /* a level without repacked kernels: kept as stored */
         assert_null(mm_pack_kernel_name());
         print_message("no repacked kernels at this level: %s not repacked\n", qt_type_name(type));
     } else {
-        if (mm_widens_to_int8(type))
-            assert_int_equal(pb, mm_pack_bytes(&w8));
-        else /* 576 bytes per block of a pair of groups, against 1088 */
-            assert_int_equal(pb * 1088, mm_pack_bytes(&w8) * 576);
+        assert_int_equal(pb * 34, mm_pack_bytes(&w8) * bs);
         void *ps = aligned_alloc(64, (pb + 63) / 64 * 64);
         void *p8 = aligned_alloc(64, (mm_pack_bytes(&w8) + 63) / 64 * 64);
         assert_non_null(ps);
@@ -1251,27 +1243,6 @@ static void test_matmul_like_q8(void **state)
     check_like_q8(GGML_TYPE_Q4_0);
     check_like_q8(GGML_TYPE_Q5_0);
     check_like_q8(GGML_TYPE_IQ4_NL);
-}
-
-/* KVD_WIDEN: int8 or stored; empty leaves the setting; anything else is refused, named. */
-static void test_widen_env(void **state)
-{
-    (void)state;
-    char err[128] = "";
-    setenv("KVD_WIDEN", "stored", 1);
-    assert_int_equal(mm_widen_init_env(err, sizeof err), 0);
-    assert_false(mm_widen());
-    setenv("KVD_WIDEN", "", 1);
-    assert_int_equal(mm_widen_init_env(err, sizeof err), 0);
-    assert_false(mm_widen());
-    setenv("KVD_WIDEN", "int8", 1);
-    assert_int_equal(mm_widen_init_env(err, sizeof err), 0);
-    assert_true(mm_widen());
-    setenv("KVD_WIDEN", "wide", 1);
-    assert_int_equal(mm_widen_init_env(err, sizeof err), -1);
-    assert_non_null(strstr(err, "KVD_WIDEN: unknown value 'wide' (stored, int8)"));
-    assert_true(mm_widen());
-    unsetenv("KVD_WIDEN");
 }
 
 /* The K formats through matmul_k.c at every level (check_matmul_shapes):
@@ -1633,7 +1604,6 @@ int main(void)
         cmocka_unit_test(test_matmul_narrow),
         cmocka_unit_test(test_matmul_q4_0),
         cmocka_unit_test(test_matmul_like_q8),
-        cmocka_unit_test(test_widen_env),
         cmocka_unit_test(test_matmul_q4_K),
         cmocka_unit_test(test_matmul_q5_K),
         cmocka_unit_test(test_matmul_q2_K),

@@ -23,11 +23,10 @@
  *
  * Where the kernel level repacks q8_0 (model_pack.c does at load, and
  * decoding then runs the repacked tile), a "q8_0 rp" row measures that copy
- * the same way; "q5_0 rp8" the copy widened to q8_0's int8 blocks, GB/s
- * counted in the stored rows' bytes (so beside the stored kernel's row,
- * the same weights per second scale; the copy itself reads 34 bytes per
- * 32 weights); "q4_0 rp", "iq4_nl rp" and "iq4_xs rp" the copies of their
- * nibbles; "q4_K rp" the 16-row q4_K copy.
+ * the same way; "q4_0 rp" to "iq4_xs rp" the copies of the 4- and 5-bit
+ * blocks' nibbles, and "q4_K rp" the 16-row q4_K copy, GB/s counted in
+ * the stored rows' bytes (so beside the stored kernel's row, the same
+ * weights per second scale).
  *
  * Then the decoding step of a model as kvd loads it: the SmolLM-135M shape
  * (576 x 30 layers, 9 heads, 3 KV heads, ffn 1536, tied 49152-row output),
@@ -541,7 +540,7 @@ int main(int argc, char **argv)
             return 1;
         }
         measure_row(qt_type_name(type), &w, data, bytes, copies, false, x, out, triad);
-        size_t pb = type == GGML_TYPE_Q8_0 || mm_widens_to_int8(type) || mm_pack_nibbles(type) ||
+        size_t pb = type == GGML_TYPE_Q8_0 || mm_pack_nibbles(type) ||
                                 type == GGML_TYPE_Q4_K
                         ? mm_pack_bytes(&w)
                         : 0;
@@ -554,9 +553,8 @@ int main(int argc, char **argv)
                 mm_pack_weight(&wc, packed + pb * (size_t)c);
             }
             w.packed = packed;
-            char name[32]; /* q5_0: widened to int8 blocks */
-            snprintf(name, sizeof name, "%s rp%s", qt_type_name(type),
-                     mm_widens_to_int8(type) ? "8" : "");
+            char name[32];
+            snprintf(name, sizeof name, "%s rp", qt_type_name(type));
             measure_row(name, &w, packed, pb, copies, true, x, out, triad);
             munmap(packed, pb * (size_t)copies);
         }
