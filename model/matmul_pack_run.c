@@ -126,7 +126,12 @@ int mm_f16_init_env(char *err, size_t errlen)
  * against 65-76, 481 MiB against 825; the 768 x 12 q4_0 model 470-506
  * against 364-373, iq4_xs 428-457 against 392-420; the 576 x 30 q4_0 model
  * (its decoding step dominated by the tied 49152-row output and the
- * attention) 262-304 against 261-288.
+ * attention) 262-304 against 261-288. The 2048 x 16 model's weights in
+ * the other formats (the same 2048 x 16 q4_0 model requantised): q4_1
+ * decodes at 73-109 against 19.5-20 and prefills at 639-667 against 63-64,
+ * q5_1 72-76 against 19 and 584-613 against 56-57; q5_0 decodes as fast
+ * (69-76 against 70-77) and prefills at 597-650 against 631-678 (its fifth
+ * bits), in 516 MiB against 797 (load 598 ms against 2,437).
  * ------------------------------------------------------------------------ */
 
 /* The bf16 kernels, when the level in use has them and the CPU runs them. */
