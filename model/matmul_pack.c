@@ -382,43 +382,54 @@ TYPE_TILE(q51_tile, GGML_TYPE_Q5_1)
 TYPE_TILE(nl_tile, GGML_TYPE_IQ4_NL)
 TYPE_TILE(xs_tile, GGML_TYPE_IQ4_XS)
 
-/* The int8 tiles for nt tokens (1..P_NT), with constant arguments. */
-#define Q8_CALL(n) q8_tile(jb, g0, mg, j, n)
-#define Q4_CALL(n) q4_tile(jb, g0, mg, j, n)
-#define NL_CALL(n) nl_tile(jb, g0, mg, j, n)
-#define XS_CALL(n) xs_tile(jb, g0, mg, j, n)
-#define Q41_CALL(n) q41_tile(jb, g0, mg, j, n)
-#define Q50_CALL(n) q50_tile(jb, g0, mg, j, n)
-#define Q51_CALL(n) q51_tile(jb, g0, mg, j, n)
-#define INT8_TILES(name, call, mg_)                                                                \
-    static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
+/*
+ * The 8 tiles of an integer copy whose tile is p##_tile, each a call with
+ * constant groups and tokens: p##_tile_1 and _2 for 1 or 2 groups and up
+ * to P_NT tokens, _3 and _4 for MM_PACK_NARROW tokens at most, _5 to _8
+ * for one token (decoding's narrowest).
+ */
+#define I_CASE(tile, mg_, n)                                                                       \
+    case n:                                                                                        \
+        tile(jb, g0, mg_, j, n);                                                                   \
+        break;
+#define I_WIDE(p, mg_)                                                                             \
+    static void p##_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)                \
     {                                                                                              \
-        const int mg = mg_;                                                                        \
         switch (nt) {                                                                              \
-            T_CASE(call, 1)                                                                        \
-            T_CASE(call, 2)                                                                        \
-            T_CASE(call, 3)                                                                        \
-            T_CASE(call, 4)                                                                        \
-            T_CASE(call, 5)                                                                        \
+            I_CASE(p##_tile, mg_, 1)                                                               \
+            I_CASE(p##_tile, mg_, 2)                                                               \
+            I_CASE(p##_tile, mg_, 3)                                                               \
+            I_CASE(p##_tile, mg_, 4)                                                               \
+            I_CASE(p##_tile, mg_, 5)                                                               \
         default:                                                                                   \
-            call(P_NT);                                                                            \
+            p##_tile(jb, g0, mg_, j, P_NT);                                                        \
             break;                                                                                 \
         }                                                                                          \
     }
-INT8_TILES(q8_tile_1, Q8_CALL, 1)
-INT8_TILES(q8_tile_2, Q8_CALL, 2)
-INT8_TILES(q4_tile_1, Q4_CALL, 1)
-INT8_TILES(q4_tile_2, Q4_CALL, 2)
-INT8_TILES(nl_tile_1, NL_CALL, 1)
-INT8_TILES(nl_tile_2, NL_CALL, 2)
-INT8_TILES(xs_tile_1, XS_CALL, 1)
-INT8_TILES(xs_tile_2, XS_CALL, 2)
-INT8_TILES(q41_tile_1, Q41_CALL, 1)
-INT8_TILES(q41_tile_2, Q41_CALL, 2)
-INT8_TILES(q50_tile_1, Q50_CALL, 1)
-INT8_TILES(q50_tile_2, Q50_CALL, 2)
-INT8_TILES(q51_tile_1, Q51_CALL, 1)
-INT8_TILES(q51_tile_2, Q51_CALL, 2)
+#define I_NARROW(p, mg_)                                                                           \
+    static void p##_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)                \
+    {                                                                                              \
+        if (nt == 1)                                                                               \
+            p##_tile(jb, g0, mg_, j, 1);                                                           \
+        else                                                                                       \
+            p##_tile(jb, g0, mg_, j, MM_PACK_NARROW);                                              \
+    }
+#define I_ONE(p, mg_)                                                                              \
+    static void p##_tile_##mg_(const struct mm_pack_job *jb, int g0, int j, int nt)                \
+    {                                                                                              \
+        (void)nt;                                                                                  \
+        p##_tile(jb, g0, mg_, j, 1);                                                               \
+    }
+#define INT_TILES(p)                                                                               \
+    I_WIDE(p, 1) I_WIDE(p, 2) I_NARROW(p, 3) I_NARROW(p, 4) I_ONE(p, 5) I_ONE(p, 6) I_ONE(p, 7)    \
+        I_ONE(p, 8)
+INT_TILES(q8)
+INT_TILES(q4)
+INT_TILES(q41)
+INT_TILES(q50)
+INT_TILES(q51)
+INT_TILES(nl)
+INT_TILES(xs)
 
 /* The narrow tiles: mg (3 to N_MG, or Q_MG2 for q8_0) groups for nt tokens
  * (1..MM_PACK_NARROW). */
@@ -431,56 +442,6 @@ INT8_TILES(q51_tile_2, Q51_CALL, 2)
         else                                                                                       \
             call(MM_PACK_NARROW);                                                                  \
     }
-NARROW_TILES(q8_tile_3, Q8_CALL, 3)
-NARROW_TILES(q8_tile_4, Q8_CALL, 4)
-NARROW_TILES(q4_tile_3, Q4_CALL, 3)
-NARROW_TILES(q4_tile_4, Q4_CALL, 4)
-NARROW_TILES(nl_tile_3, NL_CALL, 3)
-NARROW_TILES(nl_tile_4, NL_CALL, 4)
-NARROW_TILES(xs_tile_3, XS_CALL, 3)
-NARROW_TILES(xs_tile_4, XS_CALL, 4)
-NARROW_TILES(q41_tile_3, Q41_CALL, 3)
-NARROW_TILES(q41_tile_4, Q41_CALL, 4)
-NARROW_TILES(q50_tile_3, Q50_CALL, 3)
-NARROW_TILES(q50_tile_4, Q50_CALL, 4)
-NARROW_TILES(q51_tile_3, Q51_CALL, 3)
-NARROW_TILES(q51_tile_4, Q51_CALL, 4)
-
-/* Integer tiles of 5 to Q_MG groups: one token only (decoding's narrowest). */
-#define ONE_TILE(name, tile, mg_)                                                                  \
-    static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
-    {                                                                                              \
-        (void)nt;                                                                                  \
-        tile(jb, g0, mg_, j, 1);                                                                   \
-    }
-ONE_TILE(q8_tile_5, q8_tile, 5)
-ONE_TILE(q8_tile_6, q8_tile, 6)
-ONE_TILE(q8_tile_7, q8_tile, 7)
-ONE_TILE(q8_tile_8, q8_tile, 8)
-ONE_TILE(q4_tile_5, q4_tile, 5)
-ONE_TILE(q4_tile_6, q4_tile, 6)
-ONE_TILE(q4_tile_7, q4_tile, 7)
-ONE_TILE(q4_tile_8, q4_tile, 8)
-ONE_TILE(nl_tile_5, nl_tile, 5)
-ONE_TILE(nl_tile_6, nl_tile, 6)
-ONE_TILE(nl_tile_7, nl_tile, 7)
-ONE_TILE(nl_tile_8, nl_tile, 8)
-ONE_TILE(xs_tile_5, xs_tile, 5)
-ONE_TILE(xs_tile_6, xs_tile, 6)
-ONE_TILE(xs_tile_7, xs_tile, 7)
-ONE_TILE(xs_tile_8, xs_tile, 8)
-ONE_TILE(q41_tile_5, q41_tile, 5)
-ONE_TILE(q41_tile_6, q41_tile, 6)
-ONE_TILE(q41_tile_7, q41_tile, 7)
-ONE_TILE(q41_tile_8, q41_tile, 8)
-ONE_TILE(q50_tile_5, q50_tile, 5)
-ONE_TILE(q50_tile_6, q50_tile, 6)
-ONE_TILE(q50_tile_7, q50_tile, 7)
-ONE_TILE(q50_tile_8, q50_tile, 8)
-ONE_TILE(q51_tile_5, q51_tile, 5)
-ONE_TILE(q51_tile_6, q51_tile, 6)
-ONE_TILE(q51_tile_7, q51_tile, 7)
-ONE_TILE(q51_tile_8, q51_tile, 8)
 
 /* ------------------------------------------------------------------------
  * q4_K: the nibbles as they are, the scales applied per sub-block
@@ -592,15 +553,7 @@ INLINE void q4k_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt
         store_group(jb, g0 + g, j * P_NT, nt, acc[g]);
 }
 
-#define Q4K_CALL(n) q4k_tile(jb, g0, mg, j, n)
-INT8_TILES(q4k_tile_1, Q4K_CALL, 1)
-INT8_TILES(q4k_tile_2, Q4K_CALL, 2)
-NARROW_TILES(q4k_tile_3, Q4K_CALL, 3)
-NARROW_TILES(q4k_tile_4, Q4K_CALL, 4)
-ONE_TILE(q4k_tile_5, q4k_tile, 5)
-ONE_TILE(q4k_tile_6, q4k_tile, 6)
-ONE_TILE(q4k_tile_7, q4k_tile, 7)
-ONE_TILE(q4k_tile_8, q4k_tile, 8)
+INT_TILES(q4k)
 
 /* ------------------------------------------------------------------------
  * Float weights: f32 multiply-adds, the weights widened in registers
