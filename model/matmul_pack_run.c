@@ -217,25 +217,41 @@ static void pack_q8_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
     }
 }
 
-/* Where a stored block of q4_0, q4_1, q5_0, q5_1 or iq4_nl keeps its
- * parts: its bytes, its f16 min and u32 fifth bits (-1: none), its 16
- * bytes of nibbles; the f16 d is at 0 in every one. */
-struct nib_parts {
-    int bytes, m, qh, qs;
+/* Block b of a nibble format's row as the copy takes it: its 16 bytes of
+ * nibbles, its fifth bits (q5_0, q5_1; else 0), its scale's bytes (the
+ * f16 as stored, or iq4_xs's d * (ls - 32) as an f32) and its f16 min's
+ * (q4_1, q5_1). A padding row (NULL) gives zeros. */
+struct nib_block {
+    const uint8_t *qs;
+    uint32_t qh;
+    uint8_t d[4], m[2];
 };
 
-static struct nib_parts nib_parts(enum ggml_type t)
+static struct nib_block nib_block(enum ggml_type t, const uint8_t *row, int b)
 {
-    switch (t) {
-    case GGML_TYPE_Q4_1:
-        return (struct nib_parts){20, 2, -1, 4};
-    case GGML_TYPE_Q5_0:
-        return (struct nib_parts){22, -1, 2, 6};
-    case GGML_TYPE_Q5_1:
-        return (struct nib_parts){24, 2, 4, 8};
-    default: /* q4_0, iq4_nl */
-        return (struct nib_parts){18, -1, -1, 2};
+    static const uint8_t zero[16];
+    struct nib_block k = {.qs = zero};
+    if (!row)
+        return k;
+    if (t == GGML_TYPE_IQ4_XS) {
+        const uint8_t *sb = qt_iq4xs_sb(row, b);
+        float d = qt_f16_to_f32(qt_rd16(sb + QT_IQ4XS_D)) * (float)qt_iq4xs_scale(sb, b % 8);
+        memcpy(k.d, &d, 4);
+        k.qs = qt_iq4xs_qs(row, b);
+        return k;
     }
+    /* an f16 d at 0, then per type: q4_0, iq4_nl the nibbles; q4_1 the min,
+     * the nibbles; q5_0 the fifth bits, the nibbles; q5_1 all three */
+    const bool mins = t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_1;
+    const bool five = t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
+    const uint8_t *blk = row + (size_t)(18 + 2 * mins + 4 * five) * (size_t)b;
+    memcpy(k.d, blk, 2);
+    if (mins)
+        memcpy(k.m, blk + 2, 2);
+    if (five)
+        memcpy(&k.qh, blk + 2 + 2 * mins, 4);
+    k.qs = blk + 2 + 2 * mins + 4 * five;
+    return k;
 }
 
 /* Row lane's 4 bytes of a group's fifth bits (matmul_internal.h): byte j
@@ -250,43 +266,29 @@ static void fifth_bits(uint32_t qh, uint8_t *dst)
     }
 }
 
-/* Pair p of nibble groups (matmul_internal.h): each stored block's 16
- * bytes of nibbles in runs of 4 to its lane of the chunks, its fifth bits
- * regrouped, its scale (iq4_xs's d * (ls - 32) as f32) and min to its
- * lane; rows past n_out are zeros. */
+/* Pair p of nibble groups (matmul_internal.h): each block's 16 bytes of
+ * nibbles in runs of 4 to its row's lane of the chunks, its fifth bits
+ * regrouped, its scale and min to the lane; rows past n_out are zeros. */
 static void pack_nib_pair(const struct mm_weight *w, size_t p, uint8_t *dst)
 {
-    const int nb = w->n_in / QT_QK;
-    const bool xs = w->type == GGML_TYPE_IQ4_XS;
-    const struct nib_parts np = nib_parts(w->type);
-    const size_t stride = mm_pack_nib_block(w->type), so = mm_pack_nib_scales(w->type);
+    const enum ggml_type t = w->type;
+    const bool five = t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
+    const bool mins = t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_1;
+    const size_t ds = t == GGML_TYPE_IQ4_XS ? 4 : 2; /* the scale's bytes */
+    const size_t stride = mm_pack_nib_block(t), so = mm_pack_nib_scales(t);
     for (int r = 0; r < 2 * MM_PACK_ROWS; r++) {
         const uint8_t *row = row_or_pad(w, p * 2 * MM_PACK_ROWS + (size_t)r);
         const int g = r / MM_PACK_ROWS, lane = r % MM_PACK_ROWS;
-        for (int b = 0; b < nb; b++) {
-            static const uint8_t zero[24];
-            const uint8_t *blk = !row ? zero : xs ? NULL : row + (size_t)np.bytes * (size_t)b;
-            const uint8_t *qs = row && xs ? qt_iq4xs_qs(row, b) : blk + (xs ? 2 : np.qs);
+        for (int b = 0; b < w->n_in / QT_QK; b++) {
+            const struct nib_block k = nib_block(t, row, b);
             uint8_t *o = dst + (size_t)b * stride;
-            for (int k = 0; k < 4; k++)
-                memcpy(o + 128 * k + 64 * g + 4 * lane, qs + 4 * k, 4);
-            if (np.qh >= 0 && !xs) {
-                uint32_t qh;
-                memcpy(&qh, blk + np.qh, 4);
-                fifth_bits(qh, o + MM_PACK_NIB_CHUNKS + 64 * g + 4 * lane);
-            }
-            if (xs) {
-                float sf = 0.0f;
-                if (row) {
-                    const uint8_t *sb = qt_iq4xs_sb(row, b);
-                    sf = qt_f16_to_f32(qt_rd16(sb + QT_IQ4XS_D)) * (float)qt_iq4xs_scale(sb, b % 8);
-                }
-                memcpy(o + so + 64 * g + 4 * lane, &sf, 4);
-                continue;
-            }
-            memcpy(o + so + 32 * g + 2 * lane, blk, 2);
-            if (np.m >= 0)
-                memcpy(o + so + 64 + 32 * g + 2 * lane, blk + np.m, 2);
+            for (int c = 0; c < 4; c++)
+                memcpy(o + 128 * c + 64 * g + 4 * lane, k.qs + 4 * c, 4);
+            if (five)
+                fifth_bits(k.qh, o + MM_PACK_NIB_CHUNKS + 64 * g + 4 * lane);
+            memcpy(o + so + 16 * ds * (size_t)g + ds * (size_t)lane, k.d, ds);
+            if (mins)
+                memcpy(o + so + 64 + 32 * g + 2 * lane, k.m, 2);
         }
     }
 }
