@@ -1,6 +1,6 @@
 /*
  * cmd_quantize.c - `kvd quantize IN OUT --type T`: rewrite a GGUF file's
- * weight matrices as q8_0, q4_0, q2_K to q6_K or the q4_K_M / q5_K_M
+ * weight matrices as q8_0, q4_0, q4_1, q5_0, q5_1, q2_K to q6_K, iq4_xs or the q4_K_M / q5_K_M
  * mixes (model/requantize.c has the rules). Prints each tensor whose type
  * differs from the rule's (a fallback, and why) and a summary.
  */
@@ -16,7 +16,8 @@
 static void quantize_usage(FILE *f)
 {
     fprintf(f, "usage: kvd quantize IN.gguf OUT.gguf --type T [--threads N] [--verbose]\n"
-               "  --type T     q8_0, q4_0, q2_K, q3_K, q4_K, q5_K, q6_K, q4_K_M, q5_K_M or iq4_xs\n"
+               "  --type T     q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K,\n"
+               "               q4_K_M, q5_K_M or iq4_xs\n"
                "               (the K mixes: output and, in the first and last eighth and\n"
                "               every third layer between, attn_v and ffn_down as q6_K)\n"
                "  --threads N  quantising threads (default: all)\n"

@@ -5,9 +5,11 @@
  * allows: f16 and bf16 conversions round to nearest-even like the hardware
  * instructions (and use them where the build has F16C / AVX-512), and the
  * block decoders are plain transcriptions of the layouts described in
- * quant.h. The q8_0 / q4_0 encoders round every element against the scale
- * as it is stored (f16), not against the f32 scale before storage, so the
- * stored block is the closest one for the scale it carries.
+ * quant.h. The q8_0 / q4_0 / q5_0 encoders round every element against the
+ * scale as it is stored (f16), not against the f32 scale before storage,
+ * so the stored block is the closest one for the scale it carries; q4_1 /
+ * q5_1's against their stored scale and min, the min rounded down and the
+ * scale up so that every element lies within half a step.
  */
 #include "model/quant.h"
 
@@ -450,13 +452,17 @@ static int quant_q8_0(const float *x, uint8_t *b, int nb)
 }
 
 /*
- * q4_0: the element of largest magnitude maps to level 0 (value -8 d), so
- * d = -max / 8 carries its sign; the opposite extreme lands on level 15
- * (+7 d), the one asymmetry of the format.
+ * q4_0 (half 8): the element of largest magnitude maps to level 0 (value
+ * -8 d), so d = -max / 8 carries its sign; the opposite extreme lands on
+ * level 15 (+7 d), the one asymmetry of the format. q5_0 (half 16: value
+ * d (u - 16), u of 5 bits, the low four in nibbles as q4_0's, the fifth
+ * in a u32, bit k for element k) the same way with 16 levels either side.
  */
-static int quant_q4_0(const float *x, uint8_t *b, int nb)
+static int quant_q4_0(const float *x, uint8_t *b, int nb, int half)
 {
-    for (int i = 0; i < nb; i++, x += 32, b += 18) {
+    const bool five = half == 16; /* q5_0: d, the fifth bits (u32 qh), the nibbles */
+    const int bytes = five ? 22 : 18, qs = five ? 6 : 2;
+    for (int i = 0; i < nb; i++, x += 32, b += bytes) {
         float amax = 0.0f, max = 0.0f;
         for (int k = 0; k < 32; k++) {
             if (!isfinite(x[k]))
@@ -467,14 +473,70 @@ static int quant_q4_0(const float *x, uint8_t *b, int nb)
             }
         }
         float d;
-        int rc = put_scale(b, max / -8.0f, &d);
+        int rc = put_scale(b, max / (float)-half, &d);
         if (rc)
             return rc;
+        uint32_t qh = 0;
         for (int k = 0; k < 16; k++) {
-            int lo = level(x[k], d, -8, 7) + 8;
-            int hi = level(x[k + 16], d, -8, 7) + 8;
-            b[2 + k] = (uint8_t)(lo | (hi << 4));
+            int lo = level(x[k], d, -half, half - 1) + half;
+            int hi = level(x[k + 16], d, -half, half - 1) + half;
+            b[qs + k] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+            qh |= (uint32_t)(lo >> 4) << k | (uint32_t)(hi >> 4) << (k + 16);
         }
+        if (five)
+            memcpy(b + 2, &qh, 4); /* little-endian, as the format stores it */
+    }
+    return 0;
+}
+
+/* An f16 at or below v (at or above with up): its bits in *h, its value
+ * returned; NAN if it does not fit. */
+static float f16_toward(float v, bool up, uint16_t *h)
+{
+    *h = qt_f32_to_f16(v);
+    float got = qt_f16_to_f32(*h);
+    if (up ? got < v : got > v) { /* one step outward: bits are sign and magnitude */
+        bool neg = (*h & 0x8000) != 0, away = up != neg; /* away from zero */
+        if ((*h & 0x7fff) == 0)
+            *h = up ? 0x0001 : 0x8001;
+        else
+            *h = (uint16_t)(away ? *h + 1 : *h - 1);
+    }
+    if ((*h & 0x7c00) == 0x7c00)
+        return NAN;
+    return qt_f16_to_f32(*h);
+}
+
+/* q4_1 and q5_1 (value = d * u + m, u of 4 or 5 bits, q5_1's fifth bits as
+ * q5_0's): m the block's minimum rounded down to an f16, d the step that
+ * reaches its maximum from there in 15 or 31 steps, rounded up, so every
+ * element lies within half a step of its level. */
+static int quant_min(enum ggml_type t, const float *x, uint8_t *b, int nb)
+{
+    const bool five = t == GGML_TYPE_Q5_1;
+    const int top = five ? 31 : 15, bytes = five ? 24 : 20, qs = five ? 8 : 4;
+    for (int i = 0; i < nb; i++, x += 32, b += bytes) {
+        float lo = x[0], hi = x[0];
+        for (int k = 0; k < 32; k++) {
+            if (!isfinite(x[k]))
+                return -EINVAL;
+            lo = fminf(lo, x[k]);
+            hi = fmaxf(hi, x[k]);
+        }
+        uint16_t hd, hm;
+        float m = f16_toward(lo, false, &hm), d = f16_toward((hi - m) / (float)top, true, &hd);
+        if (isnan(m) || isnan(d))
+            return -ERANGE;
+        b[0] = (uint8_t)(hd & 0xff), b[1] = (uint8_t)(hd >> 8);
+        b[2] = (uint8_t)(hm & 0xff), b[3] = (uint8_t)(hm >> 8);
+        uint32_t qh = 0;
+        for (int k = 0; k < 16; k++) {
+            int u0 = level(x[k] - m, d, 0, top), u1 = level(x[k + 16] - m, d, 0, top);
+            b[qs + k] = (uint8_t)((u0 & 15) | (u1 & 15) << 4);
+            qh |= (uint32_t)(u0 >> 4) << k | (uint32_t)(u1 >> 4) << (k + 16);
+        }
+        if (five)
+            memcpy(b + 4, &qh, 4);
     }
     return 0;
 }
@@ -500,7 +562,12 @@ int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n)
     case GGML_TYPE_Q8_0:
         return quant_q8_0(src, dst, n / 32);
     case GGML_TYPE_Q4_0:
-        return quant_q4_0(src, dst, n / 32);
+        return quant_q4_0(src, dst, n / 32, 8);
+    case GGML_TYPE_Q5_0:
+        return quant_q4_0(src, dst, n / 32, 16);
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_1:
+        return quant_min(type, src, dst, n / 32);
     case GGML_TYPE_Q2_K:
     case GGML_TYPE_Q3_K:
     case GGML_TYPE_Q4_K:

@@ -106,14 +106,16 @@ int qt_dequantize_row(enum ggml_type type, const void *src, float *dst, int n);
 
 /*
  * Encode n floats into qt_row_bytes(type, n) bytes at dst. Supports f32,
- * f16, bf16, q8_0, q4_0, the K-quants q2_K to q6_K and iq4_xs
- * (qt_quantize_k, quant_k.c: every element within half a step, iq4_xs
- * within 14 steps of its uneven levels); q8_0 and q4_0 choose
+ * f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, the K-quants q2_K to q6_K and
+ * iq4_xs (qt_quantize_k, quant_k.c: every element within half a step,
+ * iq4_xs within 14 steps of its uneven levels); q8_0, q4_0 and q5_0 choose
  * each block's scale from its largest magnitude and round every element to
- * the nearest level of the stored (f16) scale.
+ * the nearest level of the stored (f16) scale; q4_1 and q5_1 take the
+ * block's minimum rounded down and the step to its maximum rounded up
+ * (every element within half a step).
  * Returns 0; -EINVAL for another type, n not a positive multiple of the
- * block, or a non-finite input to q8_0/q4_0; -ERANGE if a block's scale
- * does not fit in f16. On error dst may be partly written.
+ * block, or a non-finite input; -ERANGE if a block's scale (or min) does
+ * not fit in f16. On error dst may be partly written.
  */
 int qt_quantize_row(enum ggml_type type, const float *src, void *dst, int n);
 

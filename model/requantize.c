@@ -21,7 +21,8 @@
  * Fallbacks, reported per tensor: a K type needs rows of a multiple of 256
  * elements - such a matrix gets q8_0 (the mainstream tool writes q5_0,
  * q5_1 or q8_0 there; kvd writes only q8_0 of those: larger, never worse);
- * q8_0 / q4_0 need multiples of 32 - a matrix without keeps its type.
+ * q8_0, q4_0, q4_1, q5_0 and q5_1 need multiples of 32 - a matrix without
+ * keeps its type.
  * A source type kvd cannot decode is refused with its name.
  *
  * Memory: the writer holds the whole output (its tensor data is copied
@@ -42,6 +43,9 @@
 static const struct model_quant_target targets[] = {
     {"q8_0", GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 7},
     {"q4_0", GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, 2},
+    {"q4_1", GGML_TYPE_Q4_1, GGML_TYPE_Q4_1, GGML_TYPE_Q4_1, 3},
+    {"q5_0", GGML_TYPE_Q5_0, GGML_TYPE_Q5_0, GGML_TYPE_Q5_0, 8},
+    {"q5_1", GGML_TYPE_Q5_1, GGML_TYPE_Q5_1, GGML_TYPE_Q5_1, 9},
     {"q2_K", GGML_TYPE_Q2_K, GGML_TYPE_Q2_K, GGML_TYPE_Q6_K, 10},
     {"q3_K", GGML_TYPE_Q3_K, GGML_TYPE_Q3_K, GGML_TYPE_Q6_K, 11},
     {"q4_K", GGML_TYPE_Q4_K, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, 14},

@@ -375,11 +375,20 @@ static void check_quant_round_trip(enum ggml_type type)
                 /* half a step of d = amax/127, plus the f16 rounding of d over 127 steps */
                 bound = 0.5 * amax / 127 * (1 + 0x1p-10) + amax * 0x1p-11;
                 break;
-            default: /* Q4_0: half a step of amax/8; the far extreme may sit a full step off */
-                bound = (0.5 + 8 * 0x1p-11) * amax / 8;
-                if (fabsf(x[k]) > amax * 7.4f / 8)
-                    bound = (1 + 8 * 0x1p-11) * amax / 8;
+            case GGML_TYPE_Q4_1:
+            case GGML_TYPE_Q5_1: /* half a step of the block's stored d */
+                bound = 0.5 * qt_f16_to_f32(rd16(dst + qt_block_bytes(type) * (size_t)(b / 32))) *
+                            (1 + 1e-5) +
+                        1e-7 * fabs(x[k]);
                 break;
+            default: { /* Q4_0, Q5_0: half a step of amax/8 (/16); the far extreme may sit
+                        * a full step off */
+                const float s = type == GGML_TYPE_Q5_0 ? 16.0f : 8.0f;
+                bound = (0.5 + s * 0x1p-11) * amax / s;
+                if (fabsf(x[k]) > amax * (s - 0.6f) / s)
+                    bound = (1 + s * 0x1p-11) * amax / s;
+                break;
+            }
             }
             if (err > bound)
                 fail_msg("%s element %d: %g -> %g (err %g > %g)", qt_type_name(type), k,
@@ -389,7 +398,8 @@ static void check_quant_round_trip(enum ggml_type type)
             for (int k = b; k < b + 32; k++)
                 assert_true(y[k] == 0.0f);
     }
-    assert_true(y[5] == 0.0f);
+    if (type != GGML_TYPE_Q4_1 && type != GGML_TYPE_Q5_1) /* a min's levels may miss 0 */
+        assert_true(y[5] == 0.0f);
 }
 
 static void test_quant_f32(void **state)
@@ -422,6 +432,30 @@ static void test_quant_q4_0(void **state)
     check_quant_round_trip(GGML_TYPE_Q4_0);
 }
 
+static void test_quant_q4_1_q5(void **state)
+{
+    (void)state;
+    check_quant_round_trip(GGML_TYPE_Q4_1);
+    check_quant_round_trip(GGML_TYPE_Q5_0);
+    check_quant_round_trip(GGML_TYPE_Q5_1);
+    /* a narrow range far from zero: the nearest f16 of the minimum (1000.5)
+     * lies above it, so the min must be rounded down and the step up */
+    float x[32], y[32];
+    uint8_t b[24];
+    for (int k = 0; k < 32; k++)
+        x[k] = 1000.3f + 0.001f * (float)k;
+    const enum ggml_type mins[2] = {GGML_TYPE_Q4_1, GGML_TYPE_Q5_1};
+    for (int t = 0; t < 2; t++) {
+        assert_int_equal(qt_quantize_row(mins[t], x, b, 32), 0);
+        assert_int_equal(qt_dequantize_row(mins[t], b, y, 32), 0);
+        const double half = 0.5 * qt_f16_to_f32(rd16(b)) * (1 + 1e-5) + 1e-7 * 1000.4;
+        for (int k = 0; k < 32; k++)
+            if (!(fabs((double)y[k] - x[k]) <= half))
+                fail_msg("%s element %d: %.4f -> %.4f (half step %g)", qt_type_name(mins[t]), k,
+                         (double)x[k], (double)y[k], half);
+    }
+}
+
 /* q4_0 uses the full level range: the largest magnitude maps to level 0 (-8 d). */
 static void test_quant_q4_0_levels(void **state)
 {
@@ -448,8 +482,8 @@ static void test_quant_errors(void **state)
     (void)state;
     float x[64] = {0};
     uint8_t b[256];
-    assert_int_equal(qt_quantize_row(GGML_TYPE_Q4_1, x, b, 32), -EINVAL); /* read-only */
-    assert_int_equal(qt_quantize_row(GGML_TYPE_Q5_0, x, b, 32), -EINVAL);
+    assert_int_equal(qt_quantize_row(GGML_TYPE_IQ4_NL, x, b, 32), -EINVAL); /* read-only */
+    assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_1, x, b, 32), -EINVAL);
     assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 48), -EINVAL);
     assert_int_equal(qt_quantize_row(GGML_TYPE_Q8_0, x, b, 0), -EINVAL);
     x[7] = NAN;
@@ -1585,6 +1619,7 @@ int main(void)
         cmocka_unit_test(test_quant_bf16),
         cmocka_unit_test(test_quant_q8_0),
         cmocka_unit_test(test_quant_q4_0),
+        cmocka_unit_test(test_quant_q4_1_q5),
         cmocka_unit_test(test_quant_q4_0_levels),
         cmocka_unit_test(test_quant_errors),
         cmocka_unit_test(test_q4_K_dequant),

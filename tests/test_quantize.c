@@ -11,7 +11,8 @@
  * the RMS of the row below each format's ceiling. Non-finite input and
  * scales beyond f16 are refused.
  *
- * The tool: a mkmodel model (rows of 256) quantised to every target loads,
+ * The tool: a mkmodel model (rows of 256) quantised to every target (q4_1,
+ * q5_0 and q5_1 too, whose writers test_quant checks) loads,
  * carries every metadata key of the input unchanged but general.file_type,
  * gives each tensor the type the rule names (q4_K_M: output q6_K, attn_v
  * and ffn_down q6_K on the first/last eighth and every third layer, the
@@ -220,14 +221,15 @@ static void test_quantize_model(void **state)
     int nv = 512;
     float *ref = malloc(sizeof(float) * nv), *lg = malloc(sizeof(float) * nv);
     last_logits(in, ref);
-    const char *types[10] = {"q8_0",   "q4_0",   "q4_K", "q5_K", "q6_K",
-                             "q4_K_M", "q5_K_M", "q3_K", "q2_K", "iq4_xs"};
+    const char *types[13] = {"q8_0",   "q4_0",   "q4_K", "q5_K", "q6_K", "q4_K_M", "q5_K_M",
+                             "q3_K",   "q2_K",   "iq4_xs", "q4_1", "q5_0", "q5_1"};
     /* Ceilings about 1.5x what was measured (a 16-layer random model
      * amplifies weight error; the activations of quantised products are
      * 8-bit too), and the order the bits promise, checked below. */
-    const float bound[10] = {0.06f, 0.5f, 0.55f, 0.28f, 0.1f, 0.5f, 0.25f, 0.85f, 2.4f, 0.63f};
-    float got[10];
-    for (int i = 0; i < 10; i++) {
+    const float bound[13] = {0.06f, 0.5f, 0.55f, 0.28f, 0.1f, 0.5f, 0.25f,
+                             0.85f, 2.4f, 0.63f, 0.45f, 0.3f, 0.3f};
+    float got[13];
+    for (int i = 0; i < 13; i++) {
         assert_int_equal(run_quantize(in, out, types[i], err, sizeof(err)), 0);
         last_logits(out, lg);
         float e = rel_diff(lg, ref, nv);
@@ -271,6 +273,7 @@ static void test_quantize_model(void **state)
     assert_true(got[0] < got[4]);                    /* q8_0 beats them all */
     assert_true(got[2] < got[7] && got[7] < got[8]); /* q4_K < q3_K < q2_K */
     assert_true(got[9] < got[7]);                    /* iq4_xs's 4 bits beat q3_K */
+    assert_true(got[11] < got[1] && got[12] < got[10]); /* a fifth bit beats four */
     free(ref);
     free(lg);
 }
