@@ -118,6 +118,34 @@
  * matmul_pack_run.c).
  *
  * ---------------------------------------------------------------------------
+ * AMX: tried, not landed
+ * ---------------------------------------------------------------------------
+ *
+ * On a CPU with AMX's int8 tiles the q8_0 copy is already what tdpbsud
+ * takes as its weights (a group's chunk k is row k of an 8 x 64-byte tile,
+ * the pair's stride 128 bytes), and the activations' slots by tiles of 16
+ * tokens are its 16 x 32-byte other operand; one instruction makes the
+ * 8,192 products of 16 tokens x 16 rows x one block, and adding each
+ * token's -128 sum(q) to the int32 sums gives this kernel's integers, so
+ * the fold (the same f32 operations in the same order) gave these tiles'
+ * results bit for bit. But q8_0's scale per block of 32 forces the sums
+ * out of the tile after every tdpbsud of half the tile's depth: a tile
+ * store per block and 16 tokens, which the vector loads of the fold
+ * cannot take from the store buffer (they wait for it to reach L1), then
+ * the fold itself. Measured (bench of the product alone, 512 tokens, 2
+ * threads, load ~0.5; three C tiles in turn, two blocks issued ahead of
+ * the one folded, the accumulators in registers): 4096 x 4096 1,237-1,255
+ * GFLOP/s against these tiles' 915-990; 2048 x 2048 1,139 against 963;
+ * 2048 x 5632 1,015 against 960; 576 x 1536 975-1,030 against 941-1,060.
+ * Without the fold (wrong results, the tiles' part alone) 1,490-1,584 at
+ * 4096: the tile stores and half-depth products already bound it near
+ * 1.6x. A 576 x 30 q8_0 model prefilled 741 tokens at 1,693-2,014
+ * tokens/s with it against 1,799-2,153 without (three alternated rounds):
+ * its matrices are too narrow (18 blocks per row) to pay. So the tiles
+ * are not used; a format whose scale covers a tile's whole depth (bf16
+ * weights, no fold) would be the place to try them again.
+ *
+ * ---------------------------------------------------------------------------
  * Tiles and invariance
  * ---------------------------------------------------------------------------
  *

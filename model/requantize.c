@@ -18,11 +18,14 @@
  *       between (i - n/8) % 3 == 2 - the mix's "more" type (q6_K for both
  *       q4_K_M and q5_K_M); attn_qkv.weight (fused) always
  *   everything else  the base type (q4_K, q5_K, ...)
- * Fallbacks, reported per tensor: a K type needs rows of a multiple of 256
- * elements - such a matrix gets q8_0 (the mainstream tool writes q5_0,
- * q5_1 or q8_0 there; kvd writes only q8_0 of those: larger, never worse);
- * q8_0, q4_0, q4_1, q5_0 and q5_1 need multiples of 32 - a matrix without
- * keeps its type.
+ * Fallbacks, reported per tensor: a K type (or iq4_xs) needs rows of a
+ * multiple of 256 elements; a matrix whose rows are only a multiple of 32
+ * gets the block format of 32 the mainstream tool gives it there, so that
+ * a file quantised by either holds the same types: q4_K -> q5_0, q5_K ->
+ * q5_1, q6_K -> q8_0, and for the smaller types (q2_K, q3_K, iq4_xs) the
+ * tool's iq4_nl, which kvd reads but does not write, is replaced by q4_0,
+ * its size (4.5 bits per weight). q8_0, q4_0, q4_1, q5_0 and q5_1 need
+ * multiples of 32 - a matrix without keeps its type.
  * A source type kvd cannot decode is refused with its name.
  *
  * Memory: the writer holds the whole output (its tensor data is copied
@@ -102,6 +105,26 @@ static enum ggml_type rule(const struct model_quant_target *tg, const struct ggu
     return tg->base;
 }
 
+/* The block format of 32 for a matrix that cannot take want's super-blocks
+ * of 256 (see the head of this file), and why. */
+static enum ggml_type fallback_32(enum ggml_type want, const char **why)
+{
+    switch (want) {
+    case GGML_TYPE_Q4_K:
+        *why = "rows are not a multiple of 256 elements: q5_0";
+        return GGML_TYPE_Q5_0;
+    case GGML_TYPE_Q5_K:
+        *why = "rows are not a multiple of 256 elements: q5_1";
+        return GGML_TYPE_Q5_1;
+    case GGML_TYPE_Q6_K:
+        *why = "rows are not a multiple of 256 elements: q8_0";
+        return GGML_TYPE_Q8_0;
+    default: /* q2_K, q3_K, iq4_xs */
+        *why = "rows are not a multiple of 256 elements: q4_0";
+        return GGML_TYPE_Q4_0;
+    }
+}
+
 /* The type t can take instead of want, and why (NULL: want itself). */
 static enum ggml_type fallback(const struct gguf_tensor *t, enum ggml_type want, const char **why)
 {
@@ -111,10 +134,8 @@ static enum ggml_type fallback(const struct gguf_tensor *t, enum ggml_type want,
     int blk = qt_block_elems(want);
     if (t->ne[0] % (uint64_t)blk == 0)
         return want;
-    if (blk == 256 && t->ne[0] % 32 == 0) {
-        *why = "rows are not a multiple of 256 elements: q8_0";
-        return GGML_TYPE_Q8_0;
-    }
+    if (blk == 256 && t->ne[0] % 32 == 0)
+        return fallback_32(want, why);
     *why = "rows are not a multiple of 32 elements: kept as they are";
     return t->type;
 }

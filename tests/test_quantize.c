@@ -278,7 +278,44 @@ static void test_quantize_model(void **state)
     free(lg);
 }
 
-/* stories260K: rows of 64 (K types fall back to q8_0) and of 172 (kept). */
+/* A model of width 96 (rows of 96: no super-block of 256) and feed-forward
+ * 256: its matrices of 96 take the mainstream tool's formats of 32 (q4_K
+ * -> q5_0, q5_K -> q5_1, q6_K -> q8_0, the smaller types -> q4_0), its
+ * ffn_down (rows of 256) the target's own type; the file loads. */
+static void test_quantize_fallback_types(void **state)
+{
+    (void)state;
+    struct model_mk_params p;
+    model_mk_defaults(&p);
+    p.n_embd = 96;
+    p.n_layer = 2;
+    p.n_head = 4;
+    p.n_kv_head = 2;
+    p.n_ff = 256;
+    char in[512], out[512], err[512];
+    write_model(&p, "w96.gguf", in, sizeof(in));
+    snprintf(out, sizeof(out), "%s/w96q.gguf", tmp_dir);
+    const struct {
+        const char *target;
+        enum ggml_type narrow, wide; /* rows of 96; ffn_down's rows of 256 */
+    } cases[] = {
+        {"q4_K", GGML_TYPE_Q5_0, GGML_TYPE_Q4_K}, {"q5_K", GGML_TYPE_Q5_1, GGML_TYPE_Q5_K},
+        {"q6_K", GGML_TYPE_Q8_0, GGML_TYPE_Q6_K}, {"q3_K", GGML_TYPE_Q4_0, GGML_TYPE_Q3_K},
+        {"q2_K", GGML_TYPE_Q4_0, GGML_TYPE_Q2_K}, {"iq4_xs", GGML_TYPE_Q4_0, GGML_TYPE_IQ4_XS},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        assert_int_equal(run_quantize(in, out, cases[i].target, err, sizeof(err)), 0);
+        gguf_file *f = gguf_open(out, err, sizeof(err));
+        assert_non_null(f);
+        assert_int_equal(type_of(f, "blk.0.attn_q.weight"), cases[i].narrow);
+        assert_int_equal(type_of(f, "blk.1.ffn_up.weight"), cases[i].narrow);
+        assert_int_equal(type_of(f, "blk.1.ffn_down.weight"), cases[i].wide);
+        gguf_close(f);
+        model_free(load_model(out));
+    }
+}
+
+/* stories260K: rows of 64 (q4_K falls back to q5_0) and of 172 (kept). */
 static void test_quantize_fallbacks(void **state)
 {
     (void)state;
@@ -294,7 +331,7 @@ static void test_quantize_fallbacks(void **state)
     assert_int_equal(run_quantize(in, out, "q4_K_M", err, sizeof(err)), 0);
     gguf_file *f = gguf_open(out, err, sizeof(err));
     assert_non_null(f);
-    assert_int_equal(type_of(f, "blk.0.attn_q.weight"), GGML_TYPE_Q8_0);
+    assert_int_equal(type_of(f, "blk.0.attn_q.weight"), GGML_TYPE_Q5_0);
     assert_int_equal(type_of(f, "blk.0.ffn_down.weight"), GGML_TYPE_F32);
     gguf_close(f);
     model *m = load_model(out);
@@ -396,6 +433,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_k_writers_round_trip),
         cmocka_unit_test(test_quantize_model),
+        cmocka_unit_test(test_quantize_fallback_types),
         cmocka_unit_test(test_quantize_fallbacks),
         cmocka_unit_test(test_quantize_refused),
         cmocka_unit_test(test_quantize_cli),
