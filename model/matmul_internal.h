@@ -179,6 +179,13 @@ static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 #define MM_PACK_NARROW 2
 #define MM_PACK_NARROW_PAIRS 4
 
+/* How far ahead a decoding tile asks for its weights into L1, in bytes of
+ * each pair's stream: the far distance for the copies with the most
+ * instructions per byte (f16 widened exactly, q4_K's two scales per
+ * sub-block). matmul_pack.c, "Decoding". */
+#define MM_PACK_PREFETCH 1024
+#define MM_PACK_PREFETCH_FAR 2048
+
 /* The work of one product over repacked weights. Its threads write the
  * activations' slots of their own token tiles only (matmul_pack_run.c). */
 struct mm_pack_job {

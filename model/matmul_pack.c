@@ -179,26 +179,34 @@
  * independent chains gave nothing: the tile is not waiting on their
  * latency.
  *
- * Software prefetch: none, except for f16 (F16_PREFETCH). The tiles used
- * to ask for their weights 4 KiB ahead into L2 (prefetcht1) and it once
- * measured 12-15% faster on one thread; measured again (the 211 matrices
- * of the 576x30 step, each variant alternated step by step in one process,
- * 25-200 steps, load 2-3.5), it is the slowest choice on both 1 and 2
- * threads for q8_0, bf16 and f32: with it, 2 threads, medians, q8_0 3.05
- * ms against 2.95 without; bf16 6.56 against 5.69; f32 11.16 against
- * 9.67; one thread q8_0 5.62 -> 5.25, bf16 9.56 -> 8.10, f32 17.06 ->
- * 15.47. A plain read of the same bytes sets the pace, and these tiles
- * without prefetch reach it (one thread, q8_0 at 8 groups: 28.2 GB/s
- * against the plain read's 29.0). The hardware's stream prefetchers do
- * the work; the prefetch instructions only take load slots and miss
- * buffers from the demand loads. prefetcht0 2 KiB ahead came within noise
- * of none for q8_0 and bf16 and slower for f32. f16 exact is the
+ * Software prefetch: for the float copies only (f16 2 KiB ahead, f32 and
+ * bf16 pairs MM_PACK_PREFETCH = 1 KiB, into L1), none for the integer
+ * ones. The tiles used to ask for their weights 4 KiB ahead into L2
+ * (prefetcht1) and it once measured 12-15% faster on one thread; measured
+ * again (the 211 matrices of the 576x30 step, each variant alternated step
+ * by step in one process, 25-200 steps, load 2-3.5, an AVX-512 EPYC), it
+ * was the slowest choice on both 1 and 2 threads for q8_0, bf16 and f32:
+ * with it, 2 threads, medians, q8_0 3.05 ms against 2.95 without; bf16
+ * 6.56 against 5.69; f32 11.16 against 9.67; one thread q8_0 5.62 -> 5.25,
+ * bf16 9.56 -> 8.10, f32 17.06 -> 15.47. A plain read of the same bytes
+ * sets the pace, and the q8_0 tiles without prefetch reach it (one thread,
+ * q8_0 at 8 groups: 28.2 GB/s against the plain read's 29.0; on an AMX
+ * Xeon, 2 threads, 1.01 of the triad's bus). f16 exact was the first
  * exception: its widening makes ~4 times the instructions per byte of
  * f32, so the out-of-order window covers a quarter of the bytes ahead and
  * fewer misses are in flight; asking for lines into L1 2 KiB ahead keeps
- * them in flight (2 threads: 7.70 ms with prefetcht1 4 KiB, 7.86 with
- * none, 6.84 with prefetcht0 2 KiB; then distances 1, 2, 4, 8 KiB: 6.18,
- * 6.23, 6.52, 6.65 against none 6.42).
+ * them in flight (EPYC, 2 threads: 7.70 ms with prefetcht1 4 KiB, 7.86
+ * with none, 6.84 with prefetcht0 2 KiB; then distances 1, 2, 4, 8 KiB:
+ * 6.18, 6.23, 6.52, 6.65 against none 6.42). There, prefetcht0 2 KiB
+ * ahead came within noise of none for bf16 and was slower for f32. On an
+ * AMX Xeon (Sapphire Rapids class), `bench_matmul decode 3` (the 576x30
+ * step, 2 threads, the fraction of a triad's 40 GB/s, two rounds of each
+ * distance, load ~0.6) put 1 KiB ahead first for both: bf16 pairs 0.69
+ * (none) -> 0.78 (512 B), 0.77-0.78 (768), 0.79-0.82 (1 KiB), 0.73-0.74
+ * (2 KiB), 0.71-0.72 (4 KiB), 0.74-0.76 (1.5 KiB); f32 0.78 (none) ->
+ * 0.82-0.83 (512), 0.81-0.85 (1 KiB), 0.83-0.85 (1.5 KiB), 0.76-0.78 (2
+ * KiB). f16 exact there: 0.66-0.67 (none), 0.70-0.71 (512), 0.74-0.77 (1
+ * KiB), 0.77-0.80 (1.5 KiB), 0.75-0.76 (2 KiB, kept).
  *
  * ---------------------------------------------------------------------------
  * Narrow tiles: decoding's chains
@@ -264,6 +272,17 @@ INLINE void store_group(const struct mm_pack_job *jb, int g, int t0, int nt, con
                               acc[t]);
 }
 
+/* Decoding (one token): the lines of bytes [off, off + n) of each pair
+ * from pq[0] that a tile of mg groups reads, dist bytes further on, asked
+ * for into L1 (prefetcht0): see "Decoding" above. Past the end of the
+ * copy a prefetch does nothing. */
+INLINE void prefetch_pairs(const uint8_t *const *pq, int mg, size_t off, size_t n, size_t dist)
+{
+    for (int h = 0; h < (mg + 1) / 2; h++)
+        for (size_t l = off / 64; l < (off + n + 63) / 64; l++)
+            _mm_prefetch((const char *)pq[h] + dist + 64 * l, _MM_HINT_T0);
+}
+
 /* iq4_nl's 16 levels plus 128, as unsigned bytes, in each 128-bit lane
  * (vpshufb looks up within lanes). */
 INLINE __m512i nl_levels(void)
@@ -322,6 +341,8 @@ INLINE void int8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int n
         const uint8_t *blk[Q_MG / 2];
         for (int h = 0; h < (mg + 1) / 2; h++)
             blk[h] = pq[h] + (size_t)b * bstride;
+        if (nt == 1)
+            prefetch_pairs(pq, mg, (size_t)b * bstride, bstride, MM_PACK_PREFETCH);
         __m512i ia[Q_MG][P_NT];
         for (int t = 0; t < nt; t++) {
             /* -128 sum(q) >> cshift: exact, a multiple of 128 */
@@ -570,6 +591,9 @@ INLINE void q4k_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int nt
             acc[g][t] = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++)
         for (int h = 0; h < 4; h++) {
+            if (nt == 1) /* a quarter of the super-block's bytes per h */
+                prefetch_pairs(a.pq, mg, (size_t)sb * MM_PACK_Q4K_PAIR + h * MM_PACK_Q4K_PAIR / 4,
+                               MM_PACK_Q4K_PAIR / 4, MM_PACK_PREFETCH_FAR);
             __m512i lo[Q_MG][P_NT], hi[Q_MG][P_NT];
             q4k_sums(&a, mg, nt, sb, h, both, false, lo, hi);
             q4k_fold(&a, mg, nt, sb, 2 * h, lo, acc);
@@ -589,10 +613,9 @@ INT_TILES(q4k)
 
 #define F_NT MM_PACK_FNT /* tokens per tile: 2 x 12 accumulators */
 
-/* How far ahead a decoding f16 tile asks for its weights, into L1
- * (prefetcht0): see "Decoding" above. Past the end of the copy a prefetch
- * does nothing. */
-#define F16_PREFETCH 2048
+/* How far ahead (bytes of its pair's stream) a decoding float tile asks
+ * for its weights: see "Decoding" above. */
+#define F_PREFETCH(type) ((type) == GGML_TYPE_F16 ? MM_PACK_PREFETCH_FAR : MM_PACK_PREFETCH)
 
 /* The 16 rows' element k at p, widened to f32 (exactly). */
 INLINE __m512 f_widen(enum ggml_type type, const uint8_t *p)
@@ -622,9 +645,8 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, in
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
     for (int k = 0; k < w->n_in; k++, xt += F_NT) {
-        if (nt == 1 && type == GGML_TYPE_F16) /* decoding: F16_PREFETCH; step is one line */
-            for (int h = 0; h < (mg + 1) / 2; h++)
-                _mm_prefetch((const char *)pp[h] + (size_t)k * step + F16_PREFETCH, _MM_HINT_T0);
+        if (nt == 1)
+            prefetch_pairs(pp, mg, (size_t)k * step, step, F_PREFETCH(type));
         __m512 wv[N_MG];
         for (int g = 0; g < mg; g++)
             wv[g] = f_widen(type, pp[g / 2] + (size_t)k * step + (size_t)(g % 2) * (step / 2));
