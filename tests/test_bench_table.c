@@ -255,12 +255,24 @@ static void test_f16_bf16_and_q8_kv(void **state)
                     else
                         assert_positive(c[t][k][x][i]);
             }
-    /* at 64 tokens the weights dominate prefill: vdpbf16ps's peak shows */
+    /* at 64 tokens the weights dominate prefill: the f16-bf16 row is held
+     * to vdpbf16ps's peak, the f16 row to the FMA's, so the rooflines
+     * differ as the measured peaks do (above the FMA's on an AVX-512 EPYC,
+     * half of it on an AMX Xeon: no CPU's ratio is assumed) */
     double f16_roof = atof(c[0][0][0][8]), bf16_roof = atof(c[1][0][0][8]);
-    if (strstr(out, "vdpbf16ps not measured"))
+    if (strstr(out, "vdpbf16ps not measured")) {
         assert_true(bf16_roof == f16_roof);
-    else
-        assert_true(bf16_roof > 1.2 * f16_roof);
+    } else {
+        const char *pf = strstr(out, "f32 FMA "), *pb = strstr(out, "vdpbf16ps ");
+        assert_non_null(pf);
+        assert_non_null(pb);
+        double fma = atof(pf + strlen("f32 FMA ")), bf = atof(pb + strlen("vdpbf16ps "));
+        print_message("peaks: FMA %.0f, vdpbf16ps %.0f GFLOPS\n", fma, bf);
+        if (bf > 1.2 * fma)
+            assert_true(bf16_roof > 1.1 * f16_roof);
+        else if (bf < fma / 1.2)
+            assert_true(bf16_roof < f16_roof / 1.1);
+    }
     /* at 1k the K/V bytes do decode's: roofline / bus = 1 / bytes */
     char(*f16kv)[64] = c[0][0][1], (*q8kv)[64] = c[0][1][1];
     assert_true(atof(q8kv[5]) / atof(q8kv[3]) > 1.1 * atof(f16kv[5]) / atof(f16kv[3]));
