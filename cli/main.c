@@ -97,8 +97,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }
-    /* KVD_F16=bf16 multiplies F16 weights as bf16 (model/quant.h) */
-    if (mm_f16_init_env(err, sizeof(err))) {
+    /* KVD_F16=bf16 multiplies F16 weights as bf16, KVD_BF16=pairs|exact
+     * chooses BF16 weights' product (model/quant.h) */
+    if (mm_f16_init_env(err, sizeof(err)) || mm_bf16_init_env(err, sizeof(err))) {
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }

@@ -167,6 +167,19 @@ bool cpu_bf16(void)
            !atomic_load_explicit(&bf16_off, memory_order_relaxed) && cpu_bf16_supported();
 }
 
+bool cpu_bf16_dot_fast(void)
+{
+#ifdef CPU_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d))
+        return true;
+    /* "GenuineIntel" in ebx, edx, ecx */
+    return !(b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu);
+#else
+    return true;
+#endif
+}
+
 enum cpu_level cpu_best(void)
 {
     int b = atomic_load_explicit(&best_level, memory_order_relaxed);

@@ -89,4 +89,15 @@ bool cpu_bf16_supported(void);
  * the CPU has it, and it was not forced off ("avx512-nobf16"). */
 bool cpu_bf16(void);
 
+/*
+ * Whether the CPU's vdpbf16ps (32 bf16 multiply-adds) outruns its f32 FMA
+ * (16) per instruction issued, as on AMD's Zen 4 and 5: everywhere but on
+ * Intel's cores, where one core's vdpbf16ps measures half the FMA's flops
+ * (an AMX Xeon: 115-120 against 230-243 GFLOPS, tests/bench/bench_peak.h),
+ * so that bf16 weights multiply faster widened to f32 (model/quant.h's
+ * mm_bf16_in_pairs). A property of the CPU's make, not measured at start:
+ * the same CPU always takes the same path, and the same bits.
+ */
+bool cpu_bf16_dot_fast(void);
+
 #endif /* KVD_CPU_H */

@@ -73,6 +73,15 @@ static int env_switch(const char *var, const char *off, const char *on, _Atomic 
  * mm_f16_set_bf16) opts in, for whoever prefers the speed; the kernels
  * line says which was chosen. The choice is taken when a weight is packed
  * (at load): a model loaded before a change keeps its copies.
+ *
+ * BF16 weights: the pairs round the activations to bf16 too, for
+ * vdpbf16ps's rate, which doubles the FMA's on AMD's cores but halves it
+ * on Intel's (cpu_bf16_dot_fast). So by default BF16 weights take the
+ * pairs where that rate pays and are widened exactly to the f32 FMA tile
+ * elsewhere: on an AMX Xeon the 576x30 bf16 model prefilled 741 tokens at
+ * 1,088-1,095 tokens/s widened against 772-786 in pairs, and decoded at
+ * 102-103 against 105-108 (alternated, load ~0.6). KVD_BF16=pairs|exact
+ * (or mm_bf16_set_pairs) overrides, chosen at load like KVD_F16.
  * ------------------------------------------------------------------------ */
 
 static const struct mm_bf16_kernels *const bkernels[CPU_N_LEVELS] = KERN_TABLE(mm_bf16_kernels);
@@ -92,6 +101,26 @@ bool mm_f16_bf16(void)
 int mm_f16_init_env(char *err, size_t errlen)
 {
     return env_switch("KVD_F16", "exact", "bf16", &f16_bf16, err, errlen);
+}
+
+/* BF16 weights in pairs: -1 as the CPU's rate says, 0 no, 1 yes. */
+static _Atomic int bf16_pairs = -1;
+
+void mm_bf16_set_pairs(int mode)
+{
+    atomic_store_explicit(&bf16_pairs, mode < 0 ? -1 : mode > 0, memory_order_relaxed);
+}
+
+int mm_bf16_init_env(char *err, size_t errlen)
+{
+    const char *v = getenv("KVD_BF16");
+    _Atomic int pairs = 0;
+    if (!v || !*v)
+        return 0;
+    if (env_switch("KVD_BF16", "exact", "pairs", &pairs, err, errlen))
+        return -1;
+    mm_bf16_set_pairs(atomic_load_explicit(&pairs, memory_order_relaxed));
+    return 0;
 }
 
 /* ------------------------------------------------------------------------
@@ -141,18 +170,30 @@ static const struct mm_bf16_kernels *bkern(void)
     return k && k->name && cpu_bf16() ? k : NULL;
 }
 
+bool mm_bf16_in_pairs(void)
+{
+    const int m = atomic_load_explicit(&bf16_pairs, memory_order_relaxed);
+    return bkern() && (m < 0 ? cpu_bf16_dot_fast() : m > 0);
+}
+
 /* Whether w, not yet packed, is to be packed in bf16 pairs now. */
 static bool bf16_wants(const struct mm_weight *w)
 {
-    return bkern() && (w->type == GGML_TYPE_BF16 || (w->type == GGML_TYPE_F16 && mm_f16_bf16()));
+    return bkern() && ((w->type == GGML_TYPE_BF16 && mm_bf16_in_pairs()) ||
+                       (w->type == GGML_TYPE_F16 && mm_f16_bf16()));
 }
 
 const char *mm_bf16_describe(char *buf, size_t len)
 {
     const struct mm_bf16_kernels *k = bkern();
-    if (k)
+    const int m = atomic_load_explicit(&bf16_pairs, memory_order_relaxed);
+    if (k && mm_bf16_in_pairs())
         snprintf(buf, len, "bf16 by %s, f16 %s", k->name,
                  mm_f16_bf16() ? "rounded to bf16 (KVD_F16=bf16)" : "exact");
+    else if (k)
+        snprintf(buf, len, "bf16 exact by f32 FMA (%s), f16 %s",
+                 m == 0 ? "KVD_BF16=exact" : "vdpbf16ps at half the FMA's rate on Intel cores",
+                 mm_f16_bf16() ? "rounded to bf16 (KVD_F16=bf16) in avx512bf16 pairs" : "exact");
     else if (cpu_level() == CPU_AVX512)
         snprintf(buf, len, "bf16 and f16 exact by f32 FMA (%s)",
                  cpu_bf16_supported() ? "avx512bf16 forced off" : "no avx512bf16 on this CPU");

@@ -368,6 +368,18 @@ const char *mm_pack_kernel_name(void);
 void mm_f16_set_bf16(bool on);
 bool mm_f16_bf16(void);
 int mm_f16_init_env(char *err, size_t errlen);
+/*
+ * BF16 weights go to bf16 pairs where cpu_bf16() and the CPU's vdpbf16ps
+ * outruns its FMA (cpu_bf16_dot_fast), and are widened exactly for the f32
+ * FMA tile elsewhere; mm_bf16_set_pairs(1) or (0) forces either (-1: back
+ * to the CPU's choice), taken when a weight is packed. mm_bf16_init_env
+ * sets it from KVD_BF16=pairs|exact (unset or empty: unchanged), or
+ * returns -1 with err naming the variable. mm_bf16_in_pairs: whether BF16
+ * weights packed now take pairs.
+ */
+void mm_bf16_set_pairs(int mode);
+int mm_bf16_init_env(char *err, size_t errlen);
+bool mm_bf16_in_pairs(void);
 /* Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS weights at a level with
  * kernels over repacked weights are repacked as their stored nibbles (and
  * fifth bits), in blocks of 32 with one scale (and min) each, in as many

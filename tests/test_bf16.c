@@ -18,7 +18,10 @@
  * here has none (it would add n_in 2^-126 to the bound).
  *
  * On a CPU without avx512bf16 the bf16 cases are skipped with a message;
- * the other paths still run.
+ * the other paths still run. BF16 weights take the pairs by default only
+ * where vdpbf16ps outruns the FMA (cpu_bf16_dot_fast: not on Intel's
+ * cores), so the kernels' cases ask for them (mm_bf16_set_pairs(1), the
+ * group's setup), and test_bf16_choice checks the default and KVD_BF16.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -537,6 +540,45 @@ static void test_f16_choice(void **state)
     mat_free(&m);
 }
 
+/* The default for BF16 weights follows the CPU's make (pairs where
+ * vdpbf16ps outruns the FMA), said on the kernels line; KVD_BF16=pairs or
+ * exact overrides it, and anything else is refused by name. */
+static void test_bf16_choice(void **state)
+{
+    (void)state;
+    char err[200], line[200];
+    mm_bf16_set_pairs(-1);
+    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16() && cpu_bf16_dot_fast());
+    mm_bf16_describe(line, sizeof line);
+    print_message("default here: %s\n", line);
+    if (cpu_bf16() && !cpu_bf16_dot_fast())
+        assert_non_null(strstr(line, "bf16 exact by f32 FMA (vdpbf16ps at half"));
+    if (cpu_bf16()) { /* the default packs accordingly */
+        struct mat m;
+        rng_state = 9;
+        mat_init(&m, GGML_TYPE_BF16, 64, 20);
+        assert_true(mat_pack(&m));
+        assert_int_equal(m.w.packed_bf16, cpu_bf16_dot_fast());
+        mat_free(&m);
+    }
+    setenv("KVD_BF16", "exact", 1);
+    assert_int_equal(mm_bf16_init_env(err, sizeof err), 0);
+    assert_false(mm_bf16_in_pairs());
+    if (cpu_bf16())
+        assert_non_null(strstr(mm_bf16_describe(line, sizeof line), "(KVD_BF16=exact)"));
+    setenv("KVD_BF16", "pairs", 1);
+    assert_int_equal(mm_bf16_init_env(err, sizeof err), 0);
+    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16());
+    setenv("KVD_BF16", "fast", 1);
+    assert_int_equal(mm_bf16_init_env(err, sizeof err), -1);
+    assert_non_null(strstr(err, "KVD_BF16: unknown value 'fast' (exact, pairs)"));
+    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16()); /* unchanged */
+    unsetenv("KVD_BF16");
+    assert_int_equal(mm_bf16_init_env(err, sizeof err), 0);
+    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16()); /* unset: unchanged */
+    mm_bf16_set_pairs(1); /* the group's setting */
+}
+
 /* KVD_F16: exact, bf16, unset or empty; anything else refused by name. */
 static void test_f16_env(void **state)
 {
@@ -587,8 +629,11 @@ static void test_binary(void **state)
         const char *vars, *want;
         bool need_bf16;
     } runs[] = {
-        {"KVD_CPU=auto", "bf16 by avx512bf16 16-row pairs, f16 exact", true},
-        {"KVD_CPU=auto", "repacked for avx512-vnni 16-row and avx512bf16 (bf16 pairs)", true},
+        {"KVD_CPU=auto KVD_BF16=pairs", "bf16 by avx512bf16 16-row pairs, f16 exact", true},
+        {"KVD_CPU=auto KVD_BF16=pairs", "repacked for avx512-vnni 16-row and avx512bf16 (bf16 pairs)",
+         true},
+        {"KVD_BF16=exact", "bf16 exact by f32 FMA (KVD_BF16=exact), f16 exact", true},
+        {"KVD_BF16=half", "kvd: KVD_BF16: unknown value 'half' (exact, pairs)", false},
         {"KVD_CPU=auto KVD_F16=bf16", "f16 rounded to bf16 (KVD_F16=bf16)", true},
         {"KVD_CPU=avx512-nobf16", "bf16 and f16 exact by f32 FMA (avx512bf16 forced off)", true},
         {"KVD_CPU=avx2", "bf16 and f16 exact", false},
@@ -598,12 +643,21 @@ static void test_binary(void **state)
         if (runs[r].need_bf16 && !cpu_bf16_supported())
             continue;
         int rc = kvd_run(runs[r].vars, args, dir, &err);
-        if (rc != 0 || !strstr(err, runs[r].want))
+        const int want_rc = strstr(runs[r].want, "unknown value") ? 2 : 0;
+        if (rc != want_rc || !strstr(err, runs[r].want))
             fail_msg("%s: exit %d, no '%s' in:\n%s", runs[r].vars, rc, runs[r].want, err);
         free(err);
     }
     snprintf(args, sizeof args, "rm -rf '%s'", dir);
     assert_int_equal(system(args), 0);
+}
+
+/* The kernels' cases test the pairs wherever the CPU has them. */
+static int pairs_on(void **state)
+{
+    (void)state;
+    mm_bf16_set_pairs(1);
+    return 0;
 }
 
 int main(void)
@@ -616,7 +670,8 @@ int main(void)
         cmocka_unit_test(test_bf16_lower_levels),
         cmocka_unit_test(test_f16_choice),
         cmocka_unit_test(test_f16_env),
+        cmocka_unit_test(test_bf16_choice),
         cmocka_unit_test(test_binary),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return cmocka_run_group_tests(tests, pairs_on, NULL);
 }

@@ -167,7 +167,7 @@ static void test_forward_matches_reference_types(void **state)
         const char *name;
         int quant; /* how the products round activations: REF_ROUND_* */
     } types[] = {{GGML_TYPE_F16, "f16", REF_ROUND_NONE},
-                 {GGML_TYPE_BF16, "bf16", cpu_bf16() ? REF_ROUND_BF16 : REF_ROUND_NONE},
+                 {GGML_TYPE_BF16, "bf16", mm_bf16_in_pairs() ? REF_ROUND_BF16 : REF_ROUND_NONE},
                  {GGML_TYPE_Q8_0, "q8_0", REF_ROUND_Q8},
                  {GGML_TYPE_Q4_0, "q4_0", REF_ROUND_Q8}};
     for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {

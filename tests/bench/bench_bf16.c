@@ -93,6 +93,7 @@ static void use_path(const struct path *p)
         exit(1);
     }
     mm_f16_set_bf16(p->f16_bf16);
+    mm_bf16_set_pairs(p->type == GGML_TYPE_BF16 && p->dp ? 1 : -1); /* "bf16": the pairs */
 }
 
 static void layer_init(struct layer *L, const struct path *p)

@@ -421,11 +421,13 @@ static void measure_peaks(void)
            v, f, b);
 }
 
-/* Whether a row's weight products run as bf16 pairs: bf16 weights, or f16
- * ones rounded to bf16 (KVD_F16=bf16), on a CPU with vdpbf16ps. */
+/* Whether a row's weight products run as bf16 pairs: f16 weights rounded
+ * to bf16 (KVD_F16=bf16), or bf16 ones where kvd takes the pairs by
+ * default (cpu_bf16_dot_fast: not on Intel's cores, where they are
+ * widened for the FMA), on a CPU with vdpbf16ps. */
 static bool bf16_products(const struct wtype *w)
 {
-    return (w->file == GGML_TYPE_BF16 || w->f16_bf16) && g.bf16 > 0;
+    return (w->f16_bf16 || (w->file == GGML_TYPE_BF16 && cpu_bf16_dot_fast())) && g.bf16 > 0;
 }
 
 /* The peak a row's weight products are held to (per core), or 0. */
@@ -637,8 +639,8 @@ static char **row_environ(const struct wtype *w)
         if (!env)
             die("%s", "out of memory");
     }
-    for (size_t i = 0; i < n; i++)
-        if (strncmp(environ[i], "KVD_F16=", 8))
+    for (size_t i = 0; i < n; i++) /* each binary's own choices: no KVD_F16, KVD_BF16 */
+        if (strncmp(environ[i], "KVD_F16=", 8) && strncmp(environ[i], "KVD_BF16=", 9))
             env[k++] = environ[i];
     if (w->f16_bf16)
         env[k++] = "KVD_F16=bf16";
@@ -938,11 +940,13 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
            "the whole prompt, real text the binary tokenizes and reads in chunks of %d; its "
            "roofline is weight ops at the "
            "type's peak + attention ops at the f32 FMA peak, x %d threads. Weight peaks: q8_0 "
-           "vpdpbusd, bf16 and f16-bf16 %s, f32 and f16 f32 FMA. f16-bf16 rows run the f16 "
+           "vpdpbusd, bf16 %s, f16-bf16 %s, f32 and f16 f32 FMA. f16-bf16 rows run the f16 "
            "model with KVD_F16=bf16 in the binary's environment (its f16 weights rounded to "
-           "bf16 at load); every other row runs without KVD_F16.\n",
+           "bf16 at load); every other row runs without KVD_F16 (and every row without "
+           "KVD_BF16).\n",
            o->n_gen, o->batch, o->threads,
-           weight_peak_name(&(struct wtype){.file = GGML_TYPE_BF16}));
+           weight_peak_name(&(struct wtype){.file = GGML_TYPE_BF16}),
+           weight_peak_name(&(struct wtype){.file = GGML_TYPE_F16, .f16_bf16 = true}));
     printf("each run: KVD generate --model %s/%dx%d_TYPE.gguf --prompt TEXT -n %d --temp 0 "
            "--threads %d --batch %d --ctx P+%d --kv-type KV --no-echo [--fill P]\n",
            o->models, o->shape->n_embd, o->shape->n_layer, o->n_gen, o->threads, o->batch,
