@@ -128,9 +128,7 @@ BF16_INLINE void b_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int
             acc[g][t] = _mm512_setzero_ps();
     for (int p = 0; p < np; p++, xt += B_NT) {
         if (nt == 1) /* decoding: 128 bytes per pair and input pair */
-            for (int h = 0; h < (mg + 1) / 2; h++)
-                _mm_prefetch((const char *)pp[h] + (size_t)p * 128 + MM_PACK_PREFETCH,
-                             _MM_HINT_T0);
+            prefetch_pairs(pp, mg, (size_t)p * 128, 128, MM_PACK_PREFETCH);
         __m512bh wv[N_MG];
         for (int g = 0; g < mg; g++)
             wv[g] = (__m512bh)_mm512_load_si512(

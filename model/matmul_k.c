@@ -719,8 +719,7 @@ INLINE void k_tile(const struct mm_k_job *jb, enum ggml_type type, int r0, int t
             ksr_load(type, up[r], &ks[r]);
         }
         if (mr == 1 && nt == 1) /* decoding: see K_PREFETCH */
-            for (size_t l = 0; l < (bb + 63) / 64; l++)
-                _mm_prefetch((const char *)up[0] + K_PREFETCH + 64 * l, _MM_HINT_T0);
+            prefetch_ahead(up[0], bb, K_PREFETCH);
         vi isum[MR][NT];
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++)

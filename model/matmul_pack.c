@@ -179,9 +179,11 @@
  * independent chains gave nothing: the tile is not waiting on their
  * latency.
  *
- * Software prefetch: for the float copies only (f16 2 KiB ahead, f32 and
- * bf16 pairs MM_PACK_PREFETCH = 1 KiB, into L1), none for the integer
- * ones. The tiles used to ask for their weights 4 KiB ahead into L2
+ * Software prefetch: a decoding tile asks for its weights into L1
+ * (prefetch_pairs), MM_PACK_PREFETCH_FAR = 2 KiB ahead for f16 and q4_K,
+ * MM_PACK_PREFETCH = 1 KiB for the other copies: measured on an AMX Xeon
+ * (below, and in the 2048 x 16 models' decoding, q4_K 1.16x, q8_0 and
+ * q4_0 within noise). The history, machine by machine: the tiles used to ask for their weights 4 KiB ahead into L2
  * (prefetcht1) and it once measured 12-15% faster on one thread; measured
  * again (the 211 matrices of the 576x30 step, each variant alternated step
  * by step in one process, 25-200 steps, load 2-3.5, an AVX-512 EPYC), it
@@ -270,17 +272,6 @@ INLINE void store_group(const struct mm_pack_job *jb, int g, int t0, int nt, con
     for (int t = 0; t < nt; t++)
         _mm512_mask_storeu_ps(jb->out + (size_t)(t0 + t) * (size_t)jb->w->n_out + (size_t)o0, m,
                               acc[t]);
-}
-
-/* Decoding (one token): the lines of bytes [off, off + n) of each pair
- * from pq[0] that a tile of mg groups reads, dist bytes further on, asked
- * for into L1 (prefetcht0): see "Decoding" above. Past the end of the
- * copy a prefetch does nothing. */
-INLINE void prefetch_pairs(const uint8_t *const *pq, int mg, size_t off, size_t n, size_t dist)
-{
-    for (int h = 0; h < (mg + 1) / 2; h++)
-        for (size_t l = off / 64; l < (off + n + 63) / 64; l++)
-            _mm_prefetch((const char *)pq[h] + dist + 64 * l, _MM_HINT_T0);
 }
 
 /* iq4_nl's 16 levels plus 128, as unsigned bytes, in each 128-bit lane

@@ -1,6 +1,7 @@
 /*
  * matmul_simd.h - small register helpers shared by the matrix-product
- * kernel files (matmul.c, matmul_k.c, compiled once per kernel level, see
+ * kernel files (matmul.c, matmul_k.c, matmul_pack.c, matmul_bf16.c,
+ * compiled once per kernel level, see
  * cpu/kernel.h). Include it after cpu/kernel.h; it is empty in the scalar
  * copy, so only code under KERN_SIMD may use it.
  */
@@ -22,6 +23,25 @@ INLINE __m256 f16_bcast(const uint8_t *p)
     short h;
     memcpy(&h, p, 2);
     return _mm256_cvtph_ps(_mm_set1_epi16(h));
+}
+
+/* Decoding: the cache lines holding bytes [p, p + n), dist bytes further
+ * on, asked for into L1 (prefetcht0): how far ahead each kernel asks, and
+ * why, is in matmul_pack.c's "Decoding" and matmul_k.c's K_PREFETCH. A
+ * prefetch never faults, past the end of a mapping too. */
+INLINE void prefetch_ahead(const uint8_t *p, size_t n, size_t dist)
+{
+    const uintptr_t end = (uintptr_t)p + n;
+    for (uintptr_t l = (uintptr_t)p & ~(uintptr_t)63; l < end; l += 64)
+        _mm_prefetch((const char *)(l + dist), _MM_HINT_T0);
+}
+
+/* The same for bytes [off, off + n) of each pair of row groups from pq[0]
+ * that a repacked tile of mg groups reads (matmul_internal.h's layouts). */
+INLINE void prefetch_pairs(const uint8_t *const *pq, int mg, size_t off, size_t n, size_t dist)
+{
+    for (int h = 0; h < (mg + 1) / 2; h++)
+        prefetch_ahead(pq[h] + off, n, dist);
 }
 
 /* The sum of 8 f32 lanes, in one fixed order. */
