@@ -176,6 +176,15 @@ static void test_one_binary(void **state)
     assert_int_equal(status, 0);
     assert_non_null(strstr(out, "machine: "));
     assert_non_null(strstr(out, "peaks of one core, measured now"));
+    /* the read-only stream beside the bus: measured, not a constant */
+    const char *rd = strstr(out, "read-only stream on ");
+    assert_non_null(rd);
+    int rth = 0;
+    double rgbs = 0, rfrac = 0;
+    assert_int_equal(sscanf(rd, "read-only stream on %d threads: %lf GB/s = %lf of the bus",
+                            &rth, &rgbs, &rfrac),
+                     3);
+    assert_true(rth >= 1 && rgbs > 0.0 && rfrac > 0.05 && rfrac < 5.0);
     assert_non_null(strstr(out, "| weights | KV | context | bus GB/s | decode tok/s | "
                                 "decode roofline | of roofline | prefill tok/s | "
                                 "prefill roofline | of roofline | load |"));

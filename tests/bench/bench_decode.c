@@ -15,13 +15,16 @@
  * Each call reads the next layer, as a model's step does, so K/V come from
  * DRAM. Per row: time per call (one layer), K/V bytes read per second, and
  * that over the bus bandwidth of a triad run just before with as many
- * threads (bench_util.h; four arrays cross the bus, the figure a read-only
- * stream can reach). With one thread the time is the thread's CPU time,
- * which a machine shared with other work disturbs far less than the wall
- * clock; with two it is the wall clock (on a loaded machine the team waits
- * for its descheduled member, so those rows say more about the load than
- * the kernel). At 4k, "hot cpu us" is the same call on one layer again and
- * again (K/V in the caches): the kernel's compute alone.
+ * threads (bench_util.h; four arrays cross the bus: "roof", the issue's
+ * roofline), and over what a read-only stream of as many threads reached
+ * just before ("read", bench_read: on some machines a read gets less of
+ * the bus than the triad moves, and decoding only reads). With one thread
+ * the time is the thread's CPU time, which a machine shared with other
+ * work disturbs far less than the wall clock; with two it is the wall
+ * clock (on a loaded machine the team waits for its descheduled member, so
+ * those rows say more about the load than the kernel). At 4k, "hot cpu us"
+ * is the same call on one layer again and again (K/V in the caches): the
+ * kernel's compute alone.
  *
  * Rows: RoPE with llama's adjacent pairs (each key de-interleaved and
  * rotated as it is read, as the bench models decode), f16 and q8_0 K/V,
@@ -201,14 +204,17 @@ static void run_rows(int L, enum kv_type type)
         attn_ctx *ctx = ctx_for(threads);
         double bus = 0;
         bench_triad(threads, (size_t)32 << 20, (size_t)32 << 20, 3, &bus);
+        const double rd = bench_read(threads, (size_t)384 << 20, 3); /* the triad's footprint */
         double cpu, hot_cpu = 0;
         double dt = time_decode(ctx, &f, 5, false, &cpu);
         if (threads == 1)
             dt = cpu; /* alone on its thread: its CPU time */
         if (L <= 4096 && threads == 1)
             time_decode(ctx, &f, 5, true, &hot_cpu);
-        printf("%-6d %5s %4d %3d %10.1f %8.2f %8.2f %5.0f%% %10.1f\n", L, kv_type_name(type), PT,
-               threads, dt * 1e6, kv / dt / 1e9, bus, 100.0 * kv / dt / 1e9 / bus, hot_cpu * 1e6);
+        printf("%-6d %5s %4d %3d %10.1f %8.2f %8.2f %5.0f%% %8.2f %5.0f%% %10.1f\n", L,
+               kv_type_name(type), PT, threads, dt * 1e6, kv / dt / 1e9, bus,
+               100.0 * kv / dt / 1e9 / bus, rd, rd > 0 ? 100.0 * kv / dt / 1e9 / rd : 0.0,
+               hot_cpu * 1e6);
         fflush(stdout);
         attn_destroy(ctx);
     }
@@ -236,8 +242,8 @@ int main(int argc, char **argv)
         kv_cache_destroy(f.cache);
         return 0;
     }
-    printf("%-6s %5s %4s %3s %10s %8s %8s %6s %10s\n", "L", "kv", "page", "thr", "us/layer",
-           "KV GB/s", "bus GB/s", "roof", "hot cpu us");
+    printf("%-6s %5s %4s %3s %10s %8s %8s %6s %8s %6s %10s\n", "L", "kv", "page", "thr", "us/layer",
+           "KV GB/s", "bus GB/s", "roof", "read", "of rd", "hot cpu us");
     for (size_t li = 0; li < sizeof(Ls) / sizeof(Ls[0]) || (only && li == 0); li++) {
         int L = only ? only : Ls[li];
         run_rows(L, KV_F16);

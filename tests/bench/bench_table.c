@@ -802,6 +802,22 @@ static void triad_into(const struct opts *o, double *best)
     *best = fmax(*best, bus);
 }
 
+/* What a read-only stream gets of the bus on the table's threads, printed
+ * before the rows: decoding only reads, so on a machine where a read gets
+ * less than the triad moves, the decode fractions' ceiling is this ratio,
+ * not 100% (bench_util.h's bench_read). */
+static void print_read_ceiling(const struct opts *o)
+{
+    double bus = 0;
+    triad_into(o, &bus);
+    size_t bytes = o->shape == &TINY ? (size_t)48 << 20 : (size_t)384 << 20; /* the triad's */
+    double rd = bench_read(o->threads, bytes, 3);
+    if (rd > 0 && bus > 0)
+        printf("read-only stream on %d threads: %.1f GB/s = %.2f of the bus (%.1f GB/s): the "
+               "most a decode that only reads can reach of its roofline here\n",
+               o->threads, rd, rd / bus, bus);
+}
+
 static void run_row(const struct opts *o, const struct model_cost *cost, const model *tok,
                     struct row *r, int order)
 {
@@ -1036,6 +1052,7 @@ int main(int argc, char **argv)
                o.shape->name, wname(&o.types[t]), cost[t].weight_bytes / 1e6,
                cost[t].layer_macs / 1e6);
     }
+    print_read_ceiling(&o);
     fflush(stdout);
 
     char err[512];
