@@ -87,6 +87,34 @@
  * Threads: one parallel region per call (two with the mass); a context
  * serves one caller at a time (its scratch is per pool thread index, not
  * per caller).
+ *
+ * Decode at long context, where the time goes (bench_decode: the 576x30
+ * shape, 16k tokens, an AMX Xeon of 2 cores). A layer's call reads f16
+ * K/V at 47-50% of the triad's bus and 55-59% of what a read-only stream
+ * of as many threads gets (bench_util.h's bench_read), q8_0 K/V at 34-39%
+ * and 41-45%. Its compute alone (K/V in the caches) takes ~12.5 ns per key
+ * and KV head on a core, about what a core's read stream needs to bring
+ * the key's 256 bytes (~17 ns), and the two add up rather than overlap:
+ * 26-27 ns on one thread. The compute, hot: qk 46-52%, pv 22-25%, softmax
+ * 7-8%, the rest per tile. Per key and KV head at head dim 64, qk issues
+ * ~39 vector operations (4 conversions, 4 de-interleaving permutes, 8 for
+ * the rotation, 12 FMAs, 11 for its share of the transposing reduction),
+ * pv 16, where the products themselves are 24 FMAs. What did not move it:
+ *   - the layout: pages of 64 and 256 tokens (a head's rows in runs of 8
+ *     and 32 KiB instead of 2) gave 49-51% and 53-55% against 49%; one
+ *     pool per layer (a layer's consecutive pages adjacent) +3-4% for f16
+ *     and -5% for q8_0;
+ *   - the prefetch (attn_simd.c's prefetch_k): into L3 (T2) as into L2
+ *     (T1), 50% and 49%; into L1 44%; none 40%; one line per 128-byte
+ *     row, the stream prefetcher left to take the other, 41%.
+ * A core's misses in flight bind: prefetches that keep its read stream
+ * busy hold the miss buffers its own loads then wait for. Reaching 85% of
+ * the bus would need the compute per key about halved, which keys stored
+ * as rows do not allow: the reduction and the de-interleaving exist
+ * because a key is a row. Keys stored transposed within a page (element d
+ * of 16 keys in one vector) would score 16 keys per FMA with neither
+ * (~24 operations per key in qk instead of ~39); that is a new cache
+ * layout, not a kernel change.
  */
 #include "attention_internal.h"
 

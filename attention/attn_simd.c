@@ -503,7 +503,9 @@ INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int
  * of qk's samples fell on the V requests - while pv, a third of the work,
  * asked for none. Spread over both loops the same requests cost a 16k
  * layer 2-4% less with f16 K/V and 5-7% less with q8_0 (bench_decode's
- * rows, alternated in one process, 1 and 2 threads, 16k and 64k).
+ * rows, alternated in one process, 1 and 2 threads, 16k and 64k). On an
+ * AMX Xeon T1 was still the best hint, with T2 (attn.c's "Decode at long
+ * context" has those figures).
  */
 INLINE void prefetch_k(const struct attn_prefetch *pf, int t0, int t1)
 {

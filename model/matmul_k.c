@@ -88,7 +88,12 @@
 
 /* Register tiles: MR rows x NT tokens; a lone token walks one row at a time
  * (MR1): decoding from DRAM, one sequential stream per thread reads about
- * twice as fast here as two or four interleaved ones (the prefetchers). */
+ * twice as fast here as two or four interleaved ones (the prefetchers).
+ * On an AMX Xeon too (2048 x 16 models, tokens/s, alternated), two adjacent
+ * rows at once were slower: q6_K 40.3-40.8 -> 38.2-38.8, q5_K 46.5-48.4 ->
+ * 40.1-42.3. Two rows half a group of 16 apart (two streams) gave q6_K
+ * +3-7% and q5_K +1-5%, too close to the noise to take on a guess about
+ * the other machines. */
 #define MR 2
 #define MR1 1
 
