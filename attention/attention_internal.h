@@ -243,9 +243,11 @@ struct attn_ops {
                     int ld_cs);
 
     /*
-     * out[t][:] = row t dequantised (t < nt) for a block type (q8_0, q4_0):
-     * the tile's quantised keys or values become f32 once, and everything
-     * after (rotation, scores, P.V) runs on them as on f32 rows.
+     * out[t][:] = row t as f32 (t < nt): a block type (q8_0, q4_0)
+     * dequantised, a 16-bit type (f16, bf16) widened exactly. The tile's
+     * quantised keys or values become f32 once, and everything after
+     * (rotation, scores, P.V) runs on them as on f32 rows; so do the flash
+     * tile's 16-bit values (attn.c's head_values).
      */
     void (*dequant)(float *out, const void *const *rows, int nt, enum attn_type type,
                     int head_dim);

@@ -36,8 +36,8 @@
  * the queries of a block times their GQA group) this is a flash tile: the
  * keys are staged once to f32, rotated and transposed (stage_kt), so the
  * rows x keys scores are a register-blocked product with no horizontal
- * sums (qk_t), the values are read in f16 and converted in registers by
- * P.V's 6-row blocks (no staged copy), and the rows go through
+ * sums (qk_t), the values are widened once to f32 (head_values) for
+ * P.V's 6-row blocks, and the rows go through
  * qk_t, softmax and pv in passes of 48 so that a pass's scores stay in L1
  * (tile_head). The softmax of a row that sees the whole tile skips the
  * mask, a pass whose queries all precede the tile (the causal diagonal) is
@@ -918,14 +918,21 @@ static void row_coords(const attn_ctx *ctx, const struct unit *u, int r, int *qu
 /*
  * The values of a head's tile as P.V reads them (w->vp, the type returned):
  * quantised rows dequantised into vst (after the keys, which may have used
- * it); 16-bit rows are read as they are stored, converted in registers by
- * pv - a staged f32 copy would cost a pass over the tile and twice the L1.
+ * it), and in the flash tile 16-bit rows widened there too. The flash
+ * tile's P.V reads every value row once per block of 6 rows, so a
+ * conversion in its loop is paid 128 times per tile at 768 rows, where it
+ * sits beside 24 FMAs per key and block: widened once, pv's share of a 4k
+ * q8_0 prefill fell from 24% to 20% of the samples and a 16k f16 prefill
+ * ran 320.6-322.7 -> 350.1-350.4 tokens/s (AMX Xeon, 2 threads,
+ * alternated). Few rows (decode, and prefill rows against int8 keys) read
+ * 16-bit rows as stored: there each row is read by one block.
  */
 static enum attn_type head_values(const attn_ctx *ctx, struct tscratch *w, enum attn_type vt,
-                                  int nt)
+                                  int nt, bool flash)
 {
     const int D = ctx->p.head_dim;
-    if (!attn_type_blocked(vt))
+    const bool wide16 = flash && (vt == ATTN_F16 || vt == ATTN_BF16);
+    if (!attn_type_blocked(vt) && !wide16)
         return vt;
     ctx->ops->dequant(w->vst, w->vp, nt, vt, D);
     for (int t = 0; t < nt; t++)
@@ -999,7 +1006,7 @@ static void tile_head(const attn_ctx *ctx, struct tscratch *w, const struct attn
         stage_head_keys(ctx, w, head_rows(ctx, w, kv, g, nt), nt);
     else
         head_scores(ctx, w, kv, g, nt, r0, rows_h, pf);
-    enum attn_type vt = head_values(ctx, w, kv->v_type, nt);
+    enum attn_type vt = head_values(ctx, w, kv->v_type, nt, flash);
     const int pass = flash ? FLASH_PASS : rows_h;
     const int pf_lines = pf ? pf->n * (pf->klines + pf->vlines) : 0;
     int pf_done = 0;
@@ -1155,7 +1162,7 @@ static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct at
     else
         ops->qk(w->S, w->qrow + r0, rows_h, w->kp, nt, kt, D, pf);
     if (vt == ATTN_Q4_0)
-        vt = head_values(ctx, w, vt, nt);
+        vt = head_values(ctx, w, vt, nt, false);
     for (int i = 0; i < rows_h; i++)
         ops->softmax(w->S + (size_t)i * ATTN_TILE, nt, w->kpos, w->rpos[r0 + i], &w->bias[r0 + i],
                      &w->m[r0 + i], &w->l[r0 + i], w->acc + (size_t)(r0 + i) * D, D);

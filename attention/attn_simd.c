@@ -1218,8 +1218,26 @@ INLINE void dequant_block(float *o, const uint8_t *blk, enum attn_type T)
         vstore(o + i, vmul(d, vload_i8(q + i)));
 }
 
+/* Rows of a 16-bit type widened to f32 rows (exactly): the flash tile's values. */
+INLINE void widen_rows(float *out, const void *const *rows, int nt, enum attn_type T, int D)
+{
+    for (int t = 0; t < nt; t++)
+        for (int d = 0; d < D; d += VL) {
+            const int n = D - d < VL ? D - d : VL;
+            vstore_n(out + (size_t)t * D + d, vload_t(rows[t], d, T, n), n);
+        }
+}
+
 static void dequant_simd(float *out, const void *const *rows, int nt, enum attn_type type, int D)
 {
+    if (type == ATTN_F16) {
+        widen_rows(out, rows, nt, ATTN_F16, D);
+        return;
+    }
+    if (type == ATTN_BF16) {
+        widen_rows(out, rows, nt, ATTN_BF16, D);
+        return;
+    }
     const size_t bb = type == ATTN_Q8_0 ? ATTN_Q8_0_BYTES : ATTN_Q4_0_BYTES;
     for (int t = 0; t < nt; t++) {
         const uint8_t *r = rows[t];
