@@ -16,9 +16,11 @@
  * (decode); for many rows (prefill) the tile's keys are staged transposed
  * (VL x VL register transposes), and qk_t computes rows x 64 keys as a
  * register-blocked product of broadcast query elements and key rows (6 x 4
- * accumulators at AVX-512), with no reduction at all. P.V keeps a block of 6 rows
- * x NV vectors of the output in registers while it streams the tile's
- * values, 16-bit ones converted as they are loaded. f16 and bf16 become f32 in registers (vcvtph2ps; a 16-bit shift).
+ * accumulators at AVX-512), with no reduction at all. P.V keeps a block of
+ * 6 rows x NV vectors of the output in registers while it streams the
+ * tile's values: for few rows 16-bit ones converted as they are loaded
+ * (f16 and bf16 become f32 in registers: vcvtph2ps; a 16-bit shift), for
+ * the flash tile widened once beforehand (dequant, attn.c's head_values).
  */
 #include "attention_internal.h"
 #include "cpu/kernel.h"

@@ -183,8 +183,8 @@
  * (prefetch_pairs), MM_PACK_PREFETCH_FAR = 2 KiB ahead for f16 and q4_K,
  * MM_PACK_PREFETCH = 1 KiB for the other copies: measured on an AMX Xeon
  * (below, and in the 2048 x 16 models' decoding, q4_K 1.16x, q8_0 and
- * q4_0 within noise). The history, machine by machine: the tiles used to ask for their weights 4 KiB ahead into L2
- * (prefetcht1) and it once measured 12-15% faster on one thread; measured
+ * q4_0 within noise). The history, machine by machine: the tiles used to
+ * ask for their weights 4 KiB ahead into L2 (prefetcht1) and it once measured 12-15% faster on one thread; measured
  * again (the 211 matrices of the 576x30 step, each variant alternated step
  * by step in one process, 25-200 steps, load 2-3.5, an AVX-512 EPYC), it
  * was the slowest choice on both 1 and 2 threads for q8_0, bf16 and f32:

@@ -52,6 +52,7 @@
 #define LAYERS 30
 #define PT 16
 #define MAX_L 131072
+#define TRIAD_FLOATS ((size_t)32 << 20) /* per array of the triad beside the rows */
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
@@ -203,8 +204,8 @@ static void run_rows(int L, enum kv_type type)
     for (int threads = 1; threads <= 2; threads++) {
         attn_ctx *ctx = ctx_for(threads);
         double bus = 0;
-        bench_triad(threads, (size_t)32 << 20, (size_t)32 << 20, 3, &bus);
-        const double rd = bench_read(threads, (size_t)384 << 20, 3); /* the triad's footprint */
+        bench_triad(threads, TRIAD_FLOATS, TRIAD_FLOATS, 3, &bus);
+        const double rd = bench_read(threads, 3 * TRIAD_FLOATS * sizeof(float), 3); /* its bytes */
         double cpu, hot_cpu = 0;
         double dt = time_decode(ctx, &f, 5, false, &cpu);
         if (threads == 1)

@@ -792,12 +792,18 @@ static double prefill_roofline(const struct opts *o, const struct model_cost *c,
  * Running the rows
  * ------------------------------------------------------------------------ */
 
+/* Floats per array of the triad the table runs. */
+static size_t triad_floats(const struct opts *o)
+{
+    return o->shape == &TINY ? (size_t)4 << 20 : (size_t)32 << 20;
+}
+
 /* The bus bandwidth on the table's threads (GB/s, the write-allocate read
  * counted), if better than *best. */
 static void triad_into(const struct opts *o, double *best)
 {
     double bus = 0;
-    size_t n = o->shape == &TINY ? (size_t)4 << 20 : (size_t)32 << 20;
+    size_t n = triad_floats(o);
     bench_triad(o->threads, n, n, 3, &bus);
     *best = fmax(*best, bus);
 }
@@ -810,8 +816,7 @@ static void print_read_ceiling(const struct opts *o)
 {
     double bus = 0;
     triad_into(o, &bus);
-    size_t bytes = o->shape == &TINY ? (size_t)48 << 20 : (size_t)384 << 20; /* the triad's */
-    double rd = bench_read(o->threads, bytes, 3);
+    double rd = bench_read(o->threads, 3 * triad_floats(o) * sizeof(float), 3); /* its bytes */
     if (rd > 0 && bus > 0)
         printf("read-only stream on %d threads: %.1f GB/s = %.2f of the bus (%.1f GB/s): the "
                "most a decode that only reads can reach of its roofline here\n",
