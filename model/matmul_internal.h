@@ -164,9 +164,10 @@ static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
  *   c  int32  at c + (j * nb + b) * MM_PACK_NT + t           -128 * sum(q)
  * (a last tile of fewer tokens leaves its other slots unused).
  *
- * For float weights the activations stay f32, transposed by tiles of
- * MM_PACK_FNT tokens: tile j, input k, token t at
- *   x  float  at x + (j * n_in + k) * MM_PACK_FNT + t
+ * For float weights the activations are the caller's f32 rows, read in
+ * place by tiles of MM_PACK_FNT tokens: tile j, input k, token t at
+ *   x  float  at x + (j * MM_PACK_FNT + t) * n_in + k
+ * (no copy: see matmul_pack.c, "Float weights").
  */
 #define MM_PACK_NT 6
 #define MM_PACK_FNT 12
@@ -193,7 +194,7 @@ struct mm_pack_job {
     int8_t *q;
     float *d;
     int32_t *c;
-    float *x;   /* float weights: the transposed activations */
+    const float *x; /* float weights: the caller's activations [n_tok][n_in] */
     uint32_t *xb; /* bf16 pairs: the rounded activations (matmul_bf16.h) */
     float *out; /* [n_tok][n_out] */
     int n_tok;

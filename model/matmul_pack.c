@@ -47,8 +47,13 @@
  * one exact widening to f32) gives the 16 rows' weights of input k, and one
  * FMA with the token's x[k] broadcast (from memory) adds to each row's own
  * lane. A tile of 2 groups x 12 tokens makes 24 FMAs per 2 loads and
- * widenings. The activations stay f32, transposed per tile of 12 tokens so
- * that x[t][k] sits at constant offsets. Numerics: the exact f32 products
+ * widenings. The activations stay f32 and are read where the caller has
+ * them, a row per token: the tile's 12 tokens are 12 read streams, one
+ * cache line per 16 inputs each, their offsets kept in registers. They
+ * used to be copied first into a tile-major layout (x[t][k] at constant
+ * offsets from one pointer); that copy, a strided store per element, was
+ * ~7% of the float products' samples and the streams cost nothing
+ * measurable in the tile. Numerics: the exact f32 products
  * of the stored weights, summed in one f32 chain per (row, token) along k
  * (matmul.c sums 16 lanes and adds them at the end): the same error bound,
  * n_in roundings of at most 2^-24 of the running |sum|. The FMA, not the
@@ -251,8 +256,19 @@
  *
  * On an AMX Xeon the same bench gives f16 63-69% and f32 64-68% of the
  * FMA peak. The float tile's loop alone (2 x 12, its operands in L1, a
- * separate microbenchmark) reaches 85-95% there, so the rest is where
- * the operands come from, yet nothing tried around it helped: the inputs
+ * separate microbenchmark) reaches 85-95% there, and 75-80% with the
+ * weights streaming from L2 as they do here (a pair of groups is 72 KiB
+ * of f32 at 576 inputs, read again for each token tile). The copy of the
+ * activations was the one cost found outside the tile: reading them in
+ * place, one f32 product of 512 tokens on one thread by its CPU time (best
+ * of 40 calls, alternated binaries, against the FMA peak measured beside
+ * it) went 576 -> 192 from 71-72% to 80-81%, 1536 -> 576 from 64-69% to
+ * 73-75%, 576 -> 1536 69-74% to 73-77%, 576 -> 576 77-78% to 79-81%; a
+ * 576 x 30 model prefilling 741 tokens on 2 threads, 3 alternated rounds:
+ * f32 853-884 -> 929-975 tokens/s, f16 984-995 -> 1,027-1,053. The
+ * layer in bench_prefill (all seven products, each met cold, best of 5)
+ * stays below the products measured one by one. Nothing tried around the
+ * tile itself helped: the inputs
  * cut in blocks of 64, 128 or 256 per call, each tile's sums carried
  * through the output between blocks so that a block's weights stay in L1
  * (54%, 58-62%, 56-61% against 63-67%); 4 groups x 6 tokens (one thread
@@ -640,20 +656,22 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, in
     const uint8_t *pp[N_MG / 2];
     for (int h = 0; h < (mg + 1) / 2; h++)
         pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
-    const float *xt = jb->x + (size_t)j * (size_t)w->n_in * F_NT;
+    /* token t of the tile at xt + t * n_in: the caller's rows, in place */
+    const size_t ld = (size_t)w->n_in;
+    const float *xt = jb->x + (size_t)j * F_NT * ld;
 
     __m512 acc[N_MG][F_NT];
     for (int g = 0; g < mg; g++)
         for (int t = 0; t < nt; t++)
             acc[g][t] = _mm512_setzero_ps();
-    for (int k = 0; k < w->n_in; k++, xt += F_NT) {
+    for (int k = 0; k < w->n_in; k++, xt++) {
         if (nt == 1)
             prefetch_pairs(pp, mg, (size_t)k * step, step, F_PREFETCH(type));
         __m512 wv[N_MG];
         for (int g = 0; g < mg; g++)
             wv[g] = f_widen(type, pp[g / 2] + (size_t)k * step + (size_t)(g % 2) * (step / 2));
         for (int t = 0; t < nt; t++) {
-            __m512 xv = _mm512_set1_ps(xt[t]);
+            __m512 xv = _mm512_set1_ps(xt[(size_t)t * ld]);
             for (int g = 0; g < mg; g++)
                 acc[g][t] = _mm512_fmadd_ps(wv[g], xv, acc[g][t]);
         }

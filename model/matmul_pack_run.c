@@ -430,11 +430,8 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
             jb->xb = (uint32_t *)p;
         return round_up(round_up((size_t)n_tok, MM_BF16_NT) * (size_t)mm_bf16_pairs(w) * 4, 64);
     }
-    if (!mm_pack_q8_acts(w)) { /* float weights: the transposed tiles */
-        if (jb)
-            jb->x = (float *)p;
-        return round_up(round_up((size_t)n_tok, MM_PACK_FNT) * (size_t)w->n_in * sizeof(float), 64);
-    }
+    if (!mm_pack_q8_acts(w)) /* float weights: the caller's rows, read in place */
+        return 0;
     const size_t nb = (size_t)w->n_in / QT_QK;
     const size_t slots = round_up((size_t)n_tok, MM_PACK_NT) * nb; /* (token, block) pairs */
     if (jb)
@@ -452,16 +449,6 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
 size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok)
 {
     return scratch_layout(w, n_tok, NULL, NULL);
-}
-
-/* Token t's f32 activations into its tile's column. */
-static void transpose_token(const struct mm_pack_job *jb, const float *xt, int t)
-{
-    const int n_in = jb->w->n_in;
-    float *dst = jb->x + (size_t)(t / MM_PACK_FNT) * (size_t)n_in * MM_PACK_FNT +
-                 (size_t)(t % MM_PACK_FNT);
-    for (int k = 0; k < n_in; k++)
-        dst[(size_t)k * MM_PACK_FNT] = xt[k];
 }
 
 /* ------------------------------------------------------------------------
@@ -490,8 +477,9 @@ static void transpose_token(const struct mm_pack_job *jb, const float *xt, int t
 #define MM_PACK_SPLIT_TILES 8
 
 /* A copy's kernel variant: how a token's activations are prepared into
- * the scratch (its slots of its tile), the kernel over row groups [g0, g1)
- * x token tiles [j0, j1), and the tile width in tokens. */
+ * the scratch (its slots of its tile; NULL: the kernel reads the caller's
+ * rows in place), the kernel over row groups [g0, g1) x token tiles
+ * [j0, j1), and the tile width in tokens. */
 struct pack_variant {
     void (*token)(const struct mm_pack_job *jb, const float *xt, int t);
     void (*groups)(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1);
@@ -507,7 +495,7 @@ static struct pack_variant variant_of(const struct mm_weight *w)
     const struct mm_pack_kernels *pk = pkern();
     if (mm_pack_q8_acts(w))
         return (struct pack_variant){pk->quantize, pk->groups, MM_PACK_NT};
-    return (struct pack_variant){transpose_token, pk->groups, MM_PACK_FNT};
+    return (struct pack_variant){NULL, pk->groups, MM_PACK_FNT}; /* read in place */
 }
 
 /* One call: n products of one x (mm_matmul_many; n = 1 for mm_matmul),
@@ -528,6 +516,8 @@ struct pack_run {
 static void prepare(const struct pack_run *r, int t0, int t1)
 {
     const struct mm_pack_job *jb = r->jb;
+    if (!r->v.token)
+        return;
     for (int t = t0; t < t1; t++)
         r->v.token(jb, r->x + (size_t)t * (size_t)jb->w->n_in, t);
 }
@@ -600,10 +590,13 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
                          int n_tok, int n_threads, void *scratch, const struct mm_tail *tail)
 {
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
-    assert(n >= 1 && n <= MM_MANY_MAX && scratch && ((uintptr_t)scratch & 63) == 0);
+    assert(n >= 1 && n <= MM_MANY_MAX && ((uintptr_t)scratch & 63) == 0);
+    assert(scratch || !scratch_layout(w, n_tok, NULL, NULL)); /* float weights need none */
     struct mm_pack_job jb[MM_MANY_MAX] = {{0}};
     struct pack_run r = {.v = variant_of(w), .jb = jb, .x = x, .n = n, .tail = tail};
     scratch_layout(w, n_tok, scratch, &jb[0]);
+    if (!mm_pack_q8_acts(w) && !w->packed_bf16)
+        jb[0].x = x;
     for (int i = 0; i < n; i++) {
         assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in &&
                ws[i]->packed_bf16 == w->packed_bf16);
