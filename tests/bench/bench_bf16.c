@@ -82,6 +82,7 @@ struct layer {
     struct mm_weight w[N_MATS];
     uint8_t *data[N_MATS];
     void *packed[N_MATS];
+    size_t packed_bytes[N_MATS];
     double macs, bytes;
 };
 
@@ -118,7 +119,8 @@ static void layer_init(struct layer *L, const struct path *p)
         }
         size_t pb = mm_pack_bytes(&L->w[m]);
         if (pb) {
-            L->packed[m] = xalloc(pb);
+            L->packed_bytes[m] = pb;
+            L->packed[m] = bench_map_weights("bench_bf16", pb);
             mm_pack_weight(&L->w[m], L->packed[m]);
             L->bytes += (double)pb;
         } else {
@@ -132,7 +134,8 @@ static void layer_free(struct layer *L)
 {
     for (int m = 0; m < N_MATS; m++) {
         free(L->data[m]);
-        free(L->packed[m]);
+        if (L->packed[m])
+            cpu_unmap(L->packed[m], L->packed_bytes[m]);
     }
 }
 

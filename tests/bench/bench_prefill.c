@@ -81,6 +81,7 @@ struct layer {
     enum ggml_type type;
     uint8_t *data[N_MATS];
     void *packed[N_MATS];
+    size_t packed_bytes[N_MATS];
     struct mm_weight w[N_MATS];
     double macs;
 };
@@ -110,7 +111,8 @@ static void layer_init(struct layer *L, enum ggml_type type)
         }
         size_t pb = mm_pack_bytes(&L->w[m]);
         if (pb) {
-            L->packed[m] = xalloc(pb);
+            L->packed_bytes[m] = pb;
+            L->packed[m] = bench_map_weights("bench_prefill", pb);
             mm_pack_weight(&L->w[m], L->packed[m]);
         }
         L->macs += (double)n_in * n_out * N_TOK;
@@ -121,7 +123,8 @@ static void layer_free(struct layer *L)
 {
     for (int m = 0; m < N_MATS; m++) {
         free(L->data[m]);
-        free(L->packed[m]);
+        if (L->packed[m])
+            cpu_unmap(L->packed[m], L->packed_bytes[m]);
     }
 }
 

@@ -13,6 +13,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "cpu/mem.h"
+
 static inline double bench_now(void)
 {
     struct timespec ts;
@@ -167,6 +169,21 @@ static inline void *bench_xalloc(const char *bench, size_t n)
     void *p = aligned_alloc(64, (n + 63) / 64 * 64);
     if (!p) {
         fprintf(stderr, "%s: out of memory allocating %zu bytes\n", bench, n);
+        exit(1);
+    }
+    return p;
+}
+
+/* n bytes for a repacked weight copy, mapped as the model maps its copy
+ * (cpu/mem.h: 2 MiB pages advised unless KVD_HUGE_PAGES=off), so that a
+ * product measured here meets the TLB the model's does. Free with
+ * cpu_unmap(p, n). */
+static inline void *bench_map_weights(const char *bench, size_t n)
+{
+    struct cpu_pages got;
+    void *p = cpu_map_pages(n, false, &got);
+    if (!p) {
+        fprintf(stderr, "%s: cannot map %zu bytes\n", bench, n);
         exit(1);
     }
     return p;
