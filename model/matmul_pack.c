@@ -265,10 +265,13 @@
  * it) went 576 -> 192 from 71-72% to 80-81%, 1536 -> 576 from 64-69% to
  * 73-75%, 576 -> 1536 69-74% to 73-77%, 576 -> 576 77-78% to 79-81%; a
  * 576 x 30 model prefilling 741 tokens on 2 threads, 3 alternated rounds:
- * f32 853-884 -> 929-975 tokens/s, f16 984-995 -> 1,027-1,053. The
- * layer in bench_prefill (all seven products, each met cold, best of 5)
- * stays below the products measured one by one. Nothing tried around the
- * tile itself helped: the inputs
+ * f32 853-884 -> 929-975 tokens/s, f16 984-995 -> 1,027-1,053; the
+ * layer in bench_prefill (its copies now in 2 MiB pages, as the model's
+ * are: in 4 KiB pages the layer's products took 3% longer), 3 alternated
+ * runs: f16 67% -> 71-72%, f32 67-70% -> 72-73%. The layer stays below
+ * the products measured one by one (each of its products starts with the
+ * others' weights in the caches). Nothing tried around the tile itself
+ * helped: the inputs
  * cut in blocks of 64, 128 or 256 per call, each tile's sums carried
  * through the output between blocks so that a block's weights stay in L1
  * (54%, 58-62%, 56-61% against 63-67%); 4 groups x 6 tokens (one thread
