@@ -595,8 +595,7 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
     struct mm_pack_job jb[MM_MANY_MAX] = {{0}};
     struct pack_run r = {.v = variant_of(w), .jb = jb, .x = x, .n = n, .tail = tail};
     scratch_layout(w, n_tok, scratch, &jb[0]);
-    if (!mm_pack_q8_acts(w) && !w->packed_bf16)
-        jb[0].x = x;
+    jb[0].x = x; /* the float tiles read it in place (scratch_layout gave them no slots) */
     for (int i = 0; i < n; i++) {
         assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in &&
                ws[i]->packed_bf16 == w->packed_bf16);

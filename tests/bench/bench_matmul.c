@@ -59,7 +59,6 @@
 #include <string.h>
 #include <time.h>
 
-#include <sys/mman.h>
 
 #include "model/quant.h"
 #include "tests/bench/bench_util.h"
@@ -291,35 +290,14 @@ static void measure_row(const char *name, const struct mm_weight *w0, uint8_t *b
 
 #define SM_LAYERS 30
 #define SM_MATS (7 * SM_LAYERS + 1)
-#define HUGE_2M ((size_t)2 << 20)
 
 static const int sm_shapes[8][2] = {/* n_in, n_out: q k v o gate up down, output */
                                     {576, 576},  {576, 192},  {576, 192}, {576, 576},
                                     {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}};
 
-/* bytes on a 2 MiB boundary advised as huge pages, as model_pack.c maps the
- * copy (the slack around it unmapped, so munmap(p, bytes) frees it all) */
-static uint8_t *map_huge(size_t bytes)
-{
-    const size_t span = bytes + HUGE_2M;
-    uint8_t *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) {
-        fprintf(stderr, "bench_matmul: cannot map %zu bytes\n", bytes);
-        exit(1);
-    }
-    uint8_t *p = (uint8_t *)(((uintptr_t)raw + HUGE_2M - 1) & ~(uintptr_t)(HUGE_2M - 1));
-    const size_t head = (size_t)(p - raw), used = (bytes + 4095) / 4096 * 4096;
-    if (head)
-        munmap(raw, head);
-    if (span - head > used)
-        munmap(p + used, span - head - used);
-    (void)madvise(p, used, MADV_HUGEPAGE);
-    return p;
-}
-
 /* The 211 matrices of the shape in type, repacked into one mapping (f16
  * rounded to bf16 pairs when f16_bf16): what model_pack.c makes at load.
- * Returns the mapping (munmap(*mem, *total)) or NULL where this level
+ * Returns the mapping (cpu_unmap(*mem, *total)) or NULL where this level
  * repacks nothing of type; *bytes: the weights' bytes as stored. */
 static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, struct mm_weight *w, size_t *total,
                            size_t *bytes)
@@ -351,7 +329,7 @@ static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, struct mm_weight 
         *bytes += w[k].row_bytes * (size_t)w[k].n_out;
     }
     if (*total) {
-        uint8_t *p = mem = map_huge(*total);
+        uint8_t *p = mem = bench_map_weights("bench_matmul", *total);
         for (int k = 0; k < SM_MATS; k++) {
             mm_pack_weight(&w[k], p);
             p += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
@@ -412,7 +390,7 @@ static void bench_model_decode(double bus)
            SM_MATS, (double)bytes / 1e6, mm_pack_kernel_name(), THREADS, steps, best * 1e3,
            sum / steps * 1e3, (double)bytes / best / 1e9, (double)bytes / best / 1e9 / bus, bus,
            1.0 / best);
-    munmap(mem, total);
+    cpu_unmap(mem, total);
     free(x);
     free(out);
 }
@@ -483,7 +461,7 @@ static int bench_decode_types(int rounds, int nth)
         const double best = ti[0], med = ti[n / 2], gb = (double)bytes[i] / best / 1e9;
         printf("%-9s %9.1f %10.2f %10.2f %8.1f %10.2f %8.0f\n", ty[i].name, (double)bytes[i] / 1e6,
                best * 1e3, med * 1e3, gb, gb / bus, 1.0 / best);
-        munmap(mem[i], total[i]);
+        cpu_unmap(mem[i], total[i]);
     }
     free(t);
     free(x);
@@ -546,7 +524,7 @@ int main(int argc, char **argv)
                         : 0;
         if (pb) { /* decoding's own path at this level: the repacked copies */
             pb = (pb + 63) / 64 * 64;
-            uint8_t *packed = map_huge(pb * (size_t)copies);
+            uint8_t *packed = bench_map_weights("bench_matmul", pb * (size_t)copies);
             for (int c = 0; c < copies; c++) {
                 struct mm_weight wc = w;
                 wc.data = data + bytes * (size_t)c;
@@ -556,7 +534,7 @@ int main(int argc, char **argv)
             char name[32];
             snprintf(name, sizeof name, "%s rp", qt_type_name(type));
             measure_row(name, &w, packed, pb, copies, true, x, out, triad);
-            munmap(packed, pb * (size_t)copies);
+            cpu_unmap(packed, pb * (size_t)copies);
         }
         free(data);
     }
