@@ -367,7 +367,7 @@ int srv_cmd_generate(int argc, char **argv)
             "%d layers, %d heads (%d kv), vocab %d\n",
             info.name, info.arch, pos_kind_name(info.pos), info.weight_type, info.n_embd,
             info.n_layer, info.n_head, info.n_kv_head, info.n_vocab);
-    char kern[384];
+    char kern[MODEL_KERNELS_LINE];
     fprintf(stderr, "kvd generate: kernels %s\n", model_kernels_describe(kern, sizeof(kern)));
     fprintf(stderr, "kvd generate: weights %s\n", model_pack_describe(m, kern, sizeof(kern)));
     fprintf(stderr, "kvd generate: attention %s, K %s, V %s%s%s\n",

@@ -13,6 +13,7 @@
  */
 #include "cpu/cpu.h"
 
+#include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +22,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define CPU_X86 1
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 static const char *const level_names[CPU_N_LEVELS] = {"scalar", "avx2", "avx512"};
@@ -36,10 +41,10 @@ struct feature {
     int bit;
 };
 
-/* cpuid words: leaf 1 ecx, leaf 7 ebx, leaf 7 ecx, leaf 7.1 eax, leaf
+/* cpuid words: leaf 1 ecx, leaf 7 ebx, ecx and edx, leaf 7.1 eax, leaf
  * 0x80000001 ecx, and the OS-saved state as a pseudo-word (bit 0: ymm,
- * bit 1: zmm + masks). */
-enum { W1_ECX, W7_EBX, W7_ECX, W71_EAX, WX_ECX, W_OS, N_WORDS };
+ * bit 1: zmm + masks, bit 2: AMX tile configuration and data). */
+enum { W1_ECX, W7_EBX, W7_ECX, W7_EDX, W71_EAX, WX_ECX, W_OS, N_WORDS };
 
 static const struct feature avx2_features[] = {
     {"avx", W1_ECX, 28},   {"fma", W1_ECX, 12},  {"f16c", W1_ECX, 29},   {"movbe", W1_ECX, 22},
@@ -53,6 +58,9 @@ static const struct feature avx512_features[] = {
 };
 /* Within the avx512 level: the bf16 dot product (cpu.h, cpu_bf16). */
 static const struct feature bf16_feature = {"avx512bf16", W71_EAX, 5};
+/* Within the avx512 level too: AMX's bf16 tiles (cpu.h, cpu_amx). */
+static const struct feature amx_features[] = {
+    {"amx-tile", W7_EDX, 24}, {"amx-bf16", W7_EDX, 22}, {"os-tile-state", W_OS, 2}};
 
 static void read_cpuid(unsigned w[N_WORDS])
 {
@@ -65,6 +73,7 @@ static void read_cpuid(unsigned w[N_WORDS])
         __cpuid_count(7, 0, a, b, c, d);
         w[W7_EBX] = b;
         w[W7_ECX] = c;
+        w[W7_EDX] = d;
         if (a >= 1) { /* sub-leaves of 7 */
             unsigned a1, b1, c1, d1;
             __cpuid_count(7, 1, a1, b1, c1, d1);
@@ -83,6 +92,8 @@ static void read_cpuid(unsigned w[N_WORDS])
             w[W_OS] |= 1u;
         if ((lo & 0xe6u) == 0xe6u)
             w[W_OS] |= 2u;
+        if ((lo & 0x60000u) == 0x60000u) /* XTILECFG, XTILEDATA (bits 17, 18) */
+            w[W_OS] |= 4u;
     }
 #endif
 }
@@ -180,6 +191,56 @@ bool cpu_bf16_dot_fast(void)
 #endif
 }
 
+/* amx-bf16: -1 until asked, then whether it may run; whether forced off;
+ * why not, when the CPU has it but Linux refused it */
+static _Atomic int amx_cpu = -1;
+static _Atomic int amx_off = 0;
+static char amx_refused[96];
+
+/*
+ * Linux hands a process the tile registers' 8 KiB of state only on
+ * request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile
+ * instruction without it is a SIGILL. The permission is the process's,
+ * for every thread, and asked once. Returns 0, or errno.
+ */
+static int amx_permission(void)
+{
+#if defined(__linux__) && defined(__x86_64__)
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? errno : 0;
+#else
+    return ENOSYS;
+#endif
+}
+
+bool cpu_amx_supported(void)
+{
+    int h = atomic_load_explicit(&amx_cpu, memory_order_acquire);
+    if (h < 0) {
+        h = 0;
+#ifdef CPU_X86
+        unsigned w[N_WORDS];
+        read_cpuid(w);
+        if (cpu_bf16_supported() &&
+            check(w, amx_features, sizeof(amx_features) / sizeof(amx_features[0]), NULL, 0)) {
+            int e = amx_permission(); /* threads racing here ask twice: harmless */
+            if (e)
+                snprintf(amx_refused, sizeof(amx_refused), "the OS refused amx-bf16: %s",
+                         strerror(e));
+            h = e == 0;
+        }
+#endif
+        atomic_store_explicit(&amx_cpu, h, memory_order_release);
+    }
+    return h;
+}
+
+bool cpu_amx(void)
+{
+    return cpu_bf16() && !atomic_load_explicit(&amx_off, memory_order_relaxed) &&
+           cpu_amx_supported();
+}
+
 enum cpu_level cpu_best(void)
 {
     int b = atomic_load_explicit(&best_level, memory_order_relaxed);
@@ -217,17 +278,21 @@ int cpu_force(const char *name, char *err, size_t errlen)
     if (!strcmp(name, "auto")) {
         atomic_store_explicit(&current_level, (int)cpu_best(), memory_order_relaxed);
         atomic_store_explicit(&bf16_off, 0, memory_order_relaxed);
+        atomic_store_explicit(&amx_off, 0, memory_order_relaxed);
         return 0;
     }
-    /* the avx512 level with its avx512bf16 kernels turned off */
-    const bool nobf16 = !strcmp(name, "avx512-nobf16");
-    int l = nobf16 ? CPU_AVX512 : -1;
+    /* the avx512 level with its AMX tiles turned off (an AVX-512 CPU
+     * without AMX), or with both them and avx512bf16 (one without either:
+     * every CPU with AMX has avx512bf16) */
+    const bool nobf16 = !strcmp(name, "avx512-nobf16"), noamx = !strcmp(name, "avx512-noamx");
+    int l = nobf16 || noamx ? CPU_AVX512 : -1;
     for (int i = 0; i < CPU_N_LEVELS; i++)
         if (!strcmp(name, level_names[i]))
             l = i;
     if (l < 0) {
         snprintf(err, errlen,
-                 "unknown kernel level '%s' (auto, scalar, avx2, avx512, avx512-nobf16)", name);
+                 "unknown kernel level '%s' (auto, scalar, avx2, avx512, avx512-noamx, "
+                 "avx512-nobf16)", name);
         return -1;
     }
     if (!cpu_level_built((enum cpu_level)l)) {
@@ -243,6 +308,7 @@ int cpu_force(const char *name, char *err, size_t errlen)
     }
     atomic_store_explicit(&current_level, l, memory_order_relaxed);
     atomic_store_explicit(&bf16_off, nobf16, memory_order_relaxed);
+    atomic_store_explicit(&amx_off, nobf16 || noamx, memory_order_relaxed);
     return 0;
 }
 
@@ -262,23 +328,42 @@ int cpu_init_env(char *err, size_t errlen)
 bool cpu_forced(void)
 {
     return cpu_level() != cpu_best() ||
-           (atomic_load_explicit(&bf16_off, memory_order_relaxed) && cpu_bf16_supported());
+           (atomic_load_explicit(&bf16_off, memory_order_relaxed) && cpu_bf16_supported()) ||
+           (atomic_load_explicit(&amx_off, memory_order_relaxed) && cpu_amx_supported());
+}
+
+/* At avx512: its optional features in use (", with avx512bf16, amx-bf16"),
+ * or which are off and why (" without amx-bf16", "; no amx-bf16 on this
+ * CPU", "; the OS refused amx-bf16: ..."). */
+static void describe_features(char *buf, size_t len)
+{
+    const bool has_bf = cpu_bf16_supported(), has_amx = cpu_amx_supported();
+    const char *no_amx = amx_refused[0] ? amx_refused : "no amx-bf16 on this CPU";
+    if (!has_bf) /* and so no AMX either */
+        snprintf(buf, len, "; no avx512bf16 on this CPU");
+    else if (!cpu_bf16()) /* forced off, and AMX with it */
+        snprintf(buf, len, " without avx512bf16%s", has_amx ? ", amx-bf16" : "");
+    else if (cpu_amx())
+        snprintf(buf, len, "; with avx512bf16, amx-bf16");
+    else if (has_amx) /* forced off */
+        snprintf(buf, len, "; with avx512bf16 without amx-bf16");
+    else
+        snprintf(buf, len, "; with avx512bf16; %s", no_amx);
 }
 
 const char *cpu_describe(char *buf, size_t len)
 {
     enum cpu_level l = cpu_level(), b = cpu_best();
-    /* at avx512, whether its avx512bf16 kernels run, and why not */
-    const bool has = cpu_bf16_supported();
-    const char *bf = l != CPU_AVX512 ? ""
-                     : cpu_bf16()    ? "; with avx512bf16"
-                     : has           ? " without avx512bf16"
-                                     : "; no avx512bf16 on this CPU";
-    const char *best_bf = b == CPU_AVX512 && has ? " with avx512bf16" : "";
+    char feat[128] = "", best_feat[48] = "";
+    if (l == CPU_AVX512)
+        describe_features(feat, sizeof(feat));
+    if (b == CPU_AVX512 && cpu_bf16_supported())
+        snprintf(best_feat, sizeof(best_feat), " with avx512bf16%s",
+                 cpu_amx_supported() ? ", amx-bf16" : "");
     if (!cpu_forced())
-        snprintf(buf, len, "%s (the best this CPU and build have%s)", level_names[l], bf);
+        snprintf(buf, len, "%s (the best this CPU and build have%s)", level_names[l], feat);
     else
-        snprintf(buf, len, "%s (forced%s; this CPU's best is %s%s)", level_names[l], bf,
-                 level_names[b], best_bf);
+        snprintf(buf, len, "%s (forced%s; this CPU's best is %s%s)", level_names[l], feat,
+                 level_names[b], best_feat);
     return buf;
 }

@@ -22,7 +22,10 @@
  * kernels over bf16 weights use it (model/matmul_bf16.c), and they ask
  * cpu_bf16() at each call. The name "avx512-nobf16" forces the avx512
  * level with it off (what a CPU without it runs), for tests and
- * comparisons. cpu_describe says which.
+ * comparisons. So are AMX's bf16 tiles (tdpbf16ps: 16 x 16 x 32 products
+ * per instruction), used by the products over bf16 pairs (model/matmul_amx.c)
+ * while cpu_amx(); "avx512-noamx" turns them off, as on an AVX-512 CPU
+ * without AMX. cpu_describe says which.
  *
  * Threads: cpu_level() may be called from any thread at any time; the
  * level is fixed by the first call. cpu_force and cpu_init_env change it
@@ -62,7 +65,7 @@ bool cpu_level_supported(enum cpu_level l, char *missing, size_t missing_len);
 
 /*
  * Use the level named name from now on: one of the names above,
- * "avx512-nobf16", or "auto" (the best). Returns 0, or -1 with err saying why: an unknown name (the
+ * "avx512-noamx", "avx512-nobf16", or "auto" (the best). Returns 0, or -1 with err saying why: an unknown name (the
  * names are listed), a level this build does not carry, or one the CPU
  * lacks (the missing features named). On failure the level is unchanged.
  */
@@ -99,5 +102,20 @@ bool cpu_bf16(void);
  * the same CPU always takes the same path, and the same bits.
  */
 bool cpu_bf16_dot_fast(void);
+
+/*
+ * Whether the CPU has AMX's bf16 tiles (amx-tile, amx-bf16, the OS saving
+ * their state) and Linux granted this process their state; asked once,
+ * the grant with it (it is the process's, for every thread). A CPU with
+ * AMX but a kernel that refuses it counts as without, and cpu_describe
+ * says why.
+ */
+bool cpu_amx_supported(void);
+
+/* Whether kernels may use the AMX bf16 tiles now: cpu_bf16() (every CPU
+ * with AMX has avx512bf16, and "avx512-nobf16" stands for a CPU with
+ * neither), the CPU has them, and they were not forced off
+ * ("avx512-noamx": an AVX-512 CPU without AMX). */
+bool cpu_amx(void);
 
 #endif /* KVD_CPU_H */

@@ -17,7 +17,7 @@
 
 const char *model_kernels_describe(char *buf, size_t len)
 {
-    char level[96], threads[160], bf16[160];
+    char level[160], threads[160], bf16[200];
     const char *pack = mm_pack_kernel_name();
     snprintf(buf, len,
              "%s: matmul %s (repacked: %s; %s), K formats %s, read-only formats %s, attention %s, "

@@ -65,20 +65,6 @@
  * each pair's stream into L1 (matmul_pack.c's "Decoding": 0.69 -> ~0.8 of
  * the bus on the 576x30 step). */
 
-/* 16 floats rounded to bf16 to nearest even (NaN kept quiet), in the low
- * halves of 16 32-bit lanes: qt_f32_to_bf16's bits. */
-INLINE __m512i round16(__m512 f)
-{
-    const __m512i u = _mm512_castps_si512(f);
-    __m512i r = _mm512_add_epi32(
-        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    return _mm512_mask_blend_epi32(
-        nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-
 /* Token t's pairs into its column of its tile: 16 inputs (8 pairs) at a time. */
 static void round_avx512(const struct mm_pack_job *jb, const float *x, int t)
 {

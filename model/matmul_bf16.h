@@ -7,7 +7,9 @@
  * of which only the avx512 copy has code, run only while cpu_bf16().
  *
  * Which weights take this path (matmul_pack_run.c decides, at load):
- *   bf16  always where cpu_bf16(): the weights are multiplied as stored;
+ *   bf16  where cpu_bf16() and vdpbf16ps outruns the FMA or the CPU has
+ *         AMX's bf16 tiles (then run by matmul_amx.c, below), or where
+ *         KVD_BF16=pairs asks: the weights are multiplied as stored;
  *         only the activations are rounded to bf16 (as llama.cpp does);
  *   f16   only when asked (KVD_F16=bf16, mm_f16_set_bf16): each weight is
  *         rounded to bf16 at load, losing 3 of its 11 significant bits;
@@ -56,6 +58,33 @@ struct mm_bf16_kernels {
 };
 
 KERN_DECLARE(const struct mm_bf16_kernels, mm_bf16_kernels);
+
+/*
+ * AMX's bf16 tiles over the same copy (matmul_amx.c), where the CPU has
+ * them (cpu_amx()) and a row's pairs fill whole tiles (n_in a multiple of
+ * MM_AMX_K inputs): every product of such a weight, a decoding step's too,
+ * so that a token's results do not depend on its batch. Their sums are
+ * not vdpbf16ps's bits (the matrix unit adds a row's pairs in its own
+ * order), so the choice is per weight and per process, never per batch.
+ *
+ * Activations, rounded to bf16 as round does, one row per token: token
+ * t's pair p at xb + t * np + p; the rows are read by tiles of MM_AMX_NT
+ * tokens, so the scratch holds the batch rounded up to MM_AMX_NT rows
+ * (the rows past it are read, their results not stored).
+ */
+#define MM_AMX_NT 32 /* tokens per tile of the split: two tiles of 16 */
+#define MM_AMX_K 32  /* inputs per tile's depth: 16 pairs of 64 bytes */
+
+struct mm_amx_kernels {
+    const char *name; /* NULL: the level has no AMX kernels */
+    /* Token t's activations xt[n_in] into its row, as above. */
+    void (*round)(const struct mm_pack_job *jb, const float *xt, int t);
+    /* Row groups [g0, g1) (g0 even) x token tiles [j0, j1) of MM_AMX_NT
+     * tokens. Call only while cpu_amx(). */
+    void (*groups)(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1);
+};
+
+KERN_DECLARE(const struct mm_amx_kernels, mm_amx_kernels);
 
 /* Pairs of inputs of a row of w. */
 static inline int mm_bf16_pairs(const struct mm_weight *w)

@@ -170,10 +170,26 @@ static const struct mm_bf16_kernels *bkern(void)
     return k && k->name && cpu_bf16() ? k : NULL;
 }
 
+static const struct mm_amx_kernels *const akernels[CPU_N_LEVELS] = KERN_TABLE(mm_amx_kernels);
+
+/* The AMX kernels, when the level in use has them and the CPU runs them. */
+static const struct mm_amx_kernels *akern(void)
+{
+    const struct mm_amx_kernels *k = akernels[cpu_level()];
+    return k && k->name && cpu_amx() ? k : NULL;
+}
+
+/* Whether w's pairs take the AMX tiles now (matmul_bf16.h): a per-weight
+ * choice, the same for every batch. */
+static const struct mm_amx_kernels *amx_for(const struct mm_weight *w)
+{
+    return w->packed_bf16 && w->n_in % MM_AMX_K == 0 ? akern() : NULL;
+}
+
 bool mm_bf16_in_pairs(void)
 {
     const int m = atomic_load_explicit(&bf16_pairs, memory_order_relaxed);
-    return bkern() && (m < 0 ? cpu_bf16_dot_fast() : m > 0);
+    return bkern() && (m < 0 ? cpu_bf16_dot_fast() || akern() : m > 0);
 }
 
 /* Whether w, not yet packed, is to be packed in bf16 pairs now. */
@@ -187,9 +203,12 @@ const char *mm_bf16_describe(char *buf, size_t len)
 {
     const struct mm_bf16_kernels *k = bkern();
     const int m = atomic_load_explicit(&bf16_pairs, memory_order_relaxed);
-    if (k && mm_bf16_in_pairs())
-        snprintf(buf, len, "bf16 by %s, f16 %s", k->name,
-                 mm_f16_bf16() ? "rounded to bf16 (KVD_F16=bf16)" : "exact");
+    const char *f16 = mm_f16_bf16() ? "rounded to bf16 (KVD_F16=bf16)" : "exact";
+    if (k && mm_bf16_in_pairs() && akern())
+        snprintf(buf, len, "bf16 by %s (%s where a row's inputs are not a multiple of %d), f16 %s",
+                 akern()->name, k->name, MM_AMX_K, f16);
+    else if (k && mm_bf16_in_pairs())
+        snprintf(buf, len, "bf16 by %s, f16 %s", k->name, f16);
     else if (k)
         snprintf(buf, len, "bf16 exact by f32 FMA (%s), f16 %s",
                  m == 0 ? "KVD_BF16=exact" : "vdpbf16ps at half the FMA's rate on Intel cores",
@@ -425,10 +444,13 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
                              struct mm_pack_job *jb)
 {
     uint8_t *base = scratch, *p = base;
-    if (w->packed_bf16) { /* bf16 pairs: the rounded tiles */
+    if (w->packed_bf16) { /* bf16 pairs: the rounded tokens, by tiles or (AMX) by rows */
         if (jb)
             jb->xb = (uint32_t *)p;
-        return round_up(round_up((size_t)n_tok, MM_BF16_NT) * (size_t)mm_bf16_pairs(w) * 4, 64);
+        const size_t rows = round_up((size_t)n_tok, MM_BF16_NT), amx = round_up((size_t)n_tok, MM_AMX_NT);
+        /* the larger: whether the tiles run may change between sizing and
+         * call (a level forced in between) */
+        return round_up((rows > amx ? rows : amx) * (size_t)mm_bf16_pairs(w) * 4, 64);
     }
     if (!mm_pack_q8_acts(w)) /* float weights: the caller's rows, read in place */
         return 0;
@@ -488,6 +510,9 @@ struct pack_variant {
 
 static struct pack_variant variant_of(const struct mm_weight *w)
 {
+    const struct mm_amx_kernels *ak = amx_for(w);
+    if (ak)
+        return (struct pack_variant){ak->round, ak->groups, MM_AMX_NT};
     if (w->packed_bf16) {
         const struct mm_bf16_kernels *bk = bkern();
         return (struct pack_variant){bk->round, bk->groups, MM_BF16_NT};

@@ -1,7 +1,7 @@
 /*
  * matmul_simd.h - small register helpers shared by the matrix-product
  * kernel files (matmul.c, matmul_k.c, matmul_pack.c, matmul_bf16.c,
- * compiled once per kernel level, see
+ * matmul_amx.c, compiled once per kernel level, see
  * cpu/kernel.h). Include it after cpu/kernel.h; it is empty in the scalar
  * copy, so only code under KERN_SIMD may use it.
  */
@@ -51,6 +51,22 @@ INLINE float hsum8(__m256 v)
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+#endif
+
+#ifdef KERN_AVX512
+/* 16 floats rounded to bf16 to nearest even (NaN kept quiet), in the low
+ * halves of 16 32-bit lanes: qt_f32_to_bf16's bits. */
+INLINE __m512i round16(__m512 f)
+{
+    const __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_blend_epi32(
+        nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
 }
 #endif
 

@@ -217,8 +217,10 @@ int32_t model_sample(model_sampler *smp, float *logits, const int32_t *history, 
  * the kernel level (cpu/cpu.h) and whether it was forced, then each
  * module's path, e.g. "avx512 (the best this CPU and build have): matmul
  * avx512-vnni, K formats avx512-vnni, read-only formats avx2, attention
- * avx512, q8_0 keys avx512-vnni" (model/kernels.c). Returns buf.
+ * avx512, q8_0 keys avx512-vnni" (model/kernels.c). Returns buf; a
+ * buffer of MODEL_KERNELS_LINE bytes holds the longest line.
  */
+#define MODEL_KERNELS_LINE 768
 const char *model_kernels_describe(char *buf, size_t len);
 
 /* What loading did to m's weights for the prefill kernels: how many

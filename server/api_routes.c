@@ -243,7 +243,7 @@ static bool engine_stalled(srv_api *a, char *msg, size_t len)
  * (cpu/pool.h): /health's "kernels". */
 static json_t *kernels_json(void)
 {
-    char line[384], threads[160];
+    char line[MODEL_KERNELS_LINE], threads[160];
     return json_pack("{s:s, s:s, s:b, s:s, s:s, s:s, s:s}", "level", cpu_level_name(cpu_level()),
                      "best", cpu_level_name(cpu_best()), "forced", cpu_forced(), "matmul",
                      mm_kernel_name(), "attention", attn_simd_name(), "threads",

@@ -266,7 +266,7 @@ int srv_serve_run(struct srv_serve_config *cfg)
     bool v6 = strchr(cfg->host, ':') != NULL;
     printf("kvd: listening on http://%s%s%s:%d\n", v6 ? "[" : "", cfg->host, v6 ? "]" : "", port);
     fflush(stdout);
-    char kern[384];
+    char kern[MODEL_KERNELS_LINE];
     srv_log(SRV_LOG_INFO, "listening on %s:%d; loading %s; kernels %s", cfg->host, port,
             cfg->sched.model.path, model_kernels_describe(kern, sizeof(kern)));
 

@@ -163,18 +163,18 @@ static bool bf16_here(void)
  * bound, the same bits for 1, 2 and 3 threads and for a token alone (the
  * decode path) as inside any batch. Shapes: odd n_in (a padded pair), a
  * padded last group, tile tails of every size up to 2 x 12. */
-static void test_bf16_bound_invariance(void **state)
+static void bound_invariance(const char *level)
 {
-    (void)state;
-    if (!bf16_here()) {
-        skip();
-        return;
-    }
-    cl_force(CPU_AVX512);
+    char err[200];
+    if (cpu_force(level, err, sizeof err))
+        fail_msg("%s: %s", level, err);
     assert_true(cpu_bf16());
-    /* 200 tokens, 17 tiles: split by token tiles on 2 threads, by rows on 1 and 3 */
-    const int shapes[][3] = {{576, 70, 29},  {97, 37, 13}, {32, 16, 1},
-                             {1536, 48, 25}, {3, 5, 4},    {64, 40, 200}};
+    print_message("%s: %s\n", level, cpu_amx() ? "amx-bf16 tiles" : "vdpbf16ps");
+    /* 200 tokens: 17 tiles of 12, split by token tiles on 2 threads, by
+     * rows on 1 and 3 (7 tiles of 32 for AMX: by rows); 600: 19 tiles of
+     * 32, split by token tiles on 2 threads */
+    const int shapes[][3] = {{576, 70, 29}, {97, 37, 13},  {32, 16, 1},  {1536, 48, 25},
+                             {3, 5, 4},     {64, 40, 200}, {128, 35, 600}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int n_in = shapes[s][0], n_out = shapes[s][1], n_tok = shapes[s][2];
         rng_state = 1000 + s;
@@ -216,6 +216,22 @@ static void test_bf16_bound_invariance(void **state)
         mat_free(&m);
     }
     assert_int_equal(cpu_force("auto", NULL, 0), 0);
+}
+
+/* The same with AMX's tiles (where the CPU has them) and without: each of
+ * the two is invariant on its own (their bits differ from each other). */
+static void test_bf16_bound_invariance(void **state)
+{
+    (void)state;
+    if (!bf16_here()) {
+        skip();
+        return;
+    }
+    bound_invariance("avx512");
+    if (cpu_amx_supported())
+        bound_invariance("avx512-noamx");
+    else
+        print_message("no amx-bf16 here: only the vdpbf16ps kernels tested\n");
 }
 
 /* Q, K and V of one x in one region (mm_matmul_many) over bf16 pairs: each
@@ -459,6 +475,13 @@ static void test_bf16_lower_levels(void **state)
         char err[200], line[200];
         /* the levels, then avx512 without its bf16 kernels */
         const char *name = l < n_levels ? cpu_level_name(levels[l]) : "avx512-nobf16";
+        if (l == n_levels && cpu_amx_supported()) { /* and without AMX: the vector pairs */
+            assert_int_equal(cpu_force("avx512-noamx", err, sizeof err), 0);
+            assert_false(cpu_amx());
+            assert_non_null(strstr(mm_bf16_describe(line, sizeof line), "bf16 by avx512bf16"));
+            assert_int_equal(mm_matmul(a, &m.w, x, N_TOK, 2), 0);
+            check_bound(&m, m.W, 0.0, x, a, N_TOK, "bf16 pairs without amx");
+        }
         if (l == n_levels && cpu_force(name, err, sizeof err)) {
             print_message("%s refused here: %s\n", name, err);
             break;
@@ -469,7 +492,9 @@ static void test_bf16_lower_levels(void **state)
         assert_int_equal(cpu_bf16(), bf);
         mm_bf16_describe(line, sizeof line);
         print_message("%s: %s\n", name, line);
-        assert_int_equal(strstr(line, "bf16 by avx512bf16") != NULL, bf);
+        const char *by = cpu_amx() ? "bf16 by amx-bf16 tiles" : "bf16 by avx512bf16";
+        assert_int_equal(strstr(line, by) != NULL, bf);
+        assert_int_equal(cpu_amx(), bf && cpu_amx_supported());
         if (l == n_levels)
             assert_non_null(strstr(line, "exact by f32 FMA"));
         assert_int_equal(mm_pack_ready(&m.w), pairs && bf);
@@ -561,17 +586,20 @@ static void test_bf16_choice(void **state)
         assert_int_equal(cpu_bf16_dot_fast(), !intel);
     }
     mm_bf16_set_pairs(-1);
-    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16() && cpu_bf16_dot_fast());
+    const bool fast = cpu_bf16_dot_fast() || cpu_amx(); /* pairs by default */
+    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16() && fast);
     mm_bf16_describe(line, sizeof line);
     print_message("default here: %s\n", line);
-    if (cpu_bf16() && !cpu_bf16_dot_fast())
+    if (cpu_bf16() && !fast)
         assert_non_null(strstr(line, "bf16 exact by f32 FMA (vdpbf16ps at half"));
+    if (cpu_amx())
+        assert_non_null(strstr(line, "bf16 by amx-bf16 tiles"));
     if (cpu_bf16()) { /* the default packs accordingly */
         struct mat m;
         rng_state = 9;
         mat_init(&m, GGML_TYPE_BF16, 64, 20);
         assert_true(mat_pack(&m));
-        assert_int_equal(m.w.packed_bf16, cpu_bf16_dot_fast());
+        assert_int_equal(m.w.packed_bf16, fast);
         mat_free(&m);
     }
     setenv("KVD_BF16", "exact", 1);
@@ -640,20 +668,24 @@ static void test_binary(void **state)
     free(err);
     struct {
         const char *vars, *want;
-        bool need_bf16;
+        bool need_bf16, need_amx;
     } runs[] = {
-        {"KVD_CPU=auto KVD_BF16=pairs", "bf16 by avx512bf16 16-row pairs, f16 exact", true},
+        {"KVD_CPU=auto", "bf16 by amx-bf16 tiles (avx512bf16 16-row pairs where", true, true},
+        {"KVD_CPU=auto", "with avx512bf16, amx-bf16)", true, true},
+        {"KVD_CPU=avx512-noamx KVD_BF16=pairs", "bf16 by avx512bf16 16-row pairs, f16 exact", true, false},
+        {"KVD_CPU=avx512-noamx", "(forced; with avx512bf16 without amx-bf16;", true, true},
         {"KVD_CPU=auto KVD_BF16=pairs", "repacked for avx512-vnni 16-row and avx512bf16 (bf16 pairs)",
-         true},
-        {"KVD_BF16=exact", "bf16 exact by f32 FMA (KVD_BF16=exact), f16 exact", true},
-        {"KVD_BF16=half", "kvd: KVD_BF16: unknown value 'half' (exact, pairs)", false},
-        {"KVD_CPU=auto KVD_F16=bf16", "f16 rounded to bf16 (KVD_F16=bf16)", true},
-        {"KVD_CPU=avx512-nobf16", "bf16 and f16 exact by f32 FMA (avx512bf16 forced off)", true},
-        {"KVD_CPU=avx2", "bf16 and f16 exact", false},
-        {"KVD_CPU=scalar", "bf16 and f16 exact", false},
+         true, false},
+        {"KVD_BF16=exact", "bf16 exact by f32 FMA (KVD_BF16=exact), f16 exact", true, false},
+        {"KVD_BF16=half", "kvd: KVD_BF16: unknown value 'half' (exact, pairs)", false, false},
+        {"KVD_CPU=auto KVD_F16=bf16", "f16 rounded to bf16 (KVD_F16=bf16)", true, false},
+        {"KVD_CPU=avx512-nobf16", "bf16 and f16 exact by f32 FMA (avx512bf16 forced off)", true, false},
+        {"KVD_CPU=avx2", "bf16 and f16 exact", false, false},
+        {"KVD_CPU=scalar", "bf16 and f16 exact", false, false},
     };
     for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
-        if (runs[r].need_bf16 && !cpu_bf16_supported())
+        if ((runs[r].need_bf16 && !cpu_bf16_supported()) ||
+            (runs[r].need_amx && !cpu_amx_supported()))
             continue;
         int rc = kvd_run(runs[r].vars, args, dir, &err);
         const int want_rc = strstr(runs[r].want, "unknown value") ? 2 : 0;

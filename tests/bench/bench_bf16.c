@@ -5,7 +5,9 @@
  * The paths (model/matmul_bf16.h says which runs when):
  *   f16 exact      F16 widened exactly, f32 FMA tile (the default for F16)
  *   f16 as bf16    F16 rounded to bf16 at load, vdpbf16ps (KVD_F16=bf16)
- *   bf16           BF16 as stored, vdpbf16ps (the default where the CPU has it)
+ *   bf16 amx       BF16 as stored, AMX tiles (the default where the CPU has them)
+ *   bf16           BF16 as stored, vdpbf16ps (the default where the CPU has
+ *                  it and it outruns the FMA; avx512-noamx)
  *   bf16 FMA       BF16 widened exactly, f32 FMA (avx512-nobf16: CPUs without it)
  *   f32            for comparison, the f32 FMA tile
  *
@@ -67,14 +69,16 @@ struct path {
     bool f16_bf16;     /* KVD_F16=bf16 */
     const char *level; /* cpu_force name while packing and running */
     bool dp;           /* uses vdpbf16ps */
+    bool amx;          /* uses the AMX tiles: run only where the CPU has them */
 };
 
 static const struct path paths[] = {
-    {"f32", GGML_TYPE_F32, false, "auto", false},
-    {"f16 exact", GGML_TYPE_F16, false, "auto", false},
-    {"f16 as bf16", GGML_TYPE_F16, true, "auto", true},
-    {"bf16", GGML_TYPE_BF16, false, "auto", true},
-    {"bf16 FMA", GGML_TYPE_BF16, false, "avx512-nobf16", false},
+    {"f32", GGML_TYPE_F32, false, "auto", false, false},
+    {"f16 exact", GGML_TYPE_F16, false, "auto", false, false},
+    {"f16 as bf16", GGML_TYPE_F16, true, "avx512-noamx", true, false},
+    {"bf16 amx", GGML_TYPE_BF16, false, "auto", true, true},
+    {"bf16", GGML_TYPE_BF16, false, "avx512-noamx", true, false},
+    {"bf16 FMA", GGML_TYPE_BF16, false, "avx512-nobf16", false, false},
 };
 #define N_PATHS (sizeof paths / sizeof paths[0])
 
@@ -186,16 +190,24 @@ int main(int argc, char **argv)
         printf("no avx512bf16 on this CPU (or not at the avx512 level): nothing to compare\n");
         return 0;
     }
-    double fma = 0, dpb = 0;
+    const bool amx = cpu_amx_supported(); /* and the tile permission with it */
+    double fma = 0, dpb = 0, tdp = 0;
     for (int i = 0; i < 5; i++) { /* the best of 5, as bench_prefill */
         fma = fmax(fma, bench_peak_fma());
         dpb = fmax(dpb, bench_peak_bf16());
+        if (amx)
+            tdp = fmax(tdp, bench_peak_amx_bf16());
     }
     double bus = 0;
     bench_triad(2, (size_t)32 << 20, (size_t)32 << 20, 3, &bus);
-    printf("peak of one core, measured now: f32 FMA %.0f GFLOPS, vdpbf16ps %.0f GFLOPS (%.2fx); "
-           "bus (triad, 2 threads) %.1f GB/s; load average before: %s\n",
-           fma, dpb, dpb / fma, bus, load0);
+    printf("peak of one core, measured now: f32 FMA %.0f GFLOPS, vdpbf16ps %.0f GFLOPS (%.2fx), "
+           "tdpbf16ps ",
+           fma, dpb, dpb / fma);
+    if (amx)
+        printf("%.0f GFLOPS (%.1fx)", tdp, tdp / fma);
+    else
+        printf("not measured (no amx-bf16 here)");
+    printf("; bus (triad, 2 threads) %.1f GB/s; load average before: %s\n", bus, load0);
     printf("prefill: one SmolLM-135M layer x %d tokens, 1 thread by CPU time, 2 by wall clock; "
            "decode: 1 token over %d layers, 2 threads; best of %d\n\n",
            N_TOK, DEC_LAYERS, ROUNDS);
@@ -207,13 +219,16 @@ int main(int argc, char **argv)
     static struct layer L[N_PATHS][DEC_LAYERS];
     struct result r[N_PATHS];
     for (size_t k = 0; k < N_PATHS; k++) {
+        r[k] = (struct result){1e30, 1e30, 1e30};
+        if (paths[k].amx && !amx)
+            continue;
         for (int l = 0; l < DEC_LAYERS; l++)
             layer_init(&L[k][l], &paths[k]);
-        r[k] = (struct result){1e30, 1e30, 1e30};
     }
     for (int round = 0; round < ROUNDS; round++)
         for (size_t k = 0; k < N_PATHS; k++)
-            run_path(&paths[k], L[k], x, out, &r[k]);
+            if (!paths[k].amx || amx)
+                run_path(&paths[k], L[k], x, out, &r[k]);
     bench_load_average(load1, sizeof load1);
     cpu_force("auto", NULL, 0);
     mm_f16_set_bf16(false);
@@ -221,17 +236,23 @@ int main(int argc, char **argv)
     printf("%-12s %9s %10s %9s %9s %10s | %12s %8s %8s\n", "path", "1 thr ms", "1 thr GF/s",
            "of own", "of FMA", "2 thr GF/s", "decode GB/s", "of bus", "ms/tok");
     for (size_t k = 0; k < N_PATHS; k++) {
+        if (paths[k].amx && !amx) {
+            printf("%-12s not run: no amx-bf16 here\n", paths[k].name);
+            continue;
+        }
         double gf = 2.0 * L[k][0].macs * N_TOK / r[k].t1 / 1e9;
         double gf2 = 2.0 * L[k][0].macs * N_TOK / r[k].t2 / 1e9;
         double gbs = L[k][0].bytes * DEC_LAYERS / r[k].tdec / 1e9;
         printf("%-12s %9.2f %10.1f %8.0f%% %8.0f%% %10.1f | %12.1f %7.0f%% %8.3f\n", paths[k].name,
-               1e3 * r[k].t1, gf, 100.0 * gf / (paths[k].dp ? dpb : fma), 100.0 * gf / fma, gf2,
+               1e3 * r[k].t1, gf, 100.0 * gf / (paths[k].amx ? tdp : paths[k].dp ? dpb : fma),
+               100.0 * gf / fma, gf2,
                gbs, 100.0 * gbs / bus, 1e3 * r[k].tdec);
     }
     printf("\nload average after: %s\n", load1);
     for (size_t k = 0; k < N_PATHS; k++)
         for (int l = 0; l < DEC_LAYERS; l++)
-            layer_free(&L[k][l]);
+            if (!paths[k].amx || amx)
+                layer_free(&L[k][l]);
     mm_scratch_release();
     free(x);
     free(out);

@@ -13,6 +13,10 @@
  *   vpdpbusd   (AVX-512 VNNI) 64 int8 multiply-adds per instruction
  *   vfmadd     (AVX-512 F)    16 f32 multiply-adds
  *   vdpbf16ps  (AVX-512 BF16) 32 bf16 multiply-adds into f32
+ *   tdpbf16ps  (AMX-BF16)     8,192 bf16 multiply-adds into a tile of f32:
+ *              four independent C tiles (what model/matmul_amx.c keeps),
+ *              A and B loaded once; the caller must hold the tile
+ *              permission first (cpu/cpu.h's cpu_amx_supported)
  *
  * Each returns operations per second in units of 1e9 (2 per multiply-add),
  * or 0 when the CPU lacks the instruction: a caller prints "not measured",
@@ -93,6 +97,42 @@ __attribute__((target("avx512f,avx512bf16"))) static inline double bench_peak_bf
     (void)keep;
     return 2.0 * 32 * 12 * (double)BENCH_PEAK_ITERS / dt / 1e9;
 }
+
+__attribute__((target("amx-tile,amx-bf16"))) static inline double bench_peak_amx_bf16_run(void)
+{
+    static const struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) cfg = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                          {16, 16, 16, 16, 16, 16, 16, 16}};
+    static uint16_t ones[16][32] __attribute__((aligned(64)));
+    for (int i = 0; i < 16 * 32; i++)
+        ones[i / 32][i % 32] = 0x3f80; /* 1.0 */
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&cfg);
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(5, ones, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int iters = BENCH_PEAK_ITERS / 16; /* ~16 cycles each */
+    double t0 = bench_thread_cpu();
+    for (int n = 0; n < iters; n++) {
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    float sink[16][16] __attribute__((aligned(64)));
+    _tile_stored(0, sink, 64);
+    double dt = bench_thread_cpu() - t0;
+    _tile_release();
+    volatile float keep = sink[0][0];
+    (void)keep;
+    return 2.0 * 16 * 16 * 32 * 4 * (double)iters / dt / 1e9;
+}
 #endif
 
 /* One measurement each, or 0 when the CPU lacks the instruction. */
@@ -119,6 +159,16 @@ static inline double bench_peak_bf16(void)
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
         return bench_peak_bf16_run();
+#endif
+    return 0.0;
+}
+
+/* Only once the process holds the tile permission (cpu_amx_supported()). */
+static inline double bench_peak_amx_bf16(void)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f"))
+        return bench_peak_amx_bf16_run();
 #endif
     return 0.0;
 }

@@ -1,0 +1,240 @@
+/*
+ * matmul_amx.c - out[t][o] = sum_i W[o][i] * x[t][i] over weights in bf16
+ * pairs (matmul_bf16.h's copy) by AMX's bf16 tiles: tdpbf16ps.
+ *
+ * ---------------------------------------------------------------------------
+ * Why tiles
+ * ---------------------------------------------------------------------------
+ *
+ * matmul_bf16.c's vdpbf16ps makes 32 products per instruction, and on an
+ * Intel core it issues at half the FMA's rate, so there BF16 weights were
+ * multiplied faster widened to f32 (matmul_pack_run.c's choice). One
+ * tdpbf16ps makes 8,192: 16 tokens x 16 rows x 32 inputs, from an "A"
+ * tile of 16 tokens' 16 pairs and a "B" tile of 16 pairs of 16 rows, into
+ * a "C" tile of 16 x 16 f32 sums, in about 16 cycles of the core's matrix
+ * unit. The copy in pairs is already what B wants: pair p's line of a
+ * group (64 bytes: 16 rows' elements 2p and 2p + 1) is row p of the tile,
+ * and the next pair's line of the same group is 128 bytes on, the tile's
+ * stride. The activations go one row per token (matmul_bf16.h), a tile's
+ * 16 rows np x 4 bytes apart.
+ *
+ * A block is a pair of row groups (32 rows) x MM_AMX_NT tokens: four C
+ * tiles (2 token tiles x 2 groups) held in the matrix unit for the whole
+ * depth, two A and two B tiles loaded per 32 inputs, each used twice:
+ * 2 KiB of weights and 2 KiB of activations per four tdpbf16ps. The f32
+ * sums leave the tiles once, at the end of the row, straight into out
+ * where the block is whole. Nothing else runs per input: unlike q8_0's
+ * blocks (matmul_pack.c's "AMX: tried, not landed") bf16 has no scale to
+ * fold every 32 inputs.
+ *
+ * Measured on an AMX Xeon (one thread, 512 tokens, the 576 x 30 model's
+ * shapes, a scratch program of this loop): 1,250-1,770 GFLOP/s against
+ * the f32 tile's 150-180 and vdpbf16ps's ~115. Figures on the model are
+ * in matmul_pack_run.c's "Which weights go to bf16 pairs".
+ *
+ * ---------------------------------------------------------------------------
+ * Numerics and invariance
+ * ---------------------------------------------------------------------------
+ *
+ * Inputs as for vdpbf16ps: the weights as stored (bf16), the activations
+ * rounded to bf16 to nearest even; each product is exact, and the sums are
+ * f32. But the matrix unit does not add a row's products in vdpbf16ps's
+ * order (odd element, then even, each rounded, pair after pair): on the
+ * same inputs most sums differ in the last bits. tests/test_bf16.c holds
+ * both to the same bound. So a weight whose products take the tiles takes
+ * them at every batch size, a decoding step's single token included (its
+ * A tile is the token's row 16 times, read with stride 0): a token's
+ * result is then one C element, the same sequence of tdpbf16ps over its
+ * row whatever the other rows of its tile hold, the batch or the split
+ * among threads. Rows of a tile past the batch are read from the scratch
+ * (uninitialised, maybe NaN) and their sums dropped: a C element depends
+ * only on its own A row and B column.
+ *
+ * Decoding streams each pair of groups as the vector kernels do (one run
+ * of bytes, prefetched MM_AMX_PREFETCH ahead into L1).
+ *
+ * The tiles: Linux grants their state per process on request (cpu.c asks
+ * once); each call loads the configuration on its thread and releases the
+ * tiles on return, so a thread holds their 8 KiB of state only while it
+ * multiplies and a context switch between calls saves none of it.
+ *
+ * Levels: only the avx512 copy has these kernels, compiled for the amx-tile
+ * and amx-bf16 targets function by function (the rest of the level does
+ * not assume them), and matmul_pack_run.c calls them only while cpu_amx().
+ */
+#include "model/matmul_bf16.h"
+
+#include "model/matmul_simd.h"
+
+#if defined(KERN_AVX512)
+
+#define AMX_FN __attribute__((target("amx-tile,amx-bf16")))
+
+/* Decoding: how far ahead of its stream a block asks for its weights. */
+#define MM_AMX_PREFETCH 2048
+
+/* Tile numbers (literals: the intrinsics paste them into register names):
+ * C (token tile h, group e) = 2h + e, A (token tile h) = 4 + h, B (group
+ * e) = 6 + e. */
+
+/* Palette 1, every tile 16 rows x 64 bytes. Static and const: ldtilecfg
+ * reads all 64 bytes. */
+static const struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_cfg = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* Token t's pairs into its row, 16 inputs at a time. */
+static void round_amx(const struct mm_pack_job *jb, const float *x, int t)
+{
+    const int n_in = jb->w->n_in;
+    uint32_t *dst = jb->xb + (size_t)t * (size_t)mm_bf16_pairs(jb->w);
+    int i = 0;
+    for (; i + 16 <= n_in; i += 16, dst += 8)
+        _mm256_storeu_si256((__m256i *)dst,
+                            _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + i))));
+    for (; i < n_in; i += 2, dst++) {
+        uint32_t lo = qt_f32_to_bf16(x[i]), hi = i + 1 < n_in ? qt_f32_to_bf16(x[i + 1]) : 0;
+        *dst = lo | hi << 16;
+    }
+}
+
+/* C tile c (16 tokens from t0 x group g's 16 rows) into out: straight when
+ * all of it exists, else through buf, the rows and tokens that do. */
+#define STORE_C(c, g, t0, nt)                                                                      \
+    do {                                                                                           \
+        const int o0_ = (g) * MM_PACK_ROWS, no_ = n_out - o0_;                                     \
+        float *dst_ = jb->out + (size_t)(t0) * (size_t)n_out + (size_t)o0_;                        \
+        if (no_ >= MM_PACK_ROWS && (nt) == 16) {                                                   \
+            _tile_stored(c, dst_, (size_t)n_out * sizeof(float));                                  \
+        } else if (no_ > 0) {                                                                      \
+            _tile_stored(c, buf, 64);                                                              \
+            for (int t_ = 0; t_ < (nt); t_++)                                                      \
+                memcpy(dst_ + (size_t)t_ * (size_t)n_out, buf[t_],                                 \
+                       sizeof(float) * (size_t)(no_ < MM_PACK_ROWS ? no_ : MM_PACK_ROWS));         \
+        }                                                                                          \
+    } while (0)
+
+/* Pair of groups q (groups 2q, 2q + 1) x the nt (1..MM_AMX_NT) tokens from
+ * t0: one token tile's two C tiles, or both tiles' four. */
+AMX_FN static void amx_block(const struct mm_pack_job *jb, size_t q, int t0, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const int np = mm_bf16_pairs(w), n_out = w->n_out;
+    const uint8_t *pw = (const uint8_t *)w->packed + q * mm_bf16_pair_bytes(w);
+    const uint32_t *x0 = jb->xb + (size_t)t0 * (size_t)np, *x1 = x0 + 16 * (size_t)np;
+    /* one token: its row 16 times (stride 0), no other row read */
+    const size_t xs = nt == 1 ? 0 : (size_t)np * 4;
+    float buf[16][16] __attribute__((aligned(64)));
+
+    _tile_zero(0);
+    _tile_zero(1);
+    if (nt > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int p = 0; p < np; p += 16) {
+            _tile_loadd(6, pw + (size_t)p * 128, 128);
+            _tile_loadd(7, pw + (size_t)p * 128 + 64, 128);
+            _tile_loadd(4, x0 + p, xs);
+            _tile_loadd(5, x1 + p, xs);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int p = 0; p < np; p += 16) {
+            if (nt <= MM_PACK_NARROW)
+                prefetch_ahead(pw + (size_t)p * 128, 16 * 128, MM_AMX_PREFETCH);
+            _tile_loadd(6, pw + (size_t)p * 128, 128);
+            _tile_loadd(7, pw + (size_t)p * 128 + 64, 128);
+            _tile_loadd(4, x0 + p, xs);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    const int g = 2 * (int)q, n0 = nt < 16 ? nt : 16;
+    STORE_C(0, g, t0, n0);
+    STORE_C(1, g + 1, t0, n0);
+    if (nt > 16) {
+        STORE_C(2, g, t0 + 16, nt - 16);
+        STORE_C(3, g + 1, t0 + 16, nt - 16);
+    }
+}
+
+/* Decoding (nt <= MM_PACK_NARROW tokens from token 0): pairs of groups q
+ * and q + 1 together, two streams of weights in flight (one pair at a
+ * time: 92-100 tokens/s on the 576x30 bf16 model, two: 104-110), four C
+ * tiles (one per group), one A, and three B tiles in turn. Each C element
+ * is the same chain of tdpbf16ps as in amx_block. */
+AMX_FN static void amx_narrow2(const struct mm_pack_job *jb, size_t q, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const int np = mm_bf16_pairs(w), n_out = w->n_out;
+    const uint8_t *pa = (const uint8_t *)w->packed + q * mm_bf16_pair_bytes(w);
+    const uint8_t *pb = pa + mm_bf16_pair_bytes(w);
+    const uint32_t *x0 = jb->xb;
+    const size_t xs = nt == 1 ? 0 : (size_t)np * 4;
+    float buf[16][16] __attribute__((aligned(64)));
+
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int p = 0; p < np; p += 16) {
+        prefetch_ahead(pa + (size_t)p * 128, 16 * 128, MM_AMX_PREFETCH);
+        prefetch_ahead(pb + (size_t)p * 128, 16 * 128, MM_AMX_PREFETCH);
+        _tile_loadd(4, x0 + p, xs);
+        _tile_loadd(5, pa + (size_t)p * 128, 128);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, pa + (size_t)p * 128 + 64, 128);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, pb + (size_t)p * 128, 128);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, pb + (size_t)p * 128 + 64, 128);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    const int g = 2 * (int)q;
+    STORE_C(0, g, 0, nt);
+    STORE_C(1, g + 1, 0, nt);
+    STORE_C(2, g + 2, 0, nt);
+    STORE_C(3, g + 3, 0, nt);
+}
+
+/* Pairs of groups outside (their weights stay in cache while the token
+ * tiles pass), token tiles inside, on this thread's tiles. */
+AMX_FN static void groups_amx(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
+{
+    __asm__ volatile("" ::: "memory"); /* tileloadd's asm names no memory it reads */
+    _tile_loadconfig(&amx_cfg);
+    if (jb->n_tok <= MM_PACK_NARROW) /* two pairs at a time while a group of the second exists */
+        for (; g0 + 2 < g1; g0 += 4)
+            amx_narrow2(jb, (size_t)g0 / 2, jb->n_tok);
+    for (int g = g0; g < g1; g += 2)
+        for (int j = j0; j < j1; j++) {
+            const int t0 = j * MM_AMX_NT, left = jb->n_tok - t0;
+            amx_block(jb, (size_t)g / 2, t0, left < MM_AMX_NT ? left : MM_AMX_NT);
+        }
+    _tile_release();
+}
+
+const struct mm_amx_kernels KERN(mm_amx_kernels) = {
+    .name = "amx-bf16 tiles",
+    .round = round_amx,
+    .groups = groups_amx,
+};
+
+#else /* no AMX kernels at this level */
+
+const struct mm_amx_kernels KERN(mm_amx_kernels) = {
+    .name = NULL,
+    .round = NULL,
+    .groups = NULL,
+};
+
+#endif
