@@ -178,17 +178,23 @@ bool cpu_bf16(void)
            !atomic_load_explicit(&bf16_off, memory_order_relaxed) && cpu_bf16_supported();
 }
 
+/* Asked once: under a hypervisor each cpuid is a trap (microseconds), and
+ * loading a model asks for every matrix. */
 bool cpu_bf16_dot_fast(void)
 {
+    static _Atomic int fast = -1;
+    int f = atomic_load_explicit(&fast, memory_order_relaxed);
+    if (f < 0) {
+        f = 1;
 #ifdef CPU_X86
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d))
-        return true;
-    /* "GenuineIntel" in ebx, edx, ecx */
-    return !(b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu);
-#else
-    return true;
+        unsigned a, b, c, d;
+        /* "GenuineIntel" in ebx, edx, ecx */
+        if (__get_cpuid(0, &a, &b, &c, &d))
+            f = !(b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu);
 #endif
+        atomic_store_explicit(&fast, f, memory_order_relaxed);
+    }
+    return f;
 }
 
 /* amx-bf16: -1 until asked, then whether it may run; whether forced off;

@@ -28,9 +28,13 @@
  * fold every 32 inputs.
  *
  * Measured on an AMX Xeon (one thread, 512 tokens, the 576 x 30 model's
- * shapes, a scratch program of this loop): 1,250-1,770 GFLOP/s against
- * the f32 tile's 150-180 and vdpbf16ps's ~115. Figures on the model are
- * in matmul_pack_run.c's "Which weights go to bf16 pairs".
+ * shapes): a scratch program of this loop alone over activations already
+ * in bf16, 1,250-1,770 GFLOP/s; bench_bf16's layer (rounding included)
+ * 691 GFLOP/s on one thread, 1,660 on two, against the f32 tile's 161 and
+ * 321 and vdpbf16ps's 108 and 217, of a tdpbf16ps peak of ~3,500 per
+ * core: each step's 4 KiB of tile loads come from L2. Figures on the
+ * model, and why the tiles are not the default, are in matmul_pack_run.c's
+ * "Which weights go to bf16 pairs".
  *
  * ---------------------------------------------------------------------------
  * Numerics and invariance
@@ -51,7 +55,15 @@
  * only on its own A row and B column.
  *
  * Decoding streams each pair of groups as the vector kernels do (one run
- * of bytes, prefetched MM_AMX_PREFETCH ahead into L1).
+ * of bytes, prefetched MM_AMX_PREFETCH ahead into L1), two pairs at a
+ * time. In a loop of the product alone, two threads streaming 150 MB each
+ * from DRAM, that reads 33-37 GB/s, as vdpbf16ps's narrow tile does; in
+ * the model's decoding step the same products take ~16% longer than
+ * vdpbf16ps's (perf: 19,555 samples against 17,590 over the same
+ * tokens). Not explained: not the per-call tile configuration (kept
+ * loaded across calls: +2-3%), not the prefetch distance (1-16 KiB, into
+ * L1 or L2), not the stores (straight into out), not the core's clock
+ * (a dependent chain of adds runs as fast after tdpbf16ps as before).
  *
  * The tiles: Linux grants their state per process on request (cpu.c asks
  * once); each call loads the configuration on its thread and releases the

@@ -7,10 +7,11 @@
  * of which only the avx512 copy has code, run only while cpu_bf16().
  *
  * Which weights take this path (matmul_pack_run.c decides, at load):
- *   bf16  where cpu_bf16() and vdpbf16ps outruns the FMA or the CPU has
- *         AMX's bf16 tiles (then run by matmul_amx.c, below), or where
- *         KVD_BF16=pairs asks: the weights are multiplied as stored;
- *         only the activations are rounded to bf16 (as llama.cpp does);
+ *   bf16  where cpu_bf16() and vdpbf16ps outruns the FMA, or where
+ *         KVD_BF16=pairs asks (on a CPU with AMX's bf16 tiles the pairs
+ *         then run on them: matmul_amx.c, below): the weights are
+ *         multiplied as stored; only the activations are rounded to bf16
+ *         (as llama.cpp does);
  *   f16   only when asked (KVD_F16=bf16, mm_f16_set_bf16): each weight is
  *         rounded to bf16 at load, losing 3 of its 11 significant bits;
  *         by default f16 stays exact (matmul_pack.c's f32 FMA tile).

@@ -147,8 +147,8 @@
  * 1.6x. A 576 x 30 q8_0 model prefilled 741 tokens at 1,693-2,014
  * tokens/s with it against 1,799-2,153 without (three alternated rounds):
  * its matrices are too narrow (18 blocks per row) to pay. So the tiles
- * are not used; a format whose scale covers a tile's whole depth (bf16
- * weights, no fold) would be the place to try them again.
+ * are not used here. A format whose scale covers a tile's whole depth
+ * does take them: bf16 weights in pairs (matmul_amx.c).
  *
  * ---------------------------------------------------------------------------
  * Tiles and invariance
