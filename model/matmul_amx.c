@@ -57,13 +57,19 @@
  * Decoding streams each pair of groups as the vector kernels do (one run
  * of bytes, prefetched MM_AMX_PREFETCH ahead into L1), two pairs at a
  * time. In a loop of the product alone, two threads streaming 150 MB each
- * from DRAM, that reads 33-37 GB/s, as vdpbf16ps's narrow tile does; in
- * the model's decoding step the same products take ~16% longer than
- * vdpbf16ps's (perf: 19,555 samples against 17,590 over the same
- * tokens). Not explained: not the per-call tile configuration (kept
- * loaded across calls: +2-3%), not the prefetch distance (1-16 KiB, into
- * L1 or L2), not the stores (straight into out), not the core's clock
- * (a dependent chain of adds runs as fast after tdpbf16ps as before).
+ * from DRAM, that reads 33-37 GB/s, as vdpbf16ps's narrow tile does, and
+ * bench_matmul's decoding step (211 matrices) takes 9.22 ms against
+ * 9.00; but in the model's decoding step the same products take ~11%
+ * longer than vdpbf16ps's (perf, 256 tokens after a 3,779-token prompt:
+ * 19,756 samples against 17,727), and the step decodes 103-115 tokens/s
+ * against 120-126. Not explained: not the per-call tile configuration
+ * (kept loaded across calls: +2-3%), not the prefetch (into L1 512 B to
+ * 8 KiB ahead, into L2 4-16 KiB ahead, both, or none), not the stores
+ * (straight into out), not the core's clock (a chain of dependent adds
+ * runs as fast after tdpbf16ps as before), not the attention around it
+ * (no slower). One hint: 2 MiB pages speed vdpbf16ps's step up (117 ->
+ * 124 tokens/s against 4 KiB pages) and not this one (108 -> 110), as if
+ * the tile loads' misses were not what limits it.
  *
  * The tiles: Linux grants their state per process on request (cpu.c asks
  * once); each call loads the configuration on its thread and releases the

@@ -89,8 +89,9 @@ static int env_switch(const char *var, const char *off, const char *on, _Atomic 
  * 999-1,087 widened (756-801 in vdpbf16ps pairs), of 3,779 tokens
  * 1,180-1,282 against 699-751; decode 103-114 against 112-127 at 97+
  * keys, 66 against 71-72 at 3,779 (the tiles' matrix-vector products
- * reading the same bytes ~16% slower in the model, though as fast as
- * vdpbf16ps in a loop of the product alone). Decoding being what a
+ * reading the same bytes ~11% slower in the model, though nearly as fast
+ * as vdpbf16ps's in a loop of the products alone: matmul_amx.c's
+ * "Decoding"). Decoding being what a
  * long answer waits on, the default stays widened, and the kernels line
  * says that KVD_BF16=pairs would take the tiles.
  * ------------------------------------------------------------------------ */
