@@ -40,10 +40,12 @@
  *    Roofline = 1 / (weight ops / weight peak + attention ops / f32 FMA
  *    peak), the peaks bench_peak.h's, per core, times the threads. The
  *    weight peak is vpdpbusd's for q8_0, vdpbf16ps's for bf16 where the CPU
- *    has it, and the f32 FMA's for f32 and f16 (the yardstick the issue
- *    sets them). An "f16-bf16" row is the f16 model run with KVD_F16=bf16
- *    in the binary's environment: its weights are rounded to bf16 at load
- *    and multiplied by vdpbf16ps, so that peak is its yardstick (a binary
+ *    has it and kvd takes the pairs (tdpbf16ps's where it has AMX's bf16
+ *    tiles, which then run the pairs), and the f32 FMA's for f32 and f16
+ *    (the yardstick the issue sets them). An "f16-bf16" row is the f16
+ *    model run with KVD_F16=bf16 in the binary's environment: its weights
+ *    are rounded to bf16 at load and multiplied in pairs, so that
+ *    instruction's peak is its yardstick (a binary
  *    whose kernels line does not say so gets a note); the other rows run
  *    with KVD_F16 taken out of the environment. The norms, rotations and SwiGLU are left out: they are
  *    work a real forward must do, so 100% is out of reach by a few points.
@@ -165,7 +167,7 @@ struct model_cost {
 };
 
 static struct {
-    double vnni, fma, bf16; /* per core, GOPS */
+    double vnni, fma, bf16, amx; /* per core, GOPS (amx: tdpbf16ps) */
     char kernels[MAX_BINS][MAX_TYPES][256], weights[MAX_BINS][MAX_TYPES][256];
 } g;
 
@@ -407,18 +409,22 @@ static void measure_peaks(void)
         g.vnni = fmax(g.vnni, bench_peak_vnni());
         g.fma = fmax(g.fma, bench_peak_fma());
         g.bf16 = fmax(g.bf16, bench_peak_bf16());
+        if (cpu_amx_supported()) /* and the tile permission with it */
+            g.amx = fmax(g.amx, bench_peak_amx_bf16());
     }
     char v[32] = "not measured (no AVX-512 VNNI)", f[32] = "not measured (no AVX-512)",
-         b[32] = "not measured (no AVX-512 BF16)";
+         b[32] = "not measured (no AVX-512 BF16)", a[32] = "not measured (no AMX-BF16)";
     if (g.vnni > 0)
         snprintf(v, sizeof v, "%.0f GOPS", g.vnni);
     if (g.fma > 0)
         snprintf(f, sizeof f, "%.0f GFLOPS", g.fma);
     if (g.bf16 > 0)
         snprintf(b, sizeof b, "%.0f GFLOPS", g.bf16);
+    if (g.amx > 0)
+        snprintf(a, sizeof a, "%.0f GFLOPS", g.amx);
     printf("peaks of one core, measured now (bench_peak.h): vpdpbusd %s, f32 FMA %s, "
-           "vdpbf16ps %s\n",
-           v, f, b);
+           "vdpbf16ps %s, tdpbf16ps %s\n",
+           v, f, b, a);
 }
 
 /* Whether a row's weight products run as bf16 pairs: f16 weights rounded
@@ -430,19 +436,24 @@ static bool bf16_products(const struct wtype *w)
     return (w->f16_bf16 || (w->file == GGML_TYPE_BF16 && cpu_bf16_dot_fast())) && g.bf16 > 0;
 }
 
-/* The peak a row's weight products are held to (per core), or 0. */
+/* The peak a row's weight products are held to (per core), or 0: bf16
+ * pairs run on AMX's tiles where the CPU has them (model/matmul_amx.c). */
 static double weight_peak(const struct wtype *w)
 {
     if (w->file == GGML_TYPE_Q8_0)
         return g.vnni;
-    return bf16_products(w) ? g.bf16 : g.fma;
+    if (bf16_products(w))
+        return g.amx > 0 ? g.amx : g.bf16;
+    return g.fma;
 }
 
 static const char *weight_peak_name(const struct wtype *w)
 {
     if (w->file == GGML_TYPE_Q8_0)
         return "vpdpbusd";
-    return bf16_products(w) ? "vdpbf16ps" : "f32 FMA";
+    if (bf16_products(w))
+        return g.amx > 0 ? "tdpbf16ps" : "vdpbf16ps";
+    return "f32 FMA";
 }
 
 /* ------------------------------------------------------------------------
