@@ -103,6 +103,63 @@ static void test_force(void **state)
     assert_null(cpu_level_name((enum cpu_level)CPU_N_LEVELS));
 }
 
+/* Whether /proc/cpuinfo lists flag for the first CPU (false without it). */
+static bool cpuinfo_flag(const char *flag)
+{
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[4096];
+    bool has = false;
+    if (!f)
+        return false;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "flags", 5)) {
+            char want[64];
+            snprintf(want, sizeof want, " %s", flag);
+            const char *p = strstr(line, want);
+            has = p && (p[strlen(want)] == ' ' || p[strlen(want)] == '\n');
+            break;
+        }
+    fclose(f);
+    return has;
+}
+
+/* AMX's bf16 tiles: detected as the kernel lists them (or refused by it,
+ * and then said why), on at avx512 where the CPU has them, off under
+ * "avx512-noamx" (forced, where the CPU has them) and "avx512-nobf16";
+ * the line says which. */
+static void test_amx(void **state)
+{
+    (void)state;
+    char err[256], line[256];
+    const bool has = cpu_amx_supported();
+    const bool listed = cpuinfo_flag("amx_tile") && cpuinfo_flag("amx_bf16");
+    print_message("amx-bf16 here: %s (cpuinfo: %s)\n", has ? "yes" : "no", listed ? "yes" : "no");
+    if (!listed)
+        assert_false(has);
+    else if (!has && cpu_bf16_supported())
+        assert_non_null(strstr(cpu_describe(line, sizeof line), "the OS refused amx-bf16"));
+    assert_int_equal(cpu_amx(), has && cpu_level() == CPU_AVX512);
+    if (cpu_force("avx512-noamx", err, sizeof err)) {
+        print_message("avx512-noamx refused here: %s\n", err);
+        assert_false(has);
+        return;
+    }
+    assert_false(cpu_amx());
+    assert_int_equal(cpu_bf16(), cpu_bf16_supported());
+    assert_int_equal(cpu_forced(), has);
+    cpu_describe(line, sizeof line);
+    print_message("avx512-noamx: %s\n", line);
+    if (has)
+        assert_non_null(strstr(line, "with avx512bf16 without amx-bf16"));
+    assert_int_equal(cpu_force("avx512-nobf16", err, sizeof err), 0);
+    assert_false(cpu_amx());
+    assert_false(cpu_bf16());
+    assert_int_equal(cpu_force("auto", err, sizeof err), 0);
+    assert_int_equal(cpu_amx(), has);
+    if (has)
+        assert_non_null(strstr(cpu_describe(line, sizeof line), "with avx512bf16, amx-bf16)"));
+}
+
 /* KVD_CPU through cpu_init_env: unset or empty leaves the level alone. */
 static void test_env(void **state)
 {
@@ -185,6 +242,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_missing_named),
         cmocka_unit_test(test_force),
+        cmocka_unit_test(test_amx),
         cmocka_unit_test(test_env),
         cmocka_unit_test(test_binary),
     };
