@@ -187,7 +187,7 @@ bool cpu_bf16_dot_fast(void)
     if (f < 0) {
         f = 1;
 #ifdef CPU_X86
-        unsigned a, b, c, d;
+        unsigned a = 0, b = 0, c = 0, d = 0;
         /* "GenuineIntel" in ebx, edx, ecx */
         if (__get_cpuid(0, &a, &b, &c, &d))
             f = !(b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu);
