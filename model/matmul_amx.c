@@ -114,8 +114,7 @@ static void round_amx(const struct mm_pack_job *jb, const float *x, int t)
     uint32_t *dst = jb->xb + (size_t)t * (size_t)mm_bf16_pairs(jb->w);
     int i = 0;
     for (; i + 16 <= n_in; i += 16, dst += 8)
-        _mm256_storeu_si256((__m256i *)dst,
-                            _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + i))));
+        _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + i))));
     for (; i < n_in; i += 2, dst++) {
         uint32_t lo = qt_f32_to_bf16(x[i]), hi = i + 1 < n_in ? qt_f32_to_bf16(x[i + 1]) : 0;
         *dst = lo | hi << 16;
@@ -126,7 +125,7 @@ static void round_amx(const struct mm_pack_job *jb, const float *x, int t)
  * all of it exists, else through buf, the rows and tokens that do. */
 #define STORE_C(c, g, t0, nt)                                                                      \
     do {                                                                                           \
-        const int o0_ = (g) * MM_PACK_ROWS, no_ = n_out - o0_;                                     \
+        const int o0_ = (g)*MM_PACK_ROWS, no_ = n_out - o0_;                                       \
         float *dst_ = jb->out + (size_t)(t0) * (size_t)n_out + (size_t)o0_;                        \
         if (no_ >= MM_PACK_ROWS && (nt) == 16) {                                                   \
             _tile_stored(c, dst_, (size_t)n_out * sizeof(float));                                  \

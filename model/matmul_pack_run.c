@@ -91,9 +91,9 @@ static int env_switch(const char *var, const char *off, const char *on, _Atomic 
  * keys, 66 against 71-72 at 3,779 (the tiles' matrix-vector products
  * reading the same bytes ~11% slower in the model, though nearly as fast
  * as vdpbf16ps's in a loop of the products alone: matmul_amx.c's
- * "Decoding"). Decoding being what a
- * long answer waits on, the default stays widened, and the kernels line
- * says that KVD_BF16=pairs would take the tiles.
+ * "Decoding"). Decoding being what a long answer waits on, the default
+ * stays widened, and the kernels line says that KVD_BF16=pairs would take
+ * the tiles.
  * ------------------------------------------------------------------------ */
 
 static const struct mm_bf16_kernels *const bkernels[CPU_N_LEVELS] = KERN_TABLE(mm_bf16_kernels);
@@ -460,7 +460,8 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
     if (w->packed_bf16) { /* bf16 pairs: the rounded tokens, by tiles or (AMX) by rows */
         if (jb)
             jb->xb = (uint32_t *)p;
-        const size_t rows = round_up((size_t)n_tok, MM_BF16_NT), amx = round_up((size_t)n_tok, MM_AMX_NT);
+        const size_t rows = round_up((size_t)n_tok, MM_BF16_NT),
+                     amx = round_up((size_t)n_tok, MM_AMX_NT);
         /* the larger: whether the tiles run may change between sizing and
          * call (a level forced in between) */
         return round_up((rows > amx ? rows : amx) * (size_t)mm_bf16_pairs(w) * 4, 64);

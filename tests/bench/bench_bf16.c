@@ -243,12 +243,12 @@ int main(int argc, char **argv)
             continue;
         }
         double gf = 2.0 * L[k][0].macs * N_TOK / r[k].t1 / 1e9;
+        double own = paths[k].amx ? tdp : paths[k].dp ? dpb : fma; /* its instruction's peak */
         double gf2 = 2.0 * L[k][0].macs * N_TOK / r[k].t2 / 1e9;
         double gbs = L[k][0].bytes * DEC_LAYERS / r[k].tdec / 1e9;
         printf("%-12s %9.2f %10.1f %8.0f%% %8.0f%% %10.1f | %12.1f %7.0f%% %8.3f\n", paths[k].name,
-               1e3 * r[k].t1, gf, 100.0 * gf / (paths[k].amx ? tdp : paths[k].dp ? dpb : fma),
-               100.0 * gf / fma, gf2,
-               gbs, 100.0 * gbs / bus, 1e3 * r[k].tdec);
+               1e3 * r[k].t1, gf, 100.0 * gf / own, 100.0 * gf / fma, gf2, gbs, 100.0 * gbs / bus,
+               1e3 * r[k].tdec);
     }
     printf("\nload average after: %s\n", load1);
     for (size_t k = 0; k < N_PATHS; k++)
