@@ -157,19 +157,35 @@ static _Atomic int best_level = -1;
 static _Atomic int bf16_cpu = -1;
 static _Atomic int bf16_off = 0;
 
+/*
+ * The answer probe gives, computed on first use and kept in *slot (-1 until
+ * then). Threads racing on the first use compute the same answer; release
+ * and acquire publish what a probe wrote beside it (amx_refused).
+ */
+static int ask_once(_Atomic int *slot, int (*probe)(void))
+{
+    int v = atomic_load_explicit(slot, memory_order_acquire);
+    if (v < 0) {
+        v = probe();
+        atomic_store_explicit(slot, v, memory_order_release);
+    }
+    return v;
+}
+
+static int probe_bf16(void)
+{
+#ifdef CPU_X86
+    unsigned w[N_WORDS];
+    read_cpuid(w);
+    return cpu_level_supported(CPU_AVX512, NULL, 0) && check(w, &bf16_feature, 1, NULL, 0);
+#else
+    return 0;
+#endif
+}
+
 bool cpu_bf16_supported(void)
 {
-    int h = atomic_load_explicit(&bf16_cpu, memory_order_relaxed);
-    if (h < 0) {
-        h = 0;
-#ifdef CPU_X86
-        unsigned w[N_WORDS];
-        read_cpuid(w);
-        h = cpu_level_supported(CPU_AVX512, NULL, 0) && check(w, &bf16_feature, 1, NULL, 0);
-#endif
-        atomic_store_explicit(&bf16_cpu, h, memory_order_relaxed);
-    }
-    return h;
+    return ask_once(&bf16_cpu, probe_bf16);
 }
 
 bool cpu_bf16(void)
@@ -178,23 +194,24 @@ bool cpu_bf16(void)
            !atomic_load_explicit(&bf16_off, memory_order_relaxed) && cpu_bf16_supported();
 }
 
+static int probe_bf16_dot_fast(void)
+{
+    int f = 1;
+#ifdef CPU_X86
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    /* "GenuineIntel" in ebx, edx, ecx */
+    if (__get_cpuid(0, &a, &b, &c, &d))
+        f = !(b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu);
+#endif
+    return f;
+}
+
 /* Asked once: under a hypervisor each cpuid is a trap (microseconds), and
  * loading a model asks for every matrix. */
 bool cpu_bf16_dot_fast(void)
 {
     static _Atomic int fast = -1;
-    int f = atomic_load_explicit(&fast, memory_order_relaxed);
-    if (f < 0) {
-        f = 1;
-#ifdef CPU_X86
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        /* "GenuineIntel" in ebx, edx, ecx */
-        if (__get_cpuid(0, &a, &b, &c, &d))
-            f = !(b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu);
-#endif
-        atomic_store_explicit(&fast, f, memory_order_relaxed);
-    }
-    return f;
+    return ask_once(&fast, probe_bf16_dot_fast);
 }
 
 /* amx-bf16: -1 until asked, then whether it may run; whether forced off;
@@ -219,26 +236,26 @@ static int amx_permission(void)
 #endif
 }
 
+static int probe_amx(void)
+{
+#ifdef CPU_X86
+    unsigned w[N_WORDS];
+    read_cpuid(w);
+    if (!cpu_bf16_supported() ||
+        !check(w, amx_features, sizeof(amx_features) / sizeof(amx_features[0]), NULL, 0))
+        return 0;
+    int e = amx_permission(); /* threads racing here ask twice: harmless */
+    if (e)
+        snprintf(amx_refused, sizeof(amx_refused), "the OS refused amx-bf16: %s", strerror(e));
+    return e == 0;
+#else
+    return 0;
+#endif
+}
+
 bool cpu_amx_supported(void)
 {
-    int h = atomic_load_explicit(&amx_cpu, memory_order_acquire);
-    if (h < 0) {
-        h = 0;
-#ifdef CPU_X86
-        unsigned w[N_WORDS];
-        read_cpuid(w);
-        if (cpu_bf16_supported() &&
-            check(w, amx_features, sizeof(amx_features) / sizeof(amx_features[0]), NULL, 0)) {
-            int e = amx_permission(); /* threads racing here ask twice: harmless */
-            if (e)
-                snprintf(amx_refused, sizeof(amx_refused), "the OS refused amx-bf16: %s",
-                         strerror(e));
-            h = e == 0;
-        }
-#endif
-        atomic_store_explicit(&amx_cpu, h, memory_order_release);
-    }
-    return h;
+    return ask_once(&amx_cpu, probe_amx);
 }
 
 bool cpu_amx(void)
@@ -247,31 +264,27 @@ bool cpu_amx(void)
            cpu_amx_supported();
 }
 
+static int probe_best(void)
+{
+    for (int l = CPU_N_LEVELS - 1; l > CPU_SCALAR; l--)
+        if (cpu_level_built((enum cpu_level)l) && cpu_level_supported((enum cpu_level)l, NULL, 0))
+            return l;
+    return CPU_SCALAR;
+}
+
 enum cpu_level cpu_best(void)
 {
-    int b = atomic_load_explicit(&best_level, memory_order_relaxed);
-    if (b < 0) {
-        /* threads racing here compute the same value */
-        b = CPU_SCALAR;
-        for (int l = CPU_N_LEVELS - 1; l > CPU_SCALAR; l--)
-            if (cpu_level_built((enum cpu_level)l) &&
-                cpu_level_supported((enum cpu_level)l, NULL, 0)) {
-                b = l;
-                break;
-            }
-        atomic_store_explicit(&best_level, b, memory_order_relaxed);
-    }
-    return (enum cpu_level)b;
+    return (enum cpu_level)ask_once(&best_level, probe_best);
+}
+
+static int probe_current(void)
+{
+    return (int)cpu_best();
 }
 
 enum cpu_level cpu_level(void)
 {
-    int l = atomic_load_explicit(&current_level, memory_order_relaxed);
-    if (l < 0) {
-        l = (int)cpu_best();
-        atomic_store_explicit(&current_level, l, memory_order_relaxed);
-    }
-    return (enum cpu_level)l;
+    return (enum cpu_level)ask_once(&current_level, probe_current);
 }
 
 const char *cpu_level_name(enum cpu_level l)
