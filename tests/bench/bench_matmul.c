@@ -36,8 +36,10 @@
  * step's roofline, in ms per token and the fraction of the bus reached.
  *
  * `bench_matmul decode [ROUNDS [THREADS]]`: only that decoding step, for
- * q8_0, f16 (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 and
- * f32, measured round-robin with a triad in each round (see
+ * q8_0, f16 (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 as
+ * packed by default and in pairs (KVD_BF16=pairs: AMX tiles where the CPU
+ * has them; KVD_CPU=avx512-noamx for vdpbf16ps), and f32, measured
+ * round-robin with a triad in each round (see
  * bench_decode_types); on one thread timed by its CPU time, the figure that
  * holds still on a shared machine.
  *
@@ -60,6 +62,7 @@
 #include <time.h>
 
 
+#include "cpu/cpu.h"
 #include "model/quant.h"
 #include "tests/bench/bench_util.h"
 
@@ -296,11 +299,12 @@ static const int sm_shapes[8][2] = {/* n_in, n_out: q k v o gate up down, output
                                     {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}};
 
 /* The 211 matrices of the shape in type, repacked into one mapping (f16
- * rounded to bf16 pairs when f16_bf16): what model_pack.c makes at load.
+ * rounded to bf16 pairs when f16_bf16; bf16 in pairs as mm_bf16_set_pairs
+ * takes bf16_pairs, -1 the CPU's default): what model_pack.c makes at load.
  * Returns the mapping (cpu_unmap(*mem, *total)) or NULL where this level
  * repacks nothing of type; *bytes: the weights' bytes as stored. */
-static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, struct mm_weight *w, size_t *total,
-                           size_t *bytes)
+static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, int bf16_pairs,
+                           struct mm_weight *w, size_t *total, size_t *bytes)
 {
     uint8_t *proto[8];
     for (int m = 0; m < 8; m++) { /* one matrix per shape; the layers copy them */
@@ -315,6 +319,7 @@ static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, struct mm_weight 
         free(row);
     }
     mm_f16_set_bf16(f16_bf16);
+    mm_bf16_set_pairs(bf16_pairs);
     uint8_t *mem = NULL;
     *total = *bytes = 0;
     for (int k = 0; k < SM_MATS; k++) {
@@ -336,6 +341,7 @@ static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, struct mm_weight 
         }
     }
     mm_f16_set_bf16(false);
+    mm_bf16_set_pairs(-1);
     for (int m = 0; m < 8; m++)
         free(proto[m]);
     return mem;
@@ -368,7 +374,7 @@ static void bench_model_decode(double bus)
 {
     static struct mm_weight w[SM_MATS];
     size_t total, bytes;
-    uint8_t *mem = model_copy(GGML_TYPE_Q8_0, false, w, &total, &bytes);
+    uint8_t *mem = model_copy(GGML_TYPE_Q8_0, false, -1, w, &total, &bytes);
     if (!mem) {
         printf("\nmodel decode: no repacked q8_0 kernels at this level\n");
         return;
@@ -398,12 +404,13 @@ static void bench_model_decode(double bus)
 /*
  * `bench_matmul decode [ROUNDS]`: the model decoding step above for each
  * weight type whose copy decoding reads (q8_0, f16 exact, f16 rounded to
- * bf16 pairs, bf16, f32), round-robin: every round runs 10 steps of each
+ * bf16 pairs, bf16 as the CPU's default packs it, bf16 in pairs as
+ * KVD_BF16=pairs asks, f32), round-robin: every round runs 10 steps of each
  * type in turn and a triad, so a load change slows them alike. Printed per
  * type: the best and median step, GB/s of the weights as stored, and the
  * fraction of the best bus figure of the run.
  */
-#define DEC_TYPES 5
+#define DEC_TYPES 6
 #define DEC_STEPS 10
 
 static int cmp_double(const void *a, const void *b)
@@ -418,11 +425,10 @@ static int bench_decode_types(int rounds, int nth)
         const char *name;
         enum ggml_type type;
         bool f16_bf16;
-    } ty[DEC_TYPES] = {{"q8_0", GGML_TYPE_Q8_0, false},
-                       {"f16", GGML_TYPE_F16, false},
-                       {"f16-bf16", GGML_TYPE_F16, true},
-                       {"bf16", GGML_TYPE_BF16, false},
-                       {"f32", GGML_TYPE_F32, false}};
+        int bf16_pairs;
+    } ty[DEC_TYPES] = {{"q8_0", GGML_TYPE_Q8_0, false, -1},    {"f16", GGML_TYPE_F16, false, -1},
+                       {"f16-bf16", GGML_TYPE_F16, true, -1},  {"bf16", GGML_TYPE_BF16, false, -1},
+                       {"bf16-pair", GGML_TYPE_BF16, false, 1}, {"f32", GGML_TYPE_F32, false, -1}};
     static struct mm_weight w[DEC_TYPES][SM_MATS];
     uint8_t *mem[DEC_TYPES];
     size_t total[DEC_TYPES], bytes[DEC_TYPES];
@@ -431,7 +437,7 @@ static int bench_decode_types(int rounds, int nth)
     printf("model decode, 576x30, %d thread%s, kernels %s; load average %s\n", nth,
            nth == 1 ? " (its CPU time)" : "s", mm_pack_kernel_name(), la);
     for (int i = 0; i < DEC_TYPES; i++)
-        mem[i] = model_copy(ty[i].type, ty[i].f16_bf16, w[i], &total[i], &bytes[i]);
+        mem[i] = model_copy(ty[i].type, ty[i].f16_bf16, ty[i].bf16_pairs, w[i], &total[i], &bytes[i]);
     float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
     for (int i = 0; i < 1536; i++)
         x[i] = rnd();
@@ -463,6 +469,11 @@ static int bench_decode_types(int rounds, int nth)
                best * 1e3, med * 1e3, gb, gb / bus, 1.0 / best);
         cpu_unmap(mem[i], total[i]);
     }
+    char how[384];
+    printf("bf16: %s\n", mm_bf16_describe(how, sizeof how));
+    mm_bf16_set_pairs(1);
+    printf("bf16-pair: %s\n", mm_bf16_describe(how, sizeof how));
+    mm_bf16_set_pairs(-1);
     free(t);
     free(x);
     free(out);
@@ -471,6 +482,11 @@ static int bench_decode_types(int rounds, int nth)
 
 int main(int argc, char **argv)
 {
+    char bad[256];
+    if (cpu_init_env(bad, sizeof bad)) { /* KVD_CPU, as kvd takes it */
+        fprintf(stderr, "bench_matmul: %s\n", bad);
+        return 2;
+    }
     if (argc > 1 && !strcmp(argv[1], "kquant"))
         return bench_kquant();
     if (argc > 1 && !strcmp(argv[1], "decode"))
