@@ -61,7 +61,6 @@
 #include <string.h>
 #include <time.h>
 
-
 #include "cpu/cpu.h"
 #include "model/quant.h"
 #include "tests/bench/bench_util.h"
@@ -303,8 +302,8 @@ static const int sm_shapes[8][2] = {/* n_in, n_out: q k v o gate up down, output
  * takes bf16_pairs, -1 the CPU's default): what model_pack.c makes at load.
  * Returns the mapping (cpu_unmap(*mem, *total)) or NULL where this level
  * repacks nothing of type; *bytes: the weights' bytes as stored. */
-static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, int bf16_pairs,
-                           struct mm_weight *w, size_t *total, size_t *bytes)
+static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, int bf16_pairs, struct mm_weight *w,
+                           size_t *total, size_t *bytes)
 {
     uint8_t *proto[8];
     for (int m = 0; m < 8; m++) { /* one matrix per shape; the layers copy them */
