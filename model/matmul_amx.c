@@ -88,9 +88,6 @@
 
 #define AMX_FN __attribute__((target("amx-tile,amx-bf16")))
 
-/* Decoding: how far ahead of its stream a block asks for its weights. */
-#define MM_AMX_PREFETCH 2048
-
 /* Tile numbers (literals: the intrinsics paste them into register names):
  * C (token tile h, group e) = 2h + e, A (token tile h) = 4 + h, B (group
  * e) = 6 + e. */
@@ -166,8 +163,6 @@ AMX_FN static void amx_block(const struct mm_pack_job *jb, size_t q, int t0, int
         }
     } else {
         for (int p = 0; p < np; p += 16) {
-            if (nt <= MM_PACK_NARROW)
-                prefetch_ahead(pw + (size_t)p * 128, 16 * 128, MM_AMX_PREFETCH);
             _tile_loadd(6, pw + (size_t)p * 128, 128);
             _tile_loadd(7, pw + (size_t)p * 128 + 64, 128);
             _tile_loadd(4, x0 + p, xs);
@@ -184,54 +179,92 @@ AMX_FN static void amx_block(const struct mm_pack_job *jb, size_t q, int t0, int
     }
 }
 
-/* Decoding (nt <= MM_PACK_NARROW tokens from token 0): pairs of groups q
- * and q + 1 together, two streams of weights in flight (one pair at a
- * time: 92-100 tokens/s on the 576x30 bf16 model, two: 104-110), four C
- * tiles (one per group), one A, and three B tiles in turn. Each C element
- * is the same chain of tdpbf16ps as in amx_block. */
-AMX_FN static void amx_narrow2(const struct mm_pack_job *jb, size_t q, int nt)
+/* A lane's even (low) and odd (high) bf16 as f32. */
+static inline __m512 bf16_even(__m512i v)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+static inline __m512 bf16_odd(__m512i v)
+{
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/*
+ * Decoding (nt <= MM_PACK_NARROW tokens from token 0), pair of groups q,
+ * by the tiles' arithmetic in vector registers ("Decoding" above): per 16
+ * pairs, for each row and token, the even products in one chain of f32
+ * FMAs and the odd ones in another, the two added, then added to the sum.
+ * Call with MXCSR's DAZ and FTZ set, as the matrix unit works.
+ */
+static __attribute__((noinline)) void tiles_in_vectors(const struct mm_pack_job *jb, size_t q,
+                                                        int nt)
 {
     const struct mm_weight *w = jb->w;
     const int np = mm_bf16_pairs(w), n_out = w->n_out;
-    const uint8_t *pa = (const uint8_t *)w->packed + q * mm_bf16_pair_bytes(w);
-    const uint8_t *pb = pa + mm_bf16_pair_bytes(w);
-    const uint32_t *x0 = jb->xb;
-    const size_t xs = nt == 1 ? 0 : (size_t)np * 4;
-    float buf[16][16] __attribute__((aligned(64)));
-
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int p = 0; p < np; p += 16) {
-        prefetch_ahead(pa + (size_t)p * 128, 16 * 128, MM_AMX_PREFETCH);
-        prefetch_ahead(pb + (size_t)p * 128, 16 * 128, MM_AMX_PREFETCH);
-        _tile_loadd(4, x0 + p, xs);
-        _tile_loadd(5, pa + (size_t)p * 128, 128);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, pa + (size_t)p * 128 + 64, 128);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, pb + (size_t)p * 128, 128);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, pb + (size_t)p * 128 + 64, 128);
-        _tile_dpbf16ps(3, 4, 5);
+    const uint8_t *pw = (const uint8_t *)w->packed + q * mm_bf16_pair_bytes(w);
+    __m512 acc[MM_PACK_NARROW][2];
+    for (int t = 0; t < nt; t++)
+        acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int p0 = 0; p0 < np; p0 += 16) {
+        float xe[MM_PACK_NARROW][16] __attribute__((aligned(64)));
+        float xo[MM_PACK_NARROW][16] __attribute__((aligned(64)));
+        __m512 ev[MM_PACK_NARROW][2], od[MM_PACK_NARROW][2];
+        for (int t = 0; t < nt; t++) {
+            const __m512i xv = _mm512_loadu_si512(jb->xb + (size_t)t * (size_t)np + p0);
+            _mm512_store_ps(xe[t], bf16_even(xv));
+            _mm512_store_ps(xo[t], bf16_odd(xv));
+            ev[t][0] = ev[t][1] = od[t][0] = od[t][1] = _mm512_setzero_ps();
+        }
+        const uint8_t *line = pw + (size_t)p0 * 128;
+        prefetch_ahead(line, 16 * 128, MM_PACK_PREFETCH);
+        for (int k = 0; k < 16; k++, line += 128) {
+            const __m512i w0 = _mm512_loadu_si512(line), w1 = _mm512_loadu_si512(line + 64);
+            const __m512 e0 = bf16_even(w0), o0 = bf16_odd(w0);
+            const __m512 e1 = bf16_even(w1), o1 = bf16_odd(w1);
+            for (int t = 0; t < nt; t++) {
+                const __m512 a = _mm512_set1_ps(xe[t][k]), b = _mm512_set1_ps(xo[t][k]);
+                ev[t][0] = _mm512_fmadd_ps(a, e0, ev[t][0]);
+                od[t][0] = _mm512_fmadd_ps(b, o0, od[t][0]);
+                ev[t][1] = _mm512_fmadd_ps(a, e1, ev[t][1]);
+                od[t][1] = _mm512_fmadd_ps(b, o1, od[t][1]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            for (int e = 0; e < 2; e++)
+                acc[t][e] = _mm512_add_ps(acc[t][e], _mm512_add_ps(ev[t][e], od[t][e]));
     }
-    const int g = 2 * (int)q;
-    STORE_C(0, g, 0, nt);
-    STORE_C(1, g + 1, 0, nt);
-    STORE_C(2, g + 2, 0, nt);
-    STORE_C(3, g + 3, 0, nt);
+    for (int e = 0; e < 2; e++) {
+        const int o0 = (2 * (int)q + e) * MM_PACK_ROWS, no = n_out - o0;
+        if (no <= 0)
+            break;
+        const __mmask16 m = no >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << no) - 1u);
+        for (int t = 0; t < nt; t++)
+            _mm512_mask_storeu_ps(jb->out + (size_t)t * (size_t)n_out + (size_t)o0, m, acc[t][e]);
+    }
+}
+
+/* Decoding's pairs of groups [g0, g1) by tiles_in_vectors, under DAZ and
+ * FTZ (MXCSR restored on return). */
+static void narrow_in_vectors(const struct mm_pack_job *jb, int g0, int g1)
+{
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u); /* FTZ (bit 15), DAZ (bit 6) */
+    for (int g = g0; g < g1; g += 2)
+        tiles_in_vectors(jb, (size_t)g / 2, jb->n_tok);
+    _mm_setcsr(csr);
 }
 
 /* Pairs of groups outside (their weights stay in cache while the token
  * tiles pass), token tiles inside, on this thread's tiles. */
 AMX_FN static void groups_amx(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
+    if (jb->n_tok <= MM_PACK_NARROW) {
+        if (j0 < j1)
+            narrow_in_vectors(jb, g0, g1);
+        return;
+    }
     __asm__ volatile("" ::: "memory"); /* tileloadd's asm names no memory it reads */
     _tile_loadconfig(&amx_cfg);
-    if (jb->n_tok <= MM_PACK_NARROW) /* two pairs at a time while a group of the second exists */
-        for (; g0 + 2 < g1; g0 += 4)
-            amx_narrow2(jb, (size_t)g0 / 2, jb->n_tok);
     for (int g = g0; g < g1; g += 2)
         for (int j = j0; j < j1; j++) {
             const int t0 = j * MM_AMX_NT, left = jb->n_tok - t0;

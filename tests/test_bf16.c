@@ -72,7 +72,8 @@ struct mat {
     void *packed;
 };
 
-static void mat_init(struct mat *m, enum ggml_type type, int n_in, int n_out)
+/* m from the n_out rows of n_in values in rows, as type stores them. */
+static void mat_from(struct mat *m, enum ggml_type type, int n_in, int n_out, const float *rows)
 {
     size_t rb = qt_row_bytes(type, n_in);
     m->data = malloc(rb * (size_t)n_out);
@@ -80,18 +81,28 @@ static void mat_init(struct mat *m, enum ggml_type type, int n_in, int n_out)
     m->packed = NULL;
     assert_non_null(m->data);
     assert_non_null(m->W);
-    float *row = malloc(sizeof(float) * (size_t)n_in);
     for (int o = 0; o < n_out; o++) {
-        float scale = powf(10.0f, 2.0f * rng_unit());
-        for (int i = 0; i < n_in; i++)
-            row[i] = scale * rng_unit();
-        assert_int_equal(qt_quantize_row(type, row, m->data + rb * (size_t)o, n_in), 0);
+        assert_int_equal(qt_quantize_row(type, rows + (size_t)o * n_in,
+                                         m->data + rb * (size_t)o, n_in),
+                         0);
         assert_int_equal(
             qt_dequantize_row(type, m->data + rb * (size_t)o, m->W + (size_t)o * n_in, n_in), 0);
     }
-    free(row);
     char err[160];
     assert_int_equal(mm_weight_init(&m->w, type, n_in, n_out, m->data, err, sizeof err), 0);
+}
+
+static void mat_init(struct mat *m, enum ggml_type type, int n_in, int n_out)
+{
+    float *rows = malloc(sizeof(float) * (size_t)n_in * (size_t)n_out);
+    assert_non_null(rows);
+    for (int o = 0; o < n_out; o++) {
+        float scale = powf(10.0f, 2.0f * rng_unit());
+        for (int i = 0; i < n_in; i++)
+            rows[(size_t)o * n_in + i] = scale * rng_unit();
+    }
+    mat_from(m, type, n_in, n_out, rows);
+    free(rows);
 }
 
 /* Repack at the level in use; true if a copy was made. */
@@ -239,6 +250,64 @@ static void test_bf16_bound_invariance(void **state)
         bound_invariance("avx512-noamx");
     else
         print_message("no amx-bf16 here: only the vdpbf16ps kernels tested\n");
+}
+
+/*
+ * The tiles flush denormal inputs and results to zero; decoding's vector
+ * copy of their arithmetic (matmul_amx.c) must too, or a token alone and
+ * the same token in a batch differ. Weights and activations around 1e-20
+ * (products near 1e-40, below f32's smallest normal), some of them bf16
+ * denormals themselves, mixed with ordinary ones.
+ */
+static void test_amx_denormals(void **state)
+{
+    (void)state;
+    if (!cpu_amx_supported()) {
+        print_message("skipping: no amx-bf16 here\n");
+        skip();
+        return;
+    }
+    assert_int_equal(cpu_force("avx512", NULL, 0), 0);
+    const int n_in = 64, n_out = 32, n_tok = 33;
+    rng_state = 77;
+    float *rows = malloc(sizeof(float) * n_in * n_out);
+    float *x = malloc(sizeof(float) * n_in * n_tok);
+    assert_non_null(rows);
+    assert_non_null(x);
+    /* rows: tiny, bf16 denormals, ordinary, a mix; tokens: tiny or a mix */
+    for (int o = 0; o < n_out; o++)
+        for (int i = 0; i < n_in; i++) {
+            const int k = o % 4 < 3 ? o % 4 : i % 3;
+            rows[o * n_in + i] = rng_unit() * (k == 0 ? 1e-20f : k == 1 ? 1e-39f : 1.0f);
+        }
+    for (int t = 0; t < n_tok; t++)
+        for (int i = 0; i < n_in; i++)
+            x[t * n_in + i] = rng_unit() * (t % 2 == 0 || i % 2 ? 1e-19f : 3e-39f);
+    struct mat m;
+    mat_from(&m, GGML_TYPE_BF16, n_in, n_out, rows);
+    assert_true(mat_pack(&m));
+    float *batch = malloc(sizeof(float) * n_out * n_tok), *alone = malloc(sizeof(float) * n_out);
+    assert_non_null(batch);
+    assert_non_null(alone);
+    assert_int_equal(mm_matmul(batch, &m.w, x, n_tok, 1), 0);
+    int zero = 0;
+    for (int t = 0; t < n_tok; t++) {
+        assert_int_equal(mm_matmul(alone, &m.w, x + (size_t)t * n_in, 1, 1), 0);
+        for (int o = 0; o < n_out; o++) {
+            if (bits(alone[o]) != bits(batch[(size_t)t * n_out + o]))
+                fail_msg("token %d row %d: alone %a, in the batch %a", t, o, (double)alone[o],
+                         (double)batch[(size_t)t * n_out + o]);
+            zero += alone[o] == 0.0f;
+        }
+    }
+    /* the flush is exercised: some sums are zero only because of it */
+    print_message("%d of %d sums flushed to zero\n", zero, n_out * n_tok);
+    free(batch);
+    free(alone);
+    free(rows);
+    free(x);
+    mat_free(&m);
+    assert_int_equal(cpu_force("auto", NULL, 0), 0);
 }
 
 /* Q, K and V of one x in one region (mm_matmul_many) over bf16 pairs: each
@@ -723,6 +792,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bf16_bound_invariance),
+        cmocka_unit_test(test_amx_denormals),
         cmocka_unit_test(test_bf16_many),
         cmocka_unit_test(test_bf16_tail),
         cmocka_unit_test(test_bf16_pack_bits),
