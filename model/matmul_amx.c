@@ -189,51 +189,64 @@ static inline __m512 bf16_odd(__m512i v)
     return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+/* Pairs of groups a decoding call runs side by side: up to 4 streams for
+ * one token, 2 for two (the 3 x 2 x tokens x pairs sums in 24 registers). */
+#define VEC_PAIRS 4
+
 /*
- * Decoding (nt <= MM_PACK_NARROW tokens from token 0), pair of groups q,
- * by the tiles' arithmetic in vector registers ("Decoding" above): per 16
- * pairs, for each row and token, the even products in one chain of f32
- * FMAs and the odd ones in another, the two added, then added to the sum.
- * Call with MXCSR's DAZ and FTZ set, as the matrix unit works.
+ * Decoding (nt <= MM_PACK_NARROW tokens from token 0), the np pairs of
+ * groups from q, by the tiles' arithmetic in vector registers ("Decoding"
+ * above): per 16 pairs, for each row and token, the even products in one
+ * chain of f32 FMAs and the odd ones in another, the two added, then added
+ * to the sum. Call with MXCSR's DAZ and FTZ set, as the matrix unit works.
+ * Each pair of groups is its own stream, prefetched as the vector kernels'
+ * are (matmul_pack.c's "Decoding").
  */
-static __attribute__((noinline)) void tiles_in_vectors(const struct mm_pack_job *jb, size_t q,
-                                                        int nt)
+static inline __attribute__((always_inline)) void tiles_in_vectors(const struct mm_pack_job *jb,
+                                                                   size_t q, const int npq,
+                                                                   const int nt)
 {
     const struct mm_weight *w = jb->w;
     const int np = mm_bf16_pairs(w), n_out = w->n_out;
-    const uint8_t *pw = (const uint8_t *)w->packed + q * mm_bf16_pair_bytes(w);
-    __m512 acc[MM_PACK_NARROW][2];
+    const uint8_t *pq[VEC_PAIRS];
+    for (int h = 0; h < npq; h++)
+        pq[h] = (const uint8_t *)w->packed + (q + (size_t)h) * mm_bf16_pair_bytes(w);
+    __m512 acc[MM_PACK_NARROW][2 * VEC_PAIRS];
     for (int t = 0; t < nt; t++)
-        acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+        for (int e = 0; e < 2 * npq; e++)
+            acc[t][e] = _mm512_setzero_ps();
     for (int p0 = 0; p0 < np; p0 += 16) {
         float xe[MM_PACK_NARROW][16] __attribute__((aligned(64)));
         float xo[MM_PACK_NARROW][16] __attribute__((aligned(64)));
-        __m512 ev[MM_PACK_NARROW][2], od[MM_PACK_NARROW][2];
+        __m512 ev[MM_PACK_NARROW][2 * VEC_PAIRS], od[MM_PACK_NARROW][2 * VEC_PAIRS];
         for (int t = 0; t < nt; t++) {
             const __m512i xv = _mm512_loadu_si512(jb->xb + (size_t)t * (size_t)np + p0);
             _mm512_store_ps(xe[t], bf16_even(xv));
             _mm512_store_ps(xo[t], bf16_odd(xv));
-            ev[t][0] = ev[t][1] = od[t][0] = od[t][1] = _mm512_setzero_ps();
+            for (int e = 0; e < 2 * npq; e++)
+                ev[t][e] = od[t][e] = _mm512_setzero_ps();
         }
-        const uint8_t *line = pw + (size_t)p0 * 128;
-        prefetch_ahead(line, 16 * 128, MM_PACK_PREFETCH);
-        for (int k = 0; k < 16; k++, line += 128) {
-            const __m512i w0 = _mm512_loadu_si512(line), w1 = _mm512_loadu_si512(line + 64);
-            const __m512 e0 = bf16_even(w0), o0 = bf16_odd(w0);
-            const __m512 e1 = bf16_even(w1), o1 = bf16_odd(w1);
-            for (int t = 0; t < nt; t++) {
-                const __m512 a = _mm512_set1_ps(xe[t][k]), b = _mm512_set1_ps(xo[t][k]);
-                ev[t][0] = _mm512_fmadd_ps(a, e0, ev[t][0]);
-                od[t][0] = _mm512_fmadd_ps(b, o0, od[t][0]);
-                ev[t][1] = _mm512_fmadd_ps(a, e1, ev[t][1]);
-                od[t][1] = _mm512_fmadd_ps(b, o1, od[t][1]);
+        prefetch_pairs(pq, 2 * npq, (size_t)p0 * 128, 16 * 128, MM_PACK_PREFETCH);
+        for (int k = 0; k < 16; k++) {
+            for (int h = 0; h < npq; h++) {
+                const uint8_t *line = pq[h] + (size_t)(p0 + k) * 128;
+                const __m512i w0 = _mm512_loadu_si512(line), w1 = _mm512_loadu_si512(line + 64);
+                const __m512 e0 = bf16_even(w0), o0 = bf16_odd(w0);
+                const __m512 e1 = bf16_even(w1), o1 = bf16_odd(w1);
+                for (int t = 0; t < nt; t++) {
+                    const __m512 a = _mm512_set1_ps(xe[t][k]), b = _mm512_set1_ps(xo[t][k]);
+                    ev[t][2 * h] = _mm512_fmadd_ps(a, e0, ev[t][2 * h]);
+                    od[t][2 * h] = _mm512_fmadd_ps(b, o0, od[t][2 * h]);
+                    ev[t][2 * h + 1] = _mm512_fmadd_ps(a, e1, ev[t][2 * h + 1]);
+                    od[t][2 * h + 1] = _mm512_fmadd_ps(b, o1, od[t][2 * h + 1]);
+                }
             }
         }
         for (int t = 0; t < nt; t++)
-            for (int e = 0; e < 2; e++)
+            for (int e = 0; e < 2 * npq; e++)
                 acc[t][e] = _mm512_add_ps(acc[t][e], _mm512_add_ps(ev[t][e], od[t][e]));
     }
-    for (int e = 0; e < 2; e++) {
+    for (int e = 0; e < 2 * npq; e++) {
         const int o0 = (2 * (int)q + e) * MM_PACK_ROWS, no = n_out - o0;
         if (no <= 0)
             break;
@@ -243,14 +256,22 @@ static __attribute__((noinline)) void tiles_in_vectors(const struct mm_pack_job 
     }
 }
 
-/* Decoding's pairs of groups [g0, g1) by tiles_in_vectors, under DAZ and
- * FTZ (MXCSR restored on return). */
+/* Decoding's groups [g0, g1) (g0 even) by tiles_in_vectors, as many pairs
+ * side by side as the registers hold, under DAZ and FTZ (MXCSR restored
+ * on return). */
 static void narrow_in_vectors(const struct mm_pack_job *jb, int g0, int g1)
 {
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040u); /* FTZ (bit 15), DAZ (bit 6) */
-    for (int g = g0; g < g1; g += 2)
-        tiles_in_vectors(jb, (size_t)g / 2, jb->n_tok);
+    const int nt = jb->n_tok;
+    int g = g0;
+    if (nt == 1)
+        for (; g + 6 < g1; g += 8)
+            tiles_in_vectors(jb, (size_t)g / 2, 4, 1);
+    for (; g + 2 < g1; g += 4)
+        nt == 1 ? tiles_in_vectors(jb, (size_t)g / 2, 2, 1) : tiles_in_vectors(jb, (size_t)g / 2, 2, 2);
+    for (; g < g1; g += 2)
+        nt == 1 ? tiles_in_vectors(jb, (size_t)g / 2, 1, 1) : tiles_in_vectors(jb, (size_t)g / 2, 1, 2);
     _mm_setcsr(csr);
 }
 
