@@ -33,8 +33,7 @@
  * 691 GFLOP/s on one thread, 1,660 on two, against the f32 tile's 161 and
  * 321 and vdpbf16ps's 108 and 217, of a tdpbf16ps peak of ~3,500 per
  * core: each step's 4 KiB of tile loads come from L2. Figures on the
- * model, and why the tiles are not the default, are in matmul_pack_run.c's
- * "Which weights go to bf16 pairs".
+ * model are in matmul_pack_run.c's "Which weights go to bf16 pairs".
  *
  * ---------------------------------------------------------------------------
  * Numerics and invariance
@@ -43,33 +42,34 @@
  * Inputs as for vdpbf16ps: the weights as stored (bf16), the activations
  * rounded to bf16 to nearest even; each product is exact, and the sums are
  * f32. But the matrix unit does not add a row's products in vdpbf16ps's
- * order (odd element, then even, each rounded, pair after pair): on the
- * same inputs most sums differ in the last bits. tests/test_bf16.c holds
- * both to the same bound. So a weight whose products take the tiles takes
- * them at every batch size, a decoding step's single token included (its
- * A tile is the token's row 16 times, read with stride 0): a token's
- * result is then one C element, the same sequence of tdpbf16ps over its
- * row whatever the other rows of its tile hold, the batch or the split
- * among threads. Rows of a tile past the batch are read from the scratch
- * (uninitialised, maybe NaN) and their sums dropped: a C element depends
- * only on its own A row and B column.
+ * order (odd element, then even, each rounded, pair after pair). What it
+ * does, measured bit for bit (0 of 7,680 sums of 576 pairs differ; adding
+ * each pair's two products first, fused or rounded, the 32 products of an
+ * instruction fused, or in a tree, all differ in 55-95% of them): per
+ * tdpbf16ps (16 pairs), for each C element, the 16 even products added in
+ * one chain of f32 roundings starting from 0, the 16 odd ones in another,
+ * the two chains added, and that added to C; denormal inputs read as 0 and
+ * denormal results flushed to 0 (the instruction's DAZ and FTZ).
+ * tests/test_bf16.c holds both engines to the same bound.
  *
- * Decoding streams each pair of groups as the vector kernels do (one run
- * of bytes, prefetched MM_AMX_PREFETCH ahead into L1), two pairs at a
- * time. In a loop of the product alone, two threads streaming 150 MB each
- * from DRAM, that reads 33-37 GB/s, as vdpbf16ps's narrow tile does, and
- * bench_matmul's decoding step (211 matrices) takes 9.22 ms against
- * 9.00; but in the model's decoding step the same products take ~11%
- * longer than vdpbf16ps's (perf, 256 tokens after a 3,779-token prompt:
- * 19,756 samples against 17,727), and the step decodes 103-115 tokens/s
- * against 120-126. Not explained: not the per-call tile configuration
- * (kept loaded across calls: +2-3%), not the prefetch (into L1 512 B to
- * 8 KiB ahead, into L2 4-16 KiB ahead, both, or none), not the stores
- * (straight into out), not the core's clock (a chain of dependent adds
- * runs as fast after tdpbf16ps as before), not the attention around it
- * (no slower). One hint: 2 MiB pages speed vdpbf16ps's step up (117 ->
- * 124 tokens/s against 4 KiB pages) and not this one (108 -> 110), as if
- * the tile loads' misses were not what limits it.
+ * So a token's result is the same whatever the other rows of its tile
+ * hold, the batch or the split among threads (rows of a tile past the
+ * batch are read from the scratch, uninitialised, maybe NaN, and their sums
+ * dropped: a C element depends only on its own A row and B column). And
+ * decoding (at most MM_PACK_NARROW tokens) need not use the tiles at all:
+ * tiles_in_vectors does the same arithmetic in AVX-512 registers, each
+ * chain one FMA per pair, under MXCSR's DAZ and FTZ. A token alone and the
+ * same token in a batch of the tiles give the same bits (test_bf16's
+ * bound_invariance; test_amx_denormals where products underflow).
+ *
+ * Decoding: when it ran on the tiles (the token's row as an A tile read
+ * with stride 0, two pairs of groups at a time), it was 7-12% slower than
+ * the vector kernels in the model, for a cause not found (not the tile
+ * configuration per call, the prefetch distance or level, the stores, the
+ * core's clock or the attention around it), and bench_matmul's decoding
+ * step (211 matrices) took 9.19-9.50 ms against the widened copy's
+ * 7.88-8.17. In vector registers, streaming up to four pairs of groups
+ * side by side as the vector kernels' narrow tiles do, it takes 8.09-8.26.
  *
  * The tiles: Linux grants their state per process on request (cpu.c asks
  * once); each call loads the configuration on its thread and releases the
@@ -202,9 +202,8 @@ static inline __m512 bf16_odd(__m512i v)
  * Each pair of groups is its own stream, prefetched as the vector kernels'
  * are (matmul_pack.c's "Decoding").
  */
-static inline __attribute__((always_inline)) void tiles_in_vectors(const struct mm_pack_job *jb,
-                                                                   size_t q, const int npq,
-                                                                   const int nt)
+static inline __attribute__((always_inline)) void
+tiles_in_vectors(const struct mm_pack_job *jb, size_t q, const int npq, const int nt)
 {
     const struct mm_weight *w = jb->w;
     const int np = mm_bf16_pairs(w), n_out = w->n_out;
@@ -257,21 +256,32 @@ static inline __attribute__((always_inline)) void tiles_in_vectors(const struct 
 }
 
 /* Decoding's groups [g0, g1) (g0 even) by tiles_in_vectors, as many pairs
- * side by side as the registers hold, under DAZ and FTZ (MXCSR restored
- * on return). */
+ * side by side as the registers hold. Not inlined: its arithmetic stays
+ * between the caller's two MXCSR writes. */
+static __attribute__((noinline)) void narrow_groups(const struct mm_pack_job *jb, int g0, int g1)
+{
+    int g = g0;
+    if (jb->n_tok == 1) {
+        for (; g + 6 < g1; g += 8)
+            tiles_in_vectors(jb, (size_t)g / 2, 4, 1);
+        for (; g + 2 < g1; g += 4)
+            tiles_in_vectors(jb, (size_t)g / 2, 2, 1);
+        for (; g < g1; g += 2)
+            tiles_in_vectors(jb, (size_t)g / 2, 1, 1);
+    } else {
+        for (; g + 2 < g1; g += 4)
+            tiles_in_vectors(jb, (size_t)g / 2, 2, 2);
+        for (; g < g1; g += 2)
+            tiles_in_vectors(jb, (size_t)g / 2, 1, 2);
+    }
+}
+
+/* narrow_groups under DAZ and FTZ, MXCSR restored on return. */
 static void narrow_in_vectors(const struct mm_pack_job *jb, int g0, int g1)
 {
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040u); /* FTZ (bit 15), DAZ (bit 6) */
-    const int nt = jb->n_tok;
-    int g = g0;
-    if (nt == 1)
-        for (; g + 6 < g1; g += 8)
-            tiles_in_vectors(jb, (size_t)g / 2, 4, 1);
-    for (; g + 2 < g1; g += 4)
-        nt == 1 ? tiles_in_vectors(jb, (size_t)g / 2, 2, 1) : tiles_in_vectors(jb, (size_t)g / 2, 2, 2);
-    for (; g < g1; g += 2)
-        nt == 1 ? tiles_in_vectors(jb, (size_t)g / 2, 1, 1) : tiles_in_vectors(jb, (size_t)g / 2, 1, 2);
+    narrow_groups(jb, g0, g1);
     _mm_setcsr(csr);
 }
 

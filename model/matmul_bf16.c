@@ -46,7 +46,9 @@
  * avx512bf16 target function by function (the rest of the level does not
  * assume it), and matmul_pack_run.c calls them only while cpu_bf16(): for
  * F16 weights asked to round (KVD_F16=bf16), and for BF16 weights where
- * vdpbf16ps outruns the FMA or KVD_BF16=pairs asks (mm_bf16_in_pairs).
+ * vdpbf16ps outruns the FMA, AMX's tiles run them (on a weight whose
+ * rows are no multiple of 32 inputs, these kernels), or KVD_BF16=pairs
+ * asks (mm_bf16_in_pairs).
  */
 #include "model/matmul_bf16.h"
 

@@ -7,9 +7,9 @@
  * of which only the avx512 copy has code, run only while cpu_bf16().
  *
  * Which weights take this path (matmul_pack_run.c decides, at load):
- *   bf16  where cpu_bf16() and vdpbf16ps outruns the FMA, or where
- *         KVD_BF16=pairs asks (on a CPU with AMX's bf16 tiles the pairs
- *         then run on them: matmul_amx.c, below): the weights are
+ *   bf16  where cpu_bf16() and vdpbf16ps outruns the FMA or AMX's bf16
+ *         tiles run the pairs (matmul_amx.c, below), or where
+ *         KVD_BF16=pairs asks: the weights are
  *         multiplied as stored; only the activations are rounded to bf16
  *         (as llama.cpp does);
  *   f16   only when asked (KVD_F16=bf16, mm_f16_set_bf16): each weight is

@@ -83,17 +83,17 @@ static int env_switch(const char *var, const char *off, const char *on, _Atomic 
  * 102-103 against 105-108 (alternated, load ~0.6). KVD_BF16=pairs|exact
  * (or mm_bf16_set_pairs) overrides, chosen at load like KVD_F16.
  *
- * With AMX's bf16 tiles (matmul_amx.c) the pairs are another trade: on the
- * same Xeon, 576x30 bf16 model, 2 threads, alternated (load 0.3-0.8):
- * prefill of 741 tokens 2,220-2,689 tokens/s on the tiles against
- * 999-1,087 widened (756-801 in vdpbf16ps pairs), of 3,779 tokens
- * 1,180-1,282 against 699-751; decode 103-114 against 112-127 at 97+
- * keys, 66 against 71-72 at 3,779 (the tiles' matrix-vector products
- * reading the same bytes ~11% slower in the model, though nearly as fast
- * as vdpbf16ps's in a loop of the products alone: matmul_amx.c's
- * "Decoding"). Decoding being what a long answer waits on, the default
- * stays widened, and the kernels line says that KVD_BF16=pairs would take
- * the tiles.
+ * With AMX's bf16 tiles (matmul_amx.c) the pairs pay on Intel's cores too,
+ * and BF16 weights take them by default where the tiles run. Their
+ * prefill is the tiles' and their decoding the tiles' arithmetic in
+ * vector registers (the same bits, as fast as the widened copy). On the
+ * same Xeon, 576x30 bf16 model, 2 threads, alternated (load 0.9-1.7):
+ * prefill of 741 tokens 2,820-2,900 tokens/s against 1,120-1,200
+ * widened, of 3,779 tokens 1,520-1,610 against 840-865; decode 104-106
+ * against 104-106 at 741+ keys, 70.5-71.8 against 71.4-72.4 at 3,779. When
+ * decoding ran on the tiles themselves it was 7-12% slower (95-96 and 66
+ * there), and the default had stayed widened. KVD_BF16=exact keeps the
+ * widened copy (the activations then stay f32).
  * ------------------------------------------------------------------------ */
 
 static const struct mm_bf16_kernels *const bkernels[CPU_N_LEVELS] = KERN_TABLE(mm_bf16_kernels);
@@ -201,7 +201,7 @@ static const struct mm_amx_kernels *amx_for(const struct mm_weight *w)
 bool mm_bf16_in_pairs(void)
 {
     const int m = atomic_load_explicit(&bf16_pairs, memory_order_relaxed);
-    return bkern() && (m < 0 ? cpu_bf16_dot_fast() : m > 0);
+    return bkern() && (m < 0 ? cpu_bf16_dot_fast() || akern() : m > 0);
 }
 
 /* Whether w, not yet packed, is to be packed in bf16 pairs now. */
@@ -217,14 +217,15 @@ const char *mm_bf16_describe(char *buf, size_t len)
     const int m = atomic_load_explicit(&bf16_pairs, memory_order_relaxed);
     const char *f16 = mm_f16_bf16() ? "rounded to bf16 (KVD_F16=bf16)" : "exact";
     if (k && mm_bf16_in_pairs() && akern())
-        snprintf(buf, len, "bf16 by %s (%s where a row's inputs are not a multiple of %d), f16 %s",
+        snprintf(buf, len,
+                 "bf16 by %s (decoding by their arithmetic in avx512 registers; %s where a row's "
+                 "inputs are not a multiple of %d), f16 %s",
                  akern()->name, k->name, MM_AMX_K, f16);
     else if (k && mm_bf16_in_pairs())
         snprintf(buf, len, "bf16 by %s, f16 %s", k->name, f16);
     else if (k)
-        snprintf(buf, len, "bf16 exact by f32 FMA (%s%s), f16 %s",
+        snprintf(buf, len, "bf16 exact by f32 FMA (%s), f16 %s",
                  m == 0 ? "KVD_BF16=exact" : "vdpbf16ps at half the FMA's rate on Intel cores",
-                 m != 0 && akern() ? "; KVD_BF16=pairs runs amx-bf16 tiles" : "",
                  mm_f16_bf16() ? "rounded to bf16 (KVD_F16=bf16) in bf16 pairs" : "exact");
     else if (cpu_level() == CPU_AVX512)
         snprintf(buf, len, "bf16 and f16 exact by f32 FMA (%s)",

@@ -20,15 +20,19 @@
  * On a CPU without avx512bf16 the bf16 cases are skipped with a message;
  * the other paths still run. BF16 weights take the pairs by default only
  * where vdpbf16ps outruns the FMA (cpu_bf16_dot_fast: not on Intel's
- * cores), so the kernels' cases ask for them (mm_bf16_set_pairs(1), the
- * group's setup), and test_bf16_choice checks the default and KVD_BF16.
+ * cores) or AMX's tiles run them, so the kernels' cases ask for them
+ * (mm_bf16_set_pairs(1), the group's setup), and test_bf16_choice checks
+ * the default and KVD_BF16.
  *
  * Where the CPU has AMX's bf16 tiles, the pairs run on them (matmul_amx.c)
  * for every weight whose rows are a multiple of 32 inputs, and the cases
  * run twice: "avx512" (the tiles) and "avx512-noamx" (vdpbf16ps). The
  * tiles add a row's products in another order than vdpbf16ps, so the two
  * engines' bits differ; each is held to the same bound and is batch- and
- * thread-invariant on its own.
+ * thread-invariant on its own. Decoding under "avx512" runs the tiles'
+ * arithmetic in vector registers, so "a token alone as in the batch" is
+ * what holds that copy to the tiles' bits (test_amx_denormals adds the
+ * flush of denormals).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -82,9 +86,8 @@ static void mat_from(struct mat *m, enum ggml_type type, int n_in, int n_out, co
     assert_non_null(m->data);
     assert_non_null(m->W);
     for (int o = 0; o < n_out; o++) {
-        assert_int_equal(qt_quantize_row(type, rows + (size_t)o * n_in,
-                                         m->data + rb * (size_t)o, n_in),
-                         0);
+        assert_int_equal(
+            qt_quantize_row(type, rows + (size_t)o * n_in, m->data + rb * (size_t)o, n_in), 0);
         assert_int_equal(
             qt_dequantize_row(type, m->data + rb * (size_t)o, m->W + (size_t)o * n_in, n_in), 0);
     }
@@ -641,13 +644,14 @@ static void test_f16_choice(void **state)
     mat_free(&m);
 }
 
-/* The default for BF16 weights follows the CPU's make (pairs where
- * vdpbf16ps outruns the FMA), said on the kernels line; KVD_BF16=pairs or
- * exact overrides it, and anything else is refused by name. */
+/* The default for BF16 weights follows the CPU (pairs where vdpbf16ps
+ * outruns the FMA or AMX's tiles run them), said on the kernels line;
+ * KVD_BF16=pairs or exact overrides it, and anything else is refused by
+ * name. */
 static void test_bf16_choice(void **state)
 {
     (void)state;
-    char err[200], line[200];
+    char err[200], line[400];
     /* the rule, against an independent reading of the CPU's make */
     FILE *f = fopen("/proc/cpuinfo", "r");
     if (f) {
@@ -662,21 +666,21 @@ static void test_bf16_choice(void **state)
         assert_int_equal(cpu_bf16_dot_fast(), !intel);
     }
     mm_bf16_set_pairs(-1);
-    const bool fast = cpu_bf16_dot_fast(); /* pairs by default */
-    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16() && fast);
+    const bool pairs = cpu_bf16_dot_fast() || cpu_amx(); /* pairs by default */
+    assert_int_equal(mm_bf16_in_pairs(), cpu_bf16() && pairs);
     mm_bf16_describe(line, sizeof line);
     print_message("default here: %s\n", line);
-    if (cpu_bf16() && !fast)
+    if (cpu_bf16() && !pairs)
         assert_non_null(strstr(line, "bf16 exact by f32 FMA (vdpbf16ps at half"));
-    /* an AMX CPU (Intel's) says what KVD_BF16=pairs would run */
-    assert_int_equal(strstr(line, "; KVD_BF16=pairs runs amx-bf16 tiles") != NULL,
-                     cpu_amx() && !fast);
+    if (cpu_amx())
+        assert_non_null(strstr(line, "bf16 by amx-bf16 tiles (decoding by their arithmetic in "
+                                     "avx512 registers; avx512bf16 16-row pairs where"));
     if (cpu_bf16()) { /* the default packs accordingly */
         struct mat m;
         rng_state = 9;
         mat_init(&m, GGML_TYPE_BF16, 64, 20);
         assert_true(mat_pack(&m));
-        assert_int_equal(m.w.packed_bf16, fast);
+        assert_int_equal(m.w.packed_bf16, pairs);
         mat_free(&m);
     }
     setenv("KVD_BF16", "exact", 1);
@@ -689,7 +693,7 @@ static void test_bf16_choice(void **state)
     assert_int_equal(mm_bf16_in_pairs(), cpu_bf16());
     if (cpu_bf16())
         assert_non_null(strstr(mm_bf16_describe(line, sizeof line),
-                               cpu_amx() ? "bf16 by amx-bf16 tiles (avx512bf16 16-row pairs where"
+                               cpu_amx() ? "bf16 by amx-bf16 tiles (decoding by their arithmetic"
                                          : "bf16 by avx512bf16 16-row pairs"));
     setenv("KVD_BF16", "fast", 1);
     assert_int_equal(mm_bf16_init_env(err, sizeof err), -1);
@@ -751,9 +755,10 @@ static void test_binary(void **state)
         const char *vars, *want;
         bool need_bf16, need_amx;
     } runs[] = {
-        {"KVD_CPU=auto KVD_BF16=pairs", "bf16 by amx-bf16 tiles (avx512bf16 16-row pairs where",
+        {"KVD_CPU=auto KVD_BF16=pairs", "bf16 by amx-bf16 tiles (decoding by their arithmetic",
          true, true},
         {"KVD_CPU=auto", "with avx512bf16, amx-bf16)", true, true},
+        {"KVD_CPU=auto", "bf16 by amx-bf16 tiles (decoding by their arithmetic", true, true},
         {"KVD_CPU=avx512-noamx KVD_BF16=pairs", "bf16 by avx512bf16 16-row pairs, f16 exact", true,
          false},
         {"KVD_CPU=avx512-noamx", "(forced; with avx512bf16 without amx-bf16;", true, true},

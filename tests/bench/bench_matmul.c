@@ -37,8 +37,9 @@
  *
  * `bench_matmul decode [ROUNDS [THREADS]]`: only that decoding step, for
  * q8_0, f16 (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 as
- * packed by default and in pairs (KVD_BF16=pairs: AMX tiles where the CPU
- * has them; KVD_CPU=avx512-noamx for vdpbf16ps), and f32, measured
+ * packed by default, in pairs (KVD_BF16=pairs: AMX tiles where the CPU
+ * has them; KVD_CPU=avx512-noamx for vdpbf16ps) and widened exactly
+ * (KVD_BF16=exact), and f32, measured
  * round-robin with a triad in each round (see
  * bench_decode_types); on one thread timed by its CPU time, the figure that
  * holds still on a shared machine.
@@ -403,13 +404,13 @@ static void bench_model_decode(double bus)
 /*
  * `bench_matmul decode [ROUNDS]`: the model decoding step above for each
  * weight type whose copy decoding reads (q8_0, f16 exact, f16 rounded to
- * bf16 pairs, bf16 as the CPU's default packs it, bf16 in pairs as
- * KVD_BF16=pairs asks, f32), round-robin: every round runs 10 steps of each
+ * bf16 pairs, bf16 as the CPU's default packs it, in pairs as
+ * KVD_BF16=pairs asks and widened as KVD_BF16=exact does, f32), round-robin: every round runs 10 steps of each
  * type in turn and a triad, so a load change slows them alike. Printed per
  * type: the best and median step, GB/s of the weights as stored, and the
  * fraction of the best bus figure of the run.
  */
-#define DEC_TYPES 6
+#define DEC_TYPES 7
 #define DEC_STEPS 10
 
 static int cmp_double(const void *a, const void *b)
@@ -425,9 +426,11 @@ static int bench_decode_types(int rounds, int nth)
         enum ggml_type type;
         bool f16_bf16;
         int bf16_pairs;
-    } ty[DEC_TYPES] = {{"q8_0", GGML_TYPE_Q8_0, false, -1},    {"f16", GGML_TYPE_F16, false, -1},
-                       {"f16-bf16", GGML_TYPE_F16, true, -1},  {"bf16", GGML_TYPE_BF16, false, -1},
-                       {"bf16-pair", GGML_TYPE_BF16, false, 1}, {"f32", GGML_TYPE_F32, false, -1}};
+    } ty[DEC_TYPES] = {
+        {"q8_0", GGML_TYPE_Q8_0, false, -1},     {"f16", GGML_TYPE_F16, false, -1},
+        {"f16-bf16", GGML_TYPE_F16, true, -1},   {"bf16", GGML_TYPE_BF16, false, -1},
+        {"bf16-pair", GGML_TYPE_BF16, false, 1}, {"bf16-exact", GGML_TYPE_BF16, false, 0},
+        {"f32", GGML_TYPE_F32, false, -1}};
     static struct mm_weight w[DEC_TYPES][SM_MATS];
     uint8_t *mem[DEC_TYPES];
     size_t total[DEC_TYPES], bytes[DEC_TYPES];
@@ -436,7 +439,8 @@ static int bench_decode_types(int rounds, int nth)
     printf("model decode, 576x30, %d thread%s, kernels %s; load average %s\n", nth,
            nth == 1 ? " (its CPU time)" : "s", mm_pack_kernel_name(), la);
     for (int i = 0; i < DEC_TYPES; i++)
-        mem[i] = model_copy(ty[i].type, ty[i].f16_bf16, ty[i].bf16_pairs, w[i], &total[i], &bytes[i]);
+        mem[i] =
+            model_copy(ty[i].type, ty[i].f16_bf16, ty[i].bf16_pairs, w[i], &total[i], &bytes[i]);
     float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
     for (int i = 0; i < 1536; i++)
         x[i] = rnd();
@@ -453,18 +457,18 @@ static int bench_decode_types(int rounds, int nth)
     bench_load_average(la, sizeof la);
     printf("bus (triad's 4 arrays, best of %d): %.1f GB/s; load average after %s\n", rounds, bus,
            la);
-    printf("%-9s %9s %10s %10s %8s %10s %8s\n", "type", "MB", "best ms", "median ms", "GB/s",
+    printf("%-10s %9s %10s %10s %8s %10s %8s\n", "type", "MB", "best ms", "median ms", "GB/s",
            "of bus", "tok/s");
     for (int i = 0; i < DEC_TYPES; i++) {
         if (!mem[i]) {
-            printf("%-9s (not repacked at this level)\n", ty[i].name);
+            printf("%-10s (not repacked at this level)\n", ty[i].name);
             continue;
         }
         const size_t n = (size_t)rounds * DEC_STEPS;
         double *ti = t + (size_t)i * n;
         qsort(ti, n, sizeof *ti, cmp_double);
         const double best = ti[0], med = ti[n / 2], gb = (double)bytes[i] / best / 1e9;
-        printf("%-9s %9.1f %10.2f %10.2f %8.1f %10.2f %8.0f\n", ty[i].name, (double)bytes[i] / 1e6,
+        printf("%-10s %9.1f %10.2f %10.2f %8.1f %10.2f %8.0f\n", ty[i].name, (double)bytes[i] / 1e6,
                best * 1e3, med * 1e3, gb, gb / bus, 1.0 / best);
         cpu_unmap(mem[i], total[i]);
     }
@@ -472,6 +476,8 @@ static int bench_decode_types(int rounds, int nth)
     printf("bf16: %s\n", mm_bf16_describe(how, sizeof how));
     mm_bf16_set_pairs(1);
     printf("bf16-pair: %s\n", mm_bf16_describe(how, sizeof how));
+    mm_bf16_set_pairs(0);
+    printf("bf16-exact: %s\n", mm_bf16_describe(how, sizeof how));
     mm_bf16_set_pairs(-1);
     free(t);
     free(x);

@@ -429,11 +429,12 @@ static void measure_peaks(void)
 
 /* Whether a row's weight products run as bf16 pairs: f16 weights rounded
  * to bf16 (KVD_F16=bf16), or bf16 ones where kvd takes the pairs by
- * default (cpu_bf16_dot_fast: not on Intel's cores, where they are
- * widened for the FMA), on a CPU with vdpbf16ps. */
+ * default (vdpbf16ps outruns the FMA, cpu_bf16_dot_fast, or AMX's tiles
+ * run them: g.amx), on a CPU with vdpbf16ps. */
 static bool bf16_products(const struct wtype *w)
 {
-    return (w->f16_bf16 || (w->file == GGML_TYPE_BF16 && cpu_bf16_dot_fast())) && g.bf16 > 0;
+    return (w->f16_bf16 || (w->file == GGML_TYPE_BF16 && (cpu_bf16_dot_fast() || g.amx > 0))) &&
+           g.bf16 > 0;
 }
 
 /* The peak a row's weight products are held to (per core), or 0: bf16
