@@ -168,7 +168,7 @@ struct model_cost {
 
 static struct {
     double vnni, fma, bf16, amx; /* per core, GOPS (amx: tdpbf16ps) */
-    char kernels[MAX_BINS][MAX_TYPES][256], weights[MAX_BINS][MAX_TYPES][256];
+    char kernels[MAX_BINS][MAX_TYPES][MODEL_KERNELS_LINE], weights[MAX_BINS][MAX_TYPES][256];
 } g;
 
 static void die(const char *fmt, const char *arg)
@@ -619,7 +619,7 @@ static void parse_report(FILE *f, struct run *r, char *kernels, char *weights)
             r->gen_tokens = n;
             r->decode_tps = tps;
         } else if (!strncmp(line, "kvd generate: kernels ", 22)) {
-            snprintf(kernels, 256, "%.250s", line + 22);
+            snprintf(kernels, MODEL_KERNELS_LINE, "%.760s", line + 22); /* whole: checked below */
         } else if (!strncmp(line, "kvd generate: weights ", 22)) {
             snprintf(weights, 256, "%.250s", line + 22);
         } else if (!strncmp(line, "  stopped: ", 11)) {
