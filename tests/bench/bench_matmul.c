@@ -39,10 +39,9 @@
  * q8_0, f16 (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 as
  * packed by default, in pairs (KVD_BF16=pairs: AMX tiles where the CPU
  * has them; KVD_CPU=avx512-noamx for vdpbf16ps) and widened exactly
- * (KVD_BF16=exact), and f32, measured
- * round-robin with a triad in each round (see
- * bench_decode_types); on one thread timed by its CPU time, the figure that
- * holds still on a shared machine.
+ * (KVD_BF16=exact), and f32, measured round-robin with a triad in each
+ * round (see bench_decode_types); on one thread timed by its CPU time, the
+ * figure that holds still on a shared machine.
  *
  * A STREAM-like triad (a = b + s * c over 3 x 192 MiB, 2 threads, counted as
  * 12 bytes per element like STREAM) measured in the same run gives the
@@ -405,8 +404,9 @@ static void bench_model_decode(double bus)
  * `bench_matmul decode [ROUNDS]`: the model decoding step above for each
  * weight type whose copy decoding reads (q8_0, f16 exact, f16 rounded to
  * bf16 pairs, bf16 as the CPU's default packs it, in pairs as
- * KVD_BF16=pairs asks and widened as KVD_BF16=exact does, f32), round-robin: every round runs 10 steps of each
- * type in turn and a triad, so a load change slows them alike. Printed per
+ * KVD_BF16=pairs asks and widened as KVD_BF16=exact does, f32),
+ * round-robin: every round runs 10 steps of each type in turn and a
+ * triad, so a load change slows them alike. Printed per
  * type: the best and median step, GB/s of the weights as stored, and the
  * fraction of the best bus figure of the run.
  */

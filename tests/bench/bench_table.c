@@ -83,6 +83,7 @@
 #include "model/gguf.h"
 #include "model/mkmodel.h"
 #include "model/model.h"
+#include "model/quant.h"
 #include "tests/bench/bench_peak.h"
 #include "tests/bench/bench_util.h"
 
@@ -429,12 +430,11 @@ static void measure_peaks(void)
 
 /* Whether a row's weight products run as bf16 pairs: f16 weights rounded
  * to bf16 (KVD_F16=bf16), or bf16 ones where kvd takes the pairs by
- * default (vdpbf16ps outruns the FMA, cpu_bf16_dot_fast, or AMX's tiles
- * run them: g.amx), on a CPU with vdpbf16ps. */
+ * default (mm_bf16_in_pairs: the library's own rule, KVD_BF16 being taken
+ * out of every run's environment), on a CPU with vdpbf16ps. */
 static bool bf16_products(const struct wtype *w)
 {
-    return (w->f16_bf16 || (w->file == GGML_TYPE_BF16 && (cpu_bf16_dot_fast() || g.amx > 0))) &&
-           g.bf16 > 0;
+    return (w->f16_bf16 || (w->file == GGML_TYPE_BF16 && mm_bf16_in_pairs())) && g.bf16 > 0;
 }
 
 /* The peak a row's weight products are held to (per core), or 0: bf16
