@@ -189,12 +189,12 @@ model_ctx *model_ctx_create(const model *m, int max_batch_tokens, int n_threads,
     }
 
     /* Scratch for quantising activations: the largest any product needs. */
-    size_t sb = mm_scratch_bytes(&m->output, (int)rows);
+    size_t sb = mm_scratch_bytes(&m->output, (int)rows, n_threads);
     for (int l = 0; l < m->n_layer; l++) {
         const struct model_layer *L = &m->layers[l];
         const struct mm_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down};
         for (int i = 0; i < 7; i++) {
-            size_t b = mm_scratch_bytes(ws[i], max_batch_tokens);
+            size_t b = mm_scratch_bytes(ws[i], max_batch_tokens, n_threads);
             if (b > sb)
                 sb = b;
         }

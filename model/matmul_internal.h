@@ -180,6 +180,11 @@ static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 #define MM_PACK_NARROW 2
 #define MM_PACK_NARROW_PAIRS 4
 
+/* f16 weights over at least this many token tiles in one kernel call: a
+ * thread widens each pair of groups to f32 once, into its own copy, and
+ * the f32 tiles read that (matmul_pack.c, "Float weights"). */
+#define MM_PACK_WIDE_TILES 8
+
 /* How far ahead a decoding tile asks for its weights into L1, in bytes of
  * each pair's stream: the far distance for the copies with the most
  * instructions per byte (f16 widened exactly, q4_K's two scales per
@@ -195,6 +200,8 @@ struct mm_pack_job {
     float *d;
     int32_t *c;
     const float *x; /* float weights: the caller's activations [n_tok][n_in] */
+    float *wide;    /* f16, more than MM_PACK_NARROW tokens: this thread's f32 copy of
+                       one pair of groups (n_in x 2 x MM_PACK_ROWS), or NULL */
     uint32_t *xb; /* bf16 pairs: the rounded activations (matmul_bf16.h) */
     float *out; /* [n_tok][n_out] */
     int n_tok;

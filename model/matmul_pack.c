@@ -62,6 +62,29 @@
  * dot product would be the next step, at the price of rounding weights and
  * activations to bf16.
  *
+ * f16 weights are widened once per pair of groups, not once per tile,
+ * where that pays. A vcvtph2ps is two instructions on the FMA's two ports,
+ * so a 2 x 12 tile spends 4 of every 28 of their slots widening: it kept
+ * 70-71% of the FMA peak busy in bench_prefill's layer where f32 kept
+ * 77-80%. Where one kernel call crosses at least MM_PACK_WIDE_TILES = 8
+ * token tiles, the thread first widens the pair's 2 x 16 x n_in weights
+ * into its own f32 copy in the scratch (n_in x 128 bytes per thread,
+ * sized by mm_scratch_bytes for the call's threads: 192 KiB at 1,536
+ * inputs), and f32 tiles read that copy. The products are the same exact
+ * f32 products in the same order, so the bits are the f16 tile's; a token
+ * alone (decoding) never widens, and test_quant's batch invariance checks
+ * one against the other. Measured (bench_prefill, one thread's CPU time,
+ * load 0.3-0.6): f16 71% -> 81-84% of the FMA peak, two threads 334 ->
+ * 392-400 GOPS; the 576 x 30 f16 model prefilling 741 tokens on 2
+ * threads, 3 alternated rounds: 1,052-1,112 -> 1,121-1,252 tokens/s,
+ * decoding unchanged. Below the threshold the copy costs more than it
+ * saves: one product alone, its weights hot in L2 (576 -> 1536, 1536 ->
+ * 576, 576 -> 576), widening every call ran 2 tiles at 136-139 GFLOP/s
+ * against 179-184 and 64 tokens 2-3% slower, level at 84 tokens, and
+ * 10-15% faster from 96 tokens on one thread (0-10% on two). The same
+ * copy of f32 weights (to read a thread's own buffer) gained 1-2%, within
+ * the noise: not made.
+ *
  * ---------------------------------------------------------------------------
  * q4_K: the stored nibbles, regrouped
  * ---------------------------------------------------------------------------
@@ -650,15 +673,19 @@ INLINE __m512 f_widen(enum ggml_type type, const uint8_t *p)
 }
 
 /* mg groups from g0 x nt tokens of token tile j: one f32 chain per row and
- * token along k, the tile's activations one pointer apart by constants. */
-INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, int mg, int j, int nt)
+ * token along k, the tile's activations one pointer apart by constants.
+ * The weights are w's copy as stored in type, or (wide, type F32, mg <= 2)
+ * the thread's f32 copy of g0's pair of f16 groups (f16_widen_pair). */
+INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, bool wide, int g0, int mg,
+                   int j, int nt)
 {
     const struct mm_weight *w = jb->w;
     /* the pair of g0 (even): group g's elements k at k * step + g * step / 2 */
     const size_t esz = type == GGML_TYPE_F32 ? 4 : 2, step = 2 * MM_PACK_ROWS * esz;
     const uint8_t *pp[N_MG / 2];
     for (int h = 0; h < (mg + 1) / 2; h++)
-        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+        pp[h] = wide ? (const uint8_t *)jb->wide
+                     : (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
     /* token t of the tile at xt + t * n_in: the caller's rows, in place */
     const size_t ld = (size_t)w->n_in;
     const float *xt = jb->x + (size_t)j * F_NT * ld;
@@ -683,12 +710,13 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, in
         store_group(jb, g0 + g, j * F_NT, nt, acc[g]);
 }
 
-/* The float tile for nt tokens (1..F_NT), type and mg constant. */
-#define F_CALL(n) f_tile(jb, type, g0, mg, j, n)
-#define F_TILES(name, type_, mg_)                                                                  \
+/* The float tile for nt tokens (1..F_NT), type, wide and mg constant. */
+#define F_CALL(n) f_tile(jb, type, wide, g0, mg, j, n)
+#define F_TILES(name, type_, wide_, mg_)                                                           \
     static void name(const struct mm_pack_job *jb, int g0, int j, int nt)                          \
     {                                                                                              \
         const enum ggml_type type = type_;                                                         \
+        const bool wide = wide_;                                                                   \
         const int mg = mg_;                                                                        \
         switch (nt) {                                                                              \
             T_CASE(F_CALL, 1)                                                                      \
@@ -707,15 +735,17 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, int g0, in
             break;                                                                                 \
         }                                                                                          \
     }
-F_TILES(f32_tile_1, GGML_TYPE_F32, 1)
-F_TILES(f32_tile_2, GGML_TYPE_F32, 2)
-F_TILES(f16_tile_1, GGML_TYPE_F16, 1)
-F_TILES(f16_tile_2, GGML_TYPE_F16, 2)
-F_TILES(bf16_tile_1, GGML_TYPE_BF16, 1)
-F_TILES(bf16_tile_2, GGML_TYPE_BF16, 2)
-#define F32_CALL(n) f_tile(jb, GGML_TYPE_F32, g0, mg, j, n)
-#define F16_CALL(n) f_tile(jb, GGML_TYPE_F16, g0, mg, j, n)
-#define BF16_CALL(n) f_tile(jb, GGML_TYPE_BF16, g0, mg, j, n)
+F_TILES(f32_tile_1, GGML_TYPE_F32, false, 1)
+F_TILES(f32_tile_2, GGML_TYPE_F32, false, 2)
+F_TILES(f16_tile_1, GGML_TYPE_F16, false, 1)
+F_TILES(f16_tile_2, GGML_TYPE_F16, false, 2)
+F_TILES(bf16_tile_1, GGML_TYPE_BF16, false, 1)
+F_TILES(bf16_tile_2, GGML_TYPE_BF16, false, 2)
+F_TILES(f16w_tile_1, GGML_TYPE_F32, true, 1) /* f16 weights widened by the thread first */
+F_TILES(f16w_tile_2, GGML_TYPE_F32, true, 2)
+#define F32_CALL(n) f_tile(jb, GGML_TYPE_F32, false, g0, mg, j, n)
+#define F16_CALL(n) f_tile(jb, GGML_TYPE_F16, false, g0, mg, j, n)
+#define BF16_CALL(n) f_tile(jb, GGML_TYPE_BF16, false, g0, mg, j, n)
 NARROW_TILES(f32_tile_3, F32_CALL, 3)
 NARROW_TILES(f32_tile_4, F32_CALL, 4)
 NARROW_TILES(f16_tile_3, F16_CALL, 3)
@@ -750,6 +780,19 @@ static tile_fn *const q8_tiles[N_MG + 1] = TILES(q8), *const q4_tiles[N_MG + 1] 
                       *const f32_tiles[N_MG + 1] = TILES(f32),
                       *const f16_tiles[N_MG + 1] = TILES(f16),
                       *const bf16_tiles[N_MG + 1] = TILES(bf16);
+static tile_fn *const f16w_tiles[P_MG + 1] = {NULL, f16w_tile_1, f16w_tile_2};
+
+/* g0's pair of f16 groups (g0 even) widened into the thread's f32 copy at
+ * jb->wide, laid out as an f32 pair: exact, so its tiles give the bits the
+ * f16 tiles give. */
+static void f16_widen_pair(const struct mm_pack_job *jb, int g0)
+{
+    const struct mm_weight *w = jb->w;
+    const uint8_t *src = (const uint8_t *)w->packed + (size_t)(g0 / 2) * mm_pack_pair_bytes(w);
+    for (size_t k = 0; k < 2 * (size_t)w->n_in; k++) /* 16 rows' element per step */
+        _mm512_store_ps(jb->wide + 16 * k,
+                        _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(src + 32 * k))));
+}
 
 /* Row groups outside, token tiles inside: the groups' weights stay in
  * cache while the tiles [j0, j1) pass. A batch of MM_PACK_NARROW tokens at
@@ -797,11 +840,15 @@ static void groups_avx512(const struct mm_pack_job *jb, int g0, int g1, int j0, 
     const bool fl = mm_is_float_type(jb->w->type);
     const int tnt = fl ? F_NT : P_NT, nmg = fl ? N_MG : jb->n_tok == 1 ? Q_MG : Q_MG2;
     const int step = jb->n_tok <= MM_PACK_NARROW ? nmg : P_MG;
+    /* f16 over several tiles: each pair widened once, not once per tile */
+    const bool widen = jb->wide && step == P_MG && j1 - j0 >= MM_PACK_WIDE_TILES;
     for (int g = g0; g < g1; g += step) {
         int mg = g1 - g < step ? g1 - g : step;
+        if (widen)
+            f16_widen_pair(jb, g);
         for (int j = j0; j < j1; j++) {
             int nt = jb->n_tok - j * tnt < tnt ? jb->n_tok - j * tnt : tnt;
-            by[mg](jb, g, j, nt);
+            (widen ? f16w_tiles : by)[mg](jb, g, j, nt);
         }
     }
 }

@@ -452,9 +452,18 @@ static size_t round_up(size_t n, size_t a)
     return (n + a - 1) / a * a;
 }
 
-/* The arrays in scratch, each 64-byte aligned, into jb (if non-NULL);
- * returns the bytes used. */
-static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch,
+/* One thread's f32 copy of a pair of f16 groups (struct mm_pack_job's
+ * wide), where a call of n_tok tokens makes them: 0 for other weights. */
+static size_t wide_bytes(const struct mm_weight *w, int n_tok)
+{
+    if (w->type != GGML_TYPE_F16 || w->packed_bf16 || n_tok <= MM_PACK_NARROW)
+        return 0;
+    return (size_t)w->n_in * 2 * MM_PACK_ROWS * sizeof(float);
+}
+
+/* The arrays in scratch, each 64-byte aligned, into jb (if non-NULL), for
+ * a call on nth threads; returns the bytes used. */
+static size_t scratch_layout(const struct mm_weight *w, int n_tok, int nth, void *scratch,
                              struct mm_pack_job *jb)
 {
     uint8_t *base = scratch, *p = base;
@@ -467,8 +476,11 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
          * call (a level forced in between) */
         return round_up((rows > amx ? rows : amx) * (size_t)mm_bf16_pairs(w) * 4, 64);
     }
-    if (!mm_pack_q8_acts(w)) /* float weights: the caller's rows, read in place */
-        return 0;
+    if (!mm_pack_q8_acts(w)) { /* float weights: the caller's rows, read in place */
+        if (jb && wide_bytes(w, n_tok))
+            jb->wide = (float *)p; /* thread t's copy at t * wide_bytes */
+        return (size_t)nth * wide_bytes(w, n_tok);
+    }
     const size_t nb = (size_t)w->n_in / QT_QK;
     const size_t slots = round_up((size_t)n_tok, MM_PACK_NT) * nb; /* (token, block) pairs */
     if (jb)
@@ -483,9 +495,9 @@ static size_t scratch_layout(const struct mm_weight *w, int n_tok, void *scratch
     return (size_t)(p - base);
 }
 
-size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok)
+size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok, int n_threads)
 {
-    return scratch_layout(w, n_tok, NULL, NULL);
+    return scratch_layout(w, n_tok, cpu_pool_threads(n_threads), NULL, NULL);
 }
 
 /* ------------------------------------------------------------------------
@@ -567,25 +579,34 @@ static int n_tiles(const struct pack_run *r)
     return (r->jb->n_tok + r->v.tw - 1) / r->v.tw;
 }
 
+/* Product i's groups [g0, g1) x tiles [j0, j1) on thread t: its job with
+ * the thread's own f32 copy of a pair, if the job has copies. */
+static void run_groups(const struct pack_run *r, int i, int t, int g0, int g1, int j0, int j1)
+{
+    struct mm_pack_job jb = r->jb[i];
+    if (jb.wide)
+        jb.wide += (size_t)t * wide_bytes(jb.w, jb.n_tok) / sizeof(float);
+    r->v.groups(&jb, g0, g1, j0, j1);
+}
+
 /* A thread's token tiles [j0, j1): their activations, then every group of
  * every product. */
 static void run_tiles(void *arg, size_t j0, size_t j1, int t)
 {
-    (void)t;
     const struct pack_run *r = arg;
     const int tw = r->v.tw, t1 = (int)j1 * tw < r->jb->n_tok ? (int)j1 * tw : r->jb->n_tok;
     prepare(r, (int)j0 * tw, t1);
     for (int i = 0; i < r->n; i++)
-        r->v.groups(&r->jb[i], 0, r->ng[i], (int)j0, (int)j1);
+        run_groups(r, i, t, 0, r->ng[i], (int)j0, (int)j1);
     if (r->tail)
         r->tail->fn(r->tail->arg, 0, r->jb->w->n_out, (int)j0 * tw, t1);
 }
 
-/* Pairs [v, v + s) of product i's groups, every tile. */
-static void run_pairs(const struct pack_run *r, int i, int v, int s)
+/* Pairs [v, v + s) of product i's groups, every tile, on thread t. */
+static void run_pairs(const struct pack_run *r, int i, int t, int v, int s)
 {
     const int g1 = 2 * (v + s) < r->ng[i] ? 2 * (v + s) : r->ng[i];
-    r->v.groups(&r->jb[i], 2 * v, g1, 0, n_tiles(r));
+    run_groups(r, i, t, 2 * v, g1, 0, n_tiles(r));
 }
 
 /* A thread's share of the units [u0, u1), every tile: the same calls of
@@ -596,7 +617,6 @@ static void run_pairs(const struct pack_run *r, int i, int v, int s)
  * still changes no bit. */
 static void run_units(void *arg, size_t u0, size_t u1, int t)
 {
-    (void)t;
     const struct pack_run *r = arg;
     const int span = r->jb->n_tok <= MM_PACK_NARROW ? MM_PACK_NARROW_PAIRS : 1;
     int i = 0;
@@ -604,7 +624,7 @@ static void run_units(void *arg, size_t u0, size_t u1, int t)
         if (r->tail) { /* pairs u.. of every product, then the tail over their rows */
             const int s = (int)u1 - u < span ? (int)u1 - u : span;
             for (i = 0; i < r->n; i++)
-                run_pairs(r, i, u, s);
+                run_pairs(r, i, t, u, s);
             int n_out = r->jb->w->n_out, r1 = 2 * MM_PACK_ROWS * (u + s);
             r->tail->fn(r->tail->arg, 2 * MM_PACK_ROWS * u, r1 < n_out ? r1 : n_out, 0,
                         r->jb->n_tok);
@@ -615,7 +635,7 @@ static void run_units(void *arg, size_t u0, size_t u1, int t)
             i++;
         const int left = ((int)u1 < r->u_end[i] ? (int)u1 : r->u_end[i]) - u;
         const int s = left < span ? left : span;
-        run_pairs(r, i, u - (i ? r->u_end[i - 1] : 0), s);
+        run_pairs(r, i, t, u - (i ? r->u_end[i - 1] : 0), s);
         u += s;
     }
 }
@@ -630,11 +650,12 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
                          int n_tok, int n_threads, void *scratch, const struct mm_tail *tail)
 {
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
+    const int nth = cpu_pool_threads(n_threads);
     assert(n >= 1 && n <= MM_MANY_MAX && ((uintptr_t)scratch & 63) == 0);
-    assert(scratch || !scratch_layout(w, n_tok, NULL, NULL)); /* float weights need none */
+    assert(scratch || !scratch_layout(w, n_tok, nth, NULL, NULL));
     struct mm_pack_job jb[MM_MANY_MAX] = {{0}};
     struct pack_run r = {.v = variant_of(w), .jb = jb, .x = x, .n = n, .tail = tail};
-    scratch_layout(w, n_tok, scratch, &jb[0]);
+    scratch_layout(w, n_tok, nth, scratch, &jb[0]);
     jb[0].x = x; /* the float tiles read it in place (scratch_layout gave them no slots) */
     for (int i = 0; i < n; i++) {
         assert(mm_pack_ready(ws[i]) && ws[i]->type == w->type && ws[i]->n_in == w->n_in &&
@@ -647,7 +668,7 @@ void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, i
         r.u_end[i] = (i ? r.u_end[i - 1] : 0) + (r.ng[i] + 1) / 2;
     }
 
-    const int nth = cpu_pool_threads(n_threads), tiles = n_tiles(&r);
+    const int tiles = n_tiles(&r);
     if (nth > 1 && tiles >= MM_PACK_SPLIT_TILES * nth) {
         cpu_pool_for(nth, (size_t)tiles, run_tiles, &r);
         return;

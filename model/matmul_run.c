@@ -99,12 +99,12 @@ static void xq_layout(struct mm_xq *xa, void *scratch, int n_in, int n_tok)
     xa->d = (float *)p;
 }
 
-size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok)
+size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok, int n_threads)
 {
     if (n_tok <= 0)
         return 0;
     /* a repacked weight: enough for either path, the level may change between calls */
-    size_t packed = w->packed ? mm_pack_scratch_bytes(w, n_tok) : 0, rows;
+    size_t packed = w->packed ? mm_pack_scratch_bytes(w, n_tok, n_threads) : 0, rows;
     if (mm_is_float_type(w->type))
         rows = 0;
     else if (mm_k_type(w->type))
@@ -220,7 +220,7 @@ void mm_scratch_release(void)
 
 int mm_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads)
 {
-    size_t need = n_tok > 0 ? mm_scratch_bytes(w, n_tok) : 0;
+    size_t need = n_tok > 0 ? mm_scratch_bytes(w, n_tok, n_threads) : 0;
     if (need > tls_scratch.cap) {
         /* grow by half again so a slowly rising batch size reallocates rarely */
         size_t cap = round_up(need + need / 2, 64);

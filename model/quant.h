@@ -285,8 +285,11 @@ struct mm_weight {
 int mm_weight_init(struct mm_weight *w, enum ggml_type type, int n_in, int n_out, const void *data,
                    char *err, size_t errlen);
 
-/* Bytes of scratch mm_matmul_scratch needs for n_tok tokens (0 for float weights). */
-size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok);
+/* Bytes of scratch mm_matmul_scratch needs for n_tok tokens on n_threads
+ * (as passed to it): the quantised activations, the bf16 pairs' rounded
+ * ones, or each thread's f32 copy of the f16 rows it multiplies; 0 for
+ * f32 weights. */
+size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok, int n_threads);
 
 /*
  * out[n_tok][n_out] = x[n_tok][n_in] . W^T, with n_threads threads (0 = the
@@ -300,7 +303,7 @@ size_t mm_scratch_bytes(const struct mm_weight *w, int n_tok);
  * mm_scratch_release frees the calling thread's buffer (call it before an
  * engine thread exits). Returns 0, or -ENOMEM if that buffer could not grow
  * (out untouched). mm_matmul_scratch uses caller-provided scratch instead
- * (at least mm_scratch_bytes(w, n_tok) bytes, 64-byte aligned) and cannot
+ * (at least mm_scratch_bytes(w, n_tok, n_threads) bytes, 64-byte aligned) and cannot
  * fail.
  */
 int mm_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads);
@@ -391,7 +394,7 @@ static inline bool mm_pack_nibbles(enum ggml_type type)
 }
 const char *mm_bf16_describe(char *buf, size_t len);
 /* mm_matmul_scratch's work for a weight with mm_pack_ready, and its scratch. */
-size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok);
+size_t mm_pack_scratch_bytes(const struct mm_weight *w, int n_tok, int n_threads);
 void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n_tok, int n_threads,
                     void *scratch);
 /* mm_matmul_many's work when every weight is mm_pack_ready, of one type and n_in. */

@@ -342,7 +342,7 @@ static void test_bf16_many(void **state)
             many[i] = malloc(sizeof(float) * (size_t)n_outs[i] * n_tok);
             assert_int_equal(mm_matmul(alone[i], &m[i].w, x, n_tok, 1), 0);
             ws[i] = &m[i].w;
-            size_t b = mm_scratch_bytes(ws[i], n_tok);
+            size_t b = mm_scratch_bytes(ws[i], n_tok, 2);
             need = b > need ? b : need;
         }
         void *scratch = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -429,7 +429,7 @@ static void test_bf16_tail(void **state)
     float *g = malloc(sizeof(float) * cells), *u = malloc(sizeof(float) * cells);
     float *want = malloc(sizeof(float) * cells), *up = malloc(sizeof(float) * cells);
     int *seen = malloc(sizeof(int) * cells);
-    void *scratch = aligned_alloc(64, (mm_scratch_bytes(&m[0].w, MAX_TOK) + 63) / 64 * 64);
+    void *scratch = aligned_alloc(64, (mm_scratch_bytes(&m[0].w, MAX_TOK, 3) + 63) / 64 * 64);
     const int n_toks[] = {1, 15, MAX_TOK};
     for (size_t k = 0; k < 3; k++)
         for (int th = 1; th <= 3; th++) {
