@@ -39,7 +39,10 @@
  * q8_0, f16 (exact), f16 rounded to bf16 pairs (KVD_F16=bf16), bf16 as
  * packed by default, in pairs (KVD_BF16=pairs: AMX tiles where the CPU
  * has them; KVD_CPU=avx512-noamx for vdpbf16ps) and widened exactly
- * (KVD_BF16=exact), and f32, measured round-robin with a triad in each
+ * (KVD_BF16=exact), and f32, then q8_0, q4_K and q6_K on a 2048 x 16
+ * shape (the K formats need rows of a multiple of 256; the rows of a type
+ * the level does not repack are copied as stored, as model_pack.c does,
+ * and the table says which), measured round-robin with a triad in each
  * round (see bench_decode_types); on one thread timed by its CPU time, the
  * figure that holds still on a shared machine.
  *
@@ -290,54 +293,94 @@ static void measure_row(const char *name, const struct mm_weight *w0, uint8_t *b
  * A model's decoding step: every matrix once, one token
  * ------------------------------------------------------------------------ */
 
-#define SM_LAYERS 30
-#define SM_MATS (7 * SM_LAYERS + 1)
+/* A model's shape for the decoding step: layers x 7 matrices (q k v o
+ * gate up down) and the output matrix, each {n_in, n_out}. */
+struct dec_shape {
+    const char *name;
+    int layers;
+    int mats[8][2];
+};
+#define DEC_MATS_MAX (7 * 30 + 1)
 
-static const int sm_shapes[8][2] = {/* n_in, n_out: q k v o gate up down, output */
-                                    {576, 576},  {576, 192},  {576, 192}, {576, 576},
-                                    {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}};
+static int dec_mats(const struct dec_shape *sh)
+{
+    return 7 * sh->layers + 1;
+}
 
-/* The 211 matrices of the shape in type, repacked into one mapping (f16
- * rounded to bf16 pairs when f16_bf16; bf16 in pairs as mm_bf16_set_pairs
- * takes bf16_pairs, -1 the CPU's default): what model_pack.c makes at load.
- * Returns the mapping (cpu_unmap(*mem, *total)) or NULL where this level
- * repacks nothing of type; *bytes: the weights' bytes as stored. */
-static uint8_t *model_copy(enum ggml_type type, bool f16_bf16, int bf16_pairs, struct mm_weight *w,
-                           size_t *total, size_t *bytes)
+/* SmolLM-135M: 576 x 30, 9 heads and 3 KV heads of 64, ffn 1536, 49152-row output. */
+static const struct dec_shape sm_shape = {"576x30",
+                                          30,
+                                          {{576, 576},
+                                           {576, 192},
+                                           {576, 192},
+                                           {576, 576},
+                                           {576, 1536},
+                                           {576, 1536},
+                                           {1536, 576},
+                                           {576, 49152}}};
+
+/* The K formats need rows of a multiple of 256 inputs, which 576 is not: a
+ * 2048 x 16 llama (16 heads and 4 KV heads of 128, ffn 5632, 32000-row
+ * output), the shape `kvd mkmodel --dim 2048 --layers 16` makes. */
+static const struct dec_shape k_shape = {"2048x16",
+                                         16,
+                                         {{2048, 2048},
+                                          {2048, 512},
+                                          {2048, 512},
+                                          {2048, 2048},
+                                          {2048, 5632},
+                                          {2048, 5632},
+                                          {5632, 2048},
+                                          {2048, 32000}}};
+
+/* The matrices of shape sh in type, in one mapping as model_pack.c makes
+ * at load: repacked where the level has kernels over repacked weights of
+ * type (f16 rounded to bf16 pairs when f16_bf16; bf16 in pairs as
+ * mm_bf16_set_pairs takes bf16_pairs, -1 the CPU's default), else their
+ * rows copied as stored. Returns the mapping (cpu_unmap(mem, *total));
+ * *bytes: the weights' bytes as stored. */
+static uint8_t *model_copy(const struct dec_shape *sh, enum ggml_type type, bool f16_bf16,
+                           int bf16_pairs, struct mm_weight *w, size_t *total, size_t *bytes)
 {
     uint8_t *proto[8];
     for (int m = 0; m < 8; m++) { /* one matrix per shape; the layers copy them */
-        size_t rb = qt_row_bytes(type, sm_shapes[m][0]);
-        proto[m] = xalloc(rb * (size_t)sm_shapes[m][1]);
-        float *row = xalloc(sizeof(float) * (size_t)sm_shapes[m][0]);
-        for (int o = 0; o < sm_shapes[m][1]; o++) {
-            for (int i = 0; i < sm_shapes[m][0]; i++)
+        const int n_in = sh->mats[m][0], n_out = sh->mats[m][1];
+        size_t rb = qt_row_bytes(type, n_in);
+        proto[m] = xalloc(rb * (size_t)n_out);
+        float *row = xalloc(sizeof(float) * (size_t)n_in);
+        for (int o = 0; o < n_out; o++) {
+            for (int i = 0; i < n_in; i++)
                 row[i] = rnd();
-            qt_quantize_row(type, row, proto[m] + rb * (size_t)o, sm_shapes[m][0]);
+            qt_quantize_row(type, row, proto[m] + rb * (size_t)o, n_in);
         }
         free(row);
     }
     mm_f16_set_bf16(f16_bf16);
     mm_bf16_set_pairs(bf16_pairs);
-    uint8_t *mem = NULL;
+    const int n = dec_mats(sh);
     *total = *bytes = 0;
-    for (int k = 0; k < SM_MATS; k++) {
-        const int m = k == SM_MATS - 1 ? 7 : k % 7;
+    for (int k = 0; k < n; k++) {
+        const int m = k == n - 1 ? 7 : k % 7;
         char err[200];
-        if (mm_weight_init(&w[k], type, sm_shapes[m][0], sm_shapes[m][1], proto[m], err,
+        if (mm_weight_init(&w[k], type, sh->mats[m][0], sh->mats[m][1], proto[m], err,
                            sizeof err)) {
             fprintf(stderr, "bench_matmul: %s\n", err);
             exit(1);
         }
-        *total += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
-        *bytes += w[k].row_bytes * (size_t)w[k].n_out;
+        const size_t stored = w[k].row_bytes * (size_t)w[k].n_out, pb = mm_pack_bytes(&w[k]);
+        *total += ((pb ? pb : stored) + 63) / 64 * 64;
+        *bytes += stored;
     }
-    if (*total) {
-        uint8_t *p = mem = bench_map_weights("bench_matmul", *total);
-        for (int k = 0; k < SM_MATS; k++) {
+    uint8_t *mem = bench_map_weights("bench_matmul", *total), *p = mem;
+    for (int k = 0; k < n; k++) {
+        const size_t stored = w[k].row_bytes * (size_t)w[k].n_out, pb = mm_pack_bytes(&w[k]);
+        if (pb) {
             mm_pack_weight(&w[k], p);
-            p += (mm_pack_bytes(&w[k]) + 63) / 64 * 64;
+        } else { /* the stored rows, moved into the mapping */
+            memcpy(p, w[k].data, stored);
+            w[k].data = p;
         }
+        p += ((pb ? pb : stored) + 63) / 64 * 64;
     }
     mm_f16_set_bf16(false);
     mm_bf16_set_pairs(-1);
@@ -353,29 +396,25 @@ static double cpu_now(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* One decoding step: every matrix once, one token, on nth threads: wall
- * time, or with one thread its own CPU time (a preempted step does not
- * count the time it waited). */
-static double model_step_on(const struct mm_weight *w, const float *x, float *out, int nth)
+/* One decoding step: every matrix once (n), one token, on nth threads:
+ * wall time, or with one thread its own CPU time (a preempted step does
+ * not count the time it waited). */
+static double model_step_on(const struct mm_weight *w, int n, const float *x, float *out, int nth)
 {
     double t0 = nth == 1 ? cpu_now() : now();
-    for (int k = 0; k < SM_MATS; k++)
+    for (int k = 0; k < n; k++)
         mm_matmul(out, &w[k], x, 1, nth);
     return (nth == 1 ? cpu_now() : now()) - t0;
 }
 
-static double model_step(const struct mm_weight *w, const float *x, float *out)
-{
-    return model_step_on(w, x, out, THREADS);
-}
-
 static void bench_model_decode(double bus)
 {
-    static struct mm_weight w[SM_MATS];
+    static struct mm_weight w[DEC_MATS_MAX];
     size_t total, bytes;
-    uint8_t *mem = model_copy(GGML_TYPE_Q8_0, false, -1, w, &total, &bytes);
-    if (!mem) {
+    uint8_t *mem = model_copy(&sm_shape, GGML_TYPE_Q8_0, false, -1, w, &total, &bytes);
+    if (!mm_pack_ready(&w[0])) {
         printf("\nmodel decode: no repacked q8_0 kernels at this level\n");
+        cpu_unmap(mem, total);
         return;
     }
     float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
@@ -384,7 +423,7 @@ static void bench_model_decode(double bus)
     double best = 1e30, sum = 0;
     const int steps = 30;
     for (int s = 0; s < steps; s++) {
-        double dt = model_step(w, x, out);
+        double dt = model_step_on(w, dec_mats(&sm_shape), x, out, THREADS);
         sum += dt;
         best = fmin(best, dt);
     }
@@ -392,7 +431,7 @@ static void bench_model_decode(double bus)
            "advised), 1 token, %d threads, best of %d steps:\n"
            "  %.2f ms per token (mean %.2f) = %.1f GB/s = %.2f of the bus (%.1f GB/s, triad's 4 "
            "arrays) = %.0f tokens/s at most from the weights alone\n",
-           SM_MATS, (double)bytes / 1e6, mm_pack_kernel_name(), THREADS, steps, best * 1e3,
+           dec_mats(&sm_shape), (double)bytes / 1e6, mm_pack_kernel_name(), THREADS, steps, best * 1e3,
            sum / steps * 1e3, (double)bytes / best / 1e9, (double)bytes / best / 1e9 / bus, bus,
            1.0 / best);
     cpu_unmap(mem, total);
@@ -404,13 +443,14 @@ static void bench_model_decode(double bus)
  * `bench_matmul decode [ROUNDS]`: the model decoding step above for each
  * weight type whose copy decoding reads (q8_0, f16 exact, f16 rounded to
  * bf16 pairs, bf16 as the CPU's default packs it, in pairs as
- * KVD_BF16=pairs asks and widened as KVD_BF16=exact does, f32),
- * round-robin: every round runs 10 steps of each type in turn and a
- * triad, so a load change slows them alike. Printed per
- * type: the best and median step, GB/s of the weights as stored, and the
+ * KVD_BF16=pairs asks and widened as KVD_BF16=exact does, f32), and on
+ * the 2048 x 16 shape q8_0, q4_K and q6_K (the K formats' rows must be a
+ * multiple of 256), round-robin: every round runs 10 steps of each type in
+ * turn and a triad, so a load change slows them alike. Printed per type:
+ * the best and median step, GB/s of the weights as stored, and the
  * fraction of the best bus figure of the run.
  */
-#define DEC_TYPES 7
+#define DEC_TYPES 10
 #define DEC_STEPS 10
 
 static int cmp_double(const void *a, const void *b)
@@ -423,26 +463,32 @@ static int bench_decode_types(int rounds, int nth)
 {
     static const struct {
         const char *name;
+        const struct dec_shape *sh;
         enum ggml_type type;
         bool f16_bf16;
         int bf16_pairs;
-    } ty[DEC_TYPES] = {
-        {"q8_0", GGML_TYPE_Q8_0, false, -1},     {"f16", GGML_TYPE_F16, false, -1},
-        {"f16-bf16", GGML_TYPE_F16, true, -1},   {"bf16", GGML_TYPE_BF16, false, -1},
-        {"bf16-pair", GGML_TYPE_BF16, false, 1}, {"bf16-exact", GGML_TYPE_BF16, false, 0},
-        {"f32", GGML_TYPE_F32, false, -1}};
-    static struct mm_weight w[DEC_TYPES][SM_MATS];
+    } ty[DEC_TYPES] = {{"q8_0", &sm_shape, GGML_TYPE_Q8_0, false, -1},
+                       {"f16", &sm_shape, GGML_TYPE_F16, false, -1},
+                       {"f16-bf16", &sm_shape, GGML_TYPE_F16, true, -1},
+                       {"bf16", &sm_shape, GGML_TYPE_BF16, false, -1},
+                       {"bf16-pair", &sm_shape, GGML_TYPE_BF16, false, 1},
+                       {"bf16-exact", &sm_shape, GGML_TYPE_BF16, false, 0},
+                       {"f32", &sm_shape, GGML_TYPE_F32, false, -1},
+                       {"q8_0", &k_shape, GGML_TYPE_Q8_0, false, -1},
+                       {"q4_K", &k_shape, GGML_TYPE_Q4_K, false, -1},
+                       {"q6_K", &k_shape, GGML_TYPE_Q6_K, false, -1}};
+    static struct mm_weight w[DEC_TYPES][DEC_MATS_MAX];
     uint8_t *mem[DEC_TYPES];
     size_t total[DEC_TYPES], bytes[DEC_TYPES];
     char la[64];
     bench_load_average(la, sizeof la);
-    printf("model decode, 576x30, %d thread%s, kernels %s; load average %s\n", nth,
+    printf("model decode, %d thread%s, kernels %s; load average %s\n", nth,
            nth == 1 ? " (its CPU time)" : "s", mm_pack_kernel_name(), la);
     for (int i = 0; i < DEC_TYPES; i++)
-        mem[i] =
-            model_copy(ty[i].type, ty[i].f16_bf16, ty[i].bf16_pairs, w[i], &total[i], &bytes[i]);
-    float *x = xalloc(sizeof(float) * 1536), *out = xalloc(sizeof(float) * 49152);
-    for (int i = 0; i < 1536; i++)
+        mem[i] = model_copy(ty[i].sh, ty[i].type, ty[i].f16_bf16, ty[i].bf16_pairs, w[i], &total[i],
+                            &bytes[i]);
+    float *x = xalloc(sizeof(float) * 5632), *out = xalloc(sizeof(float) * 49152);
+    for (int i = 0; i < 5632; i++)
         x[i] = rnd();
     double *t = xalloc(sizeof(double) * DEC_TYPES * (size_t)rounds * DEC_STEPS), bus = 0;
     for (int r = 0; r < rounds; r++) {
@@ -452,24 +498,21 @@ static int bench_decode_types(int rounds, int nth)
         for (int i = 0; i < DEC_TYPES; i++)
             for (int s = 0; s < DEC_STEPS; s++)
                 t[((size_t)i * (size_t)rounds + (size_t)r) * DEC_STEPS + (size_t)s] =
-                    mem[i] ? model_step_on(w[i], x, out, nth) : 0;
+                    model_step_on(w[i], dec_mats(ty[i].sh), x, out, nth);
     }
     bench_load_average(la, sizeof la);
     printf("bus (triad's 4 arrays, best of %d): %.1f GB/s; load average after %s\n", rounds, bus,
            la);
-    printf("%-10s %9s %10s %10s %8s %10s %8s\n", "type", "MB", "best ms", "median ms", "GB/s",
-           "of bus", "tok/s");
+    printf("%-10s %-8s %-8s %9s %10s %10s %8s %8s %8s\n", "type", "shape", "copy", "MB",
+           "best ms", "median ms", "GB/s", "of bus", "tok/s");
     for (int i = 0; i < DEC_TYPES; i++) {
-        if (!mem[i]) {
-            printf("%-10s (not repacked at this level)\n", ty[i].name);
-            continue;
-        }
         const size_t n = (size_t)rounds * DEC_STEPS;
         double *ti = t + (size_t)i * n;
         qsort(ti, n, sizeof *ti, cmp_double);
         const double best = ti[0], med = ti[n / 2], gb = (double)bytes[i] / best / 1e9;
-        printf("%-10s %9.1f %10.2f %10.2f %8.1f %10.2f %8.0f\n", ty[i].name, (double)bytes[i] / 1e6,
-               best * 1e3, med * 1e3, gb, gb / bus, 1.0 / best);
+        printf("%-10s %-8s %-8s %9.1f %10.2f %10.2f %8.1f %8.2f %8.0f\n", ty[i].name,
+               ty[i].sh->name, mm_pack_ready(&w[i][0]) ? "repacked" : "stored",
+               (double)bytes[i] / 1e6, best * 1e3, med * 1e3, gb, gb / bus, 1.0 / best);
         cpu_unmap(mem[i], total[i]);
     }
     char how[384];
