@@ -9,7 +9,9 @@
  *   q8_0          quantised by the level's kernel (matmul_pack.c), for
  *                 q8_0's int8 blocks, the 4- and 5-bit blocks' nibbles
  *                 (q4_0 .. q5_1, iq4_nl, iq4_xs) and q4_K;
- *   f32, f16      transposed by tiles, exact f32 FMA (matmul_pack.c);
+ *   f32, f16      read in place, exact f32 FMA (matmul_pack.c); f16 over
+ *                 8+ token tiles widened a pair of groups at a time into
+ *                 the thread's own f32 copy (its slot of the scratch);
  *   bf16 pairs    rounded to bf16 pairs by tiles, vdpbf16ps (matmul_bf16.c).
  *
  * A weight is repacked only when the kernel level in use when it is packed
