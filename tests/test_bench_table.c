@@ -274,13 +274,13 @@ static void test_f16_bf16_and_q8_kv(void **state)
         assert_true(bf16_roof == f16_roof);
     } else {
         /* the pairs' yardstick: tdpbf16ps's where measured (AMX), else vdpbf16ps's */
-        const char *pf = strstr(out, "f32 FMA "), *pb = strstr(out, "vdpbf16ps "),
+        const char *pf = strstr(out, "f32 FMA ("), *pb = strstr(out, "vdpbf16ps "),
                    *pt = strstr(out, "tdpbf16ps ");
         assert_non_null(pf);
         assert_non_null(pb);
         assert_non_null(pt);
         const bool amx = !strstr(out, "tdpbf16ps not measured");
-        double fma = atof(pf + strlen("f32 FMA ")),
+        double fma = atof(strchr(pf, ')') + 1), /* "f32 FMA (512-bit) N GFLOPS" */
                bf = amx ? atof(pt + strlen("tdpbf16ps ")) : atof(pb + strlen("vdpbf16ps "));
         print_message("peaks: FMA %.0f, %s %.0f GFLOPS\n", fma, amx ? "tdpbf16ps" : "vdpbf16ps",
                       bf);

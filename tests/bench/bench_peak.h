@@ -12,6 +12,11 @@
  *
  *   vpdpbusd   (AVX-512 VNNI) 64 int8 multiply-adds per instruction
  *   vfmadd     (AVX-512 F)    16 f32 multiply-adds
+ *              (AVX2 + FMA)   8, on a CPU without AVX-512
+ *   vpmaddubsw + vpmaddwd + vpaddd  (AVX2) 32 int8 multiply-adds into
+ *              i32 lanes per three instructions: what an int8 product
+ *              costs where there is no VNNI (model/matmul.c's AVX2 path),
+ *              the integer peak on such a CPU
  *   vdpbf16ps  (AVX-512 BF16) 32 bf16 multiply-adds into f32
  *   tdpbf16ps  (AMX-BF16)     8,192 bf16 multiply-adds into a tile of f32:
  *              four independent C tiles (what model/matmul_amx.c keeps),
@@ -74,6 +79,54 @@ __attribute__((target("avx512f"))) static inline double bench_peak_fma_run(void)
     volatile float keep = sink[0];
     (void)keep;
     return 2.0 * 16 * 12 * (double)BENCH_PEAK_ITERS / dt / 1e9;
+}
+
+__attribute__((target("avx2,fma"))) static inline double bench_peak_fma256_run(void)
+{
+    __m256 a[12];
+    for (int i = 0; i < 12; i++)
+        a[i] = _mm256_set1_ps((float)i);
+    const __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
+    double t0 = bench_thread_cpu();
+    for (int n = 0; n < BENCH_PEAK_ITERS; n++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm256_fmadd_ps(a[i], m, c);
+    for (int i = 1; i < 12; i++)
+        a[0] = _mm256_add_ps(a[0], a[i]);
+    double dt = bench_thread_cpu() - t0;
+    float sink[8];
+    _mm256_storeu_ps(sink, a[0]);
+    volatile float keep = sink[0];
+    (void)keep;
+    return 2.0 * 8 * 12 * (double)BENCH_PEAK_ITERS / dt / 1e9;
+}
+
+/* Twelve chains of the three instructions; the chains' operands are
+ * registers varied per chain so that no instruction is hoisted. */
+__attribute__((target("avx2"))) static inline double bench_peak_maddubs_run(void)
+{
+    __m256i a[12], u[12];
+    for (int i = 0; i < 12; i++) {
+        a[i] = _mm256_set1_epi32(i);
+        u[i] = _mm256_set1_epi8((char)(i + 1));
+    }
+    const __m256i s = _mm256_set1_epi8(-1), ones = _mm256_set1_epi16(1);
+    double t0 = bench_thread_cpu();
+    for (int n = 0; n < BENCH_PEAK_ITERS; n++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) {
+            a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], s), ones));
+            __asm__("" : "+x"(u[i])); /* a new operand each time, as far as the compiler knows */
+        }
+    for (int i = 1; i < 12; i++)
+        a[0] = _mm256_add_epi32(a[0], a[i]);
+    double dt = bench_thread_cpu() - t0;
+    int32_t sink[8];
+    _mm256_storeu_si256((__m256i *)sink, a[0]);
+    volatile int32_t keep = sink[0];
+    (void)keep;
+    return 2.0 * 32 * 12 * (double)BENCH_PEAK_ITERS / dt / 1e9;
 }
 
 __attribute__((target("avx512f,avx512bf16"))) static inline double bench_peak_bf16_run(void)
@@ -145,13 +198,47 @@ static inline double bench_peak_vnni(void)
     return 0.0;
 }
 
+/* The f32 FMA's peak at the CPU's widest vectors: 512 bits, else 256. */
 static inline double bench_peak_fma(void)
 {
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx512f"))
         return bench_peak_fma_run();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return bench_peak_fma256_run();
 #endif
     return 0.0;
+}
+
+static inline const char *bench_peak_fma_name(void)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f"))
+        return "f32 FMA (512-bit)";
+#endif
+    return "f32 FMA (256-bit)";
+}
+
+/* The int8 multiply-add's peak the CPU offers kvd: vpdpbusd with AVX-512
+ * VNNI, else AVX2's three-instruction sequence. */
+static inline double bench_peak_int8(void)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"))
+        return bench_peak_vnni_run();
+    if (__builtin_cpu_supports("avx2"))
+        return bench_peak_maddubs_run();
+#endif
+    return 0.0;
+}
+
+static inline const char *bench_peak_int8_name(void)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"))
+        return "vpdpbusd";
+#endif
+    return "vpmaddubsw+vpmaddwd";
 }
 
 static inline double bench_peak_bf16(void)

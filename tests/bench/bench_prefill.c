@@ -10,7 +10,8 @@
  * level has them. Printed: GOPS (2 operations per multiply-add) and the
  * fraction of the peak measured in the same run on the same core: integer
  * types against vpdpbusd's (AVX-512 VNNI: 64 multiply-adds per
- * instruction), float types against the f32 FMA's (16 per instruction),
+ * instruction; vpmaddubsw + vpmaddwd's without it), float types against
+ * the f32 FMA's (16 per instruction; 8 without AVX-512),
  * each peak a loop of independent instructions with nothing else.
  *
  * One thread, timed by its own CPU time (CLOCK_THREAD_CPUTIME_ID), best of
@@ -58,7 +59,7 @@ static void *xalloc(size_t n)
     return bench_xalloc("bench_prefill", n);
 }
 
-/* The vpdpbusd peak of two threads at once, each by its own CPU time, the
+/* The int8 peak (bench_peak.h) of two threads at once, each by its own CPU time, the
  * rates summed: what a 2-thread product could reach with both cores busy
  * (a clock that drops when both run shows here, not in the 1-core peak). */
 static double vnni_peak2(void)
@@ -68,7 +69,7 @@ static double vnni_peak2(void)
     {
         int t = omp_get_thread_num();
         if (t < 2)
-            rate[t] = bench_peak_vnni();
+            rate[t] = bench_peak_int8();
     }
     return rate[0] + rate[1];
 }
@@ -154,8 +155,8 @@ int main(int argc, char **argv)
     double vnni = 0.0, fma = 0.0, vnni2 = 0.0;
     /* the best of 5 each: a clock slowed for a moment by the neighbours
      * would otherwise lower the peak and flatter the fractions */
-    for (int i = 0; i < 5 && cpu_level() >= CPU_AVX512; i++) {
-        vnni = fmax(vnni, bench_peak_vnni());
+    for (int i = 0; i < 5; i++) {
+        vnni = fmax(vnni, bench_peak_int8());
         fma = fmax(fma, bench_peak_fma());
         vnni2 = fmax(vnni2, vnni_peak2());
     }
@@ -166,11 +167,12 @@ int main(int argc, char **argv)
            "time and 2 threads by wall clock, best of %d; load average before: %s\n",
            N_TOK, ROUNDS, load0);
     if (vnni > 0)
-        printf("peak of one core, measured now: vpdpbusd %.0f GOPS, f32 FMA %.0f GFLOPS; "
-               "vpdpbusd on 2 threads at once: %.0f GOPS\n\n",
-               vnni, fma, vnni2);
+        printf("peak of one core, measured now: %s %.0f GOPS, %s %.0f GFLOPS; "
+               "%s on 2 threads at once: %.0f GOPS\n\n",
+               bench_peak_int8_name(), vnni, bench_peak_fma_name(), fma, bench_peak_int8_name(),
+               vnni2);
     else
-        printf("peak: not measured (no AVX-512 at this level)\n\n");
+        printf("peak: not measured (no AVX2 on this CPU)\n\n");
 
     float *x = xalloc(sizeof(float) * 1536 * N_TOK);
     float *out = xalloc(sizeof(float) * 1536 * N_TOK);

@@ -39,7 +39,9 @@
  *    layers x mean keys (QK and PV; causal, so (P+1)/2 keys on average).
  *    Roofline = 1 / (weight ops / weight peak + attention ops / f32 FMA
  *    peak), the peaks bench_peak.h's, per core, times the threads. The
- *    weight peak is vpdpbusd's for q8_0, vdpbf16ps's for bf16 where the CPU
+ *    weight peak is vpdpbusd's for q8_0 (vpmaddubsw + vpmaddwd's on a CPU
+ *    without AVX-512 VNNI, and the FMA's at 256 bits without AVX-512),
+ *    vdpbf16ps's for bf16 where the CPU
  *    has it and kvd takes the pairs (tdpbf16ps's where it has AMX's bf16
  *    tiles, which then run the pairs), and the f32 FMA's for f32 and f16
  *    (the yardstick the issue sets them). An "f16-bf16" row is the f16
@@ -168,7 +170,7 @@ struct model_cost {
 };
 
 static struct {
-    double vnni, fma, bf16, amx; /* per core, GOPS (amx: tdpbf16ps) */
+    double int8, fma, bf16, amx; /* per core, GOPS (amx: tdpbf16ps) */
     char kernels[MAX_BINS][MAX_TYPES][MODEL_KERNELS_LINE], weights[MAX_BINS][MAX_TYPES][256];
 } g;
 
@@ -407,25 +409,25 @@ static void print_machine(const struct opts *o)
 static void measure_peaks(void)
 {
     for (int i = 0; i < 5; i++) {
-        g.vnni = fmax(g.vnni, bench_peak_vnni());
+        g.int8 = fmax(g.int8, bench_peak_int8());
         g.fma = fmax(g.fma, bench_peak_fma());
         g.bf16 = fmax(g.bf16, bench_peak_bf16());
         if (cpu_amx_supported()) /* and the tile permission with it */
             g.amx = fmax(g.amx, bench_peak_amx_bf16());
     }
-    char v[32] = "not measured (no AVX-512 VNNI)", f[32] = "not measured (no AVX-512)",
+    char v[32] = "not measured (no AVX2)", f[32] = "not measured (no AVX2 FMA)",
          b[32] = "not measured (no AVX-512 BF16)", a[32] = "not measured (no AMX-BF16)";
-    if (g.vnni > 0)
-        snprintf(v, sizeof v, "%.0f GOPS", g.vnni);
+    if (g.int8 > 0)
+        snprintf(v, sizeof v, "%.0f GOPS", g.int8);
     if (g.fma > 0)
         snprintf(f, sizeof f, "%.0f GFLOPS", g.fma);
     if (g.bf16 > 0)
         snprintf(b, sizeof b, "%.0f GFLOPS", g.bf16);
     if (g.amx > 0)
         snprintf(a, sizeof a, "%.0f GFLOPS", g.amx);
-    printf("peaks of one core, measured now (bench_peak.h): vpdpbusd %s, f32 FMA %s, "
+    printf("peaks of one core, measured now (bench_peak.h): %s %s, %s %s, "
            "vdpbf16ps %s, tdpbf16ps %s\n",
-           v, f, b, a);
+           bench_peak_int8_name(), v, bench_peak_fma_name(), f, b, a);
 }
 
 /* Whether a row's weight products run as bf16 pairs: f16 weights rounded
@@ -442,7 +444,7 @@ static bool bf16_products(const struct wtype *w)
 static double weight_peak(const struct wtype *w)
 {
     if (w->file == GGML_TYPE_Q8_0)
-        return g.vnni;
+        return g.int8;
     if (bf16_products(w))
         return g.amx > 0 ? g.amx : g.bf16;
     return g.fma;
@@ -451,10 +453,10 @@ static double weight_peak(const struct wtype *w)
 static const char *weight_peak_name(const struct wtype *w)
 {
     if (w->file == GGML_TYPE_Q8_0)
-        return "vpdpbusd";
+        return bench_peak_int8_name();
     if (bf16_products(w))
         return g.amx > 0 ? "tdpbf16ps" : "vdpbf16ps";
-    return "f32 FMA";
+    return bench_peak_fma_name();
 }
 
 /* ------------------------------------------------------------------------
@@ -973,13 +975,14 @@ static void print_notes(const struct opts *o, const struct row *rows, int n)
            "the whole prompt, real text the binary tokenizes and reads in chunks of %d; its "
            "roofline is weight ops at the "
            "type's peak + attention ops at the f32 FMA peak, x %d threads. Weight peaks: q8_0 "
-           "vpdpbusd, bf16 %s, f16-bf16 %s, f32 and f16 f32 FMA. f16-bf16 rows run the f16 "
+           "%s, bf16 %s, f16-bf16 %s, f32 and f16 %s. f16-bf16 rows run the f16 "
            "model with KVD_F16=bf16 in the binary's environment (its f16 weights rounded to "
            "bf16 at load); every other row runs without KVD_F16 (and every row without "
            "KVD_BF16).\n",
-           o->n_gen, o->batch, o->threads,
+           o->n_gen, o->batch, o->threads, bench_peak_int8_name(),
            weight_peak_name(&(struct wtype){.file = GGML_TYPE_BF16}),
-           weight_peak_name(&(struct wtype){.file = GGML_TYPE_F16, .f16_bf16 = true}));
+           weight_peak_name(&(struct wtype){.file = GGML_TYPE_F16, .f16_bf16 = true}),
+           bench_peak_fma_name());
     printf("each run: KVD generate --model %s/%dx%d_TYPE.gguf --prompt TEXT -n %d --temp 0 "
            "--threads %d --batch %d --ctx P+%d --kv-type KV --no-echo [--fill P]\n",
            o->models, o->shape->n_embd, o->shape->n_layer, o->n_gen, o->threads, o->batch,
