@@ -189,14 +189,6 @@ __attribute__((target("amx-tile,amx-bf16"))) static inline double bench_peak_amx
 #endif
 
 /* One measurement each, or 0 when the CPU lacks the instruction. */
-static inline double bench_peak_vnni(void)
-{
-#if defined(__x86_64__)
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"))
-        return bench_peak_vnni_run();
-#endif
-    return 0.0;
-}
 
 /* The f32 FMA's peak at the CPU's widest vectors: 512 bits, else 256. */
 static inline double bench_peak_fma(void)

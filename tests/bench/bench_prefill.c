@@ -62,7 +62,7 @@ static void *xalloc(size_t n)
 /* The int8 peak (bench_peak.h) of two threads at once, each by its own CPU time, the
  * rates summed: what a 2-thread product could reach with both cores busy
  * (a clock that drops when both run shows here, not in the 1-core peak). */
-static double vnni_peak2(void)
+static double int8_peak2(void)
 {
     double rate[2] = {0, 0};
 #pragma omp parallel num_threads(2)
@@ -152,13 +152,13 @@ int main(int argc, char **argv)
     }
     char load0[64], load1[64], lvl[96];
     bench_load_average(load0, sizeof load0);
-    double vnni = 0.0, fma = 0.0, vnni2 = 0.0;
+    double int8 = 0.0, fma = 0.0, int8_2 = 0.0;
     /* the best of 5 each: a clock slowed for a moment by the neighbours
      * would otherwise lower the peak and flatter the fractions */
     for (int i = 0; i < 5; i++) {
-        vnni = fmax(vnni, bench_peak_int8());
+        int8 = fmax(int8, bench_peak_int8());
         fma = fmax(fma, bench_peak_fma());
-        vnni2 = fmax(vnni2, vnni_peak2());
+        int8_2 = fmax(int8_2, int8_peak2());
     }
     const char *pk = mm_pack_kernel_name();
     printf("kernels %s: matmul %s, repacked %s\n", cpu_describe(lvl, sizeof lvl), mm_kernel_name(),
@@ -166,11 +166,11 @@ int main(int argc, char **argv)
     printf("one SmolLM-135M layer (7 products, dim 576, ffn 1536) x %d tokens; 1 thread by CPU "
            "time and 2 threads by wall clock, best of %d; load average before: %s\n",
            N_TOK, ROUNDS, load0);
-    if (vnni > 0)
+    if (int8 > 0)
         printf("peak of one core, measured now: %s %.0f GOPS, %s %.0f GFLOPS; "
                "%s on 2 threads at once: %.0f GOPS\n\n",
-               bench_peak_int8_name(), vnni, bench_peak_fma_name(), fma, bench_peak_int8_name(),
-               vnni2);
+               bench_peak_int8_name(), int8, bench_peak_fma_name(), fma, bench_peak_int8_name(),
+               int8_2);
     else
         printf("peak: not measured (no AVX2 on this CPU)\n\n");
 
@@ -207,13 +207,13 @@ int main(int argc, char **argv)
             if (p && !L[k].packed[0])
                 continue;
             double gops = 2.0 * L[k].macs / t1[k][p] / 1e9;
-            double peak = types[k] == GGML_TYPE_Q8_0 ? vnni : fma;
+            double peak = types[k] == GGML_TYPE_Q8_0 ? int8 : fma;
             double gops2 = 2.0 * L[k].macs / t2[k][p] / 1e9;
             char frac[16] = "-", frac2[16] = "-"; /* 2 threads: q8_0 only (no FMA pair peak) */
             if (peak > 0)
                 snprintf(frac, sizeof frac, "%.0f%%", 100.0 * gops / peak);
-            if (types[k] == GGML_TYPE_Q8_0 && vnni2 > 0)
-                snprintf(frac2, sizeof frac2, "%.0f%%", 100.0 * gops2 / vnni2);
+            if (types[k] == GGML_TYPE_Q8_0 && int8_2 > 0)
+                snprintf(frac2, sizeof frac2, "%.0f%%", 100.0 * gops2 / int8_2);
             printf("%-6s %-9s %10.2f %12.1f %8s %12.1f %8s %9.2fx\n", qt_type_name(types[k]),
                    p ? "repacked" : "stored", 1e3 * t1[k][p], gops, frac, gops2, frac2,
                    t1[k][0] / t1[k][p]);
