@@ -76,7 +76,7 @@ DEPLOY_PACKAGES := haproxy python3-yaml systemd
 # named in KERNEL_SRC and following cpu/kernel.h. Targets other than x86-64
 # carry the scalar level only.
 KERNEL_SRC    := attention/attn_simd.c model/matmul.c model/matmul_k.c model/matmul_pack.c model/ops.c \
-                 model/matmul_bf16.c model/matmul_amx.c
+                 model/matmul_bf16.c model/matmul_amx.c model/matmul_pack_avx2.c
 KERNEL_SRC    += attention/attn_rope.c
 KERNEL_IS_X86 := $(filter x86_64-% i686-% i386-%,$(shell $(CC) -dumpmachine))
 KERNEL_LEVELS := $(if $(KERNEL_IS_X86),avx2 avx512)

@@ -1,7 +1,8 @@
 /*
  * matmul_pack.c - out[t][o] = sum_i W[o][i] * x[t][i] over weights
  * repacked at load (matmul_internal.h's layouts, written by
- * matmul_pack_run.c): the prefill microkernels.
+ * matmul_pack_run.c): the prefill microkernels, at the AVX-512 level (the
+ * float tiles in 256-bit registers, for the AVX2 level: matmul_pack_avx2.c).
  *
  * ---------------------------------------------------------------------------
  * Why repack
@@ -896,7 +897,7 @@ const struct mm_pack_kernels KERN(mm_pack_kernels) = {
     .groups = groups_avx512,
 };
 
-#else /* no kernels over repacked weights at this level */
+#elif !defined(KERN_AVX2) /* no kernels over repacked weights at this level (AVX2: matmul_pack_avx2.c) */
 
 static bool has_none(enum ggml_type type)
 {

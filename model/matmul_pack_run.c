@@ -9,9 +9,10 @@
  *   q8_0          quantised by the level's kernel (matmul_pack.c), for
  *                 q8_0's int8 blocks, the 4- and 5-bit blocks' nibbles
  *                 (q4_0 .. q5_1, iq4_nl, iq4_xs) and q4_K;
- *   f32, f16      read in place, exact f32 FMA (matmul_pack.c); f16 over
- *                 8+ token tiles widened a pair of groups at a time into
- *                 the thread's own f32 copy (its slot of the scratch);
+ *   f32, f16      read in place, exact f32 FMA (matmul_pack.c; at the
+ *                 AVX2 level matmul_pack_avx2.c); f16 over 8+ token tiles
+ *                 widened a pair of groups at a time into the thread's
+ *                 own f32 copy (its slot of the scratch);
  *   bf16 pairs    rounded to bf16 pairs by tiles, vdpbf16ps (matmul_bf16.c).
  *
  * A weight is repacked only when the kernel level in use when it is packed
@@ -42,6 +43,11 @@ static const struct mm_pack_kernels *pkern(void)
 const char *mm_pack_kernel_name(void)
 {
     return pkern()->name;
+}
+
+bool mm_pack_has(enum ggml_type type)
+{
+    return pkern()->has(type);
 }
 
 /*
@@ -648,8 +654,9 @@ void mm_pack_matmul(float *out, const struct mm_weight *w, const float *x, int n
     mm_pack_matmul_many(&out, &w, 1, x, n_tok, n_threads, scratch, NULL);
 }
 
-void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, int n, const float *x,
-                         int n_tok, int n_threads, void *scratch, const struct mm_tail *tail)
+void mm_pack_matmul_many(float *const *out, const struct mm_weight *const *ws, int n,
+                         const float *x, int n_tok, int n_threads, void *scratch,
+                         const struct mm_tail *tail)
 {
     const struct mm_weight *w = ws[0]; /* the activations are laid out by it, for all */
     const int nth = cpu_pool_threads(n_threads);

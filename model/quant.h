@@ -359,6 +359,9 @@ bool mm_pack_ready(const struct mm_weight *w);
 /* The kernels over repacked weights at the level in use ("avx512-vnni
  * 16-row"), or NULL when it has none. */
 const char *mm_pack_kernel_name(void);
+/* Whether those kernels multiply weights of type (the AVX2 level's, the
+ * float types only). */
+bool mm_pack_has(enum ggml_type type);
 /*
  * BF16 and F16 weights with AVX-512 BF16 (model/matmul_bf16.h): BF16
  * weights are repacked in bf16 pairs wherever cpu_bf16(); F16 weights only

@@ -993,14 +993,14 @@ static void test_load_info(void **state)
     print_message("  weights: %s\n", line);
     struct mm_weight *ws[] = {&m->layers[0].wq, &m->layers[1].down, &m->output};
     const size_t q8_bytes = m->pack_bytes;
-    if (mm_pack_kernel_name()) {
+    if (mm_pack_has(GGML_TYPE_Q8_0)) {
         assert_int_equal(m->pack_count, 15);
         assert_true(m->pack_bytes >= 15 * 16 * 34 * 2); /* at least the rows' bytes */
         assert_non_null(strstr(line, "15 matrices repacked"));
         for (int k = 0; k < 3; k++)
             assert_true(ws[k]->packed && mm_pack_ready(ws[k]));
         assert_null(m->tok_embd.packed); /* read row by row, never repacked */
-    } else { /* copied as stored, into the same pages */
+    } else {                             /* copied as stored, into the same pages */
         assert_int_equal(m->pack_count, 0);
         assert_int_equal(m->pack_copied, 15);
         assert_non_null(strstr(line, "15 copied as stored"));
@@ -1014,7 +1014,7 @@ static void test_load_info(void **state)
     m = load_model(path);
     model_pack_describe(m, line, sizeof line);
     print_message("  weights: %s\n", line);
-    if (mm_pack_kernel_name()) {
+    if (mm_pack_has(GGML_TYPE_Q4_0)) {
         assert_int_equal(m->pack_count, 15);
         assert_int_equal(m->pack_bytes * 34, q8_bytes * 18);
         assert_true(m->output.packed && mm_pack_ready(&m->output));

@@ -1,0 +1,338 @@
+/*
+ * matmul_pack_avx2.c - the AVX2 kernels over repacked float weights (f32,
+ * f16, bf16): matmul_pack.c's float tiles in 256-bit registers, for CPUs
+ * without AVX-512 (a Zen 3 EPYC, a desktop core).
+ *
+ * ---------------------------------------------------------------------------
+ * Why
+ * ---------------------------------------------------------------------------
+ *
+ * Without these, an AVX2 CPU multiplies float weights as GGUF stores them
+ * (matmul.c: a tile of 2 rows x 4 tokens, each (row, token) a vector of
+ * partial sums along the row summed across its lanes at the end). The
+ * repacked copy (matmul_internal.h: per input k, one group's 16 rows side
+ * by side, then the other group's) lets a lane be an output row, as in
+ * matmul_pack.c's essay: one load (and for f16/bf16 one exact widening)
+ * gives 8 rows' weights of input k, one FMA against the token's x[k]
+ * broadcast adds them to the rows' own sums, nothing is summed across
+ * lanes, and a thread streams its pairs of groups as one run of bytes.
+ *
+ * ---------------------------------------------------------------------------
+ * Tiles
+ * ---------------------------------------------------------------------------
+ *
+ * AVX2 has 16 vector registers. A wide tile is one group (its 16 rows are
+ * two vectors) x A_NT = 6 tokens: 12 accumulators, 2 weight vectors and a
+ * broadcast; per input, 2 loads (or widenings) and 6 broadcasts (loads on
+ * the cores met so far) for 12 FMAs. The driver's token tile is
+ * MM_PACK_FNT = 12 tokens (the activations are read in place by tiles of
+ * that width, matmul_internal.h), run here as two tiles of 6. Decoding (at
+ * most MM_PACK_NARROW tokens) runs narrow tiles: one token in A_MG = 4
+ * groups (8 chains, enough to cover the FMA's latency twice over on two
+ * FMA ports), two tokens in 2 groups; a decoding tile asks for its
+ * weights ahead into L1 as matmul_pack.c's do ("Decoding").
+ *
+ * f16 over a batch of at least MM_PACK_WIDE_TILES token tiles: the thread
+ * widens each pair of groups once into its own f32 copy (jb->wide, sized
+ * by matmul_pack_run.c whatever the level) and the f32 tiles read that, as
+ * matmul_pack.c does.
+ *
+ * ---------------------------------------------------------------------------
+ * Numerics and invariance
+ * ---------------------------------------------------------------------------
+ *
+ * Each (row, token) sum is one f32 chain along k from 0: acc = fma(w[k],
+ * x[k], acc), the exact widening of the stored weight times the caller's
+ * f32 activation. That is the sequence of matmul_pack.c's float tiles, so
+ * this level gives the bits the AVX-512 kernels give (test_quant checks),
+ * and every tile shape here runs it: a token's results depend neither on
+ * the other tokens of its batch nor on the split among threads.
+ *
+ * Measured: see the essay's last section, "Figures".
+ *
+ * ---------------------------------------------------------------------------
+ * Registers
+ * ---------------------------------------------------------------------------
+ *
+ * The wide tile (a_wide) names its 12 sums one by one. Written first as
+ * the narrow tiles' [group][token][2] array, GCC kept the array in memory
+ * and stored every sum at each step of k: the tile ran at 31-32% of the
+ * FMA peak, half the stored rows' kernel. Named, the loop is 2 loads, 6
+ * broadcasts and 12 FMAs with nothing stored. The narrow tiles keep the
+ * array (their final stores unrolled, so it can live in registers): one
+ * token in 4 groups wants 8 sums, 8 weight vectors and a broadcast, one
+ * more than the 16 registers, and GCC keeps one sum in memory; a decoding
+ * step waits for the bus far longer than for that.
+ *
+ * ---------------------------------------------------------------------------
+ * Figures
+ * ---------------------------------------------------------------------------
+ *
+ * AMD EPYC Zen 3 (AVX2 and FMA, no AVX-512), 2 cores, load 0.5-1.3:
+ *  - build/bench/bench_prefill (one SmolLM-135M layer x 512 tokens, one
+ *    thread by CPU time, of the 256-bit FMA's peak, 101 GFLOPS): f32
+ *    91.6 GFLOPS (90%) against 60.4 (60%) over the stored rows, f16 89.5
+ *    (88%) against 57.0 (56%); 2 threads 145 and 139 GFLOPS against 114
+ *    and 90.
+ *  - build/bench/bench_matmul decode (the 576x30 model's products, 2
+ *    threads, two alternated runs of each build): f16 106-118 tokens/s
+ *    against 73-81 stored, bf16 112-119 against 61-73, f32 66-69 against
+ *    47-50; of the bus 0.52-0.79 against 0.32-0.58.
+ */
+#include "model/matmul_internal.h"
+#include "model/matmul_simd.h"
+
+#if defined(KERN_AVX2)
+
+#define A_NT 6  /* tokens per wide tile: 2 x 6 accumulators */
+#define A_MG 4  /* groups per narrow tile of one token: 8 chains */
+#define A_MG2 2 /* groups per narrow tile of MM_PACK_NARROW tokens */
+
+/* How far ahead a decoding tile asks for its weights (matmul_pack.c). */
+#define A_PREFETCH(type) ((type) == GGML_TYPE_F16 ? MM_PACK_PREFETCH_FAR : MM_PACK_PREFETCH)
+
+/* Eight rows' element k at p, widened to f32 exactly. */
+INLINE __m256 a_widen(enum ggml_type type, const uint8_t *p)
+{
+    if (type == GGML_TYPE_F32)
+        return _mm256_load_ps((const float *)p);
+    const __m128i h = _mm_load_si128((const __m128i *)p);
+    if (type == GGML_TYPE_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bf16 */
+}
+
+/* Group g's outputs of token t (lo: rows 0..7, hi: 8..15): the rows that
+ * exist (a padded last group stores fewer). By value: the accumulators
+ * passed by address were stored to the stack at every step of the loop. */
+INLINE void a_store(const struct mm_pack_job *jb, int g, int t, __m256 lo, __m256 hi)
+{
+    const int o0 = g * MM_PACK_ROWS, n = jb->w->n_out - o0;
+    float *o = jb->out + (size_t)t * (size_t)jb->w->n_out + (size_t)o0;
+    if (n >= MM_PACK_ROWS) {
+        _mm256_storeu_ps(o, lo);
+        _mm256_storeu_ps(o + 8, hi);
+    } else {
+        float tmp[MM_PACK_ROWS];
+        _mm256_storeu_ps(tmp, lo);
+        _mm256_storeu_ps(tmp + 8, hi);
+        memcpy(o, tmp, (size_t)n * sizeof(float));
+    }
+}
+
+/* mg groups from g0 x nt tokens from t0: one f32 chain per row and token
+ * along k. The weights are w's copy as stored in type, or (wide: type F32,
+ * mg 1) the thread's f32 copy of g0's pair of f16 groups. */
+INLINE void a_tile(const struct mm_pack_job *jb, enum ggml_type type, bool wide, int g0, int mg,
+                   int t0, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const size_t esz = type == GGML_TYPE_F32 ? 4 : 2, step = 2 * MM_PACK_ROWS * esz;
+    /* group g's element k at pp[g / 2] + k * step + (g % 2) * step / 2 */
+    const uint8_t *pp[A_MG / 2];
+    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
+        pp[h] = wide ? (const uint8_t *)jb->wide
+                     : (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+    const size_t ld = (size_t)w->n_in;
+    const float *xt = jb->x + (size_t)t0 * ld;
+
+    __m256 acc[A_MG][A_NT][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 6
+        for (int t = 0; t < nt; t++)
+            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+    for (int k = 0; k < w->n_in; k++, xt++) {
+        if (nt <= MM_PACK_NARROW && !wide)
+            prefetch_pairs(pp, mg + (g0 & 1), (size_t)k * step, step, A_PREFETCH(type));
+        __m256 wv[A_MG][2];
+#pragma GCC unroll 4
+        for (int g = 0; g < mg; g++) {
+            const int a = (g0 & 1) + g; /* the group's place in its pair run */
+            const uint8_t *p = pp[a / 2] + (size_t)k * step + (size_t)(a % 2) * (step / 2);
+            wv[g][0] = a_widen(type, p);
+            wv[g][1] = a_widen(type, p + step / 4);
+        }
+#pragma GCC unroll 6
+        for (int t = 0; t < nt; t++) {
+            const __m256 xv = _mm256_broadcast_ss(xt + (size_t)t * ld);
+#pragma GCC unroll 4
+            for (int g = 0; g < mg; g++) {
+                acc[g][t][0] = _mm256_fmadd_ps(wv[g][0], xv, acc[g][t][0]);
+                acc[g][t][1] = _mm256_fmadd_ps(wv[g][1], xv, acc[g][t][1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 6
+        for (int t = 0; t < nt; t++)
+            a_store(jb, g0 + g, t0 + t, acc[g][t][0], acc[g][t][1]);
+}
+
+/* Token i's two sums of the wide tile: its activation at input k
+ * broadcast, times the group's two vectors of weights. */
+#define A_FMA2(i)                                                                                  \
+    xv = _mm256_broadcast_ss(xt + (size_t)(i)*ld);                                                 \
+    l##i = _mm256_fmadd_ps(w0, xv, l##i);                                                          \
+    h##i = _mm256_fmadd_ps(w1, xv, h##i);
+
+/* The wide tile: group g x A_NT tokens from t0, the sequence of a_tile,
+ * with its 12 sums named one by one. Written as a_tile's array, GCC kept
+ * them in memory and stored each at every step of k, at half the speed;
+ * 12 sums, 2 weight vectors and a broadcast are 15 of the 16 registers. */
+INLINE void a_wide(const struct mm_pack_job *jb, enum ggml_type type, bool wide, int g, int t0)
+{
+    const struct mm_weight *w = jb->w;
+    const size_t esz = type == GGML_TYPE_F32 ? 4 : 2, step = 2 * MM_PACK_ROWS * esz;
+    const uint8_t *p =
+        (wide ? (const uint8_t *)jb->wide
+              : (const uint8_t *)w->packed + (size_t)(g / 2) * mm_pack_pair_bytes(w)) +
+        (size_t)(g % 2) * (step / 2);
+    const size_t ld = (size_t)w->n_in;
+    const float *xt = jb->x + (size_t)t0 * ld;
+    __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, l4 = l0, l5 = l0;
+    __m256 h0 = l0, h1 = l0, h2 = l0, h3 = l0, h4 = l0, h5 = l0;
+    const int n_in = w->n_in;
+    for (int k = 0; k < n_in; k++, xt++, p += step) {
+        const __m256 w0 = a_widen(type, p), w1 = a_widen(type, p + step / 4);
+        __m256 xv;
+        A_FMA2(0)
+        A_FMA2(1)
+        A_FMA2(2)
+        A_FMA2(3)
+        A_FMA2(4)
+        A_FMA2(5)
+    }
+    a_store(jb, g, t0, l0, h0);
+    a_store(jb, g, t0 + 1, l1, h1);
+    a_store(jb, g, t0 + 2, l2, h2);
+    a_store(jb, g, t0 + 3, l3, h3);
+    a_store(jb, g, t0 + 4, l4, h4);
+    a_store(jb, g, t0 + 5, l5, h5);
+}
+
+/* One group x 1..A_NT tokens, each count a call with constants. */
+#define A_CASE(n)                                                                                  \
+    case n:                                                                                        \
+        a_tile(jb, type, wide, g, 1, t0, n);                                                       \
+        break;
+#define A_WIDE(name, type_, wide_)                                                                 \
+    static void name(const struct mm_pack_job *jb, int g, int t0, int nt)                          \
+    {                                                                                              \
+        const enum ggml_type type = type_;                                                         \
+        const bool wide = wide_;                                                                   \
+        switch (nt) {                                                                              \
+            A_CASE(1)                                                                              \
+            A_CASE(2)                                                                              \
+            A_CASE(3)                                                                              \
+            A_CASE(4)                                                                              \
+            A_CASE(5)                                                                              \
+        default:                                                                                   \
+            a_wide(jb, type, wide, g, t0);                                                         \
+            break;                                                                                 \
+        }                                                                                          \
+    }
+A_WIDE(f32_wide, GGML_TYPE_F32, false)
+A_WIDE(f16_wide, GGML_TYPE_F16, false)
+A_WIDE(bf16_wide, GGML_TYPE_BF16, false)
+A_WIDE(f16w_wide, GGML_TYPE_F32, true) /* f16 widened by the thread first */
+
+/* Decoding: mg groups (1..A_MG) from g0 for one token, or (1..A_MG2) for two. */
+#define A_NARROW(name, type_)                                                                      \
+    static void name(const struct mm_pack_job *jb, int g0, int mg, int nt)                         \
+    {                                                                                              \
+        const enum ggml_type type = type_;                                                         \
+        if (nt == 1) {                                                                             \
+            switch (mg) {                                                                          \
+            case 1:                                                                                \
+                a_tile(jb, type, false, g0, 1, 0, 1);                                              \
+                break;                                                                             \
+            case 2:                                                                                \
+                a_tile(jb, type, false, g0, 2, 0, 1);                                              \
+                break;                                                                             \
+            case 3:                                                                                \
+                a_tile(jb, type, false, g0, 3, 0, 1);                                              \
+                break;                                                                             \
+            default:                                                                               \
+                a_tile(jb, type, false, g0, A_MG, 0, 1);                                           \
+                break;                                                                             \
+            }                                                                                      \
+        } else if (mg == 1) {                                                                      \
+            a_tile(jb, type, false, g0, 1, 0, MM_PACK_NARROW);                                     \
+        } else {                                                                                   \
+            a_tile(jb, type, false, g0, A_MG2, 0, MM_PACK_NARROW);                                 \
+        }                                                                                          \
+    }
+A_NARROW(f32_narrow, GGML_TYPE_F32)
+A_NARROW(f16_narrow, GGML_TYPE_F16)
+A_NARROW(bf16_narrow, GGML_TYPE_BF16)
+
+typedef void wide_fn(const struct mm_pack_job *jb, int g, int t0, int nt);
+typedef void narrow_fn(const struct mm_pack_job *jb, int g0, int mg, int nt);
+
+/* g0's pair of f16 groups (g0 even) widened into the thread's f32 copy at
+ * jb->wide, laid out as an f32 pair: exact, so its tiles give the f16
+ * tiles' bits. */
+static void f16_widen_pair(const struct mm_pack_job *jb, int g0)
+{
+    const struct mm_weight *w = jb->w;
+    const uint8_t *src = (const uint8_t *)w->packed + (size_t)(g0 / 2) * mm_pack_pair_bytes(w);
+    for (size_t k = 0; k < 4 * (size_t)w->n_in; k++) /* 8 rows' element per step */
+        _mm256_store_ps(jb->wide + 8 * k,
+                        _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(src + 16 * k))));
+}
+
+/* Decoding: the groups [g0, g1) for MM_PACK_NARROW tokens at most. */
+static void narrow_groups(const struct mm_pack_job *jb, narrow_fn *fn, int g0, int g1)
+{
+    const int step = jb->n_tok == 1 ? A_MG : A_MG2;
+    for (int g = g0; g < g1; g += step)
+        fn(jb, g, g1 - g < step ? g1 - g : step, jb->n_tok);
+}
+
+/* Row groups outside, token tiles inside: a group's weights stay in cache
+ * while the tiles [j0, j1) of MM_PACK_FNT tokens pass, each as two tiles
+ * of A_NT. */
+static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
+{
+    const enum ggml_type type = jb->w->type;
+    if (jb->n_tok <= MM_PACK_NARROW) {
+        narrow_groups(jb,
+                      type == GGML_TYPE_F32   ? f32_narrow
+                      : type == GGML_TYPE_F16 ? f16_narrow
+                                              : bf16_narrow,
+                      g0, g1);
+        return;
+    }
+    const bool widen = jb->wide && j1 - j0 >= MM_PACK_WIDE_TILES;
+    wide_fn *fn = widen                   ? f16w_wide
+                  : type == GGML_TYPE_F32 ? f32_wide
+                  : type == GGML_TYPE_F16 ? f16_wide
+                                          : bf16_wide;
+    for (int g = g0; g < g1; g++) {
+        if (widen && (g % 2 == 0 || g == g0))
+            f16_widen_pair(jb, g & ~1);
+        for (int j = j0; j < j1; j++) {
+            const int t1 = (j + 1) * MM_PACK_FNT < jb->n_tok ? (j + 1) * MM_PACK_FNT : jb->n_tok;
+            for (int t = j * MM_PACK_FNT; t < t1; t += A_NT)
+                fn(jb, g, t, t1 - t < A_NT ? t1 - t : A_NT);
+        }
+    }
+}
+
+static bool has_avx2(enum ggml_type type)
+{
+    return mm_is_float_type(type);
+}
+
+const struct mm_pack_kernels KERN(mm_pack_kernels) = {
+    .name = "avx2 16-row (float weights)",
+    .has = has_avx2,
+    .quantize = NULL,
+    .groups = groups_avx2,
+};
+
+#else
+typedef int matmul_pack_avx2_empty; /* ISO C: a translation unit declares something */
+#endif
