@@ -2,7 +2,8 @@
  * matmul_pack.c - out[t][o] = sum_i W[o][i] * x[t][i] over weights
  * repacked at load (matmul_internal.h's layouts, written by
  * matmul_pack_run.c): the prefill microkernels, at the AVX-512 level (the
- * float tiles in 256-bit registers, for the AVX2 level: matmul_pack_avx2.c).
+ * float and q8_0 tiles in 256-bit registers, for the AVX2 level:
+ * matmul_pack_avx2.c).
  *
  * ---------------------------------------------------------------------------
  * Why repack
@@ -303,8 +304,10 @@
  * prefetched 256 B to 2 KiB ahead in wide tiles too (+0-4%, within the
  * run's noise).
  *
- * Levels: only avx512 (with VNNI) has these kernels; at the other levels
- * the repacked copy is not made (see matmul_pack_run.c), and matmul.c runs.
+ * Levels: avx512 (with VNNI) has these kernels; avx2 has the float and
+ * q8_0 ones in matmul_pack_avx2.c, over the same copies. At a level
+ * without kernels for a type its repacked copy is not made (see
+ * matmul_pack_run.c), and matmul.c runs.
  */
 #include "model/matmul_internal.h"
 #include "model/matmul_simd.h"

@@ -1,7 +1,8 @@
 /*
- * matmul_pack_avx2.c - the AVX2 kernels over repacked float weights (f32,
- * f16, bf16): matmul_pack.c's float tiles in 256-bit registers, for CPUs
- * without AVX-512 (a Zen 3 EPYC, a desktop core).
+ * matmul_pack_avx2.c - the AVX2 kernels over repacked weights, float (f32,
+ * f16, bf16) and q8_0: matmul_pack.c's tiles in 256-bit registers, for
+ * CPUs without AVX-512 (a Zen 3 EPYC, a desktop core). The copies are the
+ * ones the AVX-512 kernels read (matmul_internal.h), byte for byte.
  *
  * ---------------------------------------------------------------------------
  * Why
@@ -37,6 +38,22 @@
  * by matmul_pack_run.c whatever the level) and the f32 tiles read that, as
  * matmul_pack.c does.
  *
+ * Q8_0 (q8_tile). The copy holds per block of 32 and 4 inputs each of 16
+ * rows' 4 bytes as w + 128, for vpdpbusd's unsigned operand. AVX2's
+ * vpmaddubsw multiplies unsigned by signed bytes too, but sums pairs into
+ * 16 bits: (w + 128) x q reaches 2 x 255 x 127 and would saturate. So a
+ * tile flips the bytes back to w once per load (shared by its tokens) and
+ * takes |w|, and each token's 4 activations q, broadcast, get w's sign:
+ * |w| x sign(q, w) = w q, pairs within 2 x 128 x 127. vpmaddwd against
+ * ones widens the pairs to the row's i32 lane, exactly: per 32 products a
+ * vpsignb, a vpmaddubsw, a vpmaddwd and a vpaddd, against matmul.c's six
+ * instructions per (row, token, block) and its sums across lanes. A wide
+ * tile is one group x Q_NT = 2 tokens (4 i32 block sums and 4 f32 sums
+ * fill the registers with the weights); decoding runs one token in Q_MG =
+ * 2 groups, or two tokens in one, each block's weights asked for ahead.
+ * The activations are quantised by matmul.c's own quantize_x of this level
+ * into the tiles' slots (quantize_avx2), so they have its values.
+ *
  * ---------------------------------------------------------------------------
  * Numerics and invariance
  * ---------------------------------------------------------------------------
@@ -46,7 +63,10 @@
  * f32 activation. That is the sequence of matmul_pack.c's float tiles, so
  * this level gives the bits the AVX-512 kernels give (test_quant checks),
  * and every tile shape here runs it: a token's results depend neither on
- * the other tokens of its batch nor on the split among threads.
+ * the other tokens of its batch nor on the split among threads. Q8_0's
+ * block sums are exact integers, folded as acc = fma((float)sum, d x dx,
+ * acc) block after block, as int8_tile folds them: the AVX-512 kernel's
+ * bits again, from activations of the same values.
  *
  * Measured: see the essay's last section, "Figures".
  *
@@ -268,6 +288,154 @@ A_NARROW(f32_narrow, GGML_TYPE_F32)
 A_NARROW(f16_narrow, GGML_TYPE_F16)
 A_NARROW(bf16_narrow, GGML_TYPE_BF16)
 
+/* ------------------------------------------------------------------------
+ * Q8_0: vpmaddubsw on the weights' magnitudes
+ * ------------------------------------------------------------------------ */
+
+#define Q_NT 2 /* tokens per wide q8_0 tile of one group: 4 i32 + 4 f32 sums */
+#define Q_MG 2 /* groups per decoding q8_0 tile of one token: the same count */
+
+/* Eight rows' 4 bytes at p, stored w + 128 (matmul_internal.h), as the
+ * signed weights w. */
+INLINE __m256i q_weights(const uint8_t *p)
+{
+    return _mm256_xor_si256(_mm256_load_si256((const __m256i *)p), _mm256_set1_epi8((char)0x80));
+}
+
+/* Each of 8 rows' 4 weights w (aw = |w| as unsigned bytes) times the 4
+ * activations x4 repeated in every lane, summed into the row's i32 lane:
+ * exact, as vpmaddubsw's pairs |w| x (x with w's sign) stay within
+ * 2 x 128 x 127 and never saturate. */
+INLINE __m256i q_dot4(__m256i aw, __m256i w, __m256i x4)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x4, w)),
+                             _mm256_set1_epi16(1));
+}
+
+/*
+ * mg groups from g0 x nt tokens from t0 of token tile j (MM_PACK_NT wide).
+ * Per block of 32, each (row, token) sum is exact in i32; then acc +=
+ * (float)sum * (d * dx), as matmul_pack.c's int8_tile folds it. Its i32
+ * sum there (vpdpbusd of w + 128, started at -128 sum(q)) is the same
+ * integer, so this level gives the AVX-512 kernel's bits.
+ */
+INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const int nb = w->n_in / QT_QK;
+    /* group g's chunk k of block b at pp[a / 2] + b * MM_PACK_Q8_PAIR +
+     * 128 k + 64 (a % 2), a = (g0 & 1) + g; its 16 f16 scales at
+     * MM_PACK_Q8_SCALES + 32 (a % 2) */
+    const uint8_t *pp[Q_MG];
+    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
+        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+    const size_t at = (size_t)j * (size_t)nb * MM_PACK_NT + (size_t)t0;
+    const int8_t *xq = jb->q + at * QT_QK;
+    const float *xd = jb->d + at;
+
+    __m256 acc[Q_MG][Q_NT][2];
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, xq += MM_PACK_NT * QT_QK, xd += MM_PACK_NT) {
+        const size_t off = (size_t)b * MM_PACK_Q8_PAIR;
+        if (nt == 1)
+            prefetch_pairs(pp, mg + (g0 & 1), off, MM_PACK_Q8_PAIR, MM_PACK_PREFETCH);
+        __m256i ia[Q_MG][Q_NT][2];
+#pragma GCC unroll 2
+        for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+            for (int t = 0; t < nt; t++)
+                ia[g][t][0] = ia[g][t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            __m256i wv[Q_MG][2], aw[Q_MG][2];
+#pragma GCC unroll 2
+            for (int g = 0; g < mg; g++) {
+                const int a = (g0 & 1) + g;
+                const uint8_t *p = pp[a / 2] + off + 128 * k + 64 * (a % 2);
+                wv[g][0] = q_weights(p);
+                wv[g][1] = q_weights(p + 32);
+                aw[g][0] = _mm256_abs_epi8(wv[g][0]);
+                aw[g][1] = _mm256_abs_epi8(wv[g][1]);
+            }
+#pragma GCC unroll 2
+            for (int t = 0; t < nt; t++) {
+                int32_t x4;
+                memcpy(&x4, xq + QT_QK * t + 4 * k, 4);
+                const __m256i xv = _mm256_set1_epi32(x4);
+#pragma GCC unroll 2
+                for (int g = 0; g < mg; g++) {
+                    ia[g][t][0] = _mm256_add_epi32(ia[g][t][0], q_dot4(aw[g][0], wv[g][0], xv));
+                    ia[g][t][1] = _mm256_add_epi32(ia[g][t][1], q_dot4(aw[g][1], wv[g][1], xv));
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < mg; g++) {
+            const int a = (g0 & 1) + g;
+            const uint8_t *s = pp[a / 2] + off + MM_PACK_Q8_SCALES + 32 * (a % 2);
+            const __m256 s0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)s));
+            const __m256 s1 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(s + 16)));
+#pragma GCC unroll 2
+            for (int t = 0; t < nt; t++) {
+                const __m256 dx = _mm256_set1_ps(xd[t]);
+                acc[g][t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[g][t][0]),
+                                               _mm256_mul_ps(s0, dx), acc[g][t][0]);
+                acc[g][t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[g][t][1]),
+                                               _mm256_mul_ps(s1, dx), acc[g][t][1]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
+}
+
+/* Token tile j's tokens [t0, t0 + nt) in group g: a wide q8_0 tile. */
+static void q8_wide(const struct mm_pack_job *jb, int g, int j, int t0, int nt)
+{
+    if (nt == 1)
+        q8_tile(jb, g, 1, j, t0, 1);
+    else
+        q8_tile(jb, g, 1, j, t0, Q_NT);
+}
+
+/* Decoding: mg groups (1..Q_MG) from g0 for one token, one group for two. */
+static void q8_narrow(const struct mm_pack_job *jb, int g0, int mg, int nt)
+{
+    if (nt > 1)
+        q8_tile(jb, g0, 1, 0, 0, Q_NT);
+    else if (mg == 1)
+        q8_tile(jb, g0, 1, 0, 0, 1);
+    else
+        q8_tile(jb, g0, Q_MG, 0, 0, 1);
+}
+
+/* Token t's activations into its tile's q8_0 slots (matmul_internal.h):
+ * per block of 32, the values of matmul.c's quantize_x at this level (it
+ * quantises the block), with its correction -128 sum(q), which the
+ * kernels here do not need but the layout promises. */
+static void quantize_avx2(const struct mm_pack_job *jb, const float *xt, int t)
+{
+    const int nb = jb->w->n_in / QT_QK;
+    const size_t slot0 =
+        (size_t)(t / MM_PACK_NT) * (size_t)nb * MM_PACK_NT + (size_t)(t % MM_PACK_NT);
+    for (int b = 0; b < nb; b++, xt += QT_QK) {
+        const size_t slot = slot0 + (size_t)b * MM_PACK_NT;
+        int8_t *q = jb->q + slot * QT_QK;
+        KERN(mm_kernels).quantize_x(xt, QT_QK, q, jb->d + slot);
+        int32_t sum = 0;
+        for (int i = 0; i < QT_QK; i++)
+            sum += q[i];
+        jb->c[slot] = -128 * sum;
+    }
+}
+
 typedef void wide_fn(const struct mm_pack_job *jb, int g, int t0, int nt);
 typedef void narrow_fn(const struct mm_pack_job *jb, int g0, int mg, int nt);
 
@@ -283,26 +451,47 @@ static void f16_widen_pair(const struct mm_pack_job *jb, int g0)
                         _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(src + 16 * k))));
 }
 
-/* Decoding: the groups [g0, g1) for MM_PACK_NARROW tokens at most. */
-static void narrow_groups(const struct mm_pack_job *jb, narrow_fn *fn, int g0, int g1)
+/* Decoding: the groups [g0, g1) for MM_PACK_NARROW tokens at most, step
+ * groups per tile. */
+static void narrow_groups(const struct mm_pack_job *jb, narrow_fn *fn, int step, int g0, int g1)
 {
-    const int step = jb->n_tok == 1 ? A_MG : A_MG2;
     for (int g = g0; g < g1; g += step)
         fn(jb, g, g1 - g < step ? g1 - g : step, jb->n_tok);
 }
 
-/* Row groups outside, token tiles inside: a group's weights stay in cache
- * while the tiles [j0, j1) of MM_PACK_FNT tokens pass, each as two tiles
- * of A_NT. */
+/* Q8_0's groups [g0, g1) x token tiles [j0, j1): decoding in narrow tiles,
+ * else group by group, each tile of MM_PACK_NT tokens as tiles of Q_NT. */
+static void q8_groups(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
+{
+    if (jb->n_tok <= MM_PACK_NARROW) {
+        narrow_groups(jb, q8_narrow, jb->n_tok == 1 ? Q_MG : 1, g0, g1);
+        return;
+    }
+    for (int g = g0; g < g1; g++)
+        for (int j = j0; j < j1; j++) {
+            const int nt =
+                jb->n_tok - j * MM_PACK_NT < MM_PACK_NT ? jb->n_tok - j * MM_PACK_NT : MM_PACK_NT;
+            for (int t0 = 0; t0 < nt; t0 += Q_NT)
+                q8_wide(jb, g, j, t0, nt - t0 < Q_NT ? nt - t0 : Q_NT);
+        }
+}
+
+/* Float weights: row groups outside, token tiles inside: a group's
+ * weights stay in cache while the tiles [j0, j1) of MM_PACK_FNT tokens
+ * pass, each as two tiles of A_NT. */
 static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     const enum ggml_type type = jb->w->type;
+    if (type == GGML_TYPE_Q8_0) {
+        q8_groups(jb, g0, g1, j0, j1);
+        return;
+    }
     if (jb->n_tok <= MM_PACK_NARROW) {
         narrow_groups(jb,
                       type == GGML_TYPE_F32   ? f32_narrow
                       : type == GGML_TYPE_F16 ? f16_narrow
                                               : bf16_narrow,
-                      g0, g1);
+                      jb->n_tok == 1 ? A_MG : A_MG2, g0, g1);
         return;
     }
     const bool widen = jb->wide && j1 - j0 >= MM_PACK_WIDE_TILES;
@@ -323,13 +512,13 @@ static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, in
 
 static bool has_avx2(enum ggml_type type)
 {
-    return mm_is_float_type(type);
+    return mm_is_float_type(type) || type == GGML_TYPE_Q8_0;
 }
 
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {
-    .name = "avx2 16-row (float weights)",
+    .name = "avx2 16-row (float weights, q8_0)",
     .has = has_avx2,
-    .quantize = NULL,
+    .quantize = quantize_avx2,
     .groups = groups_avx2,
 };
 
