@@ -416,6 +416,140 @@ static void q8_narrow(const struct mm_pack_job *jb, int g0, int mg, int nt)
         q8_tile(jb, g0, Q_MG, 0, 0, 1);
 }
 
+/* ------------------------------------------------------------------------
+ * Q4_K: the nibbles as they are, the scales applied per sub-block
+ * ------------------------------------------------------------------------ */
+
+/* Eight rows' (scale or min) codes of one sub-block at p times their f16
+ * factors at f: exact in f32 (an f16 times a 6-bit integer). */
+INLINE __m256 k4_factor(const uint8_t *p, const uint8_t *f)
+{
+    return _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+        _mm256_cvtph_ps(_mm_load_si128((const __m128i *)f)));
+}
+
+/*
+ * mg groups from g0 x nt tokens from t0 of token tile j, q4_K (the copy's
+ * layout: matmul_internal.h). Per sub-block s of a super-block (activation
+ * block 8 sb + s), vpmaddubsw of the unsigned nibbles (at most 15) against
+ * the token's int8 activations gives pairs of at most 2 x 15 x 128, and
+ * the 8 chunks' pairs add up in 16 bits to at most 30,720: exact without
+ * widening, so one vpmaddubsw and one vpaddw per 32 products, and one
+ * vpmaddwd per sub-block turns each row's two 16-bit lanes into its i32
+ * sum. That is the integer int8_tile's vpdpbusd sums, and the fold is
+ * matmul_pack.c's q4k_fold: acc += sum * (d sc_s) dx, then acc -= (dmin
+ * m_s) (dx sum(q)). The same bits as the AVX-512 kernel.
+ */
+INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0, int nt)
+{
+    const struct mm_weight *w = jb->w;
+    const int nsb = w->n_in / QT_QK_K, nb = w->n_in / QT_QK;
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const uint8_t *pp[Q_MG];
+    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
+        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+    const size_t at = (size_t)j * (size_t)nb * MM_PACK_NT + (size_t)t0;
+    const int8_t *xq = jb->q + at * QT_QK;
+    const float *xd = jb->d + at;
+    const int32_t *xc = jb->c + at;
+
+    __m256 acc[Q_MG][Q_NT][2];
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const size_t off = (size_t)sb * MM_PACK_Q4K_PAIR;
+        for (int s = 0; s < 8; s++) { /* chunks' low nibbles for even s, high for odd */
+            const int h = s / 2;
+            if (nt == 1 && s % 2 == 0) /* a quarter of the super-block's bytes per h */
+                prefetch_pairs(pp, mg + (g0 & 1), off + (size_t)h * MM_PACK_Q4K_PAIR / 4,
+                               MM_PACK_Q4K_PAIR / 4, MM_PACK_PREFETCH_FAR);
+            const size_t blk = (size_t)(8 * sb + s) * MM_PACK_NT;
+            __m256i is[Q_MG][Q_NT][2];
+#pragma GCC unroll 2
+            for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+                for (int t = 0; t < nt; t++)
+                    is[g][t][0] = is[g][t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                __m256i u[Q_MG][2];
+#pragma GCC unroll 2
+                for (int g = 0; g < mg; g++) {
+                    const int a = (g0 & 1) + g;
+                    const uint8_t *p = pp[a / 2] + off + MM_PACK_Q4K_QS +
+                                       128 * (size_t)(8 * h + k) + 64 * (a % 2);
+#pragma GCC unroll 2
+                    for (int hh = 0; hh < 2; hh++) {
+                        const __m256i v = _mm256_load_si256((const __m256i *)(p + 32 * hh));
+                        u[g][hh] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, lo4);
+                    }
+                }
+#pragma GCC unroll 2
+                for (int t = 0; t < nt; t++) {
+                    int32_t x4;
+                    memcpy(&x4, xq + (blk + (size_t)t) * QT_QK + 4 * k, 4);
+                    const __m256i xv = _mm256_set1_epi32(x4);
+#pragma GCC unroll 2
+                    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+                        for (int hh = 0; hh < 2; hh++)
+                            is[g][t][hh] = _mm256_add_epi16(is[g][t][hh],
+                                                            _mm256_maddubs_epi16(u[g][hh], xv));
+                }
+            }
+#pragma GCC unroll 2
+            for (int g = 0; g < mg; g++) {
+                const int a = (g0 & 1) + g;
+                const uint8_t *sg = pp[a / 2] + off + MM_PACK_Q4K_GSCALES * (size_t)(a % 2);
+#pragma GCC unroll 2
+                for (int hh = 0; hh < 2; hh++) {
+                    const __m256 sc = k4_factor(sg + 64 + 16 * s + 8 * hh, sg + 16 * hh);
+                    const __m256 mn = k4_factor(sg + 192 + 16 * s + 8 * hh, sg + 32 + 16 * hh);
+#pragma GCC unroll 2
+                    for (int t = 0; t < nt; t++) {
+                        const float dx = xd[blk + (size_t)t];
+                        const float sq = dx * (float)(xc[blk + (size_t)t] / -128); /* dx sum(q) */
+                        const __m256i ia = _mm256_madd_epi16(is[g][t][hh], _mm256_set1_epi16(1));
+                        acc[g][t][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia),
+                                                        _mm256_mul_ps(sc, _mm256_set1_ps(dx)),
+                                                        acc[g][t][hh]);
+                        acc[g][t][hh] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(sq), acc[g][t][hh]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
+}
+
+/* Token tile j's tokens [t0, t0 + nt) in group g: a wide q4_K tile. */
+static void k4_wide(const struct mm_pack_job *jb, int g, int j, int t0, int nt)
+{
+    if (nt == 1)
+        k4_tile(jb, g, 1, j, t0, 1);
+    else
+        k4_tile(jb, g, 1, j, t0, Q_NT);
+}
+
+/* Decoding: mg groups (1..Q_MG) from g0 for one token, one group for two. */
+static void k4_narrow(const struct mm_pack_job *jb, int g0, int mg, int nt)
+{
+    if (nt > 1)
+        k4_tile(jb, g0, 1, 0, 0, Q_NT);
+    else if (mg == 1)
+        k4_tile(jb, g0, 1, 0, 0, 1);
+    else
+        k4_tile(jb, g0, Q_MG, 0, 0, 1);
+}
+
 /* Token t's activations into its tile's q8_0 slots (matmul_internal.h):
  * per block of 32, the values of matmul.c's quantize_x at this level (it
  * quantises the block), with its correction -128 sum(q), which the
@@ -459,20 +593,23 @@ static void narrow_groups(const struct mm_pack_job *jb, narrow_fn *fn, int step,
         fn(jb, g, g1 - g < step ? g1 - g : step, jb->n_tok);
 }
 
-/* Q8_0's groups [g0, g1) x token tiles [j0, j1): decoding in narrow tiles,
- * else group by group, each tile of MM_PACK_NT tokens as tiles of Q_NT. */
-static void q8_groups(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
+/* An integer copy's groups [g0, g1) x token tiles [j0, j1): decoding in
+ * narrow tiles, else group by group, each tile of MM_PACK_NT tokens as
+ * tiles of Q_NT. */
+typedef void int_wide_fn(const struct mm_pack_job *jb, int g, int j, int t0, int nt);
+static void int_groups(const struct mm_pack_job *jb, narrow_fn *narrow, int_wide_fn *wide, int g0,
+                       int g1, int j0, int j1)
 {
     if (jb->n_tok <= MM_PACK_NARROW) {
-        narrow_groups(jb, q8_narrow, jb->n_tok == 1 ? Q_MG : 1, g0, g1);
+        narrow_groups(jb, narrow, jb->n_tok == 1 ? Q_MG : 1, g0, g1);
         return;
     }
     for (int g = g0; g < g1; g++)
         for (int j = j0; j < j1; j++) {
-            const int nt =
-                jb->n_tok - j * MM_PACK_NT < MM_PACK_NT ? jb->n_tok - j * MM_PACK_NT : MM_PACK_NT;
+            const int nt = jb->n_tok - j * MM_PACK_NT < MM_PACK_NT ? jb->n_tok - j * MM_PACK_NT
+                                                                    : MM_PACK_NT;
             for (int t0 = 0; t0 < nt; t0 += Q_NT)
-                q8_wide(jb, g, j, t0, nt - t0 < Q_NT ? nt - t0 : Q_NT);
+                wide(jb, g, j, t0, nt - t0 < Q_NT ? nt - t0 : Q_NT);
         }
 }
 
@@ -482,8 +619,11 @@ static void q8_groups(const struct mm_pack_job *jb, int g0, int g1, int j0, int 
 static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     const enum ggml_type type = jb->w->type;
-    if (type == GGML_TYPE_Q8_0) {
-        q8_groups(jb, g0, g1, j0, j1);
+    if (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K) {
+        if (type == GGML_TYPE_Q8_0)
+            int_groups(jb, q8_narrow, q8_wide, g0, g1, j0, j1);
+        else
+            int_groups(jb, k4_narrow, k4_wide, g0, g1, j0, j1);
         return;
     }
     if (jb->n_tok <= MM_PACK_NARROW) {
@@ -512,11 +652,11 @@ static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, in
 
 static bool has_avx2(enum ggml_type type)
 {
-    return mm_is_float_type(type) || type == GGML_TYPE_Q8_0;
+    return mm_is_float_type(type) || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K;
 }
 
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {
-    .name = "avx2 16-row (float weights, q8_0)",
+    .name = "avx2 16-row (float weights, q8_0, q4_K)",
     .has = has_avx2,
     .quantize = quantize_avx2,
     .groups = groups_avx2,
