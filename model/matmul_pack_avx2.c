@@ -396,26 +396,6 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
             a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
 }
 
-/* Token tile j's tokens [t0, t0 + nt) in group g: a wide q8_0 tile. */
-static void q8_wide(const struct mm_pack_job *jb, int g, int j, int t0, int nt)
-{
-    if (nt == 1)
-        q8_tile(jb, g, 1, j, t0, 1);
-    else
-        q8_tile(jb, g, 1, j, t0, Q_NT);
-}
-
-/* Decoding: mg groups (1..Q_MG) from g0 for one token, one group for two. */
-static void q8_narrow(const struct mm_pack_job *jb, int g0, int mg, int nt)
-{
-    if (nt > 1)
-        q8_tile(jb, g0, 1, 0, 0, Q_NT);
-    else if (mg == 1)
-        q8_tile(jb, g0, 1, 0, 0, 1);
-    else
-        q8_tile(jb, g0, Q_MG, 0, 0, 1);
-}
-
 /* ------------------------------------------------------------------------
  * Q4_K: the nibbles as they are, the scales applied per sub-block
  * ------------------------------------------------------------------------ */
@@ -480,8 +460,8 @@ INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
 #pragma GCC unroll 2
                 for (int g = 0; g < mg; g++) {
                     const int a = (g0 & 1) + g;
-                    const uint8_t *p = pp[a / 2] + off + MM_PACK_Q4K_QS +
-                                       128 * (size_t)(8 * h + k) + 64 * (a % 2);
+                    const uint8_t *p =
+                        pp[a / 2] + off + MM_PACK_Q4K_QS + 128 * (size_t)(8 * h + k) + 64 * (a % 2);
 #pragma GCC unroll 2
                     for (int hh = 0; hh < 2; hh++) {
                         const __m256i v = _mm256_load_si256((const __m256i *)(p + 32 * hh));
@@ -497,8 +477,8 @@ INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
                     for (int g = 0; g < mg; g++)
 #pragma GCC unroll 2
                         for (int hh = 0; hh < 2; hh++)
-                            is[g][t][hh] = _mm256_add_epi16(is[g][t][hh],
-                                                            _mm256_maddubs_epi16(u[g][hh], xv));
+                            is[g][t][hh] =
+                                _mm256_add_epi16(is[g][t][hh], _mm256_maddubs_epi16(u[g][hh], xv));
                 }
             }
 #pragma GCC unroll 2
@@ -514,9 +494,9 @@ INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
                         const float dx = xd[blk + (size_t)t];
                         const float sq = dx * (float)(xc[blk + (size_t)t] / -128); /* dx sum(q) */
                         const __m256i ia = _mm256_madd_epi16(is[g][t][hh], _mm256_set1_epi16(1));
-                        acc[g][t][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia),
-                                                        _mm256_mul_ps(sc, _mm256_set1_ps(dx)),
-                                                        acc[g][t][hh]);
+                        acc[g][t][hh] =
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia),
+                                            _mm256_mul_ps(sc, _mm256_set1_ps(dx)), acc[g][t][hh]);
                         acc[g][t][hh] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(sq), acc[g][t][hh]);
                     }
                 }
@@ -530,25 +510,207 @@ INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
             a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
 }
 
-/* Token tile j's tokens [t0, t0 + nt) in group g: a wide q4_K tile. */
-static void k4_wide(const struct mm_pack_job *jb, int g, int j, int t0, int nt)
+/* ------------------------------------------------------------------------
+ * The 4- and 5-bit blocks: their nibbles as they are
+ * ------------------------------------------------------------------------ */
+
+/* iq4_nl's 16 levels as signed bytes, in each 128-bit lane (vpshufb looks
+ * up within lanes). */
+INLINE __m256i nib_levels(void)
 {
-    if (nt == 1)
-        k4_tile(jb, g, 1, j, t0, 1);
-    else
-        k4_tile(jb, g, 1, j, t0, Q_NT);
+    return _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
 }
 
-/* Decoding: mg groups (1..Q_MG) from g0 for one token, one group for two. */
-static void k4_narrow(const struct mm_pack_job *jb, int g0, int mg, int nt)
+/* The sum into 32 bits of 8 rows' two 4-product runs, low nibbles u
+ * against xl and high ones v against xh: their vpmaddubsw pairs (at most
+ * 2 x 31 x 128 each) add in 16 bits exactly. */
+INLINE __m256i nib_dot(__m256i u, __m256i xl, __m256i v, __m256i xh)
 {
-    if (nt > 1)
-        k4_tile(jb, g0, 1, 0, 0, Q_NT);
-    else if (mg == 1)
-        k4_tile(jb, g0, 1, 0, 0, 1);
-    else
-        k4_tile(jb, g0, Q_MG, 0, 0, 1);
+    return _mm256_madd_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(u, xl), _mm256_maddubs_epi16(v, xh)),
+        _mm256_set1_epi16(1));
 }
+
+/*
+ * mg groups from g0 x nt tokens from t0 of token tile j, one of the nibble
+ * copies (q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs: matmul_internal.h), as
+ * matmul_pack.c's int8_tile reads them: per block of 32 the exact i32
+ * sum of codes times activations, started at the activations' correction
+ * for the codes' offset (-8 sum(q) for q4_0, -16 sum(q) for q5_0; none
+ * for q4_1 and q5_1, whose weight is d u + m), then acc += (float)sum *
+ * (d dx), and for q4_1 and q5_1 acc += m (dx sum(q)). The codes (at most
+ * 31) are vpmaddubsw's unsigned operand as they are. iq4's levels are
+ * signed: looked up as such, they take q8_0's way (|w| against q with w's
+ * sign) where AVX-512 looks up levels + 128. Every integer sum is the one
+ * int8_tile forms, and the folds are its own: the AVX-512 kernel's bits.
+ */
+INLINE void nib_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0, int nt,
+                     enum ggml_type type)
+{
+    const struct mm_weight *w = jb->w;
+    const int nb = w->n_in / QT_QK;
+    const bool five = type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q5_1;
+    const bool mins = type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1;
+    const bool levels = type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_IQ4_XS;
+    const size_t bstride = mm_pack_nib_block(type), soff = mm_pack_nib_scales(type);
+    const int cshift = type == GGML_TYPE_Q4_0 ? 4 : type == GGML_TYPE_Q5_0 ? 3 : 0;
+    const __m256i lo4 = _mm256_set1_epi8(0x0f), b4 = _mm256_set1_epi8(0x10), lv = nib_levels();
+    /* group g's chunk k of block b at pp[a / 2] + b * bstride + 128 k +
+     * 64 (a % 2), a = (g0 & 1) + g; its fifth bits at MM_PACK_NIB_CHUNKS +
+     * 64 (a % 2), its scales (and mins) from soff */
+    const uint8_t *pp[Q_MG];
+    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
+        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+    const size_t at = (size_t)j * (size_t)nb * MM_PACK_NT + (size_t)t0;
+    const int8_t *xq = jb->q + at * QT_QK;
+    const float *xd = jb->d + at;
+    const int32_t *xc = jb->c + at;
+
+    __m256 acc[Q_MG][Q_NT][2];
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, xq += MM_PACK_NT * QT_QK, xd += MM_PACK_NT, xc += MM_PACK_NT) {
+        const size_t off = (size_t)b * bstride;
+        if (nt == 1)
+            prefetch_pairs(pp, mg + (g0 & 1), off, bstride, MM_PACK_PREFETCH);
+        __m256i ia[Q_MG][Q_NT][2];
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++) {
+            /* -128 sum(q) >> cshift: exact, a multiple of 128 */
+            const __m256i c =
+                mins || levels ? _mm256_setzero_si256() : _mm256_set1_epi32(xc[t] / (1 << cshift));
+#pragma GCC unroll 2
+            for (int g = 0; g < mg; g++)
+                ia[g][t][0] = ia[g][t][1] = c;
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            __m256i ul[Q_MG][2], uh[Q_MG][2];
+#pragma GCC unroll 2
+            for (int g = 0; g < mg; g++) {
+                const int a = (g0 & 1) + g;
+                const uint8_t *p = pp[a / 2] + off + 64 * (a % 2);
+#pragma GCC unroll 2
+                for (int hh = 0; hh < 2; hh++) {
+                    const __m256i v = _mm256_load_si256((const __m256i *)(p + 128 * k + 32 * hh));
+                    ul[g][hh] = _mm256_and_si256(v, lo4);                       /* elements 4k.. */
+                    uh[g][hh] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4); /* 16 + 4k.. */
+                    if (five) { /* the fifth bits to bit 4: 4k.. at bit 4 + k, 16 + 4k.. at k */
+                        const __m256i f =
+                            _mm256_load_si256((const __m256i *)(p + MM_PACK_NIB_CHUNKS + 32 * hh));
+                        ul[g][hh] = _mm256_or_si256(ul[g][hh],
+                                                    _mm256_and_si256(_mm256_srli_epi16(f, k), b4));
+                        uh[g][hh] = _mm256_or_si256(
+                            uh[g][hh], _mm256_and_si256(_mm256_slli_epi16(f, 4 - k), b4));
+                    }
+                    if (levels) {
+                        ul[g][hh] = _mm256_shuffle_epi8(lv, ul[g][hh]);
+                        uh[g][hh] = _mm256_shuffle_epi8(lv, uh[g][hh]);
+                    }
+                }
+            }
+#pragma GCC unroll 2
+            for (int t = 0; t < nt; t++) {
+                int32_t x0, x1;
+                memcpy(&x0, xq + QT_QK * t + 4 * k, 4);
+                memcpy(&x1, xq + QT_QK * t + 16 + 4 * k, 4);
+                const __m256i xl = _mm256_set1_epi32(x0), xh = _mm256_set1_epi32(x1);
+#pragma GCC unroll 2
+                for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+                    for (int hh = 0; hh < 2; hh++) {
+                        const __m256i l = ul[g][hh], h = uh[g][hh];
+                        ia[g][t][hh] = _mm256_add_epi32(
+                            ia[g][t][hh], levels
+                                              ? _mm256_add_epi32(q_dot4(_mm256_abs_epi8(l), l, xl),
+                                                                 q_dot4(_mm256_abs_epi8(h), h, xh))
+                                              : nib_dot(l, xl, h, xh));
+                    }
+            }
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < mg; g++) {
+            const int a = (g0 & 1) + g;
+            const uint8_t *sp = pp[a / 2] + off + soff;
+#pragma GCC unroll 2
+            for (int hh = 0; hh < 2; hh++) {
+                const __m256 sc = type == GGML_TYPE_IQ4_XS
+                                      ? _mm256_load_ps((const float *)(sp + 64 * (a % 2) + 32 * hh))
+                                      : _mm256_cvtph_ps(_mm_load_si128(
+                                            (const __m128i *)(sp + 32 * (a % 2) + 16 * hh)));
+#pragma GCC unroll 2
+                for (int t = 0; t < nt; t++) {
+                    acc[g][t][hh] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[g][t][hh]),
+                                        _mm256_mul_ps(sc, _mm256_set1_ps(xd[t])), acc[g][t][hh]);
+                    if (mins) { /* dx sum(q) */
+                        const __m256 mn = _mm256_cvtph_ps(
+                            _mm_load_si128((const __m128i *)(sp + 64 + 32 * (a % 2) + 16 * hh)));
+                        const __m256 sq = _mm256_set1_ps(xd[t] * (float)(xc[t] / -128));
+                        acc[g][t][hh] = _mm256_fmadd_ps(mn, sq, acc[g][t][hh]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
+}
+
+/* ------------------------------------------------------------------------
+ * The integer copies' tiles by shape
+ * ------------------------------------------------------------------------ */
+
+typedef void narrow_fn(const struct mm_pack_job *jb, int g0, int mg, int nt);
+typedef void int_wide_fn(const struct mm_pack_job *jb, int g, int j, int t0, int nt);
+
+/* p##_wide: token tile j's tokens [t0, t0 + nt) in group g; p##_narrow
+ * (decoding): mg groups (1..Q_MG) from g0 for one token, one group for
+ * two. Each a call of tile(jb, g0, mg, j, t0, nt) with constant mg, nt. */
+#define INT_SHAPES(p, tile)                                                                        \
+    static void p##_wide(const struct mm_pack_job *jb, int g, int j, int t0, int nt)               \
+    {                                                                                              \
+        if (nt == 1)                                                                               \
+            tile(jb, g, 1, j, t0, 1);                                                              \
+        else                                                                                       \
+            tile(jb, g, 1, j, t0, Q_NT);                                                           \
+    }                                                                                              \
+    static void p##_narrow(const struct mm_pack_job *jb, int g0, int mg, int nt)                   \
+    {                                                                                              \
+        if (nt > 1)                                                                                \
+            tile(jb, g0, 1, 0, 0, Q_NT);                                                           \
+        else if (mg == 1)                                                                          \
+            tile(jb, g0, 1, 0, 0, 1);                                                              \
+        else                                                                                       \
+            tile(jb, g0, Q_MG, 0, 0, 1);                                                           \
+    }
+/* nib_tile with its type constant */
+#define NIB_TILE(name, type_)                                                                      \
+    INLINE void name(const struct mm_pack_job *jb, int g0, int mg, int j, int t0, int nt)          \
+    {                                                                                              \
+        nib_tile(jb, g0, mg, j, t0, nt, type_);                                                    \
+    }
+NIB_TILE(q40_tile, GGML_TYPE_Q4_0)
+NIB_TILE(q41_tile, GGML_TYPE_Q4_1)
+NIB_TILE(q50_tile, GGML_TYPE_Q5_0)
+NIB_TILE(q51_tile, GGML_TYPE_Q5_1)
+NIB_TILE(nl_tile, GGML_TYPE_IQ4_NL)
+NIB_TILE(xs_tile, GGML_TYPE_IQ4_XS)
+INT_SHAPES(q8, q8_tile)
+INT_SHAPES(k4, k4_tile)
+INT_SHAPES(q40, q40_tile)
+INT_SHAPES(q41, q41_tile)
+INT_SHAPES(q50, q50_tile)
+INT_SHAPES(q51, q51_tile)
+INT_SHAPES(nl, nl_tile)
+INT_SHAPES(xs, xs_tile)
 
 /* Token t's activations into its tile's q8_0 slots (matmul_internal.h):
  * per block of 32, the values of matmul.c's quantize_x at this level (it
@@ -571,7 +733,6 @@ static void quantize_avx2(const struct mm_pack_job *jb, const float *xt, int t)
 }
 
 typedef void wide_fn(const struct mm_pack_job *jb, int g, int t0, int nt);
-typedef void narrow_fn(const struct mm_pack_job *jb, int g0, int mg, int nt);
 
 /* g0's pair of f16 groups (g0 even) widened into the thread's f32 copy at
  * jb->wide, laid out as an f32 pair: exact, so its tiles give the f16
@@ -596,7 +757,6 @@ static void narrow_groups(const struct mm_pack_job *jb, narrow_fn *fn, int step,
 /* An integer copy's groups [g0, g1) x token tiles [j0, j1): decoding in
  * narrow tiles, else group by group, each tile of MM_PACK_NT tokens as
  * tiles of Q_NT. */
-typedef void int_wide_fn(const struct mm_pack_job *jb, int g, int j, int t0, int nt);
 static void int_groups(const struct mm_pack_job *jb, narrow_fn *narrow, int_wide_fn *wide, int g0,
                        int g1, int j0, int j1)
 {
@@ -606,11 +766,42 @@ static void int_groups(const struct mm_pack_job *jb, narrow_fn *narrow, int_wide
     }
     for (int g = g0; g < g1; g++)
         for (int j = j0; j < j1; j++) {
-            const int nt = jb->n_tok - j * MM_PACK_NT < MM_PACK_NT ? jb->n_tok - j * MM_PACK_NT
-                                                                    : MM_PACK_NT;
+            const int nt =
+                jb->n_tok - j * MM_PACK_NT < MM_PACK_NT ? jb->n_tok - j * MM_PACK_NT : MM_PACK_NT;
             for (int t0 = 0; t0 < nt; t0 += Q_NT)
                 wide(jb, g, j, t0, nt - t0 < Q_NT ? nt - t0 : Q_NT);
         }
+}
+
+/* An integer copy's groups: its type's tiles. */
+static void int_copy_groups(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
+{
+    switch (jb->w->type) {
+    case GGML_TYPE_Q8_0:
+        int_groups(jb, q8_narrow, q8_wide, g0, g1, j0, j1);
+        break;
+    case GGML_TYPE_Q4_K:
+        int_groups(jb, k4_narrow, k4_wide, g0, g1, j0, j1);
+        break;
+    case GGML_TYPE_Q4_0:
+        int_groups(jb, q40_narrow, q40_wide, g0, g1, j0, j1);
+        break;
+    case GGML_TYPE_Q4_1:
+        int_groups(jb, q41_narrow, q41_wide, g0, g1, j0, j1);
+        break;
+    case GGML_TYPE_Q5_0:
+        int_groups(jb, q50_narrow, q50_wide, g0, g1, j0, j1);
+        break;
+    case GGML_TYPE_Q5_1:
+        int_groups(jb, q51_narrow, q51_wide, g0, g1, j0, j1);
+        break;
+    case GGML_TYPE_IQ4_NL:
+        int_groups(jb, nl_narrow, nl_wide, g0, g1, j0, j1);
+        break;
+    default: /* iq4_xs: has_avx2's last */
+        int_groups(jb, xs_narrow, xs_wide, g0, g1, j0, j1);
+        break;
+    }
 }
 
 /* Float weights: row groups outside, token tiles inside: a group's
@@ -619,11 +810,8 @@ static void int_groups(const struct mm_pack_job *jb, narrow_fn *narrow, int_wide
 static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     const enum ggml_type type = jb->w->type;
-    if (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K) {
-        if (type == GGML_TYPE_Q8_0)
-            int_groups(jb, q8_narrow, q8_wide, g0, g1, j0, j1);
-        else
-            int_groups(jb, k4_narrow, k4_wide, g0, g1, j0, j1);
+    if (!mm_is_float_type(type)) {
+        int_copy_groups(jb, g0, g1, j0, j1);
         return;
     }
     if (jb->n_tok <= MM_PACK_NARROW) {
@@ -652,11 +840,12 @@ static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, in
 
 static bool has_avx2(enum ggml_type type)
 {
-    return mm_is_float_type(type) || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K;
+    return mm_is_float_type(type) || type == GGML_TYPE_Q8_0 || mm_pack_nibbles(type) ||
+           type == GGML_TYPE_Q4_K;
 }
 
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {
-    .name = "avx2 16-row (float weights, q8_0, q4_K)",
+    .name = "avx2-maddubs 16-row",
     .has = has_avx2,
     .quantize = quantize_avx2,
     .groups = groups_avx2,
