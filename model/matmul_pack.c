@@ -2,8 +2,7 @@
  * matmul_pack.c - out[t][o] = sum_i W[o][i] * x[t][i] over weights
  * repacked at load (matmul_internal.h's layouts, written by
  * matmul_pack_run.c): the prefill microkernels, at the AVX-512 level (the
- * float and q8_0 tiles in 256-bit registers, for the AVX2 level:
- * matmul_pack_avx2.c).
+ * same tiles in 256-bit registers, for the AVX2 level: matmul_pack_avx2.c).
  *
  * ---------------------------------------------------------------------------
  * Why repack
@@ -304,10 +303,10 @@
  * prefetched 256 B to 2 KiB ahead in wide tiles too (+0-4%, within the
  * run's noise).
  *
- * Levels: avx512 (with VNNI) has these kernels; avx2 has the float and
- * q8_0 ones in matmul_pack_avx2.c, over the same copies. At a level
- * without kernels for a type its repacked copy is not made (see
- * matmul_pack_run.c), and matmul.c runs.
+ * Levels: avx512 (with VNNI) has these kernels; avx2 has its own in
+ * matmul_pack_avx2.c, over the same copies, with the same bits. At a
+ * level without kernels for a type (scalar) its repacked copy is not
+ * made (see matmul_pack_run.c), and matmul.c runs.
  */
 #include "model/matmul_internal.h"
 #include "model/matmul_simd.h"
@@ -900,7 +899,7 @@ const struct mm_pack_kernels KERN(mm_pack_kernels) = {
     .groups = groups_avx512,
 };
 
-#elif !defined(KERN_AVX2) /* no kernels over repacked weights at this level (AVX2: matmul_pack_avx2.c) */
+#elif !defined(KERN_AVX2) /* scalar: no kernels over repacked weights (AVX2: matmul_pack_avx2.c) */
 
 static bool has_none(enum ggml_type type)
 {

@@ -1,16 +1,20 @@
 /*
- * matmul_pack_avx2.c - the AVX2 kernels over repacked weights, float (f32,
- * f16, bf16) and q8_0: matmul_pack.c's tiles in 256-bit registers, for
- * CPUs without AVX-512 (a Zen 3 EPYC, a desktop core). The copies are the
- * ones the AVX-512 kernels read (matmul_internal.h), byte for byte.
+ * matmul_pack_avx2.c - the AVX2 kernels over repacked weights, every copy
+ * matmul_pack.c multiplies (f32, f16, bf16; q8_0; q4_0, q4_1, q5_0,
+ * q5_1, iq4_nl, iq4_xs; q4_K) in 256-bit registers, for CPUs without
+ * AVX-512 (a Zen 3 EPYC, a desktop core). The copies are the ones the
+ * AVX-512 kernels read (matmul_internal.h), byte for byte, and the
+ * results their bits.
  *
  * ---------------------------------------------------------------------------
  * Why
  * ---------------------------------------------------------------------------
  *
- * Without these, an AVX2 CPU multiplies float weights as GGUF stores them
+ * Without these, an AVX2 CPU multiplies weights as GGUF stores them
  * (matmul.c: a tile of 2 rows x 4 tokens, each (row, token) a vector of
- * partial sums along the row summed across its lanes at the end). The
+ * partial sums along the row summed across its lanes at the end; the
+ * nibble formats decoded block by block in C-like steps, at a tenth of
+ * the bus when decoding). The
  * repacked copy (matmul_internal.h: per input k, one group's 16 rows side
  * by side, then the other group's) lets a lane be an output row, as in
  * matmul_pack.c's essay: one load (and for f16/bf16 one exact widening)
@@ -54,6 +58,13 @@
  * The activations are quantised by matmul.c's own quantize_x of this level
  * into the tiles' slots (quantize_avx2), so they have its values.
  *
+ * The nibble copies (nib_tile) and q4_K (k4_tile) take the same tiles.
+ * Their codes (at most 15, or 31 with a fifth bit) are vpmaddubsw's
+ * unsigned operand as stored, no sign needed: a block's low-nibble and
+ * high-nibble pairs add in 16 bits before one vpmaddwd, and q4_K's, at
+ * most 2 x 15 x 128 each, over a whole sub-block of 8 chunks (30,720 at
+ * most). iq4's levels are looked up as signed bytes and take q8_0's way.
+ *
  * ---------------------------------------------------------------------------
  * Numerics and invariance
  * ---------------------------------------------------------------------------
@@ -63,9 +74,10 @@
  * f32 activation. That is the sequence of matmul_pack.c's float tiles, so
  * this level gives the bits the AVX-512 kernels give (test_quant checks),
  * and every tile shape here runs it: a token's results depend neither on
- * the other tokens of its batch nor on the split among threads. Q8_0's
- * block sums are exact integers, folded as acc = fma((float)sum, d x dx,
- * acc) block after block, as int8_tile folds them: the AVX-512 kernel's
+ * the other tokens of its batch nor on the split among threads. The
+ * integer copies' block sums are exact integers, folded block after block
+ * with int8_tile's and q4k_fold's operations in their order (acc =
+ * fma((float)sum, d x dx, acc), then the mins'): the AVX-512 kernels'
  * bits again, from activations of the same values.
  *
  * Measured: see the essay's last section, "Figures".
@@ -295,6 +307,16 @@ A_NARROW(bf16_narrow, GGML_TYPE_BF16)
 #define Q_NT 2 /* tokens per wide q8_0 tile of one group: 4 i32 + 4 f32 sums */
 #define Q_MG 2 /* groups per decoding q8_0 tile of one token: the same count */
 
+/* v, kept in a register as it is: an empty asm that GCC cannot see
+ * through, so that it adds a tile's products into its sums one by one
+ * rather than reassociating the integer adds into a tree whose partial
+ * products it had to store to the stack (16 registers). */
+INLINE __m256i in_reg(__m256i v)
+{
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 /* Eight rows' 4 bytes at p, stored w + 128 (matmul_internal.h), as the
  * signed weights w. */
 INLINE __m256i q_weights(const uint8_t *p)
@@ -368,8 +390,10 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
                 const __m256i xv = _mm256_set1_epi32(x4);
 #pragma GCC unroll 2
                 for (int g = 0; g < mg; g++) {
-                    ia[g][t][0] = _mm256_add_epi32(ia[g][t][0], q_dot4(aw[g][0], wv[g][0], xv));
-                    ia[g][t][1] = _mm256_add_epi32(ia[g][t][1], q_dot4(aw[g][1], wv[g][1], xv));
+                    ia[g][t][0] =
+                        in_reg(_mm256_add_epi32(ia[g][t][0], q_dot4(aw[g][0], wv[g][0], xv)));
+                    ia[g][t][1] =
+                        in_reg(_mm256_add_epi32(ia[g][t][1], q_dot4(aw[g][1], wv[g][1], xv)));
                 }
             }
         }
@@ -442,62 +466,67 @@ INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
             acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const size_t off = (size_t)sb * MM_PACK_Q4K_PAIR;
-        for (int s = 0; s < 8; s++) { /* chunks' low nibbles for even s, high for odd */
-            const int h = s / 2;
-            if (nt == 1 && s % 2 == 0) /* a quarter of the super-block's bytes per h */
+        for (int h = 0; h < 4; h++) {
+            if (nt == 1) /* a quarter of the super-block's bytes per h */
                 prefetch_pairs(pp, mg + (g0 & 1), off + (size_t)h * MM_PACK_Q4K_PAIR / 4,
                                MM_PACK_Q4K_PAIR / 4, MM_PACK_PREFETCH_FAR);
-            const size_t blk = (size_t)(8 * sb + s) * MM_PACK_NT;
-            __m256i is[Q_MG][Q_NT][2];
 #pragma GCC unroll 2
-            for (int g = 0; g < mg; g++)
+            for (int high = 0; high < 2; high++) {
+                const int s = 2 * h + high; /* the chunks' low nibbles, then their high ones */
+                const size_t blk = (size_t)(8 * sb + s) * MM_PACK_NT;
+                __m256i is[Q_MG][Q_NT][2];
 #pragma GCC unroll 2
-                for (int t = 0; t < nt; t++)
-                    is[g][t][0] = is[g][t][1] = _mm256_setzero_si256();
+                for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+                    for (int t = 0; t < nt; t++)
+                        is[g][t][0] = is[g][t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) {
-                __m256i u[Q_MG][2];
+                for (int k = 0; k < 8; k++) {
+                    __m256i u[Q_MG][2];
 #pragma GCC unroll 2
-                for (int g = 0; g < mg; g++) {
-                    const int a = (g0 & 1) + g;
-                    const uint8_t *p =
-                        pp[a / 2] + off + MM_PACK_Q4K_QS + 128 * (size_t)(8 * h + k) + 64 * (a % 2);
+                    for (int g = 0; g < mg; g++) {
+                        const int a = (g0 & 1) + g;
+                        const uint8_t *p = pp[a / 2] + off + MM_PACK_Q4K_QS +
+                                           128 * (size_t)(8 * h + k) + 64 * (a % 2);
 #pragma GCC unroll 2
-                    for (int hh = 0; hh < 2; hh++) {
-                        const __m256i v = _mm256_load_si256((const __m256i *)(p + 32 * hh));
-                        u[g][hh] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, lo4);
+                        for (int hh = 0; hh < 2; hh++) {
+                            const __m256i v = _mm256_load_si256((const __m256i *)(p + 32 * hh));
+                            u[g][hh] = _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, lo4);
+                        }
+                    }
+#pragma GCC unroll 2
+                    for (int t = 0; t < nt; t++) {
+                        int32_t x4;
+                        memcpy(&x4, xq + (blk + (size_t)t) * QT_QK + 4 * k, 4);
+                        const __m256i xv = _mm256_set1_epi32(x4);
+#pragma GCC unroll 2
+                        for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+                            for (int hh = 0; hh < 2; hh++)
+                                is[g][t][hh] = in_reg(_mm256_add_epi16(
+                                    is[g][t][hh], _mm256_maddubs_epi16(u[g][hh], xv)));
                     }
                 }
 #pragma GCC unroll 2
-                for (int t = 0; t < nt; t++) {
-                    int32_t x4;
-                    memcpy(&x4, xq + (blk + (size_t)t) * QT_QK + 4 * k, 4);
-                    const __m256i xv = _mm256_set1_epi32(x4);
+                for (int g = 0; g < mg; g++) {
+                    const int a = (g0 & 1) + g;
+                    const uint8_t *sg = pp[a / 2] + off + MM_PACK_Q4K_GSCALES * (size_t)(a % 2);
 #pragma GCC unroll 2
-                    for (int g = 0; g < mg; g++)
+                    for (int hh = 0; hh < 2; hh++) {
+                        const __m256 sc = k4_factor(sg + 64 + 16 * s + 8 * hh, sg + 16 * hh);
+                        const __m256 mn = k4_factor(sg + 192 + 16 * s + 8 * hh, sg + 32 + 16 * hh);
 #pragma GCC unroll 2
-                        for (int hh = 0; hh < 2; hh++)
-                            is[g][t][hh] =
-                                _mm256_add_epi16(is[g][t][hh], _mm256_maddubs_epi16(u[g][hh], xv));
-                }
-            }
-#pragma GCC unroll 2
-            for (int g = 0; g < mg; g++) {
-                const int a = (g0 & 1) + g;
-                const uint8_t *sg = pp[a / 2] + off + MM_PACK_Q4K_GSCALES * (size_t)(a % 2);
-#pragma GCC unroll 2
-                for (int hh = 0; hh < 2; hh++) {
-                    const __m256 sc = k4_factor(sg + 64 + 16 * s + 8 * hh, sg + 16 * hh);
-                    const __m256 mn = k4_factor(sg + 192 + 16 * s + 8 * hh, sg + 32 + 16 * hh);
-#pragma GCC unroll 2
-                    for (int t = 0; t < nt; t++) {
-                        const float dx = xd[blk + (size_t)t];
-                        const float sq = dx * (float)(xc[blk + (size_t)t] / -128); /* dx sum(q) */
-                        const __m256i ia = _mm256_madd_epi16(is[g][t][hh], _mm256_set1_epi16(1));
-                        acc[g][t][hh] =
-                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia),
-                                            _mm256_mul_ps(sc, _mm256_set1_ps(dx)), acc[g][t][hh]);
-                        acc[g][t][hh] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(sq), acc[g][t][hh]);
+                        for (int t = 0; t < nt; t++) {
+                            const float dx = xd[blk + (size_t)t];
+                            const float sq =
+                                dx * (float)(xc[blk + (size_t)t] / -128); /* dx sum(q) */
+                            const __m256i ia =
+                                _mm256_madd_epi16(is[g][t][hh], _mm256_set1_epi16(1));
+                            acc[g][t][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia),
+                                                            _mm256_mul_ps(sc, _mm256_set1_ps(dx)),
+                                                            acc[g][t][hh]);
+                            acc[g][t][hh] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(sq), acc[g][t][hh]);
+                        }
                     }
                 }
             }
@@ -624,11 +653,11 @@ INLINE void nib_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0
 #pragma GCC unroll 2
                     for (int hh = 0; hh < 2; hh++) {
                         const __m256i l = ul[g][hh], h = uh[g][hh];
-                        ia[g][t][hh] = _mm256_add_epi32(
-                            ia[g][t][hh], levels
+                        const __m256i d = levels
                                               ? _mm256_add_epi32(q_dot4(_mm256_abs_epi8(l), l, xl),
                                                                  q_dot4(_mm256_abs_epi8(h), h, xh))
-                                              : nib_dot(l, xl, h, xh));
+                                              : nib_dot(l, xl, h, xh);
+                        ia[g][t][hh] = in_reg(_mm256_add_epi32(ia[g][t][hh], d));
                     }
             }
         }

@@ -7,7 +7,7 @@
  * its own kernel over row groups x token tiles, under the same split:
  *
  *   q8_0          quantised by the level's kernel (matmul_pack.c; at the
- *                 AVX2 level, for q8_0 only, matmul_pack_avx2.c), for
+ *                 AVX2 level matmul_pack_avx2.c), for
  *                 q8_0's int8 blocks, the 4- and 5-bit blocks' nibbles
  *                 (q4_0 .. q5_1, iq4_nl, iq4_xs) and q4_K;
  *   f32, f16      read in place, exact f32 FMA (matmul_pack.c; at the
