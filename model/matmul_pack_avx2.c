@@ -94,22 +94,37 @@
  * array (their final stores unrolled, so it can live in registers): one
  * token in 4 groups wants 8 sums, 8 weight vectors and a broadcast, one
  * more than the 16 registers, and GCC keeps one sum in memory; a decoding
- * step waits for the bus far longer than for that.
+ * step waits for the bus far longer than for that. The integer tiles add
+ * each product into its sum through in_reg, an empty asm: without it GCC
+ * reassociated the integer adds into trees and stored their partial
+ * products to the stack.
  *
  * ---------------------------------------------------------------------------
  * Figures
  * ---------------------------------------------------------------------------
  *
- * AMD EPYC Zen 3 (AVX2 and FMA, no AVX-512), 2 cores, load 0.5-1.3:
- *  - build/bench/bench_prefill (one SmolLM-135M layer x 512 tokens, one
- *    thread by CPU time, of the 256-bit FMA's peak, 101 GFLOPS): f32
- *    91.6 GFLOPS (90%) against 60.4 (60%) over the stored rows, f16 89.5
- *    (88%) against 57.0 (56%); 2 threads 145 and 139 GFLOPS against 114
- *    and 90.
- *  - build/bench/bench_matmul decode (the 576x30 model's products, 2
- *    threads, two alternated runs of each build): f16 106-118 tokens/s
- *    against 73-81 stored, bf16 112-119 against 61-73, f32 66-69 against
- *    47-50; of the bus 0.52-0.79 against 0.32-0.58.
+ * AMD EPYC Zen 3 (AVX2 and FMA, no AVX-512), 2 cores, load 0.1-1.7, this
+ * level's repacked copies against the rows as stored (matmul.c,
+ * matmul_k.c, matmul_blocks.c), the build before beside this one:
+ *  - build/bench/bench_prefill (one SmolLM-135M layer x 512 tokens): one
+ *    thread by CPU time, of its peak, q8_0 90-102% against 55-59% (of
+ *    vpmaddubsw+vpmaddwd's), f32 70-91% against 44-60% and f16 73-88%
+ *    against 54-59% (of the 256-bit FMA's); two threads q8_0 179 GOPS
+ *    against 100, f16 143-152 against 112, f32 141-152 against 89-106.
+ *    The wide float tile written as an array ran at 31-32% ("Registers").
+ *  - build/bench/bench_matmul (4096 x 4096, 2 threads), from DRAM in GB/s
+ *    and at 64 tokens in GFLOP/s: q8_0 24.0 / 181 against 18.3 / 111,
+ *    q4_0 32.0 / 305 against 11.6 / 100, q4_1 32.2 / 214 against 6.4 /
+ *    41, q5_0 27.4 / 171 against 5.9 / 61, q5_1 29.1 / 164 against 4.9 /
+ *    32, iq4_nl 33.4 / 194 against 4.4 / 38, iq4_xs 29.7 / 196 against
+ *    5.4 / 31, q4_K 26.6 / 204 against 18.8 / 113 (triad 36.5 GB/s).
+ *  - build/bench/bench_matmul decode (the 576x30 model's products, two
+ *    alternated runs of each build), tokens/s: q8_0 206-212 against
+ *    100-105, f16 116-129 against 75-82, bf16 122-137 against 65-74, f32
+ *    63-72 against 49-50; 2048x16 q8_0 36-39 against 22-23, q4_K 62
+ *    against 58-63 (its one-token tile no faster than the stored rows').
+ *  - in_reg: q8_0's wide tile went from 99 stack accesses to 13, one
+ *    thread from 94% to 97% of the peak in the run that measured both.
  */
 #include "model/matmul_internal.h"
 #include "model/matmul_simd.h"
