@@ -349,6 +349,50 @@ INLINE __m256i q_dot4(__m256i aw, __m256i w, __m256i x4)
                              _mm256_set1_epi16(1));
 }
 
+/* An integer tile's pointers: its pairs' copies (group g of the tile in
+ * pp[a / 2] at 64 (a % 2) within each chunk, a = (g0 & 1) + g), and its
+ * tokens' activation slots (quantize_avx2) from token t0 of tile j. */
+struct int_at {
+    const uint8_t *pp[Q_MG];
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *xc;
+};
+
+INLINE struct int_at int_at_of(const struct mm_pack_job *jb, int g0, int mg, int j, int t0)
+{
+    const struct mm_weight *w = jb->w;
+    struct int_at a;
+    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
+        a.pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
+    const size_t at = (size_t)j * (size_t)(w->n_in / QT_QK) * MM_PACK_NT + (size_t)t0;
+    a.xq = jb->q + at * QT_QK;
+    a.xd = jb->d + at;
+    a.xc = jb->c + at;
+    return a;
+}
+
+/* An integer tile's f32 sums, zero. */
+INLINE void int_acc_zero(__m256 acc[Q_MG][Q_NT][2], int mg, int nt)
+{
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+}
+
+/* An integer tile's f32 sums to the outputs of its groups and tokens. */
+INLINE void int_acc_store(const struct mm_pack_job *jb, int g0, int mg, int j, int t0, int nt,
+                          __m256 acc[Q_MG][Q_NT][2])
+{
+#pragma GCC unroll 2
+    for (int g = 0; g < mg; g++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
+}
+
 /*
  * mg groups from g0 x nt tokens from t0 of token tile j (MM_PACK_NT wide).
  * Per block of 32, each (row, token) sum is exact in i32; then acc +=
@@ -358,24 +402,15 @@ INLINE __m256i q_dot4(__m256i aw, __m256i w, __m256i x4)
  */
 INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0, int nt)
 {
-    const struct mm_weight *w = jb->w;
-    const int nb = w->n_in / QT_QK;
+    const int nb = jb->w->n_in / QT_QK;
     /* group g's chunk k of block b at pp[a / 2] + b * MM_PACK_Q8_PAIR +
-     * 128 k + 64 (a % 2), a = (g0 & 1) + g; its 16 f16 scales at
-     * MM_PACK_Q8_SCALES + 32 (a % 2) */
-    const uint8_t *pp[Q_MG];
-    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
-        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
-    const size_t at = (size_t)j * (size_t)nb * MM_PACK_NT + (size_t)t0;
-    const int8_t *xq = jb->q + at * QT_QK;
-    const float *xd = jb->d + at;
-
+     * 128 k + 64 (a % 2); its 16 f16 scales at MM_PACK_Q8_SCALES + 32 (a % 2) */
+    const struct int_at at = int_at_of(jb, g0, mg, j, t0);
+    const uint8_t *const *pp = at.pp;
+    const int8_t *xq = at.xq;
+    const float *xd = at.xd;
     __m256 acc[Q_MG][Q_NT][2];
-#pragma GCC unroll 2
-    for (int g = 0; g < mg; g++)
-#pragma GCC unroll 2
-        for (int t = 0; t < nt; t++)
-            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+    int_acc_zero(acc, mg, nt);
     for (int b = 0; b < nb; b++, xq += MM_PACK_NT * QT_QK, xd += MM_PACK_NT) {
         const size_t off = (size_t)b * MM_PACK_Q8_PAIR;
         if (nt == 1)
@@ -428,11 +463,7 @@ INLINE void q8_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
             }
         }
     }
-#pragma GCC unroll 2
-    for (int g = 0; g < mg; g++)
-#pragma GCC unroll 2
-        for (int t = 0; t < nt; t++)
-            a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
+    int_acc_store(jb, g0, mg, j, t0, nt, acc);
 }
 
 /* ------------------------------------------------------------------------
@@ -462,23 +493,15 @@ INLINE __m256 k4_factor(const uint8_t *p, const uint8_t *f)
  */
 INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0, int nt)
 {
-    const struct mm_weight *w = jb->w;
-    const int nsb = w->n_in / QT_QK_K, nb = w->n_in / QT_QK;
+    const int nsb = jb->w->n_in / QT_QK_K;
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
-    const uint8_t *pp[Q_MG];
-    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
-        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
-    const size_t at = (size_t)j * (size_t)nb * MM_PACK_NT + (size_t)t0;
-    const int8_t *xq = jb->q + at * QT_QK;
-    const float *xd = jb->d + at;
-    const int32_t *xc = jb->c + at;
-
+    const struct int_at at = int_at_of(jb, g0, mg, j, t0);
+    const uint8_t *const *pp = at.pp;
+    const int8_t *xq = at.xq;
+    const float *xd = at.xd;
+    const int32_t *xc = at.xc;
     __m256 acc[Q_MG][Q_NT][2];
-#pragma GCC unroll 2
-    for (int g = 0; g < mg; g++)
-#pragma GCC unroll 2
-        for (int t = 0; t < nt; t++)
-            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+    int_acc_zero(acc, mg, nt);
     for (int sb = 0; sb < nsb; sb++) {
         const size_t off = (size_t)sb * MM_PACK_Q4K_PAIR;
         for (int h = 0; h < 4; h++) {
@@ -547,11 +570,7 @@ INLINE void k4_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0,
             }
         }
     }
-#pragma GCC unroll 2
-    for (int g = 0; g < mg; g++)
-#pragma GCC unroll 2
-        for (int t = 0; t < nt; t++)
-            a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
+    int_acc_store(jb, g0, mg, j, t0, nt, acc);
 }
 
 /* ------------------------------------------------------------------------
@@ -603,20 +622,13 @@ INLINE void nib_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0
     /* group g's chunk k of block b at pp[a / 2] + b * bstride + 128 k +
      * 64 (a % 2), a = (g0 & 1) + g; its fifth bits at MM_PACK_NIB_CHUNKS +
      * 64 (a % 2), its scales (and mins) from soff */
-    const uint8_t *pp[Q_MG];
-    for (int h = 0; h < (mg + (g0 & 1) + 1) / 2; h++)
-        pp[h] = (const uint8_t *)w->packed + (size_t)(g0 / 2 + h) * mm_pack_pair_bytes(w);
-    const size_t at = (size_t)j * (size_t)nb * MM_PACK_NT + (size_t)t0;
-    const int8_t *xq = jb->q + at * QT_QK;
-    const float *xd = jb->d + at;
-    const int32_t *xc = jb->c + at;
-
+    const struct int_at at = int_at_of(jb, g0, mg, j, t0);
+    const uint8_t *const *pp = at.pp;
+    const int8_t *xq = at.xq;
+    const float *xd = at.xd;
+    const int32_t *xc = at.xc;
     __m256 acc[Q_MG][Q_NT][2];
-#pragma GCC unroll 2
-    for (int g = 0; g < mg; g++)
-#pragma GCC unroll 2
-        for (int t = 0; t < nt; t++)
-            acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
+    int_acc_zero(acc, mg, nt);
     for (int b = 0; b < nb; b++, xq += MM_PACK_NT * QT_QK, xd += MM_PACK_NT, xc += MM_PACK_NT) {
         const size_t off = (size_t)b * bstride;
         if (nt == 1)
@@ -701,11 +713,7 @@ INLINE void nib_tile(const struct mm_pack_job *jb, int g0, int mg, int j, int t0
             }
         }
     }
-#pragma GCC unroll 2
-    for (int g = 0; g < mg; g++)
-#pragma GCC unroll 2
-        for (int t = 0; t < nt; t++)
-            a_store(jb, g0 + g, j * MM_PACK_NT + t0 + t, acc[g][t][0], acc[g][t][1]);
+    int_acc_store(jb, g0, mg, j, t0, nt, acc);
 }
 
 /* ------------------------------------------------------------------------
@@ -817,35 +825,25 @@ static void int_groups(const struct mm_pack_job *jb, narrow_fn *narrow, int_wide
         }
 }
 
-/* An integer copy's groups: its type's tiles. */
-static void int_copy_groups(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
+/* The integer copies this level multiplies, each with its tiles. */
+static const struct int_copy {
+    enum ggml_type type;
+    narrow_fn *narrow;
+    int_wide_fn *wide;
+} int_copies[] = {
+    {GGML_TYPE_Q8_0, q8_narrow, q8_wide},   {GGML_TYPE_Q4_K, k4_narrow, k4_wide},
+    {GGML_TYPE_Q4_0, q40_narrow, q40_wide}, {GGML_TYPE_Q4_1, q41_narrow, q41_wide},
+    {GGML_TYPE_Q5_0, q50_narrow, q50_wide}, {GGML_TYPE_Q5_1, q51_narrow, q51_wide},
+    {GGML_TYPE_IQ4_NL, nl_narrow, nl_wide}, {GGML_TYPE_IQ4_XS, xs_narrow, xs_wide},
+};
+
+/* Type's entry in int_copies, or NULL. */
+static const struct int_copy *int_copy_of(enum ggml_type type)
 {
-    switch (jb->w->type) {
-    case GGML_TYPE_Q8_0:
-        int_groups(jb, q8_narrow, q8_wide, g0, g1, j0, j1);
-        break;
-    case GGML_TYPE_Q4_K:
-        int_groups(jb, k4_narrow, k4_wide, g0, g1, j0, j1);
-        break;
-    case GGML_TYPE_Q4_0:
-        int_groups(jb, q40_narrow, q40_wide, g0, g1, j0, j1);
-        break;
-    case GGML_TYPE_Q4_1:
-        int_groups(jb, q41_narrow, q41_wide, g0, g1, j0, j1);
-        break;
-    case GGML_TYPE_Q5_0:
-        int_groups(jb, q50_narrow, q50_wide, g0, g1, j0, j1);
-        break;
-    case GGML_TYPE_Q5_1:
-        int_groups(jb, q51_narrow, q51_wide, g0, g1, j0, j1);
-        break;
-    case GGML_TYPE_IQ4_NL:
-        int_groups(jb, nl_narrow, nl_wide, g0, g1, j0, j1);
-        break;
-    default: /* iq4_xs: has_avx2's last */
-        int_groups(jb, xs_narrow, xs_wide, g0, g1, j0, j1);
-        break;
-    }
+    for (size_t i = 0; i < sizeof int_copies / sizeof int_copies[0]; i++)
+        if (int_copies[i].type == type)
+            return &int_copies[i];
+    return NULL;
 }
 
 /* Float weights: row groups outside, token tiles inside: a group's
@@ -854,8 +852,9 @@ static void int_copy_groups(const struct mm_pack_job *jb, int g0, int g1, int j0
 static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, int j1)
 {
     const enum ggml_type type = jb->w->type;
-    if (!mm_is_float_type(type)) {
-        int_copy_groups(jb, g0, g1, j0, j1);
+    if (!mm_is_float_type(type)) { /* has_avx2: one of int_copies */
+        const struct int_copy *c = int_copy_of(type);
+        int_groups(jb, c->narrow, c->wide, g0, g1, j0, j1);
         return;
     }
     if (jb->n_tok <= MM_PACK_NARROW) {
@@ -884,8 +883,7 @@ static void groups_avx2(const struct mm_pack_job *jb, int g0, int g1, int j0, in
 
 static bool has_avx2(enum ggml_type type)
 {
-    return mm_is_float_type(type) || type == GGML_TYPE_Q8_0 || mm_pack_nibbles(type) ||
-           type == GGML_TYPE_Q4_K;
+    return mm_is_float_type(type) || int_copy_of(type) != NULL;
 }
 
 const struct mm_pack_kernels KERN(mm_pack_kernels) = {
