@@ -222,9 +222,10 @@ static struct {
     _Atomic bool stop;
     _Atomic uint32_t pending; /* workers of this region still running */
     _Atomic uint32_t caller_sleeping;
-    _Atomic int held;    /* cpu_pool_hold count */
-    _Atomic long sleeps; /* futex waits entered */
+    _Atomic int held;         /* cpu_pool_hold count */
+    _Atomic long sleeps;      /* futex waits entered */
     _Atomic long late_yields; /* held waits ended by a late yield */
+    _Atomic long held_out;    /* held waits that outlasted CPU_POOL_HOLD_US */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static void futex_wait(_Atomic uint32_t *word, uint32_t val)
@@ -274,9 +275,12 @@ static uint32_t wait_word(_Atomic uint32_t *word, uint32_t seen, bool until_zero
             if (!t0)
                 t0 = t;
             else if (t - t0 >= limit) {
-                if (!atomic_load_explicit(&P.held, memory_order_relaxed) ||
-                    t - t0 >= limit + CPU_POOL_HOLD_US * 1000L)
+                if (!atomic_load_explicit(&P.held, memory_order_relaxed))
                     break;
+                if (t - t0 >= limit + CPU_POOL_HOLD_US * 1000L) {
+                    atomic_fetch_add_explicit(&P.held_out, 1, memory_order_relaxed);
+                    break;
+                }
                 if (yielding && t - t_prev > YIELD_LATE_NS) {
                     atomic_fetch_add_explicit(&P.late_yields, 1, memory_order_relaxed);
                     break;
@@ -421,10 +425,12 @@ void cpu_pool_release(void)
     atomic_fetch_sub(&P.held, 1);
 }
 
-long cpu_pool_sleeps(long *late_yields)
+long cpu_pool_sleeps(long *late_yields, long *held_out)
 {
     if (late_yields)
         *late_yields = atomic_load_explicit(&P.late_yields, memory_order_relaxed);
+    if (held_out)
+        *held_out = atomic_load_explicit(&P.held_out, memory_order_relaxed);
     return atomic_load_explicit(&P.sleeps, memory_order_relaxed);
 }
 
@@ -496,10 +502,12 @@ void cpu_pool_release(void)
 {
 }
 
-long cpu_pool_sleeps(long *late_yields)
+long cpu_pool_sleeps(long *late_yields, long *held_out)
 {
     if (late_yields)
         *late_yields = 0;
+    if (held_out)
+        *held_out = 0;
     return 0;
 }
 

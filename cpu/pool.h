@@ -147,9 +147,12 @@ void cpu_pool_hold(void);
 void cpu_pool_release(void);
 
 /* Times a waiting thread of the pool went to sleep on its futex since the
- * start, and (late_yields, may be NULL) how many held waits ended because a
- * yield came back late (for tests and measurements; 0 in the OpenMP build). */
-long cpu_pool_sleeps(long *late_yields);
+ * start, and (each may be NULL) how many held waits ended because a yield
+ * came back late (late_yields) or because the wait outlasted
+ * CPU_POOL_HOLD_US (held_out): the two ways a held wait still sleeps, both
+ * signs of a crowded machine or a long gap (for tests and measurements; 0
+ * in the OpenMP build). */
+long cpu_pool_sleeps(long *late_yields, long *held_out);
 
 /* Workers running now (0 before the first parallel region and after
  * cpu_pool_shutdown; always 0 in the OpenMP build). */
