@@ -47,7 +47,8 @@
 
 #define VL 16
 #define PV_NV 4 /* output vectors per row kept in registers by pv */
-#define PV_RB 6 /* rows per pv block: 6 x 4 accumulators, 4 values, a broadcast */
+#define PV_RB 6 /* rows per pv block: 6 x 4 accumulators, 6 broadcasts, a value */
+#define PV_NV3 4 /* output vectors per row for up to 3 rows (a GQA group of 3) */
 typedef __m512 vf;
 
 INLINE __mmask16 lanes(int n)
@@ -205,6 +206,7 @@ static const char simd_name[] = "avx512";
 #define VL 8
 #define PV_NV 2
 #define PV_RB 6 /* 6 x 2 accumulators, 2 values, a broadcast in 16 registers */
+#define PV_NV3 4 /* up to 3 rows: 3 x 4 accumulators, 3 broadcasts, a value */
 typedef __m256 vf;
 
 INLINE __m256i lanes_i(int n)
@@ -893,12 +895,23 @@ static void probs_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
  * Output: acc += P V
  * ------------------------------------------------------------------------ */
 
-/* RB rows x NV vectors of output starting at element d0; n = lanes of the last vector. */
+/*
+ * RB rows x NV vectors of output starting at element d0; n = lanes of the
+ * last vector. The rows' probabilities are broadcast first and each value
+ * vector is used as soon as it is loaded, so RB x NV accumulators, RB
+ * broadcasts and one value fit the registers: at AVX2 three rows (a GQA
+ * group of 3, decode's usual case) keep 4 vectors each and walk a tile's
+ * keys twice at head dim 64, not four times as with 2 (each walk
+ * broadcasts the probabilities again and touches every value row): a hot
+ * 4k-token layer took 0.8x the time (bench_decode 4096 profile). Each
+ * accumulator still gets one FMA per key in key order: the same bits for
+ * any NV.
+ */
 INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, int nt,
                      enum attn_type T, int d0, int n, const int RB, const int NV,
                      const struct attn_prefetch *pf)
 {
-    vf a[PV_RB][PV_NV];
+    vf a[PV_RB][PV_NV > PV_NV3 ? PV_NV : PV_NV3];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; r++)
 #pragma GCC unroll 4
@@ -906,16 +919,16 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
             a[r][j] = vload_n(acc + (size_t)r * D + d0 + j * VL, j == NV - 1 ? n : VL);
     for (int t = 0; t < nt; t++) {
         prefetch_v(pf, t);
-        vf v[PV_NV];
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; j++)
-            v[j] = vload_t(vp[t], d0 + j * VL, T, j == NV - 1 ? n : VL);
+        vf p[PV_RB];
 #pragma GCC unroll 8
-        for (int r = 0; r < RB; r++) {
-            vf p = vset1(P[(size_t)r * ATTN_TILE + t]);
+        for (int r = 0; r < RB; r++)
+            p[r] = vset1(P[(size_t)r * ATTN_TILE + t]);
 #pragma GCC unroll 4
-            for (int j = 0; j < NV; j++)
-                a[r][j] = vfma(p, v[j], a[r][j]);
+        for (int j = 0; j < NV; j++) {
+            vf v = vload_t(vp[t], d0 + j * VL, T, j == NV - 1 ? n : VL);
+#pragma GCC unroll 8
+            for (int r = 0; r < RB; r++)
+                a[r][j] = vfma(p[r], v, a[r][j]);
         }
     }
 #pragma GCC unroll 8
@@ -929,9 +942,10 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
 INLINE void pv_rows(float *acc, int D, const float *P, const void *const *vp, int nt,
                     enum attn_type T, const int RB, const struct attn_prefetch *pf)
 {
+    const int NV = RB <= 3 ? PV_NV3 : PV_NV;
     int d0 = 0;
-    for (; d0 + PV_NV * VL <= D; d0 += PV_NV * VL)
-        pv_block(acc, D, P, vp, nt, T, d0, VL, RB, PV_NV, d0 ? NULL : pf);
+    for (; d0 + NV * VL <= D; d0 += NV * VL)
+        pv_block(acc, D, P, vp, nt, T, d0, VL, RB, NV, d0 ? NULL : pf);
     for (; d0 < D; d0 += VL)
         pv_block(acc, D, P, vp, nt, T, d0, D - d0 < VL ? D - d0 : VL, RB, 1, d0 ? NULL : pf);
 }

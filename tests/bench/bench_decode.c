@@ -31,7 +31,8 @@
  * 1 and 2 threads, pages of 16 tokens (the default), at 4k, 16k and 32k
  * cached tokens. `bench_decode L` runs one context length only (any L up
  * to 131072: 64k and 128k need 1.5 and 3 GiB of f16 pool); `bench_decode L
- * profile` runs the hot f16 call at L for a profiler.
+ * profile` runs the hot f16 call at L for a profiler, `bench_decode L
+ * profile cold` the 2-thread call that reads the next layer each time.
  */
 #include <math.h>
 #include <omp.h>
@@ -233,12 +234,14 @@ int main(int argc, char **argv)
     printf("decode attention: %d query heads, %d KV heads, head dim %d, %d layers, RoPE, "
            "%s path, load %s\n",
            H, KVH, D, LAYERS, attn_simd_name(), load);
-    if (argc > 2 && !strcmp(argv[2], "profile")) { /* for perf: one hot f16 row, long */
+    if (argc > 2 && !strcmp(argv[2], "profile")) { /* for perf: one f16 row, long */
+        const bool cold = argc > 3 && !strcmp(argv[3], "cold");
         struct filled f = fill_cache(only, KV_F16);
-        attn_ctx *ctx = ctx_for(1);
+        attn_ctx *ctx = ctx_for(cold ? 2 : 1);
         double cpu;
-        time_decode(ctx, &f, 400, true, &cpu);
-        printf("profile: %.1f us per call\n", cpu * 1e6);
+        double dt = time_decode(ctx, &f, 400, !cold, &cpu);
+        printf("profile: %.1f us per call (%s)\n", (cold ? dt : cpu) * 1e6,
+               cold ? "2 threads, each call the next layer" : "1 thread, one layer");
         attn_destroy(ctx);
         kv_cache_destroy(f.cache);
         return 0;
