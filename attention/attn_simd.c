@@ -495,54 +495,68 @@ INLINE void qk_block(float *S, const float *const *q, const void *const *kp, int
 /*
  * Request the K lines of keys [t0, t1) in pf (those it has), as qk scores
  * keys t0..t1-1 of its own head; pv asks for the same keys' V lines as it
- * walks its own keys (prefetch_v). The hint is T1 (into L2, not L1): on the
- * AVX-512 EPYC that was measured, requests into L1 fill the core's few L1
- * miss buffers, and the loop stalls on its own prefetches (25-40% of qk's
- * samples fell on them); into L2 the same requests cost a 16k-token layer
- * ~0.75x the time on one thread (bench_decode, alternated in one process).
- * The rows come from L2 when the loop reaches them a head later.
+ * walks its own keys (prefetch_v) - or, at AVX2, qk asks for both (below).
+ * The hint is T1 (into L2, not L1): on the AVX-512 EPYC that was measured,
+ * requests into L1 fill the core's few L1 miss buffers, and the loop
+ * stalls on its own prefetches (25-40% of qk's samples fell on them); into
+ * L2 the same requests cost a 16k-token layer ~0.75x the time on one
+ * thread (bench_decode, alternated in one process). The rows come from L2
+ * when the loop reaches them a head later.
  *
- * Why K here and V in pv: asked for together in qk, a tile's K and V lines
- * (four per key at head dim 64) still crowded the miss buffers - a quarter
- * of qk's samples fell on the V requests - while pv, a third of the work,
- * asked for none. Spread over both loops the same requests cost a 16k
- * layer 2-4% less with f16 K/V and 5-7% less with q8_0 (bench_decode's
- * rows, alternated in one process, 1 and 2 threads, 16k and 64k). On an
- * AMX Xeon T1 was still the best hint, with T2 (attn.c's "Decode at long
- * context" has those figures).
+ * Why K here and V in pv at AVX-512: asked for together in qk, a tile's K
+ * and V lines (four per key at head dim 64) still crowded the miss buffers
+ * - a quarter of qk's samples fell on the V requests - while pv, a third
+ * of the work, asked for none. Spread over both loops the same requests
+ * cost a 16k layer 2-4% less with f16 K/V and 5-7% less with q8_0
+ * (bench_decode's rows, alternated in one process, 1 and 2 threads, 16k
+ * and 64k). On an AMX Xeon T1 was still the best hint, with T2 (attn.c's
+ * "Decode at long context" has those figures).
+ *
+ * Why both in qk at AVX2 (PF_V_IN_QK): on the Zen 3 EPYC measured (AVX2
+ * only), the split left pv waiting for its values - half of pv's samples
+ * on the first product after a value load, pv a third of a cold call
+ * against a fifth of a hot one - while qk's keys had arrived. Asked for
+ * with the keys, a 4k-token layer took 0.80x the time on 2 threads (205 ->
+ * 165 us), 16k 0.70x and 32k 0.70x (bench_decode, f16; q8_0 0.79x and
+ * 0.77x), and the hot call (K/V in the caches) did not change. The level
+ * stands for the machine here: each choice is the one measured on the
+ * machines that had that level.
  */
+#ifdef SIMD_AVX512
+#define PF_V_IN_QK 0
+#else
+#define PF_V_IN_QK 1
+#endif
+
+/* Key t's n lines from p, T1; rows of up to 128 bytes need no inner loop. */
+INLINE void prefetch_row(const char *p, int lines)
+{
+    if (lines <= 2) {
+        _mm_prefetch(p, _MM_HINT_T1);
+        _mm_prefetch(p + (lines > 1 ? 64 : 0), _MM_HINT_T1);
+        return;
+    }
+    for (int l = 0; l < lines; l++)
+        _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+}
+
 INLINE void prefetch_k(const struct attn_prefetch *pf, int t0, int t1)
 {
     if (!pf)
         return;
     t1 = t1 < pf->n ? t1 : pf->n;
-    if (pf->klines <= 2) { /* rows of up to 128 bytes: no inner loop */
-        const int ks = pf->klines > 1 ? 64 : 0;
-        for (int t = t0; t < t1; t++) {
-            const char *k = pf->k + pf->koff[t];
-            _mm_prefetch(k, _MM_HINT_T1);
-            _mm_prefetch(k + ks, _MM_HINT_T1);
-        }
-        return;
+    for (int t = t0; t < t1; t++) {
+        prefetch_row(pf->k + pf->koff[t], pf->klines);
+        if (PF_V_IN_QK)
+            prefetch_row(pf->v + pf->voff[t], pf->vlines);
     }
-    for (int t = t0; t < t1; t++)
-        for (int l = 0; l < pf->klines; l++)
-            _mm_prefetch(pf->k + pf->koff[t] + 64 * l, _MM_HINT_T1);
 }
 
 /* Key t's V lines in pf (when it has key t), as pv reaches its own key t. */
 INLINE void prefetch_v(const struct attn_prefetch *pf, int t)
 {
-    if (!pf || t >= pf->n)
-        return;
-    const char *v = pf->v + pf->voff[t];
-    if (pf->vlines <= 2) {
-        _mm_prefetch(v, _MM_HINT_T1);
-        _mm_prefetch(v + (pf->vlines > 1 ? 64 : 0), _MM_HINT_T1);
-        return;
-    }
-    for (int l = 0; l < pf->vlines; l++)
-        _mm_prefetch(v + 64 * l, _MM_HINT_T1);
+    if (!PF_V_IN_QK && pf && t < pf->n)
+        prefetch_row(pf->v + pf->voff[t], pf->vlines);
 }
 
 /* Key chunks of VL outer (with their prefetches), row blocks inner. */
