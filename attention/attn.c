@@ -116,6 +116,22 @@
  * the same 3 rows, rotation and f16 keys), rows took 7.1 ns per key and
  * head and the transposed layout 5.0-5.4, a sixth of the whole call's
  * compute, for a new cache layout.
+ *
+ * On a Zen 3 EPYC of 2 cores (AVX2 only; bench_decode, 4k tokens) the
+ * picture differed in one place: pv waited for its values. Half of its
+ * samples fell on the first product after a value load, and it took a
+ * third of a cold call against a fifth of a hot one, while qk's keys had
+ * arrived. Asking for the V lines in qk with the K lines (attn_simd.c's
+ * PF_V_IN_QK) took a layer from 205 to 170 us on 2 threads, and 16k and
+ * 32k to 0.70x; pv keeping 4 output vectors per row for 3 rows took the
+ * hot call from 362 to 290 us on one thread. What is left is compute: hot,
+ * one thread, 290 us for 4096 keys x 3 KV heads, qk 55%, pv 16-22%,
+ * softmax 8% - so 2 threads need ~145 us where the layer's 3.1 MB take
+ * ~105 us at a read stream's 29-30 GB/s: about 70% of a read stream is
+ * the most this kernel can reach here, and it reached ~60%. Without RoPE
+ * the hot call takes 228 us (rotation and de-interleaving: ~20%); keeping
+ * the two halves of qk's sums apart (shorter FMA chains) spilled and took
+ * 300.
  */
 #include "attention_internal.h"
 

@@ -47,7 +47,7 @@
 
 #define VL 16
 #define PV_NV 4 /* output vectors per row kept in registers by pv */
-#define PV_RB 6 /* rows per pv block: 6 x 4 accumulators, 6 broadcasts, a value */
+#define PV_RB 6 /* rows per pv block: 6 x 4 accumulators, 4 values, a broadcast */
 #define PV_NV3 4 /* output vectors per row for up to 3 rows (a GQA group of 3) */
 typedef __m512 vf;
 
@@ -911,15 +911,17 @@ static void probs_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
 
 /*
  * RB rows x NV vectors of output starting at element d0; n = lanes of the
- * last vector. The rows' probabilities are broadcast first and each value
- * vector is used as soon as it is loaded, so RB x NV accumulators, RB
- * broadcasts and one value fit the registers: at AVX2 three rows (a GQA
- * group of 3, decode's usual case) keep 4 vectors each and walk a tile's
- * keys twice at head dim 64, not four times as with 2 (each walk
- * broadcasts the probabilities again and touches every value row): a hot
- * 4k-token layer took 0.8x the time (bench_decode 4096 profile). Each
- * accumulator still gets one FMA per key in key order: the same bits for
- * any NV.
+ * last vector. Up to 3 rows, the rows' probabilities are broadcast first
+ * and each value vector is used as soon as it is loaded, so RB x NV
+ * accumulators, RB broadcasts and one value fit the registers: at AVX2
+ * three rows (a GQA group of 3, decode's usual case) keep 4 vectors each
+ * and walk a tile's keys twice at head dim 64, not four times as with 2
+ * (each walk broadcasts the probabilities again and touches every value
+ * row): a hot 4k-token layer took 0.8x the time (bench_decode 4096
+ * profile). More rows load the NV values first and broadcast one row's
+ * probability at a time (6 rows x 2 at AVX2: 12 + 2 + 1 registers; six
+ * broadcasts held would not fit). Either way each accumulator gets one
+ * FMA per key in key order: the same bits for any NV and order.
  */
 INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, int nt,
                      enum attn_type T, int d0, int n, const int RB, const int NV,
@@ -933,16 +935,30 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
             a[r][j] = vload_n(acc + (size_t)r * D + d0 + j * VL, j == NV - 1 ? n : VL);
     for (int t = 0; t < nt; t++) {
         prefetch_v(pf, t);
-        vf p[PV_RB];
-#pragma GCC unroll 8
-        for (int r = 0; r < RB; r++)
-            p[r] = vset1(P[(size_t)r * ATTN_TILE + t]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; j++) {
-            vf v = vload_t(vp[t], d0 + j * VL, T, j == NV - 1 ? n : VL);
-#pragma GCC unroll 8
+        if (RB <= 3) {
+            vf p[3];
+#pragma GCC unroll 3
             for (int r = 0; r < RB; r++)
-                a[r][j] = vfma(p[r], v, a[r][j]);
+                p[r] = vset1(P[(size_t)r * ATTN_TILE + t]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) {
+                vf v = vload_t(vp[t], d0 + j * VL, T, j == NV - 1 ? n : VL);
+#pragma GCC unroll 3
+                for (int r = 0; r < RB; r++)
+                    a[r][j] = vfma(p[r], v, a[r][j]);
+            }
+            continue;
+        }
+        vf v[PV_NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            v[j] = vload_t(vp[t], d0 + j * VL, T, j == NV - 1 ? n : VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) {
+            vf p = vset1(P[(size_t)r * ATTN_TILE + t]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++)
+                a[r][j] = vfma(p, v[j], a[r][j]);
         }
     }
 #pragma GCC unroll 8
