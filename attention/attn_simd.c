@@ -46,8 +46,8 @@
 #ifdef SIMD_AVX512
 
 #define VL 16
-#define PV_NV 4 /* output vectors per row kept in registers by pv */
-#define PV_RB 6 /* rows per pv block: 6 x 4 accumulators, 4 values, a broadcast */
+#define PV_NV 4  /* output vectors per row kept in registers by pv */
+#define PV_RB 6  /* rows per pv block: 6 x 4 accumulators, 4 values, a broadcast */
 #define PV_NV3 4 /* output vectors per row for up to 3 rows (a GQA group of 3) */
 typedef __m512 vf;
 
@@ -205,7 +205,7 @@ static const char simd_name[] = "avx512";
 
 #define VL 8
 #define PV_NV 2
-#define PV_RB 6 /* 6 x 2 accumulators, 2 values, a broadcast in 16 registers */
+#define PV_RB 6  /* 6 x 2 accumulators, 2 values, a broadcast in 16 registers */
 #define PV_NV3 4 /* up to 3 rows: 3 x 4 accumulators, 3 broadcasts, a value */
 typedef __m256 vf;
 
