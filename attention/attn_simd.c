@@ -435,6 +435,22 @@ INLINE vf vload_q8_n(const uint8_t *row, int off, int n)
     return vload_n(buf, n);
 }
 
+/*
+ * Whether elements [off, off + len) of a row of type T are q8_0 in one
+ * block, read as whole vectors (n = VL lanes in the last), so that a
+ * caller can take the block's scale once for them. AVX2 only: the AVX-512
+ * kernels, measured on their machines, keep vload_q8_n's scale per vector.
+ */
+INLINE bool q8_one_block(enum attn_type T, int off, int len, int n)
+{
+#ifdef SIMD_AVX512
+    (void)T, (void)off, (void)len, (void)n;
+    return false;
+#else
+    return T == ATTN_Q8_0 && n == VL && off / ATTN_QK == (off + len - 1) / ATTN_QK;
+#endif
+}
+
 /* n elements (n <= VL) of a K/V row of type T from element offset off, as f32 */
 INLINE vf vload_t(const void *row, int off, enum attn_type T, int n)
 {
@@ -910,6 +926,55 @@ static void probs_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
  * ------------------------------------------------------------------------ */
 
 /*
+ * pv_block for up to 3 rows over q8_0 values whose pass lies in one block
+ * (q8_one_block): each key's block scale is folded into the rows'
+ * probabilities first, (p d) x v, so the loop over the keys is the f16
+ * one with int8 values widened - 3 broadcasts, and per value vector a
+ * widening and 3 FMAs. With the scale taken per vector in the loop, 12
+ * accumulators, 3 broadcasts, a scale and a value did not fit AVX2's 16
+ * registers and GCC kept an accumulator on the stack (its load, FMA and
+ * store took 60% of pv's samples).
+ */
+INLINE void pv_block_q8(float *acc, int D, const float *P, const void *const *vp, int nt, int d0,
+                        const int RB, const int NV)
+{
+    const size_t boff = (size_t)(d0 / ATTN_QK) * ATTN_Q8_0_BYTES;
+    float pd[3][ATTN_TILE];
+    for (int t = 0; t < nt; t++) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)vp[t] + boff, sizeof(h));
+        const float d = _cvtsh_ss(h); /* F16C, as attn_block_scale's value */
+        for (int r = 0; r < RB; r++)
+            pd[r][t] = P[(size_t)r * ATTN_TILE + t] * d;
+    }
+    vf a[3][PV_NV3];
+#pragma GCC unroll 3
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            a[r][j] = vload(acc + (size_t)r * D + d0 + j * VL);
+    for (int t = 0; t < nt; t++) {
+        const int8_t *x = (const int8_t *)vp[t] + boff + 2 + d0 % ATTN_QK;
+        vf p[3];
+#pragma GCC unroll 3
+        for (int r = 0; r < RB; r++)
+            p[r] = vset1(pd[r][t]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) {
+            vf v = vload_i8(x + j * VL);
+#pragma GCC unroll 3
+            for (int r = 0; r < RB; r++)
+                a[r][j] = vfma(p[r], v, a[r][j]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++)
+            vstore(acc + (size_t)r * D + d0 + j * VL, a[r][j]);
+}
+
+/*
  * RB rows x NV vectors of output starting at element d0; n = lanes of the
  * last vector. Up to 3 rows, the rows' probabilities are broadcast first
  * and each value vector is used as soon as it is loaded, so RB x NV
@@ -927,6 +992,11 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
                      enum attn_type T, int d0, int n, const int RB, const int NV,
                      const struct attn_prefetch *pf)
 {
+    if (RB <= 3 && q8_one_block(T, d0, NV * VL, n)) {
+        (void)pf; /* asked for with the keys: q8_one_block is AVX2's, and so is PF_V_IN_QK */
+        pv_block_q8(acc, D, P, vp, nt, d0, RB, NV);
+        return;
+    }
     vf a[PV_RB][PV_NV > PV_NV3 ? PV_NV : PV_NV3];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; r++)

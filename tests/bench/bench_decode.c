@@ -31,8 +31,9 @@
  * 1 and 2 threads, pages of 16 tokens (the default), at 4k, 16k and 32k
  * cached tokens. `bench_decode L` runs one context length only (any L up
  * to 131072: 64k and 128k need 1.5 and 3 GiB of f16 pool); `bench_decode L
- * profile` runs the hot f16 call at L for a profiler, `bench_decode L
- * profile cold` the 2-thread call that reads the next layer each time.
+ * profile` runs the hot f16 call at L for a profiler; `cold` after it
+ * runs the 2-thread call that reads the next layer each time, `q8_0` the
+ * call over q8_0 K/V.
  */
 #include <math.h>
 #include <omp.h>
@@ -234,13 +235,18 @@ int main(int argc, char **argv)
     printf("decode attention: %d query heads, %d KV heads, head dim %d, %d layers, RoPE, "
            "%s path, load %s\n",
            H, KVH, D, LAYERS, attn_simd_name(), load);
-    if (argc > 2 && !strcmp(argv[2], "profile")) { /* for perf: one f16 row, long */
-        const bool cold = argc > 3 && !strcmp(argv[3], "cold");
-        struct filled f = fill_cache(only, KV_F16);
+    if (argc > 2 && !strcmp(argv[2], "profile")) { /* for perf: one row, long */
+        bool cold = false, q8 = false;
+        for (int i = 3; i < argc; i++) {
+            cold |= !strcmp(argv[i], "cold");
+            q8 |= !strcmp(argv[i], "q8_0");
+        }
+        struct filled f = fill_cache(only, q8 ? KV_Q8_0 : KV_F16);
         attn_ctx *ctx = ctx_for(cold ? 2 : 1);
         double cpu;
         double dt = time_decode(ctx, &f, 400, !cold, &cpu);
-        printf("profile: %.1f us per call (%s)\n", (cold ? dt : cpu) * 1e6,
+        printf("profile: %.1f us per call (%s K/V, %s)\n", (cold ? dt : cpu) * 1e6,
+               q8 ? "q8_0" : "f16",
                cold ? "2 threads, each call the next layer" : "1 thread, one layer");
         attn_destroy(ctx);
         kv_cache_destroy(f.cache);
