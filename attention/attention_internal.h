@@ -193,7 +193,8 @@ struct attn_ops {
 
     /*
      * S[r][t] = q[r] . k_t for r < nrows, t < nt (columns up to ATTN_TILE
-     * may be written); pf (or NULL): ask for its keys' K lines.
+     * may be written); pf (or NULL): ask for its keys' K lines (and, at
+     * AVX2, their V lines too: attn_simd.c's PF_V_IN_QK).
      */
     void (*qk)(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
                enum attn_type type, int head_dim, const struct attn_prefetch *pf);
@@ -225,7 +226,8 @@ struct attn_ops {
     /*
      * acc[r][:] += sum_{t < nt} P[r][t] * v_t, acc rows head_dim apart, P
      * rows ATTN_TILE apart. pf (or NULL): as it reaches key t, ask for the
-     * V lines of pf's key t (qk asks for the K lines).
+     * V lines of pf's key t (qk asks for the K lines), unless the level's
+     * qk asked for them already (PF_V_IN_QK).
      */
     void (*pv)(float *acc, int nrows, const float *P, const void *const *vp, int nt,
                enum attn_type type, int head_dim, const struct attn_prefetch *pf);
