@@ -936,7 +936,7 @@ static void probs_simd(float *s, int nt, const int32_t *kpos, int32_t pos_q,
  * store took 60% of pv's samples).
  */
 INLINE void pv_block_q8(float *acc, int D, const float *P, const void *const *vp, int nt, int d0,
-                        const int RB, const int NV)
+                        const int RB, const int NV, const struct attn_prefetch *pf)
 {
     const size_t boff = (size_t)(d0 / ATTN_QK) * ATTN_Q8_0_BYTES;
     float pd[3][ATTN_TILE];
@@ -954,6 +954,7 @@ INLINE void pv_block_q8(float *acc, int D, const float *P, const void *const *vp
         for (int j = 0; j < NV; j++)
             a[r][j] = vload(acc + (size_t)r * D + d0 + j * VL);
     for (int t = 0; t < nt; t++) {
+        prefetch_v(pf, t);
         const int8_t *x = (const int8_t *)vp[t] + boff + 2 + d0 % ATTN_QK;
         vf p[3];
 #pragma GCC unroll 3
@@ -993,8 +994,7 @@ INLINE void pv_block(float *acc, int D, const float *P, const void *const *vp, i
                      const struct attn_prefetch *pf)
 {
     if (RB <= 3 && q8_one_block(T, d0, NV * VL, n)) {
-        (void)pf; /* asked for with the keys: q8_one_block is AVX2's, and so is PF_V_IN_QK */
-        pv_block_q8(acc, D, P, vp, nt, d0, RB, NV);
+        pv_block_q8(acc, D, P, vp, nt, d0, RB, NV, pf);
         return;
     }
     vf a[PV_RB][PV_NV > PV_NV3 ? PV_NV : PV_NV3];
