@@ -182,6 +182,31 @@ struct attn_prefetch {
 };
 
 /*
+ * How a key's rotated pairs lie once de-interleaved: slot i of the "low"
+ * half and slot i of the "high" half hold the two elements of one pair.
+ * Staged and rotated keys, the prepared queries and the keys' angle tables
+ * (attn.c's theta) all use the context's layout, so a score never sees it.
+ *   NEOX      pair i = elements (i, half + i), in slot i: nothing to move.
+ *   ADJACENT  pair i = elements (2i, 2i + 1), in slot i.
+ *   SHUF8     adjacent pairs, slot i holding pair i with bits 1 and 2 of
+ *             i swapped (0 1 4 5 2 3 6 7 in each group of 8): where AVX2's
+ *             in-lane shuffles leave them. Putting them in order costs two
+ *             lane-crossing permutes per 16 elements, ~10% of a decode
+ *             tile's compute on Zen 3. Only when half is a multiple of 8.
+ * Every level computes every layout; attn.c picks SHUF8 where the level
+ * says it is its cheapest (attn_ops.shuf8_pairs).
+ */
+enum attn_pairs { ATTN_PAIRS_NEOX, ATTN_PAIRS_ADJACENT, ATTN_PAIRS_SHUF8 };
+
+/* The pair held in slot i under layout m (its own inverse). */
+static inline int attn_pair_at(enum attn_pairs m, int i)
+{
+    if (m != ATTN_PAIRS_SHUF8)
+        return i;
+    return (i & ~6) | ((i & 2) << 1) | ((i & 4) >> 1);
+}
+
+/*
  * Operations on one tile of at most ATTN_TILE keys. Key and value rows are
  * given as pointers (kp[t], vp[t]); kp has ATTN_TILE valid entries (padding
  * repeats a real key) so blocked loops may read past nt. Score rows have
@@ -190,6 +215,7 @@ struct attn_prefetch {
  */
 struct attn_ops {
     const char *name;
+    bool shuf8_pairs; /* adjacent pairs cost least as ATTN_PAIRS_SHUF8 */
 
     /*
      * S[r][t] = q[r] . k_t for r < nrows, t < nt (columns up to ATTN_TILE
@@ -204,7 +230,7 @@ struct attn_ops {
      * few rows, where staging would cost more than it saves).
      */
     void (*qk_rope)(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                    enum attn_type type, int head_dim, int rot, enum pos_rope_pairing pairing,
+                    enum attn_type type, int head_dim, int rot, enum attn_pairs pairs,
                     const float *cs, const float *sn, int ld_cs, const struct attn_prefetch *pf);
 
     /*
@@ -235,14 +261,13 @@ struct attn_ops {
     /*
      * out[t][:] = k_t converted to f32 and, when rot > 0, rotated: the first
      * rot elements become rot/2 "low" then rot/2 "high" halves (adjacent
-     * pairs are de-interleaved so both pairings look like NeoX), low' =
+     * pairs de-interleaved into the slots of layout pairs), low' =
      * low*c - high*s, high' = low*s + high*c with c = cs[t*ld_cs + i],
      * s = sn[t*ld_cs + i]. Elements past rot are copied. With rot = 0 it
      * only converts (values are staged this way; cs and sn are unused).
      */
     void (*stage_k)(float *out, const void *const *kp, int nt, enum attn_type type, int head_dim,
-                    int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
-                    int ld_cs);
+                    int rot, enum attn_pairs pairs, const float *cs, const float *sn, int ld_cs);
 
     /*
      * out[t][:] = row t as f32 (t < nt): a block type (q8_0, q4_0)
@@ -259,9 +284,8 @@ struct attn_ops {
      * ATTN_TILE floats) = element d of key t staged as stage_k stages it,
      * columns nt.. zero. Block types come dequantised (f32 rows).
      */
-    void (*stage_kt)(float *kt, const void *const *kp, int nt, enum attn_type type,
-                     int head_dim, int rot, enum pos_rope_pairing pairing, const float *cs,
-                     const float *sn, int ld_cs);
+    void (*stage_kt)(float *kt, const void *const *kp, int nt, enum attn_type type, int head_dim,
+                     int rot, enum attn_pairs pairs, const float *cs, const float *sn, int ld_cs);
 
     /* S[r][t] = q[r] . column t of kt, r < nrows, every t < ATTN_TILE: each
      * key element is loaded once per block of rows, and no dot product needs

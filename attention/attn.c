@@ -55,7 +55,9 @@
  * (attn_rope.c, a kernel file: three float roundings, any position, holes
  * or not), once for every KV head of the unit. Adjacent pairs
  * are de-interleaved in rotated keys and prepared queries alike, so the
- * rotation always has the NeoX halves form.
+ * rotation always has the NeoX halves form; the pairs' order in the halves
+ * is the one the level's shuffles leave (enum attn_pairs: AVX2 skips the
+ * lane-crossing permutes), and the keys' angle tables follow it.
  *
  * Quantised K/V (q8_0, q4_0): in the flash tile, values, and keys under
  * RoPE or in q4_0, are dequantised once per tile into f32 scratch and
@@ -221,6 +223,7 @@ struct attn_ctx {
     int group;     /* query heads per KV head */
     int rows_max;  /* rows one item may hold */
     int rot, half; /* RoPE rotated dims and pairs; 0 without RoPE */
+    enum attn_pairs pairs;      /* the pairs' slots in keys, queries and theta */
     attn_rope_fn rope_angles;   /* the keys' angles per tile (attn_rope.c) */
     struct attn_rope_tabs rope; /* its tables (the arrays below) */
 
@@ -369,8 +372,12 @@ attn_ctx *attn_create(const struct attn_params *params, char *err, size_t errlen
         if (!ctx->inv_freq || !ctx->theta || !ctx->lo_c || !ctx->lo_s || !ctx->hi_c || !ctx->hi_s)
             goto out_nomem;
         pos_rope_freqs(ctx->inv_freq, ps);
-        for (int i = 0; i < half; i++)
-            ctx->theta[i] = (double)ps->rope_freq_scale * ctx->inv_freq[i];
+        ctx->pairs = ps->rope_pairing == POS_ROPE_NEOX        ? ATTN_PAIRS_NEOX
+                     : ctx->ops->shuf8_pairs && half % 8 == 0 ? ATTN_PAIRS_SHUF8
+                                                              : ATTN_PAIRS_ADJACENT;
+        for (int i = 0; i < half; i++) /* in slot order, as are the tables built from it */
+            ctx->theta[i] =
+                (double)ps->rope_freq_scale * ctx->inv_freq[attn_pair_at(ctx->pairs, i)];
         for (int j = 0; j < ATTN_ROPE_LO; j++) {
             for (int i = 0; i < half; i++) {
                 double a = (double)j * ctx->theta[i];
@@ -832,8 +839,8 @@ static enum attn_type head_rows(const attn_ctx *ctx, struct tscratch *w, const s
 /* The flash tile's keys: staged once (converted, rotated) and transposed into w->kst. */
 static void stage_head_keys(const attn_ctx *ctx, struct tscratch *w, enum attn_type kt, int nt)
 {
-    ctx->ops->stage_kt(w->kst, w->kp, nt, kt, ctx->p.head_dim, ctx->rot, ctx->p.pos.rope_pairing,
-                       w->cs, w->sn, ctx->half);
+    ctx->ops->stage_kt(w->kst, w->kp, nt, kt, ctx->p.head_dim, ctx->rot, ctx->pairs, w->cs, w->sn,
+                       ctx->half);
 }
 
 /*
@@ -853,8 +860,8 @@ static void head_scores(const attn_ctx *ctx, struct tscratch *w, const struct at
         return;
     }
     if (rows_h <= 4 && ctx->rot) {
-        ctx->ops->qk_rope(w->S, q, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing,
-                          w->cs, w->sn, ctx->half, pf);
+        ctx->ops->qk_rope(w->S, q, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->pairs, w->cs, w->sn,
+                          ctx->half, pf);
         return;
     }
     if (rows_h <= 4) {
@@ -893,10 +900,11 @@ static void prep_row(const attn_ctx *ctx, float *x, const float *cs, const float
     }
     memcpy(x, src, sizeof(float) * (size_t)D);
     pos_rope_apply(x, cs, rot, ctx->p.pos.rope_pairing);
-    if (ctx->p.pos.rope_pairing == POS_ROPE_ADJACENT) {
+    if (ctx->pairs != ATTN_PAIRS_NEOX) {
         for (int i = 0; i < half; i++) {
-            dst[i] = x[2 * i] * scale;
-            dst[half + i] = x[2 * i + 1] * scale;
+            int p = attn_pair_at(ctx->pairs, i);
+            dst[i] = x[2 * p] * scale;
+            dst[half + i] = x[2 * p + 1] * scale;
         }
     } else {
         for (int d = 0; d < rot; d++)
@@ -1182,8 +1190,8 @@ static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct at
         kt = ATTN_F32;
     }
     if (ctx->rot)
-        ops->qk_rope(w->S, dr->q + r0, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->p.pos.rope_pairing,
-                     dr->cs, dr->sn, ctx->half, pf);
+        ops->qk_rope(w->S, dr->q + r0, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->pairs, dr->cs,
+                     dr->sn, ctx->half, pf);
     else
         ops->qk(w->S, w->qrow + r0, rows_h, w->kp, nt, kt, D, pf);
     if (vt == ATTN_Q4_0)

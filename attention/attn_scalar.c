@@ -130,7 +130,7 @@ static void pv_scalar(float *acc, int nrows, const float *P, const void *const *
 }
 
 static void stage_k_scalar(float *out, const void *const *kp, int nt, enum attn_type type, int D,
-                           int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                           int rot, enum attn_pairs pairs, const float *cs, const float *sn,
                            int ld_cs)
 {
     int half = rot / 2;
@@ -140,8 +140,9 @@ static void stage_k_scalar(float *out, const void *const *kp, int nt, enum attn_
         const float *c = cs + (size_t)t * ld_cs, *s = sn + (size_t)t * ld_cs;
         row_to_f32(k, kp[t], 0, D, type);
         for (int i = 0; i < half; i++) {
-            float lo = pairing == POS_ROPE_NEOX ? k[i] : k[2 * i];
-            float hi = pairing == POS_ROPE_NEOX ? k[half + i] : k[2 * i + 1];
+            int p = attn_pair_at(pairs, i);
+            float lo = pairs == ATTN_PAIRS_NEOX ? k[i] : k[2 * p];
+            float hi = pairs == ATTN_PAIRS_NEOX ? k[half + i] : k[2 * p + 1];
             o[i] = lo * c[i] - hi * s[i];
             o[half + i] = lo * s[i] + hi * c[i];
         }
@@ -150,15 +151,15 @@ static void stage_k_scalar(float *out, const void *const *kp, int nt, enum attn_
 }
 
 static void qk_rope_scalar(float *S, const float *const *q, int nrows, const void *const *kp,
-                           int nt, enum attn_type type, int D, int rot,
-                           enum pos_rope_pairing pairing, const float *cs, const float *sn,
-                           int ld_cs, const struct attn_prefetch *pf)
+                           int nt, enum attn_type type, int D, int rot, enum attn_pairs pairs,
+                           const float *cs, const float *sn, int ld_cs,
+                           const struct attn_prefetch *pf)
 {
     (void)pf;
     float k[1024];
     for (int t = 0; t < nt; t++) {
         const void *one[1] = {kp[t]};
-        stage_k_scalar(k, one, 1, type, D, rot, pairing, cs + (size_t)t * ld_cs,
+        stage_k_scalar(k, one, 1, type, D, rot, pairs, cs + (size_t)t * ld_cs,
                        sn + (size_t)t * ld_cs, ld_cs);
         for (int r = 0; r < nrows; r++)
             S[(size_t)r * ATTN_TILE + t] = dot_f32(q[r], k, D);
@@ -171,16 +172,15 @@ static void dequant_scalar(float *out, const void *const *rows, int nt, enum att
         row_to_f32(out + (size_t)t * D, rows[t], 0, D, type);
 }
 
-
 static void stage_kt_scalar(float *kt, const void *const *kp, int nt, enum attn_type type, int D,
-                            int rot, enum pos_rope_pairing pairing, const float *cs,
-                            const float *sn, int ld_cs)
+                            int rot, enum attn_pairs pairs, const float *cs, const float *sn,
+                            int ld_cs)
 {
     float k[1024];
     for (int t = 0; t < ATTN_TILE; t++) {
         if (t < nt)
-            stage_k_scalar(k, kp + t, 1, attn_type_blocked(type) ? ATTN_F32 : type, D, rot,
-                           pairing, cs + (size_t)t * ld_cs, sn + (size_t)t * ld_cs, ld_cs);
+            stage_k_scalar(k, kp + t, 1, attn_type_blocked(type) ? ATTN_F32 : type, D, rot, pairs,
+                           cs + (size_t)t * ld_cs, sn + (size_t)t * ld_cs, ld_cs);
         for (int d = 0; d < D; d++)
             kt[(size_t)d * ATTN_TILE + t] = t < nt ? k[d] : 0.0f;
     }
@@ -199,6 +199,7 @@ static void qk_t_scalar(float *S, const float *const *q, int nrows, const float 
 
 const struct attn_ops attn_scalar_ops = {
     .name = "scalar",
+    .shuf8_pairs = false,
     .qk = qk_scalar,
     .qk_rope = qk_rope_scalar,
     .softmax = softmax_scalar,

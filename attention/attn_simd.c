@@ -109,6 +109,18 @@ INLINE void vdeinterleave(vf a, vf b, vf *even, vf *odd)
     *odd = _mm512_permutex2var_ps(a, io, b);
 }
 
+/* Natural order costs what SHUF8 does here (one two-source permute per half). */
+#define SHUF8_PAIRS false
+
+/* The same pairs in ATTN_PAIRS_SHUF8's slots (attn_pair_at's order in each group of 8). */
+INLINE void vdeinterleave_shuf8(vf a, vf b, vf *even, vf *odd)
+{
+    const __m512i ie = _mm512_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14, 16, 18, 24, 26, 20, 22, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 9, 11, 5, 7, 13, 15, 17, 19, 25, 27, 21, 23, 29, 31);
+    *even = _mm512_permutex2var_ps(a, ie, b);
+    *odd = _mm512_permutex2var_ps(a, io, b);
+}
+
 /*
  * Lane o of the result = the sum of all lanes of a[o]. A transposing add
  * tree (45 instructions for 16 dots). The tree leaves sums in lane order
@@ -276,12 +288,23 @@ INLINE vf vload_b_n(const uint16_t *p, int n)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_u16_n(p, n)), 16));
 }
 
+/* Even and odd elements of a:b: each 128-bit lane's shuffle, then a lane-crossing permute. */
 INLINE void vdeinterleave(vf a, vf b, vf *even, vf *odd)
 {
     *even = _mm256_castpd_ps(
         _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
     *odd = _mm256_castpd_ps(
         _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+
+/* Adjacent pairs are de-interleaved without the permutes where the layout allows. */
+#define SHUF8_PAIRS true
+
+/* The shuffles alone: pairs 0 1 4 5 2 3 6 7, ATTN_PAIRS_SHUF8's slots. */
+INLINE void vdeinterleave_shuf8(vf a, vf b, vf *even, vf *odd)
+{
+    *even = _mm256_shuffle_ps(a, b, 0x88);
+    *odd = _mm256_shuffle_ps(a, b, 0xDD);
 }
 
 /* Lane o = sum of a[o]; the tree leaves input 2c + j in lane 4j + c. */
@@ -636,22 +659,25 @@ static void qk_simd(float *S, const float *const *q, int nrows, const void *cons
  * Scores with keys rotated in registers (RoPE, few rows)
  * ------------------------------------------------------------------------ */
 
-/* The low and high halves of pairs i..i+n-1 of a key, de-interleaved for adjacent pairs. */
-INLINE void load_pairs(const void *k, int i, int half, int n, bool neox, enum attn_type T, vf *lo,
-                       vf *hi)
+/* The low and high halves of slots i..i+n-1 of a key's pairs, laid out as m says. */
+INLINE void load_pairs(const void *k, int i, int half, int n, enum attn_pairs m, enum attn_type T,
+                       vf *lo, vf *hi)
 {
-    if (neox) {
+    if (m == ATTN_PAIRS_NEOX) {
         *lo = vload_t(k, i, T, n);
         *hi = vload_t(k, half + i, T, n);
-    } else {
-        vf a = vload_t(k, 2 * i, T, 2 * n < VL ? 2 * n : VL);
-        vf b = vload_t(k, 2 * i + VL, T, 2 * n - VL);
-        vdeinterleave(a, b, lo, hi);
+        return;
     }
+    vf a = vload_t(k, 2 * i, T, 2 * n < VL ? 2 * n : VL);
+    vf b = vload_t(k, 2 * i + VL, T, 2 * n - VL);
+    if (m == ATTN_PAIRS_SHUF8) /* n == VL: half is a multiple of 8 */
+        vdeinterleave_shuf8(a, b, lo, hi);
+    else
+        vdeinterleave(a, b, lo, hi);
 }
 
 INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp, int t0,
-                          enum attn_type T, int D, int rot, bool neox, const float *cs,
+                          enum attn_type T, int D, int rot, enum attn_pairs m, const float *cs,
                           const float *sn, int ld, const int RB, const int KB, int nr)
 {
     const int half = rot / 2;
@@ -664,7 +690,7 @@ INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp
 #pragma GCC unroll 16
         for (int kb = 0; kb < KB; kb++) {
             vf lo, hi;
-            load_pairs(kp[t0 + kb], i, half, n, neox, T, &lo, &hi);
+            load_pairs(kp[t0 + kb], i, half, n, m, T, &lo, &hi);
             const size_t row = (size_t)(t0 + kb) * ld + i;
             vf c = vload_n(cs + row, n), s = vload_n(sn + row, n);
             vf rlo = vfnma(hi, s, vmul(lo, c)), rhi = vfma(lo, s, vmul(hi, c));
@@ -707,8 +733,8 @@ INLINE void qk_rope_block(float *S, const float *const *q, const void *const *kp
  * order are those of qk_rope_block, so the scores are the same bits.
  */
 INLINE void qk3_rope_block(float *S, const vf qv[3][QK3_DMAX / VL], const void *const *kp, int t0,
-                           enum attn_type T, int D, bool neox, const float *cs, const float *sn,
-                           int ld)
+                           enum attn_type T, int D, enum attn_pairs m, const float *cs,
+                           const float *sn, int ld)
 {
     const int half = D / 2, KB = QK3_KB;
     vf acc[VL];
@@ -720,7 +746,7 @@ INLINE void qk3_rope_block(float *S, const vf qv[3][QK3_DMAX / VL], const void *
 #pragma GCC unroll 8
         for (int kb = 0; kb < KB; kb++) {
             vf lo, hi;
-            load_pairs(kp[t0 + kb], i, half, VL, neox, T, &lo, &hi);
+            load_pairs(kp[t0 + kb], i, half, VL, m, T, &lo, &hi);
             const size_t row = (size_t)(t0 + kb) * ld + i;
             vf c = vload(cs + row), s = vload(sn + row);
             vf rlo = vfnma(hi, s, vmul(lo, c)), rhi = vfma(lo, s, vmul(hi, c));
@@ -740,8 +766,8 @@ INLINE void qk3_rope_block(float *S, const vf qv[3][QK3_DMAX / VL], const void *
 
 /* The tile for three rows (see qk3_rope_block): prefetches spread over its key blocks. */
 INLINE void qk3_rope(float *S, const float *const *q, const void *const *kp, int nt,
-                     enum attn_type T, int D, bool neox, const float *cs, const float *sn, int ld,
-                     const struct attn_prefetch *pf)
+                     enum attn_type T, int D, enum attn_pairs m, const float *cs, const float *sn,
+                     int ld, const struct attn_prefetch *pf)
 {
     vf qv[3][QK3_DMAX / VL];
 #pragma GCC unroll 3
@@ -751,16 +777,16 @@ INLINE void qk3_rope(float *S, const float *const *q, const void *const *kp, int
             qv[r][j] = vload(q[r] + j * VL);
     for (int t0 = 0; t0 < nt; t0 += QK3_KB) {
         prefetch_k(pf, t0, t0 + QK3_KB);
-        qk3_rope_block(S, qv, kp, t0, T, D, neox, cs, sn, ld);
+        qk3_rope_block(S, qv, kp, t0, T, D, m, cs, sn, ld);
     }
 }
 
 INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                          enum attn_type T, int D, int rot, bool neox, const float *cs,
+                          enum attn_type T, int D, int rot, enum attn_pairs m, const float *cs,
                           const float *sn, int ld, const struct attn_prefetch *pf)
 {
     if (nrows == 3 && rot == D && D <= QK3_DMAX && (D / 2) % VL == 0) {
-        qk3_rope(S, q, kp, nt, T, D, neox, cs, sn, ld, pf);
+        qk3_rope(S, q, kp, nt, T, D, m, cs, sn, ld, pf);
         return;
     }
     for (int c0 = 0; c0 < nt; c0 += VL) {
@@ -772,35 +798,35 @@ INLINE void qk_rope_typed(float *S, const float *const *q, int nrows, const void
             const float *q4[4] = {q[r], q[r + 1], q[r + 2], q[r + (nrows - r > 3 ? 3 : 2)]};
             int nr = nrows - r < 4 ? nrows - r : 4;
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4)
-                qk_rope_block(S + (size_t)r * ATTN_TILE, q4, kp, t0, T, D, rot, neox, cs, sn, ld,
-                              4, VL / 4, nr);
+                qk_rope_block(S + (size_t)r * ATTN_TILE, q4, kp, t0, T, D, rot, m, cs, sn, ld, 4,
+                              VL / 4, nr);
         }
         for (; r + 2 <= nrows; r += 2)
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 2)
-                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, neox, cs, sn, ld,
-                              2, VL / 2, 2);
+                qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, rot, m, cs, sn, ld, 2,
+                              VL / 2, 2);
         for (; r < nrows; r++)
-            qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, rot, neox, cs, sn, ld, 1,
-                          VL, 1);
+            qk_rope_block(S + (size_t)r * ATTN_TILE, q + r, kp, c0, T, D, rot, m, cs, sn, ld, 1, VL,
+                          1);
     }
 }
 
-INLINE void qk_rope_types(float *S, const float *const *q, int nrows, const void *const *kp,
-                          int nt, enum attn_type type, int D, int rot, bool neox, const float *cs,
+INLINE void qk_rope_types(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                          enum attn_type type, int D, int rot, enum attn_pairs m, const float *cs,
                           const float *sn, int ld, const struct attn_prefetch *pf)
 {
     switch (type) {
     case ATTN_F32:
-        qk_rope_typed(S, q, nrows, kp, nt, ATTN_F32, D, rot, neox, cs, sn, ld, pf);
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_F32, D, rot, m, cs, sn, ld, pf);
         break;
     case ATTN_F16:
-        qk_rope_typed(S, q, nrows, kp, nt, ATTN_F16, D, rot, neox, cs, sn, ld, pf);
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_F16, D, rot, m, cs, sn, ld, pf);
         break;
     case ATTN_BF16:
-        qk_rope_typed(S, q, nrows, kp, nt, ATTN_BF16, D, rot, neox, cs, sn, ld, pf);
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_BF16, D, rot, m, cs, sn, ld, pf);
         break;
     case ATTN_Q8_0: /* read as stored (decode_head) */
-        qk_rope_typed(S, q, nrows, kp, nt, ATTN_Q8_0, D, rot, neox, cs, sn, ld, pf);
+        qk_rope_typed(S, q, nrows, kp, nt, ATTN_Q8_0, D, rot, m, cs, sn, ld, pf);
         break;
     case ATTN_Q4_0: /* dequantised by the caller (attn.c) */
         break;
@@ -808,21 +834,34 @@ INLINE void qk_rope_types(float *S, const float *const *q, int nrows, const void
 }
 
 /* Whole heads of 64 and 128 rotated get their own copies, as in qk_simd. */
-static void qk_rope_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
-                         enum attn_type type, int D, int rot, enum pos_rope_pairing pairing,
-                         const float *cs, const float *sn, int ld, const struct attn_prefetch *pf)
+/* A whole head rotated (D = rot, ld = D/2): a copy per layout. */
+INLINE void qk_rope_whole(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                          enum attn_type type, int D, enum attn_pairs m, const float *cs,
+                          const float *sn, const struct attn_prefetch *pf)
 {
-    bool neox = pairing == POS_ROPE_NEOX;
-    if (D == 64 && rot == 64 && ld == 32 && neox)
-        qk_rope_types(S, q, nrows, kp, nt, type, 64, 64, true, cs, sn, 32, pf);
-    else if (D == 64 && rot == 64 && ld == 32)
-        qk_rope_types(S, q, nrows, kp, nt, type, 64, 64, false, cs, sn, 32, pf);
-    else if (D == 128 && rot == 128 && ld == 64 && neox)
-        qk_rope_types(S, q, nrows, kp, nt, type, 128, 128, true, cs, sn, 64, pf);
+    switch (m) {
+    case ATTN_PAIRS_NEOX:
+        qk_rope_types(S, q, nrows, kp, nt, type, D, D, ATTN_PAIRS_NEOX, cs, sn, D / 2, pf);
+        break;
+    case ATTN_PAIRS_ADJACENT:
+        qk_rope_types(S, q, nrows, kp, nt, type, D, D, ATTN_PAIRS_ADJACENT, cs, sn, D / 2, pf);
+        break;
+    case ATTN_PAIRS_SHUF8:
+        qk_rope_types(S, q, nrows, kp, nt, type, D, D, ATTN_PAIRS_SHUF8, cs, sn, D / 2, pf);
+        break;
+    }
+}
+
+static void qk_rope_simd(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
+                         enum attn_type type, int D, int rot, enum attn_pairs m, const float *cs,
+                         const float *sn, int ld, const struct attn_prefetch *pf)
+{
+    if (D == 64 && rot == 64 && ld == 32)
+        qk_rope_whole(S, q, nrows, kp, nt, type, 64, m, cs, sn, pf);
     else if (D == 128 && rot == 128 && ld == 64)
-        qk_rope_types(S, q, nrows, kp, nt, type, 128, 128, false, cs, sn, 64, pf);
+        qk_rope_whole(S, q, nrows, kp, nt, type, 128, m, cs, sn, pf);
     else
-        qk_rope_types(S, q, nrows, kp, nt, type, D, rot, neox, cs, sn, ld, pf);
+        qk_rope_types(S, q, nrows, kp, nt, type, D, rot, m, cs, sn, ld, pf);
 }
 
 /* ------------------------------------------------------------------------
@@ -1113,7 +1152,7 @@ static void pv_simd(float *acc, int nrows, const float *P, const void *const *vp
  * ------------------------------------------------------------------------ */
 
 INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_type T, int D, int rot,
-                        enum pos_rope_pairing pairing, const float *cs, const float *sn, int ld_cs)
+                        enum attn_pairs pairs, const float *cs, const float *sn, int ld_cs)
 {
     int half = rot / 2;
     for (int t = 0; t < nt; t++) {
@@ -1123,7 +1162,7 @@ INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_typ
         for (int i = 0; i < half; i += VL) {
             int n = half - i < VL ? half - i : VL;
             vf lo, hi;
-            load_pairs(k, i, half, n, pairing == POS_ROPE_NEOX, T, &lo, &hi);
+            load_pairs(k, i, half, n, pairs, T, &lo, &hi);
             vf vc = vload_n(c + i, n), vs = vload_n(s + i, n);
             vstore_n(o + i, vfnma(hi, vs, vmul(lo, vc)), n);
             vstore_n(o + half + i, vfma(lo, vs, vmul(hi, vc)), n);
@@ -1136,18 +1175,17 @@ INLINE void stage_typed(float *out, const void *const *kp, int nt, enum attn_typ
 }
 
 INLINE void stage_types(float *out, const void *const *kp, int nt, enum attn_type type, int D,
-                        int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
-                        int ld_cs)
+                        int rot, enum attn_pairs pairs, const float *cs, const float *sn, int ld_cs)
 {
     switch (type) {
     case ATTN_F32:
-        stage_typed(out, kp, nt, ATTN_F32, D, rot, pairing, cs, sn, ld_cs);
+        stage_typed(out, kp, nt, ATTN_F32, D, rot, pairs, cs, sn, ld_cs);
         break;
     case ATTN_F16:
-        stage_typed(out, kp, nt, ATTN_F16, D, rot, pairing, cs, sn, ld_cs);
+        stage_typed(out, kp, nt, ATTN_F16, D, rot, pairs, cs, sn, ld_cs);
         break;
     case ATTN_BF16:
-        stage_typed(out, kp, nt, ATTN_BF16, D, rot, pairing, cs, sn, ld_cs);
+        stage_typed(out, kp, nt, ATTN_BF16, D, rot, pairs, cs, sn, ld_cs);
         break;
     case ATTN_Q8_0: /* dequantised by the caller (attn.c) */
     case ATTN_Q4_0:
@@ -1156,19 +1194,19 @@ INLINE void stage_types(float *out, const void *const *kp, int nt, enum attn_typ
 }
 
 static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_type type, int D,
-                         int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                         int rot, enum attn_pairs pairs, const float *cs, const float *sn,
                          int ld_cs)
 {
     if (D == 64 && rot == 0)
-        stage_types(out, kp, nt, type, 64, 0, pairing, cs, sn, ld_cs);
+        stage_types(out, kp, nt, type, 64, 0, pairs, cs, sn, ld_cs);
     else if (D == 64 && rot == 64 && ld_cs == 32)
-        stage_types(out, kp, nt, type, 64, 64, pairing, cs, sn, 32);
+        stage_types(out, kp, nt, type, 64, 64, pairs, cs, sn, 32);
     else if (D == 128 && rot == 0)
-        stage_types(out, kp, nt, type, 128, 0, pairing, cs, sn, ld_cs);
+        stage_types(out, kp, nt, type, 128, 0, pairs, cs, sn, ld_cs);
     else if (D == 128 && rot == 128 && ld_cs == 64)
-        stage_types(out, kp, nt, type, 128, 128, pairing, cs, sn, 64);
+        stage_types(out, kp, nt, type, 128, 128, pairs, cs, sn, 64);
     else
-        stage_types(out, kp, nt, type, D, rot, pairing, cs, sn, ld_cs);
+        stage_types(out, kp, nt, type, D, rot, pairs, cs, sn, ld_cs);
 }
 
 
@@ -1186,13 +1224,13 @@ static void stage_k_simd(float *out, const void *const *kp, int nt, enum attn_ty
  * then transposed VL x VL in registers.
  */
 INLINE void stage_kt_typed(float *kt, const void *const *kp, int nt, enum attn_type T, int D,
-                           int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                           int rot, enum attn_pairs pairs, const float *cs, const float *sn,
                            int ld_cs)
 {
     float buf[VL * KT_STAGE_D];
     for (int t0 = 0; t0 < ATTN_TILE; t0 += VL) {
         int n = nt - t0 < VL ? (nt - t0 > 0 ? nt - t0 : 0) : VL;
-        stage_typed(buf, kp + t0, n, T, D, rot, pairing, cs + (size_t)t0 * ld_cs,
+        stage_typed(buf, kp + t0, n, T, D, rot, pairs, cs + (size_t)t0 * ld_cs,
                     sn + (size_t)t0 * ld_cs, ld_cs);
         for (int t = n; t < VL; t++)
             memset(buf + (size_t)t * D, 0, sizeof(float) * (size_t)D);
@@ -1210,40 +1248,40 @@ INLINE void stage_kt_typed(float *kt, const void *const *kp, int nt, enum attn_t
 }
 
 INLINE void stage_kt_types(float *kt, const void *const *kp, int nt, enum attn_type type, int D,
-                           int rot, enum pos_rope_pairing pairing, const float *cs,
-                           const float *sn, int ld_cs)
+                           int rot, enum attn_pairs pairs, const float *cs, const float *sn,
+                           int ld_cs)
 {
     switch (type) {
     case ATTN_F16:
-        stage_kt_typed(kt, kp, nt, ATTN_F16, D, rot, pairing, cs, sn, ld_cs);
+        stage_kt_typed(kt, kp, nt, ATTN_F16, D, rot, pairs, cs, sn, ld_cs);
         break;
     case ATTN_BF16:
-        stage_kt_typed(kt, kp, nt, ATTN_BF16, D, rot, pairing, cs, sn, ld_cs);
+        stage_kt_typed(kt, kp, nt, ATTN_BF16, D, rot, pairs, cs, sn, ld_cs);
         break;
     case ATTN_F32:
     case ATTN_Q8_0: /* block types come dequantised to f32 rows (attn.c) */
     case ATTN_Q4_0:
-        stage_kt_typed(kt, kp, nt, ATTN_F32, D, rot, pairing, cs, sn, ld_cs);
+        stage_kt_typed(kt, kp, nt, ATTN_F32, D, rot, pairs, cs, sn, ld_cs);
         break;
     }
 }
 
 static void stage_kt_simd(float *kt, const void *const *kp, int nt, enum attn_type type, int D,
-                          int rot, enum pos_rope_pairing pairing, const float *cs, const float *sn,
+                          int rot, enum attn_pairs pairs, const float *cs, const float *sn,
                           int ld_cs)
 {
     if (D == 64 && rot == 0)
-        stage_kt_types(kt, kp, nt, type, 64, 0, pairing, cs, sn, ld_cs);
+        stage_kt_types(kt, kp, nt, type, 64, 0, pairs, cs, sn, ld_cs);
     else if (D == 64 && rot == 64 && ld_cs == 32)
-        stage_kt_types(kt, kp, nt, type, 64, 64, pairing, cs, sn, 32);
+        stage_kt_types(kt, kp, nt, type, 64, 64, pairs, cs, sn, 32);
     else if (D == 128 && rot == 0)
-        stage_kt_types(kt, kp, nt, type, 128, 0, pairing, cs, sn, ld_cs);
+        stage_kt_types(kt, kp, nt, type, 128, 0, pairs, cs, sn, ld_cs);
     else if (D == 128 && rot == 128 && ld_cs == 64)
-        stage_kt_types(kt, kp, nt, type, 128, 128, pairing, cs, sn, 64);
+        stage_kt_types(kt, kp, nt, type, 128, 128, pairs, cs, sn, 64);
     else if (D <= KT_STAGE_D)
-        stage_kt_types(kt, kp, nt, type, D, rot, pairing, cs, sn, ld_cs);
+        stage_kt_types(kt, kp, nt, type, D, rot, pairs, cs, sn, ld_cs);
     else /* long heads: one key at a time through the scalar table */
-        attn_scalar_ops.stage_kt(kt, kp, nt, type, D, rot, pairing, cs, sn, ld_cs);
+        attn_scalar_ops.stage_kt(kt, kp, nt, type, D, rot, pairs, cs, sn, ld_cs);
 }
 
 #ifdef SIMD_AVX512
@@ -1369,6 +1407,7 @@ static void dequant_simd(float *out, const void *const *rows, int nt, enum attn_
 
 const struct attn_ops KERN(attn_simd) = {
     .name = simd_name,
+    .shuf8_pairs = SHUF8_PAIRS,
     .qk = qk_simd,
     .qk_rope = qk_rope_simd,
     .softmax = softmax_simd,

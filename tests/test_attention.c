@@ -1195,6 +1195,105 @@ static void test_kernel_rope_angles(void **state)
     assert_null(attn_rope_path("neon"));
 }
 
+/* The longest head the layouts test tries. */
+#define PL_DMAX 128
+
+/* Rows of queries (ld = D) or angles (ld = half) laid out in m's slots, from ADJACENT's. */
+static void pair_slots(enum attn_pairs m, int half, const float *src, float *dst, int n_rows,
+                       int ld)
+{
+    for (int r = 0; r < n_rows; r++)
+        for (int i = 0; i < half; i++) {
+            int p = attn_pair_at(m, i);
+            dst[(size_t)r * ld + i] = src[(size_t)r * ld + p];
+            if (ld > half)
+                dst[(size_t)r * ld + half + i] = src[(size_t)r * ld + half + p];
+        }
+}
+
+/* One level's stage_k and qk_rope in layouts ADJACENT and SHUF8 agree slot for slot. */
+static void check_pair_layouts(const struct attn_ops *ops, enum attn_type type, int D,
+                               const void *const *kp, const float *cs, const float *sn,
+                               const float *q)
+{
+    enum { NT = ATTN_TILE };
+    const int half = D / 2;
+    static float cs8[NT * PL_DMAX / 2], sn8[NT * PL_DMAX / 2], q8[5 * PL_DMAX];
+    static float st[2][NT * PL_DMAX], S[2][5 * ATTN_TILE];
+    pair_slots(ATTN_PAIRS_SHUF8, half, cs, cs8, NT, half);
+    pair_slots(ATTN_PAIRS_SHUF8, half, sn, sn8, NT, half);
+    pair_slots(ATTN_PAIRS_SHUF8, half, q, q8, 5, D);
+    ops->stage_k(st[0], kp, NT, type, D, D, ATTN_PAIRS_ADJACENT, cs, sn, half);
+    ops->stage_k(st[1], kp, NT, type, D, D, ATTN_PAIRS_SHUF8, cs8, sn8, half);
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < half; i++) {
+            int p = attn_pair_at(ATTN_PAIRS_SHUF8, i);
+            if (st[1][t * D + i] != st[0][t * D + p] ||
+                st[1][t * D + half + i] != st[0][t * D + half + p])
+                fail_msg("%s stage_k %s D %d: key %d slot %d is not pair %d", ops->name,
+                         attn_type_name(type), D, t, i, p);
+        }
+    const float *qa[5], *qs[5];
+    for (int r = 0; r < 5; r++) {
+        qa[r] = q + (size_t)r * D;
+        qs[r] = q8 + (size_t)r * D;
+    }
+    for (int rows = 1; rows <= 5; rows++) {
+        ops->qk_rope(S[0], qa, rows, kp, NT, type, D, D, ATTN_PAIRS_ADJACENT, cs, sn, half, NULL);
+        ops->qk_rope(S[1], qs, rows, kp, NT, type, D, D, ATTN_PAIRS_SHUF8, cs8, sn8, half, NULL);
+        for (int r = 0; r < rows; r++)
+            for (int t = 0; t < NT; t++) {
+                float a = S[0][r * ATTN_TILE + t], b = S[1][r * ATTN_TILE + t];
+                if (!(fabsf(a - b) <= 1e-5f * (float)D))
+                    fail_msg("%s qk_rope %s D %d, %d rows: row %d key %d %g vs %g", ops->name,
+                             attn_type_name(type), D, rows, r, t, (double)a, (double)b);
+            }
+    }
+}
+
+/*
+ * The pairs' layouts (enum attn_pairs): with queries and angles in SHUF8's
+ * slots, every level this CPU runs (scalar and its SIMD copy) stages each
+ * rotated pair into its slot and scores as in ADJACENT's layout - 1 to 5
+ * rows (the 3-row block too), f32 and f16 keys, heads of 64 and 96.
+ */
+static void test_kernel_pair_layouts(void **state)
+{
+    (void)state;
+    enum { NT = ATTN_TILE };
+    static float key[NT][PL_DMAX], cs[NT * PL_DMAX / 2], sn[NT * PL_DMAX / 2], q[5 * PL_DMAX];
+    static uint16_t key16[NT][PL_DMAX];
+    const struct attn_ops *levels[2] = {&attn_scalar_ops, attn_simd_ops()};
+    const int dims[2] = {64, 96};
+    uint32_t seed = 17;
+    for (int di = 0; di < 2; di++) {
+        const int D = dims[di], half = D / 2;
+        for (int t = 0; t < NT; t++)
+            for (int d = 0; d < D; d++) {
+                key[t][d] = rng_unit(&seed);
+                key16[t][d] = attn_f32_to_f16(key[t][d]);
+            }
+        for (int i = 0; i < NT * half; i++) {
+            float a = 3.0f * rng_unit(&seed);
+            cs[i] = cosf(a);
+            sn[i] = sinf(a);
+        }
+        for (int i = 0; i < 5 * D; i++)
+            q[i] = rng_unit(&seed);
+        const void *k32[NT], *k16[NT];
+        for (int t = 0; t < NT; t++) {
+            k32[t] = key[t];
+            k16[t] = key16[t];
+        }
+        for (int lv = 0; lv < 2; lv++) {
+            if (!levels[lv])
+                continue;
+            check_pair_layouts(levels[lv], ATTN_F32, D, k32, cs, sn, q);
+            check_pair_layouts(levels[lv], ATTN_F16, D, k16, cs, sn, q);
+        }
+    }
+}
+
 /* q8_0 / q4_0 with a head size that is no multiple of 32 is refused, naming both. */
 static void test_kernel_quant_refused(void **state)
 {
@@ -1381,6 +1480,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernel_quant_refused),
         cmocka_unit_test(test_kernel_q8_scores),
         cmocka_unit_test(test_kernel_rope_angles),
+        cmocka_unit_test(test_kernel_pair_layouts),
         cmocka_unit_test(test_kernel_head_dims),
         cmocka_unit_test(test_kernel_mixed_batch),
         cmocka_unit_test(test_kernel_sliding_window),
