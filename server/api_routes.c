@@ -210,6 +210,18 @@ static void route_apply_template(srv_api *a, srv_conn *c, const struct srv_http_
     srv_route_apply_template(a, c, req);
 }
 
+/* Which kernels run (cpu/cpu.h, model_kernels_describe) and on which threads
+ * (cpu/pool.h): "kernels" in /health and in /v1/models' meta. */
+static json_t *kernels_json(void)
+{
+    char line[MODEL_KERNELS_LINE], threads[160];
+    return json_pack("{s:s, s:s, s:b, s:s, s:s, s:s, s:s}", "level", cpu_level_name(cpu_level()),
+                     "best", cpu_level_name(cpu_best()), "forced", cpu_forced(), "matmul",
+                     mm_kernel_name(), "attention", attn_simd_name(), "threads",
+                     cpu_pool_describe(threads, sizeof(threads)), "description",
+                     model_kernels_describe(line, sizeof(line)));
+}
+
 static void route_models(srv_api *a, srv_conn *c, const struct srv_http_req *req,
                          const char *rest)
 {
@@ -217,11 +229,12 @@ static void route_models(srv_api *a, srv_conn *c, const struct srv_http_req *req
     json_t *data = json_array();
     if (a->m)
         json_array_append_new(
-            data, json_pack("{s:s, s:s, s:I, s:s, s:{s:s, s:i, s:i, s:i, s:s}}", "id",
-                            a->model_name, "object", "model", "created", (json_int_t)a->ready_time,
-                            "owned_by", "kvd", "meta", "arch", a->info.arch, "n_vocab",
-                            a->info.n_vocab, "n_ctx_train", a->info.n_ctx_train, "n_layer",
-                            a->info.n_layer, "positions", pos_kind_name(a->info.pos)));
+            data,
+            json_pack("{s:s, s:s, s:I, s:s, s:{s:s, s:i, s:i, s:i, s:s, s:o}}", "id", a->model_name,
+                      "object", "model", "created", (json_int_t)a->ready_time, "owned_by", "kvd",
+                      "meta", "arch", a->info.arch, "n_vocab", a->info.n_vocab, "n_ctx_train",
+                      a->info.n_ctx_train, "n_layer", a->info.n_layer, "positions",
+                      pos_kind_name(a->info.pos), "kernels", kernels_json()));
     srv_respond_json(c, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
 }
 
@@ -237,18 +250,6 @@ static bool engine_stalled(srv_api *a, char *msg, size_t len)
              " ms)",
              busy, a->p.engine_stall_ms);
     return true;
-}
-
-/* Which kernels run (cpu/cpu.h, model_kernels_describe) and on which threads
- * (cpu/pool.h): /health's "kernels". */
-static json_t *kernels_json(void)
-{
-    char line[MODEL_KERNELS_LINE], threads[160];
-    return json_pack("{s:s, s:s, s:b, s:s, s:s, s:s, s:s}", "level", cpu_level_name(cpu_level()),
-                     "best", cpu_level_name(cpu_best()), "forced", cpu_forced(), "matmul",
-                     mm_kernel_name(), "attention", attn_simd_name(), "threads",
-                     cpu_pool_describe(threads, sizeof(threads)), "description",
-                     model_kernels_describe(line, sizeof(line)));
 }
 
 static void route_health(srv_api *a, srv_conn *c, const struct srv_http_req *req,

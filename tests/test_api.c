@@ -223,6 +223,13 @@ static void test_tokenizing_off_loop(void **state)
     assert_non_null(level);
     assert_true(!strcmp(level, "scalar") || !strcmp(level, "avx2") || !strcmp(level, "avx512"));
     assert_non_null(json_string_value(json_object_get(json_object_get(h, "kernels"), "matmul")));
+    resp_free(&r);
+    /* so does /v1/models, the same object */
+    assert_int_equal(http(p.port, "GET", "/v1/models", NULL, NULL, &r), 200);
+    json_t *models = json_loads(r.body, 0, NULL);
+    json_t *meta = json_object_get(json_array_get(json_object_get(models, "data"), 0), "meta");
+    assert_true(json_equal(json_object_get(meta, "kernels"), json_object_get(h, "kernels")));
+    json_decref(models);
     json_decref(h);
     resp_free(&r);
     if (early)
