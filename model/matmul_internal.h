@@ -192,6 +192,12 @@ static inline size_t mm_pack_pair_bytes(const struct mm_weight *w)
 #define MM_PACK_PREFETCH 1024
 #define MM_PACK_PREFETCH_FAR 2048
 
+/* The distance for a float copy of this type (every level's float tiles). */
+static inline int mm_pack_float_prefetch(enum ggml_type type)
+{
+    return type == GGML_TYPE_F16 ? MM_PACK_PREFETCH_FAR : MM_PACK_PREFETCH;
+}
+
 /* The work of one product over repacked weights. Its threads write the
  * activations' slots of their own token tiles only (matmul_pack_run.c). */
 struct mm_pack_job {

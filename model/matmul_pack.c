@@ -660,10 +660,6 @@ INT_TILES(q4k)
 
 #define F_NT MM_PACK_FNT /* tokens per tile: 2 x 12 accumulators */
 
-/* How far ahead (bytes of its pair's stream) a decoding float tile asks
- * for its weights: see "Decoding" above. */
-#define F_PREFETCH(type) ((type) == GGML_TYPE_F16 ? MM_PACK_PREFETCH_FAR : MM_PACK_PREFETCH)
-
 /* The 16 rows' element k at p, widened to f32 (exactly). */
 INLINE __m512 f_widen(enum ggml_type type, const uint8_t *p)
 {
@@ -699,7 +695,7 @@ INLINE void f_tile(const struct mm_pack_job *jb, enum ggml_type type, bool wide,
             acc[g][t] = _mm512_setzero_ps();
     for (int k = 0; k < w->n_in; k++, xt++) {
         if (nt == 1)
-            prefetch_pairs(pp, mg, (size_t)k * step, step, F_PREFETCH(type));
+            prefetch_pairs(pp, mg, (size_t)k * step, step, mm_pack_float_prefetch(type));
         __m512 wv[N_MG];
         for (int g = 0; g < mg; g++)
             wv[g] = f_widen(type, pp[g / 2] + (size_t)k * step + (size_t)(g % 2) * (step / 2));

@@ -135,9 +135,6 @@
 #define A_MG 4  /* groups per narrow tile of one token: 8 chains */
 #define A_MG2 2 /* groups per narrow tile of MM_PACK_NARROW tokens */
 
-/* How far ahead a decoding tile asks for its weights (matmul_pack.c). */
-#define A_PREFETCH(type) ((type) == GGML_TYPE_F16 ? MM_PACK_PREFETCH_FAR : MM_PACK_PREFETCH)
-
 /* Eight rows' element k at p, widened to f32 exactly. */
 INLINE __m256 a_widen(enum ggml_type type, const uint8_t *p)
 {
@@ -191,7 +188,7 @@ INLINE void a_tile(const struct mm_pack_job *jb, enum ggml_type type, bool wide,
             acc[g][t][0] = acc[g][t][1] = _mm256_setzero_ps();
     for (int k = 0; k < w->n_in; k++, xt++) {
         if (nt <= MM_PACK_NARROW && !wide)
-            prefetch_pairs(pp, mg + (g0 & 1), (size_t)k * step, step, A_PREFETCH(type));
+            prefetch_pairs(pp, mg + (g0 & 1), (size_t)k * step, step, mm_pack_float_prefetch(type));
         __m256 wv[A_MG][2];
 #pragma GCC unroll 4
         for (int g = 0; g < mg; g++) {
