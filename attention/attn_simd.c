@@ -670,7 +670,7 @@ INLINE void load_pairs(const void *k, int i, int half, int n, enum attn_pairs m,
     }
     vf a = vload_t(k, 2 * i, T, 2 * n < VL ? 2 * n : VL);
     vf b = vload_t(k, 2 * i + VL, T, 2 * n - VL);
-    if (m == ATTN_PAIRS_SHUF8) /* n == VL: half is a multiple of 8 */
+    if (m == ATTN_PAIRS_SHUF8) /* whole groups of 8 pairs: half is a multiple of 8 */
         vdeinterleave_shuf8(a, b, lo, hi);
     else
         vdeinterleave(a, b, lo, hi);
