@@ -206,6 +206,13 @@ static inline int attn_pair_at(enum attn_pairs m, int i)
     return (i & ~6) | ((i & 2) << 1) | ((i & 4) >> 1);
 }
 
+/* Which lines of an attn_prefetch a level's qk asks for as it scores. */
+enum attn_pf_scores {
+    ATTN_PF_NONE, /* none: the portable path leaves prefetching to the hardware */
+    ATTN_PF_K,    /* the keys' K lines; its pv asks for their V lines */
+    ATTN_PF_KV,   /* K and V lines both (attn_simd.c's PF_V_IN_QK) */
+};
+
 /*
  * Operations on one tile of at most ATTN_TILE keys. Key and value rows are
  * given as pointers (kp[t], vp[t]); kp has ATTN_TILE valid entries (padding
@@ -215,7 +222,8 @@ static inline int attn_pair_at(enum attn_pairs m, int i)
  */
 struct attn_ops {
     const char *name;
-    bool shuf8_pairs; /* adjacent pairs cost least as ATTN_PAIRS_SHUF8 */
+    bool shuf8_pairs;              /* adjacent pairs cost least as ATTN_PAIRS_SHUF8 */
+    enum attn_pf_scores pf_scores; /* what qk prefetches; decode's int8 scores do the same */
 
     /*
      * S[r][t] = q[r] . k_t for r < nrows, t < nt (columns up to ATTN_TILE
@@ -335,7 +343,8 @@ attn_rope_fn attn_rope_path(const char *name);
  * 128 (u1 = a1 + 128, u2 = a2 + 128); d[b] is the block scale / 254.
  */
 struct attn_q8row {
-    uint8_t *u1, *u2; /* [head_dim] */
+    uint8_t *u1, *u2; /* [head_dim] the levels a1, a2 as a + 128 */
+    int16_t *a16;     /* [head_dim] 254 a1 + a2: both in one 16-bit integer (the AVX2 path) */
     float *d;         /* [head_dim / 32] */
 };
 

@@ -69,7 +69,10 @@
  * still go through scratch. q8_0 keys that need no
  * rotation (none, ALiBi, T5) are scored in 8-bit integers against the
  * query quantised once per item in two levels (attn_q8.c: VNNI, AVX2 or
- * scalar, chosen at run time), exact to about 2^-16 of the query.
+ * scalar, chosen at run time), exact to about 2^-16 of the query; decode
+ * takes its own tile for them too (decode_q8_scores: rows as stored,
+ * prefetched, values read in registers), where the flash tile had left
+ * them unprefetched with their values dequantised through scratch.
  * Why RoPE keys are rotated after dequantising rather than the query
  * rotated per key: RoPE turns a stored key k at position p into R(p)k, and
  * q.R(p)k = (R(p)^T q).k, so an integer dot product on the stored int8 key
@@ -184,6 +187,7 @@ struct tscratch {
     struct attn_prefetch *pf; /* [1] rows of the next head or tile */
     struct attn_q8row *q8;    /* [rows_max] the prepared queries quantised (q8_0 keys, no RoPE) */
     uint8_t *q8_u1, *q8_u2;   /* [rows_max][head_dim] their levels */
+    int16_t *q8_a16;          /* [rows_max][head_dim] the levels as one */
     float *q8_d;              /* [rows_max][head_dim / 32] their block scales */
     float *cs, *sn;           /* [ATTN_TILE][half] cos and sin of each key's angles */
     struct attn_rope_state rope; /* cached angles of the last block (attn_rope.c) */
@@ -316,6 +320,7 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
     CARVE(q8, rows_max);
     CARVE(q8_u1, (size_t)rows_max * D);
     CARVE(q8_u2, (size_t)rows_max * D);
+    CARVE(q8_a16, (size_t)rows_max * D);
     CARVE(q8_d, (size_t)rows_max * (D / ATTN_QK + 1));
     CARVE(cs, (size_t)ATTN_TILE * (half ? half : 1));
     CARVE(sn, (size_t)ATTN_TILE * (half ? half : 1));
@@ -331,6 +336,7 @@ static size_t carve_scratch(struct tscratch *w, uint8_t *mem, int rows_max, int 
         for (int r = 0; r < rows_max; r++)
             w->q8[r] = (struct attn_q8row){.u1 = w->q8_u1 + (size_t)r * D,
                                            .u2 = w->q8_u2 + (size_t)r * D,
+                                           .a16 = w->q8_a16 + (size_t)r * D,
                                            .d = w->q8_d + (size_t)r * (D / ATTN_QK + 1)};
     }
     return off;
@@ -1164,12 +1170,38 @@ static bool decode_turn_queries(const attn_ctx *ctx, struct tscratch *w, int row
     return true;
 }
 
+/* Keys per call of the integer scores in decode, each chunk's lines asked for before it. */
+#define Q8_CHUNK 16
+
+/*
+ * Decode's scores against q8_0 keys in integers (int8_keys): the integer
+ * kernels take no prefetch of their own, so the tile goes to them in
+ * chunks of Q8_CHUNK keys and pf's lines of each chunk's keys are asked
+ * for just before it, the lines the level's qk would ask for
+ * (attn_ops.pf_scores). A score does not depend on its chunk.
+ */
+static void decode_q8_scores(const attn_ctx *ctx, struct tscratch *w, int nt, int r0, int rows_h,
+                             const struct attn_prefetch *pf)
+{
+    const enum attn_pf_scores how = pf ? ctx->ops->pf_scores : ATTN_PF_NONE;
+    for (int c0 = 0; c0 < nt; c0 += Q8_CHUNK) {
+        const int n = nt - c0 < Q8_CHUNK ? nt - c0 : Q8_CHUNK;
+        for (int t = c0; how != ATTN_PF_NONE && t < c0 + n && t < pf->n; t++) {
+            for (int l = 0; l < pf->klines; l++)
+                __builtin_prefetch(pf->k + pf->koff[t] + (size_t)l * 64, 0, 2);
+            for (int l = 0; how == ATTN_PF_KV && l < pf->vlines; l++)
+                __builtin_prefetch(pf->v + pf->voff[t] + (size_t)l * 64, 0, 2);
+        }
+        ctx->qk_q8(w->S + c0, w->q8 + r0, rows_h, w->kp + c0, n, ctx->p.head_dim);
+    }
+}
+
 /*
  * One KV head's part of a tile for few rows (decode): scores with the keys
- * rotated in registers, the online softmax, acc += P.V. Rows are read as
- * stored - f16, bf16, f32 and q8_0 converted (q8_0 dequantised) in
- * registers, so a q8_0 tile costs no pass through scratch; q4_0 rows are
- * dequantised into scratch first.
+ * rotated in registers (or, for q8_0 keys without rotation, in integers),
+ * the online softmax, acc += P.V. Rows are read as stored - f16, bf16, f32
+ * and q8_0 converted (q8_0 dequantised) in registers, so a q8_0 tile costs
+ * no pass through scratch; q4_0 rows are dequantised into scratch first.
  */
 static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct attn_kv *kv, int g,
                         const size_t *koff, const size_t *voff, int nt, int r0, int rows_h,
@@ -1192,7 +1224,9 @@ static void decode_head(const attn_ctx *ctx, struct tscratch *w, const struct at
             w->kp[t] = w->vst + (size_t)(t < nt ? t : nt - 1) * D;
         kt = ATTN_F32;
     }
-    if (ctx->rot)
+    if (int8_keys(ctx, kv))
+        decode_q8_scores(ctx, w, nt, r0, rows_h, pf);
+    else if (ctx->rot)
         ops->qk_rope(w->S, dr->q + r0, rows_h, w->kp, nt, kt, D, ctx->rot, ctx->pairs, dr->cs,
                      dr->sn, ctx->half, pf);
     else
@@ -1248,7 +1282,7 @@ static void run_attn_item(attn_ctx *ctx, struct tscratch *w, const struct attn_k
     const int rows_h = u->nq * ctx->group;
     const int qoff = ctx->si[u->seq].qoff;
     /* few rows per KV head: decode_head; else the flash tile (or int8 scores) */
-    const bool decode = rows_h <= 4 && !int8_keys(ctx, kv);
+    const bool decode = rows_h <= 4;
 
     setup_rows(ctx, w, sq, qoff, u->q0, u->nq, u->g0, u->ng);
     setup_q8(ctx, w, kv, u->rows);

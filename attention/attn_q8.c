@@ -22,9 +22,24 @@
  *                levels are stored offset by 128 (u = a + 128), and
  *                sum(u k) - 128 sum(k) = sum(a k), 128 sum(k) coming from
  *                one more vpdpbusd per key shared by every row;
- *   avx2         vpmaddubsw: |a| times k carrying a's sign (no 16-bit
- *                overflow: 127 * 127 * 2 < 32767), vpmaddwd to 32 bits;
+ *   avx2         the levels as one 16-bit query a16 = 254 a1 + a2 (at
+ *                most 32385: it fits), made once per row by
+ *                attn_q8_query, times k widened to 16 bits by vpmaddwd:
+ *                J in one product per half block. Four keys' partial
+ *                sums are reduced in one transposing pass;
  *   scalar       the same integers in plain C.
+ *
+ * The AVX2 path was vpmaddubsw on each level (|a| times k carrying a's
+ * sign), both levels signed against every key, J = 254 j1 + j2 by an
+ * integer multiply, a sum across lanes per key and row, and the scales
+ * widened in C. Its single-level products took 57% of a 16k-token decode
+ * layer's time over q8_0 K/V with ALiBi (bench_decode 16384 profile alibi
+ * q8_0, one thread), its values' dequantising a further 15%. On a Zen 3
+ * EPYC (AVX2 only) the form here with decode's own tile (attn.c,
+ * "decode_q8_scores") took that layer from 1976-1984 to 1504-1529 us on
+ * one thread and from 1176-1184 to 794-806 us on two (the call reading
+ * the next layer each time); `kvd generate --fill 16384` of a 576x30
+ * ALiBi model with q8_0 K/V went from 22.8-23.1 to 31.8-32.8 tokens/s.
  * RoPE keys do not come here; see attn.c for why they are dequantised.
  */
 #include "attention_internal.h"
@@ -62,6 +77,7 @@ void attn_q8_query(const struct attn_q8row *out, const float *q, int D)
             int a2 = clamp127((x[i] - d * (float)a1) * id * 254.0f);
             out->u1[b * ATTN_QK + i] = (uint8_t)(a1 + 128);
             out->u2[b * ATTN_QK + i] = (uint8_t)(a2 + 128);
+            out->a16[b * ATTN_QK + i] = (int16_t)(254 * a1 + a2); /* |.| <= 32385 */
         }
         out->d[b] = d / 254.0f;
     }
@@ -177,42 +193,75 @@ VNNI_TARGET static void qk_q8_vnni(float *S, const struct attn_q8row *q, int nro
 }
 
 /* ------------------------------------------------------------------------
- * AVX2: one block per 256-bit step
+ * AVX2: the two levels as one 16-bit query, vpmaddwd per half block
  * ------------------------------------------------------------------------ */
 
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/* sum over groups of four of a * k, a signed (u - 128), as 8 int32 lanes */
-AVX2_TARGET static inline __m256i dot_s8(__m256i u, __m256i k)
+/*
+ * One key's score against the 16-bit query a (nb blocks, scales dq) as 8
+ * partial sums. Per block, each lane's four products a k (at most
+ * 4 x 32385 x 128 < 2^24) are an exact integer, and so is their f32; then
+ * acc += J * (d_k * d_q), the block's scales multiplied in f32 as the
+ * other paths do (d_k widened by F16C, exactly as attn_block_scale).
+ */
+AVX2_TARGET static inline __m256 key_lanes(const int16_t *a, const float *dq, const uint8_t *k,
+                                           int nb)
 {
-    __m256i a = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); /* u - 128 as s8 */
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(k, a));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = k + (size_t)b * ATTN_Q8_0_BYTES;
+        const int16_t *ab = a + b * ATTN_QK;
+        const __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        const __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        const __m256i j =
+            _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)ab), k0),
+                             _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ab + 16)), k1));
+        uint16_t h;
+        memcpy(&h, blk, 2); /* little-endian, as attn_block_scale reads it */
+        const __m256 sc =
+            _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)h)), _mm256_set1_ps(dq[b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(j), sc, acc);
+    }
+    return acc;
+}
+
+/*
+ * The 8 lanes l of each of v[0..3] summed, each as ((l0 + l4) + (l2 + l6))
+ * + ((l1 + l5) + (l3 + l7)) - a key's score is the same bits whichever
+ * keys share its four - in one transposing pass where a sum per key took
+ * six instructions.
+ */
+AVX2_TARGET static inline __m128 sum4(const __m256 v[4])
+{
+    /* m_k[i] = l_i + l_{i+4} of v[k]: [m0 | m1] and [m2 | m3] */
+    const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20),
+                                     _mm256_permute2f128_ps(v[0], v[1], 0x31));
+    const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20),
+                                     _mm256_permute2f128_ps(v[2], v[3], 0x31));
+    /* per 128-bit lane (keys 0 and 2 low, 1 and 3 high): [m_0 m_2 ...], [m_1 m_3 ...] */
+    const __m256 e = _mm256_shuffle_ps(t01, t23, 0x88), o = _mm256_shuffle_ps(t01, t23, 0xDD);
+    /* s = [m0 + m2 of the first key, of the second, m1 + m3 of the first, of the second] */
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(e, o, 0x88), _mm256_shuffle_ps(e, o, 0xDD));
+    const __m256 f = _mm256_add_ps(s, _mm256_permute_ps(s, 0x4E));
+    /* f: keys 0 and 2 in lanes 0 and 1, keys 1 and 3 in lanes 4 and 5 */
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
 }
 
 AVX2_TARGET static void qk_q8_avx2(float *S, const struct attn_q8row *q, int nrows,
                                    const void *const *kp, int nt, int D)
 {
     const int nb = D / ATTN_QK;
-    const __m256i k254 = _mm256_set1_epi32(254);
-    for (int t = 0; t < nt; t++) {
-        const uint8_t *k = kp[t];
-        for (int r = 0; r < nrows; r++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *blk = k + (size_t)b * ATTN_Q8_0_BYTES;
-                __m256i kq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                __m256i u1 = _mm256_loadu_si256((const __m256i *)(q[r].u1 + b * ATTN_QK));
-                __m256i u2 = _mm256_loadu_si256((const __m256i *)(q[r].u2 + b * ATTN_QK));
-                __m256i j = _mm256_add_epi32(_mm256_mullo_epi32(dot_s8(u1, kq), k254),
-                                             dot_s8(u2, kq));
-                __m256 sc = _mm256_set1_ps(attn_block_scale(blk) * q[r].d[b]);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(j), sc, acc);
-            }
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            S[(size_t)r * ATTN_TILE + t] = _mm_cvtss_f32(h);
+    for (int r = 0; r < nrows; r++) {
+        const int16_t *a = q[r].a16;
+        float *s = S + (size_t)r * ATTN_TILE;
+        for (int t0 = 0; t0 < nt; t0 += 4) {
+            __m256 acc[4];
+            for (int i = 0; i < 4; i++) /* past nt: the last key again, not stored */
+                acc[i] = key_lanes(a, q[r].d, kp[t0 + i < nt ? t0 + i : nt - 1], nb);
+            float four[4];
+            _mm_storeu_ps(four, sum4(acc));
+            memcpy(s + t0, four, sizeof(float) * (size_t)(nt - t0 < 4 ? nt - t0 : 4));
         }
     }
 }

@@ -200,6 +200,7 @@ static void qk_t_scalar(float *S, const float *const *q, int nrows, const float 
 const struct attn_ops attn_scalar_ops = {
     .name = "scalar",
     .shuf8_pairs = false,
+    .pf_scores = ATTN_PF_NONE,
     .qk = qk_scalar,
     .qk_rope = qk_rope_scalar,
     .softmax = softmax_scalar,

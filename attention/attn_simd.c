@@ -1408,6 +1408,7 @@ static void dequant_simd(float *out, const void *const *rows, int nt, enum attn_
 const struct attn_ops KERN(attn_simd) = {
     .name = simd_name,
     .shuf8_pairs = SHUF8_PAIRS,
+    .pf_scores = PF_V_IN_QK ? ATTN_PF_KV : ATTN_PF_K,
     .qk = qk_simd,
     .qk_rope = qk_rope_simd,
     .softmax = softmax_simd,

@@ -1083,6 +1083,7 @@ static void test_kernel_q8_scores(void **state)
     uint32_t seed = 4242;
     float q[4][256], k[ATTN_TILE][256], S[4 * ATTN_TILE];
     uint8_t rows[ATTN_TILE][8 * 34], u1[4][256], u2[4][256];
+    int16_t a16[4][256];
     float d[4][8];
     const void *kp[ATTN_TILE];
     struct attn_q8row q8[4];
@@ -1091,7 +1092,7 @@ static void test_kernel_q8_scores(void **state)
         for (int r = 0; r < 4; r++) {
             for (int i = 0; i < D; i++)
                 q[r][i] = (r == 3 ? 1e-3f : 0.2f) * rng_unit(&seed);
-            q8[r] = (struct attn_q8row){.u1 = u1[r], .u2 = u2[r], .d = d[r]};
+            q8[r] = (struct attn_q8row){.u1 = u1[r], .u2 = u2[r], .a16 = a16[r], .d = d[r]};
             attn_q8_query(&q8[r], q[r], D);
         }
         for (int t = 0; t < ATTN_TILE; t++) {

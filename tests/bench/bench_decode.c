@@ -33,7 +33,8 @@
  * to 131072: 64k and 128k need 1.5 and 3 GiB of f16 pool); `bench_decode L
  * profile` runs the hot f16 call at L for a profiler; `cold` after it
  * runs the 2-thread call that reads the next layer each time, `q8_0` the
- * call over q8_0 K/V.
+ * call over q8_0 K/V, `alibi` the call with ALiBi (max_bias 8) instead of
+ * RoPE: no rotation, and q8_0 keys scored in integers (attn_q8.c).
  */
 #include <math.h>
 #include <omp.h>
@@ -145,8 +146,21 @@ static struct attn_kv kv_view(const struct filled *f, int l)
                             .n_pages = kv_cache_n_pages(f->cache)};
 }
 
-static attn_ctx *ctx_for(int threads)
+static attn_ctx *ctx_for(int threads, bool alibi)
 {
+    if (alibi) {
+        static float slopes[H];
+        pos_alibi_slopes(slopes, H, 8.0f);
+        struct attn_params p = {
+            .n_head = H, .n_kv_head = KVH, .head_dim = D, .scale = 0.125f, .n_threads = threads};
+        p.pos.kind = POS_ALIBI;
+        p.pos.alibi_slopes = slopes;
+        char err[256];
+        attn_ctx *c = attn_create(&p, err, sizeof(err));
+        if (!c)
+            die("attn_create", err);
+        return c;
+    }
     /* the bench models are llama files: adjacent pairs, as the model decodes them */
     return bench_attn_ctx("bench_decode", H, KVH, D, POS_ROPE, POS_ROPE_ADJACENT, threads);
 }
@@ -204,7 +218,7 @@ static void run_rows(int L, enum kv_type type)
     struct filled f = fill_cache(L, type);
     const double kv = (double)L * KVH * 2 * (double)kv_type_row_bytes(type, D); /* one layer */
     for (int threads = 1; threads <= 2; threads++) {
-        attn_ctx *ctx = ctx_for(threads);
+        attn_ctx *ctx = ctx_for(threads, false);
         double bus = 0;
         bench_triad(threads, TRIAD_FLOATS, TRIAD_FLOATS, 3, &bus);
         const double rd = bench_read(threads, 3 * TRIAD_FLOATS * sizeof(float), 3); /* its bytes */
@@ -236,17 +250,18 @@ int main(int argc, char **argv)
            "%s path, load %s\n",
            H, KVH, D, LAYERS, attn_simd_name(), load);
     if (argc > 2 && !strcmp(argv[2], "profile")) { /* for perf: one row, long */
-        bool cold = false, q8 = false;
+        bool cold = false, q8 = false, alibi = false;
         for (int i = 3; i < argc; i++) {
             cold |= !strcmp(argv[i], "cold");
             q8 |= !strcmp(argv[i], "q8_0");
+            alibi |= !strcmp(argv[i], "alibi");
         }
         struct filled f = fill_cache(only, q8 ? KV_Q8_0 : KV_F16);
-        attn_ctx *ctx = ctx_for(cold ? 2 : 1);
+        attn_ctx *ctx = ctx_for(cold ? 2 : 1, alibi);
         double cpu;
         double dt = time_decode(ctx, &f, 400, !cold, &cpu);
-        printf("profile: %.1f us per call (%s K/V, %s)\n", (cold ? dt : cpu) * 1e6,
-               q8 ? "q8_0" : "f16",
+        printf("profile: %.1f us per call (%s K/V, %s, %s)\n", (cold ? dt : cpu) * 1e6,
+               q8 ? "q8_0" : "f16", alibi ? "ALiBi" : "RoPE",
                cold ? "2 threads, each call the next layer" : "1 thread, one layer");
         attn_destroy(ctx);
         kv_cache_destroy(f.cache);
