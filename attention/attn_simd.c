@@ -598,20 +598,34 @@ INLINE void prefetch_v(const struct attn_prefetch *pf, int t)
         prefetch_row(pf->v + pf->voff[t], pf->vlines);
 }
 
-/* Key chunks of VL outer (with their prefetches), row blocks inner. */
+/*
+ * Key chunks of VL outer, row blocks inner; the first row block asks for
+ * its keys' lines a key block at a time. Asked for per chunk of VL keys (8
+ * keys' K and V lines at once at AVX2), the requests stalled each other: a
+ * 16k-token ALiBi layer over f16 K/V took 674-688 us on 2 threads against
+ * 574-580 spread out (bench_decode 16384 profile alibi cold, Zen 3), and
+ * the 3-row block paid for the requests' instructions in the hot call
+ * (958 us either way).
+ */
 INLINE void qk_typed(float *S, const float *const *q, int nrows, const void *const *kp, int nt,
                      enum attn_type T, int D, const struct attn_prefetch *pf)
 {
     for (int c0 = 0; c0 < nt; c0 += VL) {
-        prefetch_k(pf, c0, c0 + VL);
         int r = 0;
+        if (nrows < 3) /* else the first 4-row block asks, a key block at a time */
+            prefetch_k(pf, c0, c0 + VL);
         for (; r + 3 <= nrows; r += 4) {
-            /* three rows (a GQA group of 3) take a 4-row block, the last row
-             * repeated and not stored: each key is loaded once, not twice */
-            const float *q4[4] = {q[r], q[r + 1], q[r + 2], q[r + (nrows - r > 3 ? 3 : 2)]};
-            int nr = nrows - r < 4 ? nrows - r : 4;
-            for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4)
-                qk_block(S + (size_t)r * ATTN_TILE, q4, kp, t0, T, D, 4, VL / 4, nr);
+            /* three rows (a GQA group of 3) take a 3-row block: each key is
+             * loaded once, not twice, and its 4-row block's scores come out */
+            const bool three = nrows - r == 3;
+            for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 4) {
+                if (r == 0)
+                    prefetch_k(pf, t0, t0 + VL / 4);
+                if (three)
+                    qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 3, VL / 4, 3);
+                else
+                    qk_block(S + (size_t)r * ATTN_TILE, q + r, kp, t0, T, D, 4, VL / 4, 4);
+            }
         }
         for (; r + 2 <= nrows; r += 2)
             for (int t0 = c0; t0 < c0 + VL && t0 < nt; t0 += VL / 2)
