@@ -1,12 +1,13 @@
 /*
  * bench_attn.h - the attention context the attention benchmarks of the
  * SmolLM-135M shape share (bench_decode, bench_prefill_attn): RoPE (theta
- * 10000, every dimension rotated) with the pairing the caller names, or no
- * position term; scale 1/8 (head dim 64). A llama GGUF file (the bench
- * models) pairs adjacent elements - kvd's loader reads llama so (model.c) -
- * and NeoX pairs (i, i + half) belong to other architectures. The kernels
- * de-interleave adjacent pairs as they read keys; in one process, a 16k
- * f16 decode layer costs the same with either pairing (alternated calls).
+ * 10000, every dimension rotated) with the pairing the caller names, ALiBi
+ * (max_bias 8, BLOOM's slopes), or no position term; scale 1/8 (head dim
+ * 64). A llama GGUF file (the bench models) pairs adjacent elements -
+ * kvd's loader reads llama so (model.c) - and NeoX pairs (i, i + half)
+ * belong to other architectures. The kernels de-interleave adjacent pairs
+ * as they read keys; in one process, a 16k f16 decode layer costs the same
+ * with either pairing (alternated calls).
  */
 #ifndef KVD_BENCH_ATTN_H
 #define KVD_BENCH_ATTN_H
@@ -28,6 +29,14 @@ static inline attn_ctx *bench_attn_ctx(const char *bench, int n_head, int n_kv_h
                             .scale = 0.125f,
                             .n_threads = threads};
     p.pos.kind = kind;
+    static float slopes[1024]; /* ALiBi's, per query head: read by the context, kept */
+    if (kind == POS_ALIBI) {
+        if (n_head > 1024 || pos_alibi_slopes(slopes, n_head, 8.0f)) {
+            fprintf(stderr, "%s: no ALiBi slopes for %d heads\n", bench, n_head);
+            exit(1);
+        }
+        p.pos.alibi_slopes = slopes;
+    }
     if (kind == POS_ROPE) {
         p.pos.rope_theta = 10000.0f;
         p.pos.rope_dims = head_dim;

@@ -148,19 +148,8 @@ static struct attn_kv kv_view(const struct filled *f, int l)
 
 static attn_ctx *ctx_for(int threads, bool alibi)
 {
-    if (alibi) {
-        static float slopes[H];
-        pos_alibi_slopes(slopes, H, 8.0f);
-        struct attn_params p = {
-            .n_head = H, .n_kv_head = KVH, .head_dim = D, .scale = 0.125f, .n_threads = threads};
-        p.pos.kind = POS_ALIBI;
-        p.pos.alibi_slopes = slopes;
-        char err[256];
-        attn_ctx *c = attn_create(&p, err, sizeof(err));
-        if (!c)
-            die("attn_create", err);
-        return c;
-    }
+    if (alibi)
+        return bench_attn_ctx("bench_decode", H, KVH, D, POS_ALIBI, POS_ROPE_ADJACENT, threads);
     /* the bench models are llama files: adjacent pairs, as the model decodes them */
     return bench_attn_ctx("bench_decode", H, KVH, D, POS_ROPE, POS_ROPE_ADJACENT, threads);
 }
